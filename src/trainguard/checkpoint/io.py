@@ -1,0 +1,159 @@
+"""Saving and loading the training state of all ranks into one checkpoint directory.
+
+Model and optimizer state go through ``torch.distributed.checkpoint`` (DCP) in fully-qualified
+name form (``get_state_dict``), so DDP, FSDP2 and plain modules share one format and replicated
+tensors are written once. Everything else a rank owns (step, scheduler, data position, RNG) is
+saved by that rank as ``rank-NNNNN.pt`` and loaded with ``torch.load(weights_only=True)``.
+
+Save protocol across ranks (all ranks call :func:`save_state` together):
+
+1. rank 0 creates the temporary directory; barrier;
+2. DCP writes the sharded tensors (files fsynced); each rank writes and fsyncs its rank file;
+3. barrier; the files are split round-robin and each rank checksums its share; the lists are
+   gathered on rank 0;
+4. rank 0 writes the manifest and commits (rename); the result is broadcast, so every rank
+   returns the same committed checkpoint or raises the same error.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .. import dist as tgdist
+from . import manifest as mf
+from .store import Checkpoint, CheckpointStore
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not fit this model/optimizer/world size; the message names the first mismatching key."""
+
+
+def rank_file(rank: int) -> str:
+    """Name of a rank's own state file inside a checkpoint."""
+    return f"rank-{rank:05d}.pt"
+
+
+def _model_optim_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        state["optim"] = optim_sd
+    return state
+
+
+def save_state(
+    store: CheckpointStore,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    rank_state: dict[str, Any],
+    meta: Optional[dict] = None,
+) -> tuple[Checkpoint, int]:
+    """Write and commit a checkpoint at ``step``; a collective: every rank must call it.
+
+    Args:
+        rank_state: this rank's non-tensor state (must load with ``weights_only=True``).
+        meta: extra manifest fields (rank 0's value is used).
+    Returns:
+        (the committed checkpoint, its total size in bytes).
+    Raises:
+        OSError: a write failed on some rank (then nothing is committed and older checkpoints stay).
+    """
+    rank, world = tgdist.rank(), tgdist.world_size()
+    tmp = store.tmp_path_for(step)
+    if rank == 0:
+        store.begin(step)
+    tgdist.barrier()
+    # DCP raises the same CheckpointException on every rank when any rank's write fails.
+    dcp.save(_model_optim_state(model, optimizer), storage_writer=FileSystemWriter(tmp, sync_files=True))
+    error = None
+    try:
+        with open(tmp / rank_file(rank), "wb") as f:
+            torch.save(rank_state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # keep going to the collectives below so no rank is left waiting
+        error = f"rank {rank}: writing {rank_file(rank)} failed: {e}"
+    tgdist.barrier()
+    mine: dict[str, dict] = {}
+    if error is None:
+        try:
+            names = sorted(p.name for p in tmp.iterdir() if p.is_file())
+            mine = mf.describe_files(tmp, names[rank::world])
+        except OSError as e:
+            error = f"rank {rank}: checksumming failed: {e}"
+    parts = tgdist.gather_objects((mine, error))
+    result: Any = None
+    if rank == 0:
+        errors = [err for _, err in parts if err]
+        files = {k: v for part, _ in parts for k, v in part.items()}
+        body = {"world_size": world, "created": time.time(), **(meta or {})}
+        try:
+            result = "; ".join(errors) if errors else store.commit(tmp, step, files, body)
+        except OSError as e:
+            result = f"commit failed: {e}"
+    result = tgdist.broadcast_object(result)
+    if isinstance(result, str):
+        raise OSError(result)
+    total = sum(v["size"] for part, _ in parts for v in part.values())
+    return result, total
+
+
+def check_compatible(path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], world_size: int) -> None:
+    """Refuse a checkpoint written for another model or world size.
+
+    Compares the model's keys and tensor shapes with the DCP metadata, in sorted key order.
+
+    Raises:
+        CheckpointMismatchError: naming the first key that is missing, unexpected, or of another
+            shape, or the world-size difference.
+    """
+    body = mf.read_manifest(path)
+    saved_world = body.get("meta", {}).get("world_size", world_size)
+    if saved_world != world_size:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} was written by {saved_world} ranks, this run has {world_size}; "
+            "resume needs the same world size for a bitwise-identical data order"
+        )
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    ours = _model_optim_state(model, None)["model"]
+    want = {f"model.{k}": list(v.shape) for k, v in ours.items() if isinstance(v, torch.Tensor)}
+    have = {k: list(m.size) for k, m in saved.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    for key in sorted(set(want) | set(have)):
+        if key not in have:
+            raise CheckpointMismatchError(f"checkpoint {path} does not fit this model: key '{key[6:]}' is missing from the checkpoint")
+        if key not in want:
+            raise CheckpointMismatchError(f"checkpoint {path} does not fit this model: key '{key[6:]}' is in the checkpoint but not in the model")
+        if want[key] != have[key]:
+            raise CheckpointMismatchError(
+                f"checkpoint {path} does not fit this model: key '{key[6:]}' has shape {have[key]} in the checkpoint, {want[key]} in the model"
+            )
+
+
+def load_state(path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    """Load a committed checkpoint into ``model``/``optimizer`` and return this rank's ``rank_state``.
+
+    Call :func:`check_compatible` first for a clear error on a mismatching model.
+
+    Raises:
+        FileNotFoundError: the checkpoint has no state file for this rank.
+    """
+    state = _model_optim_state(model, optimizer)
+    dcp.load(state, storage_reader=FileSystemReader(path))
+    set_state_dict(
+        model,
+        optimizer if optimizer is not None else [],
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optim", {}),
+    )
+    with open(path / rank_file(tgdist.rank()), "rb") as f:
+        return torch.load(f, weights_only=True)

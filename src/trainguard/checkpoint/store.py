@@ -1,0 +1,154 @@
+"""The checkpoint store: one directory per step, committed atomically, kept by retention.
+
+Layout under the store root (``RUN_DIR/checkpoints`` by default)::
+
+    step-00001200/           a committed checkpoint: data files + manifest.json
+    .tmp-step-00001300/      being written; never visible to latest_valid()
+    .trash-step-00000900/    being deleted by retention
+
+Commit protocol (DESIGN invariant 1): files are written into the ``.tmp-`` directory and
+fsynced, the manifest is written last and fsynced, the directory is fsynced, then renamed to its
+final name (an atomic ``rename(2)``) and the parent is fsynced. A crash at any moment leaves either
+no ``step-`` directory or a complete one.
+
+Retention (invariant 2) runs only after a commit, keeps the newest ``keep_last`` committed
+checkpoints plus any protected ones, and deletes by first renaming to ``.trash-``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from . import manifest as mf
+
+log = logging.getLogger(__name__)
+_NAME = re.compile(r"^step-(\d{8,})$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint: its step and directory."""
+
+    step: int
+    path: Path
+
+
+class CheckpointStore:
+    """Directory-per-step checkpoint store with atomic commit, verification and retention.
+
+    Args:
+        root: store directory (created on first use).
+        keep_last: committed checkpoints to keep (≥ 1).
+        on_invalid: called as ``on_invalid(checkpoint, reason)`` for each checkpoint that
+            ``latest_valid()`` skips (the Guard turns it into an event).
+    """
+
+    def __init__(self, root: str | Path, keep_last: int = 3, on_invalid: Optional[Callable[[Checkpoint, str], None]] = None):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be ≥ 1, got {keep_last}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.on_invalid = on_invalid
+
+    def path_for(self, step: int) -> Path:
+        """Final directory of the checkpoint at ``step``."""
+        return self.root / f"step-{step:08d}"
+
+    def tmp_path_for(self, step: int) -> Path:
+        """Temporary directory a checkpoint at ``step`` is written into."""
+        return self.root / f".tmp-step-{step:08d}"
+
+    def committed(self) -> list[Checkpoint]:
+        """Committed checkpoints (by name; not verified), oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for p in self.root.iterdir():
+            m = _NAME.match(p.name)
+            if m and p.is_dir():
+                found.append(Checkpoint(int(m.group(1)), p))
+        return sorted(found, key=lambda c: c.step)
+
+    def latest_valid(self, verify: str = "full", before: Optional[int] = None) -> Optional[Checkpoint]:
+        """The newest committed checkpoint whose manifest verifies, or ``None``.
+
+        Args:
+            verify: ``"full"`` (sizes and checksums) or ``"size"``.
+            before: only consider checkpoints with ``step < before``.
+        Skipped checkpoints are logged with the reason and reported to ``on_invalid``.
+        """
+        for ckpt in reversed(self.committed()):
+            if before is not None and ckpt.step >= before:
+                continue
+            reason = mf.verify(ckpt.path, verify)
+            if reason is None:
+                return ckpt
+            log.warning("skipping checkpoint %s: %s", ckpt.path, reason)
+            if self.on_invalid:
+                self.on_invalid(ckpt, reason)
+        return None
+
+    def clean_stale(self) -> list[Path]:
+        """Delete leftovers of interrupted writes and deletions (``.tmp-*``, ``.trash-*``).
+
+        Call only while no save is in progress (at start, under the run-dir lock).
+        """
+        removed = []
+        if self.root.is_dir():
+            for p in self.root.iterdir():
+                if p.name.startswith((".tmp-", ".trash-")):
+                    shutil.rmtree(p, ignore_errors=True)
+                    removed.append(p)
+        return removed
+
+    def begin(self, step: int) -> Path:
+        """Create an empty temporary directory for a checkpoint at ``step`` and return it."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.tmp_path_for(step)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, step: int, files: dict[str, dict], meta: dict) -> Checkpoint:
+        """Write the manifest into ``tmp`` and atomically publish it as ``step-NNNNNNNN``.
+
+        Args:
+            tmp: the directory from :meth:`begin`, with every data file written and fsynced.
+            files: manifest entries ``{name: {"size", "xxh3_128"}}`` for every data file.
+            meta: extra manifest fields (world size, time, ...).
+        Raises:
+            FileExistsError: a checkpoint for ``step`` is already committed.
+        """
+        final = self.path_for(step)
+        if final.exists():
+            raise FileExistsError(f"checkpoint {final} already exists")
+        mf.write_manifest(tmp, step, files, meta)
+        mf.fsync_path(tmp)
+        tmp.rename(final)
+        mf.fsync_path(self.root)
+        return Checkpoint(step, final)
+
+    def apply_retention(self, protect: Iterable[int] = ()) -> list[int]:
+        """Delete committed checkpoints beyond the newest ``keep_last``, except ``protect`` steps.
+
+        The newest committed checkpoint is never deleted. Returns the deleted steps.
+        """
+        ckpts = self.committed()
+        keep = {c.step for c in ckpts[-self.keep_last:]} | set(protect)
+        deleted = []
+        for c in ckpts[:-1]:
+            if c.step in keep:
+                continue
+            trash = self.root / f".trash-{c.path.name}"
+            c.path.rename(trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            deleted.append(c.step)
+        if deleted:
+            mf.fsync_path(self.root)
+        return deleted

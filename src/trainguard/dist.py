@@ -1,0 +1,63 @@
+"""Small helpers over ``torch.distributed`` that also work in a single process without a group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_dist() -> bool:
+    """True when a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """Global rank (0 without a process group)."""
+    return dist.get_rank() if is_dist() else 0
+
+
+def world_size() -> int:
+    """World size (1 without a process group)."""
+    return dist.get_world_size() if is_dist() else 1
+
+
+def barrier() -> None:
+    """Barrier across all ranks; no-op in a single process."""
+    if is_dist():
+        dist.barrier()
+
+
+def all_reduce_max(values: list[int]) -> list[int]:
+    """Element-wise max of a short int vector across ranks, in one collective.
+
+    Args:
+        values: per-rank flags or small integers.
+    Returns:
+        The maxima, same length. On CUDA-only backends (NCCL) the tensor goes through the device.
+    """
+    if not is_dist():
+        return list(values)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Send a picklable object from ``src`` to every rank and return it."""
+    if not is_dist():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """All-gather one picklable object per rank; returns the list indexed by rank."""
+    if not is_dist():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

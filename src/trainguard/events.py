@@ -1,0 +1,95 @@
+"""The structured event log (``RUN_DIR/events.jsonl``) and the hook interface.
+
+Every event is one JSON object on one line::
+
+    {"time": 1732312345.12, "rank": 0, "kind": "checkpoint_committed", "step": 200,
+     "attempt": 0, "pid": 4242, "details": {"bytes": 12345, "seconds": 0.41, "path": "..."}}
+
+``time`` is Unix time in seconds, ``rank`` is the global rank (``null`` for the launcher),
+``attempt`` the worker-group restart count (``TORCHELASTIC_RESTART_COUNT``). Each event is written
+with a single ``write()`` on a file opened with ``O_APPEND``, so lines from several processes never
+interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+
+class EventLog:
+    """Appends events to ``RUN_DIR/events.jsonl``.
+
+    Args:
+        run_dir: the run directory (created if missing).
+        rank: global rank of the writer, or ``None`` for the launcher.
+    """
+
+    FILENAME = "events.jsonl"
+
+    def __init__(self, run_dir: str | os.PathLike, rank: Optional[int] = None):
+        self.path = Path(run_dir) / self.FILENAME
+        self.rank = rank
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def emit(self, kind: str, step: Optional[int] = None, **details: Any) -> dict:
+        """Write one event and return it. ``details`` must be JSON-serializable (``str()`` otherwise)."""
+        event = {
+            "time": round(time.time(), 6),
+            "rank": self.rank,
+            "kind": kind,
+            "step": step,
+            "attempt": self.attempt,
+            "pid": os.getpid(),
+            "details": details,
+        }
+        line = json.dumps(event, default=str, separators=(",", ":")) + "\n"
+        os.write(self._fd, line.encode())
+        return event
+
+    def close(self) -> None:
+        """Close the file; further ``emit`` calls fail."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def read_events(run_dir: str | os.PathLike, kind: Optional[str] = None) -> Iterator[dict]:
+    """Yield the events of a run directory in file order, optionally only one ``kind``.
+
+    Malformed lines (for example a line cut by a crash) are skipped.
+    """
+    path = Path(run_dir) / EventLog.FILENAME
+    if not path.exists():
+        return
+    with open(path) as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if kind is None or event.get("kind") == kind:
+                yield event
+
+
+class Hook:
+    """Base class for Guard hooks: override the methods you need; each default does nothing.
+
+    Hooks run on every rank, in the order they were added, in the training process's main thread.
+    """
+
+    def on_train_begin(self, guard: Any) -> None:
+        """After resume, before the first step. ``guard.step`` is the first step to run."""
+
+    def on_step_end(self, guard: Any, step: int, loss: Optional[float]) -> None:
+        """After ``guard.step_end()``; ``step`` is the number of completed steps."""
+
+    def on_checkpoint_save(self, guard: Any, step: int, path: Path) -> None:
+        """After a checkpoint is committed (visible to ``latest_valid()``)."""
+
+    def on_train_end(self, guard: Any, reason: str) -> None:
+        """Before the process leaves the training loop; ``reason`` is 'finished' or the stop reason."""

@@ -1,0 +1,36 @@
+"""The exit codes every trainguard process uses (one table, also in the README).
+
+| code | name       | meaning                                                      |
+|------|------------|--------------------------------------------------------------|
+| 0    | OK         | the run finished                                             |
+| 2    | BAD_INPUT  | bad config, arguments, run dir, or a checkpoint that does not fit |
+| 75   | REQUEUE    | stopped cleanly and resumable (EX_TEMPFAIL from sysexits.h): preemption signal, time limit, kill switch |
+| 76   | GIVE_UP    | gave up: restart budget spent or a recurring fault; do not requeue |
+
+75 is ``EX_TEMPFAIL`` from BSD ``sysexits.h`` ("temporary failure, try again later"), the code
+schedulers and wrappers commonly treat as "retry". 76 is the next free code below 128, chosen so
+that it never collides with a signal death (128 + N) or Python's generic error (1).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes shared by the launcher and every rank."""
+
+    OK = 0
+    BAD_INPUT = 2
+    REQUEUE = 75
+    GIVE_UP = 76
+
+
+def describe(code: int) -> str:
+    """Return a one-word description of an exit code (``'signal 9'`` for negative codes)."""
+    if code < 0:
+        return f"signal {-code}"
+    try:
+        return ExitCode(code).name.lower()
+    except ValueError:
+        return f"error {code}"

@@ -1,0 +1,319 @@
+"""The Guard: a plain PyTorch loop gains resume, scheduled and emergency saves, and clean stops.
+
+::
+
+    guard = trainguard.Guard(cfg, model=model, optimizer=opt, scheduler=sched, sampler=sampler)
+    for step in guard.steps(max_steps):      # resumes from the newest valid checkpoint
+        loss = train_step(batch_for(step))
+        guard.step_end(loss=loss)            # saves on schedule, stops on signal/switch/time
+
+What happens at each step boundary (``step_end``), on every rank:
+
+1. the step counter advances and the step time is measured;
+2. every ``[stop] check_interval`` steps the stop flags of all ranks (signal, kill switch, time
+   limit, save switch) are combined in one all-reduce, so all ranks decide alike;
+3. on a stop: save a checkpoint, write the events, exit with the requeue code (75);
+4. on the checkpoint interval or a save switch: save and keep training.
+
+When ``steps()`` runs out the Guard saves the final state and writes an ``end`` event carrying the
+SHA-256 of the model and optimizer state. Errors the user must fix (a checkpoint of another model,
+an unwritable run dir) print one clear line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from . import dist as tgdist
+from .checkpoint import CheckpointMismatchError, CheckpointStore, check_compatible, load_state, save_state
+from .checkpoint.store import Checkpoint
+from .config import Config, ConfigError, config_from_argv, dump_config, load_config
+from .events import EventLog, Hook
+from .exitcodes import ExitCode
+from .signals import ShutdownHandler
+from .state import capture_rng, restore_rng, state_hash
+from .stop import StopConditions
+
+log = logging.getLogger(__name__)
+
+# Before the first save is measured, assume this write speed to estimate the save time (bytes/s);
+# a conservative figure for a shared filesystem.
+_ASSUMED_WRITE_BPS = 100e6
+
+
+def exit_bad_input(message: str, events: Optional[EventLog] = None) -> "NoReturn":  # type: ignore[name-defined]
+    """Print ``trainguard: error: message`` to stderr, record a ``bad_input`` event, exit with code 2."""
+    print(f"trainguard: error: {message}", file=sys.stderr, flush=True)
+    if events is not None:
+        events.emit("bad_input", message=message)
+    raise SystemExit(int(ExitCode.BAD_INPUT))
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` and check that it is writable.
+
+    Raises:
+        ConfigError: it cannot be created or written (names the directory and the OS error).
+    """
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"run dir {run_dir} is not writable: {e.strerror or e}") from None
+
+
+class Guard:
+    """Fault tolerance for one training process (one rank).
+
+    Args:
+        config: validated :class:`~trainguard.config.Config` (or a subclass).
+        model: the module being trained (DDP/FSDP-wrapped or plain).
+        optimizer, scheduler: optional; saved and restored with the model.
+        sampler: optional data position; any object with ``state_dict()``/``load_state_dict()``
+            such as :class:`~trainguard.sampler.ResumableSampler`.
+        extra_state: more ``{name: stateful}`` objects to save (their state must load with
+            ``weights_only=True``).
+        hooks: :class:`~trainguard.events.Hook` instances.
+
+    Create it after ``torch.distributed.init_process_group`` (if distributed). On bad input it
+    exits with code 2 (see :func:`exit_bad_input`).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        scheduler: Any = None,
+        sampler: Any = None,
+        extra_state: Optional[dict[str, Any]] = None,
+        hooks: tuple[Hook, ...] | list[Hook] = (),
+    ):
+        self.cfg = config
+        self.model, self.optimizer, self.scheduler, self.sampler = model, optimizer, scheduler, sampler
+        self.extra_state = dict(extra_state or {})
+        self.hooks: list[Hook] = list(hooks)
+        self.rank, self.world_size = tgdist.rank(), tgdist.world_size()
+        self.run_dir = Path(config.run.dir)
+        try:
+            prepare_run_dir(self.run_dir)
+        except ConfigError as e:
+            exit_bad_input(str(e))
+        self.events = EventLog(self.run_dir, self.rank)
+        ckpt_root = Path(config.checkpoint.dir)
+        self.store = CheckpointStore(
+            ckpt_root if ckpt_root.is_absolute() else self.run_dir / ckpt_root,
+            keep_last=config.checkpoint.keep_last,
+            on_invalid=self._on_invalid_checkpoint,
+        )
+        self.shutdown = ShutdownHandler(config.preemption.signals, config.preemption.save_deadline, self._on_deadline).install()
+        self.stop = StopConditions(config.stop, self.run_dir, self.shutdown)
+        self.step = 0
+        self.last_loss: Any = None
+        self.resumed_from: Optional[Checkpoint] = None
+        self._last_saved_step: Optional[int] = None
+        self._save_seconds: Optional[float] = None
+        self._step_seconds = 0.0
+        self._t_last = time.perf_counter()
+        self._awaiting_step_end = False
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike | None = None, *, overrides: Optional[list[str]] = None,
+                    schema: type[Config] = Config, **kwargs: Any) -> "Guard":
+        """Build a Guard from a TOML file (or, with ``path=None``, from the script's ``--config``/``--set``
+        arguments and the launcher's environment). Exits with code 2 on a config error."""
+        try:
+            cfg = load_config(path, overrides, schema) if path else config_from_argv(schema)
+        except ConfigError as e:
+            exit_bad_input(str(e))
+        return cls(cfg, **kwargs)
+
+    def add_hook(self, hook: Hook) -> None:
+        """Append a hook (see :class:`~trainguard.events.Hook`)."""
+        self.hooks.append(hook)
+
+    # ------------------------------------------------------------------------------------------
+    # the loop
+
+    def steps(self, max_steps: int) -> Iterator[int]:
+        """Yield step indices from the resumed step up to ``max_steps - 1``.
+
+        Call :meth:`step_end` once per yielded step. May exit the process (``SystemExit``) with the
+        requeue code on a stop, or with code 2 on bad input.
+        """
+        self._begin()
+        while self.step < max_steps:
+            self._awaiting_step_end = True
+            yield self.step
+            if self._awaiting_step_end:
+                raise RuntimeError(f"guard.step_end() was not called in step {self.step}")
+        self._finish()
+
+    def step_end(self, loss: Any = None) -> None:
+        """Close the current step: count it, then check stop and save conditions (see module doc).
+
+        Args:
+            loss: the step's loss (tensor or float), kept as ``guard.last_loss`` and passed to hooks;
+                it is not synchronized here.
+        """
+        self._awaiting_step_end = False
+        self.step += 1
+        now = time.perf_counter()
+        # a decaying maximum: a slow step is remembered for a while (for the time limit)
+        self._step_seconds = max(now - self._t_last, 0.98 * self._step_seconds)
+        self._t_last = now
+        self.last_loss = loss
+        for h in self.hooks:
+            h.on_step_end(self, self.step, loss)
+        if self.step % self.cfg.stop.check_interval:
+            flags = [0, 0, 0, 0]
+        else:
+            flags = tgdist.all_reduce_max(self.stop.local_flags(self._step_seconds, self._estimated_save_seconds()))
+        reason = self.stop.reason(flags)
+        if reason is not None:
+            self._stop_and_exit(reason)
+        if flags[3]:
+            self.save("save_switch")
+            if self.rank == 0:
+                self.stop.clear_save_switch()
+        elif self.step % self.cfg.checkpoint.interval == 0:
+            self.save("interval")
+
+    # ------------------------------------------------------------------------------------------
+    # begin / end
+
+    def _begin(self) -> None:
+        kill = tgdist.all_reduce_max([int(self.stop.kill_switch())])[0]
+        if kill:
+            self._emit0("stop_requested", reason="kill_switch", before_training=True, path=str(self.stop.kill_path))
+            self._exit(ExitCode.REQUEUE, "kill_switch")
+        if self.rank == 0:
+            self.store.clean_stale()
+            dump_config(self.cfg, self.run_dir / "config.toml")
+        self._resume()
+        self._emit0("start", world_size=self.world_size, host=socket.gethostname(), first_step=self.step,
+                    resumed_from=str(self.resumed_from.path) if self.resumed_from else None)
+        self._t_last = time.perf_counter()
+        for h in self.hooks:
+            h.on_train_begin(self)
+
+    def _resume(self) -> None:
+        t0 = time.perf_counter()
+        found = self.store.latest_valid(self.cfg.checkpoint.verify) if self.rank == 0 else None
+        found = tgdist.broadcast_object(found)
+        if found is None:
+            return
+        try:
+            check_compatible(found.path, self.model, self.optimizer, self.world_size)
+        except CheckpointMismatchError as e:
+            exit_bad_input(str(e), self.events)
+        state = load_state(found.path, self.model, self.optimizer)
+        self.step = int(state["step"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.sampler is not None and state.get("sampler") is not None:
+            self.sampler.load_state_dict(state["sampler"])
+        for name, obj in self.extra_state.items():
+            if name in state.get("extra", {}):
+                obj.load_state_dict(state["extra"][name])
+        restore_rng(state["rng"])
+        self.resumed_from = found
+        self._last_saved_step = self.step
+        self._emit0("resume", path=str(found.path), from_step=found.step, seconds=round(time.perf_counter() - t0, 4))
+
+    def _finish(self) -> None:
+        if self.cfg.checkpoint.save_final:
+            self.save("final")
+        digest = state_hash(self.model, self.optimizer)
+        loss = float(self.last_loss) if self.last_loss is not None else None
+        self._emit0("end", state_sha256=digest, last_loss=loss)
+        for h in self.hooks:
+            h.on_train_end(self, "finished")
+        self.state_sha256 = digest
+
+    # ------------------------------------------------------------------------------------------
+    # saving and stopping
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's non-tensor training state: step, scheduler, data position, RNG, extras."""
+        return {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "extra": {k: v.state_dict() for k, v in self.extra_state.items()},
+            "rng": capture_rng(),
+        }
+
+    def save(self, reason: str = "manual") -> Optional[Checkpoint]:
+        """Save and commit a checkpoint of the current step (a collective: call on every rank).
+
+        Does nothing if this step is already saved. A failed write is recorded as a
+        ``checkpoint_failed`` event and a warning; the older checkpoints stay valid.
+
+        Returns:
+            The committed checkpoint, or ``None`` if skipped or failed.
+        """
+        if self._last_saved_step == self.step:
+            return None
+        t0 = time.perf_counter()
+        try:
+            ckpt, nbytes = save_state(self.store, self.step, self.model, self.optimizer, self.rank_state(),
+                                      meta={"reason": reason, "trainguard_step": self.step})
+        except (OSError, RuntimeError) as e:  # RuntimeError: DCP's CheckpointException
+            log.warning("checkpoint at step %d failed: %s", self.step, e)
+            self.events.emit("checkpoint_failed", self.step, reason=reason, error=str(e)[:2000])
+            return None
+        seconds = time.perf_counter() - t0
+        self._save_seconds = seconds
+        self._last_saved_step = self.step
+        deleted = self.store.apply_retention() if self.rank == 0 else []
+        self._emit0("checkpoint_committed", path=str(ckpt.path), bytes=nbytes, seconds=round(seconds, 4),
+                    reason=reason, deleted_steps=deleted)
+        for h in self.hooks:
+            h.on_checkpoint_save(self, self.step, ckpt.path)
+        return ckpt
+
+    def _estimated_save_seconds(self) -> float:
+        if self._save_seconds is not None:
+            return self._save_seconds
+        nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) * 3  # params + Adam moments
+        return 1.0 + nbytes / _ASSUMED_WRITE_BPS
+
+    def _stop_and_exit(self, reason: str) -> None:
+        details: dict[str, Any] = {"reason": reason}
+        if reason == "signal":
+            details.update(signal=self.shutdown.received, signal_time=self.shutdown.received_at)
+        elif reason == "time_limit":
+            details.update(time_left=self.stop.time_left(), max_duration=self.cfg.stop.max_duration)
+        self._emit0("stop_requested", **details)
+        self.save(reason)
+        self._exit(ExitCode.REQUEUE, reason)
+
+    def _exit(self, code: ExitCode, reason: str) -> None:
+        for h in self.hooks:
+            h.on_train_end(self, reason)
+        self._emit0("exit", code=int(code), reason=reason)
+        raise SystemExit(int(code))
+
+    def _on_deadline(self) -> None:
+        self.events.emit("deadline_exit", self.step, deadline=self.cfg.preemption.save_deadline,
+                         signal=self.shutdown.received)
+
+    def _on_invalid_checkpoint(self, ckpt: Checkpoint, reason: str) -> None:
+        self.events.emit("checkpoint_invalid", ckpt.step, path=str(ckpt.path), reason=reason)
+
+    def _emit0(self, kind: str, **details: Any) -> None:
+        """Emit an event from rank 0 only (for decisions all ranks share)."""
+        if self.rank == 0:
+            self.events.emit(kind, self.step, **details)

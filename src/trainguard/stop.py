@@ -1,0 +1,85 @@
+"""Stop and save conditions checked at step boundaries: signal, kill switch, save switch, time limit.
+
+Each rank computes its local flags; the Guard combines them across ranks in one small all-reduce
+(max), so every rank takes the same decision at the same step and none is left waiting in a save.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+from .config import StopSection
+from .signals import ShutdownHandler
+
+# order of the flag vector exchanged between ranks
+FLAGS = ("signal", "kill_switch", "time_limit", "save_switch")
+
+
+def launch_start_time() -> float:
+    """Unix time the launch began: ``TRAINGUARD_LAUNCH_TIME`` from the launcher, else now.
+
+    Restarted worker groups of one launch share it, so the time limit counts the whole launch.
+    """
+    return float(os.environ.get("TRAINGUARD_LAUNCH_TIME", time.time()))
+
+
+class StopConditions:
+    """Evaluates this rank's stop/save flags.
+
+    Args:
+        cfg: the ``[stop]`` section.
+        run_dir: switch files are relative to it.
+        shutdown: the signal recorder.
+        start_time: Unix time the launch began (for ``max_duration``).
+    """
+
+    def __init__(self, cfg: StopSection, run_dir: Path, shutdown: ShutdownHandler, start_time: Optional[float] = None):
+        self.cfg = cfg
+        self.kill_path = run_dir / cfg.kill_switch
+        self.save_path = run_dir / cfg.save_switch
+        self.shutdown = shutdown
+        self.start_time = launch_start_time() if start_time is None else start_time
+
+    def kill_switch(self) -> bool:
+        """True when the kill-switch file exists."""
+        return self.kill_path.exists()
+
+    def time_left(self) -> Optional[float]:
+        """Seconds until ``max_duration`` (``None`` without a limit)."""
+        if self.cfg.max_duration is None:
+            return None
+        return self.start_time + self.cfg.max_duration - time.time()
+
+    def local_flags(self, step_seconds: float, save_seconds: float) -> list[int]:
+        """This rank's flags in :data:`FLAGS` order (1 = set).
+
+        Args:
+            step_seconds: estimate of one more step (the slowest recent step).
+            save_seconds: estimate of one save (the last measured save, or a size-based guess).
+        The time limit fires when fewer than ``step + save + time_margin`` seconds remain.
+        """
+        left = self.time_left()
+        late = left is not None and left < step_seconds + save_seconds + self.cfg.time_margin
+        return [
+            int(self.shutdown.received is not None),
+            int(self.kill_switch()),
+            int(late),
+            int(self.save_path.exists()),
+        ]
+
+    def reason(self, flags: list[int]) -> Optional[str]:
+        """The stop reason for agreed flags (``None`` = keep training). A signal wins, then the kill switch, then time."""
+        for name, flag in zip(FLAGS[:3], flags[:3]):
+            if flag:
+                return name
+        return None
+
+    def clear_save_switch(self) -> None:
+        """Remove the save-switch file (after the requested save)."""
+        try:
+            self.save_path.unlink()
+        except FileNotFoundError:
+            pass
