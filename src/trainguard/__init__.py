@@ -12,14 +12,15 @@ from .checkpoint import Checkpoint, CheckpointMismatchError, CheckpointStore
 from .config import Config, ConfigError, Section, config_from_argv, load_config
 from .events import EventLog, Hook, read_events
 from .exitcodes import ExitCode
-from .guard import Guard
+from .guard import Guard, exit_bad_input
 from .sampler import ResumableSampler
+from . import dist
 from .state import seed_everything, state_hash
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Checkpoint", "CheckpointMismatchError", "CheckpointStore", "Config", "ConfigError", "EventLog",
-    "ExitCode", "Guard", "Hook", "ResumableSampler", "Section", "config_from_argv", "load_config",
+    "ExitCode", "Guard", "exit_bad_input", "Hook", "ResumableSampler", "Section", "config_from_argv", "load_config",
     "read_events", "seed_everything", "state_hash",
 ]

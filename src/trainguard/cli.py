@@ -1,0 +1,112 @@
+"""The ``trainguard`` command: ``run`` (the launcher), ``demo``, ``checkpoints``.
+
+Every command exits with the codes of :mod:`trainguard.exitcodes`; bad input prints one line
+starting with ``trainguard: error:`` and exits with 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .config import ConfigError
+from .exitcodes import ExitCode
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Keeps long PyTorch training runs alive. Exit codes: 0 finished, 2 bad input, 75 requeue, 76 gave up.")
+
+_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"trainguard: error: {message}", err=True)
+    raise typer.Exit(int(ExitCode.BAD_INPUT))
+
+
+@app.command(context_settings=_PASSTHROUGH)
+def run(
+    ctx: typer.Context,
+    script: str = typer.Argument(..., help="training script; the arguments after it are passed to it"),
+    run_dir: Path = typer.Option(..., "--run-dir", help="run directory (checkpoints, events, config)"),
+    config: Optional[str] = typer.Option(None, "--config", help="TOML config file (also passed to the ranks)"),
+    overrides: List[str] = typer.Option([], "--set", help="section.key=value override (repeatable)"),
+    nnodes: str = typer.Option("1", "--nnodes", help="number of nodes, N or MIN:MAX"),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", "--nproc_per_node", help="ranks on this node"),
+    rdzv_backend: str = typer.Option("c10d", "--rdzv-backend", help="rendezvous backend"),
+    rdzv_endpoint: str = typer.Option("", "--rdzv-endpoint", help="HOST:PORT of the rendezvous (required for several nodes)"),
+    rdzv_id: str = typer.Option("", "--rdzv-id", help="rendezvous id shared by all nodes of the job"),
+    rdzv_conf: str = typer.Option("", "--rdzv-conf", help="extra rendezvous settings key=value,..."),
+    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", help="worker-group restarts before giving up (default [launcher] max_restarts = 3)"),
+    monitor_interval: Optional[float] = typer.Option(None, "--monitor-interval", help="seconds between worker checks"),
+    local_addr: Optional[str] = typer.Option(None, "--local-addr", help="address of this node"),
+) -> None:
+    """Launch SCRIPT on this node's ranks; restart them when one dies; forward stop signals."""
+    from .launcher import LaunchOptions, RunDirLocked, launch
+
+    opts = LaunchOptions(script=script, script_args=list(ctx.args), run_dir=run_dir, config=config,
+                         overrides=list(overrides), nnodes=nnodes, nproc_per_node=nproc_per_node,
+                         rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                         rdzv_conf=rdzv_conf, max_restarts=max_restarts, monitor_interval=monitor_interval,
+                         local_addr=local_addr)
+    try:
+        code = launch(opts)
+    except (ConfigError, RunDirLocked) as e:
+        _fail(str(e))
+    raise typer.Exit(code)
+
+
+@app.command()
+def demo(
+    run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir", help="parent directory of the demo's two runs (emptied first)"),
+    overrides: List[str] = typer.Option([], "--set", help="override for both runs, e.g. train.max_steps=120"),
+) -> None:
+    """Train the example GPT twice, once cleanly and once with faults injected, and compare."""
+    from .demo import run_demo
+
+    try:
+        code = run_demo(run_dir, list(overrides))
+    except ConfigError as e:
+        _fail(str(e))
+    raise typer.Exit(code)
+
+
+@app.command()
+def checkpoints(
+    run_dir: Path = typer.Argument(..., help="run directory"),
+    verify: str = typer.Option("full", "--verify", help="'full' (checksums) or 'size'"),
+) -> None:
+    """List a run's committed checkpoints and whether each verifies."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .checkpoint import CheckpointStore
+    from .checkpoint import manifest as mf
+    from .config import load_config
+
+    if not run_dir.is_dir():
+        _fail(f"run dir {run_dir} does not exist")
+    cfg_file = run_dir / "config.toml"
+    try:
+        cfg = load_config(cfg_file if cfg_file.exists() else None, ignore_unknown_sections=True)
+    except ConfigError as e:
+        _fail(str(e))
+    root = Path(cfg.checkpoint.dir)
+    store = CheckpointStore(root if root.is_absolute() else run_dir / root)
+    table = Table("step", "path", "bytes", "status")
+    for c in store.committed():
+        reason = mf.verify(c.path, verify)
+        size = sum(p.stat().st_size for p in c.path.iterdir() if p.is_file())
+        table.add_row(str(c.step), str(c.path), f"{size:,}", "ok" if reason is None else f"[red]{reason}[/red]")
+    Console().print(table)
+
+
+def main() -> None:
+    """Entry point of the ``trainguard`` console script."""
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The per-node elastic agent behind ``trainguard run``.
+
+It is torch's ``LocalElasticAgent`` (rendezvous, worker start/stop, restarts) with trainguard's
+monitor loop in place of ``_invoke_run``:
+
+* a worker group that fails because a rank died or crashed is restarted (``max_restarts``,
+  default 3) and resumes from the newest valid checkpoint;
+* a rank that exits with a *decision* code is not restarted: 75 (requeue: the ranks stopped and
+  saved), 2 (bad input), 76 (give up) end the launch with that code;
+* SIGTERM, SIGUSR1 and SIGINT to the launcher are forwarded to every local rank, which saves and
+  exits with 75; ranks still alive ``stop_grace`` seconds later are killed;
+* every decision is an event in ``RUN_DIR/events.jsonl`` (rank ``null``).
+
+``poll_hooks`` is the extension point for the hang supervisor: callables run every monitor
+interval that may return a reason to restart the group (for example a missed heartbeat).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Callable, Optional
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from ..events import EventLog
+from ..exitcodes import ExitCode
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# exit codes with which a rank tells the launcher "do not restart, end the launch with this code"
+DECISION_CODES = (int(ExitCode.REQUEUE), int(ExitCode.BAD_INPUT), int(ExitCode.GIVE_UP))
+
+
+class TrainguardAgent(LocalElasticAgent):
+    """``LocalElasticAgent`` with signal forwarding, decision exit codes and events.
+
+    Args:
+        events: the launcher's event log.
+        stop_grace: seconds ranks get to save and exit after a forwarded stop signal.
+        (other arguments as ``LocalElasticAgent``)
+
+    After :meth:`run`, :attr:`exit_code` and :attr:`exit_reason` hold the launch's outcome.
+    """
+
+    def __init__(self, *args, events: EventLog, stop_grace: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events = events
+        self.stop_grace = stop_grace
+        self.exit_code = int(ExitCode.GIVE_UP)
+        self.exit_reason = "not started"
+        self.stop_signal: Optional[str] = None
+        self._stop_deadline: Optional[float] = None
+        self._forwarded_to: set[int] = set()
+        self.poll_hooks: list[Callable[["TrainguardAgent"], Optional[str]]] = []
+
+    # ---- signals -------------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        """Handle SIGTERM/SIGUSR1/SIGINT in the launcher (torch elastic keeps SIGHUP/SIGQUIT)."""
+        for sig in FORWARDED_SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signal.Signals(signum).name
+            self._stop_deadline = time.monotonic() + self.stop_grace
+        self._forward(signum)
+
+    def _forward(self, signum: int) -> None:
+        pids = set(self._pcontext.pids().values()) if self._pcontext is not None else set()
+        for pid in pids - self._forwarded_to:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        self._forwarded_to |= pids
+
+    def worker_pids(self) -> dict[int, int]:
+        """``{local_rank: pid}`` of the running workers (empty between groups)."""
+        return dict(self._pcontext.pids()) if self._pcontext is not None else {}
+
+    # ---- monitor loop --------------------------------------------------------------------------
+
+    def _start_group(self) -> None:
+        self._forwarded_to = set()
+        self._initialize_workers(self._worker_group)
+        self.events.emit("workers_started", restart=self._worker_group.spec.max_restarts - self._remaining_restarts,
+                         pids=self.worker_pids(), world_size=self._worker_group.workers[0].world_size)
+        if self.stop_signal is not None:  # a signal that arrived during rendezvous
+            self._forward(getattr(signal, self.stop_signal))
+
+    def _invoke_run(self, role: str = "default") -> RunResult:
+        spec = self._worker_group.spec
+        self._start_group()
+        while True:
+            time.sleep(spec.monitor_interval)
+            result = self._monitor_workers(self._worker_group)
+            self._worker_group.state = result.state
+            if result.state == WorkerState.SUCCEEDED:
+                self._exit_barrier()
+                self.exit_code, self.exit_reason = int(ExitCode.OK), "finished"
+                return result
+            if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
+                if self._handle_failure(result):
+                    continue
+                return result
+            if self.stop_signal and self._stop_deadline and time.monotonic() > self._stop_deadline:
+                self.events.emit("stop_grace_expired", signal=self.stop_signal, grace=self.stop_grace)
+                self._stop_workers(self._worker_group)
+                self.exit_code, self.exit_reason = int(ExitCode.REQUEUE), "stop grace expired"
+                return RunResult(state=WorkerState.FAILED)
+            reason = next((r for hook in self.poll_hooks if (r := hook(self))), None)
+            if reason is not None:
+                self.events.emit("group_unhealthy", reason=reason)
+                if not self._restart_or_give_up(reason):
+                    return RunResult(state=WorkerState.FAILED)
+            elif spec.rdzv_handler.num_nodes_waiting() > 0:  # membership change: not a failure
+                self._restart_workers(self._worker_group)
+
+    def _handle_failure(self, result: RunResult) -> bool:
+        """Record the failure and restart the group if that is the right move; True if restarted."""
+        codes = {r: f.exitcode for r, f in result.failures.items()}
+        self.events.emit("workers_failed", exit_codes=codes,
+                         pids={r: f.pid for r, f in result.failures.items()})
+        decision = next((c for c in DECISION_CODES if c in codes.values()), None)
+        if decision is not None or self.stop_signal is not None:
+            self._stop_workers(self._worker_group)
+            self.exit_code = decision if decision is not None else int(ExitCode.REQUEUE)
+            self.exit_reason = {75: "ranks stopped for requeue", 2: "bad input", 76: "a rank gave up"}[self.exit_code]
+            return False
+        return self._restart_or_give_up(f"rank failure (exit codes {codes})")
+
+    def _restart_or_give_up(self, reason: str) -> bool:
+        spec = self._worker_group.spec
+        if self._remaining_restarts <= 0:
+            self._stop_workers(self._worker_group)
+            self.events.emit("restart_budget_spent", max_restarts=spec.max_restarts, reason=reason)
+            self.exit_code, self.exit_reason = int(ExitCode.GIVE_UP), f"restart budget ({spec.max_restarts}) spent: {reason}"
+            return False
+        self._remaining_restarts -= 1
+        self.events.emit("group_restart", reason=reason, remaining_restarts=self._remaining_restarts)
+        self._stop_workers(self._worker_group)
+        self._worker_group.state = WorkerState.STOPPED
+        self._start_group()
+        return True

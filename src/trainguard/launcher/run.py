@@ -1,0 +1,167 @@
+"""``trainguard run``: start one node's ranks under the elastic agent and return the launch's exit code.
+
+What it adds to torchrun's behaviour:
+
+* a lock on the run directory, so one run directory is used by one launch at a time;
+* the run directory, config file, overrides and launch time are passed to the ranks in the
+  environment (``TRAINGUARD_RUN_DIR``, ``TRAINGUARD_CONFIG``, ``TRAINGUARD_SET``,
+  ``TRAINGUARD_LAUNCH_TIME``);
+* ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: restarted gloo groups otherwise often fail in
+  ``init_process_group`` with stale peer addresses in the shared TCPStore (pytorch issue 135712;
+  measured in MEASURED.md: this fix held in every trial);
+* the agent of :mod:`trainguard.launcher.agent` (decision exit codes, signal forwarding, events).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..config import Config, ConfigError, load_config, split_cli_args
+from ..events import EventLog, read_events
+from ..exitcodes import ExitCode
+from ..guard import prepare_run_dir
+from .lock import RunDirLock, RunDirLocked
+
+
+@dataclass
+class LaunchOptions:
+    """The launcher's arguments (torchrun's names, plus ``run_dir``, ``config`` and ``overrides``)."""
+
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    run_dir: Path = Path("runs/default")
+    config: Optional[str] = None
+    overrides: list[str] = field(default_factory=list)
+    nnodes: str = "1"
+    nproc_per_node: int = 1
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = ""
+    rdzv_conf: str = ""
+    max_restarts: Optional[int] = None
+    monitor_interval: Optional[float] = None
+    local_addr: Optional[str] = None
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"2"`` → (2, 2); ``"1:4"`` → (1, 4).
+
+    Raises:
+        ConfigError: not ``N`` or ``MIN:MAX`` with 1 ≤ MIN ≤ MAX.
+    """
+    try:
+        parts = [int(p) for p in text.split(":")]
+    except ValueError:
+        raise ConfigError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
+    lo, hi = (parts[0], parts[0]) if len(parts) == 1 else (parts[0], parts[1]) if len(parts) == 2 else (0, 0)
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"--nnodes {text!r}: expected N or MIN:MAX with 1 ≤ MIN ≤ MAX")
+    return lo, hi
+
+
+def _rdzv_configs(text: str) -> dict[str, str]:
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--rdzv-conf {item!r}: expected key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def launch(opts: LaunchOptions) -> int:
+    """Run the ranks of this node until the run finishes, stops or gives up.
+
+    Returns:
+        The exit code (see :mod:`trainguard.exitcodes`).
+    Raises:
+        ConfigError: bad arguments, config or run dir (the CLI exits with code 2).
+        RunDirLocked: another launch holds the run directory.
+    """
+    # the script's own --config/--set count for the launcher's sections too
+    script_cfg, script_sets, _ = split_cli_args(opts.script_args)
+    config_path = opts.config or script_cfg
+    overrides = opts.overrides + script_sets
+    cfg = load_config(config_path, overrides, Config, ignore_unknown_sections=True)
+    if not Path(opts.script).is_file():
+        raise ConfigError(f"training script {opts.script} does not exist")
+    if opts.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node must be ≥ 1, got {opts.nproc_per_node}")
+    min_nodes, max_nodes = parse_nnodes(opts.nnodes)
+    run_dir = Path(opts.run_dir).resolve()
+    prepare_run_dir(run_dir)
+
+    lock_name = ".launch.lock" if max_nodes == 1 else f".launch.{socket.gethostname()}.lock"
+    with RunDirLock(run_dir / lock_name):
+        return _launch_locked(opts, cfg, run_dir, config_path, overrides, min_nodes, max_nodes)
+
+
+def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Optional[str],
+                   overrides: list[str], min_nodes: int, max_nodes: int) -> int:
+    # imported here: torch.distributed.elastic is slow to import and not needed for errors above
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    from .agent import TrainguardAgent
+
+    events = EventLog(run_dir, rank=None)
+    launch_time = time.time()
+    os.environ.update({
+        "TRAINGUARD_RUN_DIR": str(run_dir),
+        "TRAINGUARD_CONFIG": str(Path(config_path).resolve()) if config_path else "",
+        "TRAINGUARD_SET": "\n".join(overrides),
+        "TRAINGUARD_LAUNCH_TIME": repr(launch_time),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        # torch elastic keeps SIGHUP/SIGQUIT; SIGTERM/SIGUSR1/SIGINT are forwarded by our agent
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT",
+    })
+    standalone = max_nodes == 1 and not opts.rdzv_endpoint
+    endpoint = "localhost:0" if standalone else opts.rdzv_endpoint
+    if not endpoint:
+        raise ConfigError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
+    max_restarts = cfg.launcher.max_restarts if opts.max_restarts is None else opts.max_restarts
+    rdzv_params = RendezvousParameters(
+        backend=opts.rdzv_backend, endpoint=endpoint, run_id=opts.rdzv_id or (uuid.uuid4().hex if standalone else "trainguard"),
+        min_nodes=min_nodes, max_nodes=max_nodes, local_addr=opts.local_addr, **_rdzv_configs(opts.rdzv_conf),
+    )
+    spec = WorkerSpec(
+        role="trainer",
+        local_world_size=opts.nproc_per_node,
+        entrypoint=sys.executable,
+        args=("-u", opts.script, *opts.script_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_params),
+        max_restarts=max_restarts,
+        monitor_interval=opts.monitor_interval or cfg.launcher.monitor_interval,
+        local_addr=opts.local_addr,
+    )
+    agent = TrainguardAgent(
+        spec=spec,
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
+        start_method="spawn",
+        events=events,
+        stop_grace=cfg.launcher.stop_grace,
+    )
+    agent.install_signal_handlers()
+    events.emit("launch", script=opts.script, args=opts.script_args, nnodes=opts.nnodes,
+                nproc_per_node=opts.nproc_per_node, max_restarts=max_restarts, host=socket.gethostname())
+    try:
+        agent.run()
+    finally:
+        spec.rdzv_handler.shutdown()
+    end = next((e for e in reversed(list(read_events(run_dir, "end"))) if e["time"] >= launch_time), None)
+    sha = end["details"].get("state_sha256") if end and agent.exit_code == ExitCode.OK else None
+    events.emit("launch_exit", code=agent.exit_code, reason=agent.exit_reason, signal=agent.stop_signal,
+                seconds=round(time.time() - launch_time, 3), state_sha256=sha)
+    return agent.exit_code
+
+
+__all__ = ["LaunchOptions", "RunDirLocked", "launch", "parse_nnodes"]
