@@ -197,7 +197,8 @@ def _format_errors(err: ValidationError, schema: type[BaseModel], source: str, o
     for e in err.errors():
         loc = tuple(str(p) for p in e["loc"])
         dotted = ".".join(loc)
-        where = "--set" if dotted in overridden else source
+        from_set = any(o == dotted or o.startswith(dotted + ".") for o in overridden)
+        where = "--set" if from_set else source
         if e["type"] == "extra_forbidden":
             parent, name = loc[:-1], loc[-1]
             valid = _model_fields(schema, parent)

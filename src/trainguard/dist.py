@@ -29,6 +29,12 @@ def barrier() -> None:
         dist.barrier()
 
 
+def destroy() -> None:
+    """Destroy the default process group, if any (before a deliberate exit)."""
+    if is_dist():
+        dist.destroy_process_group()
+
+
 def all_reduce_max(values: list[int]) -> list[int]:
     """Element-wise max of a short int vector across ranks, in one collective.
 

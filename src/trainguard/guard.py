@@ -304,6 +304,11 @@ class Guard:
         for h in self.hooks:
             h.on_train_end(self, reason)
         self._emit0("exit", code=int(code), reason=reason)
+        # Leave together and tear the group down before the interpreter exits: a gloo group
+        # destroyed during interpreter shutdown can abort ("terminate called ...", SIGABRT),
+        # which the launcher would read as a crash instead of a decision.
+        tgdist.barrier()
+        tgdist.destroy()
         raise SystemExit(int(code))
 
     def _on_deadline(self) -> None:

@@ -1,0 +1,192 @@
+"""Latency from SIGTERM to the exit of a ``trainguard run`` launch, split into phases.
+
+Each repetition launches::
+
+    trainguard run --nproc-per-node 2 --run-dir D examples/gpt.py \\
+        --set train.max_steps=100000 --set checkpoint.interval=1000000 [--set model...]
+
+waits until rank 0 prints its first ``step `` line (training is under way), sends SIGTERM to the
+launcher, waits for it to exit (expected code 75, requeue) and reads ``D/events.jsonl``:
+
+* **forward**: SIGTERM sent → the rank's handler ran (``stop_requested.details.signal_time``, rank 0);
+* **finish step**: handler → ``stop_requested`` event (the Guard reached the step boundary and all
+  ranks agreed to stop);
+* **save**: ``stop_requested`` → ``checkpoint_committed`` of the stop step;
+* **rank exit**: ``checkpoint_committed`` → the ranks' ``exit`` event (rank 0, just before
+  ``SystemExit``);
+* **launcher exit**: ``exit`` event → the launcher process has exited (process teardown, the
+  agent's monitor poll, rendezvous shutdown, ``launch_exit``).
+
+The medians over ``--reps`` runs are printed with the total and the save's share of it. There is no
+external baseline: the save is the work that has to happen, everything else is overhead.
+
+    .venv/bin/python benchmarks/sigterm_latency.py [--quick] [--reps 3] [--model default|small] [--set k=v ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "data.max_bytes=2000000"]
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one repetition with the small model, to check that it works")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, quick 1)")
+    p.add_argument("--model", choices=["default", "small"], default=None,
+                   help="examples/gpt.py's default model (3.3 M parameters) or a small one (default: default, quick: small)")
+    p.add_argument("--set", dest="sets", action="append", default=[], help="extra override for gpt.py (repeatable)")
+    p.add_argument("--warm-steps", type=int, default=1, help="wait for this many 'step' log lines before SIGTERM")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each phase before giving up")
+    args = p.parse_args()
+    args.reps = args.reps or (1 if args.quick else 3)
+    args.model = args.model or ("small" if args.quick else "default")
+    return args
+
+
+def _trainguard() -> list[str]:
+    exe = Path(sys.executable).parent / "trainguard"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "trainguard.cli"]
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def one_run(args: argparse.Namespace, run_dir: Path) -> dict:
+    sets = ["train.max_steps=100000", "checkpoint.interval=1000000", "train.log_interval=5"]
+    sets += (SMALL if args.model == "small" else []) + args.sets
+    cmd = _trainguard() + ["run", "--nproc-per-node", "2", "--run-dir", str(run_dir), str(ROOT / "examples" / "gpt.py")]
+    for s in sets:
+        cmd += ["--set", s]
+    t_launch = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # our terminal's Ctrl-C must not reach it
+    lines: list[str] = []
+    ready = threading.Event()
+    steps_seen = 0
+
+    def reader() -> None:
+        nonlocal steps_seen
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("step "):
+                steps_seen += 1
+                if steps_seen >= args.warm_steps:
+                    ready.set()
+        ready.set()  # EOF: the launch ended early
+
+    th = threading.Thread(target=reader, daemon=True)
+    th.start()
+    if not ready.wait(args.timeout) or proc.poll() is not None:
+        proc.kill()
+        raise RuntimeError("training did not start:\n" + "\n".join(lines[-30:]))
+    t_ready = time.time()
+    t_sig = time.time()
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        code = proc.wait(args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise RuntimeError("launcher did not exit after SIGTERM:\n" + "\n".join(lines[-30:]))
+    t_exit = time.time()
+    th.join(5)
+
+    ev = _events(run_dir)
+    stop = next(e for e in ev if e["kind"] == "stop_requested")
+    commit = next((e for e in ev if e["kind"] == "checkpoint_committed" and e["step"] == stop["step"]), None)
+    rank_exit = next((e for e in ev if e["kind"] == "exit" and e["rank"] == 0), None)
+    launch_exit = next((e for e in ev if e["kind"] == "launch_exit"), None)
+    if commit is None or rank_exit is None:
+        raise RuntimeError(f"missing events (commit={commit}, exit={rank_exit}); output:\n" + "\n".join(lines[-30:]))
+    handler = stop["details"].get("signal_time") or stop["time"]
+    return {
+        "code": code,
+        "startup": t_ready - t_launch,
+        "forward": handler - t_sig,
+        "finish_step": stop["time"] - handler,
+        "save": commit["time"] - stop["time"],
+        "save_inner": commit["details"].get("seconds"),
+        "bytes": commit["details"].get("bytes"),
+        "rank_exit": rank_exit["time"] - commit["time"],
+        "launcher_exit": t_exit - rank_exit["time"],
+        "launch_exit_event": (launch_exit["time"] - rank_exit["time"]) if launch_exit else None,
+        "total": t_exit - t_sig,
+        "stop_step": stop["step"],
+    }
+
+
+def main() -> int:
+    args = _parse()
+    from rich.console import Console
+    from rich.table import Table
+
+    base = Path(tempfile.mkdtemp(prefix="tg-bench-sigterm-"))
+    runs = []
+    t_wall = time.perf_counter()
+    try:
+        for i in range(args.reps):
+            runs.append(one_run(args, base / f"run-{i}"))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    wall = time.perf_counter() - t_wall
+
+    med = statistics.median
+    total = med(r["total"] for r in runs)
+    table = Table(title=f"SIGTERM → exit of `trainguard run --nproc-per-node 2 examples/gpt.py` ({args.model} model), "
+                        f"median of {len(runs)} run(s)")
+    table.add_column("phase")
+    table.add_column("from → to")
+    table.add_column("median ms", justify="right")
+    table.add_column("runs (ms)", justify="right")
+    table.add_column("share", justify="right")
+
+    def row(name: str, span: str, key: str) -> None:
+        vals = [r[key] for r in runs if r[key] is not None]
+        if not vals:
+            return
+        m = med(vals)
+        table.add_row(name, span, f"{m * 1e3:.0f}", " ".join(f"{v * 1e3:.0f}" for v in vals), f"{m / total * 100:.0f}%")
+
+    row("forward", "SIGTERM sent → rank 0 handler ran", "forward")
+    row("finish step", "handler → stop_requested", "finish_step")
+    row("save", "stop_requested → checkpoint_committed", "save")
+    row("rank exit", "checkpoint_committed → rank exit event", "rank_exit")
+    row("launcher exit", "rank exit event → launcher process exited", "launcher_exit")
+    row("  (launch_exit event)", "rank exit event → launch_exit event", "launch_exit_event")
+    row("total", "SIGTERM sent → launcher process exited", "total")
+    Console(width=140).print(table)
+    codes = [r["code"] for r in runs]
+    saves = [r["save_inner"] for r in runs if r["save_inner"] is not None]
+    print(f"exit codes {codes} (expected 75 each); checkpoint {runs[0]['bytes']:,} bytes, save_state's own "
+          f"time {med(saves) * 1e3:.0f} ms median; save share of total {med(r['save'] for r in runs) / total * 100:.0f}%")
+    print(f"startup to first step line {med(r['startup'] for r in runs):.1f} s; stop steps {[r['stop_step'] for r in runs]}; "
+          f"wall {wall:.1f} s; load average {os.getloadavg()[0]:.2f} (other processes on this machine add noise)")
+    if any(c != 75 for c in codes):
+        print("WARNING: a launch did not exit with 75 (requeue)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

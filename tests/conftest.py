@@ -1,0 +1,90 @@
+"""Shared helpers for end-to-end tests: real launches of examples/gpt.py with a tiny model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+
+from trainguard.events import read_events
+
+REPO = Path(__file__).resolve().parents[1]
+GPT = REPO / "examples" / "gpt.py"
+# a model small enough for ~20 ms steps on 2 CPU ranks
+TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.seq_len=32",
+        "train.batch_size=4", "data.max_bytes=200000", "train.log_interval=1", "train.eval_batches=2",
+        "train.warmup_steps=5"]
+
+
+def sets(*items: str) -> list[str]:
+    """``["--set", a, "--set", b, ...]``"""
+    return [x for item in items for x in ("--set", item)]
+
+
+def launch(run_dir: Path, *overrides: str, nproc: int = 2, script: Path = GPT, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start ``trainguard run`` on the tiny GPT; stdout+stderr go to ``run_dir.log``."""
+    log = open(f"{run_dir}.log", "ab")
+    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", str(nproc), "--run-dir", str(run_dir),
+           *extra, str(script), *sets(*TINY, *overrides)]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 120, what: str = "condition") -> object:
+    """Poll ``predicate`` every 50 ms until it returns a truthy value; fail the test on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def logged_step(run_dir: Path) -> int:
+    """Highest ``step N/M`` printed by rank 0 so far (0 if none)."""
+    try:
+        text = Path(f"{run_dir}.log").read_text(errors="replace")
+    except FileNotFoundError:
+        return 0
+    steps = [int(line.split()[1].split("/")[0]) for line in text.splitlines() if line.startswith("step ")]
+    return max(steps, default=0)
+
+
+def events(run_dir: Path, kind: Optional[str] = None) -> list[dict]:
+    return list(read_events(run_dir, kind))
+
+
+def final_hash(run_dir: Path) -> Optional[str]:
+    """state_sha256 of the last successful launch in ``run_dir``."""
+    done = [e for e in events(run_dir, "launch_exit") if e["details"]["code"] == 0]
+    return done[-1]["details"]["state_sha256"] if done else None
+
+
+def finish(proc: subprocess.Popen, timeout: float = 180) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("launch did not finish in time")
+
+
+@pytest.fixture(scope="session")
+def clean_hash(tmp_path_factory) -> Callable[[int], str]:
+    """Final state hash of an uninterrupted tiny run of ``max_steps`` steps (cached per length)."""
+    cache: dict[int, str] = {}
+
+    def get(max_steps: int) -> str:
+        if max_steps not in cache:
+            run_dir = tmp_path_factory.mktemp("clean") / f"run{max_steps}"
+            code = finish(launch(run_dir, f"train.max_steps={max_steps}", "checkpoint.interval=10"))
+            assert code == 0, Path(f"{run_dir}.log").read_text()[-3000:]
+            cache[max_steps] = final_hash(run_dir)
+        return cache[max_steps]
+
+    return get

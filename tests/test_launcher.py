@@ -1,0 +1,140 @@
+"""End to end: `trainguard run` on 2 gloo ranks with real signals, real kills and real files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO, events, final_hash, finish, launch, logged_step, wait_for
+
+from trainguard.exitcodes import ExitCode
+
+STEPS = 150
+
+
+def test_sigterm_saves_requeues_and_relaunch_is_bitwise_identical(tmp_path, clean_hash):
+    run = tmp_path / "run"
+    proc = launch(run, f"train.max_steps={STEPS}", "checkpoint.interval=10")
+    wait_for(lambda: logged_step(run) >= 35, what="step 35")
+    proc.send_signal(signal.SIGTERM)
+    assert finish(proc) == ExitCode.REQUEUE
+
+    stop = events(run, "stop_requested")[-1]
+    assert stop["details"]["reason"] == "signal" and stop["details"]["signal"] == "SIGTERM"
+    committed = [e["step"] for e in events(run, "checkpoint_committed")]
+    assert stop["step"] in committed, "no checkpoint committed at the stop step"
+    assert events(run, "launch_exit")[-1]["details"]["code"] == ExitCode.REQUEUE
+
+    assert finish(launch(run, f"train.max_steps={STEPS}", "checkpoint.interval=10")) == 0
+    assert events(run, "resume")[-1]["details"]["from_step"] == stop["step"]
+    assert final_hash(run) == clean_hash(STEPS)
+
+
+def test_sigkill_of_one_rank_restarts_group_and_matches_clean_run(tmp_path, clean_hash):
+    run = tmp_path / "run"
+    proc = launch(run, f"train.max_steps={STEPS}", "checkpoint.interval=10")
+    wait_for(lambda: logged_step(run) >= 45, what="step 45")
+    pids = events(run, "workers_started")[-1]["details"]["pids"]
+    os.kill(int(pids["1"]), signal.SIGKILL)
+    assert finish(proc) == 0
+
+    assert len(events(run, "group_restart")) == 1
+    failed = events(run, "workers_failed")[0]["details"]["exit_codes"]
+    assert -signal.SIGKILL in failed.values()
+    resumed = events(run, "resume")[-1]
+    assert resumed["attempt"] == 1 and resumed["details"]["from_step"] >= 40
+    assert final_hash(run) == clean_hash(STEPS)
+
+
+def test_restart_budget_spent_gives_up(tmp_path):
+    run = tmp_path / "run"
+    proc = launch(run, "train.max_steps=100000", "launcher.max_restarts=1")
+    for attempt in range(2):
+        pids = wait_for(lambda: [e for e in events(run, "workers_started") if e["details"]["restart"] == attempt],
+                        what=f"group {attempt}")[0]["details"]["pids"]
+        wait_for(lambda: any(e["attempt"] == attempt for e in events(run, "start")), what="training start")
+        os.kill(int(pids["0"]), signal.SIGKILL)
+    assert finish(proc) == ExitCode.GIVE_UP
+    assert events(run, "restart_budget_spent")
+
+
+def test_kill_switch_mid_run_then_burn_through(tmp_path):
+    run = tmp_path / "run"
+    proc = launch(run, "train.max_steps=100000")
+    wait_for(lambda: logged_step(run) >= 10, what="step 10")
+    (run / "KILL").touch()
+    assert finish(proc) == ExitCode.REQUEUE
+    stop = events(run, "stop_requested")[-1]
+    assert stop["details"]["reason"] == "kill_switch"
+    assert stop["step"] in [e["step"] for e in events(run, "checkpoint_committed")]
+
+    # the switch stays: a queued relaunch exits at once, before training
+    n_ckpt = len(events(run, "checkpoint_committed"))
+    t0 = time.monotonic()
+    assert finish(launch(run, "train.max_steps=100000")) == ExitCode.REQUEUE
+    assert events(run, "stop_requested")[-1]["details"].get("before_training") is True
+    assert len(events(run, "checkpoint_committed")) == n_ckpt
+    assert len(events(run, "start")) == 1
+    assert time.monotonic() - t0 < 60
+
+
+def test_save_switch_saves_removes_file_and_continues(tmp_path):
+    run = tmp_path / "run"
+    proc = launch(run, "train.max_steps=120", "checkpoint.interval=1000")
+    wait_for(lambda: logged_step(run) >= 20, what="step 20")
+    (run / "SAVE").touch()
+    wait_for(lambda: not (run / "SAVE").exists(), what="save switch removed")
+    assert finish(proc) == 0
+    reasons = {e["details"]["reason"]: e["step"] for e in events(run, "checkpoint_committed")}
+    assert "save_switch" in reasons and 20 <= reasons["save_switch"] < 120
+    assert reasons.get("final") == 120
+
+
+def test_time_limit_saves_and_exits_before_the_limit(tmp_path):
+    run = tmp_path / "run"
+    limit = 15.0
+    proc = launch(run, "train.max_steps=1000000", f"stop.max_duration={limit}", "stop.time_margin=1")
+    assert finish(proc) == ExitCode.REQUEUE
+    launched = events(run, "launch")[-1]["time"]
+    stop = events(run, "stop_requested")[-1]
+    assert stop["details"]["reason"] == "time_limit"
+    saved = [e for e in events(run, "checkpoint_committed") if e["step"] == stop["step"]]
+    assert saved and saved[0]["time"] - launched < limit
+    assert events(run, "exit")[-1]["time"] - launched < limit
+
+
+def test_second_launch_on_locked_run_dir_is_refused(tmp_path):
+    run = tmp_path / "run"
+    first = launch(run, "train.max_steps=100000")
+    wait_for(lambda: events(run, "start"), what="first launch training")
+    r = subprocess.run([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--run-dir", str(run),
+                        str(REPO / "examples" / "gpt.py")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == ExitCode.BAD_INPUT
+    assert "in use by another launch" in r.stderr and str(first.pid) in r.stderr
+    first.send_signal(signal.SIGTERM)
+    assert finish(first) == ExitCode.REQUEUE
+
+
+def test_bad_user_key_exits_2_without_restart_and_keeps_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    assert finish(launch(run, "train.max_steps=20", "checkpoint.interval=5")) == 0
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    proc = launch(run, "train.max_stesp=30")
+    assert finish(proc) == ExitCode.BAD_INPUT
+    assert "did you mean 'max_steps'" in Path(f"{run}.log").read_text()
+    assert not events(run, "group_restart")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_unwritable_run_dir_is_bad_input(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    r = subprocess.run([sys.executable, "-m", "trainguard.cli", "run", "--run-dir", str(blocker / "run"),
+                        str(REPO / "examples" / "gpt.py")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == ExitCode.BAD_INPUT
+    assert "not writable" in r.stderr and str(blocker / "run") in r.stderr
+    assert blocker.read_text() == "not a directory"
