@@ -14,8 +14,10 @@ launcher, waits for it to exit (expected code 75, requeue) and reads ``D/events.
 * **save**: ``stop_requested`` → ``checkpoint_committed`` of the stop step;
 * **rank exit**: ``checkpoint_committed`` → the ranks' ``exit`` event (rank 0, just before
   ``SystemExit``);
-* **launcher exit**: ``exit`` event → the launcher process has exited (process teardown, the
-  agent's monitor poll, rendezvous shutdown, ``launch_exit``).
+* **launcher exit**: ``exit`` event → the launcher process has exited, split into: rank teardown
+  (until the last rank process has exited, polled in ``/proc``), agent notices (→ the agent's
+  ``workers_failed`` event; it polls every ``launcher.monitor_interval``), agent shutdown
+  (→ ``launch_exit``), launcher teardown (→ the launcher process is gone).
 
 The medians over ``--reps`` runs are printed with the total and the save's share of it. There is no
 external baseline: the save is the work that has to happen, everything else is overhead.
@@ -73,6 +75,24 @@ def _events(run_dir: Path) -> list[dict]:
     return out
 
 
+def _exited(pid: int) -> bool:
+    """True once ``pid`` has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+
+
+def _watch_exits(pids: list[int], out: dict[int, float], stop: threading.Event) -> None:
+    """Record the time each rank process exits (polled every 2 ms)."""
+    while not stop.is_set() and len(out) < len(pids):
+        for pid in pids:
+            if pid not in out and _exited(pid):
+                out[pid] = time.time()
+        time.sleep(0.002)
+
+
 def one_run(args: argparse.Namespace, run_dir: Path) -> dict:
     sets = ["train.max_steps=100000", "checkpoint.interval=1000000", "train.log_interval=5"]
     sets += (SMALL if args.model == "small" else []) + args.sets
@@ -103,6 +123,12 @@ def one_run(args: argparse.Namespace, run_dir: Path) -> dict:
         proc.kill()
         raise RuntimeError("training did not start:\n" + "\n".join(lines[-30:]))
     t_ready = time.time()
+    started = [e for e in _events(run_dir) if e["kind"] == "workers_started"]
+    pids = [int(p) for p in started[-1]["details"]["pids"].values()] if started else []
+    rank_exits: dict[int, float] = {}
+    watch_stop = threading.Event()
+    watcher = threading.Thread(target=_watch_exits, args=(pids, rank_exits, watch_stop), daemon=True)
+    watcher.start()
     t_sig = time.time()
     os.kill(proc.pid, signal.SIGTERM)
     try:
@@ -111,6 +137,8 @@ def one_run(args: argparse.Namespace, run_dir: Path) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         raise RuntimeError("launcher did not exit after SIGTERM:\n" + "\n".join(lines[-30:]))
     t_exit = time.time()
+    watch_stop.set()
+    watcher.join(5)
     th.join(5)
 
     ev = _events(run_dir)
@@ -118,9 +146,11 @@ def one_run(args: argparse.Namespace, run_dir: Path) -> dict:
     commit = next((e for e in ev if e["kind"] == "checkpoint_committed" and e["step"] == stop["step"]), None)
     rank_exit = next((e for e in ev if e["kind"] == "exit" and e["rank"] == 0), None)
     launch_exit = next((e for e in ev if e["kind"] == "launch_exit"), None)
+    noticed = next((e for e in ev if e["kind"] == "workers_failed"), None)
     if commit is None or rank_exit is None:
         raise RuntimeError(f"missing events (commit={commit}, exit={rank_exit}); output:\n" + "\n".join(lines[-30:]))
     handler = stop["details"].get("signal_time") or stop["time"]
+    t_procs = max(rank_exits.values()) if pids and len(rank_exits) == len(pids) else None
     return {
         "code": code,
         "startup": t_ready - t_launch,
@@ -130,8 +160,15 @@ def one_run(args: argparse.Namespace, run_dir: Path) -> dict:
         "save_inner": commit["details"].get("seconds"),
         "bytes": commit["details"].get("bytes"),
         "rank_exit": rank_exit["time"] - commit["time"],
-        "launcher_exit": t_exit - rank_exit["time"],
-        "launch_exit_event": (launch_exit["time"] - rank_exit["time"]) if launch_exit else None,
+        "after_exit_event": t_exit - rank_exit["time"],
+        # rank exit event -> the last rank process has exited (interpreter and process-group teardown)
+        "rank_teardown": (t_procs - rank_exit["time"]) if t_procs else None,
+        # -> the agent noticed (workers_failed event; its monitor loop polls every monitor_interval)
+        "agent_notice": (noticed["time"] - t_procs) if (noticed and t_procs) else None,
+        # -> launch_exit event (stop workers, rendezvous shutdown)
+        "agent_shutdown": (launch_exit["time"] - noticed["time"]) if (launch_exit and noticed) else None,
+        # -> the launcher process has exited (interpreter teardown)
+        "launcher_teardown": (t_exit - launch_exit["time"]) if launch_exit else None,
         "total": t_exit - t_sig,
         "stop_step": stop["step"],
     }
@@ -173,8 +210,11 @@ def main() -> int:
     row("finish step", "handler → stop_requested", "finish_step")
     row("save", "stop_requested → checkpoint_committed", "save")
     row("rank exit", "checkpoint_committed → rank exit event", "rank_exit")
-    row("launcher exit", "rank exit event → launcher process exited", "launcher_exit")
-    row("  (launch_exit event)", "rank exit event → launch_exit event", "launch_exit_event")
+    row("launcher exit", "rank exit event → launcher process exited", "after_exit_event")
+    row("  rank teardown", "rank exit event → last rank process gone", "rank_teardown")
+    row("  agent notices", "→ workers_failed event (monitor poll)", "agent_notice")
+    row("  agent shutdown", "→ launch_exit event", "agent_shutdown")
+    row("  launcher teardown", "→ launcher process exited", "launcher_teardown")
     row("total", "SIGTERM sent → launcher process exited", "total")
     Console(width=140).print(table)
     codes = [r["code"] for r in runs]

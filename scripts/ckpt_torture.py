@@ -134,8 +134,12 @@ def server_main() -> int:
     ``wait N`` -> ``exit N CODE`` (CODE negative for a signal, like ``Popen.returncode``).
     """
     import torch  # noqa: F401  (the point of the server: import once, before any fork)
+    import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer: ~0.8 s)
+    import torch.distributed.checkpoint  # noqa: F401
 
     import trainguard  # noqa: F401
+
+    print("ready", flush=True)
 
     out = sys.stdout
     for line in sys.stdin:
@@ -216,6 +220,8 @@ class ForkServer:
     def __init__(self):
         self.proc = subprocess.Popen([sys.executable, str(THIS), "--server"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"fork server failed to start (exit code {self.proc.wait()})")
 
     def _ask(self, line: str) -> str:
         self.proc.stdin.write(line + "\n")

@@ -240,7 +240,7 @@ def final_values(run_dir: Path) -> tuple[Optional[float], Optional[str]]:
     return (val[-1] if val else None), (sha[-1] if sha else None)
 
 
-def report(run_dir: Path, launches: dict[str, Launch], term: Launch, relaunch: Launch) -> int:
+def report(run_dir: Path, term: Launch, relaunch: Launch) -> int:
     """Print the fault table and the comparison; return 0 if all went as expected, else 1."""
     table = Table("fault", "at step", "resumed\nfrom", "steps\nlost", "time to recover", title="injected faults",
                   caption="lost: fault step − checkpoint step resumed from;\nrecovery: until the resumed group's first step")
@@ -257,9 +257,7 @@ def report(run_dir: Path, launches: dict[str, Launch], term: Launch, relaunch: L
     clean_sha, fault_sha = shas
     same = clean_sha is not None and clean_sha == fault_sha
     console.print(f"bitwise identical: {'[green]yes' if same else '[red]no'}[/]")
-    problems = [f"{name} ended with {describe(l.code) if l.code is not None else 'timeout'} ({l.code}), "
-                f"expected {describe(l.expected)} ({l.expected})"
-                for name, l in launches.items() if l.code != l.expected]
+    problems = [] if relaunch.code == 0 else [f"the relaunched faulted run ended with {_outcome(relaunch)}, expected 0"]
     if relaunch.fault_time is None:
         problems.append("the SIGKILL was never injected")
     if not same:
@@ -291,33 +289,32 @@ def run_demo(run_dir: Path, overrides: list[str]) -> int:
     console.print(f"trainguard demo: {total} steps of {script.name} on 2 ranks, twice; output in {run_dir}")
     console.print(f"faults: SIGTERM to the launcher at step {term_at}, SIGKILL of rank 1 at step {kill_at}")
     columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    launches: dict[str, Launch] = {}
     try:
         with Progress(*columns, console=console) as progress:
             task = progress.add_task("clean run", total=total)
-            launches["clean run"] = run_launch(command("clean"), run_dir / "clean.log", progress, task, 0)
-            if launches["clean run"].code != 0:
-                return _aborted("the clean run", launches["clean run"], run_dir / "clean.log")
+            clean = run_launch(command("clean"), run_dir / "clean.log", progress, task, 0)
+            if clean.code != 0:
+                return _aborted("the clean run", clean, run_dir / "clean.log")
             faults, flog = run_dir / "faults", run_dir / "faults.log"
             task = progress.add_task("faults: SIGTERM → requeue", total=total)
             term = run_launch(command("faults"), flog, progress, task, int(ExitCode.REQUEUE),
                               trigger=(term_at, lambda proc, _: terminate_launcher(proc)))
-            launches["faulted run (SIGTERM)"] = term
             if term.code != ExitCode.REQUEUE:
                 return _aborted("the faulted run after SIGTERM", term, flog)
             task = progress.add_task("faults: SIGKILL rank 1", total=total, completed=term.fault_step or 0)
             relaunch = run_launch(command("faults"), flog, progress, task, 0,
                                   trigger=(kill_at, lambda _, launch: kill_rank(faults, launch.started)))
-            launches["faulted run (relaunch)"] = relaunch
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; the launches were stopped[/yellow]")
         return 130
-    return report(run_dir, launches, term, relaunch)
+    return report(run_dir, term, relaunch)
 
+
+def _outcome(launch: Launch) -> str:
+    return "a timeout" if launch.code is None else f"exit code {launch.code} ({describe(launch.code)})"
 
 
 def _aborted(what: str, launch: Launch, log: Path) -> int:
     """Say why the demo stops early; return 1."""
-    code = "a timeout" if launch.code is None else f"exit code {launch.code} ({describe(launch.code)})"
-    console.print(f"[red]demo failed: {what} ended with {code}, expected {launch.expected}; see {log}[/red]")
+    console.print(f"[red]demo failed: {what} ended with {_outcome(launch)}, expected {launch.expected}; see {log}[/red]")
     return 1
