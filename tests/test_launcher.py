@@ -138,3 +138,14 @@ def test_unwritable_run_dir_is_bad_input(tmp_path):
     assert r.returncode == ExitCode.BAD_INPUT
     assert "not writable" in r.stderr and str(blocker / "run") in r.stderr
     assert blocker.read_text() == "not a directory"
+
+
+def test_sigusr1_to_launcher_reaches_ranks(tmp_path):
+    run = tmp_path / "run"
+    proc = launch(run, "train.max_steps=100000")
+    wait_for(lambda: logged_step(run) >= 5, what="step 5")
+    proc.send_signal(signal.SIGUSR1)
+    assert finish(proc) == ExitCode.REQUEUE
+    stop = events(run, "stop_requested")[-1]
+    assert stop["details"]["signal"] == "SIGUSR1"
+    assert events(run, "launch_exit")[-1]["details"]["signal"] == "SIGUSR1"
