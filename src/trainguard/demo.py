@@ -45,9 +45,9 @@ console = Console()
 class Launch:
     """What the demo saw of one ``trainguard run``."""
 
-    code: Optional[int]          # exit code, None on timeout
+    code: Optional[int]  # exit code, None on timeout
     expected: int
-    started: float               # Unix time of the Popen
+    started: float  # Unix time of the Popen
     fault_time: Optional[float] = None
     fault_step: Optional[int] = None  # highest logged step when the fault was injected
 
@@ -168,16 +168,11 @@ def run_launch(cmd: list[str], log: Path, progress: Progress, task: int, expecte
     if (step := tail.poll()) is not None:
         progress.update(task, completed=step)
     progress.stop_task(task)
-    if result.code != expected:
-        show_tail(log)
+    if result.code != expected:  # show the end of the log
+        text = log.read_text(errors="replace").splitlines()[-25:]
+        console.print(f"[yellow]--- last {len(text)} lines of {log} ---[/yellow]")
+        console.print("\n".join(text), markup=False, highlight=False)
     return result
-
-
-def show_tail(log: Path, lines: int = 25) -> None:
-    """Print the last lines of a launch log (after an unexpected exit)."""
-    text = log.read_text(errors="replace").splitlines()[-lines:]
-    console.print(f"[yellow]--- last {len(text)} lines of {log} ---[/yellow]")
-    console.print("\n".join(text), markup=False, highlight=False)
 
 
 def events_after(run_dir: Path, kind: str, t: float) -> list[dict]:
@@ -197,12 +192,6 @@ def kill_rank(run_dir: Path, since: float, local_rank: int = 1) -> bool:
     except ProcessLookupError:
         console.print(f"[red]local rank {local_rank} (pid {pid}) is already gone[/red]")
         return False
-    return True
-
-
-def terminate_launcher(proc: subprocess.Popen) -> bool:
-    """SIGTERM the launcher, as a scheduler does before preempting a job."""
-    proc.send_signal(signal.SIGTERM)
     return True
 
 
@@ -289,6 +278,7 @@ def run_demo(run_dir: Path, overrides: list[str]) -> int:
     console.print(f"trainguard demo: {total} steps of {script.name} on 2 ranks, twice; output in {run_dir}")
     console.print(f"faults: SIGTERM to the launcher at step {term_at}, SIGKILL of rank 1 at step {kill_at}")
     columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the launches on SIGTERM too
     try:
         with Progress(*columns, console=console) as progress:
             task = progress.add_task("clean run", total=total)
@@ -298,7 +288,7 @@ def run_demo(run_dir: Path, overrides: list[str]) -> int:
             faults, flog = run_dir / "faults", run_dir / "faults.log"
             task = progress.add_task("faults: SIGTERM → requeue", total=total)
             term = run_launch(command("faults"), flog, progress, task, int(ExitCode.REQUEUE),
-                              trigger=(term_at, lambda proc, _: terminate_launcher(proc)))
+                              trigger=(term_at, lambda proc, _: proc.send_signal(signal.SIGTERM) or True))
             if term.code != ExitCode.REQUEUE:
                 return _aborted("the faulted run after SIGTERM", term, flog)
             task = progress.add_task("faults: SIGKILL rank 1", total=total, completed=term.fault_step or 0)
@@ -307,6 +297,8 @@ def run_demo(run_dir: Path, overrides: list[str]) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; the launches were stopped[/yellow]")
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return report(run_dir, term, relaunch)
 
 
