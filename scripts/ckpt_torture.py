@@ -29,14 +29,18 @@ are most of a step, so most kills land while a checkpoint is being written (coun
 ``.tmp-step-*`` directory left behind). A fraction (``--early-fraction``) is killed at a uniform
 moment during start-up and resume instead.
 
-Writer processes: ``--mode exec`` (default) starts each one as ``sys.executable THIS --child DIR``;
-``--mode fork`` keeps one "fork server" per job (``sys.executable THIS --server``, torch imported
-once) which ``os.fork()``s each writer, so a kill costs a fraction of a second instead of the ~2-3 s
-interpreter and torch start-up. Either way the writer is a real process, killed with a real SIGKILL,
-writing real files.
+Writer processes: ``--mode exec`` starts each one as ``sys.executable THIS --child DIR``;
+``--mode fork`` (default) keeps one "fork server" per job (``sys.executable THIS --server``, torch
+imported once) which ``os.fork()``s each writer, so a kill costs a fraction of a second instead of
+the ~3 s interpreter and torch start-up. Either way the writer is a real process running the same
+``--child`` code, killed with a real SIGKILL, writing real files.
 
-Prints one ``SUMMARY ...`` line at the end; exits 1 on any failure (failed trial directories are kept
-under the workdir for inspection), 0 otherwise.
+Self-test: ``--inject partial-dir|early-retention|lost-data-position`` plants a known bug in the
+killed writers (not in the reference run); the torture must then fail.
+
+Prints one ``SUMMARY trials=N kills=N during_save=K (P%) ... failures=F elapsed=Ts`` line at the end;
+exits 1 on any failure (failed trial directories are kept under the workdir for inspection), 0
+otherwise.
 """
 
 from __future__ import annotations
@@ -65,14 +69,14 @@ THIS = Path(__file__).resolve()
 # the writer (child) side
 
 
-MODEL_DEFAULTS = {"in_dim": 256, "hidden": 1024, "out_dim": 256}
+MODEL_DEFAULTS = {"in_dim": 256, "hidden": 512, "out_dim": 256}
 N_SAMPLES = 512
 BATCH = 8
 KEEP_LAST = 2
 
 
 def build_model(in_dim: int, hidden: int, out_dim: int):
-    """The writer's model: keys 0.weight/0.bias, 3.*, 5.* (1.6 M parameters with the defaults)."""
+    """The writer's model: keys 0.weight/0.bias, 3.*, 5.* (0.53 M parameters, ~6 MB per checkpoint with AdamW state)."""
     import torch.nn as nn
 
     return nn.Sequential(
@@ -82,13 +86,62 @@ def build_model(in_dim: int, hidden: int, out_dim: int):
     )
 
 
-def child_main(run_dir: str, max_steps: int, in_dim: int, hidden: int, out_dim: int) -> int:
+INJECTABLE = ("partial-dir", "early-retention", "lost-data-position")
+
+
+def inject_bug(kind: str) -> None:
+    """Self-test of the torture: plant a known bug in this writer's checkpoint store.
+
+    ``partial-dir``: write straight into ``step-N`` (no temporary directory, no atomic rename), so a
+    kill during a save leaves a partial committed checkpoint (breaks invariant 1).
+    ``early-retention``: delete every committed checkpoint before writing the new one (breaks
+    invariant 2).
+    ``lost-data-position``: the sampler is not handed to the Guard, so a resume restarts the data
+    order (the final state hash must differ from the reference).
+    """
+    import shutil as _shutil
+
+    from trainguard.checkpoint import manifest as mf
+    from trainguard.checkpoint.store import Checkpoint, CheckpointStore
+
+    if kind == "partial-dir":
+        def begin(self, step):
+            self.root.mkdir(parents=True, exist_ok=True)
+            path = self.path_for(step)
+            _shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            return path
+
+        def commit(self, tmp, step, files, meta):
+            mf.write_manifest(tmp, step, files, meta)
+            return Checkpoint(step, tmp)
+
+        CheckpointStore.tmp_path_for = CheckpointStore.path_for
+        CheckpointStore.begin, CheckpointStore.commit = begin, commit
+    elif kind == "lost-data-position":
+        pass  # handled in child_main
+    elif kind == "early-retention":
+        original_begin = CheckpointStore.begin
+
+        def begin(self, step):
+            for c in self.committed():
+                _shutil.rmtree(c.path)
+            return original_begin(self, step)
+
+        CheckpointStore.begin = begin
+    else:
+        raise ValueError(f"unknown bug {kind!r}; choose from {INJECTABLE}")
+
+
+def child_main(run_dir: str, max_steps: int, in_dim: int, hidden: int, out_dim: int, inject: Optional[str] = None) -> int:
     """Train the MLP under a Guard in ``run_dir``; returns the exit code (SystemExit from the Guard passes)."""
     import torch
     import torch.nn.functional as F
 
     import trainguard
 
+    if inject:
+        inject_bug(inject)
     torch.set_num_threads(1)
     cfg = trainguard.load_config(None, [f"run.dir={run_dir}", "checkpoint.interval=1", f"checkpoint.keep_last={KEEP_LAST}"])
     trainguard.seed_everything(0)
@@ -99,7 +152,8 @@ def child_main(run_dir: str, max_steps: int, in_dim: int, hidden: int, out_dim: 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
     sampler = trainguard.ResumableSampler(N_SAMPLES, seed=0)
-    guard = trainguard.Guard(cfg, model=model, optimizer=opt, scheduler=sched, sampler=sampler)
+    guard = trainguard.Guard(cfg, model=model, optimizer=opt, scheduler=sched,
+                             sampler=None if inject == "lost-data-position" else sampler)
     for _ in guard.steps(max_steps):
         idx = sampler.take(BATCH)
         loss = F.mse_loss(model(xs[idx]), ys[idx])
@@ -118,20 +172,23 @@ def _child_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--in-dim", type=int, default=MODEL_DEFAULTS["in_dim"])
     p.add_argument("--hidden", type=int, default=MODEL_DEFAULTS["hidden"])
     p.add_argument("--out-dim", type=int, default=MODEL_DEFAULTS["out_dim"])
+    p.add_argument("--inject", choices=INJECTABLE, default=None)
     return p.parse_args(argv)
 
 
 def run_child(argv: list[str]) -> int:
     a = _child_args(argv)
-    return child_main(a.child, a.max_steps, a.in_dim, a.hidden, a.out_dim)
+    return child_main(a.child, a.max_steps, a.in_dim, a.hidden, a.out_dim, a.inject)
 
 
 def server_main() -> int:
     """Fork server: import torch and trainguard once, then fork one writer per request.
 
-    Protocol on stdin/stdout, one line each:
-    ``spawn LOGFILE ARG...`` -> ``pid N`` (the writer runs ``--child ARG...``, output to LOGFILE);
-    ``wait N`` -> ``exit N CODE`` (CODE negative for a signal, like ``Popen.returncode``).
+    Protocol: one JSON object per line on stdin, one reply line on stdout. The server first prints
+    ``ready``; then ``{"cmd": "spawn", "log": LOGFILE, "args": [...]}`` -> ``pid N`` (the writer runs
+    ``--child`` with ``args``, stdout and stderr to LOGFILE); ``{"cmd": "wait", "pid": N}`` ->
+    ``exit N CODE`` (CODE negative for a signal, like ``Popen.returncode``); ``{"cmd": "ping"}`` ->
+    ``pong``; ``{"cmd": "quit"}`` ends the server.
     """
     import torch  # noqa: F401  (the point of the server: import once, before any fork)
     import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer: ~0.8 s)
@@ -143,9 +200,10 @@ def server_main() -> int:
 
     out = sys.stdout
     for line in sys.stdin:
-        cmd, *rest = line.split()
+        req = json.loads(line)
+        cmd = req["cmd"]
         if cmd == "spawn":
-            log, args = rest[0], rest[1:]
+            log, args = req["log"], req["args"]
             out.flush()
             sys.stderr.flush()
             pid = os.fork()
@@ -171,10 +229,12 @@ def server_main() -> int:
                         os._exit(code)
             print(f"pid {pid}", file=out, flush=True)
         elif cmd == "wait":
-            pid = int(rest[0])
+            pid = int(req["pid"])
             _, status = os.waitpid(pid, 0)
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             print(f"exit {pid} {code}", file=out, flush=True)
+        elif cmd == "ping":
+            print("pong", file=out, flush=True)
         elif cmd == "quit":
             break
     return 0
@@ -220,11 +280,14 @@ class ForkServer:
     def __init__(self):
         self.proc = subprocess.Popen([sys.executable, str(THIS), "--server"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1)
-        if self.proc.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"fork server failed to start (exit code {self.proc.wait()})")
+        self.ready = False  # servers start (import torch) in parallel; wait for one on first use
 
-    def _ask(self, line: str) -> str:
-        self.proc.stdin.write(line + "\n")
+    def _ask(self, **request) -> list[str]:
+        if not self.ready:
+            if self.proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"fork server failed to start (exit code {self.proc.wait()})")
+            self.ready = True
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         reply = self.proc.stdout.readline()
         if not reply:
@@ -232,16 +295,16 @@ class ForkServer:
         return reply.split()
 
     def spawn(self, log: Path, args: list[str]) -> Writer:
-        kind, pid = self._ask(" ".join(["spawn", str(log), *args]))
+        kind, pid = self._ask(cmd="spawn", log=str(log), args=args)
         return Writer(int(pid), server=self)
 
     def wait(self, pid: int) -> int:
-        _, _, code = self._ask(f"wait {pid}")
+        _, _, code = self._ask(cmd="wait", pid=pid)
         return int(code)
 
     def close(self) -> None:
         try:
-            self.proc.stdin.write("quit\n")
+            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
             self.proc.stdin.close()
             self.proc.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired):
@@ -252,12 +315,14 @@ class ForkServer:
 class Launcher:
     """Starts writers in one mode; one per job thread (a fork server is not shared)."""
 
-    def __init__(self, mode: str, max_steps: int):
-        self.mode, self.max_steps = mode, max_steps
+    def __init__(self, mode: str, max_steps: int, hidden: int = MODEL_DEFAULTS["hidden"], inject: Optional[str] = None):
+        self.mode, self.max_steps, self.hidden, self.inject = mode, max_steps, hidden, inject
         self.server = ForkServer() if mode == "fork" else None
 
     def start(self, run_dir: Path) -> Writer:
-        args = ["--child", str(run_dir), "--max-steps", str(self.max_steps)]
+        args = ["--child", str(run_dir), "--max-steps", str(self.max_steps), "--hidden", str(self.hidden)]
+        if self.inject:
+            args += ["--inject", self.inject]
         log = Path(f"{run_dir}.log")
         if self.server is not None:
             return self.server.spawn(log, args)
@@ -265,6 +330,11 @@ class Launcher:
             proc = subprocess.Popen([sys.executable, str(THIS), *args], stdout=f, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
         return Writer(proc.pid, proc=proc)
+
+    def warm(self) -> None:
+        """Wait until writers can be started (the fork server has imported torch)."""
+        if self.server is not None:
+            self.server._ask(cmd="ping")
 
     def close(self) -> None:
         if self.server is not None:
@@ -403,6 +473,7 @@ def log_tail(run_dir: Path, n: int = 2500) -> str:
 def reference_run(launcher: Launcher, workdir: Path, timeout: float) -> dict:
     """An uninterrupted run; returns its final hash and timings (start-up, step+save period)."""
     run_dir = workdir / "reference"
+    launcher.warm()
     t0 = time.time()
     w = launcher.start(run_dir)
     code = w.wait(timeout=timeout)
@@ -452,7 +523,7 @@ def run_trial_dir(tid: int, args: argparse.Namespace, launcher: Launcher, ref: d
         seen += tail.new()
         if not alive:
             budget.give_back()
-            if code == 0 and not early:
+            if code == 0:
                 stats.add(finished_early=1)
                 break
             stats.fail(name, f"writer exited by itself with code {code} before its kill:\n{log_tail(run_dir)}")
@@ -561,13 +632,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--workdir", type=Path, default=None, help="where trial directories go (default: a new temp dir, removed on success)")
     p.add_argument("--kills-per-dir", type=int, default=5, help="kill-resume-kill cycles per trial directory (default 5)")
     p.add_argument("--max-steps", type=int, default=30, help="steps of a full run (default 30)")
+    p.add_argument("--hidden", type=int, default=MODEL_DEFAULTS["hidden"],
+                   help=f"hidden width of the MLP (default {MODEL_DEFAULTS['hidden']}: ~6 MB per checkpoint with AdamW state)")
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="trial directories in parallel")
-    p.add_argument("--mode", choices=["exec", "fork"], default="exec",
-                   help="start writers as new interpreters (exec) or fork them from a warm server (fork, faster)")
+    p.add_argument("--mode", choices=["exec", "fork"], default="fork",
+                   help="fork writers from a warm server (fork, default: ~0.3 s per kill) or start each as a new "
+                        "interpreter (exec: ~3 s per kill, for torch import)")
     p.add_argument("--early-fraction", type=float, default=0.1, help="share of kills during start-up/resume (default 0.1)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a writer may take to reach its kill point")
     p.add_argument("--progress", type=int, default=50, help="print progress every N kills")
     p.add_argument("--keep", action="store_true", help="keep the trial directories that passed")
+    p.add_argument("--inject", choices=INJECTABLE, default=None,
+                   help="self-test: plant this bug in the killed writers (not the reference run); the torture must fail")
     args = p.parse_args(argv)
     if args.max_steps < 10:
         p.error("--max-steps must be at least 10")
@@ -579,9 +655,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"ckpt_torture: {args.trials} kills, {args.kills_per_dir} per trial dir, {args.jobs} jobs, mode {args.mode}, "
           f"seed {args.seed}, workdir {args.workdir}", flush=True)
 
-    launcher = Launcher(args.mode, args.max_steps)
+    import trainguard  # noqa: F401  (the checks need it; import it before the clock matters)
+
+    launcher = Launcher(args.mode, args.max_steps, args.hidden)
+    job_launchers = [Launcher(args.mode, args.max_steps, args.hidden, args.inject) for _ in range(args.jobs)]
     try:
         ref = reference_run(launcher, args.workdir, args.timeout * 3)
+    except BaseException:
+        for each in job_launchers:
+            each.close()
+        raise
     finally:
         launcher.close()
     print(f"reference: state_sha256 {ref['sha'][:16]}..., start-up {ref['startup']:.2f} s, step+save period "
@@ -592,8 +675,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     next_tid = iter(range(10**9))
     tid_lock = threading.Lock()
 
-    def job() -> None:
-        launcher = Launcher(args.mode, args.max_steps)
+    def job(launcher: Launcher) -> None:
         try:
             while not budget.exhausted():
                 with tid_lock:
@@ -608,7 +690,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             launcher.close()
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for f in [pool.submit(job) for _ in range(args.jobs)]:
+        for f in [pool.submit(job, each) for each in job_launchers]:
             f.result()
 
     elapsed = time.monotonic() - t_start

@@ -210,7 +210,14 @@ class Guard:
 
     def _resume(self) -> None:
         t0 = time.perf_counter()
-        found = self.store.latest_valid(self.cfg.checkpoint.verify) if self.rank == 0 else None
+        found = None
+        if self.rank == 0:
+            found = self.store.latest_valid(self.cfg.checkpoint.verify)
+            # every newer step directory was just reported invalid: set it aside (kept, renamed)
+            # so that its step can be saved again and retention does not count it
+            for c in self.store.committed():
+                if found is None or c.step > found.step:
+                    self.store.set_aside(c, "does not verify (see the checkpoint_invalid event)")
         found = tgdist.broadcast_object(found)
         if found is None:
             return
@@ -236,7 +243,7 @@ class Guard:
         if self.cfg.checkpoint.save_final:
             self.save("final")
         digest = state_hash(self.model, self.optimizer)
-        loss = float(self.last_loss) if self.last_loss is not None else None
+        loss = float(self.last_loss.detach() if torch.is_tensor(self.last_loss) else self.last_loss) if self.last_loss is not None else None
         self._emit0("end", state_sha256=digest, last_loss=loss)
         for h in self.hooks:
             h.on_train_end(self, "finished")
@@ -277,7 +284,7 @@ class Guard:
         seconds = time.perf_counter() - t0
         self._save_seconds = seconds
         self._last_saved_step = self.step
-        deleted = self.store.apply_retention() if self.rank == 0 else []
+        deleted = self.store.apply_retention(protect=(ckpt.step,)) if self.rank == 0 else []
         self._emit0("checkpoint_committed", path=str(ckpt.path), bytes=nbytes, seconds=round(seconds, 4),
                     reason=reason, deleted_steps=deleted)
         for h in self.hooks:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,6 +32,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from .. import dist as tgdist
 from . import manifest as mf
 from .store import Checkpoint, CheckpointStore
+
+
+# DCP warns on every single-process save/load that it assumes a single process: that is intended here
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class CheckpointMismatchError(ValueError):

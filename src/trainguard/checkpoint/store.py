@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -85,13 +86,35 @@ class CheckpointStore:
         for ckpt in reversed(self.committed()):
             if before is not None and ckpt.step >= before:
                 continue
-            reason = mf.verify(ckpt.path, verify)
+            reason = self.check(ckpt, verify)
             if reason is None:
                 return ckpt
             log.warning("skipping checkpoint %s: %s", ckpt.path, reason)
             if self.on_invalid:
                 self.on_invalid(ckpt, reason)
         return None
+
+    def check(self, ckpt: Checkpoint, verify: str = "full") -> Optional[str]:
+        """Why ``ckpt`` is not usable (``None`` if it is): manifest verification, and the
+        manifest's step must match the directory name (a renamed copy is refused)."""
+        reason = mf.verify(ckpt.path, verify)
+        if reason is None:
+            step = mf.read_manifest(ckpt.path)["step"]
+            if step != ckpt.step:
+                reason = f"manifest is for step {step}, directory says {ckpt.step}"
+        return reason
+
+    def set_aside(self, ckpt: Checkpoint, reason: str = "") -> Path:
+        """Rename a checkpoint that does not verify to ``.invalid-step-N-<ns>``.
+
+        It is kept for inspection (nothing is deleted), no longer listed or counted by retention,
+        and no longer in the way of a new save of the same step.
+        """
+        aside = self.root / f".invalid-{ckpt.path.name}-{time.time_ns()}"
+        ckpt.path.rename(aside)
+        mf.fsync_path(self.root)
+        log.warning("set invalid checkpoint %s aside as %s: %s", ckpt.path, aside.name, reason)
+        return aside
 
     def clean_stale(self) -> list[Path]:
         """Delete leftovers of interrupted writes and deletions (``.tmp-*``, ``.trash-*``).
@@ -134,12 +157,14 @@ class CheckpointStore:
         mf.fsync_path(self.root)
         return Checkpoint(step, final)
 
-    def apply_retention(self, protect: Iterable[int] = ()) -> list[int]:
-        """Delete committed checkpoints beyond the newest ``keep_last``, except ``protect`` steps.
+    def apply_retention(self, protect: Iterable[int] = (), verify: str = "size") -> list[int]:
+        """Delete verified checkpoints beyond the newest ``keep_last`` verified ones, except ``protect``.
 
-        The newest committed checkpoint is never deleted. Returns the deleted steps.
+        Only checkpoints that verify (``"size"``: one ``stat`` per file) count and can be deleted;
+        others are left alone, so a corrupt newer directory never pushes a good one out. The newest
+        verified checkpoint is never deleted. Returns the deleted steps.
         """
-        ckpts = self.committed()
+        ckpts = [c for c in self.committed() if mf.verify(c.path, verify) is None]
         keep = {c.step for c in ckpts[-self.keep_last:]} | set(protect)
         deleted = []
         for c in ckpts[:-1]:
