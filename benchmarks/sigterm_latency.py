@@ -5,12 +5,15 @@ Each repetition launches::
     trainguard run --nproc-per-node 2 --run-dir D examples/gpt.py \\
         --set train.max_steps=100000 --set checkpoint.interval=1000000 [--set model...]
 
-waits until rank 0 prints its first ``step `` line (training is under way), sends SIGTERM to the
-launcher, waits for it to exit (expected code 75, requeue) and reads ``D/events.jsonl``:
+waits until rank 0 prints its second ``step `` line (training is under way, ``--warm-steps``) plus a random fraction
+of a step (so the signal lands anywhere in a step), sends SIGTERM to the launcher, waits for it to exit (expected code 75, requeue) and reads ``D/events.jsonl``:
 
-* **forward**: SIGTERM sent → the rank's handler ran (``stop_requested.details.signal_time``, rank 0);
-* **finish step**: handler → ``stop_requested`` event (the Guard reached the step boundary and all
-  ranks agreed to stop);
+* **forward**: SIGTERM sent → rank 0's Python handler ran (``stop_requested.details.signal_time``):
+  the launcher forwards the signal, and CPython runs the handler only when the main thread is back
+  in the interpreter, so this includes the rest of the torch op that was running (a backward can
+  take most of a step);
+* **finish step**: handler → ``stop_requested`` event (the rest of the step, then the Guard's stop
+  check at the step boundary, where all ranks agree to stop);
 * **save**: ``stop_requested`` → ``checkpoint_committed`` of the stop step;
 * **rank exit**: ``checkpoint_committed`` → the ranks' ``exit`` event (rank 0, just before
   ``SystemExit``);
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -51,7 +55,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--model", choices=["default", "small"], default=None,
                    help="examples/gpt.py's default model (3.3 M parameters) or a small one (default: default, quick: small)")
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra override for gpt.py (repeatable)")
-    p.add_argument("--warm-steps", type=int, default=1, help="wait for this many 'step' log lines before SIGTERM")
+    p.add_argument("--warm-steps", type=int, default=2, help="wait for this many 'step' log lines before SIGTERM")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each phase before giving up")
     args = p.parse_args()
     args.reps = args.reps or (1 if args.quick else 3)
@@ -93,7 +97,7 @@ def _watch_exits(pids: list[int], out: dict[int, float], stop: threading.Event) 
         time.sleep(0.002)
 
 
-def one_run(args: argparse.Namespace, run_dir: Path) -> dict:
+def one_run(args: argparse.Namespace, run_dir: Path, rng: random.Random) -> dict:
     sets = ["train.max_steps=100000", "checkpoint.interval=1000000", "train.log_interval=5"]
     sets += (SMALL if args.model == "small" else []) + args.sets
     cmd = _trainguard() + ["run", "--nproc-per-node", "2", "--run-dir", str(run_dir), str(ROOT / "examples" / "gpt.py")]
@@ -105,6 +109,7 @@ def one_run(args: argparse.Namespace, run_dir: Path) -> dict:
     lines: list[str] = []
     ready = threading.Event()
     steps_seen = 0
+    step_ms = [0.0]
 
     def reader() -> None:
         nonlocal steps_seen
@@ -113,6 +118,10 @@ def one_run(args: argparse.Namespace, run_dir: Path) -> dict:
             lines.append(line.rstrip("\n"))
             if line.startswith("step "):
                 steps_seen += 1
+                try:  # "step 5/100000 loss 4.97 lr 3.00e-04 390 ms/step"
+                    step_ms[0] = float(line.split()[-2])
+                except (ValueError, IndexError):
+                    pass
                 if steps_seen >= args.warm_steps:
                     ready.set()
         ready.set()  # EOF: the launch ended early
@@ -123,6 +132,10 @@ def one_run(args: argparse.Namespace, run_dir: Path) -> dict:
         proc.kill()
         raise RuntimeError("training did not start:\n" + "\n".join(lines[-30:]))
     t_ready = time.time()
+    # the log line comes right after a step boundary: wait a random fraction of a step so that the
+    # signal lands anywhere in a step, as a real preemption does
+    delay = rng.uniform(0, step_ms[0] / 1e3)
+    time.sleep(delay)
     started = [e for e in _events(run_dir) if e["kind"] == "workers_started"]
     pids = [int(p) for p in started[-1]["details"]["pids"].values()] if started else []
     rank_exits: dict[int, float] = {}
@@ -156,6 +169,7 @@ def one_run(args: argparse.Namespace, run_dir: Path) -> dict:
         "startup": t_ready - t_launch,
         "forward": handler - t_sig,
         "finish_step": stop["time"] - handler,
+        "to_stop": stop["time"] - t_sig,
         "save": commit["time"] - stop["time"],
         "save_inner": commit["details"].get("seconds"),
         "bytes": commit["details"].get("bytes"),
@@ -171,6 +185,8 @@ def one_run(args: argparse.Namespace, run_dir: Path) -> dict:
         "launcher_teardown": (t_exit - launch_exit["time"]) if launch_exit else None,
         "total": t_exit - t_sig,
         "stop_step": stop["step"],
+        "step_ms": step_ms[0],
+        "delay": delay,
     }
 
 
@@ -181,10 +197,11 @@ def main() -> int:
 
     base = Path(tempfile.mkdtemp(prefix="tg-bench-sigterm-"))
     runs = []
+    rng = random.Random(0)
     t_wall = time.perf_counter()
     try:
         for i in range(args.reps):
-            runs.append(one_run(args, base / f"run-{i}"))
+            runs.append(one_run(args, base / f"run-{i}", rng))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     wall = time.perf_counter() - t_wall
@@ -206,8 +223,9 @@ def main() -> int:
         m = med(vals)
         table.add_row(name, span, f"{m * 1e3:.0f}", " ".join(f"{v * 1e3:.0f}" for v in vals), f"{m / total * 100:.0f}%")
 
-    row("forward", "SIGTERM sent → rank 0 handler ran", "forward")
+    row("forward", "SIGTERM sent → rank 0 Python handler ran", "forward")
     row("finish step", "handler → stop_requested", "finish_step")
+    row("  = signal to stop", "SIGTERM sent → stop_requested", "to_stop")
     row("save", "stop_requested → checkpoint_committed", "save")
     row("rank exit", "checkpoint_committed → rank exit event", "rank_exit")
     row("launcher exit", "rank exit event → launcher process exited", "after_exit_event")
@@ -221,7 +239,9 @@ def main() -> int:
     saves = [r["save_inner"] for r in runs if r["save_inner"] is not None]
     print(f"exit codes {codes} (expected 75 each); checkpoint {runs[0]['bytes']:,} bytes, save_state's own "
           f"time {med(saves) * 1e3:.0f} ms median; save share of total {med(r['save'] for r in runs) / total * 100:.0f}%")
-    print(f"startup to first step line {med(r['startup'] for r in runs):.1f} s; stop steps {[r['stop_step'] for r in runs]}; "
+    delays = " ".join(f"{r['delay'] * 1e3:.0f}" for r in runs)
+    print(f"step time (rank 0 log) {med(r['step_ms'] for r in runs):.0f} ms; SIGTERM sent {delays} ms after a step log line")
+    print(f"launch to step line #{args.warm_steps} {med(r['startup'] for r in runs):.1f} s; stop steps {[r['stop_step'] for r in runs]}; "
           f"wall {wall:.1f} s; load average {os.getloadavg()[0]:.2f} (other processes on this machine add noise)")
     if any(c != 75 for c in codes):
         print("WARNING: a launch did not exit with 75 (requeue)")

@@ -1,16 +1,20 @@
 """Step overhead of trainguard.Guard against the same DDP loop without it (goal: ≤ 1.01×).
 
 Two gloo ranks (``torch.multiprocessing.spawn``, one CPU thread each) train a small MLP with DDP
-and AdamW. In the same processes the benchmark alternates blocks of N plain steps and N guarded
-steps (``for step in guard.steps(N): ...; guard.step_end(loss)``), in the order ABBA ABBA ... so
-that drift (thermal, other load) and ordering effects cancel. Each guarded block gets a fresh run
+and AdamW. In the same processes the benchmark alternates blocks of N plain steps (A) and N guarded
+steps (B: ``for step in guard.steps(N): ...; guard.step_end(loss)``), and, as a reference, N plain
+steps each followed by one bare 4-integer ``all_reduce`` (C: the collective the Guard's stop check
+adds at every step with ``stop.check_interval = 1``; the default, auto, adds it about once a second), in the order ABCCBA ABCCBA ... so that drift
+(thermal, other load) and ordering effects cancel. Each guarded block gets a fresh run
 directory (``steps()`` would otherwise resume) and ``checkpoint.interval`` larger than N with
 ``save_final=false``: saving is measured by ``checkpoint_throughput.py``, not here.
 
 Reported (rank 0): median per-step wall time of each variant (the first step of every block is
-dropped: for the Guard it includes ``_begin()``), their ratio, the time spent inside
-``guard.step_end()`` per call, and the Guard's per-run fixed cost (setup + the end-of-run state
-hash) for information.
+dropped: for the Guard it includes ``_begin()``) and their ratio; the median over ABBA rounds of
+(guarded time / plain time) per round; the same for the reference; the same for the process's CPU time per step (all its
+threads; time spent descheduled or blocked is not counted, so it is much less sensitive to other
+load on the machine); the time spent inside ``guard.step_end()`` per call; and the Guard's per-run
+fixed cost (setup + the end-of-run state hash), for information.
 
     .venv/bin/python benchmarks/step_overhead.py [--quick] [--steps N] [--rounds R] [--hidden H]
 """
@@ -32,16 +36,18 @@ GOAL = 1.01
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short run (~15 s) to check that it works")
-    p.add_argument("--steps", type=int, default=None, help="steps per block (default 150, quick 40)")
-    p.add_argument("--rounds", type=int, default=None, help="ABBA rounds (default 4, quick 1)")
-    p.add_argument("--hidden", type=int, default=1024, help="MLP width (sets the step time)")
+    p.add_argument("--steps", type=int, default=None, help="steps per block (default 40, quick 30)")
+    p.add_argument("--rounds", type=int, default=None, help="ABCCBA rounds (default 8, quick 2)")
+    p.add_argument("--hidden", type=int, default=768, help="MLP width (sets the step time)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
-    p.add_argument("--check-interval", type=int, default=1, help="Guard stop.check_interval")
+    p.add_argument("--check-interval", type=int, default=0, help="Guard stop.check_interval (0 = auto, the default)")
+    p.add_argument("--no-reference", dest="reference", action="store_false",
+                   help="skip the reference variant (plain loop + one bare 4-int all_reduce per step)")
     args = p.parse_args()
     if args.steps is None:
-        args.steps = 40 if args.quick else 150
+        args.steps = 30 if args.quick else 40
     if args.rounds is None:
-        args.rounds = 1 if args.quick else 4
+        args.rounds = 2 if args.quick else 8
     return args
 
 
@@ -74,53 +80,64 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         train_step()
 
     n = args.steps
-    plain: list[list[float]] = []
-    guarded: list[list[float]] = []
+    wall = {"plain": [], "guarded": [], "collective": []}  # per block: per-step wall seconds
+    cpu = {"plain": [], "guarded": [], "collective": []}  # per block: per-step CPU seconds of this process (all threads)
     step_end_us: list[float] = []
     fixed_ms: list[float] = []
+    clock, cpu_clock = time.perf_counter, time.process_time
 
-    def run_plain() -> None:
-        times = []
-        t_prev = time.perf_counter()
+    def run_plain(variant: str = "plain") -> None:
+        times, cpus = [], []
+        t_prev, c_prev = clock(), cpu_clock()
         for _ in range(n):
             loss = train_step()
             loss = loss.detach()  # same work as the guarded loop minus step_end
-            now = time.perf_counter()
+            if variant == "collective":  # reference: what the Guard's per-step stop check costs by itself
+                dist.all_reduce(torch.tensor([0, 0, 0, 0], dtype=torch.int64), op=dist.ReduceOp.MAX)
+            now, c_now = clock(), cpu_clock()
             times.append(now - t_prev)
-            t_prev = now
-        plain.append(times[1:])
+            cpus.append(c_now - c_prev)
+            t_prev, c_prev = now, c_now
+        wall[variant].append(times[1:])
+        cpu[variant].append(cpus[1:])
 
     def run_guarded(block: int) -> None:
         cfg = trainguard.load_config(None, [f"run.dir={tmp}/guard-{block}", "checkpoint.interval=1000000",
                                             "checkpoint.save_final=false", f"stop.check_interval={args.check_interval}"])
-        t_start = time.perf_counter()
+        t_start = clock()
         guard = trainguard.Guard(cfg, model=ddp, optimizer=opt)
-        times, inside = [], []
-        t_prev = time.perf_counter()
+        times, cpus, inside = [], [], []
+        t_prev, c_prev = clock(), cpu_clock()
         for _step in guard.steps(n):
             loss = train_step()
-            t0 = time.perf_counter()
+            t0 = clock()
             guard.step_end(loss=loss.detach())
-            now = time.perf_counter()
+            now, c_now = clock(), cpu_clock()
             inside.append(now - t0)
             times.append(now - t_prev)
-            t_prev = now
-        t_end = time.perf_counter()
+            cpus.append(c_now - c_prev)
+            t_prev, c_prev = now, c_now
+        t_end = clock()
         guard.shutdown.uninstall()
-        guarded.append(times[1:])
+        guard.events.close()
+        wall["guarded"].append(times[1:])
+        cpu["guarded"].append(cpus[1:])
         step_end_us.extend(v * 1e6 for v in inside[1:])
-        fixed_ms.append((t_end - t_start - sum(times[1:])) * 1e3 - statistics.median(times[1:]) * 1e3)
+        fixed_ms.append((t_end - t_start - sum(times[1:]) - statistics.median(times[1:])) * 1e3)
 
     block = 0
-    for _ in range(args.rounds):  # ABBA
+    for _ in range(args.rounds):  # ABCCBA: plain, guard, collective, collective, guard, plain
         run_plain()
         run_guarded(block); block += 1
+        if args.reference:
+            run_plain("collective")
+            run_plain("collective")
         run_guarded(block); block += 1
         run_plain()
     dist.barrier()
     if rank == 0:
         Path(tmp, "result.json").write_text(json.dumps(
-            {"plain": plain, "guarded": guarded, "step_end_us": step_end_us, "fixed_ms": fixed_ms}))
+            {"wall": wall, "cpu": cpu, "step_end_us": step_end_us, "fixed_ms": fixed_ms}))
     dist.destroy_process_group()
 
 
@@ -137,40 +154,53 @@ def main() -> int:
         res = json.loads(Path(tmp, "result.json").read_text())
 
     med = statistics.median
-    plain_blocks = [med(b) for b in res["plain"]]
-    guard_blocks = [med(b) for b in res["guarded"]]
-    plain_ms = med([t for b in res["plain"] for t in b]) * 1e3
-    guard_ms = med([t for b in res["guarded"] for t in b]) * 1e3
-    ratio = guard_ms / plain_ms
-    # the paired ratio: each plain block against the guarded block next to it (ABBA pairs)
-    pair_ratios = [g / p for p, g in zip(plain_blocks, guard_blocks)]
-    pair_ratio = med(pair_ratios)
-    se = res["step_end_us"]
-    se_sorted = sorted(se)
-    p90 = se_sorted[int(0.9 * (len(se_sorted) - 1))]
-    mean_plain = statistics.fmean(t for b in res["plain"] for t in b) * 1e3
-    mean_guard = statistics.fmean(t for b in res["guarded"] for t in b) * 1e3
+
+    def summary(d: dict, variant: str = "guarded") -> tuple[float, float, float, float, float]:
+        """(plain median ms, variant median ms, ratio of medians, median of per-round ratios, ratio of means)"""
+        p_all = [t for b in d["plain"] for t in b]
+        g_all = [t for b in d[variant] for t in b]
+        # per round: the variant's two blocks against the two plain blocks around them
+        rounds = [(sum(d[variant][2 * i]) + sum(d[variant][2 * i + 1])) / (sum(d["plain"][2 * i]) + sum(d["plain"][2 * i + 1]))
+                  for i in range(len(d["plain"]) // 2)]
+        return (med(p_all) * 1e3, med(g_all) * 1e3, med(g_all) / med(p_all), med(rounds),
+                statistics.fmean(g_all) / statistics.fmean(p_all))
+
+    w_p, w_g, w_ratio, w_round, w_mean = summary(res["wall"])
+    c_p, c_g, c_ratio, c_round, c_mean = summary(res["cpu"])
+    has_ref = bool(res["wall"]["collective"])
+    if has_ref:
+        _, r_w, r_ratio, r_round, _ = summary(res["wall"], "collective")
+        _, r_c, rc_ratio, _, _ = summary(res["cpu"], "collective")
+    se = sorted(res["step_end_us"])
+    p90 = se[int(0.9 * (len(se) - 1))]
+
+    def goal_fmt(r: float) -> str:
+        return f"{'[green]' if r <= GOAL else '[red]'}{r:.4f}×"
 
     table = Table(title=f"Guard step overhead — 2 gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
-                        f"{args.rounds}×ABBA blocks of {args.steps} steps")
-    table.add_column("measure")
-    table.add_column("plain loop", justify="right")
-    table.add_column("with Guard", justify="right")
-    table.add_column("ratio", justify="right")
-    table.add_column("goal", justify="right")
-    ok = "[green]" if ratio <= GOAL else "[red]"
-    table.add_row("median step (ms)", f"{plain_ms:.3f}", f"{guard_ms:.3f}", f"{ok}{ratio:.4f}×", f"≤ {GOAL:.2f}×")
-    table.add_row("median of paired block ratios", "", "", f"{pair_ratio:.4f}×", f"≤ {GOAL:.2f}×")
-    table.add_row("mean step (ms)", f"{mean_plain:.3f}", f"{mean_guard:.3f}", f"{mean_guard / mean_plain:.4f}×", "")
-    table.add_row("guard.step_end() per call (µs)", "", f"median {med(se):.0f}, p90 {p90:.0f}",
-                  f"{med(se) / 1e3 / plain_ms * 100:.2f}% of a step", "")
-    table.add_row("Guard fixed cost per run (ms)", "", f"{med(res['fixed_ms']):.1f}", "",
-                  "setup + end hash, once")
-    Console().print(table)
-    print(f"block medians (ms) plain: {' '.join(f'{v * 1e3:.2f}' for v in plain_blocks)}")
-    print(f"block medians (ms) guard: {' '.join(f'{v * 1e3:.2f}' for v in guard_blocks)}")
+                        f"{args.rounds}× {'ABCCBA' if args.reference else 'ABBA'} blocks of {args.steps} steps, rank 0")
+    for col in ("measure", "plain loop", "with Guard", "ratio", "goal"):
+        table.add_column(col, justify="left" if col == "measure" else "right")
+    table.add_row("wall: median step (ms)", f"{w_p:.3f}", f"{w_g:.3f}", goal_fmt(w_ratio), f"≤ {GOAL:.2f}×")
+    table.add_row("wall: median of per-round ratios", "", "", goal_fmt(w_round), f"≤ {GOAL:.2f}×")
+    table.add_row("wall: ratio of means", "", "", f"{w_mean:.4f}×", "")
+    table.add_row("CPU: median step (ms)", f"{c_p:.3f}", f"{c_g:.3f}", goal_fmt(c_ratio), "less sensitive to load")
+    table.add_row("CPU: median of per-round ratios", "", "", goal_fmt(c_round), "")
+    if has_ref:
+        table.add_row("ref: plain + bare all_reduce, wall (ms)", f"{w_p:.3f}", f"{r_w:.3f}",
+                      f"{r_ratio:.4f}× (rounds {r_round:.4f}×)", "not the Guard")
+        table.add_row("ref: plain + bare all_reduce, CPU (ms)", f"{c_p:.3f}", f"{r_c:.3f}",
+                      f"{rc_ratio:.4f}×", "not the Guard")
+    table.add_row("guard.step_end() wall per call (µs)", "", f"median {med(se):.0f}, p90 {p90:.0f}",
+                  f"{med(se) / 1e3 / w_p * 100:.2f}% of a step", "incl. waiting for the other rank")
+    table.add_row("Guard fixed cost per run (ms)", "", f"{med(res['fixed_ms']):.1f}", "", "setup + end hash, once")
+    Console(width=150).print(table)
+    print("block medians, wall ms  plain: " + " ".join(f"{med(b) * 1e3:.1f}" for b in res["wall"]["plain"]))
+    print("                        guard: " + " ".join(f"{med(b) * 1e3:.1f}" for b in res["wall"]["guarded"]))
+    if has_ref:
+        print("       plain + all_reduce: " + " ".join(f"{med(b) * 1e3:.1f}" for b in res["wall"]["collective"]))
     print(f"check_interval={args.check_interval}; wall {wall:.1f} s; load average {os.getloadavg()[0]:.2f} "
-          "(other processes on this 2-core machine add noise)")
+          "(other processes on this 2-core machine add noise; compare runs on an idle machine)")
     return 0
 
 

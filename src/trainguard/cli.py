@@ -55,6 +55,9 @@ def run(
         code = launch(opts)
     except (ConfigError, RunDirLocked) as e:
         _fail(str(e))
+    import gc
+
+    gc.freeze()  # the launcher's exit skips a slow final collection over torch objects
     raise typer.Exit(code)
 
 

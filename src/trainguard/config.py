@@ -115,7 +115,8 @@ class StopSection(Section):
     time_margin: float = Field(5.0, ge=0, description="extra seconds kept in reserve before max_duration")
     kill_switch: str = Field("KILL", description="file (relative to the run dir) whose presence means: save and exit")
     save_switch: str = Field("SAVE", description="file whose presence means: save, delete the file, continue")
-    check_interval: int = Field(1, ge=1, description="check stop conditions every N steps")
+    check_interval: int = Field(0, ge=0, description="check stop conditions every N steps; 0 = auto: about every check_seconds, from the measured step time")
+    check_seconds: float = Field(1.0, gt=0, description="with check_interval = 0: target seconds between two checks (the stop latency); the check is one small all-reduce")
 
     @field_validator("max_duration", mode="before")
     @classmethod

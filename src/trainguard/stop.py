@@ -6,6 +6,7 @@ Each rank computes its local flags; the Guard combines them across ranks in one 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -53,21 +54,34 @@ class StopConditions:
             return None
         return self.start_time + self.cfg.max_duration - time.time()
 
-    def local_flags(self, step_seconds: float, save_seconds: float) -> list[int]:
-        """This rank's flags in :data:`FLAGS` order (1 = set).
+    def next_interval(self, step_seconds: float) -> int:
+        """Steps until the next check this rank proposes: ``[stop] check_interval`` if set, else
+        ``ceil(check_seconds / step_seconds)`` clamped to [1, 1000] (auto)."""
+        if self.cfg.check_interval:
+            return self.cfg.check_interval
+        if step_seconds <= 0:
+            return 1
+        return max(1, min(1000, math.ceil(self.cfg.check_seconds / step_seconds)))
+
+    def local_flags(self, step_seconds: float, save_seconds: float, steps_ahead: int = 1) -> list[int]:
+        """This rank's flags in :data:`FLAGS` order (1 = set), then its proposed next interval.
 
         Args:
             step_seconds: estimate of one more step (the slowest recent step).
             save_seconds: estimate of one save (the last measured save, or a size-based guess).
-        The time limit fires when fewer than ``step + save + time_margin`` seconds remain.
+            steps_ahead: steps until the next check (the time limit must hold until then).
+        The time limit fires when fewer than ``(steps_ahead + 1) × step + save + time_margin``
+        seconds remain. The last element is :meth:`next_interval`; the Guard takes the maximum
+        over ranks, so all ranks schedule the next check at the same step without another collective.
         """
         left = self.time_left()
-        late = left is not None and left < step_seconds + save_seconds + self.cfg.time_margin
+        late = left is not None and left < (steps_ahead + 1) * step_seconds + save_seconds + self.cfg.time_margin
         return [
             int(self.shutdown.received is not None),
             int(self.kill_switch()),
             int(late),
             int(self.save_path.exists()),
+            self.next_interval(step_seconds),
         ]
 
     def reason(self, flags: list[int]) -> Optional[str]:
