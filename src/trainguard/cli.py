@@ -42,15 +42,22 @@ def run(
     max_restarts: Optional[int] = typer.Option(None, "--max-restarts", help="worker-group restarts before giving up (default [launcher] max_restarts = 3)"),
     monitor_interval: Optional[float] = typer.Option(None, "--monitor-interval", help="seconds between worker checks"),
     local_addr: Optional[str] = typer.Option(None, "--local-addr", help="address of this node"),
+    inject: List[str] = typer.Option([], "--inject", help="inject a fault: KIND[:key=value,...], e.g. rank_hung:rank=1,step=30 (see [faults])"),
 ) -> None:
     """Launch SCRIPT on this node's ranks; restart them when one dies; forward stop signals."""
     from .launcher import LaunchOptions, RunDirLocked, launch
 
+    from .faults import parse_inject
+
+    try:
+        specs = [parse_inject(text) for text in inject]
+    except ConfigError as e:
+        _fail(str(e))
     opts = LaunchOptions(script=script, script_args=list(ctx.args), run_dir=run_dir, config=config,
                          overrides=list(overrides), nnodes=nnodes, nproc_per_node=nproc_per_node,
                          rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                          rdzv_conf=rdzv_conf, max_restarts=max_restarts, monitor_interval=monitor_interval,
-                         local_addr=local_addr)
+                         local_addr=local_addr, inject=specs)
     try:
         code = launch(opts)
     except (ConfigError, RunDirLocked) as e:

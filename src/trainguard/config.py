@@ -128,8 +128,63 @@ class LauncherSection(Section):
     """``[launcher]``: the ``trainguard run`` agent."""
 
     max_restarts: int = Field(3, ge=0, description="worker-group restarts after a rank dies before giving up")
-    monitor_interval: float = Field(0.5, gt=0, description="seconds between checks of the workers")
+    monitor_interval: float = Field(0.1, gt=0, description="seconds between checks of the workers and their heartbeats")
     stop_grace: float = Field(60.0, gt=0, description="seconds the launcher waits for ranks to save and exit after forwarding a stop signal, before SIGKILL")
+
+
+class SupervisorSection(Section):
+    """``[supervisor]``: hang detection in ``trainguard run`` from the ranks' heartbeats and sections.
+
+    The ``*_timeout`` values are the conservative starting timeouts (seconds; the setup/step/
+    checkpointing/out-of-section defaults are Megatron's ft_launcher recipe values); once a section
+    has ``min_samples`` observed durations its timeout is learned (see
+    :mod:`trainguard.supervisor.timeouts`) and saved to ``RUN_DIR/timeouts.json`` for the next launch.
+    """
+
+    enabled: bool = Field(True, description="detect hung ranks and restart the group")
+    initial_timeout: float = Field(600.0, gt=0, description="seconds from a rank's start to its first heartbeat (Guard created)")
+    setup_timeout: float = Field(600.0, gt=0, description="from the first heartbeat until the first step completes (resume, warm-up)")
+    step_timeout: float = Field(180.0, gt=0, description="one training step")
+    checkpointing_timeout: float = Field(600.0, gt=0, description="one checkpoint save")
+    out_of_section_timeout: float = Field(300.0, gt=0, description="time between sections (code after step_end)")
+    section_timeouts: dict[str, float] = Field({}, description="starting timeouts of user-named sections")
+    user_section_timeout: float = Field(600.0, gt=0, description="starting timeout of user sections not in section_timeouts")
+    learn: bool = Field(True, description="learn timeouts from observed durations")
+    percentile: float = Field(99.0, gt=0, le=100, description="percentile of observed durations the learned timeout starts from")
+    safety_factor: float = Field(3.0, ge=1, description="learned timeout = max(min_timeout, safety_factor × percentile, longest observed)")
+    min_timeout: float = Field(2.0, gt=0, description="floor of every learned timeout (seconds)")
+    min_samples: int = Field(20, ge=1, description="observations of a section before its timeout is learned")
+    kill_grace: float = Field(3.0, gt=0, description="seconds between SIGTERM and SIGKILL when the launcher stops a group to restart it")
+    stacks_wait: float = Field(1.0, ge=0, description="seconds to wait for a hung rank's stack dump")
+    max_no_progress_restarts: int = Field(3, ge=1, description="give up after this many consecutive restarts with no new checkpoint")
+    max_same_step_faults: int = Field(2, ge=2, description="give up when the group fails at the same step this many times in a row")
+
+    @field_validator("section_timeouts")
+    @classmethod
+    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, seconds in v.items():
+            if seconds <= 0:
+                raise ValueError(f"timeout of section {name!r} must be > 0, got {seconds}")
+        return v
+
+
+class FaultSpec(Section):
+    """One injected fault (``[[faults.inject]]`` or ``trainguard run --inject KIND:key=value,...``)."""
+
+    kind: str = Field(..., pattern="^(rank_killed|rank_hung|random)$", description="rank_killed, rank_hung, or random (a seeded choice of both)")
+    rank: Optional[int] = Field(None, ge=0, description="global rank (random: drawn)")
+    step: Optional[int] = Field(None, ge=1, description="fire when this many steps are complete")
+    after_seconds: Optional[float] = Field(None, gt=0, description="fire this long after the Guard starts instead of at a step")
+    hang: str = Field("sigstop", pattern="^(sigstop|collective)$", description="rank_hung: stop the process (SIGSTOP), or block it before the next collective so the others wait inside it")
+    section: str = Field("step", pattern="^(step|checkpointing)$", description="rank_hung at a step: hang in the step, or inside the next checkpoint save")
+    every_attempt: bool = Field(False, description="fire again after each restart (a recurring fault); default only in the first attempt")
+    seed: int = Field(0, description="random: the seed of the draw")
+
+
+class FaultsSection(Section):
+    """``[faults]``: faults to inject, to test and rehearse recovery. Each injection is an event."""
+
+    inject: list[FaultSpec] = Field([], description="the faults")
 
 
 class Config(BaseModel):
@@ -142,6 +197,8 @@ class Config(BaseModel):
     preemption: PreemptionSection = PreemptionSection()
     stop: StopSection = StopSection()
     launcher: LauncherSection = LauncherSection()
+    supervisor: SupervisorSection = SupervisorSection()
+    faults: FaultsSection = FaultsSection()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,6 +306,10 @@ def load_config(
         node[keys[-1]] = value
         overridden.add(".".join(keys))
     if ignore_unknown_sections:
+        for name in data:
+            near = difflib.get_close_matches(name, list(schema.model_fields), n=1, cutoff=0.8)
+            if name not in schema.model_fields and near:
+                raise ConfigError(f"config error:\n  {source}: unknown section [{name}]; did you mean [{near[0]}]?")
         data = {k: v for k, v in data.items() if k in schema.model_fields}
     try:
         return schema.model_validate(data)
@@ -300,6 +361,11 @@ def config_from_argv(schema: type[Config] = Config, argv: list[str] | None = Non
     cfg = load_config(path, env_sets + sets, schema)
     if os.environ.get("TRAINGUARD_RUN_DIR"):
         cfg.run.dir = Path(os.environ["TRAINGUARD_RUN_DIR"])
+    if os.environ.get("TRAINGUARD_INJECT"):  # trainguard run --inject ...
+        import json
+
+        extra = [FaultSpec.model_validate(d) for d in json.loads(os.environ["TRAINGUARD_INJECT"])]
+        cfg.faults.inject = list(cfg.faults.inject) + extra
     return cfg
 
 

@@ -36,7 +36,7 @@ class EventLog:
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def emit(self, kind: str, step: Optional[int] = None, **details: Any) -> dict:
+    def emit(self, kind: str, step: Optional[int] = None, /, **details: Any) -> dict:
         """Write one event and return it. ``details`` must be JSON-serializable (``str()`` otherwise)."""
         event = {
             "time": round(time.time(), 6),

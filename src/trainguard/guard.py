@@ -24,6 +24,8 @@ an unwritable run dir) print one clear line and exit with code 2.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import gc
 import logging
 import os
@@ -41,6 +43,9 @@ from .checkpoint.store import Checkpoint
 from .config import Config, ConfigError, config_from_argv, dump_config, load_config
 from .events import EventLog, Hook
 from .exitcodes import ExitCode
+from .faults import FaultInjector
+from .supervisor.heartbeat import HeartbeatWriter, heartbeat_path
+from .supervisor.monitor import STACK_SIGNAL, attempt_dir, stack_path
 from .signals import ShutdownHandler
 from .state import capture_rng, restore_rng, state_hash
 from .stop import StopConditions
@@ -131,8 +136,29 @@ class Guard:
         self._t_last = time.perf_counter()
         self._awaiting_step_end = False
         self._next_check = 0  # step at which the stop flags are next exchanged (agreed by all ranks)
+        self.heartbeat = self._attach_supervisor()
+        self.faults = FaultInjector(config.faults.inject, self.rank, self.world_size, self.events.attempt, self.events)
         # bytes of parameters + two Adam moments: the save-time guess before the first save is measured
         self._state_bytes_guess = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+
+    def _attach_supervisor(self) -> Optional[HeartbeatWriter]:
+        """Under ``trainguard run``: open this rank's heartbeat record (section ``setup`` starts now)
+        and let SIGUSR2 dump every thread's stack next to it (the supervisor asks on a hang)."""
+        root = os.environ.get("TRAINGUARD_HEARTBEAT_DIR")
+        if not root:
+            return None
+        directory = attempt_dir(root, self.events.attempt)
+        directory.mkdir(parents=True, exist_ok=True)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self._stack_file = open(stack_path(directory, local_rank), "w")
+        faulthandler.register(STACK_SIGNAL, file=self._stack_file, all_threads=True)
+        writer = HeartbeatWriter(heartbeat_path(directory, local_rank))
+        writer.open("setup")
+        return writer
+
+    def section(self, name: str) -> "contextlib.AbstractContextManager[None]":
+        """``with guard.section("eval"): ...``: a named section the hang supervisor times (and learns)."""
+        return self.heartbeat.section(name) if self.heartbeat is not None else contextlib.nullcontext()
 
     @classmethod
     def from_config(cls, path: str | os.PathLike | None = None, *, overrides: Optional[list[str]] = None,
@@ -159,8 +185,11 @@ class Guard:
         requeue code on a stop, or with code 2 on bad input.
         """
         self._begin()
+        self.faults.arm(max_steps)
         while self.step < max_steps:
             self._awaiting_step_end = True
+            if self.heartbeat is not None and self.heartbeat.current is None:
+                self.heartbeat.open("step")  # the first step stays in "setup" (warm-up, compile)
             yield self.step
             if self._awaiting_step_end:
                 raise RuntimeError(f"guard.step_end() was not called in step {self.step}")
@@ -180,6 +209,11 @@ class Guard:
         self._step_seconds = max(now - self._t_last, 0.98 * self._step_seconds)
         self._t_last = now
         self.last_loss = loss
+        if self.faults.pending:  # inside the step section: an injected hang is a hang mid-step
+            self.faults.at(self.step, "step")
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+            self.heartbeat.beat(self.step)
         for h in self.hooks:
             h.on_step_end(self, self.step, loss)
         if self.step < self._next_check:
@@ -282,7 +316,13 @@ class Guard:
         """
         if self._last_saved_step == self.step:
             return None
+        with self.section("checkpointing"):
+            return self._save(reason)
+
+    def _save(self, reason: str) -> Optional[Checkpoint]:
         t0 = time.perf_counter()
+        if self.faults.pending:
+            self.faults.at(self.step, "checkpointing")
         try:
             ckpt, nbytes = save_state(self.store, self.step, self.model, self.optimizer, self.rank_state(),
                                       meta={"reason": reason, "trainguard_step": self.step})

@@ -17,6 +17,7 @@ interval that may return a reason to restart the group (for example a missed hea
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -27,6 +28,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from ..events import EventLog
 from ..exitcodes import ExitCode
+from ..supervisor.monitor import HangMonitor
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # exit codes with which a rank tells the launcher "do not restart, end the launch with this code"
@@ -44,16 +46,19 @@ class TrainguardAgent(LocalElasticAgent):
     After :meth:`run`, :attr:`exit_code` and :attr:`exit_reason` hold the launch's outcome.
     """
 
-    def __init__(self, *args, events: EventLog, stop_grace: float, **kwargs):
+    def __init__(self, *args, events: EventLog, stop_grace: float, kill_grace: float = 30.0,
+                 monitor: Optional[HangMonitor] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.events = events
         self.stop_grace = stop_grace
+        self.kill_grace = kill_grace
+        self.monitor = monitor
         self.exit_code = int(ExitCode.GIVE_UP)
         self.exit_reason = "not started"
         self.stop_signal: Optional[str] = None
         self._stop_deadline: Optional[float] = None
         self._forwarded_to: set[int] = set()
-        self.poll_hooks: list[Callable[["TrainguardAgent"], Optional[str]]] = []
+        self.poll_hooks: list[Callable[["TrainguardAgent"], Optional[str]]] = [monitor.poll] if monitor else []
 
     # ---- signals -------------------------------------------------------------------------------
 
@@ -83,9 +88,24 @@ class TrainguardAgent(LocalElasticAgent):
 
     # ---- monitor loop --------------------------------------------------------------------------
 
+    def _stop_workers(self, worker_group) -> None:
+        """Stop the group: SIGCONT (a stopped rank must be able to die), SIGTERM, ``kill_grace``, SIGKILL."""
+        for pid in self.worker_pids().values():
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self._shutdown(timeout=max(1, math.ceil(self.kill_grace)))
+        if self.monitor is not None:
+            self.monitor.group_stopped()
+
     def _start_group(self) -> None:
         self._forwarded_to = set()
+        if self.monitor is not None:
+            self.monitor.group_started(self._worker_group.spec.max_restarts - self._remaining_restarts)
         self._initialize_workers(self._worker_group)
+        if self.monitor is not None:
+            self.monitor.write_timeouts = self._worker_group.group_rank == 0
         self.events.emit("workers_started", restart=self._worker_group.spec.max_restarts - self._remaining_restarts,
                          pids=self.worker_pids(), world_size=self._worker_group.workers[0].world_size)
         if self.stop_signal is not None:  # a signal that arrived during rendezvous
@@ -134,6 +154,12 @@ class TrainguardAgent(LocalElasticAgent):
 
     def _restart_or_give_up(self, reason: str) -> bool:
         spec = self._worker_group.spec
+        why = self.monitor.policy.give_up_reason(self.monitor.failure_step(), self.monitor.newest_checkpoint()) if self.monitor else None
+        if why is not None:
+            self._stop_workers(self._worker_group)
+            self.events.emit("give_up", reason=why, failure=reason)
+            self.exit_code, self.exit_reason = int(ExitCode.GIVE_UP), f"{why}: {reason}"
+            return False
         if self._remaining_restarts <= 0:
             self._stop_workers(self._worker_group)
             self.events.emit("restart_budget_spent", max_restarts=spec.max_restarts, reason=reason)

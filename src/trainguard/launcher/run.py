@@ -14,19 +14,24 @@ What it adds to torchrun's behaviour:
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .. import faults
 from ..config import Config, ConfigError, load_config, split_cli_args
 from ..events import EventLog, read_events
 from ..exitcodes import ExitCode
 from ..guard import prepare_run_dir
+from ..supervisor.monitor import HangMonitor
 from .lock import RunDirLock, RunDirLocked
 
 
@@ -48,6 +53,13 @@ class LaunchOptions:
     max_restarts: Optional[int] = None
     monitor_interval: Optional[float] = None
     local_addr: Optional[str] = None
+    inject: list = field(default_factory=list)  # FaultSpec objects from --inject
+
+
+def _heartbeat_root() -> Path:
+    """A fresh node-local directory for the heartbeat records: in /dev/shm (memory) when possible."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="trainguard-hb-", dir=base))
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -95,6 +107,7 @@ def launch(opts: LaunchOptions) -> int:
     if opts.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be ≥ 1, got {opts.nproc_per_node}")
     min_nodes, max_nodes = parse_nnodes(opts.nnodes)
+    faults.validate(list(cfg.faults.inject) + list(opts.inject), max_nodes * opts.nproc_per_node)
     run_dir = Path(opts.run_dir).resolve()
     prepare_run_dir(run_dir)
 
@@ -115,6 +128,8 @@ def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path:
 
     events = EventLog(run_dir, rank=None)
     launch_time = time.time()
+    hb_root = _heartbeat_root()
+    monitor = HangMonitor(cfg, run_dir, hb_root, events) if cfg.supervisor.enabled else None
     os.environ.update({
         "TRAINGUARD_RUN_DIR": str(run_dir),
         "TRAINGUARD_CONFIG": str(Path(config_path).resolve()) if config_path else "",
@@ -123,6 +138,8 @@ def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path:
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         # torch elastic keeps SIGHUP/SIGQUIT; SIGTERM/SIGUSR1/SIGINT are forwarded by our agent
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT",
+        "TRAINGUARD_HEARTBEAT_DIR": str(hb_root) if monitor else "",
+        "TRAINGUARD_INJECT": json.dumps([s.model_dump() for s in opts.inject]) if opts.inject else "",
     })
     standalone = max_nodes == 1 and not opts.rdzv_endpoint
     endpoint = "localhost:0" if standalone else opts.rdzv_endpoint
@@ -149,6 +166,8 @@ def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path:
         start_method="spawn",
         events=events,
         stop_grace=cfg.launcher.stop_grace,
+        kill_grace=cfg.supervisor.kill_grace,
+        monitor=monitor,
     )
     agent.install_signal_handlers()
     events.emit("launch", script=opts.script, args=opts.script_args, nnodes=opts.nnodes,
@@ -157,6 +176,11 @@ def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path:
         agent.run()
     finally:
         spec.rdzv_handler.shutdown()
+        if monitor is not None:
+            monitor.group_stopped()
+        shutil.rmtree(hb_root, ignore_errors=True)
+    if agent.exit_code == ExitCode.GIVE_UP:
+        print(f"trainguard: giving up: {agent.exit_reason}", file=sys.stderr, flush=True)
     end = next((e for e in reversed(list(read_events(run_dir, "end"))) if e["time"] >= launch_time), None)
     sha = end["details"].get("state_sha256") if end and agent.exit_code == ExitCode.OK else None
     events.emit("launch_exit", code=agent.exit_code, reason=agent.exit_reason, signal=agent.stop_signal,

@@ -1,0 +1,124 @@
+"""Fault injection, to test recovery and to rehearse it (``[faults]``, ``trainguard run --inject``).
+
+Kinds (see :class:`~trainguard.config.FaultSpec`):
+
+* ``rank_killed``: the rank SIGKILLs itself;
+* ``rank_hung`` with ``hang = "sigstop"``: the rank SIGSTOPs itself (alive, silent);
+* ``rank_hung`` with ``hang = "collective"``: the rank's main thread blocks before its next
+  collective, so the other ranks wait inside it (the classic distributed hang);
+* ``random``: one of the two above, at a rank and step drawn from ``seed`` (reproducible).
+
+A fault fires when the rank has completed ``step`` steps (in the step, or with
+``section = "checkpointing"`` inside the next checkpoint save), or ``after_seconds`` after the
+Guard started (then from a timer thread: ``collective`` is not possible and SIGSTOP is used).
+By default it fires only in the first attempt (restart count 0); ``every_attempt`` makes it recur.
+Each firing first writes a ``fault_injected`` event, so reports can tell injected from real faults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from typing import Optional
+
+from .config import ConfigError, FaultSpec
+from .events import EventLog
+
+
+def parse_inject(text: str) -> FaultSpec:
+    """Parse ``KIND[:key=value,...]`` (``rank_hung:rank=1,step=30,hang=collective``).
+
+    Raises:
+        ConfigError: unknown kind or key, or a bad value.
+    """
+    kind, _, rest = text.partition(":")
+    fields: dict = {"kind": kind.strip()}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--inject {text!r}: expected KIND:key=value,...")
+        fields[key.strip()] = value.strip()
+    try:
+        return FaultSpec.model_validate(fields)
+    except ValueError as e:
+        raise ConfigError(f"--inject {text!r}: {e}") from None
+
+
+def validate(specs: list[FaultSpec], world_size: Optional[int]) -> None:
+    """Check injections against the job before anything starts.
+
+    Raises:
+        ConfigError: a non-random fault without ``rank`` or without ``step``/``after_seconds``, or
+            a rank outside ``[0, world_size)``.
+    """
+    for i, s in enumerate(specs):
+        where = f"faults.inject[{i}] ({s.kind})"
+        if s.kind != "random" and s.rank is None:
+            raise ConfigError(f"{where}: 'rank' is required")
+        if s.kind != "random" and s.step is None and s.after_seconds is None:
+            raise ConfigError(f"{where}: give 'step' or 'after_seconds'")
+        if world_size is not None and s.rank is not None and s.rank >= world_size:
+            raise ConfigError(f"{where}: rank {s.rank} does not exist (world size {world_size}, ranks 0..{world_size - 1})")
+
+
+def specs_from_env() -> list[FaultSpec]:
+    """Injections passed by the launcher in ``TRAINGUARD_INJECT`` (a JSON list)."""
+    raw = os.environ.get("TRAINGUARD_INJECT")
+    return [FaultSpec.model_validate(d) for d in json.loads(raw)] if raw else []
+
+
+class FaultInjector:
+    """Fires this rank's injected faults.
+
+    Args:
+        specs: all injections of the run (each rank keeps its own).
+        rank, world_size: this rank and the job size (random draws use them).
+        attempt: the worker-group restart count (faults fire in attempt 0 unless ``every_attempt``).
+        events: where the ``fault_injected`` events go.
+    """
+
+    def __init__(self, specs: list[FaultSpec], rank: int, world_size: int, attempt: int, events: EventLog):
+        self.rank, self.world_size, self.attempt, self.events = rank, world_size, attempt, events
+        self.specs = [s for s in specs if attempt == 0 or s.every_attempt]
+        self.pending: list[FaultSpec] = []
+
+    def arm(self, max_steps: int) -> None:
+        """Resolve random draws (they need ``max_steps``) and start the timers of time-based faults."""
+        for s in self.specs:
+            if s.kind == "random":
+                rng = random.Random(s.seed)
+                s = s.model_copy(update={"kind": rng.choice(["rank_killed", "rank_hung"]),
+                                         "rank": rng.randrange(self.world_size) if s.rank is None else s.rank,
+                                         "step": s.step if (s.step or s.after_seconds) else rng.randint(1, max(1, max_steps - 1))})
+            if s.rank != self.rank:
+                continue
+            if s.after_seconds is not None and s.step is None:
+                threading.Thread(target=self._fire_later, args=(s,), daemon=True, name="trainguard-fault").start()
+            else:
+                self.pending.append(s)
+
+    def at(self, step: int, section: str) -> None:
+        """Called by the Guard: in the step boundary (``"step"``) or inside a save (``"checkpointing"``)."""
+        for s in self.pending:
+            if s.step == step and s.section == section:
+                self.fire(s, step)
+
+    def _fire_later(self, spec: FaultSpec) -> None:
+        time.sleep(spec.after_seconds or 0)
+        self.fire(spec.model_copy(update={"hang": "sigstop"}), None)
+
+    def fire(self, spec: FaultSpec, step: Optional[int]) -> None:
+        """Record the event, then inject the fault (does not return for a kill or a collective hang)."""
+        self.events.emit("fault_injected", step, fault=spec.kind, rank=self.rank, hang=spec.hang if spec.kind == "rank_hung" else None,
+                         section=spec.section, after_seconds=spec.after_seconds, injected=True)
+        if spec.kind == "rank_killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.hang == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            while True:  # block before the next collective: the peers wait inside it
+                time.sleep(3600)

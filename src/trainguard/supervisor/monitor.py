@@ -1,0 +1,228 @@
+"""The launcher side of hang detection: read the ranks' records, time their sections, act on a hang.
+
+Every poll (``[launcher] monitor_interval``, 0.1 s) the monitor reads each local rank's heartbeat
+record (a memory read, no system call) and compares how long the rank has been in its current
+section (or out of any section, or, before its first heartbeat, since the group started) with the
+timeout in force for it (:class:`~trainguard.supervisor.timeouts.TimeoutBook`). A rank over its
+timeout is hung:
+
+1. its Python stacks (all threads) are dumped: SIGUSR2 makes the rank's ``faulthandler`` write
+   them (SIGCONT first wakes a stopped process) and the file is copied to
+   ``RUN_DIR/stacks/attempt<A>-rank<R>.txt``;
+2. a ``hang_detected`` event names the rank, section, step, silence and timeout;
+3. the hung ranks are SIGKILLed (a stuck main thread never runs a SIGTERM handler), the agent
+   stops the rest of the group (SIGTERM, ``kill_grace``, SIGKILL: the peers of a killed rank
+   usually fail out of their collective at once) and restarts it, within the budget.
+
+:class:`RestartPolicy` adds the give-up rules besides the budget: ``max_no_progress_restarts``
+consecutive restarts without a new checkpoint, or ``max_same_step_faults`` failures in a row at the
+same step (a deterministic fault that a restart cannot cure).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from ..checkpoint.store import CheckpointStore
+from ..config import Config
+from ..events import EventLog
+from .heartbeat import OUT_OF_SECTION, HeartbeatReader, RankState, heartbeat_path
+from .timeouts import INITIAL, TimeoutBook
+
+STACK_SIGNAL = signal.SIGUSR2
+
+
+def attempt_dir(root: str | os.PathLike, attempt: int) -> Path:
+    """Heartbeat directory of one worker-group attempt (restart count)."""
+    return Path(root) / f"attempt-{attempt}"
+
+
+def stack_path(directory: str | os.PathLike, local_rank: int) -> Path:
+    """Where a rank's faulthandler writes its stacks (next to its heartbeat record)."""
+    return Path(directory) / f"rank-{local_rank}.stack"
+
+
+class RestartPolicy:
+    """Give-up rules applied before each restart (the budget itself is the agent's).
+
+    Args:
+        max_no_progress: consecutive restarts with no newer checkpoint before giving up.
+        max_same_step: consecutive failures at the same step before giving up.
+        initial_ckpt: step of the newest checkpoint when the launch began (None if none).
+    """
+
+    def __init__(self, max_no_progress: int, max_same_step: int, initial_ckpt: Optional[int]):
+        self.max_no_progress, self.max_same_step = max_no_progress, max_same_step
+        self._last_ckpt = initial_ckpt
+        self._no_progress = 0
+        self._last_step: Optional[int] = None
+        self._same_step = 0
+
+    def give_up_reason(self, failure_step: Optional[int], newest_ckpt: Optional[int]) -> Optional[str]:
+        """Record one failure; return why to give up, or None to restart."""
+        self._no_progress = self._no_progress + 1 if newest_ckpt == self._last_ckpt else 0
+        self._last_ckpt = newest_ckpt
+        same = failure_step is not None and failure_step == self._last_step
+        self._same_step = self._same_step + 1 if same else 1
+        self._last_step = failure_step
+        if self._same_step >= self.max_same_step:
+            return f"the fault recurs at step {failure_step} ({self._same_step} failures in a row at that step)"
+        if self._no_progress >= self.max_no_progress:
+            return f"{self._no_progress} consecutive failures without checkpoint progress (newest checkpoint: step {newest_ckpt})"
+        return None
+
+
+class HangMonitor:
+    """Watches one node's ranks for hangs and keeps the learned timeouts.
+
+    Args:
+        cfg: the launch's config (``[supervisor]``, ``[checkpoint]`` are used).
+        run_dir: the run directory (``timeouts.json``, ``stacks/``, checkpoints).
+        hb_root: node-local directory of the heartbeat records (``TRAINGUARD_HEARTBEAT_DIR``).
+        events: the launcher's event log.
+        write_timeouts: whether this node writes ``timeouts.json`` (node 0 of a multi-node job).
+    """
+
+    SAVE_EVERY = 30.0  # seconds between writes of timeouts.json during a run
+
+    def __init__(self, cfg: Config, run_dir: Path, hb_root: Path, events: EventLog, write_timeouts: bool = True):
+        self.cfg, self.run_dir, self.hb_root, self.events = cfg.supervisor, run_dir, hb_root, events
+        self.book = TimeoutBook.load(cfg.supervisor, run_dir)
+        self.write_timeouts = write_timeouts
+        root = Path(cfg.checkpoint.dir)
+        self.store = CheckpointStore(root if root.is_absolute() else run_dir / root)
+        self.policy = RestartPolicy(cfg.supervisor.max_no_progress_restarts, cfg.supervisor.max_same_step_faults,
+                                    self.newest_checkpoint())
+        self.attempt = 0
+        self._readers: dict[int, HeartbeatReader] = {}
+        self._last_states: dict[int, RankState] = {}
+        self._started = time.monotonic()
+        self._last_learn = self._last_save = 0.0
+        self._frozen = False  # set on a hang: the attempt's observations stop at the detection
+
+    # ---- group lifecycle (called by the agent) ------------------------------------------------
+
+    def group_started(self, attempt: int) -> None:
+        """A new worker group (``attempt`` = restart count) was started."""
+        self._close_readers()
+        self.attempt = attempt
+        self._started = time.monotonic()
+        self._frozen = False
+
+    def group_stopped(self) -> None:
+        """The group ended or is being restarted: fold its observations in, save timeouts.json."""
+        self._learn()
+        self.book.close_attempt()
+        self._close_readers()
+        self.save_timeouts()
+
+    def failure_step(self) -> Optional[int]:
+        """The highest step any local rank reported in this attempt (None if none reported)."""
+        steps = [s.step for s in self._last_states.values()]
+        return max(steps) if steps else None
+
+    def newest_checkpoint(self) -> Optional[int]:
+        """Step of the newest committed checkpoint directory (by name)."""
+        committed = self.store.committed()
+        return committed[-1].step if committed else None
+
+    def save_timeouts(self) -> None:
+        """Write ``timeouts.json`` (only on the node that owns it)."""
+        if self.write_timeouts:
+            self.book.save(self.run_dir)
+            self._last_save = time.monotonic()
+
+    # ---- polling --------------------------------------------------------------------------------
+
+    def poll(self, agent: Any) -> Optional[str]:
+        """One check of every local rank; returns a restart reason if some are hung."""
+        if not self.cfg.enabled:
+            return None
+        now = time.monotonic()
+        hung = []
+        for worker in agent._worker_group.workers:
+            found = self._check(worker.local_rank, now)
+            if found is not None:
+                hung.append((worker, *found))
+        if now - self._last_learn > 1.0:
+            self._learn()
+        if now - self._last_save > self.SAVE_EVERY:
+            self.save_timeouts()
+        if not hung:
+            return None
+        # learn from what the ranks recorded up to now, not from steps stalled by this hang
+        self._learn()
+        self._frozen = True
+        pids = agent.worker_pids()
+        for worker, section, silent, limit, step in hung:
+            pid = pids.get(worker.local_rank)
+            stacks = self._dump_stacks(worker.local_rank, worker.global_rank, pid)
+            if pid is not None:  # unresponsive by definition: SIGTERM cannot reach a stuck main thread
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.events.emit("hang_detected", step, rank=worker.global_rank, local_rank=worker.local_rank,
+                             section=section, silent_seconds=round(silent, 3), timeout=round(limit, 3),
+                             learned=self.book.learned(section) is not None, stacks=str(stacks) if stacks else None)
+        return "; ".join(f"hang: rank {w.global_rank} silent {s:.1f} s in '{sec}' (timeout {lim:.1f} s)"
+                         for w, sec, s, lim, _ in hung)
+
+    def _check(self, local_rank: int, now: float) -> Optional[tuple[str, float, float, Optional[int]]]:
+        reader = self._reader(local_rank)
+        if reader is None:
+            silent, limit = now - self._started, self.book.timeout(INITIAL)
+            return (INITIAL, silent, limit, None) if silent > limit else None
+        state = reader.state()
+        if state is None:  # the rank is writing right now: it is alive
+            return None
+        self._last_states[local_rank] = state
+        section = state.section or OUT_OF_SECTION
+        silent = now - (state.entered if state.section else state.last_closed)
+        limit = self.book.timeout(section)
+        return (section, silent, limit, state.step) if silent > limit else None
+
+    def _reader(self, local_rank: int) -> Optional[HeartbeatReader]:
+        reader = self._readers.get(local_rank)
+        if reader is None:
+            try:
+                reader = self._readers[local_rank] = HeartbeatReader(heartbeat_path(attempt_dir(self.hb_root, self.attempt), local_rank))
+            except (FileNotFoundError, ValueError):
+                return None
+        return reader
+
+    def _learn(self) -> None:
+        self._last_learn = time.monotonic()
+        if self._frozen:
+            return
+        self.book.set_live([r.histograms() for r in self._readers.values()])
+
+    def _dump_stacks(self, local_rank: int, global_rank: int, pid: Optional[int]) -> Optional[Path]:
+        src = stack_path(attempt_dir(self.hb_root, self.attempt), local_rank)
+        if pid is None or not src.exists():
+            return None
+        before = src.stat().st_size
+        try:
+            os.kill(pid, STACK_SIGNAL)
+            os.kill(pid, signal.SIGCONT)  # a stopped process handles the dump signal once continued
+        except ProcessLookupError:
+            return None
+        deadline = time.monotonic() + self.cfg.stacks_wait
+        while time.monotonic() < deadline and src.stat().st_size == before:
+            time.sleep(0.02)
+        time.sleep(0.05)  # let the dump of the remaining threads finish
+        dest = self.run_dir / "stacks" / f"attempt{self.attempt}-rank{global_rank}.txt"
+        dest.parent.mkdir(exist_ok=True)
+        shutil.copyfile(src, dest)
+        return dest if dest.stat().st_size > 0 else None
+
+    def _close_readers(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers = {}
+        self._last_states = {}

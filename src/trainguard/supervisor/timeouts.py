@@ -1,0 +1,144 @@
+"""Section timeouts: conservative defaults, learned from observed durations, kept in ``timeouts.json``.
+
+Formula (per section, over the durations observed on every local rank, this launch and earlier
+ones)::
+
+    timeout = max(min_timeout, safety_factor × P, longest)
+
+where ``P`` is the ``percentile`` (default 99) of the durations, read as the upper edge of its
+histogram bucket (≤ 19 % above the true value, see :mod:`trainguard.supervisor.heartbeat`), and
+``longest`` the longest duration ever observed. Defaults: ``safety_factor`` 3, ``min_timeout``
+2 s, learned once a section has ``min_samples`` (20) observations; until then the configured
+starting timeout applies (never "no timeout"). NVIDIA's ft_launcher uses ``max × 5`` for its
+estimate; a percentile with a factor tolerates one slow outlier without inflating the timeout for
+good, and ``longest`` makes sure a duration that already happened once never times out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..config import SupervisorSection
+from .heartbeat import NBUCKETS, OUT_OF_SECTION, bucket_upper
+
+BUILTIN = ("setup", "step", "checkpointing", OUT_OF_SECTION)
+INITIAL = "initial"  # process start → first heartbeat: timed by the supervisor only, never learned
+FILENAME = "timeouts.json"
+
+
+def percentile_of(buckets: list[int], q: float) -> Optional[float]:
+    """Upper edge (seconds) of the bucket holding the ``q``-th percentile; None if empty."""
+    total = sum(buckets)
+    if total == 0:
+        return None
+    rank = q / 100 * total
+    seen = 0
+    for i, n in enumerate(buckets):
+        seen += n
+        if seen >= rank:
+            return bucket_upper(i)
+    return bucket_upper(len(buckets) - 1)
+
+
+class TimeoutBook:
+    """Observed durations per section and the timeouts they give.
+
+    Args:
+        cfg: the ``[supervisor]`` section.
+        history: ``timeouts.json`` of an earlier launch (its histograms are the starting point).
+    """
+
+    def __init__(self, cfg: SupervisorSection, history: Optional[dict] = None):
+        self.cfg = cfg
+        # section -> [count, longest, buckets]; "base" = closed attempts + earlier launches
+        self.base: dict[str, list] = {}
+        for name, rec in ((history or {}).get("sections") or {}).items():
+            buckets = list(rec.get("buckets", []))[:NBUCKETS]
+            self.base[name] = [int(rec.get("count", 0)), float(rec.get("longest", 0.0)), buckets + [0] * (NBUCKETS - len(buckets))]
+        self.live: dict[str, list] = {}
+
+    @classmethod
+    def load(cls, cfg: SupervisorSection, run_dir: Path) -> "TimeoutBook":
+        """Start from ``run_dir/timeouts.json`` if it exists and parses, else from the defaults."""
+        try:
+            history = json.loads((run_dir / FILENAME).read_text())
+        except (FileNotFoundError, json.JSONDecodeError, OSError):
+            history = None
+        return cls(cfg, history if isinstance(history, dict) else None)
+
+    def set_live(self, per_rank: list[dict[str, tuple[int, float, list[int]]]]) -> None:
+        """Replace the running attempt's observations with the ranks' current histograms."""
+        live: dict[str, list] = {}
+        for hist in per_rank:
+            for name, (count, longest, buckets) in hist.items():
+                rec = live.setdefault(name, [0, 0.0, [0] * NBUCKETS])
+                rec[0] += count
+                rec[1] = max(rec[1], longest)
+                rec[2] = [a + b for a, b in zip(rec[2], buckets)]
+        self.live = live
+
+    def close_attempt(self) -> None:
+        """Fold the running attempt's observations into the base (before a restart)."""
+        for name, (count, longest, buckets) in self.live.items():
+            rec = self.base.setdefault(name, [0, 0.0, [0] * NBUCKETS])
+            rec[0] += count
+            rec[1] = max(rec[1], longest)
+            rec[2] = [a + b for a, b in zip(rec[2], buckets)]
+        self.live = {}
+
+    def observed(self, name: str) -> tuple[int, float, list[int]]:
+        """(count, longest, buckets) of a section over base + live."""
+        b = self.base.get(name, [0, 0.0, [0] * NBUCKETS])
+        l = self.live.get(name, [0, 0.0, [0] * NBUCKETS])
+        return b[0] + l[0], max(b[1], l[1]), [x + y for x, y in zip(b[2], l[2])]
+
+    def default(self, name: str) -> float:
+        """The configured starting timeout of a section (seconds)."""
+        c = self.cfg
+        fixed = {"setup": c.setup_timeout, "step": c.step_timeout, "checkpointing": c.checkpointing_timeout,
+                 OUT_OF_SECTION: c.out_of_section_timeout, INITIAL: c.initial_timeout}
+        return fixed.get(name, c.section_timeouts.get(name, c.user_section_timeout))
+
+    def learned(self, name: str) -> Optional[float]:
+        """The learned timeout (formula in the module doc), or None before ``min_samples``."""
+        count, longest, buckets = self.observed(name)
+        if not self.cfg.learn or count < self.cfg.min_samples:
+            return None
+        p = percentile_of(buckets, self.cfg.percentile) or 0.0
+        return max(self.cfg.min_timeout, self.cfg.safety_factor * p, longest)
+
+    def timeout(self, name: str) -> float:
+        """The timeout in force for a section: learned if available, else the starting one."""
+        learned = self.learned(name)
+        return self.default(name) if learned is None else learned
+
+    def snapshot(self) -> dict:
+        """The content of ``timeouts.json``: timeouts in force and the histograms behind them."""
+        names = sorted(set(self.base) | set(self.live) | set(BUILTIN))
+        sections = {}
+        for name in names:
+            count, longest, buckets = self.observed(name)
+            sections[name] = {"timeout": self.timeout(name), "learned": self.learned(name) is not None,
+                              "count": count, "longest": longest, "buckets": buckets}
+        return {
+            "updated": time.time(),
+            "formula": f"max(min_timeout={self.cfg.min_timeout}, safety_factor={self.cfg.safety_factor} × "
+                       f"p{self.cfg.percentile:g}, longest) once count >= {self.cfg.min_samples}",
+            "out_of_section": self.timeout(OUT_OF_SECTION),
+            "initial": self.timeout(INITIAL),
+            "sections": sections,
+        }
+
+    def save(self, run_dir: Path) -> None:
+        """Write ``run_dir/timeouts.json`` atomically (temp file, fsync, rename)."""
+        path = run_dir / FILENAME
+        tmp = path.with_name(f".{FILENAME}.tmp-{os.getpid()}")
+        with open(tmp, "w") as f:
+            json.dump(self.snapshot(), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
