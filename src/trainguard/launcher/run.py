@@ -111,8 +111,8 @@ def launch(opts: LaunchOptions) -> int:
     run_dir = Path(opts.run_dir).resolve()
     prepare_run_dir(run_dir)
 
-    lock_name = ".launch.lock" if max_nodes == 1 else f".launch.{socket.gethostname()}.lock"
-    with RunDirLock(run_dir / lock_name):
+    job_id = None if max_nodes == 1 else (opts.rdzv_id or "trainguard")
+    with RunDirLock(run_dir / ".launch.lock", job_id):
         return _launch_locked(opts, cfg, run_dir, config_path, overrides, min_nodes, max_nodes)
 
 
