@@ -9,12 +9,15 @@ updating its record: that is how a hang is seen.
 
 Layout (little-endian, offsets in bytes)::
 
-    0    state   : seq_begin u64, step u64, beats u64, beat_time f64, entered f64,
-                   last_closed f64, section 24s, seq_end u64              (88 bytes)
+    0    seq     : u64, odd while the writer is updating the state
+    8    state   : step u64, beats u64, beat_time f64, entered f64, last_closed f64, section 24s
     128  table   : MAX_SECTIONS × (name 24s, count u64, max f64, buckets NBUCKETS × u32)
 
-``seq_begin``/``seq_end`` are a sequence pair written in one copy: a reader accepts a snapshot only
-when both are equal, so it never mixes two updates. Times are ``time.monotonic()`` seconds (the
+``seq`` is a seqlock: the writer makes it odd, writes the state, makes it even (three separate
+stores, which x86 and ARM keep in program order for another process reading through the same
+mapping as long as the reader's loads are ordered too: Python's bytecode boundaries and the
+separate ``unpack_from`` calls give that in practice); the reader accepts a snapshot only when
+``seq`` was even and unchanged around its copy, so it never mixes two updates. Times are ``time.monotonic()`` seconds (the
 same clock for every process of a host). ``entered`` is 0 outside any section; ``last_closed`` is
 when the last section closed (out-of-section time counts from it).
 
@@ -35,7 +38,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-STATE = struct.Struct("<QQQddd24sQ")
+STATE = struct.Struct("<QQddd24s")
+STATE_OFFSET = 8
 TABLE_OFFSET = 128
 MAX_SECTIONS = 16
 NBUCKETS = 96
@@ -78,6 +82,9 @@ class HeartbeatWriter:
             self._mm = mmap.mmap(fd, SIZE)
         finally:
             os.close(fd)
+        # seq is read and written through an 8-byte view: struct.pack_into would zero the field
+        # before writing it, and a reader could see that transient 0 as an even sequence number
+        self._seqv = memoryview(self._mm)[:8].cast("Q")
         self._seq = 0
         self.step = 0
         self._beats = 0
@@ -88,10 +95,12 @@ class HeartbeatWriter:
         self.beat(0)
 
     def _publish(self) -> None:
-        self._seq += 1
         name, entered = self._stack[-1] if self._stack else ("", 0.0)
-        STATE.pack_into(self._mm, 0, self._seq, self.step, self._beats, self._beat_time, entered,
-                        self._last_closed, name.encode()[:24], self._seq)
+        self._seqv[0] = self._seq + 1  # odd: update in progress (one aligned 8-byte store)
+        STATE.pack_into(self._mm, STATE_OFFSET, self.step, self._beats, self._beat_time, entered,
+                        self._last_closed, name.encode()[:24])
+        self._seq += 2
+        self._seqv[0] = self._seq  # even: consistent
 
     def beat(self, step: int) -> None:
         """A heartbeat: the loop reached a step boundary (``step`` completed steps)."""
@@ -155,6 +164,7 @@ class HeartbeatWriter:
 
     def close_file(self) -> None:
         """Unmap the record."""
+        self._seqv.release()
         self._mm.close()
 
 
@@ -183,12 +193,16 @@ class HeartbeatReader:
             self._mm = mmap.mmap(fd, SIZE, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
+        self._seqv = memoryview(self._mm)[:8].cast("Q")
 
     def state(self, retries: int = 100) -> Optional[RankState]:
         """A consistent snapshot, or None if the writer kept changing it (retried ``retries`` times)."""
         for _ in range(retries):
-            seq1, step, beats, beat_time, entered, last_closed, name, seq2 = STATE.unpack_from(self._mm, 0)
-            if seq1 == seq2:
+            seq1 = self._seqv[0]
+            if seq1 % 2:
+                continue
+            step, beats, beat_time, entered, last_closed, name = STATE.unpack_from(self._mm, STATE_OFFSET)
+            if self._seqv[0] == seq1:
                 return RankState(step, beats, beat_time, entered, last_closed, name.rstrip(b"\0").decode(errors="replace"))
         return None
 
@@ -205,4 +219,5 @@ class HeartbeatReader:
 
     def close(self) -> None:
         """Unmap the record."""
+        self._seqv.release()
         self._mm.close()
