@@ -52,7 +52,7 @@ def test_sigkill_of_one_rank_restarts_group_and_matches_clean_run(tmp_path, clea
 
 def test_restart_budget_spent_gives_up(tmp_path):
     run = tmp_path / "run"
-    proc = launch(run, "train.max_steps=100000", "launcher.max_restarts=1")
+    proc = launch(run, "train.max_steps=100000", "launcher.max_restarts=1", "supervisor.max_same_step_faults=10")
     for attempt in range(2):
         pids = wait_for(lambda: [e for e in events(run, "workers_started") if e["details"]["restart"] == attempt],
                         what=f"group {attempt}")[0]["details"]["pids"]

@@ -147,6 +147,7 @@ class SupervisorSection(Section):
     step_timeout: float = Field(180.0, gt=0, description="one training step")
     checkpointing_timeout: float = Field(600.0, gt=0, description="one checkpoint save")
     out_of_section_timeout: float = Field(300.0, gt=0, description="time between sections (code after step_end)")
+    teardown_timeout: float = Field(600.0, gt=0, description="after the last step or a stop: evaluation, process-group teardown, exit (never learned)")
     section_timeouts: dict[str, float] = Field({}, description="starting timeouts of user-named sections")
     user_section_timeout: float = Field(600.0, gt=0, description="starting timeout of user sections not in section_timeouts")
     learn: bool = Field(True, description="learn timeouts from observed durations")

@@ -137,7 +137,10 @@ class TrainguardAgent(LocalElasticAgent):
                 if not self._restart_or_give_up(reason):
                     return RunResult(state=WorkerState.FAILED)
             elif spec.rdzv_handler.num_nodes_waiting() > 0:  # membership change: not a failure
-                self._restart_workers(self._worker_group)
+                self.events.emit("membership_change", nodes_waiting=spec.rdzv_handler.num_nodes_waiting())
+                self._stop_workers(self._worker_group)
+                self._worker_group.state = WorkerState.STOPPED
+                self._start_group()
 
     def _handle_failure(self, result: RunResult) -> bool:
         """Record the failure and restart the group if that is the right move; True if restarted."""

@@ -49,8 +49,9 @@ class RunDirLock:
                 os.ftruncate(fd, 0)
                 info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "job": self.job_id}
                 os.pwrite(fd, json.dumps(info).encode(), 0)
-                if self.job_id:
-                    fcntl.flock(fd, fcntl.LOCK_SH)  # let the other agents of this job in
+                if self.job_id and not self._try(fd, fcntl.LOCK_SH):  # let the other agents of this job in
+                    os.close(fd)  # (the conversion is not atomic: another launch took it meanwhile)
+                    raise RunDirLocked(f"run dir {self.path.parent} was taken by another launch while locking it")
                 self._fd = fd
                 return self
             holder = self._holder(fd)

@@ -194,6 +194,9 @@ class HeartbeatReader:
         finally:
             os.close(fd)
         self._seqv = memoryview(self._mm)[:8].cast("Q")
+        if self._seqv[0] == 0:  # sized but never written (the writer's first publish makes it 2)
+            self.close()
+            raise FileNotFoundError(f"{path} is not initialised yet")
 
     def state(self, retries: int = 100) -> Optional[RankState]:
         """A consistent snapshot, or None if the writer kept changing it (retried ``retries`` times)."""

@@ -111,6 +111,9 @@ class HangMonitor:
         """A new worker group (``attempt`` = restart count) was started."""
         self._close_readers()
         self.attempt = attempt
+        # a membership-change restart keeps the restart count: clear the old group's records so
+        # that a fresh worker is never judged by its predecessor's silence
+        shutil.rmtree(attempt_dir(self.hb_root, attempt), ignore_errors=True)
         self._started = time.monotonic()
         self._frozen = False
 

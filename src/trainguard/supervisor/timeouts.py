@@ -27,6 +27,7 @@ from .heartbeat import NBUCKETS, OUT_OF_SECTION, bucket_upper
 
 BUILTIN = ("setup", "step", "checkpointing", OUT_OF_SECTION)
 INITIAL = "initial"  # process start → first heartbeat: timed by the supervisor only, never learned
+TEARDOWN = "teardown"  # after the last step: once per process, never learned
 FILENAME = "timeouts.json"
 
 
@@ -100,13 +101,13 @@ class TimeoutBook:
         """The configured starting timeout of a section (seconds)."""
         c = self.cfg
         fixed = {"setup": c.setup_timeout, "step": c.step_timeout, "checkpointing": c.checkpointing_timeout,
-                 OUT_OF_SECTION: c.out_of_section_timeout, INITIAL: c.initial_timeout}
+                 OUT_OF_SECTION: c.out_of_section_timeout, INITIAL: c.initial_timeout, TEARDOWN: c.teardown_timeout}
         return fixed.get(name, c.section_timeouts.get(name, c.user_section_timeout))
 
     def learned(self, name: str) -> Optional[float]:
         """The learned timeout (formula in the module doc), or None before ``min_samples``."""
         count, longest, buckets = self.observed(name)
-        if not self.cfg.learn or count < self.cfg.min_samples:
+        if not self.cfg.learn or count < self.cfg.min_samples or name == TEARDOWN:
             return None
         p = percentile_of(buckets, self.cfg.percentile) or 0.0
         return max(self.cfg.min_timeout, self.cfg.safety_factor * p, longest)
