@@ -23,7 +23,7 @@ when the last section closed (out-of-section time counts from it).
 
 Durations are kept per section in a log-scale histogram: bucket ``i`` holds durations in
 ``[BASE·2^(i/4), BASE·2^((i+1)/4))`` with ``BASE`` = 1 ms, i.e. 4 buckets per doubling (each bucket
-≤ 19 % wide) from 1 ms to ~4.7 days; see :mod:`trainguard.supervisor.timeouts` for how timeouts are
+≤ 19 % wide) from 1 ms to ~4.7 hours (longer durations land in the last bucket); see :mod:`trainguard.supervisor.timeouts` for how timeouts are
 learned from them.
 """
 

@@ -125,9 +125,15 @@ class HangMonitor:
         self.save_timeouts()
 
     def failure_step(self) -> Optional[int]:
-        """The highest step any local rank reported in this attempt (None if none reported)."""
+        """The step the group failed in: one past the fewest steps a local rank completed, read now
+        (a dead or hung rank stopped at a fixed step; its peers may or may not have completed one
+        more by the time the failure is seen). None if no rank reported."""
+        for local_rank, reader in self._readers.items():
+            state = reader.state()
+            if state is not None:
+                self._last_states[local_rank] = state
         steps = [s.step for s in self._last_states.values()]
-        return max(steps) if steps else None
+        return min(steps) + 1 if steps else None
 
     def newest_checkpoint(self) -> Optional[int]:
         """Step of the newest committed checkpoint directory (by name)."""
@@ -182,8 +188,10 @@ class HangMonitor:
             silent, limit = now - self._started, self.book.timeout(INITIAL)
             return (INITIAL, silent, limit, None) if silent > limit else None
         state = reader.state()
-        if state is None:  # the rank is writing right now: it is alive
-            return None
+        if state is None:  # mid-write: time it from its last consistent state (a writer stopped
+            state = self._last_states.get(local_rank)  # in the middle of a write must not look alive)
+            if state is None:
+                return None
         self._last_states[local_rank] = state
         section = state.section or OUT_OF_SECTION
         silent = now - (state.entered if state.section else state.last_closed)

@@ -1,0 +1,238 @@
+"""End to end: the hang supervisor of `trainguard run` on 2 gloo ranks, with injected hangs and kills
+(real SIGSTOP, real blocked collectives, real SIGKILL), learned timeouts and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import GPT, events, final_hash, finish, launch
+
+from trainguard.exitcodes import ExitCode
+
+STEPS = 150  # as test_launcher.py: the clean_hash fixture's run is shared
+INTERVAL = "checkpoint.interval=10"  # the clean_hash fixture's interval
+MIN_TIMEOUT = 2.0  # [supervisor] min_timeout default
+
+
+def log_of(run: Path) -> str:
+    return Path(f"{run}.log").read_text(errors="replace")
+
+
+def only(run: Path, kind: str) -> dict:
+    found = events(run, kind)
+    assert len(found) == 1, f"expected one {kind} event, got {found}\n{log_of(run)[-3000:]}"
+    return found[0]
+
+
+def assert_finished(run: Path, code: int) -> None:
+    assert code == 0, log_of(run)[-4000:]
+    assert events(run, "launch_exit")[-1]["details"]["code"] == 0
+
+
+def check_hang(run: Path, rank: int, section: str = "step") -> dict:
+    """The hang_detected event of the injected rank: on time, in ``section``, with a stack dump; returns its details.
+
+    Its peer, waiting for it in a collective, may be reported in the same poll (a few ms of
+    difference in silence), even before it: the events of one poll come in local-rank order.
+    """
+    fault = only(run, "fault_injected")
+    hangs = events(run, "hang_detected")
+    assert hangs, f"no hang detected\n{log_of(run)[-3000:]}"
+    assert fault["attempt"] == 0
+    # launcher events all carry attempt 0: tell the attempts apart by the restarted group's start
+    restarted = [e["time"] for e in events(run, "workers_started") if e["details"]["restart"] >= 1]
+    assert all(h["time"] < min(restarted, default=float("inf")) for h in hangs), f"hang after the restart: {hangs}"
+    assert len(hangs) <= 2 and len({h["details"]["rank"] for h in hangs}) == len(hangs), hangs
+    mine = [h for h in hangs if h["details"]["rank"] == rank]
+    assert mine, f"the injected rank {rank} is not among the hung ones: {hangs}"
+    event = mine[0]
+    d = event["details"]
+    assert d["section"] == section, hangs
+    assert d["silent_seconds"] > d["timeout"]
+    # detected once the section has lasted its timeout: not before (the fault came a little after the
+    # section began), and at most 1 s after (polls every 0.1 s, a stack dump). The first event of the
+    # poll is the detection time; each later event of the same poll waits for one more stack dump
+    # (up to stacks_wait = 1 s).
+    delay = hangs[0]["time"] - fault["time"]
+    assert d["timeout"] - 0.5 <= delay <= d["timeout"] + 1.0, (delay, d, hangs)
+    assert event["time"] - hangs[0]["time"] <= 1.5, hangs
+    assert d["stacks"], d
+    for h in hangs:  # the hung ranks' Python stacks, in the run dir
+        if h is event or h["details"]["stacks"]:
+            stacks = Path(h["details"]["stacks"])
+            assert stacks.is_file() and stacks.parent == (run / "stacks").resolve(), h
+            assert 'File "' in stacks.read_text(errors="replace"), h
+    text = Path(d["stacks"]).read_text(errors="replace")
+    # the injected rank's main thread, in the training script. (Not necessarily at the fault: a
+    # SIGSTOPped rank is woken with SIGCONT for the dump, and its main thread runs on meanwhile.)
+    assert "examples/gpt.py" in text and "in main" in text, text
+    return d
+
+
+def check_recovered(run: Path, code: int, clean: str) -> None:
+    assert_finished(run, code)
+    assert len(events(run, "group_restart")) == 1
+    assert "hang: rank" in only(run, "group_restart")["details"]["reason"]
+    assert [e["details"]["restart"] for e in events(run, "workers_started")] == [0, 1]
+    assert events(run, "resume")[-1]["attempt"] == 1
+    assert not events(run, "give_up")
+    assert final_hash(run) == clean
+
+
+def test_sigstopped_rank_is_detected_dumped_restarted_and_run_matches_clean(tmp_path, clean_hash):
+    clean = clean_hash(STEPS)
+    run = tmp_path / "run"
+    code = finish(launch(run, f"train.max_steps={STEPS}", INTERVAL, "supervisor.step_timeout=3",
+                         extra=("--inject", "rank_hung:rank=1,step=60")))
+    d = check_hang(run, rank=1)
+    # 59 steps × 2 ranks observed: the step timeout is learned, max(min_timeout, 3 × p99, longest)
+    # (tiny steps: the 2 s floor), no longer the configured 3 s
+    assert d["learned"] is True and MIN_TIMEOUT <= d["timeout"] < 3, d
+    assert only(run, "fault_injected")["step"] == 60
+    check_recovered(run, code, clean)
+    assert events(run, "resume")[-1]["details"]["from_step"] == 50
+
+
+def test_rank_blocked_before_allreduce_while_peer_waits_inside_it(tmp_path, clean_hash):
+    clean = clean_hash(STEPS)
+    run = tmp_path / "run"
+    code = finish(launch(run, f"train.max_steps={STEPS}", INTERVAL, "supervisor.step_timeout=3",
+                         extra=("--inject", "rank_hung:rank=0,step=60,hang=collective")))
+    fault = only(run, "fault_injected")
+    assert fault["details"]["hang"] == "collective" and fault["rank"] == 0
+    d = check_hang(run, rank=0)
+    assert d["learned"] is True and d["timeout"] >= MIN_TIMEOUT
+    assert "in fire" in Path(d["stacks"]).read_text()  # rank 0's main thread blocked in the injector
+    check_recovered(run, code, clean)
+
+
+def test_hang_while_checkpointing_uses_the_checkpointing_timeout(tmp_path, clean_hash):
+    clean = clean_hash(STEPS)
+    run = tmp_path / "run"
+    code = finish(launch(run, f"train.max_steps={STEPS}", INTERVAL, "supervisor.checkpointing_timeout=4",
+                         "supervisor.step_timeout=30", "supervisor.learn=false",
+                         extra=("--inject", "rank_hung:rank=1,step=20,section=checkpointing")))
+    fault = only(run, "fault_injected")
+    assert fault["details"]["section"] == "checkpointing" and fault["step"] == 20
+    hangs = events(run, "hang_detected")
+    assert hangs, log_of(run)[-3000:]
+    # rank 1 is stopped inside its save; rank 0 waits inside the same (collective) save: both are
+    # hung in "checkpointing", and whichever is seen first, the timeout is the checkpointing one
+    for h in hangs:
+        assert h["details"]["section"] == "checkpointing", hangs
+        assert h["details"]["timeout"] == 4.0 and h["details"]["learned"] is False, hangs
+    assert {h["details"]["rank"] for h in hangs} <= {0, 1}
+    delay = hangs[0]["time"] - fault["time"]
+    assert 3.5 <= delay <= 5.0, delay
+    assert 20 not in [e["step"] for e in events(run, "checkpoint_committed") if e["attempt"] == 0]
+    check_recovered(run, code, clean)
+    assert events(run, "resume")[-1]["details"]["from_step"] == 10
+
+
+def learned_sections(run: Path) -> dict:
+    data = json.loads((run / "timeouts.json").read_text())
+    return {name: s for name, s in data["sections"].items() if s["learned"]}
+
+
+def test_timeouts_json_is_learned_floored_and_reused_by_the_next_launch(tmp_path):
+    first = tmp_path / "first"
+    floor = ("supervisor.step_timeout=30", "supervisor.min_timeout=5")
+    assert_finished(first, finish(launch(first, "train.max_steps=40", *floor)))
+    saved = json.loads((first / "timeouts.json").read_text())
+    assert "min_timeout=5" in saved["formula"]
+    step = saved["sections"]["step"]
+    assert step["learned"] is True and step["count"] >= 2 * 38, step
+    assert sum(step["buckets"]) == step["count"] and step["timeout"] >= step["longest"]
+    learned = learned_sections(first)
+    assert {"step", "out_of_section"} <= set(learned), learned
+    assert all(s["timeout"] >= 5 for s in learned.values()), learned  # the floor, whatever the durations
+    assert step["timeout"] < 30
+    assert not events(first, "hang_detected")
+
+    # a new run dir that starts from a copy of that file: the step timeout is learned from the start,
+    # and a hang at step 5 (4 steps × 2 ranks observed in this launch, fewer than min_samples) is
+    # caught after the learned timeout, not after the starting 30 s
+    second = tmp_path / "second"
+    second.mkdir()
+    shutil.copy(first / "timeouts.json", second / "timeouts.json")
+    code = finish(launch(second, "train.max_steps=40", *floor, extra=("--inject", "rank_hung:rank=1,step=5")))
+    d = check_hang(second, rank=1)
+    assert d["learned"] is True, d
+    assert d["timeout"] == pytest.approx(step["timeout"], rel=0.2), (d, step)
+    assert_finished(second, code)
+    assert len(events(second, "group_restart")) == 1
+
+
+SLOW_TAIL = """
+import runpy, sys, time
+runpy.run_path({gpt!r}, run_name="__main__")  # the whole tiny GPT run, same argv
+time.sleep({tail})  # then a slow tail after training: final evaluation, export, upload...
+"""
+
+
+def test_slow_tail_after_training_is_not_a_hang(tmp_path):
+    # After the last step a rank is out of any section for good. With the out-of-section timeout
+    # learned from the millisecond gaps between steps (2 s floor), a tail longer than that must not
+    # be taken for a hang: the run has finished, a restart would only resume at the last step.
+    script = tmp_path / "gpt_then_slow_tail.py"
+    script.write_text(SLOW_TAIL.format(gpt=str(GPT), tail=4.0))
+    run = tmp_path / "run"
+    code = finish(launch(run, "train.max_steps=30", script=script))
+    learned = learned_sections(run)
+    assert {"step", "out_of_section"} <= set(learned), learned
+    assert all(s["timeout"] >= MIN_TIMEOUT for s in learned.values()), learned
+    assert learned["out_of_section"]["timeout"] < 4.0, learned  # the tail is longer than the learned timeout
+    assert not events(run, "hang_detected"), events(run, "hang_detected")
+    assert_finished(run, code)
+    assert len(events(run, "workers_started")) == 1 and not events(run, "group_restart")
+
+
+def test_fault_at_the_same_step_every_attempt_gives_up(tmp_path):
+    run = tmp_path / "run"
+    code = finish(launch(run, "train.max_steps=100", INTERVAL,
+                         extra=("--inject", "rank_killed:rank=1,step=15,every_attempt=true")))
+    assert code == ExitCode.GIVE_UP, log_of(run)[-4000:]
+    # the default rule: 2 failures in a row at the same step, well inside the restart budget (3)
+    assert [e["step"] for e in events(run, "fault_injected")] == [15, 15]
+    give_up = only(run, "give_up")
+    assert "step 15" in give_up["details"]["reason"], give_up
+    assert len(events(run, "group_restart")) == 1 and not events(run, "restart_budget_spent")
+    assert events(run, "launch_exit")[-1]["details"]["code"] == ExitCode.GIVE_UP
+    assert "giving up" in log_of(run)
+
+
+def write_config(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("case", ["step_timeout=0", "step_timeout=-1", "misspelled_section", "rank_outside_world",
+                                  "unknown_fault_kind"])
+def test_bad_supervisor_or_fault_input_exits_2_before_any_worker(tmp_path, case):
+    run = tmp_path / "run"
+    overrides: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+    if case.startswith("step_timeout"):
+        overrides = (f"supervisor.{case}",)
+        expected = ["supervisor.step_timeout", "greater than 0"]
+    elif case == "misspelled_section":
+        cfg = write_config(tmp_path / "job.toml", "[supervisr]\nstep_timeout = 60\n")
+        extra = ("--config", str(cfg))
+        expected = ["[supervisr]", "did you mean [supervisor]", str(cfg)]
+    elif case == "rank_outside_world":
+        extra = ("--inject", "rank_killed:rank=5,step=3")
+        expected = ["rank 5", "world size 2"]
+    else:
+        extra = ("--inject", "bogus_kind:rank=0,step=1")
+        expected = ["bogus_kind", "rank_killed|rank_hung|random"]
+    code = finish(launch(run, "train.max_steps=20", *overrides, extra=extra), timeout=120)
+    log = log_of(run)
+    assert code == ExitCode.BAD_INPUT, log[-3000:]
+    assert "trainguard: error:" in log and "Traceback" not in log, log[-3000:]
+    for text in expected:
+        assert text in log, (text, log[-3000:])
+    assert not events(run, "workers_started") and not events(run, "start")
+    assert not (run / "logs").exists(), "a worker was started"
