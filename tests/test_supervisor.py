@@ -93,7 +93,9 @@ def test_sigstopped_rank_is_detected_dumped_restarted_and_run_matches_clean(tmp_
     assert d["learned"] is True and MIN_TIMEOUT <= d["timeout"] < 3, d
     assert only(run, "fault_injected")["step"] == 60
     check_recovered(run, code, clean)
-    assert events(run, "resume")[-1]["details"]["from_step"] == 50
+    # the SIGCONT that lets the stopped rank dump its stacks also lets it run for a moment, so the
+    # group may still commit the step-60 checkpoint before the rank is killed: either is consistent
+    assert events(run, "resume")[-1]["details"]["from_step"] in (50, 60)
 
 
 def test_rank_blocked_before_allreduce_while_peer_waits_inside_it(tmp_path, clean_hash):

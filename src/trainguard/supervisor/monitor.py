@@ -158,6 +158,12 @@ class HangMonitor:
             found = self._check(worker.local_rank, now)
             if found is not None:
                 hung.append((worker, *found))
+        # A rank over its timeout while a local peer that is not ahead of it is still within its own
+        # timeout is waiting for that peer (rank-local work such as an evaluation): not hung.
+        over = {w.local_rank for w, *_ in hung}
+        hung = [h for h in hung if h[4] is None or not any(
+            q != h[0].local_rank and q not in over and st.step <= h[4] for q, st in self._last_states.items())]
+        hung.sort(key=lambda h: (h[4] if h[4] is not None else -1, -h[2]))  # the laggard first
         if now - self._last_learn > 1.0:
             self._learn()
         if now - self._last_save > self.SAVE_EVERY:
@@ -225,8 +231,8 @@ class HangMonitor:
             return None
         deadline = time.monotonic() + self.cfg.stacks_wait
         while time.monotonic() < deadline and src.stat().st_size == before:
-            time.sleep(0.02)
-        time.sleep(0.05)  # let the dump of the remaining threads finish
+            time.sleep(0.002)
+        time.sleep(0.01)  # the dump of the remaining threads (the rank is killed right after)
         dest = self.run_dir / "stacks" / f"attempt{self.attempt}-rank{global_rank}.txt"
         dest.parent.mkdir(exist_ok=True)
         shutil.copyfile(src, dest)

@@ -1,0 +1,474 @@
+"""Time to recover from a killed rank and from a hung rank: trainguard vs torchrun vs NVIDIA's ft_launcher.
+
+The same small job runs under each launcher (``benchmarks/_recovery_worker.py``: a 2-rank gloo DDP
+MLP, steps padded to ``--step-ms`` = 30 ms, a checkpoint every ``--ckpt-every`` = 10 steps, 70 steps;
+the fault at step ``--fault-step`` = 45 on rank 1, in the first attempt only):
+
+* **trainguard**: ``trainguard run --nproc-per-node 2 --inject rank_killed|rank_hung:rank=1,step=45``,
+  the loop under ``trainguard.Guard``; the hang timeout is the *learned* one: ``timeouts.json``
+  of a warm-up run (same job, no fault) is copied into every trial's run directory;
+* **torchrun**: ``python -m torch.distributed.run --standalone --max-restarts 3``, the plain loop
+  with ``torch.save`` checkpoints by rank 0, ``init_process_group(timeout=--pg-timeout)`` (30 s):
+  a stopped rank is noticed only when the peer's collective times out;
+* **torchrun+fix** (kill only, ``--fix-faults``): the same with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+  the workaround ``trainguard run`` applies for pytorch issue 135712 (a restarted gloo group can
+  fail in ``init_process_group`` with stale peer addresses, then waits for the connect timeout,
+  about a minute, and restarts again);
+* **ft_launcher** (``nvidia-resiliency-ext``, from the venv ``--nvrx``, default ``/tmp/nvrx``):
+  the plain loop plus ``RankMonitorClient.send_heartbeat()`` every step, heartbeat timeout
+  ``--ft-hb-timeout`` = 10 s checked every ``--ft-check-interval`` = 1 s (hand-set: its defaults are
+  45 min and 5 s).
+
+Faults: **kill** (the rank SIGKILLs itself) and **hang** (the rank SIGSTOPs itself: alive, silent).
+The time to recover is ``fault_injected`` → the ``start`` event of rank 0 in a later attempt (the
+resumed loop is about to run its first step; "→ step done" adds that first step). The phases of the
+recovery come from the events (``worker_timing``: process start, torch imported, process group
+ready, Guard/setup ready) and from polling the old rank processes in ``/proc``. Each trial is capped
+at ``--cap`` seconds. The trials of all configurations are interleaved, so that load changes on the
+machine spread over all of them.
+
+To install ft_launcher (CPU torch from the trainguard venv is reused through a ``.pth`` file, so
+nothing big is downloaded)::
+
+    python3 -m venv /tmp/nvrx
+    .venv/bin/python -c "import site; print(site.getsitepackages()[0])" > /tmp/nvrx/lib/python3.11/site-packages/zz_main.pth
+    /tmp/nvrx/bin/pip install torch==2.13.0 nvidia-resiliency-ext==0.4.1
+
+    .venv/bin/python benchmarks/recovery_compare.py [--quick] [--trials 6] [--launchers trainguard,torchrun,torchrun-fix,ft]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "benchmarks" / "_recovery_worker.py"
+LAUNCHERS = ("trainguard", "torchrun", "torchrun-fix", "ft")
+NAMES = {"trainguard": "trainguard", "torchrun": "torchrun", "torchrun-fix": "torchrun+fix", "ft": "ft_launcher"}
+FAULTS = ("kill", "hang")
+GOALS = {"kill": 3.0, "hang": 5.0}
+# reference medians measured earlier on this machine (6 trials), for orientation only
+REFERENCE = {("torchrun", "kill"): 3.3, ("ft", "kill"): 3.4, ("ft", "hang"): 13.9, ("torchrun", "hang"): 64.0}
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="1 trial each and a 10 s process-group timeout, to check that it works")
+    p.add_argument("--trials", type=int, default=None, help="trials per launcher and fault (default 6, quick 1)")
+    p.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma-separated subset of trainguard,torchrun,torchrun-fix,ft")
+    p.add_argument("--fix-faults", default="kill", help="faults run with torchrun-fix (default: kill only; its hang recovery is the "
+                   "process-group timeout, as plain torchrun's)")
+    p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated subset of kill,hang")
+    p.add_argument("--step-ms", type=float, default=30.0)
+    p.add_argument("--steps", type=int, default=70)
+    p.add_argument("--fault-step", type=int, default=45, help="not a multiple of --ckpt-every (all launchers then resume from the same step)")
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--pg-timeout", type=float, default=None, help="torchrun/ft: init_process_group timeout in seconds (default 30, quick 10)")
+    p.add_argument("--ft-hb-timeout", type=float, default=10.0, help="ft_launcher: rank heartbeat timeout (seconds)")
+    p.add_argument("--ft-check-interval", type=float, default=1.0, help="ft_launcher: workload check interval (seconds)")
+    p.add_argument("--nvrx", default="/tmp/nvrx", help="virtualenv with nvidia-resiliency-ext (ft_launcher)")
+    p.add_argument("--cap", type=float, default=120.0, help="seconds after which a trial is killed")
+    p.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
+    p.add_argument("--analyse", metavar="DIR", default=None, help="print the tables of trials kept with --keep in DIR, run nothing")
+    args = p.parse_args()
+    args.trials = args.trials or (1 if args.quick else 6)
+    args.pg_timeout = args.pg_timeout or (10.0 if args.quick else 30.0)
+    args.launchers = [x for x in args.launchers.split(",") if x]
+    args.faults = [x for x in args.faults.split(",") if x]
+    args.fix_faults = [x for x in args.fix_faults.split(",") if x]
+    for x in args.launchers:
+        if x not in LAUNCHERS:
+            p.error(f"unknown launcher {x!r}")
+    for x in args.faults:
+        if x not in FAULTS:
+            p.error(f"unknown fault {x!r}")
+    return args
+
+
+def _trainguard() -> list[str]:
+    exe = Path(sys.executable).parent / "trainguard"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "trainguard.cli"]
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+
+
+class PidWatcher(threading.Thread):
+    """Records when each worker process (pids from the run's events) exits, polled every 5 ms."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(daemon=True)
+        self.path = run_dir / "events.jsonl"
+        self.exits: dict[int, float] = {}
+        self.pids: set[int] = set()
+        self.stop = threading.Event()
+        self._pos = 0
+
+    def _read_pids(self) -> None:
+        try:
+            with open(self.path) as f:
+                f.seek(self._pos)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        end = chunk.rfind("\n") + 1
+        self._pos += len(chunk[:end].encode())
+        for line in chunk[:end].splitlines():
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if e.get("kind") == "worker_timing":
+                self.pids.add(int(e["pid"]))
+            elif e.get("kind") == "workers_started":
+                self.pids.update(int(p) for p in e["details"]["pids"].values())
+
+    def run(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            if n % 2 == 0:
+                self._read_pids()
+            now = time.time()
+            for pid in list(self.pids - set(self.exits)):
+                if _exited(pid):
+                    self.exits[pid] = now
+            n += 1
+            time.sleep(0.005)
+
+
+def _command(args: argparse.Namespace, launcher: str, fault: str, run_dir: Path) -> tuple[list[str], dict]:
+    env = dict(os.environ)
+    common = ["--steps", str(args.steps), "--step-ms", str(args.step_ms)]
+    if launcher == "trainguard":
+        spec = (f"rank_killed:rank=1,step={args.fault_step}" if fault == "kill"
+                else f"rank_hung:rank=1,step={args.fault_step},hang=sigstop")
+        cmd = _trainguard() + ["run", "--nproc-per-node", "2", "--run-dir", str(run_dir), "--inject", spec,
+                               str(WORKER), "--mode", "trainguard", *common, "--set", f"checkpoint.interval={args.ckpt_every}"]
+        return cmd, env
+    worker = [str(WORKER), "--mode", "ft" if launcher == "ft" else "plain", "--run-dir", str(run_dir), *common,
+              "--ckpt-every", str(args.ckpt_every), "--pg-timeout", str(args.pg_timeout),
+              "--fault", "kill" if fault == "kill" else "sigstop", "--fault-rank", "1", "--fault-step", str(args.fault_step)]
+    if launcher == "torchrun-fix":  # the workaround trainguard run applies for torch issue 135712
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if launcher.startswith("torchrun"):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", *worker], env
+    ft = [str(Path(args.nvrx) / "bin" / "ft_launcher"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
+          "--ft-rank-heartbeat-timeout", str(args.ft_hb_timeout), "--ft-initial-rank-heartbeat-timeout", "120",
+          "--ft-workload-check-interval", str(args.ft_check_interval)]
+    return ft + worker, env
+
+
+def ft_unavailable(args: argparse.Namespace) -> Optional[str]:
+    """Why ft_launcher cannot run here (None if it can)."""
+    exe = Path(args.nvrx) / "bin" / "ft_launcher"
+    if not exe.exists():
+        return f"{exe} not found (install nvidia-resiliency-ext==0.4.1 into --nvrx, see --help)"
+    r = subprocess.run([str(Path(args.nvrx) / "bin" / "python"), "-c",
+                        "import torch, nvidia_resiliency_ext.fault_tolerance as f; print(torch.__version__)"],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        return "import failed: " + (r.stderr.strip().splitlines() or ["?"])[-1]
+    return None
+
+
+def run_trial(args: argparse.Namespace, launcher: str, fault: str, run_dir: Path, timeouts: Optional[Path]) -> dict:
+    run_dir.mkdir(parents=True)
+    if timeouts is not None:
+        shutil.copyfile(timeouts, run_dir / "timeouts.json")
+    cmd, env = _command(args, launcher, fault, run_dir)
+    log = open(run_dir / "launcher.log", "w")
+    watcher = PidWatcher(run_dir)
+    watcher.start()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        code: Optional[int] = proc.wait(args.cap)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        code = None
+    finally:
+        watcher.stop.set()
+        watcher.join(2)
+        log.close()
+        # leftovers (a stopped rank nobody killed): end them, they are ours
+        for pid in watcher.pids:
+            if not _exited(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    (run_dir / "trial.json").write_text(json.dumps({"launcher": launcher, "fault": fault, "code": code,
+                                                    "pid_exits": {str(k): v for k, v in watcher.exits.items()}}))
+    return analyse(launcher, fault, run_dir, code, watcher.exits)
+
+
+def reanalyse(base: Path) -> list[dict]:
+    """Results of the trials kept in ``base`` (``--keep``), from their ``trial.json`` and events."""
+    out = []
+    for d in sorted(base.iterdir()):
+        if (d / "trial.json").exists():
+            t = json.loads((d / "trial.json").read_text())
+            out.append(analyse(t["launcher"], t["fault"], d, t["code"], {int(k): v for k, v in t["pid_exits"].items()}))
+    return out
+
+
+def analyse(launcher: str, fault: str, run_dir: Path, code: Optional[int], exits: dict[int, float]) -> dict:
+    ev = _events(run_dir)
+    out: dict = {"launcher": launcher, "fault": fault, "code": code, "run_dir": str(run_dir), "error": None}
+    inj = next((e for e in ev if e["kind"] == "fault_injected"), None)
+    if inj is None:
+        out["error"] = "no fault_injected event"
+        return out
+    t_f = inj["time"]
+    start = next((e for e in ev if e["kind"] == "start" and e["rank"] == 0 and e["time"] > t_f), None)
+    if start is None:
+        out["error"] = "timed out" if code is None else f"no recovery (exit code {code})"
+        return out
+    att = start["attempt"]
+    done = next((e for e in ev if e["kind"] == "first_step_done" and e["attempt"] == att and e["time"] > t_f), None)
+    out.update(total=start["time"] - t_f, step_done=(done["time"] - t_f) if done else None, restarts=att,
+               start_step=start["details"].get("first_step"))
+    old_pids = [e["pid"] for e in ev if e["kind"] == "worker_timing" and e["attempt"] == inj["attempt"]]
+    t_old_gone = max(exits[p] for p in old_pids) if old_pids and all(p in exits for p in old_pids) else None
+    timing = next((e for e in ev if e["kind"] == "worker_timing" and e["rank"] == 0 and e["attempt"] == att), None)
+    ph: dict[str, Optional[float]] = {}
+    if t_old_gone is not None:
+        ph["detect+stop"] = t_old_gone - t_f
+    if t_old_gone is not None and timing is not None:
+        ph["restart"] = timing["details"]["process"] - t_old_gone
+    if launcher == "trainguard":
+        det = next((e for e in ev if e["kind"] in ("hang_detected", "workers_failed") and e["time"] >= t_f), None)
+        started = next((e for e in ev if e["kind"] == "workers_started" and e["details"].get("restart") == att), None)
+        if det is not None:
+            ph["detect"] = det["time"] - t_f
+            if det["kind"] == "hang_detected":
+                out["timeout"] = det["details"].get("timeout")
+                out["learned"] = det["details"].get("learned")
+                if t_old_gone is not None:
+                    ph["stop"] = t_old_gone - det["time"]
+        if t_old_gone is not None and started is not None:
+            ph["rendezvous"] = started["time"] - t_old_gone
+    if timing is not None:
+        d = timing["details"]
+        ph["torch import"] = d["torch_imported"] - d["process"]
+        ph["pg init"] = d["pg_ready"] - d["torch_imported"]
+        if "trainguard_import" in d:
+            ph["model+DDP"] = d["trainguard_import"] - d["pg_ready"]
+            ph["trainguard import+Guard"] = d["guard_ready"] - d["trainguard_import"]
+        else:
+            ph["model+DDP"] = d["guard_ready"] - d["pg_ready"]
+        ph["resume"] = start["time"] - d["guard_ready"]
+    out["phases"] = ph
+    return out
+
+
+PHASE_ROWS = [  # (key, label, from → to, part of the total: the rows marked True add up to it)
+    ("detect+stop", "detect + stop", "fault → the last rank process of the failed attempt has exited", True),
+    ("detect", "  detect", "fault → workers_failed (after torch closed the other ranks) / hang_detected event (trainguard)", False),
+    ("stop", "  stop", "hang_detected → old rank processes gone (trainguard, hang)", False),
+    ("restart", "restart", "→ first line of the new rank 0 process (rendezvous, spawn, interpreter; incl. failed re-rendezvous)", True),
+    ("rendezvous", "  rendezvous", "old processes gone → workers_started event (trainguard)", False),
+    ("torch import", "torch import", "→ import torch done", True),
+    ("pg init", "pg init", "→ init_process_group returned (waits for the slower rank)", True),
+    ("model+DDP", "model + DDP", "→ model, DDP(model) (imports torch._dynamo), optimizer", True),
+    ("trainguard import+Guard", "import trainguard + Guard", "→ import trainguard, config, Guard() (trainguard only)", True),
+    ("resume", "resume", "→ start event (checkpoint loaded)", True),
+]
+
+
+def run_all(args: argparse.Namespace, base: Path, console, unavailable: dict[str, str]) -> list[dict]:
+    """The warm-up run, then every trial, interleaved."""
+    results: list[dict] = []
+    timeouts = None
+    if "trainguard" in args.launchers and "hang" in args.faults:
+        # warm-up: the same job without a fault; its timeouts.json gives the learned timeouts
+        warm = base / "warmup"
+        subprocess.run(_trainguard() + ["run", "--nproc-per-node", "2", "--run-dir", str(warm), str(WORKER), "--mode", "trainguard",
+                                        "--steps", str(args.steps), "--step-ms", str(args.step_ms),
+                                        "--set", f"checkpoint.interval={args.ckpt_every}"],
+                       cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=args.cap)
+        timeouts = warm / "timeouts.json"
+        step = json.loads(timeouts.read_text())["sections"]["step"] if timeouts.exists() else None
+        console.print(f"warm-up run: step timeout {step['timeout']:.2f} s, learned={step['learned']} ({step['count']} steps observed)"
+                      if step else "warm-up run: no timeouts.json (the hang trials use the configured timeouts)")
+        if step is None:
+            timeouts = None
+    for trial in range(args.trials):
+        for fault in args.faults:
+            for launcher in args.launchers:
+                if launcher in unavailable or (launcher == "torchrun-fix" and fault not in args.fix_faults):
+                    continue
+                t0 = time.perf_counter()
+                r = run_trial(args, launcher, fault, base / f"{launcher}-{fault}-{trial}", timeouts if launcher == "trainguard" else None)
+                results.append(r)
+                val = f"{r['total']:.2f} s (restarts {r['restarts']})" if r.get("total") is not None else r["error"]
+                console.print(f"trial {trial + 1}/{args.trials} {NAMES[launcher]:>11} {fault:<4}: fault → start {val}; "
+                              f"trial {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.2f}")
+    return results
+
+
+def main() -> int:
+    args = _parse()
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=170)
+    load0 = os.getloadavg()
+    unavailable: dict[str, str] = {}
+    t_wall = time.perf_counter()
+    if args.analyse:
+        results = reanalyse(Path(args.analyse))
+        args.trials = max(sum(1 for r in results if r["launcher"] == l and r["fault"] == f) for l in LAUNCHERS for f in FAULTS)
+        args.launchers = [l for l in args.launchers if any(r["launcher"] == l for r in results)]
+        args.faults = [f for f in args.faults if any(r["fault"] == f for r in results)]
+    else:
+        if "ft" in args.launchers:
+            why = ft_unavailable(args)
+            if why:
+                unavailable["ft"] = why
+        base = Path(tempfile.mkdtemp(prefix="tg-bench-recovery-"))
+        try:
+            results = run_all(args, base, console, unavailable)
+        finally:
+            if args.keep:
+                print(f"run directories kept in {base}")
+            else:
+                shutil.rmtree(base, ignore_errors=True)
+    wall = time.perf_counter() - t_wall
+    med = statistics.median
+
+    def vals(launcher: str, fault: str, key: str = "total") -> list[float]:
+        return [r[key] for r in results if r["launcher"] == launcher and r["fault"] == fault and r.get(key) is not None]
+
+    def failed(launcher: str, fault: str) -> list[str]:
+        return [r["error"] for r in results if r["launcher"] == launcher and r["fault"] == fault and r["error"]]
+
+    table = Table(title=f"fault on rank 1 at step {args.fault_step} → rank 0 starts the resumed loop (seconds, median of "
+                        f"{args.trials} trial(s)); 2 gloo ranks, {args.step_ms:.0f} ms steps")
+    table.add_column("fault")
+    for launcher in args.launchers:
+        table.add_column(NAMES[launcher], justify="right")
+    has_tg = "trainguard" in args.launchers
+    others = [x for x in args.launchers if x != "trainguard"]
+    if has_tg:
+        for o in others:
+            table.add_column(f"trainguard /\n{NAMES[o]}", justify="right")
+        table.add_column("goal\n(trainguard)", justify="right")
+    per_trial: list[str] = []
+    for fault in args.faults:
+        cells = []
+        meds = {}
+        for launcher in args.launchers:
+            if launcher in unavailable:
+                cells.append(f"not run: {unavailable[launcher]}")
+                continue
+            v = vals(launcher, fault)
+            bad = failed(launcher, fault)
+            if not v:
+                cells.append("no recovery: " + "; ".join(sorted(set(bad))) if bad else "—")
+                continue
+            meds[launcher] = med(v)
+            restarts = vals(launcher, fault, "restarts")
+            more = sum(1 for x in restarts if x > 1)
+            notes = ([f"{len(bad)} failed"] if bad else []) + ([f"{more}× 2+ restarts"] if more else [])
+            cells.append(f"{med(v):.2f}" + (f"\n({', '.join(notes)})" if notes else ""))
+            per_trial.append(f"{NAMES[launcher]} {fault}: " + " ".join(f"{x:.1f}" for x in v)
+                             + (f"; failed: {'; '.join(bad)}" if bad else ""))
+        if has_tg:
+            for o in others:
+                cells.append(f"{meds['trainguard'] / meds[o]:.2f}" if "trainguard" in meds and o in meds else "—")
+            tg = meds.get("trainguard")
+            cells.append(f"≤ {GOALS[fault]:.0f} s: " + ("—" if tg is None else ("met" if tg <= GOALS[fault] else "MISSED")))
+        label = "kill\n(SIGKILL)" if fault == "kill" else "hang\n(SIGSTOP)"
+        table.add_row(label, *cells)
+    console.print(table)
+    console.print("per trial (s): " + " | ".join(per_trial))
+
+    # per-launcher details
+    for fault in args.faults:
+        if has_tg and fault == "hang":
+            tos = vals("trainguard", "hang", "timeout")
+            lrn = [r.get("learned") for r in results if r["launcher"] == "trainguard" and r["fault"] == "hang"]
+            if tos:
+                console.print(f"trainguard hang timeout used: {med(tos):.2f} s (learned in {sum(bool(x) for x in lrn)}/{len(lrn)} trials); "
+                              f"ft_launcher: hand-set {args.ft_hb_timeout:.0f} s heartbeat timeout checked every {args.ft_check_interval:g} s; "
+                              f"torchrun: process-group timeout {args.pg_timeout:.0f} s")
+        sd = [f"{NAMES[l]} {med(vals(l, fault, 'step_done')):.2f}" for l in args.launchers if vals(l, fault, "step_done")]
+        console.print(f"{fault}: fault → first resumed step done (median s): " + ", ".join(sd))
+
+    bd = Table(title="phases of the recovery (median ms; rank 0 of the new attempt)")
+    bd.add_column("phase")
+    bd.add_column("from → to")
+    cols = [(l, f) for f in args.faults for l in args.launchers if vals(l, f)]
+    for l, f in cols:
+        bd.add_column(f"{NAMES[l]}\n{f}", justify="right")
+    for key, label, span, _ in PHASE_ROWS:
+        cells = []
+        for l, f in cols:
+            v = [r["phases"][key] for r in results if r["launcher"] == l and r["fault"] == f and r.get("phases", {}).get(key) is not None]
+            cells.append(f"{med(v) * 1e3:.0f}" if v else "")
+        if any(cells):
+            bd.add_row(label, span, *cells)
+    bd.add_row("total", "fault → start event", *[f"{med(vals(l, f)) * 1e3:.0f}" for l, f in cols])
+
+    def net(l: str, f: str) -> list[float]:
+        return [r["total"] - r["phases"].get("torch import", 0) - r["phases"].get("model+DDP", 0)
+                for r in results if r["launcher"] == l and r["fault"] == f and r.get("total") is not None]
+
+    bd.add_row("total − torch start-up", "total less torch import and model + DDP (the same work for every launcher)",
+               *[f"{med(net(l, f)) * 1e3:.0f}" for l, f in cols])
+    console.print(bd)
+    for l, f in cols:
+        if l != "trainguard":
+            continue
+        phs = {k: med([r["phases"][k] for r in results if r["launcher"] == l and r["fault"] == f and k in r.get("phases", {})])
+               for k, _, _, top in PHASE_ROWS if top and any(k in r.get("phases", {}) for r in results if r["launcher"] == l and r["fault"] == f)}
+        if phs:
+            big = max(phs, key=phs.get)
+            console.print(f"trainguard {f}: biggest phase '{big}' {phs[big]:.2f} s of {med(vals(l, f)):.2f} s")
+    if has_tg:
+        for f in args.faults:
+            tg = net("trainguard", f)
+            parts = [f"{NAMES[o]} {med(tg) / med(net(o, f)):.2f}" for o in others if tg and net(o, f)]
+            if parts:
+                console.print(f"{f}: trainguard / other, net of torch start-up (medians): " + ", ".join(parts))
+    for name, why in unavailable.items():
+        console.print(f"{NAMES[name]} not run: {why}")
+    refs = ", ".join(f"{NAMES[l]} {f} {v:g} s" for (l, f), v in REFERENCE.items())
+    console.print(f"reference medians measured earlier on this machine: {refs}")
+    load1 = os.getloadavg()
+    console.print(f"wall {wall:.0f} s; load average at start {load0[0]:.2f}, at end {load1[0]:.2f} (1 min), {load1[1]:.2f} (5 min) "
+                  f"(2 ranks fill a 2-core machine: other load adds noise)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
