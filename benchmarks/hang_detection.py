@@ -42,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional
+from _common import exited as _exited, run_events as _events, trainguard_cmd as _trainguard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "_recovery_worker.py"
@@ -72,20 +73,6 @@ def _parse() -> argparse.Namespace:
     return args
 
 
-def _trainguard() -> list[str]:
-    exe = Path(sys.executable).parent / "trainguard"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "trainguard.cli"]
-
-
-def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
 
 
 def launch(args: argparse.Namespace, mode: str, step: int, hangs: int, run_dir: Path, timeouts: Optional[Path]) -> tuple[Optional[int], float]:

@@ -52,6 +52,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Optional
+from _common import exited as _exited, run_events as _events, trainguard_cmd as _trainguard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "_recovery_worker.py"
@@ -97,28 +98,7 @@ def _parse() -> argparse.Namespace:
     return args
 
 
-def _trainguard() -> list[str]:
-    exe = Path(sys.executable).parent / "trainguard"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "trainguard.cli"]
 
-
-def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
-def _exited(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return True
 
 
 class PidWatcher(threading.Thread):

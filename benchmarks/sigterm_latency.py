@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from _common import exited as _exited, run_events as _events, trainguard_cmd as _trainguard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "data.max_bytes=2000000"]
@@ -63,29 +64,7 @@ def _parse() -> argparse.Namespace:
     return args
 
 
-def _trainguard() -> list[str]:
-    exe = Path(sys.executable).parent / "trainguard"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "trainguard.cli"]
 
-
-def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
-def _exited(pid: int) -> bool:
-    """True once ``pid`` has exited (gone, or a zombie its parent has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return True
 
 
 def _watch_exits(pids: list[int], out: dict[int, float], stop: threading.Event) -> None:
