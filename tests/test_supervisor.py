@@ -129,9 +129,12 @@ def test_hang_while_checkpointing_uses_the_checkpointing_timeout(tmp_path, clean
     assert {h["details"]["rank"] for h in hangs} <= {0, 1}
     delay = hangs[0]["time"] - fault["time"]
     assert 3.5 <= delay <= 5.0, delay
-    assert 20 not in [e["step"] for e in events(run, "checkpoint_committed") if e["attempt"] == 0]
+    # the stack dump wakes the SIGSTOPped rank (SIGCONT), so its save may complete before the kill:
+    # step 20 is then committed by every rank and verified, and the restart resumes from it
+    committed = [e["step"] for e in events(run, "checkpoint_committed") if e["attempt"] == 0]
+    assert committed[-1] in (10, 20), committed
     check_recovered(run, code, clean)
-    assert events(run, "resume")[-1]["details"]["from_step"] == 10
+    assert events(run, "resume")[-1]["details"]["from_step"] == committed[-1]
 
 
 def learned_sections(run: Path) -> dict:

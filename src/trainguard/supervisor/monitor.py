@@ -35,6 +35,7 @@ from .heartbeat import OUT_OF_SECTION, HeartbeatReader, RankState, heartbeat_pat
 from .timeouts import INITIAL, TimeoutBook
 
 STACK_SIGNAL = signal.SIGUSR2
+STACK_QUIET = 0.1  # seconds without growth that end a stack dump
 
 
 def attempt_dir(root: str | os.PathLike, attempt: int) -> Path:
@@ -229,10 +230,18 @@ class HangMonitor:
             os.kill(pid, signal.SIGCONT)  # a stopped process handles the dump signal once continued
         except ProcessLookupError:
             return None
+        # faulthandler writes frame by frame from the signal handler and marks no end: wait for the
+        # first bytes, then until the file has stopped growing for STACK_QUIET seconds (a loaded
+        # machine may deschedule the rank mid-dump), all within stacks_wait.
         deadline = time.monotonic() + self.cfg.stacks_wait
-        while time.monotonic() < deadline and src.stat().st_size == before:
-            time.sleep(0.002)
-        time.sleep(0.01)  # the dump of the remaining threads (the rank is killed right after)
+        size, quiet_since = before, None
+        while time.monotonic() < deadline:
+            time.sleep(0.005)
+            now_size = src.stat().st_size
+            if now_size != size:
+                size, quiet_since = now_size, time.monotonic()
+            elif quiet_since is not None and time.monotonic() - quiet_since >= STACK_QUIET:
+                break
         dest = self.run_dir / "stacks" / f"attempt{self.attempt}-rank{global_rank}.txt"
         dest.parent.mkdir(exist_ok=True)
         shutil.copyfile(src, dest)
