@@ -197,9 +197,10 @@ def main() -> None:
         loss = ddp(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if guard.should_step(loss, grad_norm):  # trainguard: NaN/spike check; skip or roll back
+            opt.step()
+            sched.step()
         guard.step_end(loss=loss.detach())  # trainguard
         if rank == 0 and (step + 1) % cfg.train.log_interval == 0:
             ms = (time.perf_counter() - t0) * 1000 / cfg.train.log_interval

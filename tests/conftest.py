@@ -27,11 +27,13 @@ def sets(*items: str) -> list[str]:
     return [x for item in items for x in ("--set", item)]
 
 
-def launch(run_dir: Path, *overrides: str, nproc: int = 2, script: Path = GPT, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    """Start ``trainguard run`` on the tiny GPT; stdout+stderr go to ``run_dir.log``."""
+def launch(run_dir: Path, *overrides: str, nproc: int = 2, script: Path = GPT, extra: tuple[str, ...] = (),
+           tiny: bool = True) -> subprocess.Popen:
+    """Start ``trainguard run`` on the tiny GPT (``tiny=False``: without the GPT's TINY overrides,
+    for other scripts); stdout+stderr go to ``run_dir.log``."""
     log = open(f"{run_dir}.log", "ab")
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", str(nproc), "--run-dir", str(run_dir),
-           *extra, str(script), *sets(*TINY, *overrides)]
+           *extra, str(script), *sets(*(TINY if tiny else ()), *overrides)]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,161 +30,14 @@ else:  # pragma: no cover
 
 import tomli_w
 
+from .sections import (  # noqa: F401  (re-exported: trainguard.config.Section etc.)
+    CheckpointSection, FaultSpec, FaultsSection, InstabilitySection, LauncherSection, PreemptionSection,
+    RollbackSection, RunSection, Section, StopSection, SupervisorSection, parse_duration,
+)
+
 
 class ConfigError(ValueError):
     """Bad configuration input: malformed TOML, unknown key, wrong type or out-of-range value."""
-
-
-_DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)d)?\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*$")
-
-
-def parse_duration(value: Any) -> Optional[float]:
-    """Parse seconds from a number, ``"HH:MM:SS"``, or ``"1d2h30m10s"``-style text.
-
-    Returns:
-        The duration in seconds, or ``None`` for ``None``/``""``.
-    Raises:
-        ValueError: the text is not a duration or is negative.
-    """
-    if value is None or value == "":
-        return None
-    if isinstance(value, bool):
-        raise ValueError("expected a duration, got a boolean")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str) and ":" in value:
-        parts = [float(p) for p in value.split(":")]
-        seconds = 0.0
-        for p in parts:
-            seconds = seconds * 60 + p
-    elif isinstance(value, str) and (m := _DURATION.match(value)) and any(m.groups()):
-        d, h, mi, s = (float(g) if g else 0.0 for g in m.groups())
-        seconds = d * 86400 + h * 3600 + mi * 60 + s
-    else:
-        raise ValueError(f"expected a duration such as 3600, '1h30m' or '01:30:00', got {value!r}")
-    if seconds < 0:
-        raise ValueError(f"expected a non-negative duration, got {value!r}")
-    return seconds
-
-
-class Section(BaseModel):
-    """Base class of every config section: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class RunSection(Section):
-    """``[run]``: where the run lives. The launcher's ``--run-dir`` overrides ``dir``."""
-
-    dir: Path = Field(Path("runs/default"), description="run directory (checkpoints, events, config)")
-    seed: int = Field(0, ge=0, description="base random seed; trainguard.seed_everything() uses it")
-
-
-class CheckpointSection(Section):
-    """``[checkpoint]``: the persistent checkpoint store."""
-
-    interval: int = Field(100, ge=1, description="save every N optimizer steps")
-    keep_last: int = Field(3, ge=1, description="committed checkpoints kept (the newest is never deleted)")
-    dir: str = Field("checkpoints", description="store directory, relative to the run dir unless absolute")
-    verify: str = Field("full", pattern="^(full|size)$", description="'full' checks every checksum on resume, 'size' only sizes")
-    save_final: bool = Field(True, description="save a checkpoint when the last step finishes")
-
-
-class PreemptionSection(Section):
-    """``[preemption]``: signals that ask the run to save and exit (requeue)."""
-
-    signals: list[str] = Field(["SIGTERM", "SIGUSR1", "SIGINT"], description="signals that request a stop")
-    save_deadline: float = Field(300.0, gt=0, description="seconds from the signal until the process exits even if the emergency save is unfinished")
-
-    @field_validator("signals")
-    @classmethod
-    def _known_signals(cls, v: list[str]) -> list[str]:
-        import signal
-
-        for name in v:
-            if not name.startswith("SIG") or not hasattr(signal, name):
-                raise ValueError(f"unknown signal name {name!r} (expected e.g. 'SIGTERM')")
-        return v
-
-
-class StopSection(Section):
-    """``[stop]``: stop and save conditions checked at every step boundary."""
-
-    max_duration: Optional[float] = Field(None, description="wall-clock budget of one launch (seconds, '4h', or 'HH:MM:SS'); the run stops early enough for one more step and one save")
-    time_margin: float = Field(5.0, ge=0, description="extra seconds kept in reserve before max_duration")
-    kill_switch: str = Field("KILL", description="file (relative to the run dir) whose presence means: save and exit")
-    save_switch: str = Field("SAVE", description="file whose presence means: save, delete the file, continue")
-    check_interval: int = Field(0, ge=0, description="check stop conditions every N steps; 0 = auto: about every check_seconds, from the measured step time")
-    check_seconds: float = Field(1.0, gt=0, description="with check_interval = 0: target seconds between two checks (the stop latency); the check is one small all-reduce")
-
-    @field_validator("max_duration", mode="before")
-    @classmethod
-    def _duration(cls, v: Any) -> Optional[float]:
-        return parse_duration(v)
-
-
-class LauncherSection(Section):
-    """``[launcher]``: the ``trainguard run`` agent."""
-
-    max_restarts: int = Field(3, ge=0, description="worker-group restarts after a rank dies before giving up")
-    monitor_interval: float = Field(0.1, gt=0, description="seconds between checks of the workers and their heartbeats")
-    stop_grace: float = Field(60.0, gt=0, description="seconds the launcher waits for ranks to save and exit after forwarding a stop signal, before SIGKILL")
-
-
-class SupervisorSection(Section):
-    """``[supervisor]``: hang detection in ``trainguard run`` from the ranks' heartbeats and sections.
-
-    The ``*_timeout`` values are the conservative starting timeouts (seconds; the setup/step/
-    checkpointing/out-of-section defaults are Megatron's ft_launcher recipe values); once a section
-    has ``min_samples`` observed durations its timeout is learned (see
-    :mod:`trainguard.supervisor.timeouts`) and saved to ``RUN_DIR/timeouts.json`` for the next launch.
-    """
-
-    enabled: bool = Field(True, description="detect hung ranks and restart the group")
-    initial_timeout: float = Field(600.0, gt=0, description="seconds from a rank's start to its first heartbeat (Guard created)")
-    setup_timeout: float = Field(600.0, gt=0, description="from the first heartbeat until the first step completes (resume, warm-up)")
-    step_timeout: float = Field(180.0, gt=0, description="one training step")
-    checkpointing_timeout: float = Field(600.0, gt=0, description="one checkpoint save")
-    out_of_section_timeout: float = Field(300.0, gt=0, description="time between sections (code after step_end)")
-    teardown_timeout: float = Field(600.0, gt=0, description="after the last step or a stop: evaluation, process-group teardown, exit (never learned)")
-    section_timeouts: dict[str, float] = Field({}, description="starting timeouts of user-named sections")
-    user_section_timeout: float = Field(600.0, gt=0, description="starting timeout of user sections not in section_timeouts")
-    learn: bool = Field(True, description="learn timeouts from observed durations")
-    percentile: float = Field(99.0, gt=0, le=100, description="percentile of observed durations the learned timeout starts from")
-    safety_factor: float = Field(3.0, ge=1, description="learned timeout = max(min_timeout, safety_factor × percentile, longest observed)")
-    min_timeout: float = Field(2.0, gt=0, description="floor of every learned timeout (seconds)")
-    min_samples: int = Field(20, ge=1, description="observations of a section before its timeout is learned")
-    kill_grace: float = Field(3.0, gt=0, description="seconds between SIGTERM and SIGKILL when the launcher stops a group to restart it")
-    stacks_wait: float = Field(1.0, ge=0, description="seconds to wait for a hung rank's stack dump")
-    max_no_progress_restarts: int = Field(3, ge=1, description="give up after this many consecutive restarts with no new checkpoint")
-    max_same_step_faults: int = Field(2, ge=2, description="give up when the group fails at the same step this many times in a row")
-
-    @field_validator("section_timeouts")
-    @classmethod
-    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
-        for name, seconds in v.items():
-            if seconds <= 0:
-                raise ValueError(f"timeout of section {name!r} must be > 0, got {seconds}")
-        return v
-
-
-class FaultSpec(Section):
-    """One injected fault (``[[faults.inject]]`` or ``trainguard run --inject KIND:key=value,...``)."""
-
-    kind: str = Field(..., pattern="^(rank_killed|rank_hung|random)$", description="rank_killed, rank_hung, or random (a seeded choice of both)")
-    rank: Optional[int] = Field(None, ge=0, description="global rank (random: drawn)")
-    step: Optional[int] = Field(None, ge=1, description="fire when this many steps are complete")
-    after_seconds: Optional[float] = Field(None, gt=0, description="fire this long after the Guard starts instead of at a step")
-    hang: str = Field("sigstop", pattern="^(sigstop|collective)$", description="rank_hung: stop the process (SIGSTOP), or block it before the next collective so the others wait inside it")
-    section: str = Field("step", pattern="^(step|checkpointing)$", description="rank_hung at a step: hang in the step, or inside the next checkpoint save")
-    every_attempt: bool = Field(False, description="fire again after each restart (a recurring fault); default only in the first attempt")
-    seed: int = Field(0, description="random: the seed of the draw")
-
-
-class FaultsSection(Section):
-    """``[faults]``: faults to inject, to test and rehearse recovery. Each injection is an event."""
-
-    inject: list[FaultSpec] = Field([], description="the faults")
 
 
 class Config(BaseModel):
@@ -200,6 +52,8 @@ class Config(BaseModel):
     launcher: LauncherSection = LauncherSection()
     supervisor: SupervisorSection = SupervisorSection()
     faults: FaultsSection = FaultsSection()
+    instability: InstabilitySection = InstabilitySection()
+    rollback: RollbackSection = RollbackSection()
 
 
 # ---------------------------------------------------------------------------------------------

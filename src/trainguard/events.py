@@ -93,3 +93,25 @@ class Hook:
 
     def on_train_end(self, guard: Any, reason: str) -> None:
         """Before the process leaves the training loop; ``reason`` is 'finished' or the stop reason."""
+
+    def on_instability(self, guard: Any, event: dict) -> Optional[str]:
+        """A detector fired in ``guard.should_step()``: return an action to override the policy's
+        (``"warn"``, ``"skip"``, ``"rollback"``, ``"raise"``), or ``None`` to keep it.
+
+        ``event`` holds ``step`` (1-based step in progress), ``detectors`` (names that fired),
+        ``loss`` and ``grad_norm`` (means over ranks), ``thresholds``, ``ranks``, ``policies``,
+        ``action`` (the policy's decision) and ``consecutive`` (skipped steps in a row). Rank 0's
+        answer is used on every rank. Non-finite gradients are never applied: ``"warn"`` then
+        means ``"skip"``. Example, roll back at once on a NaN after step 10,000::
+
+            class Strict(trainguard.Hook):
+                def on_instability(self, guard, event):
+                    if "nonfinite_loss" in event["detectors"] and event["step"] > 10_000:
+                        return "rollback"
+                    return None
+        """
+        return None
+
+    def on_rollback(self, guard: Any, from_step: int, to_step: int) -> None:
+        """After a rollback from step number ``from_step`` (the bad step) to the checkpoint of step
+        ``to_step``: the state is reloaded and the next step yielded is ``to_step``."""

@@ -6,7 +6,11 @@ Kinds (see :class:`~trainguard.config.FaultSpec`):
 * ``rank_hung`` with ``hang = "sigstop"``: the rank SIGSTOPs itself (alive, silent);
 * ``rank_hung`` with ``hang = "collective"``: the rank's main thread blocks before its next
   collective, so the other ranks wait inside it (the classic distributed hang);
-* ``random``: one of the two above, at a rank and step drawn from ``seed`` (reproducible).
+* ``random``: one of the two above, at a rank and step drawn from ``seed`` (reproducible);
+* numeric faults, applied by ``guard.should_step()`` to one rank's values in step number
+  ``step`` (and the ``repeat - 1`` after it): ``nan_loss`` (loss and gradients NaN),
+  ``loss_spike`` (loss × ``factor``), ``grad_explosion`` (gradients and their norm × ``factor``).
+  Each step fires once; ``persistent`` makes it fire again when a rollback re-runs the step.
 
 A fault fires when the rank has completed ``step`` steps (in the step, or with
 ``section = "checkpointing"`` inside the next checkpoint save), or ``after_seconds`` after the
@@ -23,7 +27,9 @@ import random
 import signal
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
+
+import torch
 
 from .config import ConfigError, FaultSpec
 from .events import EventLog
@@ -61,8 +67,13 @@ def validate(specs: list[FaultSpec], world_size: Optional[int]) -> None:
             raise ConfigError(f"{where}: 'rank' is required")
         if s.kind != "random" and s.step is None and s.after_seconds is None:
             raise ConfigError(f"{where}: give 'step' or 'after_seconds'")
+        if s.kind in NUMERIC and s.step is None:
+            raise ConfigError(f"{where}: a numeric fault needs 'step' (after_seconds is not possible)")
         if world_size is not None and s.rank is not None and s.rank >= world_size:
             raise ConfigError(f"{where}: rank {s.rank} does not exist (world size {world_size}, ranks 0..{world_size - 1})")
+
+
+NUMERIC = ("nan_loss", "loss_spike", "grad_explosion")
 
 
 def specs_from_env() -> list[FaultSpec]:
@@ -85,6 +96,8 @@ class FaultInjector:
         self.rank, self.world_size, self.attempt, self.events = rank, world_size, attempt, events
         self.specs = [s for s in specs if attempt == 0 or s.every_attempt]
         self.pending: list[FaultSpec] = []
+        self.numeric_pending: list[FaultSpec] = []
+        self._fired: set[tuple[int, int]] = set()  # (spec index, step) of numeric faults already fired
 
     def arm(self, max_steps: int) -> None:
         """Resolve random draws (they need ``max_steps``) and start the timers of time-based faults."""
@@ -96,7 +109,9 @@ class FaultInjector:
                                          "step": s.step if (s.step or s.after_seconds) else rng.randint(1, max(1, max_steps - 1))})
             if s.rank != self.rank:
                 continue
-            if s.after_seconds is not None and s.step is None:
+            if s.kind in NUMERIC:
+                self.numeric_pending.append(s)
+            elif s.after_seconds is not None and s.step is None:
                 threading.Thread(target=self._fire_later, args=(s,), daemon=True, name="trainguard-fault").start()
             else:
                 self.pending.append(s)
@@ -106,6 +121,28 @@ class FaultInjector:
         for s in self.pending:
             if s.step == step and s.section == section:
                 self.fire(s, step)
+
+    def numeric(self, step: int, loss: Any, grad_norm: Any, model: torch.nn.Module) -> tuple[Any, Any]:
+        """Called by ``should_step()`` in step number ``step``: corrupt this rank's loss, gradients
+        and gradient norm as the numeric faults due now say; returns the (loss, grad_norm) to check."""
+        for i, s in enumerate(self.numeric_pending):
+            if not (s.step <= step < s.step + s.repeat) or (not s.persistent and (i, step) in self._fired):
+                continue
+            self._fired.add((i, step))
+            self.events.emit("fault_injected", step, fault=s.kind, rank=self.rank, factor=s.factor, injected=True)
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            if s.kind == "nan_loss":
+                loss = loss * float("nan")
+                for gr in grads:
+                    gr.fill_(float("nan"))
+                grad_norm = None if grad_norm is None else grad_norm * float("nan")
+            elif s.kind == "loss_spike":
+                loss = loss * s.factor
+            else:
+                for gr in grads:
+                    gr.mul_(s.factor)
+                grad_norm = None if grad_norm is None else grad_norm * s.factor
+        return loss, grad_norm
 
     def _fire_later(self, spec: FaultSpec) -> None:
         time.sleep(spec.after_seconds or 0)

@@ -44,6 +44,7 @@ from .config import Config, ConfigError, config_from_argv, dump_config, load_con
 from .events import EventLog, Hook
 from .exitcodes import ExitCode
 from .faults import FaultInjector
+from .instability.recovery import Recovery
 from .supervisor.heartbeat import HeartbeatWriter, heartbeat_path
 from .supervisor.monitor import STACK_SIGNAL, attempt_dir, stack_path
 from .signals import ShutdownHandler
@@ -135,9 +136,14 @@ class Guard:
         self._step_seconds = 0.0
         self._t_last = time.perf_counter()
         self._awaiting_step_end = False
+        self._rolled_back = False  # should_step() rolled back: the next step_end() does not count
         self._next_check = 0  # step at which the stop flags are next exchanged (agreed by all ranks)
         self.heartbeat = self._attach_supervisor()
         self.faults = FaultInjector(config.faults.inject, self.rank, self.world_size, self.events.attempt, self.events)
+        self.recovery = Recovery(self)
+        if config.rollback.skip_batches and sampler is not None and not hasattr(sampler, "skip_batches"):
+            exit_bad_input(f"rollback.skip_batches={config.rollback.skip_batches} needs a sampler with a skip_batches(n) "
+                           f"method; {type(sampler).__name__} has none (use trainguard.ResumableSampler, or 0)")
         # bytes of parameters + two Adam moments: the save-time guess before the first save is measured
         self._state_bytes_guess = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
 
@@ -203,6 +209,31 @@ class Guard:
                 raise RuntimeError(f"guard.step_end() was not called in step {self.step}")
         self._finish()
 
+    def should_step(self, loss: Any, grad_norm: Any = None) -> bool:
+        """Check the step for instability after ``backward()``; apply it only if this returns ``True``::
+
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if guard.should_step(loss, grad_norm):
+                optimizer.step()
+                scheduler.step()
+            guard.step_end(loss=loss)
+
+        Runs the ``[instability]`` detectors (non-finite loss or gradients, loss and gradient-norm
+        spikes) with one all-reduce and one device→host sync, and acts on every rank alike: ``False``
+        after a skip (gradients zeroed) or a rollback (state reloaded from a known-good checkpoint;
+        the next yielded step is the checkpoint's). May exit with code 76 (``raise`` policy, no
+        checkpoint to roll back to, rollback budget spent). A collective: call it on every rank.
+
+        Args:
+            loss: this rank's loss (0-dim tensor or float).
+            grad_norm: the total gradient norm (e.g. ``clip_grad_norm_``'s return value); ``None``:
+                computed here from the model's gradients with fused ops.
+        Raises:
+            ValueError: a hook's ``on_instability`` returned an unknown action.
+        """
+        return self.recovery.check(loss, grad_norm)
+
     def step_end(self, loss: Any = None) -> None:
         """Close the current step: count it, then check stop and save conditions (see module doc).
 
@@ -211,6 +242,13 @@ class Guard:
                 it is not synchronized here.
         """
         self._awaiting_step_end = False
+        self.recovery.rejected = False
+        if self._rolled_back:  # the step was undone: steps() yields the checkpoint's step next
+            self._rolled_back = False
+            if self.heartbeat is not None:
+                self.heartbeat.close()
+                self.heartbeat.beat(self.step)
+            return
         self.step += 1
         now = time.perf_counter()
         # a decaying maximum: a slow step is remembered for a while (for the time limit)
@@ -224,6 +262,8 @@ class Guard:
             self.heartbeat.beat(self.step)
         for h in self.hooks:
             h.on_step_end(self, self.step, loss)
+        if self.rank == 0:
+            self.recovery.after_step()
         if self.step < self._next_check:
             flags = [0, 0, 0, 0]
         else:
@@ -270,13 +310,21 @@ class Guard:
                 if found is None or c.step > found.step:
                     self.store.set_aside(c, "does not verify (see the checkpoint_invalid event)")
         found = tgdist.broadcast_object(found)
+        self.recovery.on_start()
         if found is None:
             return
         try:
             check_compatible(found.path, self.model, self.optimizer, self.world_size)
         except CheckpointMismatchError as e:
             exit_bad_input(str(e), self.events)
-        state = load_state(found.path, self.model, self.optimizer)
+        self._load_checkpoint(found)
+        self.resumed_from = found
+        self._emit0("resume", path=str(found.path), from_step=found.step, seconds=round(time.perf_counter() - t0, 4))
+        self.recovery.on_resume(found)
+
+    def _load_checkpoint(self, ckpt: Checkpoint) -> None:
+        """Load the whole training state from ``ckpt`` (a collective) and continue at its step."""
+        state = load_state(ckpt.path, self.model, self.optimizer)
         self.step = int(state["step"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -285,10 +333,9 @@ class Guard:
         for name, obj in self.extra_state.items():
             if name in state.get("extra", {}):
                 obj.load_state_dict(state["extra"][name])
+        self.recovery.load_state_dict(state.get("instability"))
         restore_rng(state["rng"])
-        self.resumed_from = found
         self._last_saved_step = self.step
-        self._emit0("resume", path=str(found.path), from_step=found.step, seconds=round(time.perf_counter() - t0, 4))
 
     def _finish(self) -> None:
         if self.cfg.checkpoint.save_final:
@@ -296,6 +343,9 @@ class Guard:
         digest = state_hash(self.model, self.optimizer)
         loss = float(self.last_loss.detach() if torch.is_tensor(self.last_loss) else self.last_loss) if self.last_loss is not None else None
         self._emit0("end", state_sha256=digest, last_loss=loss)
+        # leave together: a rank that tears its group down while a peer still finishes rank-0
+        # work (the final commit) can make gloo abort in the peer at exit
+        tgdist.barrier()
         self._enter_teardown()
         for h in self.hooks:
             h.on_train_end(self, "finished")
@@ -305,12 +355,14 @@ class Guard:
     # saving and stopping
 
     def rank_state(self) -> dict[str, Any]:
-        """This rank's non-tensor training state: step, scheduler, data position, RNG, extras."""
+        """This rank's non-tensor training state: step, scheduler, data position, RNG, extras,
+        instability statistics and learning-rate ramp."""
         return {
             "step": self.step,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
             "extra": {k: v.state_dict() for k, v in self.extra_state.items()},
+            "instability": self.recovery.state_dict(),
             "rng": capture_rng(),
         }
 
@@ -342,7 +394,10 @@ class Guard:
         seconds = time.perf_counter() - t0
         self._save_seconds = seconds
         self._last_saved_step = self.step
-        deleted = self.store.apply_retention(protect=(ckpt.step,)) if self.rank == 0 else []
+        deleted = []
+        if self.rank == 0:
+            self.recovery.on_commit(ckpt)
+            deleted = self.store.apply_retention(protect={ckpt.step} | self.recovery.protected())
         self._emit0("checkpoint_committed", path=str(ckpt.path), bytes=nbytes, seconds=round(seconds, 4),
                     reason=reason, deleted_steps=deleted)
         for h in self.hooks:

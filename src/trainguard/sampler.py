@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -36,6 +36,7 @@ class ResumableSampler:
         self.per_rank = num_samples // world_size
         self.epoch = 0
         self.offset = 0
+        self._batch: Optional[int] = None  # size of the last take()
         self._indices = self._epoch_indices(0)
 
     def _epoch_indices(self, epoch: int) -> torch.Tensor:
@@ -60,7 +61,19 @@ class ResumableSampler:
 
     def take(self, n: int) -> list[int]:
         """The next ``n`` indices (a batch)."""
+        self._batch = n
         return [next(self) for _ in range(n)]
+
+    def skip_batches(self, n: int) -> None:
+        """Skip ``n`` batches of the size of the last :meth:`take` (a rollback's data skip).
+
+        Raises:
+            RuntimeError: no batch was taken yet (the batch size is unknown).
+        """
+        if self._batch is None:
+            raise RuntimeError("skip_batches() before any take(): the batch size is unknown")
+        for _ in range(n * self._batch):
+            next(self)
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch": int, "offset": int}``."""

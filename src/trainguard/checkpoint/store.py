@@ -5,6 +5,7 @@ Layout under the store root (``RUN_DIR/checkpoints`` by default)::
     step-00001200/           a committed checkpoint: data files + manifest.json
     .tmp-step-00001300/      being written; never visible to latest_valid()
     .trash-step-00000900/    being deleted by retention
+    .invalid-step-…, .rolledback-step-…   set aside (kept, never listed)
 
 Commit protocol (DESIGN invariant 1): files are written into the ``.tmp-`` directory and
 fsynced, the manifest is written last and fsynced, the directory is fsynced, then renamed to its
@@ -17,7 +18,9 @@ checkpoints plus any protected ones, and deletes by first renaming to ``.trash-`
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import shutil
 import time
@@ -104,17 +107,47 @@ class CheckpointStore:
                 reason = f"manifest is for step {step}, directory says {ckpt.step}"
         return reason
 
-    def set_aside(self, ckpt: Checkpoint, reason: str = "") -> Path:
-        """Rename a checkpoint that does not verify to ``.invalid-step-N-<ns>``.
+    def set_aside(self, ckpt: Checkpoint, reason: str = "", kind: str = "invalid") -> Path:
+        """Rename a checkpoint out of the way to ``.<kind>-step-N-<ns>`` (``invalid``: it does not
+        verify; ``rolledback``: it is newer than the checkpoint a rollback returned to).
 
         It is kept for inspection (nothing is deleted), no longer listed or counted by retention,
         and no longer in the way of a new save of the same step.
         """
-        aside = self.root / f".invalid-{ckpt.path.name}-{time.time_ns()}"
+        aside = self.root / f".{kind}-{ckpt.path.name}-{time.time_ns()}"
         ckpt.path.rename(aside)
         mf.fsync_path(self.root)
-        log.warning("set invalid checkpoint %s aside as %s: %s", ckpt.path, aside.name, reason)
+        log.warning("set checkpoint %s aside as %s: %s", ckpt.path, aside.name, reason)
         return aside
+
+    def mark_known_good(self, ckpt: Checkpoint, healthy_steps: int) -> None:
+        """Record in ``ckpt``'s manifest that ``healthy_steps`` steps after it were healthy.
+
+        The manifest is rewritten atomically (temp file, fsync, rename, directory fsync): a crash
+        leaves the old or the new manifest, both of which verify.
+        """
+        body = mf.read_manifest(ckpt.path)
+        body["known_good"] = {"healthy_steps": healthy_steps, "time": round(time.time(), 3)}
+        tmp = ckpt.path / f".{mf.MANIFEST}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(body, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, ckpt.path / mf.MANIFEST)
+        mf.fsync_path(ckpt.path)
+
+    def known_good(self, verify: str = "full", at_most: Optional[int] = None) -> Optional[Checkpoint]:
+        """The newest verified checkpoint marked known-good with ``step <= at_most``, or ``None``."""
+        for ckpt in reversed(self.committed()):
+            if at_most is not None and ckpt.step > at_most:
+                continue
+            try:
+                marked = "known_good" in mf.read_manifest(ckpt.path)
+            except (OSError, ValueError):
+                continue
+            if marked and self.check(ckpt, verify) is None:
+                return ckpt
+        return None
 
     def clean_stale(self) -> list[Path]:
         """Delete leftovers of interrupted writes and deletions (``.tmp-*``, ``.trash-*``).

@@ -1,0 +1,191 @@
+"""Instability detectors: non-finite loss and gradients, loss and gradient-norm spikes.
+
+Per step, every rank packs what it saw into one 6-element vector on the loss's device, without
+a host synchronization::
+
+    [loss or 0, grad_norm or 0, loss non-finite, grad non-finite, (rank+1)·loss non-finite, (rank+1)·grad non-finite]
+
+One ``all_reduce(SUM)`` combines the ranks (the only collective) and one ``.tolist()`` brings the
+result to the host (the only device→host synchronization). From the sums every rank derives the
+same verdict: which detectors fired, the mean loss and gradient norm over ranks, and, when exactly
+one rank was non-finite, which one.
+
+Spike rules (:class:`~trainguard.sections.InstabilitySection` documents them and their defaults):
+loss ``> mean + factor × max(std, 0.01 × |mean|)``, gradient norm ``> factor × mean``, both over
+the last ``window`` values of *applied* steps, checked once ``min_history`` values are known.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..sections import InstabilitySection
+
+DETECTORS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_spike")
+STD_FLOOR = 0.01  # fraction of |mean| below which the standard deviation is not trusted
+
+
+class RunningStats:
+    """Mean and standard deviation of the last ``window`` values (O(1) per value).
+
+    Args:
+        window: how many recent values count (≥ 2).
+    """
+
+    def __init__(self, window: int):
+        self.values: deque[float] = deque(maxlen=window)
+        self._sum = 0.0
+        self._sumsq = 0.0
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def add(self, x: float) -> None:
+        """Append ``x`` (the oldest value leaves once the window is full)."""
+        if len(self.values) == self.values.maxlen:
+            old = self.values[0]
+            self._sum -= old
+            self._sumsq -= old * old
+        self.values.append(x)
+        self._sum += x
+        self._sumsq += x * x
+
+    def mean_std(self) -> tuple[float, float]:
+        """(mean, population standard deviation); (nan, nan) when empty."""
+        n = len(self.values)
+        if n == 0:
+            return math.nan, math.nan
+        mean = self._sum / n
+        return mean, math.sqrt(max(self._sumsq / n - mean * mean, 0.0))
+
+    def threshold(self, factor: float) -> float:
+        """``mean + factor × max(std, 1 % of |mean|)``: values above it are spikes."""
+        mean, std = self.mean_std()
+        return mean + factor * max(std, STD_FLOOR * abs(mean))
+
+    def state_dict(self) -> list[float]:
+        return list(self.values)
+
+    def load_state_dict(self, values: Iterable[float]) -> None:
+        self.values.clear()
+        self._sum = self._sumsq = 0.0
+        for v in values:
+            self.add(float(v))
+
+
+@dataclass
+class Verdict:
+    """What the detectors saw in one step (identical on every rank).
+
+    Attributes:
+        step: the step number in progress (1-based: ``guard.step + 1``).
+        fired: names of the detectors that fired (subset of :data:`DETECTORS`).
+        loss: mean loss over the ranks with a finite loss (nan if none).
+        grad_norm: mean gradient norm over the ranks with a finite one (nan if none / not given).
+        thresholds: spike thresholds in force (``loss``, ``grad_norm``), nan before ``min_history``.
+        ranks: ranks with a non-finite loss or gradient when exactly one rank had it, else ``None``
+            (several ranks: only their count is known, in ``nonfinite_ranks``).
+    """
+
+    step: int
+    fired: list[str]
+    loss: float
+    grad_norm: float
+    thresholds: dict[str, float]
+    nonfinite_ranks: int = 0
+    ranks: Optional[list[int]] = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.fired
+
+
+def total_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all gradients as a 0-dim tensor, with fused per-device ops and no host sync.
+
+    For sharded gradients (FSDP DTensors) pass the norm from ``clip_grad_norm_`` instead.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norms = torch._foreach_norm(grads)
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+
+
+class Detector:
+    """Runs all detectors for one step with one collective and one host synchronization.
+
+    Args:
+        cfg: the ``[instability]`` section.
+        rank, world_size: this rank and the job size (world 1 or no process group: no collective).
+    """
+
+    def __init__(self, cfg: InstabilitySection, rank: int, world_size: int):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.loss_stats = RunningStats(cfg.window)
+        self.grad_stats = RunningStats(cfg.window)
+
+    def observe(self, step: int, loss: Any, grad_norm: Any) -> Verdict:
+        """Combine this rank's ``loss`` and ``grad_norm`` (tensors or floats; ``grad_norm`` may be
+        ``None``) with the other ranks' and return the verdict. A collective: call on every rank."""
+        loss_t = loss.detach().reshape(()).float() if torch.is_tensor(loss) else torch.tensor(float(loss))
+        has_grad = grad_norm is not None
+        if torch.is_tensor(grad_norm):
+            grad_t = grad_norm.detach().reshape(()).float().to(loss_t.device)
+        else:
+            grad_t = torch.tensor(float(grad_norm) if has_grad else 0.0, device=loss_t.device)
+        vals = torch.stack([loss_t, grad_t])
+        bad = (~torch.isfinite(vals)).float()
+        packed = torch.cat([torch.where(bad > 0, torch.zeros_like(vals), vals), bad, bad * (self.rank + 1)])
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(packed)
+        loss_sum, grad_sum, n_bad_loss, n_bad_grad, id_loss, id_grad = packed.tolist()  # the one host sync
+        return self._verdict(step, loss_sum, grad_sum if has_grad else math.nan, int(n_bad_loss),
+                             int(n_bad_grad) if has_grad else 0, id_loss, id_grad)
+
+    def _verdict(self, step: int, loss_sum: float, grad_sum: float, n_bad_loss: int, n_bad_grad: int,
+                 id_loss: float, id_grad: float) -> Verdict:
+        cfg, fired = self.cfg, []
+        loss = loss_sum / (self.world_size - n_bad_loss) if n_bad_loss < self.world_size else math.nan
+        grad = grad_sum / (self.world_size - n_bad_grad) if n_bad_grad < self.world_size else math.nan
+        if n_bad_loss:
+            fired.append("nonfinite_loss")
+        if n_bad_grad:
+            fired.append("nonfinite_grad")
+        ready = len(self.loss_stats) >= cfg.min_history
+        thresholds = {"loss": self.loss_stats.threshold(cfg.loss_spike_factor) if ready else math.nan,
+                      "grad_norm": cfg.grad_spike_factor * self.grad_stats.mean_std()[0] if ready and len(self.grad_stats) else math.nan}
+        if ready and not n_bad_loss and loss > thresholds["loss"]:
+            fired.append("loss_spike")
+        if ready and not n_bad_grad and grad > thresholds["grad_norm"]:
+            fired.append("grad_spike")
+        n_bad = max(n_bad_loss, n_bad_grad)
+        ranks = None
+        if n_bad_loss == 1 or n_bad_grad == 1:
+            ranks = sorted({int(i) - 1 for i, n in ((id_loss, n_bad_loss), (id_grad, n_bad_grad)) if n == 1})
+        mean_loss, std_loss = self.loss_stats.mean_std()
+        return Verdict(step, fired, loss, grad, thresholds, n_bad, ranks,
+                       {"loss_mean": mean_loss, "loss_std": std_loss, "grad_norm_mean": self.grad_stats.mean_std()[0],
+                        "history": len(self.loss_stats)})
+
+    def record_applied(self, verdict: Verdict) -> None:
+        """Add an applied step's values to the running statistics (skipped steps stay out)."""
+        if math.isfinite(verdict.loss):
+            self.loss_stats.add(verdict.loss)
+        if math.isfinite(verdict.grad_norm):
+            self.grad_stats.add(verdict.grad_norm)
+
+    def state_dict(self) -> dict[str, list[float]]:
+        """The running statistics' values (saved in checkpoints so a resumed run decides alike)."""
+        return {"loss": self.loss_stats.state_dict(), "grad_norm": self.grad_stats.state_dict()}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        self.loss_stats.load_state_dict(state.get("loss", []))
+        self.grad_stats.load_state_dict(state.get("grad_norm", []))

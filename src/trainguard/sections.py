@@ -1,0 +1,228 @@
+"""The config sections of trainguard's components (``[run]``, ``[checkpoint]``, ``[supervisor]``, ...).
+
+Each section is a pydantic model with ``extra="forbid"``: an unknown key, a wrong type or an
+out-of-range value fails validation, and :func:`trainguard.config.load_config` turns that into a
+:class:`~trainguard.config.ConfigError` naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+_DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)d)?\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*$")
+
+
+def parse_duration(value: Any) -> Optional[float]:
+    """Parse seconds from a number, ``"HH:MM:SS"``, or ``"1d2h30m10s"``-style text.
+
+    Returns:
+        The duration in seconds, or ``None`` for ``None``/``""``.
+    Raises:
+        ValueError: the text is not a duration or is negative.
+    """
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise ValueError("expected a duration, got a boolean")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and ":" in value:
+        parts = [float(p) for p in value.split(":")]
+        seconds = 0.0
+        for p in parts:
+            seconds = seconds * 60 + p
+    elif isinstance(value, str) and (m := _DURATION.match(value)) and any(m.groups()):
+        d, h, mi, s = (float(g) if g else 0.0 for g in m.groups())
+        seconds = d * 86400 + h * 3600 + mi * 60 + s
+    else:
+        raise ValueError(f"expected a duration such as 3600, '1h30m' or '01:30:00', got {value!r}")
+    if seconds < 0:
+        raise ValueError(f"expected a non-negative duration, got {value!r}")
+    return seconds
+
+
+class Section(BaseModel):
+    """Base class of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(Section):
+    """``[run]``: where the run lives. The launcher's ``--run-dir`` overrides ``dir``."""
+
+    dir: Path = Field(Path("runs/default"), description="run directory (checkpoints, events, config)")
+    seed: int = Field(0, ge=0, description="base random seed; trainguard.seed_everything() uses it")
+
+
+class CheckpointSection(Section):
+    """``[checkpoint]``: the persistent checkpoint store."""
+
+    interval: int = Field(100, ge=1, description="save every N optimizer steps")
+    keep_last: int = Field(3, ge=1, description="committed checkpoints kept (the newest is never deleted)")
+    dir: str = Field("checkpoints", description="store directory, relative to the run dir unless absolute")
+    verify: str = Field("full", pattern="^(full|size)$", description="'full' checks every checksum on resume, 'size' only sizes")
+    save_final: bool = Field(True, description="save a checkpoint when the last step finishes")
+
+
+class PreemptionSection(Section):
+    """``[preemption]``: signals that ask the run to save and exit (requeue)."""
+
+    signals: list[str] = Field(["SIGTERM", "SIGUSR1", "SIGINT"], description="signals that request a stop")
+    save_deadline: float = Field(300.0, gt=0, description="seconds from the signal until the process exits even if the emergency save is unfinished")
+
+    @field_validator("signals")
+    @classmethod
+    def _known_signals(cls, v: list[str]) -> list[str]:
+        import signal
+
+        for name in v:
+            if not name.startswith("SIG") or not hasattr(signal, name):
+                raise ValueError(f"unknown signal name {name!r} (expected e.g. 'SIGTERM')")
+        return v
+
+
+class StopSection(Section):
+    """``[stop]``: stop and save conditions checked at every step boundary."""
+
+    max_duration: Optional[float] = Field(None, description="wall-clock budget of one launch (seconds, '4h', or 'HH:MM:SS'); the run stops early enough for one more step and one save")
+    time_margin: float = Field(5.0, ge=0, description="extra seconds kept in reserve before max_duration")
+    kill_switch: str = Field("KILL", description="file (relative to the run dir) whose presence means: save and exit")
+    save_switch: str = Field("SAVE", description="file whose presence means: save, delete the file, continue")
+    check_interval: int = Field(0, ge=0, description="check stop conditions every N steps; 0 = auto: about every check_seconds, from the measured step time")
+    check_seconds: float = Field(1.0, gt=0, description="with check_interval = 0: target seconds between two checks (the stop latency); the check is one small all-reduce")
+
+    @field_validator("max_duration", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> Optional[float]:
+        return parse_duration(v)
+
+
+class LauncherSection(Section):
+    """``[launcher]``: the ``trainguard run`` agent."""
+
+    max_restarts: int = Field(3, ge=0, description="worker-group restarts after a rank dies before giving up")
+    monitor_interval: float = Field(0.1, gt=0, description="seconds between checks of the workers and their heartbeats")
+    stop_grace: float = Field(60.0, gt=0, description="seconds the launcher waits for ranks to save and exit after forwarding a stop signal, before SIGKILL")
+
+
+class SupervisorSection(Section):
+    """``[supervisor]``: hang detection in ``trainguard run`` from the ranks' heartbeats and sections.
+
+    The ``*_timeout`` values are the conservative starting timeouts (seconds; the setup/step/
+    checkpointing/out-of-section defaults are Megatron's ft_launcher recipe values); once a section
+    has ``min_samples`` observed durations its timeout is learned (see
+    :mod:`trainguard.supervisor.timeouts`) and saved to ``RUN_DIR/timeouts.json`` for the next launch.
+    """
+
+    enabled: bool = Field(True, description="detect hung ranks and restart the group")
+    initial_timeout: float = Field(600.0, gt=0, description="seconds from a rank's start to its first heartbeat (Guard created)")
+    setup_timeout: float = Field(600.0, gt=0, description="from the first heartbeat until the first step completes (resume, warm-up)")
+    step_timeout: float = Field(180.0, gt=0, description="one training step")
+    checkpointing_timeout: float = Field(600.0, gt=0, description="one checkpoint save")
+    out_of_section_timeout: float = Field(300.0, gt=0, description="time between sections (code after step_end)")
+    teardown_timeout: float = Field(600.0, gt=0, description="after the last step or a stop: evaluation, process-group teardown, exit (never learned)")
+    section_timeouts: dict[str, float] = Field({}, description="starting timeouts of user-named sections")
+    user_section_timeout: float = Field(600.0, gt=0, description="starting timeout of user sections not in section_timeouts")
+    learn: bool = Field(True, description="learn timeouts from observed durations")
+    percentile: float = Field(99.0, gt=0, le=100, description="percentile of observed durations the learned timeout starts from")
+    safety_factor: float = Field(3.0, ge=1, description="learned timeout = max(min_timeout, safety_factor × percentile, longest observed)")
+    min_timeout: float = Field(2.0, gt=0, description="floor of every learned timeout (seconds)")
+    min_samples: int = Field(20, ge=1, description="observations of a section before its timeout is learned")
+    kill_grace: float = Field(3.0, gt=0, description="seconds between SIGTERM and SIGKILL when the launcher stops a group to restart it")
+    stacks_wait: float = Field(1.0, ge=0, description="seconds to wait for a hung rank's stack dump")
+    max_no_progress_restarts: int = Field(3, ge=1, description="give up after this many consecutive restarts with no new checkpoint")
+    max_same_step_faults: int = Field(2, ge=2, description="give up when the group fails at the same step this many times in a row")
+
+    @field_validator("section_timeouts")
+    @classmethod
+    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, seconds in v.items():
+            if seconds <= 0:
+                raise ValueError(f"timeout of section {name!r} must be > 0, got {seconds}")
+        return v
+
+
+class FaultSpec(Section):
+    """One injected fault (``[[faults.inject]]`` or ``trainguard run --inject KIND:key=value,...``).
+
+    Process faults: ``rank_killed``, ``rank_hung``, ``random`` (a seeded choice of both).
+    Numeric faults, applied inside ``guard.should_step()`` to step number ``step`` (1-based: the
+    step that, once complete, makes ``step`` steps) and the ``repeat - 1`` steps after it:
+    ``nan_loss`` (the rank's loss and gradients become NaN), ``loss_spike`` (its loss × ``factor``),
+    ``grad_explosion`` (its gradients and gradient norm × ``factor``).
+    """
+
+    kind: str = Field(..., pattern="^(rank_killed|rank_hung|random|nan_loss|loss_spike|grad_explosion)$",
+                      description="rank_killed, rank_hung, random, nan_loss, loss_spike or grad_explosion")
+    rank: Optional[int] = Field(None, ge=0, description="global rank (random: drawn)")
+    step: Optional[int] = Field(None, ge=1, description="fire when this many steps are complete (numeric faults: in this step)")
+    after_seconds: Optional[float] = Field(None, gt=0, description="fire this long after the Guard starts instead of at a step")
+    hang: str = Field("sigstop", pattern="^(sigstop|collective)$", description="rank_hung: stop the process (SIGSTOP), or block it before the next collective so the others wait inside it")
+    section: str = Field("step", pattern="^(step|checkpointing)$", description="rank_hung at a step: hang in the step, or inside the next checkpoint save")
+    every_attempt: bool = Field(False, description="fire again after each restart (a recurring fault); default only in the first attempt")
+    seed: int = Field(0, description="random: the seed of the draw")
+    factor: float = Field(10.0, gt=0, description="loss_spike / grad_explosion: the multiplier")
+    repeat: int = Field(1, ge=1, description="numeric faults: in this many consecutive steps from 'step'")
+    persistent: bool = Field(False, description="numeric faults: fire again when a rollback re-runs the step (a fault recovery cannot outrun)")
+
+
+class FaultsSection(Section):
+    """``[faults]``: faults to inject, to test and rehearse recovery. Each injection is an event."""
+
+    inject: list[FaultSpec] = Field([], description="the faults")
+
+
+Policy = Literal["warn", "skip", "rollback", "raise"]
+
+
+class InstabilitySection(Section):
+    """``[instability]``: detectors run by ``guard.should_step(loss, grad_norm)`` and what each one does.
+
+    Policies: ``warn`` (event only, the step is applied), ``skip`` (gradients zeroed, no optimizer
+    or scheduler step), ``rollback`` (reload a known-good checkpoint, see ``[rollback]``), ``raise``
+    (stop with the give-up exit code). A step with non-finite gradients is never applied, whatever
+    the policy. Statistics run over the last ``window`` applied steps and are used once
+    ``min_history`` are known.
+
+    * Loss spike: ``loss > mean + loss_spike_factor × max(std, 1 % of |mean|)``. 7 standard
+      deviations over a rolling window of 1,000 values is OLMo 2's "spike score" (Team OLMo,
+      "2 OLMo 2 Furious", arXiv:2501.00656); the floor keeps a flat series from turning noise into spikes.
+    * Gradient-norm spike: ``grad_norm > grad_spike_factor × mean``. Gradient norms are heavy-tailed:
+      on the example GPT (batch 4, 3,000 clean steps) the largest was 5.6× the running mean but 21
+      standard deviations above it, so a standard-deviation rule would fire on healthy steps; 10×
+      the mean leaves that margin and still catches explosions, which are orders of magnitude.
+    """
+
+    nonfinite_loss: Policy = Field("skip", description="policy for a NaN/Inf loss on any rank")
+    nonfinite_grad: Policy = Field("skip", description="policy for a NaN/Inf gradient norm on any rank")
+    loss_spike: Policy = Field("skip", description="policy for a loss spike (mean loss over ranks)")
+    grad_spike: Policy = Field("skip", description="policy for a gradient-norm spike")
+    loss_spike_factor: float = Field(7.0, gt=0, description="loss spike: standard deviations above the running mean")
+    grad_spike_factor: float = Field(10.0, gt=1, description="gradient-norm spike: multiple of the running mean")
+    window: int = Field(1000, ge=2, description="applied steps in the running statistics")
+    min_history: int = Field(50, ge=2, description="applied steps seen before spikes are detected")
+    max_consecutive: int = Field(3, ge=1, description="consecutive skipped steps after which the action escalates to 'escalate'")
+    escalate: Literal["rollback", "raise"] = Field("rollback", description="action once max_consecutive steps in a row were skipped")
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks in the whole run (all launches) before giving up")
+    known_good_after: int = Field(50, ge=1, description="healthy steps after a checkpoint that make it known-good (recorded in its manifest)")
+
+    @model_validator(mode="after")
+    def _history_fits(self) -> "InstabilitySection":
+        if self.min_history > self.window:
+            raise ValueError(f"min_history ({self.min_history}) must be ≤ window ({self.window})")
+        return self
+
+
+class RollbackSection(Section):
+    """``[rollback]``: how a rollback recovers (PaLM's manual recipe, automated: restart ~100 steps
+    before the spike and skip the 200–500 batches around it; Chowdhery et al. 2022, §5.1)."""
+
+    depth: int = Field(0, ge=0, description="roll back to the newest known-good checkpoint at least this many steps before the bad step")
+    skip_batches: int = Field(0, ge=0, description="batches skipped after the checkpoint; at least those between the checkpoint and the bad step, which are always skipped")
+    lr_factor: float = Field(0.5, gt=0, le=1, description="learning-rate multiplier right after a rollback")
+    lr_ramp_steps: int = Field(100, ge=0, description="steps over which the multiplier ramps linearly back to 1")
