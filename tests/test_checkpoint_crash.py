@@ -54,7 +54,7 @@ def train(run_dir: Path, max_steps: int, keep_last: int = 3, hooks: tuple = ()) 
     """Train the tiny MLP in this process under a Guard (a checkpoint every step); resumes if it can."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    cfg = trainguard.load_config(None, [f"run.dir={run_dir}", "checkpoint.interval=1", f"checkpoint.keep_last={keep_last}"])
+    cfg = trainguard.load_config(None, [f"run.dir={run_dir}", "checkpoint.interval=1", "instability.known_good_after=1", f"checkpoint.keep_last={keep_last}"])
     trainguard.seed_everything(0)
     g = torch.Generator().manual_seed(1234)
     xs, ys = torch.randn(64, DIMS["in_dim"], generator=g), torch.randn(64, DIMS["out_dim"], generator=g)

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from conftest import REPO, events, finish, launch
+from trainguard.checkpoint import CheckpointStore
+from trainguard.checkpoint.manifest import describe_files
 from trainguard.config import ConfigError, load_config
 from trainguard.exitcodes import ExitCode
 from trainguard.instability.detect import Detector, RunningStats
@@ -88,6 +90,21 @@ def test_lr_ramp_multiplier_and_hooks_leave_the_scheduler_unscaled():
     assert seen == [0.5] and opt.param_groups[0]["lr"] == 1.0  # restored after the step
 
 
+def test_retention_keeps_the_newest_known_good_and_the_oldest_awaiting_its_verdict(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=2)
+    ckpts = {}
+    for step in (10, 20, 30, 40, 50):
+        tmp = store.begin(step)
+        (tmp / "data").write_bytes(b"x" * step)
+        ckpts[step] = store.commit(tmp, step, describe_files(tmp, ["data"]), {"created": step})
+    store.mark_known_good(ckpts[20], healthy_steps=5)
+    assert store.known_good().step == 20 and store.known_good(at_most=19) is None
+    assert store.check(ckpts[20]) is None  # the rewritten manifest still verifies
+    assert store.apply_retention(protect={50, 20, 30}) == [10]
+    assert [c.step for c in store.committed()] == [20, 30, 40, 50]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
 @pytest.mark.parametrize("override, expected", [
     ("instability.loss_spike=explode", "instability.loss_spike"),
     ("instability.grad_spike_factor=0", "instability.grad_spike_factor"),
@@ -143,6 +160,8 @@ def test_consecutive_nans_roll_back_with_lr_ramp_and_data_skip_and_survive_a_res
     assert d["skipped_batches"] == 20 and d["skipped_window"] == [21, 40]
     ledger = json.loads((run / "rollbacks.json").read_text())["rollbacks"]
     assert len(ledger) == 1 and ledger[0]["skipped_window"] == [21, 40]
+    manifest = json.loads((run / "checkpoints" / "step-00000020" / "manifest.json").read_text())
+    assert manifest["known_good"]["healthy_steps"] == 5
     for rank in (0, 1):
         recs = steps_of(run, rank)
         first, second = recs[:35], recs[35:]
@@ -222,9 +241,13 @@ def test_rollback_budget_spent_gives_up_without_looping(tmp_path):
 
 def test_hook_overrides_the_policy_and_hears_the_rollback(tmp_path):
     run = tmp_path / "run"
-    assert run_worker(run, "worker.hook_action=rollback", inject=("nan_loss:rank=1,step=27",), steps=40) == 0, log(run)
+    assert run_worker(run, "worker.hook_action=rollback", inject=("nan_loss:rank=1,step=32",), steps=40) == 0, log(run)
     (ev,) = events(run, "instability")
     assert ev["details"]["action"] == "rollback" and ev["details"]["hook_override"] is True
     calls = [json.loads(line) for line in (run / "on_rollback.jsonl").read_text().splitlines()]
     assert sorted(c["rank"] for c in calls) == [0, 1]
-    assert all(c["from_step"] == 27 and c["to_step"] == 20 and c["step_now"] == 20 for c in calls)
+    # step 30 is not known-good yet at step 32 (needs 5 healthy steps): back to 20, and 30 set aside
+    assert all(c["from_step"] == 32 and c["to_step"] == 20 and c["step_now"] == 20 for c in calls)
+    (rb,) = events(run, "rollback")
+    assert rb["details"]["set_aside"] == [30]
+    assert [p.name.split("-step-")[0] for p in (run / "checkpoints").iterdir() if p.name.startswith(".")] == [".rolledback"]

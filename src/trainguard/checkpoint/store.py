@@ -128,13 +128,16 @@ class CheckpointStore:
         """
         body = mf.read_manifest(ckpt.path)
         body["known_good"] = {"healthy_steps": healthy_steps, "time": round(time.time(), 3)}
-        tmp = ckpt.path / f".{mf.MANIFEST}.tmp"
+        # the temp file lives in the store root under the .tmp- prefix (clean_stale removes it after
+        # a crash), so a checkpoint directory never holds a file its manifest does not list
+        tmp = self.root / f".tmp-manifest-{ckpt.path.name}"
         with open(tmp, "w") as f:
             json.dump(body, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, ckpt.path / mf.MANIFEST)
         mf.fsync_path(ckpt.path)
+        mf.fsync_path(self.root)
 
     def known_good(self, verify: str = "full", at_most: Optional[int] = None) -> Optional[Checkpoint]:
         """The newest verified checkpoint marked known-good with ``step <= at_most``, or ``None``."""
@@ -158,7 +161,10 @@ class CheckpointStore:
         if self.root.is_dir():
             for p in self.root.iterdir():
                 if p.name.startswith((".tmp-", ".trash-")):
-                    shutil.rmtree(p, ignore_errors=True)
+                    if p.is_dir():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        p.unlink(missing_ok=True)
                     removed.append(p)
         return removed
 

@@ -1,0 +1,209 @@
+"""Step overhead of the instability detectors (goal: ≤ 1.01×) and host syncs per step (goal: one).
+
+Two gloo ranks (``torch.multiprocessing.spawn``, one CPU thread each) train a DDP MLP with AdamW
+and gradient clipping. In the same processes the benchmark alternates blocks of N steps of three
+loops, in the order ABCCBA so that drift and ordering effects cancel:
+
+* A, plain: ``clip_grad_norm_``, ``optimizer.step()``;
+* B, Guard without detectors: A inside ``guard.steps()`` / ``guard.step_end()``;
+* C, Guard with every detector: B plus ``if guard.should_step(loss, grad_norm):`` around the
+  optimizer step (non-finite loss and gradients, loss and gradient-norm spikes; all on).
+
+Reported (rank 0): median per-step wall time of each loop and the ratios C/B (the detectors' own
+cost, the goal) and C/A (the whole Guard), plus CPU-time ratios (less sensitive to other load).
+Then, in one extra guarded block, ``should_step()`` is instrumented: a ``TorchFunctionMode``
+counts every tensor→host conversion (``item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``,
+``numpy``, ``cpu``) and wrappers count ``torch.distributed`` collectives, per call.
+
+    .venv/bin/python benchmarks/instability_overhead.py [--quick] [--steps N] [--rounds R] [--hidden H]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GOAL = 1.01
+SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu")
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "broadcast_object_list", "all_gather_object", "barrier")
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="short run to check that it works")
+    p.add_argument("--steps", type=int, default=None, help="steps per block (default 40, quick 20)")
+    p.add_argument("--rounds", type=int, default=None, help="ABCCBA rounds (default 6, quick 1)")
+    p.add_argument("--hidden", type=int, default=1024, help="MLP width (sets the step time)")
+    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    args = p.parse_args()
+    args.steps = args.steps or (20 if args.quick else 40)
+    args.rounds = args.rounds or (1 if args.quick else 6)
+    return args
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.overrides import TorchFunctionMode
+
+    import trainguard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    h = args.hidden
+    model = nn.Sequential(nn.Linear(256, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 10))
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(args.batch, 256, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+    clock, cpu_clock = time.perf_counter, time.process_time
+
+    def forward_backward() -> tuple[torch.Tensor, torch.Tensor]:
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        return loss.detach(), torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+    for _ in range(20):  # warm-up
+        forward_backward()
+        opt.step()
+
+    n, block = args.steps, [0]
+    wall = {"plain": [], "guard": [], "detectors": []}
+    cpu = {"plain": [], "guard": [], "detectors": []}
+
+    def timed(variant: str, steps) -> None:
+        times, cpus = [], []
+        t_prev, c_prev = clock(), cpu_clock()
+        for _ in steps:
+            now, c_now = clock(), cpu_clock()
+            times.append(now - t_prev)
+            cpus.append(c_now - c_prev)
+            t_prev, c_prev = now, c_now
+        wall[variant].append(times[2:])  # drop the Guard's first yield (setup) and the first step
+        cpu[variant].append(cpus[2:])
+
+    def plain():
+        for _ in range(n + 1):
+            yield
+            forward_backward()
+            opt.step()
+        yield
+
+    def guarded(detectors: bool, guard_box: list):
+        cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-{block[0]}", "checkpoint.interval=1000000",
+                                            "checkpoint.save_final=false"])
+        block[0] += 1
+        guard = trainguard.Guard(cfg, model=ddp, optimizer=opt)
+        guard_box.append(guard)
+        yield
+        for _ in guard.steps(n + 1):
+            loss, norm = forward_backward()
+            if not detectors or guard.should_step(loss, norm):
+                opt.step()
+            guard.step_end(loss=loss)
+            yield
+        guard.shutdown.uninstall()
+        guard.events.close()
+
+    for _ in range(args.rounds):
+        for variant in ("plain", "guard", "detectors", "detectors", "guard", "plain"):
+            timed(variant, plain() if variant == "plain" else guarded(variant == "detectors", []))
+
+    # instrumented block: what one should_step() does
+    counts = {"syncs": [], "collectives": []}
+
+    class CountSyncs(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in SYNCS:
+                self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    for name, fn in originals.items():
+        setattr(dist, name, lambda *a, _n=name, _f=fn, **k: (calls.append(_n), _f(*a, **k))[1])
+    cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-count", "checkpoint.interval=1000000", "checkpoint.save_final=false"])
+    guard = trainguard.Guard(cfg, model=ddp, optimizer=opt)
+    for _ in guard.steps(n):
+        loss, norm = forward_backward()
+        calls.clear()
+        with CountSyncs() as mode:
+            ok = guard.should_step(loss, norm)
+        counts["syncs"].append(mode.names)
+        counts["collectives"].append(list(calls))
+        if ok:
+            opt.step()
+        guard.step_end(loss=loss)
+    for name, fn in originals.items():
+        setattr(dist, name, fn)
+    dist.barrier()
+    if rank == 0:
+        Path(tmp, "result.json").write_text(json.dumps({"wall": wall, "cpu": cpu, "counts": counts}))
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    args = _parse()
+    import torch.multiprocessing as mp
+    from rich.console import Console
+    from rich.table import Table
+
+    with tempfile.TemporaryDirectory(prefix="tg-bench-instab-") as tmp:
+        t0 = time.perf_counter()
+        mp.spawn(_worker, args=(2, args, tmp), nprocs=2, join=True)
+        seconds = time.perf_counter() - t0
+        res = json.loads(Path(tmp, "result.json").read_text())
+
+    med = statistics.median
+
+    def per_round(d: dict, a: str, b: str) -> float:
+        """median over rounds of (b's two blocks) / (a's two blocks)"""
+        r = [(sum(d[b][2 * i]) + sum(d[b][2 * i + 1])) / (sum(d[a][2 * i]) + sum(d[a][2 * i + 1])) for i in range(len(d[a]) // 2)]
+        return med(r)
+
+    def median_ms(d: dict, v: str) -> float:
+        return med([t for blk in d[v] for t in blk]) * 1e3
+
+    def fmt(r: float, goal: bool = True) -> str:
+        return (f"{'[green]' if r <= GOAL else '[red]'}{r:.4f}×") if goal else f"{r:.4f}×"
+
+    table = Table(title=f"Instability detectors — 2 gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
+                        f"{args.rounds}× ABCCBA blocks of {args.steps} steps, rank 0")
+    for col in ("measure", "plain (A)", "Guard (B)", "Guard + detectors (C)", "C / B", "C / A", "goal"):
+        table.add_column(col, justify="left" if col == "measure" else "right")
+    for label, d in (("wall", res["wall"]), ("CPU", res["cpu"])):
+        table.add_row(f"{label}: median step (ms)", *(f"{median_ms(d, v):.3f}" for v in ("plain", "guard", "detectors")),
+                      fmt(median_ms(d, "detectors") / median_ms(d, "guard")), fmt(median_ms(d, "detectors") / median_ms(d, "plain"), False),
+                      f"C/B ≤ {GOAL:.2f}×")
+        table.add_row(f"{label}: median of per-round ratios", "", "", "", fmt(per_round(d, "guard", "detectors")),
+                      fmt(per_round(d, "plain", "detectors"), False), "")
+    Console(width=160).print(table)
+    syncs = [len(s) for s in res["counts"]["syncs"]]
+    colls = [len(c) for c in res["counts"]["collectives"]]
+    kinds = sorted({name for s in res["counts"]["syncs"] for name in s} | {name for c in res["counts"]["collectives"] for name in c})
+    t2 = Table(title=f"per guard.should_step() call, {len(syncs)} healthy steps (goal: one host sync, one collective)")
+    for col in ("measure", "min", "max", "what"):
+        t2.add_column(col)
+    t2.add_row("device→host syncs", str(min(syncs)), str(max(syncs)), ", ".join(k for k in kinds if k in SYNCS))
+    t2.add_row("collectives", str(min(colls)), str(max(colls)), ", ".join(k for k in kinds if k in COLLECTIVES))
+    Console(width=160).print(t2)
+    print(f"wall {seconds:.1f} s; load average {os.getloadavg()[0]:.2f} (run on an idle machine; compare ratios)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
