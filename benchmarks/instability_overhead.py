@@ -2,12 +2,14 @@
 
 Two gloo ranks (``torch.multiprocessing.spawn``, one CPU thread each) train a DDP MLP with AdamW
 and gradient clipping. In the same processes the benchmark alternates blocks of N steps of three
-loops, in the order ABCCBA so that drift and ordering effects cancel:
+loops, in a mirrored order so that drift and ordering effects cancel:
 
 * A, plain: ``clip_grad_norm_``, ``optimizer.step()``;
 * B, Guard without detectors: A inside ``guard.steps()`` / ``guard.step_end()``;
 * C, Guard with every detector: B plus ``if guard.should_step(loss, grad_norm):`` around the
-  optimizer step (non-finite loss and gradients, loss and gradient-norm spikes; all on).
+  optimizer step (non-finite loss and gradients, loss and gradient-norm spikes; all on);
+* D, reference: B plus one bare 6-float ``all_reduce`` and one ``tolist()`` per step, the
+  collective and sync the detectors need by design, without their logic (order ABCDDCBA).
 
 Reported (rank 0): median per-step wall time of each loop and the ratios C/B (the detectors' own
 cost, the goal) and C/A (the whole Guard), plus CPU-time ratios (less sensitive to other load).
@@ -38,7 +40,7 @@ def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short run to check that it works")
     p.add_argument("--steps", type=int, default=None, help="steps per block (default 40, quick 20)")
-    p.add_argument("--rounds", type=int, default=None, help="ABCCBA rounds (default 6, quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="ABCDDCBA rounds (default 6, quick 1)")
     p.add_argument("--hidden", type=int, default=1024, help="MLP width (sets the step time)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     args = p.parse_args()
@@ -78,8 +80,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         opt.step()
 
     n, block = args.steps, [0]
-    wall = {"plain": [], "guard": [], "detectors": []}
-    cpu = {"plain": [], "guard": [], "detectors": []}
+    wall = {"plain": [], "guard": [], "detectors": [], "reference": []}
+    cpu = {"plain": [], "guard": [], "detectors": [], "reference": []}
 
     def timed(variant: str, steps) -> None:
         times, cpus = [], []
@@ -99,7 +101,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
             opt.step()
         yield
 
-    def guarded(detectors: bool, guard_box: list):
+    def guarded(variant: str, guard_box: list):
         cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-{block[0]}", "checkpoint.interval=1000000",
                                             "checkpoint.save_final=false"])
         block[0] += 1
@@ -108,7 +110,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         yield
         for _ in guard.steps(n + 1):
             loss, norm = forward_backward()
-            if not detectors or guard.should_step(loss, norm):
+            if variant == "reference":
+                packed = torch.stack([loss, norm, loss, norm, loss, norm])
+                dist.all_reduce(packed)
+                packed.tolist()
+            if variant != "detectors" or guard.should_step(loss, norm):
                 opt.step()
             guard.step_end(loss=loss)
             yield
@@ -116,8 +122,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         guard.events.close()
 
     for _ in range(args.rounds):
-        for variant in ("plain", "guard", "detectors", "detectors", "guard", "plain"):
-            timed(variant, plain() if variant == "plain" else guarded(variant == "detectors", []))
+        for variant in ("plain", "guard", "detectors", "reference", "reference", "detectors", "guard", "plain"):
+            timed(variant, plain() if variant == "plain" else guarded(variant, []))
 
     # instrumented block: what one should_step() does
     counts = {"syncs": [], "collectives": []}
@@ -182,15 +188,15 @@ def main() -> int:
         return (f"{'[green]' if r <= GOAL else '[red]'}{r:.4f}×") if goal else f"{r:.4f}×"
 
     table = Table(title=f"Instability detectors — 2 gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
-                        f"{args.rounds}× ABCCBA blocks of {args.steps} steps, rank 0")
-    for col in ("measure", "plain (A)", "Guard (B)", "Guard + detectors (C)", "C / B", "C / A", "goal"):
+                        f"{args.rounds}× ABCDDCBA blocks of {args.steps} steps, rank 0")
+    for col in ("measure", "plain (A)", "Guard (B)", "Guard + detectors (C)", "B + bare all_reduce (D)", "C / B", "D / B", "C / A", "goal"):
         table.add_column(col, justify="left" if col == "measure" else "right")
     for label, d in (("wall", res["wall"]), ("CPU", res["cpu"])):
-        table.add_row(f"{label}: median step (ms)", *(f"{median_ms(d, v):.3f}" for v in ("plain", "guard", "detectors")),
-                      fmt(median_ms(d, "detectors") / median_ms(d, "guard")), fmt(median_ms(d, "detectors") / median_ms(d, "plain"), False),
-                      f"C/B ≤ {GOAL:.2f}×")
-        table.add_row(f"{label}: median of per-round ratios", "", "", "", fmt(per_round(d, "guard", "detectors")),
-                      fmt(per_round(d, "plain", "detectors"), False), "")
+        table.add_row(f"{label}: median step (ms)", *(f"{median_ms(d, v):.3f}" for v in ("plain", "guard", "detectors", "reference")),
+                      fmt(median_ms(d, "detectors") / median_ms(d, "guard")), fmt(median_ms(d, "reference") / median_ms(d, "guard"), False),
+                      fmt(median_ms(d, "detectors") / median_ms(d, "plain"), False), f"C/B ≤ {GOAL:.2f}×")
+        table.add_row(f"{label}: median of per-round ratios", "", "", "", "", fmt(per_round(d, "guard", "detectors")),
+                      fmt(per_round(d, "guard", "reference"), False), fmt(per_round(d, "plain", "detectors"), False), "")
     Console(width=160).print(table)
     syncs = [len(s) for s in res["counts"]["syncs"]]
     colls = [len(c) for c in res["counts"]["collectives"]]

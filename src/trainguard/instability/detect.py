@@ -142,8 +142,8 @@ class Detector:
         else:
             grad_t = torch.tensor(float(grad_norm) if has_grad else 0.0, device=loss_t.device)
         vals = torch.stack([loss_t, grad_t])
-        bad = (~torch.isfinite(vals)).float()
-        packed = torch.cat([torch.where(bad > 0, torch.zeros_like(vals), vals), bad, bad * (self.rank + 1)])
+        bad = vals.isfinite().logical_not_().float()
+        packed = torch.cat([vals.nan_to_num(0.0, 0.0, 0.0), bad, bad * (self.rank + 1)])
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(packed)
         loss_sum, grad_sum, n_bad_loss, n_bad_grad, id_loss, id_grad = packed.tolist()  # the one host sync
