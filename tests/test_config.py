@@ -92,3 +92,10 @@ def test_cli_bad_config_exit_code_2(tmp_path):
                         "--config", str(p), str(script)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "checkpoint.interval" in r.stderr and "should not run" not in r.stdout
+
+
+def test_script_arguments_other_than_config_and_set_are_refused():
+    from trainguard.config import config_from_argv
+
+    with pytest.raises(ConfigError, match=r"unexpected arguments \['--inject', 'nan_loss:rank=1,step=5'\].*before the script name"):
+        config_from_argv(Config, ["--set", "run.seed=1", "--inject", "nan_loss:rank=1,step=5"])

@@ -208,9 +208,12 @@ def config_from_argv(schema: type[Config] = Config, argv: list[str] | None = Non
     newlines, applied before the script's own). ``TRAINGUARD_RUN_DIR`` sets ``run.dir``.
 
     Raises:
-        ConfigError: as :func:`load_config`.
+        ConfigError: as :func:`load_config`, or an argument other than ``--config``/``--set``.
     """
-    path, sets, _ = split_cli_args(list(sys.argv[1:] if argv is None else argv))
+    path, sets, rest = split_cli_args(list(sys.argv[1:] if argv is None else argv))
+    if rest:
+        raise ConfigError(f"unexpected arguments {rest}: a trainguard script takes --config PATH and --set KEY=VALUE "
+                          "(launcher options such as --inject go before the script name)")
     path = path or os.environ.get("TRAINGUARD_CONFIG") or None
     env_sets = [s for s in os.environ.get("TRAINGUARD_SET", "").split("\n") if s]
     cfg = load_config(path, env_sets + sets, schema)
