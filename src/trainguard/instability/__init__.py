@@ -1,0 +1,1 @@
+"""Instability recovery: detectors (:mod:`.detect`), policies and rollback (:mod:`.recovery`), the LR ramp (:mod:`.lr_ramp`)."""
