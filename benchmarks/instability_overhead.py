@@ -53,20 +53,12 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.overrides import TorchFunctionMode
 
     import trainguard
+    from _common import ddp_mlp
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    h = args.hidden
-    model = nn.Sequential(nn.Linear(256, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 10))
-    ddp = DDP(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(args.batch, 256, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+    model, ddp, opt, x, y = ddp_mlp(rank, world, tmp, args.hidden, args.batch, lr=1e-5)
     clock, cpu_clock = time.perf_counter, time.process_time
 
     def forward_backward() -> tuple[torch.Tensor, torch.Tensor]:

@@ -210,10 +210,10 @@ class Recovery:
             if g.optimizer is not None:
                 lr_after = g.optimizer.param_groups[0]["lr"] * (self.ramp.multiplier(target.step + 1) if self.ramp else 1.0)
             if g.rank == 0:
-                aside = [c.step for c in g.store.committed() if c.step > target.step]
-                for c in g.store.committed():
-                    if c.step > target.step:
-                        g.store.set_aside(c, f"rolled back from step {bad} to {target.step}", kind="rolledback")
+                newer = [c for c in g.store.committed() if c.step > target.step]
+                for c in newer:
+                    g.store.set_aside(c, f"rolled back from step {bad} to {target.step}", kind="rolledback")
+                aside = [c.step for c in newer]
                 self.pending = [c for c in self.pending if c.step <= target.step]
                 record = {"time": round(time.time(), 3), "attempt": g.events.attempt, "from_step": bad,
                           "to_step": target.step, "checkpoint": checkpoint_id(target), "detectors": v.fired,
