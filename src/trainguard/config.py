@@ -31,8 +31,8 @@ else:  # pragma: no cover
 import tomli_w
 
 from .sections import (  # noqa: F401  (re-exported: trainguard.config.Section etc.)
-    CheckpointSection, FaultSpec, FaultsSection, InstabilitySection, LauncherSection, PreemptionSection,
-    RollbackSection, RunSection, Section, StopSection, SupervisorSection, parse_duration,
+    CheckpointSection, FaultSpec, FaultsSection, InstabilitySection, LauncherSection, MemorySection, OOMSection,
+    PreemptionSection, RollbackSection, RunSection, Section, StopSection, SupervisorSection, parse_bytes, parse_duration,
 )
 
 
@@ -54,6 +54,8 @@ class Config(BaseModel):
     faults: FaultsSection = FaultsSection()
     instability: InstabilitySection = InstabilitySection()
     rollback: RollbackSection = RollbackSection()
+    oom: OOMSection = OOMSection()
+    memory: MemorySection = MemorySection()
 
 
 # ---------------------------------------------------------------------------------------------

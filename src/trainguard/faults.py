@@ -11,6 +11,11 @@ Kinds (see :class:`~trainguard.config.FaultSpec`):
   ``step`` (and the ``repeat - 1`` after it): ``nan_loss`` (loss and gradients NaN),
   ``loss_spike`` (loss × ``factor``), ``grad_explosion`` (gradients and their norm × ``factor``).
   Each step fires once; ``persistent`` makes it fire again when a rollback re-runs the step.
+* ``oom``: in ``guard.run_step()`` of step number ``step`` (and the ``repeat - 1`` after it), one
+  rank asks the allocator for an impossible amount of memory inside the model's forward or
+  during backward (``phase``), so the error is the allocator's own (``torch.OutOfMemoryError`` on
+  CUDA, the CPU allocator's ``RuntimeError`` on CPU), not an imitation. Once per step, or in
+  every retry of the step with ``persistent``.
 
 A fault fires when the rank has completed ``step`` steps (in the step, or with
 ``section = "checkpointing"`` inside the next checkpoint save), or ``after_seconds`` after the
@@ -67,13 +72,22 @@ def validate(specs: list[FaultSpec], world_size: Optional[int]) -> None:
             raise ConfigError(f"{where}: 'rank' is required")
         if s.kind != "random" and s.step is None and s.after_seconds is None:
             raise ConfigError(f"{where}: give 'step' or 'after_seconds'")
-        if s.kind in NUMERIC and s.step is None:
-            raise ConfigError(f"{where}: a numeric fault needs 'step' (after_seconds is not possible)")
+        if s.kind in STEP_BOUND and s.step is None:
+            raise ConfigError(f"{where}: a {s.kind} fault needs 'step' (after_seconds is not possible)")
         if world_size is not None and s.rank is not None and s.rank >= world_size:
             raise ConfigError(f"{where}: rank {s.rank} does not exist (world size {world_size}, ranks 0..{world_size - 1})")
 
 
 NUMERIC = ("nan_loss", "loss_spike", "grad_explosion")
+STEP_BOUND = NUMERIC + ("oom",)
+# more bytes than any machine has: the allocator refuses at once, with its own error
+IMPOSSIBLE_BYTES = 1 << 62
+
+
+def provoke_oom(device: torch.device | str = "cpu") -> None:
+    """Ask ``device``'s allocator for :data:`IMPOSSIBLE_BYTES`: raises the allocator's real
+    out-of-memory error (``torch.OutOfMemoryError`` on CUDA, ``RuntimeError`` from the CPU allocator)."""
+    torch.empty(IMPOSSIBLE_BYTES, dtype=torch.uint8, device=device)
 
 
 def specs_from_env() -> list[FaultSpec]:
@@ -97,7 +111,8 @@ class FaultInjector:
         self.specs = [s for s in specs if attempt == 0 or s.every_attempt]
         self.pending: list[FaultSpec] = []
         self.numeric_pending: list[FaultSpec] = []
-        self._fired: set[tuple[int, int]] = set()  # (spec index, step) of numeric faults already fired
+        self.oom_pending: list[FaultSpec] = []
+        self._fired: set[tuple[str, int, int]] = set()  # (kind, spec index, step) of step-bound faults already fired
 
     def arm(self, max_steps: int) -> None:
         """Resolve random draws (they need ``max_steps``) and start the timers of time-based faults."""
@@ -111,6 +126,8 @@ class FaultInjector:
                 continue
             if s.kind in NUMERIC:
                 self.numeric_pending.append(s)
+            elif s.kind == "oom":
+                self.oom_pending.append(s)
             elif s.after_seconds is not None and s.step is None:
                 threading.Thread(target=self._fire_later, args=(s,), daemon=True, name="trainguard-fault").start()
             else:
@@ -126,9 +143,9 @@ class FaultInjector:
         """Called by ``should_step()`` in step number ``step``: corrupt this rank's loss, gradients
         and gradient norm as the numeric faults due now say; returns the (loss, grad_norm) to check."""
         for i, s in enumerate(self.numeric_pending):
-            if not (s.step <= step < s.step + s.repeat) or (not s.persistent and (i, step) in self._fired):
+            if not (s.step <= step < s.step + s.repeat) or (not s.persistent and ("numeric", i, step) in self._fired):
                 continue
-            self._fired.add((i, step))
+            self._fired.add(("numeric", i, step))
             self.events.emit("fault_injected", step, fault=s.kind, rank=self.rank, factor=s.factor, injected=True)
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             if s.kind == "nan_loss":
@@ -143,6 +160,17 @@ class FaultInjector:
                     gr.mul_(s.factor)
                 grad_norm = None if grad_norm is None else grad_norm * s.factor
         return loss, grad_norm
+
+    def oom_due(self, step: int) -> Optional[FaultSpec]:
+        """Called by ``run_step()`` before each attempt of step number ``step``: the ``oom`` fault
+        to inject in this attempt (its ``fault_injected`` event written), or ``None``."""
+        for i, s in enumerate(self.oom_pending):
+            if not (s.step <= step < s.step + s.repeat) or (not s.persistent and ("oom", i, step) in self._fired):
+                continue
+            self._fired.add(("oom", i, step))
+            self.events.emit("fault_injected", step, fault="oom", rank=self.rank, phase=s.phase, injected=True)
+            return s
+        return None
 
     def _fire_later(self, spec: FaultSpec) -> None:
         time.sleep(spec.after_seconds or 0)

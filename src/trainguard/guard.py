@@ -33,7 +33,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -45,11 +45,13 @@ from .events import EventLog, Hook
 from .exitcodes import ExitCode
 from .faults import FaultInjector
 from .instability.recovery import Recovery
+from .memory import MemoryWatchdog
+from .oom import MicroBatcher
 from .supervisor.heartbeat import HeartbeatWriter, heartbeat_path
 from .supervisor.monitor import STACK_SIGNAL, attempt_dir, stack_path
 from .signals import ShutdownHandler
 from .state import capture_rng, restore_rng, state_hash
-from .stop import StopConditions
+from .stop import FLAGS, StopConditions
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +129,7 @@ class Guard:
             on_invalid=self._on_invalid_checkpoint,
         )
         self.shutdown = ShutdownHandler(config.preemption.signals, config.preemption.save_deadline, self._on_deadline).install()
-        self.stop = StopConditions(config.stop, self.run_dir, self.shutdown)
+        self.stop = StopConditions(config.stop, self.run_dir, self.shutdown, MemoryWatchdog(config.memory, self.events))
         self.step = 0
         self.last_loss: Any = None
         self.resumed_from: Optional[Checkpoint] = None
@@ -141,6 +143,7 @@ class Guard:
         self.heartbeat = self._attach_supervisor()
         self.faults = FaultInjector(config.faults.inject, self.rank, self.world_size, self.events.attempt, self.events)
         self.recovery = Recovery(self)
+        self.micro = MicroBatcher(self)
         if config.rollback.skip_batches and sampler is not None and not hasattr(sampler, "skip_batches"):
             exit_bad_input(f"rollback.skip_batches={config.rollback.skip_batches} needs a sampler with a skip_batches(n) "
                            f"method; {type(sampler).__name__} has none (use trainguard.ResumableSampler, or 0)")
@@ -234,6 +237,25 @@ class Guard:
         """
         return self.recovery.check(loss, grad_norm)
 
+    def run_step(self, step_fn: Callable[[Any], torch.Tensor], batch: Any,
+                 backward: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+        """Forward and backward of this step over micro-batches, recovering from out-of-memory::
+
+            loss = guard.run_step(lambda mb: F.cross_entropy(model(mb[0]), mb[1]), (x, y))
+
+        ``step_fn(micro_batch)`` runs the forward and returns the micro-batch's mean loss (0-dim);
+        the Guard runs ``backward(loss × share of the batch)`` (default ``Tensor.backward``; pass
+        e.g. ``lambda l: scaler.scale(l).backward()`` for AMP). Gradients must be zero (or ``None``)
+        on entry. On out-of-memory on any rank every rank halves the micro-batch and retries the
+        same batch (see :mod:`trainguard.oom` and ``[oom]``). A collective: call it on every rank.
+
+        Args:
+            batch: a tensor, or tuples/lists/dicts of tensors sharing their first (sample) dimension.
+        Returns:
+            The batch's loss (0-dim, detached).
+        """
+        return self.micro.run(self.step + 1, step_fn, batch, backward)
+
     def step_end(self, loss: Any = None) -> None:
         """Close the current step: count it, then check stop and save conditions (see module doc).
 
@@ -265,16 +287,16 @@ class Guard:
         if self.rank == 0:
             self.recovery.after_step()
         if self.step < self._next_check:
-            flags = [0, 0, 0, 0]
+            flags = [0] * len(FLAGS)
         else:
             ahead = self.stop.next_interval(self._step_seconds)
             *flags, interval = tgdist.all_reduce_max(
-                self.stop.local_flags(self._step_seconds, self._estimated_save_seconds(), ahead))
+                self.stop.local_flags(self._step_seconds, self._estimated_save_seconds(), ahead, self.step))
             self._next_check = self.step + interval
         reason = self.stop.reason(flags)
         if reason is not None:
             self._stop_and_exit(reason)
-        if flags[3]:
+        if flags[-1]:  # save switch
             self.save("save_switch")
             if self.rank == 0:
                 self.stop.clear_save_switch()
@@ -334,6 +356,7 @@ class Guard:
             if name in state.get("extra", {}):
                 obj.load_state_dict(state["extra"][name])
         self.recovery.load_state_dict(state.get("instability"))
+        self.micro.load_state_dict(state.get("oom"))
         restore_rng(state["rng"])
         self._last_saved_step = self.step
 
@@ -363,6 +386,7 @@ class Guard:
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
             "extra": {k: v.state_dict() for k, v in self.extra_state.items()},
             "instability": self.recovery.state_dict(),
+            "oom": self.micro.state_dict(),
             "rng": capture_rng(),
         }
 
@@ -415,6 +439,8 @@ class Guard:
             details.update(signal=self.shutdown.received, signal_time=self.shutdown.received_at)
         elif reason == "time_limit":
             details.update(time_left=self.stop.time_left(), max_duration=self.cfg.stop.max_duration)
+        elif reason == "memory":
+            details.update(limits=self.cfg.memory.model_dump(exclude_none=True))
         self._emit0("stop_requested", **details)
         self.save(reason)
         self._exit(ExitCode.REQUEUE, reason)

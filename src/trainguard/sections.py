@@ -46,6 +46,35 @@ def parse_duration(value: Any) -> Optional[float]:
     return seconds
 
 
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Any) -> Optional[int]:
+    """Parse a size in bytes from a number or text such as ``"512MiB"``, ``"2GB"``, ``"1.5GiB"``.
+
+    Decimal units are powers of 1000 (``GB``), binary units powers of 1024 (``GiB``).
+
+    Returns:
+        The size in bytes, or ``None`` for ``None``/``""``.
+    Raises:
+        ValueError: not a size, or negative.
+    """
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise ValueError("expected a size in bytes, got a boolean")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"expected a non-negative size, got {value!r}")
+        return int(value)
+    m = _BYTES.match(value) if isinstance(value, str) else None
+    if not m:
+        raise ValueError(f"expected a size such as 1073741824, '512MiB' or '2GB', got {value!r}")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
 class Section(BaseModel):
     """Base class of every config section: unknown keys are errors, assignments are validated."""
 
@@ -151,14 +180,16 @@ class FaultSpec(Section):
     """One injected fault (``[[faults.inject]]`` or ``trainguard run --inject KIND:key=value,...``).
 
     Process faults: ``rank_killed``, ``rank_hung``, ``random`` (a seeded choice of both).
+    ``oom`` (in ``guard.run_step()`` of step number ``step``: a real allocation that cannot be
+    satisfied, inside the forward or during the backward, see ``phase``).
     Numeric faults, applied inside ``guard.should_step()`` to step number ``step`` (1-based: the
     step that, once complete, makes ``step`` steps) and the ``repeat - 1`` steps after it:
     ``nan_loss`` (the rank's loss and gradients become NaN), ``loss_spike`` (its loss × ``factor``),
     ``grad_explosion`` (its gradients and gradient norm × ``factor``).
     """
 
-    kind: str = Field(..., pattern="^(rank_killed|rank_hung|random|nan_loss|loss_spike|grad_explosion)$",
-                      description="rank_killed, rank_hung, random, nan_loss, loss_spike or grad_explosion")
+    kind: str = Field(..., pattern="^(rank_killed|rank_hung|random|nan_loss|loss_spike|grad_explosion|oom)$",
+                      description="rank_killed, rank_hung, random, nan_loss, loss_spike, grad_explosion or oom")
     rank: Optional[int] = Field(None, ge=0, description="global rank (random: drawn)")
     step: Optional[int] = Field(None, ge=1, description="fire when this many steps are complete (numeric faults: in this step)")
     after_seconds: Optional[float] = Field(None, gt=0, description="fire this long after the Guard starts instead of at a step")
@@ -168,7 +199,8 @@ class FaultSpec(Section):
     seed: int = Field(0, description="random: the seed of the draw")
     factor: float = Field(10.0, gt=0, description="loss_spike / grad_explosion: the multiplier")
     repeat: int = Field(1, ge=1, description="numeric faults: in this many consecutive steps from 'step'")
-    persistent: bool = Field(False, description="numeric faults: fire again when a rollback re-runs the step (a fault recovery cannot outrun)")
+    persistent: bool = Field(False, description="numeric faults: fire again when a rollback re-runs the step; oom: in every retry of the step too (a fault recovery cannot outrun)")
+    phase: str = Field("forward", pattern="^(forward|backward)$", description="oom: fail a real allocation inside the model's forward, or during backward")
 
 
 class FaultsSection(Section):
@@ -226,3 +258,40 @@ class RollbackSection(Section):
     skip_batches: int = Field(0, ge=0, description="batches skipped after the checkpoint; at least those between the checkpoint and the bad step, which are always skipped")
     lr_factor: float = Field(0.5, gt=0, le=1, description="learning-rate multiplier right after a rollback")
     lr_ramp_steps: int = Field(100, ge=0, description="steps over which the multiplier ramps linearly back to 1")
+
+
+class OOMSection(Section):
+    """``[oom]``: ``guard.run_step(step_fn, batch)`` recovers from out-of-memory by splitting the micro-batch.
+
+    The batch is cut along its first dimension into micro-batches of ``micro_batch_size`` samples;
+    each micro-batch's loss is weighted by its share of the batch, so the gradients (and the
+    returned loss) are the whole batch's whatever the split. On an out-of-memory error on any rank,
+    every rank halves the micro-batch (gradient accumulation doubles) and retries the same batch;
+    after ``grow_after`` clean steps it tries the double again (a grow that runs out of memory
+    before the next ``grow_after`` clean steps doubles that wait).
+    """
+
+    micro_batch_size: int = Field(0, ge=0, description="samples per micro-batch at the start; 0 = the whole batch (no accumulation)")
+    grow_after: int = Field(200, ge=1, description="clean steps after a split before the micro-batch is doubled again")
+    grow: bool = Field(True, description="grow the micro-batch back after grow_after clean steps")
+    bucket_mb: float = Field(25.0, gt=0, description="DDP models: MiB per gradient all-reduce bucket (DDP's own default is 25)")
+
+
+class MemorySection(Section):
+    """``[memory]``: memory watchdog; over a limit, all ranks save and exit with the requeue code (75).
+
+    A slow leak then costs one requeue instead of an out-of-memory kill (the IDEFICS-80B practice
+    in Bekman's *Machine Learning Engineering*, "Dealing with slow memory leaks"). Measured every
+    ``check_interval`` steps, at the next stop check; the free GPU memory is read after
+    ``gc.collect()`` and ``torch.cuda.empty_cache()``, as that text advises, so cached blocks do not count.
+    """
+
+    host_percent: Optional[float] = Field(None, gt=0, lt=100, description="stop when the host's used memory exceeds this percentage (psutil's virtual_memory().percent)")
+    rss_limit: Optional[int] = Field(None, gt=0, description="stop when a rank's resident set size exceeds this (bytes, or '20GiB')")
+    gpu_free_min: Optional[int] = Field(None, gt=0, description="stop when a rank's GPU has less free memory than this (bytes, or '2GiB'); skipped without a GPU")
+    check_interval: int = Field(100, ge=1, description="measure every N steps (the GPU measurement empties the allocator cache)")
+
+    @field_validator("rss_limit", "gpu_free_min", mode="before")
+    @classmethod
+    def _bytes(cls, v: Any) -> Optional[int]:
+        return parse_bytes(v)

@@ -1,4 +1,5 @@
-"""Stop and save conditions checked at step boundaries: signal, kill switch, save switch, time limit.
+"""Stop and save conditions checked at step boundaries: signal, kill switch, time limit, memory
+watchdog, save switch.
 
 Each rank computes its local flags; the Guard combines them across ranks in one small all-reduce
 (max), so every rank takes the same decision at the same step and none is left waiting in a save.
@@ -13,10 +14,11 @@ from pathlib import Path
 from typing import Optional
 
 from .config import StopSection
+from .memory import MemoryWatchdog
 from .signals import ShutdownHandler
 
-# order of the flag vector exchanged between ranks
-FLAGS = ("signal", "kill_switch", "time_limit", "save_switch")
+# order of the flag vector exchanged between ranks; all but the last are stop reasons, in priority order
+FLAGS = ("signal", "kill_switch", "time_limit", "memory", "save_switch")
 
 
 def launch_start_time() -> float:
@@ -34,11 +36,14 @@ class StopConditions:
         cfg: the ``[stop]`` section.
         run_dir: switch files are relative to it.
         shutdown: the signal recorder.
+        memory: the ``[memory]`` watchdog, or ``None``.
         start_time: Unix time the launch began (for ``max_duration``).
     """
 
-    def __init__(self, cfg: StopSection, run_dir: Path, shutdown: ShutdownHandler, start_time: Optional[float] = None):
+    def __init__(self, cfg: StopSection, run_dir: Path, shutdown: ShutdownHandler,
+                 memory: Optional[MemoryWatchdog] = None, start_time: Optional[float] = None):
         self.cfg = cfg
+        self.memory = memory
         self.kill_path = run_dir / cfg.kill_switch
         self.save_path = run_dir / cfg.save_switch
         self.shutdown = shutdown
@@ -63,13 +68,14 @@ class StopConditions:
             return 1
         return max(1, min(1000, math.ceil(self.cfg.check_seconds / step_seconds)))
 
-    def local_flags(self, step_seconds: float, save_seconds: float, steps_ahead: int = 1) -> list[int]:
+    def local_flags(self, step_seconds: float, save_seconds: float, steps_ahead: int = 1, step: int = 0) -> list[int]:
         """This rank's flags in :data:`FLAGS` order (1 = set), then its proposed next interval.
 
         Args:
             step_seconds: estimate of one more step (the slowest recent step).
             save_seconds: estimate of one save (the last measured save, or a size-based guess).
             steps_ahead: steps until the next check (the time limit must hold until then).
+            step: the current step (the memory watchdog measures every ``check_interval`` steps).
         The time limit fires when fewer than ``(steps_ahead + 1) × step + save + time_margin``
         seconds remain. The last element is :meth:`next_interval`; the Guard takes the maximum
         over ranks, so all ranks schedule the next check at the same step without another collective.
@@ -80,13 +86,15 @@ class StopConditions:
             int(self.shutdown.received is not None),
             int(self.kill_switch()),
             int(late),
+            int(self.memory is not None and self.memory.over(step)),
             int(self.save_path.exists()),
             self.next_interval(step_seconds),
         ]
 
     def reason(self, flags: list[int]) -> Optional[str]:
-        """The stop reason for agreed flags (``None`` = keep training). A signal wins, then the kill switch, then time."""
-        for name, flag in zip(FLAGS[:3], flags[:3]):
+        """The stop reason for agreed flags (``None`` = keep training). A signal wins, then the kill
+        switch, the time limit, the memory watchdog."""
+        for name, flag in zip(FLAGS[:-1], flags[:-1]):
             if flag:
                 return name
         return None

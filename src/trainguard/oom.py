@@ -1,0 +1,337 @@
+"""Out-of-memory recovery: run a step over micro-batches; on OOM, halve them and retry the same batch.
+
+::
+
+    def step_fn(micro_batch):                    # forward only: return the micro-batch's mean loss
+        x, y = micro_batch
+        return F.cross_entropy(model(x), y)
+
+    loss = guard.run_step(step_fn, (x, y))       # forward + backward over micro-batches
+
+``run_step`` cuts the batch along its first dimension into micro-batches of the current size and,
+for each, calls ``step_fn`` and runs backward on ``loss × (micro-batch samples / batch samples)``:
+the accumulated gradients and the returned loss are those of the whole batch, whatever the split
+(for a loss that is a mean over samples). An out-of-memory error, recognized by type
+(``torch.OutOfMemoryError`` on CUDA, ``MemoryError``) or — for the CPU allocator, which raises a
+plain ``RuntimeError`` — by the allocator's own message, is caught on the rank where it happens;
+then every rank learns of it at the same point, drops the step's gradients and the failed attempt's
+tensors, empties the allocator cache, halves the micro-batch and retries the same batch.
+
+No rank is left waiting in a collective while a peer is out of memory: with a
+``DistributedDataParallel`` model every micro-batch runs under ``no_sync()`` (no collective in
+forward or backward) and the gradients are all-reduced afterwards, in buckets, by this module;
+the per-rank out-of-memory flags ride in the first bucket, so a clean step costs no extra
+collective. The price is DDP's overlap of that all-reduce with backward. Other models in a
+multi-rank job (FSDP2, hand-written all-reduce) get one small all-reduce of the flags after the
+micro-batches; an out-of-memory error *inside* such a model's own collective leaves its peers in
+that collective, and the hang supervisor restarts the group.
+
+After ``[oom] grow_after`` clean steps the micro-batch doubles again (up to the batch); a grow
+that runs out of memory before the next ``grow_after`` clean steps doubles that wait. At
+micro-batch size 1 nothing is left to split: the run exits with the give-up code (76). The
+micro-batch size and the counters are part of every checkpoint, so a resumed run splits alike
+(needed for a bitwise-identical resume: the accumulation order changes floating-point sums).
+
+Events: ``oom`` (each rank that ran out: phase, micro-batch size, error text, memory in use),
+``micro_batch_split``, ``micro_batch_grow``, ``oom_give_up``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from . import dist as tgdist
+from .exitcodes import ExitCode
+from .faults import provoke_oom
+
+if TYPE_CHECKING:
+    from .guard import Guard
+
+# The CPU allocator raises a plain RuntimeError (c10::Error) whose text carries this; no type exists.
+CPU_OOM_TEXT = "DefaultCPUAllocator: can't allocate memory"
+PHASES = ("ok", "forward", "backward")  # per-rank codes exchanged between ranks
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for an out-of-memory error: ``torch.OutOfMemoryError`` (CUDA, and other accelerators
+    that raise it), Python's ``MemoryError``, or the CPU allocator's ``RuntimeError`` (recognized by
+    :data:`CPU_OOM_TEXT`, since the CPU allocator has no exception type of its own)."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and CPU_OOM_TEXT in str(exc)
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in ``batch``: the first dimension of its tensors (a tensor, or tuples, lists and dicts of them).
+
+    Raises:
+        ValueError: no tensor in the batch, a 0-dim tensor, or tensors with different first dimensions.
+    """
+    sizes = {t.shape[0] if t.dim() else None for t in _tensors(batch)}
+    if not sizes or None in sizes:
+        raise ValueError("run_step needs a batch of tensors with a first (sample) dimension, "
+                         f"got {type(batch).__name__}{' with a 0-dim tensor' if None in sizes else ''}")
+    if len(sizes) > 1:
+        raise ValueError(f"the batch's tensors have different first dimensions {sorted(sizes)}; "
+                         "run_step splits every tensor along its first dimension")
+    return sizes.pop()
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(batch):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (tuple, list)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def slice_batch(batch: Any, start: int, stop: int) -> Any:
+    """Samples ``[start, stop)`` of every tensor in ``batch`` (views, no copy); other leaves unchanged."""
+    if torch.is_tensor(batch):
+        return batch[start:stop]
+    if isinstance(batch, dict):
+        return {k: slice_batch(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(slice_batch(v, start, stop) for v in batch)
+    return batch
+
+
+class MicroBatcher:
+    """Runs :meth:`Guard.run_step <trainguard.guard.Guard.run_step>` (one per Guard, every rank).
+
+    Attributes:
+        size: samples per micro-batch (``None`` until the first batch: the whole batch, or
+            ``[oom] micro_batch_size``).
+        clean: clean steps since the last split or grow.
+        wait: clean steps before the next grow (``grow_after``, doubled by each failed grow).
+    """
+
+    def __init__(self, guard: "Guard"):
+        self.g = guard
+        self.cfg = guard.cfg.oom
+        self.model = guard.model
+        self.ddp = isinstance(guard.model, DistributedDataParallel)
+        self.size: Optional[int] = self.cfg.micro_batch_size or None
+        self.clean = 0
+        self.wait = self.cfg.grow_after
+        self.grown = False  # the last size change was a grow that has not yet held for `wait` steps
+        self._phase = "forward"
+
+    # ------------------------------------------------------------------------------------------
+    # the step
+
+    def run(self, step: int, step_fn: Callable[[Any], torch.Tensor], batch: Any,
+            backward: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+        """Forward and backward of step number ``step`` over micro-batches, retried on OOM.
+
+        Returns:
+            The batch's loss (0-dim, detached): the sum of the micro-batch losses weighted by their
+            share of the batch. Exits with code 2 on a batch that cannot be split or a
+            micro-batch size larger than the batch, 76 when micro-batch size 1 runs out of memory.
+        """
+        from .guard import exit_bad_input  # the Guard imports this module
+
+        backward = backward or torch.Tensor.backward
+        try:
+            n = batch_size(batch)
+        except ValueError as e:
+            exit_bad_input(str(e), self.g.events)
+        if self.cfg.micro_batch_size > n:
+            exit_bad_input(f"oom.micro_batch_size={self.cfg.micro_batch_size} is larger than the batch "
+                                  f"({n} samples on rank {self.g.rank}); expected 1..{n}, or 0 for the whole batch", self.g.events)
+        if self.size is None:
+            self.size = n
+        self._maybe_grow(step, n)
+        while True:
+            size = min(self.size, n)
+            total, failure = self._attempt(step, step_fn, batch, n, size, backward)
+            codes = self._agree(failure is not None)
+            if not any(codes):
+                break
+            self._free()
+            self._split(step, codes, n, size)
+        self.clean += 1
+        if self.grown and self.clean >= self.wait:
+            self.grown = False  # the grow held
+        return total
+
+    def _attempt(self, step: int, step_fn: Callable, batch: Any, n: int, size: int,
+                 backward: Callable) -> tuple[Optional[torch.Tensor], Optional[str]]:
+        """One try at the whole batch; returns (loss, None) or (None, phase) after an OOM on this rank."""
+        fault = self.g.faults.oom_due(step) if self.g.faults.oom_pending else None
+        handle = self._arm(fault.phase) if fault is not None else None
+        if self.ddp:  # the first forward syncs buffers as DDP's own would (no_sync forwards turn it off)
+            self.model.require_forward_param_sync = True
+        try:
+            return self._micro_batches(step_fn, batch, n, size, backward), None
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            self.g.events.emit("oom", step, rank=self.g.rank, phase=self._phase, micro_batch=size,
+                               injected=fault is not None, error=str(e).splitlines()[0][:500], **memory_in_use())
+            return None, self._phase  # leaving this block frees the traceback and the attempt's tensors
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    def _micro_batches(self, step_fn: Callable, batch: Any, n: int, size: int, backward: Callable) -> torch.Tensor:
+        total = None
+        with self.model.no_sync() if self.ddp else contextlib.nullcontext():
+            for start in range(0, n, size):
+                stop = min(n, start + size)
+                self._phase = "forward"
+                weighted = step_fn(slice_batch(batch, start, stop)) * ((stop - start) / n)
+                self._phase = "backward"
+                backward(weighted)
+                total = weighted.detach() if total is None else total + weighted.detach()
+        return total
+
+    def _arm(self, phase: str) -> Any:
+        """Injected OOM: a real allocation failure inside the model's forward or during backward."""
+        if phase == "forward":
+            inner = getattr(self.model, "module", self.model)
+            return inner.register_forward_pre_hook(lambda module, args: provoke_oom(_device(self.model)))
+        last = [p for p in self.model.parameters() if p.requires_grad][-1]
+        return last.register_post_accumulate_grad_hook(lambda p: provoke_oom(p.device))
+
+    # ------------------------------------------------------------------------------------------
+    # agreement, split, grow
+
+    def _agree(self, failed: bool) -> list[int]:
+        """Per-rank codes (index into :data:`PHASES`), the same list on every rank."""
+        codes = [0] * self.g.world_size
+        if failed:
+            codes[self.g.rank] = PHASES.index(self._phase)
+        if self.g.world_size == 1:
+            return codes
+        if not self.ddp:
+            return tgdist.all_reduce_max(codes)
+        if failed:
+            self._free()  # make room for the all-reduce buffers
+        return self._all_reduce_grads(codes)
+
+    def _all_reduce_grads(self, codes: list[int]) -> list[int]:
+        """Average the gradients over ranks, in buckets of ``bucket_mb``, with the codes in the first
+        bucket (a rank with no gradient for a parameter contributes zeros). The gradients are
+        written back only if no rank failed."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        buckets = _buckets(params, int(self.cfg.bucket_mb * 2**20))
+        flats, works = [], []
+        for i, bucket in enumerate(buckets):
+            parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                     for p in bucket]
+            if i == 0:
+                parts.append(torch.tensor(codes, dtype=bucket[0].dtype, device=bucket[0].device))
+            flat = torch.cat(parts)
+            flats.append(flat)
+            works.append(dist.all_reduce(flat, async_op=True))
+        for w in works:
+            w.wait()
+        world = self.g.world_size
+        agreed = [int(round(c)) for c in flats[0][-world:].tolist()]
+        if any(agreed):
+            return agreed
+        for bucket, flat in zip(buckets, flats):
+            offset = 0
+            for p in bucket:
+                view = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = view.div(world)
+                else:
+                    torch.div(view, world, out=p.grad)
+        return agreed
+
+    def _free(self) -> None:
+        """Drop the step's gradients, collect garbage, empty the CUDA allocator cache."""
+        for p in self.model.parameters():
+            p.grad = None
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def _split(self, step: int, codes: list[int], n: int, size: int) -> None:
+        ranks = {r: PHASES[c] for r, c in enumerate(codes) if c}
+        if size <= 1:
+            self._give_up(step, ranks)
+        new = (size + 1) // 2
+        backoff = self.grown
+        if backoff:
+            self.wait *= 2
+        self.size, self.clean, self.grown = new, 0, False
+        self._emit(step, "micro_batch_split", from_size=size, to_size=new, batch=n,
+                   accumulation=[math.ceil(n / size), math.ceil(n / new)], ranks=ranks,
+                   grow_after=self.wait, backoff=backoff)
+
+    def _maybe_grow(self, step: int, n: int) -> None:
+        if not self.cfg.grow or self.size >= n or self.clean < self.wait:
+            return
+        old, self.size = self.size, min(n, self.size * 2)
+        self.clean, self.grown = 0, True
+        self._emit(step, "micro_batch_grow", from_size=old, to_size=self.size, batch=n,
+                   accumulation=[math.ceil(n / old), math.ceil(n / self.size)])
+
+    def _give_up(self, step: int, ranks: dict[int, str]) -> None:
+        where = ", ".join(f"rank {r} in {phase}" for r, phase in ranks.items())
+        why = (f"out of memory at micro-batch size 1 in step {step} ({where}): the batch cannot be split further; "
+               "reduce the model, the sequence length or the per-rank batch, or use more ranks")
+        if self.g.rank == 0:
+            print(f"trainguard: {why}", file=sys.stderr, flush=True)
+        self._emit(step, "oom_give_up", ranks=ranks, reason=why)
+        self.g._exit(ExitCode.GIVE_UP, "out_of_memory")
+
+    def _emit(self, step: int, kind: str, **details: Any) -> None:
+        if self.g.rank == 0:
+            self.g.events.emit(kind, step, **details)
+
+    # ------------------------------------------------------------------------------------------
+    # checkpointed state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Micro-batch size and grow counters (saved in every checkpoint)."""
+        return {"size": self.size, "clean": self.clean, "wait": self.wait, "grown": self.grown}
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        """Restore :meth:`state_dict` (``None``: a checkpoint from before this state existed)."""
+        if state:
+            self.size, self.clean, self.wait, self.grown = state["size"], state["clean"], state["wait"], state["grown"]
+
+
+def _buckets(params: list[torch.nn.Parameter], cap: int) -> list[list[torch.nn.Parameter]]:
+    """Group parameters by (device, dtype) into buckets of at most ``cap`` bytes (one parameter
+    larger than ``cap`` gets its own bucket)."""
+    out: list[list[torch.nn.Parameter]] = []
+    open_: dict[tuple, tuple[list, int]] = {}
+    for p in params:
+        key = (p.device, p.dtype)
+        bucket, nbytes = open_.get(key, ([], 0))
+        if bucket and nbytes + p.numel() * p.element_size() > cap:
+            out.append(bucket)
+            bucket, nbytes = [], 0
+        bucket.append(p)
+        open_[key] = (bucket, nbytes + p.numel() * p.element_size())
+    out.extend(b for b, _ in open_.values() if b)
+    return out
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def memory_in_use() -> dict[str, Any]:
+    """This process's resident set size and, on CUDA, the allocator's allocated/reserved bytes."""
+    out: dict[str, Any] = {"rss_bytes": psutil.Process().memory_info().rss}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out.update(cuda_allocated_bytes=torch.cuda.memory_allocated(), cuda_reserved_bytes=torch.cuda.memory_reserved())
+    return out
