@@ -4,6 +4,7 @@ Each step runs ``guard.run_step`` over a batch of ``worker.batch_size`` samples 
 hidden layer (``worker.hidden`` units: the activations of a micro-batch take
 ``micro-batch × hidden × 4`` bytes, several times over in backward). It writes one JSON line per
 step and rank to ``RUN_DIR/steps-rank<R>.jsonl`` (step, micro-batch size after the step, loss).
+``worker.plain = true`` runs DDP's own ``loss.backward()`` instead (the reference).
 
 * ``worker.grads_at = K``: after ``run_step`` of step K each rank saves its (all-reduced)
   gradients to ``RUN_DIR/grads-rank<R>.pt``.
@@ -37,6 +38,7 @@ class WorkerSection(trainguard.Section):
     hidden: int = Field(64, ge=1)
     lr: float = Field(0.01, gt=0)
     grads_at: Optional[int] = None
+    plain: bool = False  # DDP's own backward instead of guard.run_step (the reference)
     limit_mb: Optional[int] = None
     limit_rank: int = 1
     limit_step: int = 3
@@ -74,7 +76,11 @@ def main() -> None:
             cap = psutil.Process().memory_info().vms + w.limit_mb * 2**20
             resource.setrlimit(resource.RLIMIT_AS, (cap, resource.RLIM_INFINITY))
         idx = sampler.take(w.batch_size)
-        loss = guard.run_step(step_fn, (x[idx], y[idx]))
+        if w.plain:
+            loss = step_fn((x[idx], y[idx]))
+            loss.backward()
+        else:
+            loss = guard.run_step(step_fn, (x[idx], y[idx]))
         if w.grads_at == step + 1:
             torch.save([p.grad.clone() for p in model.parameters()], run_dir / f"grads-rank{rank}.pt")
         opt.step()
@@ -82,7 +88,7 @@ def main() -> None:
         rec = {"step": step + 1, "attempt": guard.events.attempt, "micro_batch": guard.micro.size, "loss": loss.item()}
         out.write(json.dumps(rec) + "\n")
         out.flush()
-        guard.step_end(loss=loss)
+        guard.step_end(loss=loss.detach())
     if world > 1:
         dist.destroy_process_group()
 

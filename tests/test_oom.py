@@ -99,8 +99,8 @@ def test_real_allocation_failure_on_one_rank_splits_on_every_rank(tmp_path):
 
 
 def test_injected_oom_on_one_rank_retries_the_same_batch_with_equal_gradients_and_grows_back(tmp_path):
-    clean = tmp_path / "clean"
-    assert run_worker(clean, "worker.grads_at=3") == 0, log(clean)
+    clean = tmp_path / "ddp"  # the unsplit reference: DDP's own backward
+    assert run_worker(clean, "worker.grads_at=3", "worker.plain=true", steps=3) == 0, log(clean)
     run = tmp_path / "oom"
     code = run_worker(run, "worker.grads_at=3", "oom.grow_after=4",
                       inject=("oom:rank=1,step=3,phase=forward", "oom:rank=0,step=8,phase=backward"))
@@ -115,7 +115,7 @@ def test_injected_oom_on_one_rank_retries_the_same_batch_with_equal_gradients_an
     sizes = {s["step"]: s["micro_batch"] for s in steps_of(run, 0)}
     assert sizes[2] == 8 and sizes[3] == 4 and sizes[6] == 4 and sizes[7] == 8 and sizes[8] == 4
     assert sizes == {s["step"]: s["micro_batch"] for s in steps_of(run, 1)}
-    # the retried step is the same batch: its gradients equal the unsplit step's
+    # the retried step is the same batch: its gradients equal the unsplit step's under DDP
     for rank in (0, 1):
         split_grads = torch.load(run / f"grads-rank{rank}.pt")
         whole = torch.load(clean / f"grads-rank{rank}.pt")

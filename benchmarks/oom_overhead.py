@@ -1,0 +1,174 @@
+"""Cost of OOM protection on normal steps (goal: ≤ 1.01×) and of a recovered out-of-memory step.
+
+Two gloo ranks (``torch.multiprocessing.spawn``, one CPU thread each) train a DDP MLP with AdamW
+under a Guard. In the same processes the benchmark alternates blocks of N steps of two loops, in
+mirrored order (ABBA) so that drift and ordering effects cancel:
+
+* A, OOM guard off: ``loss = F.cross_entropy(ddp(x), y); loss.backward()`` (DDP's own all-reduce,
+  overlapped with backward);
+* B, OOM guard on: ``loss = guard.run_step(step_fn, (x, y))`` with the whole batch as one
+  micro-batch (backward under ``no_sync()``, then trainguard's bucketed all-reduce that carries the
+  out-of-memory flags).
+
+Then one guarded block with ``run_step`` injects an out-of-memory error on rank 1 every 10 steps
+(a real allocator failure, alternately inside forward and at the start of backward; with
+``grow_after = 1`` so the step after it is whole again) and reports the recovered step's time —
+failed attempt, agreement, cleanup and the retry over two half micro-batches — against the
+block's normal steps, and, for scale, steps that run two half micro-batches without a failure.
+
+    .venv/bin/python benchmarks/oom_overhead.py [--quick] [--steps N] [--rounds R] [--hidden H]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GOAL = 1.01
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="short run to check that it works")
+    p.add_argument("--steps", type=int, default=None, help="steps per block (default 40, quick 20)")
+    p.add_argument("--rounds", type=int, default=None, help="ABBA rounds (default 8, quick 1)")
+    p.add_argument("--hidden", type=int, default=1024, help="MLP width (sets the step time)")
+    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    args = p.parse_args()
+    args.steps = args.steps or (20 if args.quick else 40)
+    args.rounds = args.rounds or (1 if args.quick else 8)
+    return args
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import trainguard
+    from _common import ddp_mlp
+
+    model, ddp, opt, x, y = ddp_mlp(rank, world, tmp, args.hidden, args.batch, lr=1e-5)
+    clock, cpu_clock = time.perf_counter, time.process_time
+    n, block = args.steps, [0]
+
+    def step_fn(micro_batch):
+        xb, yb = micro_batch
+        return F.cross_entropy(ddp(xb), yb)
+
+    def guard_for(*overrides: str) -> trainguard.Guard:
+        cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-{block[0]}", "checkpoint.interval=1000000",
+                                            "checkpoint.save_final=false", *overrides])
+        block[0] += 1
+        return trainguard.Guard(cfg, model=ddp, optimizer=opt)
+
+    def run_block(variant: str, guard: trainguard.Guard) -> tuple[list[float], list[float]]:
+        times, cpus = [], []
+        for _ in guard.steps(n + 1):
+            t0, c0 = clock(), cpu_clock()
+            if variant == "off":
+                loss = step_fn((x, y))
+                loss.backward()
+            else:
+                loss = guard.run_step(step_fn, (x, y))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            guard.step_end(loss=loss.detach())
+            times.append(clock() - t0)
+            cpus.append(cpu_clock() - c0)
+        guard.shutdown.uninstall()
+        guard.events.close()
+        return times[1:], cpus[1:]
+
+    for _ in range(2):  # warm-up
+        run_block("off", guard_for())
+        run_block("on", guard_for())
+    wall: dict[str, list] = {"off": [], "on": []}
+    cpu: dict[str, list] = {"off": [], "on": []}
+    for _ in range(args.rounds):
+        for variant in ("off", "on", "on", "off"):
+            t, c = run_block(variant, guard_for())
+            wall[variant].append(t)
+            cpu[variant].append(c)
+
+    # recovered out-of-memory steps
+    oom_steps = list(range(10, 10 * args.rounds * 2 + 1, 10))
+    inject = ", ".join(f"{{kind='oom', rank=1, step={s}, phase='{('forward', 'backward')[i % 2]}'}}" for i, s in enumerate(oom_steps))
+    guard = guard_for(f"faults.inject=[{inject}]", "oom.grow_after=1")
+    times = {}
+    for step in guard.steps(max(oom_steps) + 5):
+        t0 = clock()
+        loss = guard.run_step(step_fn, (x, y))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        guard.step_end(loss=loss.detach())
+        times[step + 1] = clock() - t0
+    recovered = [times[s] for s in oom_steps]
+    normal = [t for s, t in times.items() if s not in oom_steps and s - 1 not in oom_steps and s > 2]
+    # two half micro-batches without a failure
+    guard = guard_for(f"oom.micro_batch_size={args.batch // 2}", "oom.grow=false")
+    halves, _ = run_block("on", guard)
+    dist.barrier()
+    if rank == 0:
+        Path(tmp, "result.json").write_text(json.dumps({"wall": wall, "cpu": cpu, "recovered": recovered,
+                                                        "normal": normal, "halves": halves}))
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    args = _parse()
+    import torch.multiprocessing as mp
+    from rich.console import Console
+    from rich.table import Table
+
+    with tempfile.TemporaryDirectory(prefix="tg-bench-oom-") as tmp:
+        t0 = time.perf_counter()
+        mp.spawn(_worker, args=(2, args, tmp), nprocs=2, join=True)
+        seconds = time.perf_counter() - t0
+        res = json.loads(Path(tmp, "result.json").read_text())
+
+    med = statistics.median
+
+    def median_ms(blocks: list) -> float:
+        return med([t for blk in blocks for t in blk]) * 1e3
+
+    def per_round(d: dict) -> float:
+        r = [(sum(d["on"][2 * i]) + sum(d["on"][2 * i + 1])) / (sum(d["off"][2 * i]) + sum(d["off"][2 * i + 1]))
+             for i in range(len(d["off"]) // 2)]
+        return med(r)
+
+    def fmt(r: float) -> str:
+        return f"{'[green]' if r <= GOAL else '[red]'}{r:.4f}×"
+
+    table = Table(title=f"OOM guard on normal steps — 2 gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
+                        f"{args.rounds}× ABBA blocks of {args.steps} steps, rank 0")
+    for col in ("measure", "off: loss.backward() (A)", "on: guard.run_step (B)", "B / A", "goal"):
+        table.add_column(col, justify="left" if col == "measure" else "right")
+    for label, d in (("wall", res["wall"]), ("CPU", res["cpu"])):
+        a, b = median_ms(d["off"]), median_ms(d["on"])
+        table.add_row(f"{label}: median step (ms)", f"{a:.3f}", f"{b:.3f}", fmt(b / a), f"≤ {GOAL:.2f}×")
+        table.add_row(f"{label}: median of per-round ratios", "", "", fmt(per_round(d)), "")
+    Console(width=160).print(table)
+
+    normal = med(res["normal"]) * 1e3
+    t2 = Table(title="a recovered out-of-memory step (rank 0; OOM injected on rank 1, alternately in forward and backward)")
+    for col in ("step", "count", "median (ms)", "÷ normal step"):
+        t2.add_column(col, justify="left" if col == "step" else "right")
+    t2.add_row("normal (whole batch)", str(len(res["normal"])), f"{normal:.3f}", "1.00×")
+    t2.add_row("two half micro-batches, no failure", str(len(res["halves"])), f"{med(res['halves']) * 1e3:.3f}",
+               f"{med(res['halves']) * 1e3 / normal:.2f}×")
+    t2.add_row("recovered: failed attempt + retry at half", str(len(res["recovered"])), f"{med(res['recovered']) * 1e3:.3f}",
+               f"{med(res['recovered']) * 1e3 / normal:.2f}×")
+    Console(width=160).print(t2)
+    print(f"wall {seconds:.1f} s; load average {os.getloadavg()[0]:.2f} (run on an idle machine; compare ratios)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
