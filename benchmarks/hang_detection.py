@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional
-from _common import exited as _exited, run_events as _events, trainguard_cmd as _trainguard  # noqa: E402
+from _common import run_events as _events, trainguard_cmd as _trainguard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "_recovery_worker.py"

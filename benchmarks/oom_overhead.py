@@ -47,7 +47,6 @@ def _parse() -> argparse.Namespace:
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
-    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 

@@ -31,7 +31,6 @@ external baseline: the save is the work that has to happen, everything else is o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil

@@ -22,5 +22,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpoint", "CheckpointMismatchError", "CheckpointStore", "Config", "ConfigError", "EventLog",
     "ExitCode", "Guard", "exit_bad_input", "Hook", "ResumableSampler", "Section", "config_from_argv", "load_config",
-    "read_events", "seed_everything", "state_hash",
+    "dist", "read_events", "seed_everything", "state_hash",
 ]

@@ -4,8 +4,8 @@
 |------|------------|--------------------------------------------------------------|
 | 0    | OK         | the run finished                                             |
 | 2    | BAD_INPUT  | bad config, arguments, run dir, or a checkpoint that does not fit |
-| 75   | REQUEUE    | stopped cleanly and resumable (EX_TEMPFAIL from sysexits.h): preemption signal, time limit, kill switch |
-| 76   | GIVE_UP    | gave up: restart budget spent or a recurring fault; do not requeue |
+| 75   | REQUEUE    | stopped cleanly and resumable (EX_TEMPFAIL from sysexits.h): preemption signal, time limit, kill switch, memory watchdog |
+| 76   | GIVE_UP    | gave up: restart budget spent, a recurring fault, instability or out of memory past recovery; do not requeue |
 
 75 is ``EX_TEMPFAIL`` from BSD ``sysexits.h`` ("temporary failure, try again later"), the code
 schedulers and wrappers commonly treat as "retry". 76 is the next free code below 128, chosen so
@@ -15,6 +15,8 @@ that it never collides with a signal death (128 + N) or Python's generic error (
 from __future__ import annotations
 
 import enum
+import sys
+from typing import Any, NoReturn, Optional
 
 
 class ExitCode(enum.IntEnum):
@@ -34,3 +36,12 @@ def describe(code: int) -> str:
         return ExitCode(code).name.lower()
     except ValueError:
         return f"error {code}"
+
+
+def exit_bad_input(message: str, events: Optional[Any] = None) -> NoReturn:
+    """Print ``trainguard: error: message`` to stderr, record a ``bad_input`` event in ``events``
+    (an :class:`~trainguard.events.EventLog`, if given), and exit with code 2."""
+    print(f"trainguard: error: {message}", file=sys.stderr, flush=True)
+    if events is not None:
+        events.emit("bad_input", message=message)
+    raise SystemExit(int(ExitCode.BAD_INPUT))

@@ -30,7 +30,6 @@ import gc
 import logging
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -42,7 +41,7 @@ from .checkpoint import CheckpointMismatchError, CheckpointStore, check_compatib
 from .checkpoint.store import Checkpoint
 from .config import Config, ConfigError, config_from_argv, dump_config, load_config
 from .events import EventLog, Hook
-from .exitcodes import ExitCode
+from .exitcodes import ExitCode, exit_bad_input
 from .faults import FaultInjector
 from .instability.recovery import Recovery
 from .memory import MemoryWatchdog
@@ -58,14 +57,6 @@ log = logging.getLogger(__name__)
 # Before the first save is measured, assume this write speed to estimate the save time (bytes/s);
 # a conservative figure for a shared filesystem.
 _ASSUMED_WRITE_BPS = 100e6
-
-
-def exit_bad_input(message: str, events: Optional[EventLog] = None) -> "NoReturn":  # type: ignore[name-defined]
-    """Print ``trainguard: error: message`` to stderr, record a ``bad_input`` event, exit with code 2."""
-    print(f"trainguard: error: {message}", file=sys.stderr, flush=True)
-    if events is not None:
-        events.emit("bad_input", message=message)
-    raise SystemExit(int(ExitCode.BAD_INPUT))
 
 
 def prepare_run_dir(run_dir: Path) -> None:

@@ -51,7 +51,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import dist as tgdist
-from ..exitcodes import ExitCode
+from ..exitcodes import ExitCode, exit_bad_input
 from ..faults import provoke_oom
 from .sync import GradSync
 
@@ -143,8 +143,6 @@ class MicroBatcher:
             share of the batch. Exits with code 2 on a batch that cannot be split or a
             micro-batch size larger than the batch, 76 when micro-batch size 1 runs out of memory.
         """
-        from ..guard import exit_bad_input  # the Guard imports this module
-
         backward = backward or torch.Tensor.backward
         try:
             n = batch_size(batch)
