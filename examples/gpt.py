@@ -194,14 +194,13 @@ def main() -> None:
     t0 = time.perf_counter()
     for step in guard.steps(cfg.train.max_steps):  # trainguard
         x, y = train.batch(sampler.take(cfg.train.batch_size))
-        loss = ddp(x, y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = guard.run_step(lambda mb: ddp(*mb), (x, y))  # trainguard: forward+backward; on OOM, halve the micro-batch
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if guard.should_step(loss, grad_norm):  # trainguard: NaN/spike check; skip or roll back
             opt.step()
             sched.step()
-        guard.step_end(loss=loss.detach())  # trainguard
+        guard.step_end(loss=loss)  # trainguard
         if rank == 0 and (step + 1) % cfg.train.log_interval == 0:
             ms = (time.perf_counter() - t0) * 1000 / cfg.train.log_interval
             print(f"step {step + 1}/{total} loss {loss.item():.4f} lr {sched.get_last_lr()[0]:.2e} {ms:.0f} ms/step", flush=True)
