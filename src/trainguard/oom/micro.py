@@ -149,8 +149,8 @@ class MicroBatcher:
         except ValueError as e:
             exit_bad_input(str(e), self.g.events)
         if self.cfg.micro_batch_size > n:
-            exit_bad_input(f"oom.micro_batch_size={self.cfg.micro_batch_size} is larger than the batch "
-                                  f"({n} samples on rank {self.g.rank}); expected 1..{n}, or 0 for the whole batch", self.g.events)
+            exit_bad_input(f"oom.micro_batch_size={self.cfg.micro_batch_size} is larger than the batch ({n} samples "
+                           f"on rank {self.g.rank}); expected 1..{n}, or 0 for the whole batch", self.g.events)
         if self.size is None:
             self.size = n
         if self.sync is None and self.ddp and self.g.world_size > 1:
