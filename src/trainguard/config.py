@@ -31,8 +31,9 @@ else:  # pragma: no cover
 import tomli_w
 
 from .sections import (  # noqa: F401  (re-exported: trainguard.config.Section etc.)
-    CheckpointSection, FaultSpec, FaultsSection, InstabilitySection, LauncherSection, MemorySection, OOMSection,
-    PreemptionSection, RollbackSection, RunSection, Section, StopSection, SupervisorSection, parse_bytes, parse_duration,
+    CheckpointSection, FaultSpec, FaultsSection, HealthSection, InstabilitySection, LauncherSection, MemorySection,
+    OOMSection, PreemptionSection, RollbackSection, RunSection, Section, StopSection, StragglerSection, SupervisorSection,
+    parse_bytes, parse_duration,
 )
 
 
@@ -56,6 +57,8 @@ class Config(BaseModel):
     rollback: RollbackSection = RollbackSection()
     oom: OOMSection = OOMSection()
     memory: MemorySection = MemorySection()
+    straggler: StragglerSection = StragglerSection()
+    health: HealthSection = HealthSection()
 
 
 # ---------------------------------------------------------------------------------------------

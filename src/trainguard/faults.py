@@ -11,6 +11,8 @@ Kinds (see :class:`~trainguard.config.FaultSpec`):
   ``step`` (and the ``repeat - 1`` after it): ``nan_loss`` (loss and gradients NaN),
   ``loss_spike`` (loss × ``factor``), ``grad_explosion`` (gradients and their norm × ``factor``).
   Each step fires once; ``persistent`` makes it fire again when a rollback re-runs the step.
+* ``slow_rank``: from step ``step`` for ``repeat`` steps, ``guard.run_step()`` on this rank
+  sleeps ``factor`` × its compute time after the micro-batches (a straggler, for the detector).
 * ``oom``: in ``guard.run_step()`` of step number ``step`` (and the ``repeat - 1`` after it), one
   rank asks the allocator for an impossible amount of memory inside the model's forward or
   during backward (``phase``), so the error is the allocator's own (``torch.OutOfMemoryError`` on
@@ -79,7 +81,7 @@ def validate(specs: list[FaultSpec], world_size: Optional[int]) -> None:
 
 
 NUMERIC = ("nan_loss", "loss_spike", "grad_explosion")
-STEP_BOUND = NUMERIC + ("oom",)
+STEP_BOUND = NUMERIC + ("oom", "slow_rank")
 # more bytes than any machine has: the allocator refuses at once, with its own error
 IMPOSSIBLE_BYTES = 1 << 62
 
@@ -112,6 +114,7 @@ class FaultInjector:
         self.pending: list[FaultSpec] = []
         self.numeric_pending: list[FaultSpec] = []
         self.oom_pending: list[FaultSpec] = []
+        self.slow_pending: list[FaultSpec] = []
         self._fired: set[tuple[str, int, int]] = set()  # (kind, spec index, step) of step-bound faults already fired
 
     def arm(self, max_steps: int) -> None:
@@ -128,6 +131,8 @@ class FaultInjector:
                 self.numeric_pending.append(s)
             elif s.kind == "oom":
                 self.oom_pending.append(s)
+            elif s.kind == "slow_rank":
+                self.slow_pending.append(s)
             elif s.after_seconds is not None and s.step is None:
                 threading.Thread(target=self._fire_later, args=(s,), daemon=True, name="trainguard-fault").start()
             else:
@@ -171,6 +176,18 @@ class FaultInjector:
             self.events.emit("fault_injected", step, fault="oom", rank=self.rank, phase=s.phase, injected=True)
             return s
         return None
+
+    def slow_factor(self, step: int) -> float:
+        """Called by ``run_step()`` in step number ``step``: the extra compute fraction of a
+        ``slow_rank`` fault active now (0.0 if none); the first step of each writes its event."""
+        for i, s in enumerate(self.slow_pending):
+            if s.step <= step < s.step + s.repeat:
+                if ("slow", i, 0) not in self._fired:
+                    self._fired.add(("slow", i, 0))
+                    self.events.emit("fault_injected", step, fault="slow_rank", rank=self.rank, factor=s.factor,
+                                     steps=s.repeat, injected=True)
+                return s.factor
+        return 0.0
 
     def _fire_later(self, spec: FaultSpec) -> None:
         time.sleep(spec.after_seconds or 0)

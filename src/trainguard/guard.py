@@ -44,8 +44,10 @@ from .events import EventLog, Hook
 from .exitcodes import ExitCode, exit_bad_input
 from .faults import FaultInjector
 from .instability.recovery import Recovery
+from . import health
 from .memory import MemoryWatchdog
 from .oom import MicroBatcher
+from .straggler import StragglerDetector
 from .supervisor.heartbeat import HeartbeatWriter, heartbeat_path
 from .supervisor.monitor import STACK_SIGNAL, attempt_dir, stack_path
 from .signals import ShutdownHandler
@@ -134,7 +136,10 @@ class Guard:
         self.heartbeat = self._attach_supervisor()
         self.faults = FaultInjector(config.faults.inject, self.rank, self.world_size, self.events.attempt, self.events)
         self.recovery = Recovery(self)
+        self.straggler = StragglerDetector(config.straggler, self.rank, self.world_size, [socket.gethostname()] * self.world_size,
+                                           self.events, self.run_dir)
         self.micro = MicroBatcher(self)
+        self.ping: Optional[health.LivenessPing] = None
         if config.rollback.skip_batches and sampler is not None and not hasattr(sampler, "skip_batches"):
             exit_bad_input(f"rollback.skip_batches={config.rollback.skip_batches} needs a sampler with a skip_batches(n) "
                            f"method; {type(sampler).__name__} has none (use trainguard.ResumableSampler, or 0)")
@@ -266,6 +271,7 @@ class Guard:
         now = time.perf_counter()
         # a decaying maximum: a slow step is remembered for a while (for the time limit)
         self._step_seconds = max(now - self._t_last, 0.98 * self._step_seconds)
+        self.straggler.record_step(now - self._t_last)
         self._t_last = now
         self.last_loss = loss
         if self.faults.pending:  # inside the step section: an injected hang is a hang mid-step
@@ -277,13 +283,7 @@ class Guard:
             h.on_step_end(self, self.step, loss)
         if self.rank == 0:
             self.recovery.after_step()
-        if self.step < self._next_check:
-            flags = [0] * len(FLAGS)
-        else:
-            ahead = self.stop.next_interval(self._step_seconds)
-            *flags, interval = tgdist.all_reduce_max(
-                self.stop.local_flags(self._step_seconds, self._estimated_save_seconds(), ahead, self.step))
-            self._next_check = self.step + interval
+        flags = self._check() if self.step >= self._next_check else [0] * len(FLAGS)
         reason = self.stop.reason(flags)
         if reason is not None:
             self._stop_and_exit(reason)
@@ -293,6 +293,22 @@ class Guard:
                 self.stop.clear_save_switch()
         elif self.step % self.cfg.checkpoint.interval == 0:
             self.save("interval")
+
+    def _check(self) -> list[int]:
+        """The stop check: one all-reduce (max) of every rank's stop flags, its proposed next check
+        step and, on report checks, its straggler timings; returns the agreed flags."""
+        report = self.straggler.due(self.step)
+        ahead = self.stop.next_interval(self._step_seconds)
+        mine = self.stop.local_flags(self._step_seconds, self._estimated_save_seconds(), ahead, self.step)
+        agreed = tgdist.all_reduce_max(mine + (self.straggler.pack() if report else []))
+        flags, self._next_check = agreed[:len(FLAGS)], self.step + agreed[len(FLAGS)]
+        slow = self.straggler.unpack(self.step, agreed[len(FLAGS) + 1:]) if report else []
+        if slow and self.cfg.straggler.stop_if_detected:
+            hosts = sorted({self.straggler.hosts[r] for r in slow})
+            if self.rank == 0:
+                self.straggler.write_exclude(slow)
+            self._stop_and_exit("straggler", ranks=slow, hosts=hosts, exclude_nodes=str(self.run_dir / "exclude_nodes"))
+        return flags
 
     # ------------------------------------------------------------------------------------------
     # begin / end
@@ -305,6 +321,8 @@ class Guard:
         if self.rank == 0:
             self.store.clean_stale()
             dump_config(self.cfg, self.run_dir / "config.toml")
+        self.straggler.hosts = tgdist.gather_objects(socket.gethostname())
+        self.ping = health.start(self)  # preflight (exit 2 on failure), liveness ping
         self._resume()
         self._emit0("start", world_size=self.world_size, host=socket.gethostname(), first_step=self.step,
                     resumed_from=str(self.resumed_from.path) if self.resumed_from else None)
@@ -359,6 +377,7 @@ class Guard:
         self._emit0("end", state_sha256=digest, last_loss=loss)
         # leave together: a rank that tears its group down while a peer still finishes rank-0
         # work (the final commit) can make gloo abort in the peer at exit
+        self._stop_ping()
         tgdist.barrier()
         self._enter_teardown()
         for h in self.hooks:
@@ -424,8 +443,8 @@ class Guard:
             return self._save_seconds
         return 1.0 + self._state_bytes_guess / _ASSUMED_WRITE_BPS
 
-    def _stop_and_exit(self, reason: str) -> None:
-        details: dict[str, Any] = {"reason": reason}
+    def _stop_and_exit(self, reason: str, **extra: Any) -> None:
+        details: dict[str, Any] = {"reason": reason, **extra}
         if reason == "signal":
             details.update(signal=self.shutdown.received, signal_time=self.shutdown.received_at)
         elif reason == "time_limit":
@@ -445,9 +464,15 @@ class Guard:
         # Leave together and tear the group down before the interpreter exits: a gloo group
         # destroyed during interpreter shutdown can abort ("terminate called ...", SIGABRT),
         # which the launcher would read as a crash instead of a decision.
+        self._stop_ping()
         tgdist.barrier()
         tgdist.destroy()
         raise SystemExit(int(code))
+
+    def _stop_ping(self) -> None:
+        if self.ping is not None:
+            self.ping.stop()
+            self.ping = None
 
     def _on_deadline(self) -> None:
         self.events.emit("deadline_exit", self.step, deadline=self.cfg.preemption.save_deadline,

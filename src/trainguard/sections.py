@@ -181,15 +181,17 @@ class FaultSpec(Section):
 
     Process faults: ``rank_killed``, ``rank_hung``, ``random`` (a seeded choice of both).
     ``oom`` (in ``guard.run_step()`` of step number ``step``: a real allocation that cannot be
-    satisfied, inside the forward or during the backward, see ``phase``).
+    satisfied, inside the forward or during the backward, see ``phase``); ``slow_rank`` (in
+    ``guard.run_step()`` from step ``step`` for ``repeat`` steps, the rank sleeps ``factor`` × its
+    compute time after its micro-batches: a straggler).
     Numeric faults, applied inside ``guard.should_step()`` to step number ``step`` (1-based: the
     step that, once complete, makes ``step`` steps) and the ``repeat - 1`` steps after it:
     ``nan_loss`` (the rank's loss and gradients become NaN), ``loss_spike`` (its loss × ``factor``),
     ``grad_explosion`` (its gradients and gradient norm × ``factor``).
     """
 
-    kind: str = Field(..., pattern="^(rank_killed|rank_hung|random|nan_loss|loss_spike|grad_explosion|oom)$",
-                      description="rank_killed, rank_hung, random, nan_loss, loss_spike, grad_explosion or oom")
+    kind: str = Field(..., pattern="^(rank_killed|rank_hung|random|nan_loss|loss_spike|grad_explosion|oom|slow_rank)$",
+                      description="rank_killed, rank_hung, random, nan_loss, loss_spike, grad_explosion, oom or slow_rank")
     rank: Optional[int] = Field(None, ge=0, description="global rank (random: drawn)")
     step: Optional[int] = Field(None, ge=1, description="fire when this many steps are complete (numeric faults: in this step)")
     after_seconds: Optional[float] = Field(None, gt=0, description="fire this long after the Guard starts instead of at a step")
@@ -197,7 +199,7 @@ class FaultSpec(Section):
     section: str = Field("step", pattern="^(step|checkpointing)$", description="rank_hung at a step: hang in the step, or inside the next checkpoint save")
     every_attempt: bool = Field(False, description="fire again after each restart (a recurring fault); default only in the first attempt")
     seed: int = Field(0, description="random: the seed of the draw")
-    factor: float = Field(10.0, gt=0, description="loss_spike / grad_explosion: the multiplier")
+    factor: float = Field(10.0, gt=0, description="loss_spike / grad_explosion: the multiplier; slow_rank: extra compute time as a fraction (0.3 = 30 % slower)")
     repeat: int = Field(1, ge=1, description="numeric faults: in this many consecutive steps from 'step'")
     persistent: bool = Field(False, description="numeric faults: fire again when a rollback re-runs the step; oom: in every retry of the step too (a fault recovery cannot outrun)")
     phase: str = Field("forward", pattern="^(forward|backward)$", description="oom: fail a real allocation inside the model's forward, or during backward")
@@ -295,3 +297,33 @@ class MemorySection(Section):
     @classmethod
     def _bytes(cls, v: Any) -> Optional[int]:
         return parse_bytes(v)
+
+
+class StragglerSection(Section):
+    """``[straggler]``: per-rank timing, exchanged in the stop check; scores as defined by the NVIDIA
+    Resiliency Extension (relative = fastest median / this median; individual = own best median /
+    current median; 0.7 thresholds as there). See :mod:`trainguard.straggler`."""
+
+    enabled: bool = Field(True, description="time steps (and run_step's compute) and report stragglers")
+    report_interval: float = Field(300.0, gt=0, description="seconds between reports, converted to steps from the slowest rank's step time")
+    report_interval_steps: int = Field(0, ge=0, description="report every N steps instead (0 = use report_interval)")
+    min_samples: int = Field(10, ge=1, description="steps in a window before a rank's median counts; also the first report's step")
+    relative_threshold: float = Field(0.7, gt=0, le=1, description="a rank whose relative score is below this is a straggler")
+    individual_threshold: float = Field(0.7, gt=0, le=1, description="a rank whose individual score is below this is a straggler")
+    report_ranks: int = Field(5, ge=1, description="worst and best N ranks listed in each report")
+    stop_if_detected: bool = Field(False, description="on a straggler: save, write its host to RUN_DIR/exclude_nodes, exit with the requeue code")
+
+    @field_validator("report_interval", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> Optional[float]:
+        return parse_duration(v)
+
+
+class HealthSection(Section):
+    """``[health]``: collective liveness ping and start-up preflight. See :mod:`trainguard.health`."""
+
+    ping: bool = Field(True, description="run the background collective liveness ping (multi-rank runs)")
+    ping_interval: float = Field(30.0, gt=0, description="seconds between pings (seconds, not steps: the ping must also fire while the loop is stuck in a collective)")
+    ping_timeout: float = Field(60.0, gt=0, description="seconds a ping may take before the missing ranks are reported and the group restarted")
+    preflight: bool = Field(True, description="check before training: checkpoint dir writable, room for keep_last + 1 checkpoints, devices alike on all ranks, GPU health")
+    gpu_check: bool = Field(True, description="preflight: NVML GPU health and a small compute/allocation check ('skipped: no GPU' without one)")

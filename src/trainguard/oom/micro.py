@@ -177,8 +177,15 @@ class MicroBatcher:
             self.model.require_forward_param_sync = True
         if self.sync is not None:
             self.sync.begin()
+        timer = self.g.straggler.compute_timer(_device(self.model))
         try:
-            return self._micro_batches(step_fn, batch, n, size, backward), None
+            timer.start()
+            total = self._micro_batches(step_fn, batch, n, size, backward)
+            slow = self.g.faults.slow_factor(step) if self.g.faults.slow_pending else 0.0
+            if slow:
+                time.sleep(slow * (time.perf_counter() - timer.t0))
+            self.g.straggler.record_compute(timer.stop())
+            return total, None
         except Exception as e:
             if not is_oom(e):
                 raise

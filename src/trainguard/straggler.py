@@ -1,0 +1,173 @@
+"""Straggler detection (``[straggler]``): which rank is slow, on which host, at no measurable cost.
+
+Each rank times its steps on the host — and, under ``guard.run_step``, the *compute* of each step
+(forward and backward, without waiting for the gradient all-reduce), which is what differs between
+ranks of a synchronous data-parallel job: the whole-step time is the same on every rank, since the
+fast ones wait for the slow one inside the all-reduce. On CUDA the compute is timed with CUDA
+events, read only once they have completed (``Event.query()``), so timing never stalls the step.
+
+Every report interval (``report_interval`` seconds, converted to steps from the slowest rank's
+measured step time, or ``report_interval_steps``) the ranks exchange the median of their window in
+the Guard's stop-check all-reduce (one slot per rank; no extra collective), and every rank computes
+the same scores, the NVIDIA Resiliency Extension's definitions (``nvidia_resiliency_ext``
+straggler detection, "performance scores"):
+
+* relative score = the fastest rank's median / this rank's median (1.0 = the fastest rank);
+* individual score = this rank's best (lowest) median of any earlier window / its current median
+  (1.0 = as fast as it has ever been).
+
+A rank under ``relative_threshold`` or ``individual_threshold`` (0.7 each by default, as there) is
+a straggler: a ``straggler_detected`` event names its rank and host; each report is a
+``straggler_report`` event with the worst and best ``report_ranks`` ranks. With
+``stop_if_detected`` the run saves, writes the stragglers' hosts to ``RUN_DIR/exclude_nodes`` and
+exits with the requeue code, so the next submission can exclude them (``sbatch --exclude``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .events import EventLog
+from .sections import StragglerSection
+
+US = 1_000_000  # medians travel as integer microseconds
+
+
+class ComputeTimer:
+    """Times one region per step: host clock on CPU, CUDA events on GPU (resolved without a sync)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[Any, Any]] = []
+        self._start: Any = None
+
+    def start(self) -> None:
+        """Mark the start of the region."""
+        self.t0 = time.perf_counter()
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+
+    def stop(self) -> Optional[float]:
+        """Mark the end; returns the seconds on CPU, ``None`` on CUDA (read later by :meth:`ready`)."""
+        if not self.cuda:
+            return time.perf_counter() - self.t0
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.pending.append((self._start, end))
+        return None
+
+    def ready(self) -> list[float]:
+        """Seconds of the CUDA regions that have completed (oldest first); never waits."""
+        done = []
+        while self.pending and self.pending[0][1].query():
+            start, end = self.pending.pop(0)
+            done.append(start.elapsed_time(end) / 1000.0)
+        return done
+
+
+class StragglerDetector:
+    """Per-rank step and compute timings, exchanged and scored at report checks.
+
+    Args:
+        cfg: the ``[straggler]`` section.
+        rank, world_size: this rank and the group size.
+        hosts: host name of every rank (index = rank).
+        events: where reports and detections go.
+        run_dir: ``exclude_nodes`` is written there.
+    """
+
+    def __init__(self, cfg: StragglerSection, rank: int, world_size: int, hosts: list[str], events: EventLog, run_dir: Path):
+        self.cfg, self.rank, self.world, self.hosts, self.events = cfg, rank, world_size, hosts, events
+        self.run_dir = run_dir
+        self.steps: list[float] = []  # whole-step seconds in this window
+        self.compute: list[float] = []  # compute seconds in this window (run_step)
+        self.best: Optional[float] = None  # this rank's best window median (seconds)
+        self.next_report: Optional[int] = None  # step of the next report (identical on every rank)
+        self.timer: Optional[ComputeTimer] = None
+        self.measure = "step"  # what the last window timed: "compute" (run_step) or "step"
+
+    def compute_timer(self, device: torch.device) -> ComputeTimer:
+        """The timer ``run_step`` wraps its compute in (created once, for the training device)."""
+        if self.timer is None:
+            self.timer = ComputeTimer(device)
+        return self.timer
+
+    def record_step(self, seconds: float) -> None:
+        """One whole step's wall time (from the Guard)."""
+        if self.cfg.enabled:
+            self.steps.append(seconds)
+
+    def record_compute(self, seconds: Optional[float]) -> None:
+        """One step's compute time (from ``run_step``; ``None`` on CUDA: read from the timer later)."""
+        if self.cfg.enabled and seconds is not None:
+            self.compute.append(seconds)
+
+    def due(self, step: int) -> bool:
+        """Whether the stop check at ``step`` carries a report (the same answer on every rank)."""
+        if not self.cfg.enabled or self.world < 2:
+            return False
+        if self.next_report is None:
+            self.next_report = step + (self.cfg.report_interval_steps or self.cfg.min_samples)
+        return step >= self.next_report
+
+    def pack(self) -> list[int]:
+        """This rank's part of the exchange, combined by max across ranks: [slowest step (µs),
+        window medians (µs, one slot per rank), individual scores (× 10⁴, one slot per rank)];
+        this rank fills only its own slots (0 = not enough samples)."""
+        if self.timer is not None:
+            self.compute.extend(self.timer.ready())
+        window = self.compute if self.compute else self.steps
+        medians, individual = [0] * self.world, [0] * self.world
+        if len(window) >= self.cfg.min_samples:
+            mine = statistics.median(window)
+            medians[self.rank] = max(1, int(mine * US))
+            individual[self.rank] = int(min(1.0, (self.best or mine) / mine) * 10_000)
+            self.best = mine if self.best is None else min(self.best, mine)
+        self.measure = "compute" if self.compute else "step"
+        slowest = max(self.steps, default=0.0)
+        self.steps, self.compute = [], []
+        return [int(slowest * US)] + medians + individual
+
+    def unpack(self, step: int, agreed: list[int]) -> list[int]:
+        """Score the exchanged values, write the events, schedule the next report.
+
+        Returns:
+            The straggling ranks (the same list on every rank).
+        """
+        w = self.world
+        slowest_step, medians, individual = agreed[0] / US, agreed[1:1 + w], agreed[1 + w:1 + 2 * w]
+        interval = self.cfg.report_interval_steps or math.ceil(self.cfg.report_interval / max(slowest_step, 1e-6))
+        self.next_report = step + max(interval, self.cfg.min_samples)
+        known = {r: m / US for r, m in enumerate(medians) if m > 0}
+        if len(known) < 2:
+            return []
+        fastest = min(known.values())
+        rows = sorted(({"rank": r, "host": self.hosts[r], "median_ms": round(m * 1e3, 3), "relative": round(fastest / m, 4),
+                        "individual": round(individual[r] / 10_000, 4)} for r, m in known.items()),
+                      key=lambda row: (row["relative"], row["individual"]))
+        c = self.cfg
+        flagged = [row for row in rows if row["relative"] < c.relative_threshold or row["individual"] < c.individual_threshold]
+        if self.rank == 0:
+            self.events.emit("straggler_report", step, measure=self.measure, window_steps=interval,
+                             worst=rows[:c.report_ranks], best=rows[::-1][:c.report_ranks], stragglers=[row["rank"] for row in flagged],
+                             relative_threshold=c.relative_threshold, individual_threshold=c.individual_threshold)
+            for row in flagged:
+                self.events.emit("straggler_detected", step, measure=self.measure, relative_threshold=c.relative_threshold,
+                                 individual_threshold=c.individual_threshold, **row)
+        return [row["rank"] for row in flagged]
+
+    def write_exclude(self, ranks: list[int]) -> Path:
+        """Append the hosts of ``ranks`` to ``RUN_DIR/exclude_nodes`` (one per line, no duplicates)."""
+        path = self.run_dir / "exclude_nodes"
+        known = set(path.read_text().split()) if path.exists() else set()
+        new = sorted({self.hosts[r] for r in ranks} - known)
+        with open(path, "a") as f:
+            f.writelines(h + "\n" for h in new)
+        return path

@@ -1,0 +1,118 @@
+"""Straggler detection, the collective liveness ping, and the start-up preflight.
+
+End-to-end tests run ``tests/oom_worker.py`` (a DDP regression through ``guard.run_step``, 2 gloo
+ranks) under ``trainguard run``; a slow rank is a real sleep inside its compute (the ``slow_rank``
+fault), a stopped rank a real SIGSTOP.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from conftest import REPO, events, finish, launch
+from trainguard.exitcodes import ExitCode
+from trainguard.health.preflight import PreflightError, check_devices, check_free_space
+
+WORKER = REPO / "tests" / "oom_worker.py"
+REPORTS = ("straggler.report_interval_steps=10", "straggler.min_samples=5", "stop.check_interval=1")
+
+
+def run_worker(run: Path, *overrides: str, inject: tuple[str, ...] = (), steps: int = 40, timeout: float = 180) -> int:
+    extra = tuple(x for spec in inject for x in ("--inject", spec))
+    return finish(launch(run, f"worker.max_steps={steps}", "checkpoint.interval=10", "worker.hidden=256",
+                         "worker.batch_size=32", *overrides, script=WORKER, extra=extra, tiny=False), timeout)
+
+
+def log(run: Path) -> str:
+    return Path(f"{run}.log").read_text(errors="replace")[-3000:]
+
+
+def details(run: Path, kind: str) -> list[dict]:
+    return [{"step": e["step"], "rank": e["rank"], "time": e["time"], **e["details"]} for e in events(run, kind)]
+
+
+# ------------------------------------------------------------------------------------------------
+# units
+
+
+def test_free_space_and_device_checks_name_the_problem(tmp_path):
+    ok = check_free_space(tmp_path, 1024, 4)
+    assert ok["needed_bytes"] == 4096 and ok["free_bytes"] > 4096
+    try:
+        check_free_space(tmp_path, 2**60, 4)
+        raise AssertionError("no error")
+    except PreflightError as e:
+        assert str(tmp_path) in str(e) and "keep_last + 1" in str(e)
+    cpu = {"host": "a", "type": "cpu", "cuda_devices": 0}
+    check_devices([cpu, dict(cpu, host="b")])
+    try:
+        check_devices([{"host": "a", "type": "cuda", "name": "H100", "cuda_devices": 8}, {"host": "b", "type": "cpu", "cuda_devices": 0}])
+        raise AssertionError("no error")
+    except PreflightError as e:
+        assert "rank 1 on b" in str(e)
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end
+
+
+def test_slow_rank_is_flagged_with_its_host_and_a_clean_run_is_not(tmp_path):
+    run = tmp_path / "slow"
+    code = run_worker(run, *REPORTS, "straggler.relative_threshold=0.85",
+                      inject=("slow_rank:rank=1,step=1,repeat=100000,factor=0.3",))
+    assert code == 0, log(run)
+    flagged = details(run, "straggler_detected")
+    assert flagged and flagged[0]["step"] <= 20, flagged  # within two reports of 10 steps
+    assert {f["rank"] for f in flagged if f["relative"] < 0.85} == {1}
+    assert flagged[0]["host"] == socket.gethostname() and flagged[0]["measure"] == "compute"
+    # 30 % more compute → 1/1.3 ≈ 0.77 on an idle machine; two ranks sharing two cores measured 0.59–0.8
+    assert 0.4 < flagged[0]["relative"] < 0.85
+    report = details(run, "straggler_report")[0]
+    assert report["worst"][0]["rank"] == 1 and report["best"][0]["rank"] == 0
+
+    clean = tmp_path / "clean"
+    assert run_worker(clean, "straggler.report_interval_steps=50", "stop.check_interval=10", steps=1000, timeout=300) == 0, log(clean)
+    assert len(details(clean, "straggler_report")) >= 15
+    assert details(clean, "straggler_detected") == []
+
+
+def test_stop_if_detected_saves_requeues_and_writes_exclude_nodes(tmp_path):
+    run = tmp_path / "stop"
+    code = run_worker(run, *REPORTS, "straggler.relative_threshold=0.85", "straggler.stop_if_detected=true",
+                      inject=("slow_rank:rank=1,step=1,repeat=100000,factor=0.3",))
+    assert code == ExitCode.REQUEUE, log(run)
+    (stop,) = details(run, "stop_requested")
+    assert stop["reason"] == "straggler" and stop["ranks"] == [1]
+    assert details(run, "checkpoint_committed")[-1]["step"] == stop["step"]
+    assert (run / "exclude_nodes").read_text().split() == [socket.gethostname()]
+
+
+def test_stopped_rank_fails_the_ping_within_its_timeout_and_the_group_restarts(tmp_path):
+    run = tmp_path / "ping"
+    code = run_worker(run, "supervisor.enabled=false", "health.ping_interval=1", "health.ping_timeout=3",
+                      "stop.check_interval=1", inject=("rank_hung:rank=1,step=15,hang=sigstop",), steps=30)
+    assert code == 0, log(run)
+    (fault,) = details(run, "fault_injected")
+    (timeout,) = details(run, "ping_timeout")
+    assert timeout["missing_ranks"] == [1] and timeout["missing_hosts"] == [socket.gethostname()]
+    assert timeout["time"] - fault["time"] <= 1 + 3 + 2  # interval + timeout + slack
+    assert len(events(run, "group_restart")) == 1 and details(run, "resume")[-1]["from_step"] == 10
+
+
+def test_preflight_refuses_an_unwritable_checkpoint_dir_and_missing_space(tmp_path):
+    run = tmp_path / "ro"
+    assert run_worker(run, "checkpoint.dir=/proc/trainguard-cannot-write") == ExitCode.BAD_INPUT
+    assert "preflight: checkpoint dir /proc/trainguard-cannot-write is not writable" in log(run)
+    full = tmp_path / "full"
+    assert run_worker(full, "checkpoint.keep_last=1000000000") == ExitCode.BAD_INPUT
+    assert "preflight: not enough free space for checkpoints" in log(full)
+    assert not (full / "checkpoints").exists() or not any((full / "checkpoints").iterdir())
+
+
+def test_preflight_event_of_a_normal_run_says_gpu_skipped(tmp_path):
+    run = tmp_path / "ok"
+    assert run_worker(run, steps=5) == 0, log(run)
+    pre = details(run, "preflight")
+    assert {p["rank"] for p in pre} == {0, 1}
+    assert pre[0]["gpu"]["status"] == "skipped: no GPU" and pre[0]["space"]["count"] == 4
