@@ -322,8 +322,8 @@ class Guard:
             self.store.clean_stale()
             dump_config(self.cfg, self.run_dir / "config.toml")
         self.straggler.hosts = tgdist.gather_objects(socket.gethostname())
-        self.ping = health.start(self)  # preflight (exit 2 on failure), liveness ping
         self._resume()
+        self.ping = health.start(self)  # preflight (exit 2 on failure), then the liveness ping
         self._emit0("start", world_size=self.world_size, host=socket.gethostname(), first_step=self.step,
                     resumed_from=str(self.resumed_from.path) if self.resumed_from else None)
         self._t_last = time.perf_counter()
