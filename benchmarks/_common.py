@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import statistics
 import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from trainguard.events import read_events
 
@@ -49,3 +56,108 @@ def ddp_mlp(rank: int, world: int, tmp: str, hidden: int, batch: int, lr: float)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g)
     return model, DDP(model), opt, x, y
+
+
+def block_args(doc: str, order: str = "ABBA",
+               extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """Command-line arguments of a benchmark of alternated step blocks: ``--quick`` (1 round of 20
+    steps), ``--steps`` (default 40), ``--rounds`` (default 8), ``--hidden`` (1024), ``--batch`` (64);
+    ``extra(parser)`` adds the script's own. The description is ``doc``'s first paragraph."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="short run to check that it works")
+    p.add_argument("--steps", type=int, default=None, help="steps per block (default 40, quick 20)")
+    p.add_argument("--rounds", type=int, default=None, help=f"{order} rounds (default 8, quick 1)")
+    p.add_argument("--hidden", type=int, default=1024, help="MLP width (sets the step time)")
+    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    if extra is not None:
+        extra(p)
+    args = p.parse_args()
+    args.steps = args.steps or (20 if args.quick else 40)
+    args.rounds = args.rounds or (1 if args.quick else 8)
+    return args
+
+
+def spawn_pair(worker: Callable, args: Any, prefix: str) -> tuple[dict, float]:
+    """Run ``worker(rank, 2, args, tmp)`` on two ranks (``torch.multiprocessing.spawn``) in a fresh
+    temporary directory ``tmp``; rank 0 writes its results to ``tmp/result.json``.
+
+    Returns:
+        (the results, the wall seconds of the whole spawn).
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        t0 = time.perf_counter()
+        mp.spawn(worker, args=(2, args, tmp), nprocs=2, join=True)
+        seconds = time.perf_counter() - t0
+        return json.loads(Path(tmp, "result.json").read_text()), seconds
+
+
+def timed_block(guard: Any, n: int, step: Callable[[Any], Any]) -> tuple[list[float], list[float]]:
+    """Run ``guard.steps(n + 1)`` to its end (so that the Guard finishes: ping stopped, ranks leave
+    together), each step ``loss = step(guard)`` then ``guard.step_end(loss)``, both timed; then
+    uninstall the Guard's signal handlers and close its event log.
+
+    Returns:
+        (wall seconds, CPU seconds) of each step but the first (it includes the Guard's start).
+    """
+    clock, cpu_clock = time.perf_counter, time.process_time
+    times, cpus = [], []
+    for _ in guard.steps(n + 1):
+        t0, c0 = clock(), cpu_clock()
+        loss = step(guard)
+        guard.step_end(loss=loss.detach())
+        times.append(clock() - t0)
+        cpus.append(cpu_clock() - c0)
+    guard.shutdown.uninstall()
+    guard.events.close()
+    return times[1:], cpus[1:]
+
+
+def abba(rounds: int, run_block: Callable[[str], tuple[list[float], list[float]]]) -> tuple[dict, dict]:
+    """``rounds`` rounds of blocks in mirrored order off, on, on, off (drift and order effects cancel);
+    ``run_block(variant)`` returns a block's (wall, CPU) step times.
+
+    Returns:
+        (wall, cpu): ``{"off": [block, ...], "on": [block, ...]}`` each, two blocks per round.
+    """
+    wall: dict[str, list] = {"off": [], "on": []}
+    cpu: dict[str, list] = {"off": [], "on": []}
+    for _ in range(rounds):
+        for variant in ("off", "on", "on", "off"):
+            t, c = run_block(variant)
+            wall[variant].append(t)
+            cpu[variant].append(c)
+    return wall, cpu
+
+
+def median_ms(blocks: list[list[float]]) -> float:
+    """Median step of all ``blocks`` (lists of seconds), in milliseconds."""
+    return statistics.median([t for blk in blocks for t in blk]) * 1e3
+
+
+def per_round(on_blocks: list[list[float]], off_blocks: list[list[float]]) -> float:
+    """Median over ABBA rounds of (the round's two "on" blocks' time) / (its two "off" blocks' time)."""
+    return statistics.median([(sum(on_blocks[2 * i]) + sum(on_blocks[2 * i + 1])) / (sum(off_blocks[2 * i]) + sum(off_blocks[2 * i + 1]))
+                              for i in range(len(off_blocks) // 2)])
+
+
+def ratio_cell(r: float, goal: float) -> str:
+    """``r`` for a rich table: green when it meets ``goal`` (≤), red when not."""
+    return f"{'[green]' if r <= goal else '[red]'}{r:.4f}×"
+
+
+def ratio_table(title: str, off: str, on: str, wall: dict, cpu: dict, goal: float) -> Any:
+    """A rich table (measure, ``off``, ``on``, B / A, goal): median step (ms) of each variant and
+    their ratio, and the median of per-round ratios, for wall and CPU time (dicts as :func:`abba`
+    returns); ratios green when they meet ``goal`` (≤), red when not."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("measure", off, on, "B / A", "goal"):
+        table.add_column(col, justify="left" if col == "measure" else "right")
+    for label, d in (("wall", wall), ("CPU", cpu)):
+        a, b = median_ms(d["off"]), median_ms(d["on"])
+        table.add_row(f"{label}: median step (ms)", f"{a:.3f}", f"{b:.3f}", ratio_cell(b / a, goal), f"≤ {goal:.2f}×")
+        table.add_row(f"{label}: median of per-round ratios", "", "", ratio_cell(per_round(d["on"], d["off"]), goal), "")
+    return table

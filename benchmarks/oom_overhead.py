@@ -26,24 +26,10 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 GOAL = 1.01
-
-
-def _parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="short run to check that it works")
-    p.add_argument("--steps", type=int, default=None, help="steps per block (default 40, quick 20)")
-    p.add_argument("--rounds", type=int, default=None, help="ABBA rounds (default 8, quick 1)")
-    p.add_argument("--hidden", type=int, default=1024, help="MLP width (sets the step time)")
-    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
-    args = p.parse_args()
-    args.steps = args.steps or (20 if args.quick else 40)
-    args.rounds = args.rounds or (1 if args.quick else 8)
-    return args
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
@@ -51,10 +37,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     import torch.nn.functional as F
 
     import trainguard
-    from _common import ddp_mlp
+    from _common import abba, ddp_mlp, timed_block
 
     model, ddp, opt, x, y = ddp_mlp(rank, world, tmp, args.hidden, args.batch, lr=1e-5)
-    clock, cpu_clock = time.perf_counter, time.process_time
+    clock = time.perf_counter
     n, block = args.steps, [0]
 
     def step_fn(micro_batch):
@@ -67,34 +53,26 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         block[0] += 1
         return trainguard.Guard(cfg, model=ddp, optimizer=opt)
 
+    def off_step(guard: trainguard.Guard):
+        loss = step_fn((x, y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    def on_step(guard: trainguard.Guard):
+        loss = guard.run_step(step_fn, (x, y))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
     def run_block(variant: str, guard: trainguard.Guard) -> tuple[list[float], list[float]]:
-        times, cpus = [], []
-        for _ in guard.steps(n + 1):
-            t0, c0 = clock(), cpu_clock()
-            if variant == "off":
-                loss = step_fn((x, y))
-                loss.backward()
-            else:
-                loss = guard.run_step(step_fn, (x, y))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            guard.step_end(loss=loss.detach())
-            times.append(clock() - t0)
-            cpus.append(cpu_clock() - c0)
-        guard.shutdown.uninstall()
-        guard.events.close()
-        return times[1:], cpus[1:]
+        return timed_block(guard, n, off_step if variant == "off" else on_step)
 
     for _ in range(2):  # warm-up
         run_block("off", guard_for())
         run_block("on", guard_for())
-    wall: dict[str, list] = {"off": [], "on": []}
-    cpu: dict[str, list] = {"off": [], "on": []}
-    for _ in range(args.rounds):
-        for variant in ("off", "on", "on", "off"):
-            t, c = run_block(variant, guard_for())
-            wall[variant].append(t)
-            cpu[variant].append(c)
+    wall, cpu = abba(args.rounds, lambda variant: run_block(variant, guard_for()))
 
     # recovered out-of-memory steps
     oom_steps = list(range(10, 10 * args.rounds * 2 + 1, 10))
@@ -121,39 +99,17 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
 
 
 def main() -> int:
-    args = _parse()
-    import torch.multiprocessing as mp
     from rich.console import Console
     from rich.table import Table
 
-    with tempfile.TemporaryDirectory(prefix="tg-bench-oom-") as tmp:
-        t0 = time.perf_counter()
-        mp.spawn(_worker, args=(2, args, tmp), nprocs=2, join=True)
-        seconds = time.perf_counter() - t0
-        res = json.loads(Path(tmp, "result.json").read_text())
+    from _common import block_args, ratio_table, spawn_pair
 
+    args = block_args(__doc__)
+    res, seconds = spawn_pair(_worker, args, "tg-bench-oom-")
     med = statistics.median
-
-    def median_ms(blocks: list) -> float:
-        return med([t for blk in blocks for t in blk]) * 1e3
-
-    def per_round(d: dict) -> float:
-        r = [(sum(d["on"][2 * i]) + sum(d["on"][2 * i + 1])) / (sum(d["off"][2 * i]) + sum(d["off"][2 * i + 1]))
-             for i in range(len(d["off"]) // 2)]
-        return med(r)
-
-    def fmt(r: float) -> str:
-        return f"{'[green]' if r <= GOAL else '[red]'}{r:.4f}×"
-
-    table = Table(title=f"OOM guard on normal steps — 2 gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
-                        f"{args.rounds}× ABBA blocks of {args.steps} steps, rank 0")
-    for col in ("measure", "off: loss.backward() (A)", "on: guard.run_step (B)", "B / A", "goal"):
-        table.add_column(col, justify="left" if col == "measure" else "right")
-    for label, d in (("wall", res["wall"]), ("CPU", res["cpu"])):
-        a, b = median_ms(d["off"]), median_ms(d["on"])
-        table.add_row(f"{label}: median step (ms)", f"{a:.3f}", f"{b:.3f}", fmt(b / a), f"≤ {GOAL:.2f}×")
-        table.add_row(f"{label}: median of per-round ratios", "", "", fmt(per_round(d)), "")
-    Console(width=160).print(table)
+    Console(width=160).print(ratio_table(f"OOM guard on normal steps — 2 gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
+                                         f"{args.rounds}× ABBA blocks of {args.steps} steps, rank 0",
+                                         "off: loss.backward() (A)", "on: guard.run_step (B)", res["wall"], res["cpu"], GOAL))
 
     normal = med(res["normal"]) * 1e3
     t2 = Table(title="a recovered out-of-memory step (rank 0; OOM injected on rank 1, alternately in forward and backward)")

@@ -6,7 +6,8 @@ ranks of a synchronous data-parallel job: the whole-step time is the same on eve
 fast ones wait for the slow one inside the all-reduce. On CUDA the compute is timed with CUDA
 events, read only once they have completed (``Event.query()``), so timing never stalls the step.
 
-Every report interval (``report_interval`` seconds, converted to steps from the slowest rank's
+The first ``warmup_steps`` steps (allocation, first-iteration work) are not timed. Every
+report interval (``report_interval`` seconds, converted to steps from the slowest rank's
 measured step time, or ``report_interval_steps``) the ranks exchange the median of their window in
 the Guard's stop-check all-reduce (one slot per rank; no extra collective), and every rank computes
 the same scores, the NVIDIA Resiliency Extension's definitions (``nvidia_resiliency_ext``
@@ -86,6 +87,7 @@ class StragglerDetector:
     def __init__(self, cfg: StragglerSection, rank: int, world_size: int, hosts: list[str], events: EventLog, run_dir: Path):
         self.cfg, self.rank, self.world, self.hosts, self.events = cfg, rank, world_size, hosts, events
         self.run_dir = run_dir
+        self.seen = 0  # steps completed (the first warmup_steps are not timed)
         self.steps: list[float] = []  # whole-step seconds in this window
         self.compute: list[float] = []  # compute seconds in this window (run_step)
         self.best: Optional[float] = None  # this rank's best window median (seconds)
@@ -101,12 +103,13 @@ class StragglerDetector:
 
     def record_step(self, seconds: float) -> None:
         """One whole step's wall time (from the Guard)."""
-        if self.cfg.enabled:
+        self.seen += 1
+        if self.cfg.enabled and self.seen > self.cfg.warmup_steps:
             self.steps.append(seconds)
 
     def record_compute(self, seconds: Optional[float]) -> None:
         """One step's compute time (from ``run_step``; ``None`` on CUDA: read from the timer later)."""
-        if self.cfg.enabled and seconds is not None:
+        if self.cfg.enabled and seconds is not None and self.seen >= self.cfg.warmup_steps:
             self.compute.append(seconds)
 
     def due(self, step: int) -> bool:
@@ -114,7 +117,7 @@ class StragglerDetector:
         if not self.cfg.enabled or self.world < 2:
             return False
         if self.next_report is None:
-            self.next_report = step + (self.cfg.report_interval_steps or self.cfg.min_samples)
+            self.next_report = self.cfg.warmup_steps + (self.cfg.report_interval_steps or self.cfg.min_samples)
         return step >= self.next_report
 
     def pack(self) -> list[int]:
