@@ -4,7 +4,9 @@ It is torch's ``LocalElasticAgent`` (rendezvous, worker start/stop, restarts) wi
 monitor loop in place of ``_invoke_run``:
 
 * a worker group that fails because a rank died or crashed is restarted (``max_restarts``,
-  default 3) and resumes from the newest valid checkpoint;
+  default 3) and resumes from the newest valid checkpoint; the surviving ranks are SIGKILLed at
+  once (after SIGCONT, for a stopped one): they cannot finish a collective or a save without the
+  dead peer, and torch's own close would SIGTERM them and wait up to 30 s;
 * a rank that exits with a *decision* code is not restarted: 75 (requeue: the ranks stopped and
   saved), 2 (bad input), 76 (give up) end the launch with that code;
 * SIGTERM, SIGUSR1 and SIGINT to the launcher are forwarded to every local rank, which saves and
@@ -116,6 +118,7 @@ class TrainguardAgent(LocalElasticAgent):
         self._start_group()
         while True:
             time.sleep(spec.monitor_interval)
+            self._kill_survivors_of_failure()
             result = self._monitor_workers(self._worker_group)
             self._worker_group.state = result.state
             if result.state == WorkerState.SUCCEEDED:
@@ -141,6 +144,21 @@ class TrainguardAgent(LocalElasticAgent):
                 self._stop_workers(self._worker_group)
                 self._worker_group.state = WorkerState.STOPPED
                 self._start_group()
+
+    def _kill_survivors_of_failure(self) -> None:
+        """If a rank has exited with a failure (not 0 or a decision code), SIGCONT and SIGKILL the
+        ranks still running; torch then collects the group at once."""
+        procs = {r: h.proc for r, h in getattr(self._pcontext, "subprocess_handlers", {}).items()}
+        codes = {r: p.poll() for r, p in procs.items()}
+        if not any(c is not None and c not in (0, *DECISION_CODES) for c in codes.values()):
+            return
+        for r, p in procs.items():
+            if codes[r] is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
 
     def _handle_failure(self, result: RunResult) -> bool:
         """Record the failure and restart the group if that is the right move; True if restarted."""
