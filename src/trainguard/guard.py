@@ -25,7 +25,6 @@ an unwritable run dir) print one clear line and exit with code 2.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import gc
 import logging
 import os
@@ -48,8 +47,7 @@ from . import health
 from .memory import MemoryWatchdog
 from .oom import MicroBatcher
 from .straggler import StragglerDetector
-from .supervisor.heartbeat import HeartbeatWriter, heartbeat_path
-from .supervisor.monitor import STACK_SIGNAL, attempt_dir, stack_path
+from .supervisor.rank import attach as attach_supervisor, enter_teardown
 from .signals import ShutdownHandler
 from .state import capture_rng, restore_rng, state_hash
 from .stop import FLAGS, StopConditions
@@ -133,7 +131,7 @@ class Guard:
         self._awaiting_step_end = False
         self._rolled_back = False  # should_step() rolled back: the next step_end() does not count
         self._next_check = 0  # step at which the stop flags are next exchanged (agreed by all ranks)
-        self.heartbeat = self._attach_supervisor()
+        self.heartbeat = attach_supervisor(self.events.attempt)  # under trainguard run: heartbeat + stack dumps
         self.faults = FaultInjector(config.faults.inject, self.rank, self.world_size, self.events.attempt, self.events)
         self.recovery = Recovery(self)
         self.straggler = StragglerDetector(config.straggler, self.rank, self.world_size, [socket.gethostname()] * self.world_size,
@@ -145,29 +143,6 @@ class Guard:
                            f"method; {type(sampler).__name__} has none (use trainguard.ResumableSampler, or 0)")
         # bytes of parameters + two Adam moments: the save-time guess before the first save is measured
         self._state_bytes_guess = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
-
-    def _attach_supervisor(self) -> Optional[HeartbeatWriter]:
-        """Under ``trainguard run``: open this rank's heartbeat record (section ``setup`` starts now)
-        and let SIGUSR2 dump every thread's stack next to it (the supervisor asks on a hang)."""
-        root = os.environ.get("TRAINGUARD_HEARTBEAT_DIR")
-        if not root:
-            return None
-        directory = attempt_dir(root, self.events.attempt)
-        directory.mkdir(parents=True, exist_ok=True)
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self._stack_file = open(stack_path(directory, local_rank), "w")
-        faulthandler.register(STACK_SIGNAL, file=self._stack_file, all_threads=True)
-        writer = HeartbeatWriter(heartbeat_path(directory, local_rank))
-        writer.open("setup")
-        return writer
-
-    def _enter_teardown(self) -> None:
-        """After the last step: what follows (evaluation, group teardown, exit) is timed as the
-        ``teardown`` section (``[supervisor] teardown_timeout``), not as time between steps."""
-        if self.heartbeat is not None:
-            while self.heartbeat.current is not None:
-                self.heartbeat.close()
-            self.heartbeat.open("teardown")
 
     def section(self, name: str) -> "contextlib.AbstractContextManager[None]":
         """``with guard.section("eval"): ...``: a named section the hang supervisor times (and learns)."""
@@ -379,7 +354,7 @@ class Guard:
         # work (the final commit) can make gloo abort in the peer at exit
         self._stop_ping()
         tgdist.barrier()
-        self._enter_teardown()
+        enter_teardown(self.heartbeat)
         for h in self.hooks:
             h.on_train_end(self, "finished")
         self.state_sha256 = digest
@@ -459,7 +434,7 @@ class Guard:
         for h in self.hooks:
             h.on_train_end(self, reason)
         self._emit0("exit", code=int(code), reason=reason)
-        self._enter_teardown()
+        enter_teardown(self.heartbeat)
         gc.freeze()  # skip the final collection over torch objects at exit (measured: 0.6 s → 0.1 s)
         # Leave together and tear the group down before the interpreter exits: a gloo group
         # destroyed during interpreter shutdown can abort ("terminate called ...", SIGABRT),

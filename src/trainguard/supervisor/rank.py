@@ -1,0 +1,43 @@
+"""The rank's side of hang supervision under ``trainguard run``: its heartbeat record and stack dumps."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+from typing import Optional
+
+from .heartbeat import HeartbeatWriter, heartbeat_path
+from .monitor import STACK_SIGNAL, attempt_dir, stack_path
+
+
+def attach(attempt: int) -> Optional[HeartbeatWriter]:
+    """Open this rank's heartbeat record (section ``setup`` starts now) and let SIGUSR2 dump every
+    thread's stack next to it, where the supervisor copies it from on a hang.
+
+    Args:
+        attempt: the worker-group restart count (records live per attempt).
+    Returns:
+        The writer, or ``None`` when not run by ``trainguard run`` (no ``TRAINGUARD_HEARTBEAT_DIR``).
+    """
+    root = os.environ.get("TRAINGUARD_HEARTBEAT_DIR")
+    if not root:
+        return None
+    directory = attempt_dir(root, attempt)
+    directory.mkdir(parents=True, exist_ok=True)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    stack_file = open(stack_path(directory, local_rank), "w")
+    faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
+    writer = HeartbeatWriter(heartbeat_path(directory, local_rank))
+    writer.stack_file = stack_file  # open for as long as the rank runs
+    writer.open("setup")
+    return writer
+
+
+def enter_teardown(writer: Optional[HeartbeatWriter]) -> None:
+    """After the last step: what follows (evaluation, group teardown, exit) is timed as the
+    ``teardown`` section (``[supervisor] teardown_timeout``), not as time between steps."""
+    if writer is None:
+        return
+    while writer.current is not None:
+        writer.close()
+    writer.open("teardown")
