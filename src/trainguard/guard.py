@@ -54,6 +54,10 @@ from .stop import FLAGS, StopConditions
 
 log = logging.getLogger(__name__)
 
+# Rank 0 writes a `progress` event (step, recent step time) at a stop check at most this often (seconds);
+# reports draw the run's timeline from these, the checkpoints and the incidents.
+PROGRESS_SECONDS = 10.0
+
 # Before the first save is measured, assume this write speed to estimate the save time (bytes/s);
 # a conservative figure for a shared filesystem.
 _ASSUMED_WRITE_BPS = 100e6
@@ -131,6 +135,7 @@ class Guard:
         self._awaiting_step_end = False
         self._rolled_back = False  # should_step() rolled back: the next step_end() does not count
         self._next_check = 0  # step at which the stop flags are next exchanged (agreed by all ranks)
+        self._last_progress = time.monotonic()
         self.heartbeat = attach_supervisor(self.events.attempt)  # under trainguard run: heartbeat + stack dumps
         self.faults = FaultInjector(config.faults.inject, self.rank, self.world_size, self.events.attempt, self.events)
         self.recovery = Recovery(self)
@@ -278,6 +283,9 @@ class Guard:
         agreed = tgdist.all_reduce_max(mine + (self.straggler.pack() if report else []))
         flags, self._next_check = agreed[:len(FLAGS)], self.step + agreed[len(FLAGS)]
         slow = self.straggler.unpack(self.step, agreed[len(FLAGS) + 1:]) if report else []
+        if self.rank == 0 and time.monotonic() - self._last_progress >= PROGRESS_SECONDS:
+            self._last_progress = time.monotonic()
+            self.events.emit("progress", self.step, step_seconds=round(self._step_seconds, 6))
         if slow and self.cfg.straggler.stop_if_detected:
             hosts = sorted({self.straggler.hosts[r] for r in slow})
             if self.rank == 0:
