@@ -1,4 +1,4 @@
-"""The ``trainguard`` command: ``run`` (the launcher), ``demo``, ``checkpoints``.
+"""The ``trainguard`` command: ``run`` (the launcher), ``demo``, ``checkpoints``, ``report``, ``watch``.
 
 Every command exits with the codes of :mod:`trainguard.exitcodes`; bad input prints one line
 starting with ``trainguard: error:`` and exits with 2.
@@ -111,6 +111,31 @@ def checkpoints(
         size = sum(p.stat().st_size for p in c.path.iterdir() if p.is_file())
         table.add_row(str(c.step), str(c.path), f"{size:,}", "ok" if reason is None else f"[red]{reason}[/red]")
     Console().print(table)
+
+
+@app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="run directory"),
+    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    png: Optional[Path] = typer.Option(None, "--png", help="where to write the timeline picture (default RUN_DIR/report.png)"),
+) -> None:
+    """Goodput, incidents, checkpoint costs and the best checkpoint interval of a run, from its events."""
+    from .report import main as report_main
+
+    raise typer.Exit(report_main(run_dir, as_json=as_json, png=png))
+
+
+@app.command()
+def watch(
+    run_dir: Path = typer.Argument(..., help="run directory"),
+    overrides: List[str] = typer.Option([], "--set", help="threshold key=value, e.g. min_days=3 (repeatable)"),
+    notify: List[str] = typer.Option([], "--notify", help="apprise URL to notify (repeatable): mailto://..., slack://..., json://..."),
+    every: Optional[str] = typer.Option(None, "--every", help="repeat every interval (60, '5m'); default: one pass"),
+) -> None:
+    """Check disk space and inodes, the SLURM job, a silent (hung) run and node memory; notify once per condition."""
+    from .watch import main as watch_main
+
+    raise typer.Exit(watch_main(run_dir, list(overrides), list(notify), every, once=every is None))
 
 
 def main() -> None:

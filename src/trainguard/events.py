@@ -58,6 +58,21 @@ class EventLog:
             self._fd = -1
 
 
+def run_dir_problem(run_dir: str | os.PathLike, writable: bool = False) -> Optional[str]:
+    """Why ``run_dir`` cannot serve as a run directory to read (or, with ``writable``, to write
+    into) — missing, not a directory, unreadable, not writable — or ``None`` when it can."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        return f"run directory {run_dir} does not exist"
+    if not run_dir.is_dir():
+        return f"{run_dir} is not a directory"
+    if not os.access(run_dir, os.R_OK | os.X_OK):
+        return f"run directory {run_dir} cannot be read (permission denied)"
+    if writable and not os.access(run_dir, os.W_OK):
+        return f"run directory {run_dir} is not writable"
+    return None
+
+
 def read_events(run_dir: str | os.PathLike, kind: Optional[str] = None) -> Iterator[dict]:
     """Yield the events of a run directory in file order, optionally only one ``kind``.
 

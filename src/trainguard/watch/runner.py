@@ -8,7 +8,6 @@ condition: ``NAME: STATUS: MESSAGE``. Alerts are reported, not failures: the exi
 from __future__ import annotations
 
 import datetime
-import os
 import signal
 import sys
 import threading
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 
+from ..events import run_dir_problem
 from ..exitcodes import ExitCode
 from ..sections import parse_duration
 from .alerts import Alerter, Outcome
@@ -120,14 +120,9 @@ def watch_loop(run_dir: Path, section: WatchSection, notifier: Notifier, every: 
 
 
 def _check_run_dir(run_dir: Path) -> None:
-    if not run_dir.exists():
-        raise WatchError(f"run dir {run_dir} does not exist")
-    if not run_dir.is_dir():
-        raise WatchError(f"run dir {run_dir} is not a directory")
-    if not os.access(run_dir, os.R_OK | os.X_OK):
-        raise WatchError(f"run dir {run_dir} is not readable")
-    if not os.access(run_dir, os.W_OK):
-        raise WatchError(f"run dir {run_dir} is not writable (the watch keeps watch_state.json and events there)")
+    problem = run_dir_problem(run_dir, writable=True)
+    if problem is not None:
+        raise WatchError(f"{problem} (the watch keeps watch_state.json and its events there)")
 
 
 def main(run_dir: Path, overrides: list[str], notify: list[str], every: Optional[str], once: bool) -> int:
