@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +21,7 @@ from pydantic import Field
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard
+from worker_start import start_worker
 
 
 class WorkerSection(trainguard.Section):
@@ -49,12 +49,7 @@ class Recorder(trainguard.Hook):
 
 
 def main() -> None:
-    cfg = trainguard.config_from_argv(WorkerConfig)
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo")
-    rank, world = trainguard.dist.rank(), trainguard.dist.world_size()
-    torch.set_num_threads(1)
-    trainguard.seed_everything(cfg.run.seed)
+    cfg, rank, world = start_worker(WorkerConfig)
     w = cfg.worker
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(w.samples, 8, generator=gen)

@@ -87,6 +87,7 @@ class StragglerDetector:
     def __init__(self, cfg: StragglerSection, rank: int, world_size: int, hosts: list[str], events: EventLog, run_dir: Path):
         self.cfg, self.rank, self.world, self.hosts, self.events = cfg, rank, world_size, hosts, events
         self.run_dir = run_dir
+        self.active = cfg.enabled and world_size > 1  # one rank has no peers to compare with: time nothing
         self.seen = 0  # steps completed (the first warmup_steps are not timed)
         self.steps: list[float] = []  # whole-step seconds in this window
         self.compute: list[float] = []  # compute seconds in this window (run_step)
@@ -97,24 +98,24 @@ class StragglerDetector:
 
     def compute_timer(self, device: torch.device) -> ComputeTimer:
         """The timer ``run_step`` wraps its compute in (created once, for the training device)."""
-        if self.timer is None:
-            self.timer = ComputeTimer(device)
+        if self.timer is None:  # inactive: a host clock (CUDA events would pile up unread)
+            self.timer = ComputeTimer(device if self.active else torch.device("cpu"))
         return self.timer
 
     def record_step(self, seconds: float) -> None:
         """One whole step's wall time (from the Guard)."""
         self.seen += 1
-        if self.cfg.enabled and self.seen > self.cfg.warmup_steps:
+        if self.active and self.seen > self.cfg.warmup_steps:
             self.steps.append(seconds)
 
     def record_compute(self, seconds: Optional[float]) -> None:
         """One step's compute time (from ``run_step``; ``None`` on CUDA: read from the timer later)."""
-        if self.cfg.enabled and seconds is not None and self.seen >= self.cfg.warmup_steps:
+        if self.active and seconds is not None and self.seen >= self.cfg.warmup_steps:
             self.compute.append(seconds)
 
     def due(self, step: int) -> bool:
         """Whether the stop check at ``step`` carries a report (the same answer on every rank)."""
-        if not self.cfg.enabled or self.world < 2:
+        if not self.active:
             return False
         if self.next_report is None:
             self.next_report = self.cfg.warmup_steps + (self.cfg.report_interval_steps or self.cfg.min_samples)
