@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -49,18 +49,15 @@ class LivenessPing:
         hosts: host name of every rank (index = rank).
         events: where ``ping_timeout`` goes.
         device: where the ping tensor lives (the training device; CUDA for NCCL).
-        on_failure: called after the event instead of exiting (tests of the class itself).
     """
 
-    def __init__(self, interval: float, timeout: float, hosts: list[str], events: EventLog, device: torch.device,
-                 on_failure: Optional[Callable[[list[int]], None]] = None):
+    def __init__(self, interval: float, timeout: float, hosts: list[str], events: EventLog, device: torch.device):
         self.interval, self.timeout, self.hosts, self.events = interval, timeout, hosts, events
         self.rank, self.world = tgdist.rank(), tgdist.world_size()
         self.device = device
         self.group = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=max(timeout * 4, 60)))
         self.store = _default_store()
         self.prefix = f"trainguard/ping/{events.attempt}"
-        self.on_failure = on_failure
         self.launched = 0
         self.final: Optional[int] = None  # agreed number of pings at shutdown
         self.last_seconds: Optional[float] = None  # duration of the last completed ping
@@ -134,9 +131,6 @@ class LivenessPing:
         self.events.emit("ping_timeout", None, rank=self.rank, ping=n, timeout=self.timeout, missing_ranks=missing,
                          missing_hosts=None if missing is None else [self.hosts[r] for r in missing],
                          why="no answer from the store" if missing is None else None)
-        if self.on_failure is not None:
-            self.on_failure(missing or [])
-            return
         os._exit(PING_FAILED_EXIT)
 
     def stop(self) -> None:
