@@ -36,6 +36,8 @@ from .sections import (  # noqa: F401  (re-exported: trainguard.config.Section e
     parse_bytes, parse_duration,
 )
 
+from .slurm.section import SlurmSection  # noqa: E402  (its own module: the slurm package owns it)
+
 
 class ConfigError(ValueError):
     """Bad configuration input: malformed TOML, unknown key, wrong type or out-of-range value."""
@@ -59,6 +61,7 @@ class Config(BaseModel):
     memory: MemorySection = MemorySection()
     straggler: StragglerSection = StragglerSection()
     health: HealthSection = HealthSection()
+    slurm: SlurmSection = SlurmSection()
 
 
 # ---------------------------------------------------------------------------------------------
