@@ -133,7 +133,8 @@ def inject_bug(kind: str) -> None:
         raise ValueError(f"unknown bug {kind!r}; choose from {INJECTABLE}")
 
 
-def child_main(run_dir: str, max_steps: int, in_dim: int, hidden: int, out_dim: int, inject: Optional[str] = None) -> int:
+def child_main(run_dir: str, max_steps: int, in_dim: int, hidden: int, out_dim: int, inject: Optional[str] = None,
+               sets: tuple[str, ...] = ()) -> int:
     """Train the MLP under a Guard in ``run_dir``; returns the exit code (SystemExit from the Guard passes)."""
     import torch
     import torch.nn.functional as F
@@ -143,7 +144,7 @@ def child_main(run_dir: str, max_steps: int, in_dim: int, hidden: int, out_dim: 
     if inject:
         inject_bug(inject)
     torch.set_num_threads(1)
-    cfg = trainguard.load_config(None, [f"run.dir={run_dir}", "checkpoint.interval=1", "instability.known_good_after=1", f"checkpoint.keep_last={KEEP_LAST}"])
+    cfg = trainguard.load_config(None, [f"run.dir={run_dir}", "checkpoint.interval=1", "instability.known_good_after=1", f"checkpoint.keep_last={KEEP_LAST}", *sets])
     trainguard.seed_everything(0)
     g = torch.Generator().manual_seed(1234)  # fixed data, independent of the global RNG
     xs = torch.randn(N_SAMPLES, in_dim, generator=g)
@@ -173,12 +174,22 @@ def _child_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=MODEL_DEFAULTS["hidden"])
     p.add_argument("--out-dim", type=int, default=MODEL_DEFAULTS["out_dim"])
     p.add_argument("--inject", choices=INJECTABLE, default=None)
+    p.add_argument("--set", action="append", default=[], help="config override for the Guard")
     return p.parse_args(argv)
 
 
 def run_child(argv: list[str]) -> int:
     a = _child_args(argv)
-    return child_main(a.child, a.max_steps, a.in_dim, a.hidden, a.out_dim, a.inject)
+    return child_main(a.child, a.max_steps, a.in_dim, a.hidden, a.out_dim, a.inject, tuple(a.set))
+
+
+def tier_sets(async_save: bool, local: bool, run_dir: str = "{run_dir}") -> list[str]:
+    """Config overrides of the ``--async-save`` and ``--local`` modes (the local tier lives in the
+    trial's own directory, ``RUN_DIR/local``, standing in for a node-local disk)."""
+    sets = ["checkpoint.async_save=true"] if async_save else []
+    if local:
+        sets += [f"checkpoint.local.dir={run_dir}/local", "checkpoint.local.interval=1", "checkpoint.interval=3"]
+    return sets
 
 
 def server_main() -> int:
@@ -315,14 +326,17 @@ class ForkServer:
 class Launcher:
     """Starts writers in one mode; one per job thread (a fork server is not shared)."""
 
-    def __init__(self, mode: str, max_steps: int, hidden: int = MODEL_DEFAULTS["hidden"], inject: Optional[str] = None):
-        self.mode, self.max_steps, self.hidden, self.inject = mode, max_steps, hidden, inject
+    def __init__(self, mode: str, max_steps: int, hidden: int = MODEL_DEFAULTS["hidden"], inject: Optional[str] = None,
+                 sets: tuple[str, ...] = ()):
+        self.mode, self.max_steps, self.hidden, self.inject, self.sets = mode, max_steps, hidden, inject, sets
         self.server = ForkServer() if mode == "fork" else None
 
     def start(self, run_dir: Path) -> Writer:
         args = ["--child", str(run_dir), "--max-steps", str(self.max_steps), "--hidden", str(self.hidden)]
         if self.inject:
             args += ["--inject", self.inject]
+        for item in self.sets:
+            args += ["--set", item.replace("{run_dir}", str(run_dir))]
         log = Path(f"{run_dir}.log")
         if self.server is not None:
             return self.server.spawn(log, args)
@@ -445,7 +459,28 @@ def check_store(run_dir: Path) -> tuple[list[str], Optional[int], dict[str, bool
     if newest_event is not None and (best is None or best.step < newest_event):
         problems.append(f"checkpoint of step {newest_event} was committed (event), but latest_valid() is "
                         f"{best.path.name if best else None}")
-    return problems, (best.step if best else None), leftovers
+    resume = best.step if best else None
+    local = newest_local(run_dir, problems)
+    if local is not None and (resume is None or local > resume):
+        resume = local
+    return problems, resume, leftovers
+
+
+def newest_local(run_dir: Path, problems: list[str]) -> Optional[int]:
+    """The newest local-tier step that verifies (own copy or its replica in the persistent tier);
+    every committed local copy must verify (appends to ``problems`` otherwise)."""
+    from trainguard.checkpoint import manifest as mf
+    from trainguard.checkpoint.store import CheckpointStore
+
+    steps = set()
+    for root in (run_dir / "local" / "rank-00000", run_dir / "checkpoints" / "local-replicas" / "rank-00000"):
+        for c in CheckpointStore(root).committed():
+            reason = mf.verify(c.path)
+            if reason is not None:
+                problems.append(f"local copy {c.path} is committed but does not verify: {reason}")
+            else:
+                steps.add(c.step)
+    return max(steps, default=None)
 
 
 def wait_events(tail: EventTail, writer: Writer, until, timeout: float) -> tuple[Optional[list[dict]], list[dict]]:
@@ -583,7 +618,7 @@ def run_trial_dir(tid: int, args: argparse.Namespace, launcher: Launcher, ref: d
             from trainguard.checkpoint.store import CheckpointStore
 
             steps = [c.step for c in CheckpointStore(run_dir / "checkpoints").committed()]
-            if steps != list(range(args.max_steps - KEEP_LAST + 1, args.max_steps + 1)):
+            if not args.local and steps != list(range(args.max_steps - KEEP_LAST + 1, args.max_steps + 1)):
                 problems.append(f"after the final run the committed steps are {steps}, expected the last {KEEP_LAST}")
             if left["tmp"] or left["trash"]:
                 problems.append(f"after the final run leftovers remain: {sorted(p.name for p in (run_dir / 'checkpoints').iterdir())}")
@@ -644,6 +679,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the trial directories that passed")
     p.add_argument("--inject", choices=INJECTABLE, default=None,
                    help="self-test: plant this bug in the killed writers (not the reference run); the torture must fail")
+    p.add_argument("--async-save", action="store_true", help="the writers save asynchronously (checkpoint.async_save)")
+    p.add_argument("--local", action="store_true",
+                   help="the writers also save to a local tier every step (persistent every 3 steps), replicated")
     args = p.parse_args(argv)
     if args.max_steps < 10:
         p.error("--max-steps must be at least 10")
@@ -653,12 +691,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     print(f"ckpt_torture: {args.trials} kills, {args.kills_per_dir} per trial dir, {args.jobs} jobs, mode {args.mode}, "
-          f"seed {args.seed}, workdir {args.workdir}", flush=True)
+          f"seed {args.seed}, async_save {args.async_save}, local tier {args.local}, workdir {args.workdir}", flush=True)
 
     import trainguard  # noqa: F401  (the checks need it; import it before the clock matters)
 
-    launcher = Launcher(args.mode, args.max_steps, args.hidden)
-    job_launchers = [Launcher(args.mode, args.max_steps, args.hidden, args.inject) for _ in range(args.jobs)]
+    sets = tuple(tier_sets(args.async_save, args.local))
+    launcher = Launcher(args.mode, args.max_steps, args.hidden, sets=sets)
+    job_launchers = [Launcher(args.mode, args.max_steps, args.hidden, args.inject, sets) for _ in range(args.jobs)]
     try:
         ref = reference_run(launcher, args.workdir, args.timeout * 3)
     except BaseException:

@@ -29,6 +29,7 @@ import gc
 import logging
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -36,8 +37,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import dist as tgdist
-from .checkpoint import CheckpointMismatchError, CheckpointStore, check_compatible, load_state, save_state
 from .checkpoint.store import Checkpoint
+from .checkpointer import Checkpointer, ResumePoint
 from .config import Config, ConfigError, config_from_argv, dump_config, load_config
 from .events import EventLog, Hook
 from .exitcodes import ExitCode, exit_bad_input
@@ -57,10 +58,6 @@ log = logging.getLogger(__name__)
 # Rank 0 writes a `progress` event (step, recent step time) at a stop check at most this often (seconds);
 # reports draw the run's timeline from these, the checkpoints and the incidents.
 PROGRESS_SECONDS = 10.0
-
-# Before the first save is measured, assume this write speed to estimate the save time (bytes/s);
-# a conservative figure for a shared filesystem.
-_ASSUMED_WRITE_BPS = 100e6
 
 
 def prepare_run_dir(run_dir: Path) -> None:
@@ -117,19 +114,13 @@ class Guard:
         except ConfigError as e:
             exit_bad_input(str(e))
         self.events = EventLog(self.run_dir, self.rank)
-        ckpt_root = Path(config.checkpoint.dir)
-        self.store = CheckpointStore(
-            ckpt_root if ckpt_root.is_absolute() else self.run_dir / ckpt_root,
-            keep_last=config.checkpoint.keep_last,
-            on_invalid=self._on_invalid_checkpoint,
-        )
+        self.ckpt = Checkpointer(self)  # both tiers, async saves, resume
+        self.store = self.ckpt.store
         self.shutdown = ShutdownHandler(config.preemption.signals, config.preemption.save_deadline, self._on_deadline).install()
         self.stop = StopConditions(config.stop, self.run_dir, self.shutdown, MemoryWatchdog(config.memory, self.events))
         self.step = 0
         self.last_loss: Any = None
         self.resumed_from: Optional[Checkpoint] = None
-        self._last_saved_step: Optional[int] = None
-        self._save_seconds: Optional[float] = None
         self._step_seconds = 0.0
         self._t_last = time.perf_counter()
         self._awaiting_step_end = False
@@ -146,8 +137,6 @@ class Guard:
         if config.rollback.skip_batches and sampler is not None and not hasattr(sampler, "skip_batches"):
             exit_bad_input(f"rollback.skip_batches={config.rollback.skip_batches} needs a sampler with a skip_batches(n) "
                            f"method; {type(sampler).__name__} has none (use trainguard.ResumableSampler, or 0)")
-        # bytes of parameters + two Adam moments: the save-time guess before the first save is measured
-        self._state_bytes_guess = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
 
     def section(self, name: str) -> "contextlib.AbstractContextManager[None]":
         """``with guard.section("eval"): ...``: a named section the hang supervisor times (and learns)."""
@@ -261,6 +250,7 @@ class Guard:
             self.heartbeat.beat(self.step)
         for h in self.hooks:
             h.on_step_end(self, self.step, loss)
+        self.ckpt.poll()  # finalize a background save that has finished (before its known-good verdict)
         if self.rank == 0:
             self.recovery.after_step()
         flags = self._check() if self.step >= self._next_check else [0] * len(FLAGS)
@@ -271,15 +261,15 @@ class Guard:
             self.save("save_switch")
             if self.rank == 0:
                 self.stop.clear_save_switch()
-        elif self.step % self.cfg.checkpoint.interval == 0:
-            self.save("interval")
+        elif tiers := self.ckpt.due(self.step):
+            self.save("interval", tiers, blocking=not self.cfg.checkpoint.async_save)
 
     def _check(self) -> list[int]:
         """The stop check: one all-reduce (max) of every rank's stop flags, its proposed next check
         step and, on report checks, its straggler timings; returns the agreed flags."""
         report = self.straggler.due(self.step)
         ahead = self.stop.next_interval(self._step_seconds)
-        mine = self.stop.local_flags(self._step_seconds, self._estimated_save_seconds(), ahead, self.step)
+        mine = self.stop.local_flags(self._step_seconds, self.ckpt.estimated_save_seconds(), ahead, self.step)
         agreed = tgdist.all_reduce_max(mine + (self.straggler.pack() if report else []))
         flags, self._next_check = agreed[:len(FLAGS)], self.step + agreed[len(FLAGS)]
         slow = self.straggler.unpack(self.step, agreed[len(FLAGS) + 1:]) if report else []
@@ -302,7 +292,6 @@ class Guard:
             self._emit0("stop_requested", reason="kill_switch", before_training=True, path=str(self.stop.kill_path))
             self._exit(ExitCode.REQUEUE, "kill_switch")
         if self.rank == 0:
-            self.store.clean_stale()
             dump_config(self.cfg, self.run_dir / "config.toml")
         self.straggler.hosts = tgdist.gather_objects(socket.gethostname())
         self._resume()
@@ -315,30 +304,23 @@ class Guard:
 
     def _resume(self) -> None:
         t0 = time.perf_counter()
-        found = None
-        if self.rank == 0:
-            found = self.store.latest_valid(self.cfg.checkpoint.verify)
-            # every newer step directory was just reported invalid: set it aside (kept, renamed)
-            # so that its step can be saved again and retention does not count it
-            for c in self.store.committed():
-                if found is None or c.step > found.step:
-                    self.store.set_aside(c, "does not verify (see the checkpoint_invalid event)")
-        found = tgdist.broadcast_object(found)
+        point = self.ckpt.find_resume()
         self.recovery.on_start()
-        if found is None:
+        if point is None:
             return
-        try:
-            check_compatible(found.path, self.model, self.optimizer, self.world_size)
-        except CheckpointMismatchError as e:
-            exit_bad_input(str(e), self.events)
-        self._load_checkpoint(found)
-        self.resumed_from = found
-        self._emit0("resume", path=str(found.path), from_step=found.step, seconds=round(time.perf_counter() - t0, 4))
-        self.recovery.on_resume(found)
+        self._load(point)
+        path = point.checkpoint.path if point.checkpoint is not None else self.ckpt.local.own.path_for(point.step)
+        self.resumed_from = Checkpoint(point.step, path)
+        self._emit0("resume", path=str(path), from_step=point.step, tier=point.tier, seconds=round(time.perf_counter() - t0, 4))
+        if point.checkpoint is not None:
+            self.recovery.on_resume(point.checkpoint)
 
     def _load_checkpoint(self, ckpt: Checkpoint) -> None:
-        """Load the whole training state from ``ckpt`` (a collective) and continue at its step."""
-        state = load_state(ckpt.path, self.model, self.optimizer)
+        """Load the whole training state from the persistent checkpoint ``ckpt`` (a collective)."""
+        self._load(ResumePoint("persistent", ckpt.step, ckpt))
+
+    def _load(self, point: ResumePoint) -> None:
+        state = self.ckpt.load(point)
         self.step = int(state["step"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -350,11 +332,12 @@ class Guard:
         self.recovery.load_state_dict(state.get("instability"))
         self.micro.load_state_dict(state.get("oom"))
         restore_rng(state["rng"])
-        self._last_saved_step = self.step
+        self.ckpt.saved = {point.tier: self.step}
 
     def _finish(self) -> None:
         if self.cfg.checkpoint.save_final:
             self.save("final")
+        self.ckpt.close()
         digest = state_hash(self.model, self.optimizer)
         loss = float(self.last_loss.detach() if torch.is_tensor(self.last_loss) else self.last_loss) if self.last_loss is not None else None
         self._emit0("end", state_sha256=digest, last_loss=loss)
@@ -383,48 +366,30 @@ class Guard:
             "rng": capture_rng(),
         }
 
-    def save(self, reason: str = "manual") -> Optional[Checkpoint]:
-        """Save and commit a checkpoint of the current step (a collective: call on every rank).
+    def save(self, reason: str = "manual", tiers: tuple[str, ...] = ("persistent",), blocking: bool = True) -> Optional[Checkpoint]:
+        """Save a checkpoint of the current step (a collective: call on every rank).
 
-        Does nothing if this step is already saved. A failed write is recorded as a
-        ``checkpoint_failed`` event and a warning; the older checkpoints stay valid.
+        Does nothing for a tier that already holds this step. A failed write is recorded as a
+        ``checkpoint_failed`` event and a warning; the older checkpoints stay valid. After
+        ``[checkpoint] max_failures`` failures in a row the run exits with code 76.
 
+        Args:
+            tiers: ``"persistent"`` and/or ``"local"``.
+            blocking: ``False`` with ``[checkpoint] async_save``: return once the state is copied
+                to host memory; the write and commit finish in the background.
         Returns:
-            The committed checkpoint, or ``None`` if skipped or failed.
+            The committed persistent checkpoint of a blocking save, else ``None``.
         """
-        if self._last_saved_step == self.step:
-            return None
         with self.section("checkpointing"):
-            return self._save(reason)
-
-    def _save(self, reason: str) -> Optional[Checkpoint]:
-        t0 = time.perf_counter()
-        if self.faults.pending:
-            self.faults.at(self.step, "checkpointing")
-        try:
-            ckpt, nbytes = save_state(self.store, self.step, self.model, self.optimizer, self.rank_state(),
-                                      meta={"reason": reason, "trainguard_step": self.step})
-        except (OSError, RuntimeError) as e:  # RuntimeError: DCP's CheckpointException
-            log.warning("checkpoint at step %d failed: %s", self.step, e)
-            self.events.emit("checkpoint_failed", self.step, reason=reason, error=str(e)[:2000])
-            return None
-        seconds = time.perf_counter() - t0
-        self._save_seconds = seconds
-        self._last_saved_step = self.step
-        deleted = []
-        if self.rank == 0:
-            self.recovery.on_commit(ckpt)
-            deleted = self.store.apply_retention(protect={ckpt.step} | self.recovery.protected())
-        self._emit0("checkpoint_committed", path=str(ckpt.path), bytes=nbytes, seconds=round(seconds, 4),
-                    reason=reason, deleted_steps=deleted)
-        for h in self.hooks:
-            h.on_checkpoint_save(self, self.step, ckpt.path)
-        return ckpt
-
-    def _estimated_save_seconds(self) -> float:
-        if self._save_seconds is not None:
-            return self._save_seconds
-        return 1.0 + self._state_bytes_guess / _ASSUMED_WRITE_BPS
+            if self.faults.pending:
+                self.faults.at(self.step, "checkpointing")
+            result = self.ckpt.save(reason, tiers, blocking)
+        why = self.ckpt.give_up_reason()
+        if why is not None:
+            print(f"trainguard: giving up: {why}", file=sys.stderr, flush=True)
+            self._emit0("checkpoint_give_up", reason=why, failures=self.ckpt.failures)
+            self._exit(ExitCode.GIVE_UP, "checkpoint_failures")
+        return result.checkpoint if result is not None else None
 
     def _stop_and_exit(self, reason: str, **extra: Any) -> None:
         details: dict[str, Any] = {"reason": reason, **extra}
@@ -439,6 +404,7 @@ class Guard:
         self._exit(ExitCode.REQUEUE, reason)
 
     def _exit(self, code: ExitCode, reason: str) -> None:
+        self.ckpt.close()
         for h in self.hooks:
             h.on_train_end(self, reason)
         self._emit0("exit", code=int(code), reason=reason)
@@ -460,9 +426,6 @@ class Guard:
     def _on_deadline(self) -> None:
         self.events.emit("deadline_exit", self.step, deadline=self.cfg.preemption.save_deadline,
                          signal=self.shutdown.received)
-
-    def _on_invalid_checkpoint(self, ckpt: Checkpoint, reason: str) -> None:
-        self.events.emit("checkpoint_invalid", ckpt.step, path=str(ckpt.path), reason=reason)
 
     def _emit0(self, kind: str, **details: Any) -> None:
         """Emit an event from rank 0 only (for decisions all ranks share)."""

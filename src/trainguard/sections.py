@@ -88,14 +88,36 @@ class RunSection(Section):
     seed: int = Field(0, ge=0, description="base random seed; trainguard.seed_everything() uses it")
 
 
-class CheckpointSection(Section):
-    """``[checkpoint]``: the persistent checkpoint store."""
+class LocalTierSection(Section):
+    """``[checkpoint.local]``: the fast node-local tier (off unless ``dir`` is set)."""
 
-    interval: int = Field(100, ge=1, description="save every N optimizer steps")
+    dir: Optional[str] = Field(None, description="node-local directory, e.g. '/dev/shm/trainguard/myrun' or a local NVMe path; "
+                               "{node}, {host} and {rank} are filled in; unset = no local tier")
+    interval: int = Field(10, ge=1, description="save to the local tier every N optimizer steps")
+    keep_last: int = Field(2, ge=1, description="local copies kept per rank (and per replica)")
+    replicate: bool = Field(True, description="copy each rank's part to the next node's local tier (a single node: to the persistent tier)")
+
+
+class CheckpointSection(Section):
+    """``[checkpoint]``: the persistent checkpoint store, asynchronous saving, the local tier."""
+
+    interval: int = Field(100, ge=1, description="save to the persistent tier every N optimizer steps")
     keep_last: int = Field(3, ge=1, description="committed checkpoints kept (the newest is never deleted)")
     dir: str = Field("checkpoints", description="store directory, relative to the run dir unless absolute")
     verify: str = Field("full", pattern="^(full|size)$", description="'full' checks every checksum on resume, 'size' only sizes")
     save_final: bool = Field(True, description="save a checkpoint when the last step finishes")
+    async_save: bool = Field(False, description="scheduled saves copy the state to host memory and write it in the background "
+                             "while training goes on (stop and final saves are always synchronous)")
+    max_failures: int = Field(3, ge=0, description="consecutive failed saves after which the run stops (exit 76) instead of "
+                              "training on without checkpoints; 0 = never stop")
+    local: LocalTierSection = LocalTierSection()
+
+    @model_validator(mode="after")
+    def _tiers(self) -> "CheckpointSection":
+        if self.local.dir is not None and self.local.interval > self.interval:
+            raise ValueError(f"checkpoint.local.interval ({self.local.interval}) is larger than checkpoint.interval "
+                             f"({self.interval}): the fast tier would save less often than the persistent one")
+        return self
 
 
 class PreemptionSection(Section):

@@ -21,6 +21,22 @@ from .signals import ShutdownHandler
 FLAGS = ("signal", "kill_switch", "time_limit", "memory", "save_switch")
 
 
+END_TIME_ENV = "TRAINGUARD_END_TIME"
+
+
+def job_end_time() -> Optional[float]:
+    """Unix time by which the ranks must have saved and exited, from ``TRAINGUARD_END_TIME``: set by
+    ``trainguard run`` under SLURM to the job's EndTime minus ``[slurm] end_margin``.
+
+    ``None`` when unset, empty or not a number.
+    """
+    text = os.environ.get(END_TIME_ENV, "")
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
+
+
 def launch_start_time() -> float:
     """Unix time the launch began: ``TRAINGUARD_LAUNCH_TIME`` from the launcher, else now.
 
@@ -38,26 +54,31 @@ class StopConditions:
         shutdown: the signal recorder.
         memory: the ``[memory]`` watchdog, or ``None``.
         start_time: Unix time the launch began (for ``max_duration``).
+        end_time: Unix time by which the ranks must have exited (a SLURM job's end); default
+            :func:`job_end_time`.
     """
 
     def __init__(self, cfg: StopSection, run_dir: Path, shutdown: ShutdownHandler,
-                 memory: Optional[MemoryWatchdog] = None, start_time: Optional[float] = None):
+                 memory: Optional[MemoryWatchdog] = None, start_time: Optional[float] = None,
+                 end_time: Optional[float] = None):
         self.cfg = cfg
         self.memory = memory
         self.kill_path = run_dir / cfg.kill_switch
         self.save_path = run_dir / cfg.save_switch
         self.shutdown = shutdown
         self.start_time = launch_start_time() if start_time is None else start_time
+        self.end_time = job_end_time() if end_time is None else end_time
 
     def kill_switch(self) -> bool:
         """True when the kill-switch file exists."""
         return self.kill_path.exists()
 
     def time_left(self) -> Optional[float]:
-        """Seconds until ``max_duration`` (``None`` without a limit)."""
-        if self.cfg.max_duration is None:
-            return None
-        return self.start_time + self.cfg.max_duration - time.time()
+        """Seconds until the time limit: the earlier of ``start_time + [stop] max_duration`` and the
+        job's end time (``None`` when neither is set). Negative once it has passed."""
+        limits = [t for t in (None if self.cfg.max_duration is None else self.start_time + self.cfg.max_duration,
+                              self.end_time) if t is not None]
+        return min(limits) - time.time() if limits else None
 
     def next_interval(self, step_seconds: float) -> int:
         """Steps until the next check this rank proposes: ``[stop] check_interval`` if set, else

@@ -18,6 +18,7 @@ Save protocol across ranks (all ranks call :func:`save_state` together):
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -47,7 +48,9 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def _model_optim_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+def model_optim_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` in fully-qualified-name form (``get_state_dict``): the
+    tensors are the live parameters and optimizer states (no copy)."""
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
@@ -63,11 +66,25 @@ def save_state(
     rank_state: dict[str, Any],
     meta: Optional[dict] = None,
 ) -> tuple[Checkpoint, int]:
+    """Write and commit a checkpoint of the live state at ``step`` (see :func:`write_checkpoint`)."""
+    return write_checkpoint(store, step, model_optim_state(model, optimizer), rank_state, meta)
+
+
+def write_checkpoint(
+    store: CheckpointStore,
+    step: int,
+    state: dict[str, Any],
+    rank_state: dict[str, Any],
+    meta: Optional[dict] = None,
+    group: Any = None,
+) -> tuple[Checkpoint, int]:
     """Write and commit a checkpoint at ``step``; a collective: every rank must call it.
 
     Args:
+        state: :func:`model_optim_state` of the live model, or a host snapshot of it.
         rank_state: this rank's non-tensor state (must load with ``weights_only=True``).
         meta: extra manifest fields (rank 0's value is used).
+        group: the process group for the protocol's collectives (the background writer's own).
     Returns:
         (the committed checkpoint, its total size in bytes).
     Raises:
@@ -77,18 +94,18 @@ def save_state(
     tmp = store.tmp_path_for(step)
     if rank == 0:
         store.begin(step)
-    tgdist.barrier()
-    # DCP raises the same CheckpointException on every rank when any rank's write fails.
-    dcp.save(_model_optim_state(model, optimizer), storage_writer=FileSystemWriter(tmp, sync_files=True))
+    tgdist.barrier(group)
     error = None
     try:
+        # DCP raises the same CheckpointException on every rank when any rank's write fails
+        dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group)
         with open(tmp / rank_file(rank), "wb") as f:
             torch.save(rank_state, f)
             f.flush()
             os.fsync(f.fileno())
-    except OSError as e:  # keep going to the collectives below so no rank is left waiting
-        error = f"rank {rank}: writing {rank_file(rank)} failed: {e}"
-    tgdist.barrier()
+    except (OSError, RuntimeError) as e:  # keep going to the collectives below so no rank is left waiting
+        error = f"rank {rank}: writing {tmp.name} failed: {_first_line(e)}"
+    tgdist.barrier(group)
     mine: dict[str, dict] = {}
     if error is None:
         try:
@@ -96,7 +113,7 @@ def save_state(
             mine = mf.describe_files(tmp, names[rank::world])
         except OSError as e:
             error = f"rank {rank}: checksumming failed: {e}"
-    parts = tgdist.gather_objects((mine, error))
+    parts = tgdist.gather_objects((mine, error), group)
     result: Any = None
     if rank == 0:
         errors = [err for _, err in parts if err]
@@ -106,11 +123,33 @@ def save_state(
             result = "; ".join(errors) if errors else store.commit(tmp, step, files, body)
         except OSError as e:
             result = f"commit failed: {e}"
-    result = tgdist.broadcast_object(result)
+        if isinstance(result, str):
+            shutil.rmtree(tmp, ignore_errors=True)  # free the space a failed write took (ENOSPC)
+    result = tgdist.broadcast_object(result, group=group)
     if isinstance(result, str):
         raise OSError(result)
     total = sum(v["size"] for part, _ in parts for v in part.values())
     return result, total
+
+
+def _first_line(e: BaseException) -> str:
+    """A short form of an error (DCP's CheckpointException carries whole tracebacks per rank)."""
+    text = str(e)
+    for marker in ("OSError", "No space left", "Errno"):
+        at = text.find(marker)
+        if at >= 0:
+            return text[at:].splitlines()[0][:500]
+    return text.splitlines()[0][:500] if text else type(e).__name__
+
+
+def apply_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], state: dict[str, Any]) -> None:
+    """Load ``{"model", "optim"}`` (as made by :func:`model_optim_state`) into the live objects."""
+    set_state_dict(
+        model,
+        optimizer if optimizer is not None else [],
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optim", {}),
+    )
 
 
 def check_compatible(path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], world_size: int) -> None:
@@ -130,7 +169,7 @@ def check_compatible(path: Path, model: torch.nn.Module, optimizer: Optional[tor
             "resume needs the same world size for a bitwise-identical data order"
         )
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
-    ours = _model_optim_state(model, None)["model"]
+    ours = model_optim_state(model, None)["model"]
     want = {f"model.{k}": list(v.shape) for k, v in ours.items() if isinstance(v, torch.Tensor)}
     have = {k: list(m.size) for k, m in saved.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     for key in sorted(set(want) | set(have)):
@@ -152,13 +191,8 @@ def load_state(path: Path, model: torch.nn.Module, optimizer: Optional[torch.opt
     Raises:
         FileNotFoundError: the checkpoint has no state file for this rank.
     """
-    state = _model_optim_state(model, optimizer)
+    state = model_optim_state(model, optimizer)
     dcp.load(state, storage_reader=FileSystemReader(path))
-    set_state_dict(
-        model,
-        optimizer if optimizer is not None else [],
-        model_state_dict=state["model"],
-        optim_state_dict=state.get("optim", {}),
-    )
+    apply_state(model, optimizer, state)
     with open(path / rank_file(tgdist.rank()), "rb") as f:
         return torch.load(f, weights_only=True)

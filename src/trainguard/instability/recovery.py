@@ -188,6 +188,7 @@ class Recovery:
         g, bad = self.g, v.step
         at_most = bad - max(1, self.rb.depth)
         with g.section("rollback"):
+            g.ckpt.wait()  # a save in flight would commit a step of the abandoned trajectory afterwards
             target = g.store.known_good(g.cfg.checkpoint.verify, at_most) if g.rank == 0 else None
             target = tgdist.broadcast_object(target)
             if target is None:
@@ -195,6 +196,7 @@ class Recovery:
             lr_before = g.optimizer.param_groups[0]["lr"] if g.optimizer is not None else None
             position = g.sampler.state_dict() if g.sampler is not None else None  # after the bad step's batch
             g._load_checkpoint(target)
+            g.ckpt.discard_local_after(target.step, f"rolled back from step {bad} to {target.step}")
             window = bad - target.step
             skip = max(self.rb.skip_batches, window)
             if g.sampler is not None:

@@ -9,7 +9,15 @@ What it adds to torchrun's behaviour:
 * ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: restarted gloo groups otherwise often fail in
   ``init_process_group`` with stale peer addresses in the shared TCPStore (pytorch issue 135712;
   measured in MEASURED.md: this fix held in every trial);
-* the agent of :mod:`trainguard.launcher.agent` (decision exit codes, signal forwarding, events).
+* the agent of :mod:`trainguard.launcher.agent` (decision exit codes, signal forwarding, events);
+* under SLURM (``SLURM_JOB_ID`` set): a ``slurm_info`` event (job, array task, nodes, restart count,
+  time limit, end time); the job's EndTime minus ``[slurm] end_margin`` passed to the ranks as
+  ``TRAINGUARD_END_TIME`` (their time limit, see :mod:`trainguard.stop`); with ``[slurm]
+  auto_requeue``, ``scontrol requeue`` of the job after a requeue-worthy exit 75 (first node only,
+  see :mod:`trainguard.slurm.requeue`); a ready file in ``TRAINGUARD_READY_DIR`` once the stop
+  signals are handled (the generated batch script forwards signals only after that);
+* a finished run leaves ``RUN_DIR/FINISHED``: a later launch of the same command (the next task
+  of a job array, say) exits 0 at once with an ``already_finished`` event, without starting ranks.
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ from ..config import Config, ConfigError, load_config, split_cli_args
 from ..events import EventLog, read_events
 from ..exitcodes import ExitCode
 from ..guard import prepare_run_dir
+from ..slurm import finished
+from ..slurm.info import SLURMInfo
+from ..stop import END_TIME_ENV
 from ..supervisor.monitor import HangMonitor
 from .lock import RunDirLock, RunDirLocked
 
@@ -112,12 +123,32 @@ def launch(opts: LaunchOptions) -> int:
     prepare_run_dir(run_dir)
 
     job_id = None if max_nodes == 1 else (opts.rdzv_id or "trainguard")
+    slurm = SLURMInfo.from_env()  # None outside SLURM
     with RunDirLock(run_dir / ".launch.lock", job_id):
-        return _launch_locked(opts, cfg, run_dir, config_path, overrides, min_nodes, max_nodes)
+        return _launch_locked(opts, cfg, run_dir, config_path, overrides, min_nodes, max_nodes, slurm)
+
+
+def _already_finished(events: EventLog, run_dir: Path, signature: str, launch_time: float) -> bool:
+    """If ``RUN_DIR/FINISHED`` was written by a launch of the same command, record that this launch
+    has nothing to do (``launch``, ``already_finished``, ``launch_exit`` with code 0) and return True."""
+    marker = finished.read(run_dir)
+    if marker is None:
+        return False
+    if marker.get("signature") != signature:
+        events.emit("finished_marker_ignored", path=str(run_dir / finished.FILENAME), marker_signature=marker.get("signature"),
+                    signature=signature, why="the command differs from the one that finished (script, arguments, overrides or config)")
+        return False
+    sha = marker.get("state_sha256")
+    events.emit("launch", already_finished=True, host=socket.gethostname())
+    events.emit("already_finished", path=str(run_dir / finished.FILENAME), finished_at=marker.get("time"), state_sha256=sha)
+    print(f"trainguard: {run_dir} already finished (see {finished.FILENAME}); nothing to do", file=sys.stderr, flush=True)
+    events.emit("launch_exit", code=int(ExitCode.OK), reason="already finished", signal=None,
+                seconds=round(time.time() - launch_time, 3), state_sha256=sha)
+    return True
 
 
 def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Optional[str],
-                   overrides: list[str], min_nodes: int, max_nodes: int) -> int:
+                   overrides: list[str], min_nodes: int, max_nodes: int, slurm: Optional[SLURMInfo]) -> int:
     # imported here: torch.distributed.elastic is slow to import and not needed for errors above
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -128,6 +159,13 @@ def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path:
 
     events = EventLog(run_dir, rank=None)
     launch_time = time.time()
+    if slurm is not None:
+        events.emit("slurm_info", **slurm.to_event())
+    signature = finished.signature(opts.script, opts.script_args, overrides, config_path)
+    if _already_finished(events, run_dir, signature, launch_time):
+        return int(ExitCode.OK)
+    end_time = slurm.end_time - cfg.slurm.end_margin if slurm and slurm.end_time and cfg.slurm.use_end_time else None
+    ready_dir = os.environ.pop("TRAINGUARD_READY_DIR", "")
     hb_root = _heartbeat_root()
     monitor = HangMonitor(cfg, run_dir, hb_root, events) if cfg.supervisor.enabled else None
     os.environ.update({
@@ -140,6 +178,7 @@ def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path:
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT",
         "TRAINGUARD_HEARTBEAT_DIR": str(hb_root) if monitor else "",
         "TRAINGUARD_INJECT": json.dumps([s.model_dump() for s in opts.inject]) if opts.inject else "",
+        END_TIME_ENV: repr(end_time) if end_time is not None else "",
     })
     standalone = max_nodes == 1 and not opts.rdzv_endpoint
     endpoint = "localhost:0" if standalone else opts.rdzv_endpoint
@@ -170,8 +209,12 @@ def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path:
         monitor=monitor,
     )
     agent.install_signal_handlers()
+    if ready_dir:  # the batch script forwards stop signals to this node only once this file exists
+        _touch(Path(ready_dir) / f"node{slurm.node_id if slurm else 0}")
     events.emit("launch", script=opts.script, args=opts.script_args, nnodes=opts.nnodes,
-                nproc_per_node=opts.nproc_per_node, max_restarts=max_restarts, host=socket.gethostname())
+                nproc_per_node=opts.nproc_per_node, max_restarts=max_restarts, host=socket.gethostname(),
+                slurm_job_id=slurm.requeue_id if slurm else None,
+                slurm_restart_count=slurm.restart_count if slurm else None, end_time=end_time)
     try:
         agent.run()
     finally:
@@ -183,9 +226,28 @@ def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path:
         print(f"trainguard: giving up: {agent.exit_reason}", file=sys.stderr, flush=True)
     end = next((e for e in reversed(list(read_events(run_dir, "end"))) if e["time"] >= launch_time), None)
     sha = end["details"].get("state_sha256") if end and agent.exit_code == ExitCode.OK else None
+    if sha is not None:
+        finished.write(run_dir, signature, sha, slurm_job_id=slurm.requeue_id if slurm else None)
     events.emit("launch_exit", code=agent.exit_code, reason=agent.exit_reason, signal=agent.stop_signal,
                 seconds=round(time.time() - launch_time, 3), state_sha256=sha)
+    if slurm is not None and cfg.slurm.auto_requeue and slurm.node_id == 0 and agent.exit_code == ExitCode.REQUEUE:
+        from ..slurm.requeue import after_launch
+
+        kill_switch = run_dir / cfg.stop.kill_switch
+        outcome = after_launch(run_dir, slurm, events, agent.exit_code, launch_time, agent.stop_signal, kill_switch)
+        if outcome is not None:
+            state = "requeued" if outcome.get("ok") else f"not requeued ({outcome.get('skipped') or outcome.get('output')})"
+            print(f"trainguard: SLURM job {slurm.requeue_id} {state}", file=sys.stderr, flush=True)
     return agent.exit_code
+
+
+def _touch(path: Path) -> None:
+    """Create ``path`` (and its directory); a failure is printed, not raised (it only delays signals)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except OSError as e:
+        print(f"trainguard: warning: cannot write the ready file {path}: {e}", file=sys.stderr, flush=True)
 
 
 __all__ = ["LaunchOptions", "RunDirLocked", "launch", "parse_nnodes"]

@@ -1,0 +1,305 @@
+"""The Guard's checkpointing: when to save, to which tier, synchronously or in the background, and
+where to resume from.
+
+Two tiers (``[checkpoint]`` and ``[checkpoint.local]``): the persistent store (sharded DCP files on
+the shared filesystem, every ``interval`` steps) and the optional node-local tier (one file per rank,
+every ``local.interval`` steps, replicated; see :mod:`trainguard.checkpoint.local`).
+
+Asynchronous saves (``async_save``): at the step boundary the state is copied into reused host
+buffers (:class:`~trainguard.checkpoint.snapshot.Snapshot`), which is all the training waits for;
+one background thread then writes the copy and runs the commit protocol on a process group of its
+own. A checkpoint is committed (visible to ``latest_valid()``) only after every rank's files are
+durable and all ranks agreed, exactly as for a synchronous save. The next save first waits for the
+previous one, so at most one is in flight and its buffers are never overwritten while written.
+
+Failures (ENOSPC, EIO, ...) of either tier: the commit does not happen, the older checkpoints stay,
+a ``checkpoint_failed`` event and a warning name the error. Every rank learns the same result (the
+protocol broadcasts it), and the decision to stop after ``max_failures`` consecutive failures is
+taken when the next save begins (the same step on every rank): exit 76 with a message, instead of
+training on without checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from . import dist as tgdist
+from .checkpoint import CheckpointMismatchError, CheckpointStore, check_compatible, load_state
+from .checkpoint.io import apply_state, model_optim_state, write_checkpoint
+from .checkpoint.local import LocalTier, choose, deserialize, expand_dir
+from .checkpoint.snapshot import Snapshot
+from .checkpoint.store import Checkpoint
+from .exitcodes import exit_bad_input
+
+if TYPE_CHECKING:
+    from .guard import Guard
+
+log = logging.getLogger(__name__)
+
+# Before the first save is measured, assume this write speed to estimate the save time (bytes/s);
+# a conservative figure for a shared filesystem.
+ASSUMED_WRITE_BPS = 100e6
+
+
+@dataclass
+class SaveResult:
+    """The outcome of one save (all ranks get the same ``error``).
+
+    ``blocked_seconds``: how long training waited (the snapshot, or the whole synchronous write);
+    ``write_seconds``: from the start of the write to the commit.
+    """
+
+    step: int
+    reason: str
+    tiers: tuple[str, ...]
+    asynchronous: bool
+    checkpoint: Optional[Checkpoint] = None
+    bytes: int = 0
+    local_bytes: int = 0
+    error: Optional[str] = None
+    blocked_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+
+@dataclass
+class ResumePoint:
+    """Where a run resumes: the persistent ``checkpoint``, or a local-tier ``step`` with its ``plan``."""
+
+    tier: str
+    step: int
+    checkpoint: Optional[Checkpoint] = None
+    plan: Optional[list[int]] = None
+
+
+class Checkpointer:
+    """Saving and resuming for one Guard (one rank). Exits with code 2 on an unusable local dir."""
+
+    def __init__(self, guard: "Guard"):
+        g, cfg = guard, guard.cfg.checkpoint
+        self.g, self.cfg = g, cfg
+        root = Path(cfg.dir)
+        self.store = CheckpointStore(root if root.is_absolute() else g.run_dir / root, keep_last=cfg.keep_last,
+                                     on_invalid=self._on_invalid)
+        self.local: Optional[LocalTier] = None
+        if cfg.local.dir is not None:
+            local_root = expand_dir(cfg.local.dir, g.rank, int(os.environ.get("GROUP_RANK", "0")))
+            _check_writable(local_root)
+            self.local = LocalTier(local_root, self.store.root / "local-replicas" if cfg.local.replicate else None,
+                                   cfg.local.keep_last, g.rank, g.world_size,
+                                   int(os.environ.get("LOCAL_WORLD_SIZE", str(g.world_size))), self._on_invalid)
+        background = cfg.async_save
+        self.group = tgdist.new_cpu_group() if (background or self.local is not None) else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="trainguard-ckpt") if background else None
+        self.snapshot = Snapshot()
+        self.pending: Optional[Future] = None
+        self.failures = 0  # consecutive failed saves
+        self.last_error: Optional[str] = None
+        self.saved: dict[str, int] = {}  # tier -> last step saved (or being saved)
+        self.save_seconds: Optional[float] = None  # last measured synchronous write time
+        self.state_bytes_guess = sum(p.numel() * p.element_size() for p in g.model.parameters()) * 3
+
+    # ------------------------------------------------------------------------------------------
+    # saving
+
+    def due(self, step: int) -> tuple[str, ...]:
+        """The tiers whose interval ends at ``step``."""
+        tiers = ("persistent",) if step % self.cfg.interval == 0 else ()
+        if self.local is not None and step % self.cfg.local.interval == 0:
+            tiers += ("local",)
+        return tiers
+
+    def save(self, reason: str, tiers: tuple[str, ...] = ("persistent",), blocking: bool = True) -> Optional[SaveResult]:
+        """Save the current step to ``tiers`` (a collective: every rank calls it at the same step).
+
+        Waits for the previous save first. ``blocking=False`` with ``async_save`` returns after the
+        snapshot (``None``; the result is finalized later by :meth:`poll` or :meth:`wait`).
+        Returns:
+            The finalized result of a blocking save, or ``None`` (already saved, or in flight).
+        """
+        self.wait()
+        step = self.g.step
+        tiers = tuple(t for t in tiers if self.saved.get(t) != step and (t != "local" or self.local is not None))
+        if not tiers:
+            return None
+        t0 = time.perf_counter()
+        state = model_optim_state(self.g.model, self.g.optimizer)
+        rank_state = copy.deepcopy(self.g.rank_state())
+        meta = {"reason": reason, "trainguard_step": step, "world_size": self.g.world_size}
+        for t in tiers:
+            self.saved[t] = step
+        if self.pool is not None and not blocking:
+            snap = self.snapshot.take(state)
+            blocked = time.perf_counter() - t0
+            self.pending = self.pool.submit(self._write, step, reason, tiers, snap, rank_state, meta, blocked, True)
+            return None
+        return self._finalize(self._write(step, reason, tiers, state, rank_state, meta, 0.0, False))
+
+    def _write(self, step: int, reason: str, tiers: tuple[str, ...], state: dict, rank_state: dict, meta: dict,
+               blocked: float, asynchronous: bool) -> SaveResult:
+        t0 = time.perf_counter()
+        r = SaveResult(step, reason, tiers, asynchronous)
+        errors = []
+        if "local" in tiers:
+            r.local_bytes, err = self.local.write(step, {**state, "rank": rank_state}, meta, self.group)  # type: ignore[union-attr]
+            errors += [err] if err else []
+        if "persistent" in tiers:
+            try:
+                r.checkpoint, r.bytes = write_checkpoint(self.store, step, state, rank_state, meta, self.group)
+            except OSError as e:
+                errors.append(str(e))
+        r.error = "; ".join(errors) or None
+        r.write_seconds = time.perf_counter() - t0
+        r.blocked_seconds = blocked if asynchronous else r.write_seconds
+        return r
+
+    def poll(self) -> None:
+        """At a step boundary: finalize a background save that has finished (no waiting)."""
+        if self.pending is not None and self.pending.done():
+            self.wait()
+
+    def wait(self) -> Optional[SaveResult]:
+        """Block until the save in flight (if any) is committed or failed, and finalize it."""
+        if self.pending is None:
+            return None
+        future, self.pending = self.pending, None
+        try:
+            result = future.result()
+        except Exception as e:  # an unexpected error in the writer: report it like a failed write
+            result = SaveResult(self.g.step, "unknown", (), True, error=f"{type(e).__name__}: {e}")
+        return self._finalize(result)
+
+    def _finalize(self, r: SaveResult) -> SaveResult:
+        g = self.g
+        if r.error is not None:
+            self.failures += 1
+            self.last_error = r.error
+            for t in r.tiers:
+                self.saved.pop(t, None)
+            log.warning("checkpoint at step %d failed: %s", r.step, r.error)
+            if g.rank == 0:
+                print(f"trainguard: WARNING: checkpoint at step {r.step} failed ({self.failures} in a row): {r.error}",
+                      file=sys.stderr, flush=True)
+            g.events.emit("checkpoint_failed", r.step, reason=r.reason, error=r.error[:2000], tiers=list(r.tiers),
+                          asynchronous=r.asynchronous, consecutive=self.failures)
+            return r
+        self.failures = 0
+        if not r.asynchronous:
+            self.save_seconds = r.write_seconds
+        if r.local_bytes and g.rank == 0:
+            g.events.emit("local_checkpoint_committed", r.step, bytes_per_rank=r.local_bytes, reason=r.reason,
+                          seconds=round(r.write_seconds, 4), blocked_seconds=round(r.blocked_seconds, 4),
+                          asynchronous=r.asynchronous, replicated=self.local.replica is not None)  # type: ignore[union-attr]
+        if r.checkpoint is not None:
+            deleted = []
+            if g.rank == 0:
+                g.recovery.on_commit(r.checkpoint)
+                g.recovery.after_step()  # a background commit may land after the steps that make it known-good
+                deleted = self.store.apply_retention(protect={r.checkpoint.step} | g.recovery.protected())
+                g.events.emit("checkpoint_committed", r.step, path=str(r.checkpoint.path), bytes=r.bytes,
+                              seconds=round(r.write_seconds, 4), blocked_seconds=round(r.blocked_seconds, 4),
+                              asynchronous=r.asynchronous, reason=r.reason, deleted_steps=deleted)
+            for h in g.hooks:
+                h.on_checkpoint_save(g, r.step, r.checkpoint.path)
+        return r
+
+    def give_up_reason(self) -> Optional[str]:
+        """Why the run must stop (``max_failures`` consecutive failed saves), else ``None``."""
+        if self.cfg.max_failures and self.failures >= self.cfg.max_failures:
+            return (f"{self.failures} checkpoint saves in a row failed (last: {self.last_error}); stopping instead of "
+                    f"training on without checkpoints (checkpoint.max_failures = {self.cfg.max_failures})")
+        return None
+
+    def estimated_save_seconds(self) -> float:
+        """Seconds a synchronous save should take: the last measured one, else a size-based guess."""
+        if self.save_seconds is not None:
+            return self.save_seconds
+        return 1.0 + self.state_bytes_guess / ASSUMED_WRITE_BPS
+
+    def discard_local_after(self, step: int, why: str) -> None:
+        """Set aside every local copy (own and replicas) newer than ``step`` (after a rollback)."""
+        if self.local is None:
+            return
+        for store in filter(None, (self.local.own, self.local.replica)):
+            for c in store.committed():
+                if c.step > step:
+                    store.set_aside(c, why, kind="rolledback")
+
+    def close(self) -> None:
+        """Finish the save in flight and stop the writer thread."""
+        self.wait()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
+    # ------------------------------------------------------------------------------------------
+    # resuming
+
+    def find_resume(self) -> Optional[ResumePoint]:
+        """The newest verified checkpoint across both tiers (a collective; same answer on every rank).
+
+        Persistent checkpoints newer than the one found do not verify: they are set aside (kept,
+        renamed) so their steps can be saved again. A local step counts only if every rank can load
+        its part (own copy or replica); a local copy that fails verification is reported as a
+        ``checkpoint_invalid`` event and the next candidate is used.
+        """
+        found = None
+        if self.g.rank == 0:
+            self.store.clean_stale()
+            found = self.store.latest_valid(self.cfg.verify)
+            for c in self.store.committed():
+                if found is None or c.step > found.step:
+                    self.store.set_aside(c, "does not verify (see the checkpoint_invalid event)")
+        found = tgdist.broadcast_object(found)
+        point = ResumePoint("persistent", found.step, found) if found is not None else None
+        if self.local is not None:
+            self.local.clean_stale()
+            inventories = tgdist.gather_objects(self.local.inventory(self.cfg.verify))
+            step, plan = choose(inventories)
+            if step is not None and (point is None or step > point.step):
+                point = ResumePoint("local", step, plan=plan)
+        return point
+
+    def load(self, point: ResumePoint) -> dict[str, Any]:
+        """Load ``point`` into the model and optimizer (a collective); returns this rank's rank state.
+
+        Exits with code 2 when a persistent checkpoint does not fit the model or world size.
+        """
+        g = self.g
+        if point.tier == "persistent":
+            try:
+                check_compatible(point.checkpoint.path, g.model, g.optimizer, g.world_size)  # type: ignore[union-attr]
+            except CheckpointMismatchError as e:
+                exit_bad_input(str(e), g.events)
+            return load_state(point.checkpoint.path, g.model, g.optimizer)  # type: ignore[union-attr]
+        state = deserialize(self.local.fetch(point.step, point.plan, self.group))  # type: ignore[union-attr,arg-type]
+        try:
+            apply_state(g.model, g.optimizer, state)
+        except (KeyError, RuntimeError, ValueError) as e:
+            exit_bad_input(f"local checkpoint at step {point.step} in {self.local.root} does not fit this model: "  # type: ignore[union-attr]
+                           f"{str(e).splitlines()[0]}", g.events)
+        return state["rank"]
+
+    def _on_invalid(self, ckpt: Checkpoint, reason: str) -> None:
+        tier = "persistent" if ckpt.path.parent == self.store.root else "local"
+        self.g.events.emit("checkpoint_invalid", ckpt.step, path=str(ckpt.path), reason=reason, tier=tier)
+
+
+def _check_writable(root: Path) -> None:
+    """Exit 2 unless ``root`` can be created and written (a probe file, fsynced and removed)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-test-{os.getpid()}"
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        exit_bad_input(f"checkpoint.local.dir {root} is not writable: {e.strerror or e}")
