@@ -144,7 +144,13 @@ def child_main(run_dir: str, max_steps: int, in_dim: int, hidden: int, out_dim: 
     if inject:
         inject_bug(inject)
     torch.set_num_threads(1)
-    cfg = trainguard.load_config(None, [f"run.dir={run_dir}", "checkpoint.interval=1", "instability.known_good_after=1", f"checkpoint.keep_last={KEEP_LAST}", *sets])
+    from trainguard.exitcodes import exit_bad_input
+
+    try:
+        cfg = trainguard.load_config(None, [f"run.dir={run_dir}", "checkpoint.interval=1", "instability.known_good_after=1",
+                                            f"checkpoint.keep_last={KEEP_LAST}", *sets])
+    except trainguard.ConfigError as e:
+        exit_bad_input(str(e))
     trainguard.seed_everything(0)
     g = torch.Generator().manual_seed(1234)  # fixed data, independent of the global RNG
     xs = torch.randn(N_SAMPLES, in_dim, generator=g)

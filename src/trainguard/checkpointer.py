@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from . import dist as tgdist
 from .checkpoint import CheckpointMismatchError, CheckpointStore, check_compatible, load_state
 from .checkpoint.io import apply_state, model_optim_state, write_checkpoint
@@ -172,7 +174,7 @@ class Checkpointer:
         future, self.pending = self.pending, None
         try:
             result = future.result()
-        except Exception as e:  # an unexpected error in the writer: report it like a failed write
+        except (Exception, CheckpointException) as e:  # an unexpected error in the writer: report it like a failed write
             result = SaveResult(self.g.step, "unknown", (), True, error=f"{type(e).__name__}: {e}")
         return self._finalize(result)
 

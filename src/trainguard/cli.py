@@ -1,4 +1,5 @@
-"""The ``trainguard`` command: ``run`` (the launcher), ``demo``, ``checkpoints``, ``report``, ``watch``.
+"""The ``trainguard`` command: ``run`` (the launcher), ``demo``, ``checkpoints``, ``report``, ``watch``,
+``slurm script|submit``.
 
 Every command exits with the codes of :mod:`trainguard.exitcodes`; bad input prints one line
 starting with ``trainguard: error:`` and exits with 2.
@@ -136,6 +137,93 @@ def watch(
     from .watch import main as watch_main
 
     raise typer.Exit(watch_main(run_dir, list(overrides), list(notify), every, once=every is None))
+
+
+slurm_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                        help="SLURM: write or submit an sbatch script that stops, saves and requeues the run in time.")
+app.add_typer(slurm_app, name="slurm")
+
+
+def _slurm(
+    ctx: typer.Context,
+    script: str = typer.Argument(..., help="training script; the arguments after it are passed to it"),
+    run_dir: Path = typer.Option(..., "--run-dir", help="run directory (checkpoints, events, the job's output)"),
+    config: Optional[str] = typer.Option(None, "--config", help="TOML config file ([slurm] gives the defaults below)"),
+    overrides: List[str] = typer.Option([], "--set", help="section.key=value override for the config and the run (repeatable)"),
+    nodes: int = typer.Option(1, "--nodes", help="nodes; one 'trainguard run' per node"),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", "--nproc_per_node", help="ranks per node"),
+    time_limit: Optional[str] = typer.Option(None, "--time", help="sbatch --time: minutes, HH:MM:SS, D-HH:MM:SS (default [slurm] time)"),
+    partition: Optional[str] = typer.Option(None, "--partition", help="sbatch --partition (default [slurm] partition, else the cluster's default)"),
+    signal_lead: Optional[int] = typer.Option(None, "--signal-lead", help="seconds before the time limit for SIGUSR1 (default [slurm] signal_lead, else from the run's measured step and save times)"),
+    array: Optional[int] = typer.Option(None, "--array", help="K: a job array --array=1-K%1 (K launches, one at a time; the ones after the run finished exit at once)"),
+    after: Optional[str] = typer.Option(None, "--after", help="start after job ID ends (--dependency=afterany:ID)"),
+    gres: Optional[str] = typer.Option(None, "--gres", help="sbatch --gres, e.g. gpu:8 (default [slurm] gres)"),
+    cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task", help="CPUs for each node's launcher and its ranks (default [slurm] cpus_per_task)"),
+    job_name: Optional[str] = typer.Option(None, "--job-name", help="sbatch --job-name (default: the run directory's name)"),
+    auto_requeue: bool = typer.Option(True, "--auto-requeue/--no-auto-requeue", help="the launcher requeues the job after a signal or time-limit stop ([slurm] auto_requeue for this run)"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="script: write the script here instead of stdout; submit: where to write it (default RUN_DIR/slurm-job.sh)"),
+    chain: int = typer.Option(1, "--chain", help="submit only: submit N jobs, each starting after the previous one ends (afterany)"),
+    test_only: bool = typer.Option(False, "--test-only", help="submit only: run 'sbatch --test-only' (nothing is queued)"),
+) -> None:
+    """Write the sbatch script for SCRIPT (script) or write it into the run dir and sbatch it (submit)."""
+    from .config import Config, load_config, split_cli_args
+    from .slurm import script as sbatch
+
+    submitting = ctx.info_name == "submit"
+    if not submitting and (chain != 1 or test_only):
+        _fail("--chain and --test-only are options of 'trainguard slurm submit'")
+    if chain < 1:
+        _fail(f"--chain must be ≥ 1, got {chain}")
+    script_args = list(ctx.args)
+    try:
+        script_cfg, script_sets, _ = split_cli_args(script_args)
+        cfg = load_config(config or script_cfg, list(overrides) + script_sets, Config, ignore_unknown_sections=True).slurm
+    except ConfigError as e:
+        _fail(str(e))
+    if signal_lead is not None:
+        lead, basis = signal_lead, f"{signal_lead} s, given"
+    elif cfg.signal_lead is not None:
+        lead, basis = int(cfg.signal_lead), f"{int(cfg.signal_lead)} s from [slurm] signal_lead"
+    else:
+        lead, basis = sbatch.signal_lead(run_dir)
+    sets = list(overrides) + [f"slurm.auto_requeue={str(auto_requeue).lower()}"]
+    opts = sbatch.ScriptOptions(
+        script=script, run_dir=run_dir, script_args=script_args, config=config, launcher_sets=sets,
+        nodes=nodes, nproc_per_node=nproc_per_node, time=time_limit or cfg.time, partition=partition or cfg.partition,
+        signal_lead=lead, lead_basis=basis, job_name=job_name or cfg.job_name, array=array, after=after,
+        gres=gres or cfg.gres, cpus_per_task=cpus_per_task or cfg.cpus_per_task, rdzv_port=cfg.rdzv_port,
+        sbatch_args=list(cfg.sbatch_args))
+    try:
+        notes = sbatch.validate(opts)
+        text = sbatch.render(opts) + "\n"
+        for note in notes:
+            typer.echo(f"trainguard: note: {note}", err=True)
+        if not submitting and output is None:
+            typer.echo(text, nl=False)
+            return
+        path = output or Path(run_dir) / "slurm-job.sh"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        if not submitting:
+            typer.echo(f"trainguard: wrote {path}", err=True)
+            return
+        if test_only:
+            typer.echo(sbatch.submit(path, test_only=True))
+            return
+        job = ""
+        for i in range(chain):
+            job = sbatch.submit(path, (f"--dependency=afterany:{job}",) if i else ())
+            typer.echo(job)
+    except ConfigError as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"cannot write the batch script: {e}")
+
+
+slurm_app.command("script", context_settings=_PASSTHROUGH,
+                  help="Print the sbatch script for SCRIPT (or write it with --output); nothing is submitted.")(_slurm)
+slurm_app.command("submit", context_settings=_PASSTHROUGH,
+                  help="Write the sbatch script into the run dir and submit it with sbatch; prints the job id(s).")(_slurm)
 
 
 def main() -> None:

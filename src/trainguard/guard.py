@@ -166,6 +166,10 @@ class Guard:
         Call :meth:`step_end` once per yielded step. May exit the process (``SystemExit``) with the
         requeue code on a stop, or with code 2 on bad input.
         """
+        c = self.cfg.checkpoint
+        if not c.save_final and c.interval > max_steps:
+            exit_bad_input(f"checkpoint.interval ({c.interval}) is larger than max_steps ({max_steps}) and "
+                           "checkpoint.save_final is false: the persistent tier would never save")
         self._begin()
         self.faults.arm(max_steps)
         while self.step < max_steps:
@@ -383,12 +387,13 @@ class Guard:
         with self.section("checkpointing"):
             if self.faults.pending:
                 self.faults.at(self.step, "checkpointing")
+            self.ckpt.wait()  # the previous save's result: the same on every rank from here on
+            why = self.ckpt.give_up_reason()
+            if why is not None:
+                print(f"trainguard: giving up: {why}", file=sys.stderr, flush=True)
+                self._emit0("checkpoint_give_up", reason=why, failures=self.ckpt.failures)
+                self._exit(ExitCode.GIVE_UP, "checkpoint_failures")
             result = self.ckpt.save(reason, tiers, blocking)
-        why = self.ckpt.give_up_reason()
-        if why is not None:
-            print(f"trainguard: giving up: {why}", file=sys.stderr, flush=True)
-            self._emit0("checkpoint_give_up", reason=why, failures=self.ckpt.failures)
-            self._exit(ExitCode.GIVE_UP, "checkpoint_failures")
         return result.checkpoint if result is not None else None
 
     def _stop_and_exit(self, reason: str, **extra: Any) -> None:

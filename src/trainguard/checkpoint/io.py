@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -103,8 +104,8 @@ def write_checkpoint(
             torch.save(rank_state, f)
             f.flush()
             os.fsync(f.fileno())
-    except (OSError, RuntimeError) as e:  # keep going to the collectives below so no rank is left waiting
-        error = f"rank {rank}: writing {tmp.name} failed: {_first_line(e)}"
+    except (OSError, RuntimeError, CheckpointException) as e:  # keep going to the collectives below: no rank is left waiting
+        error = f"rank {rank}: writing {tmp.name} failed: {_first_line(e)} ({_free(store.root)})"
     tgdist.barrier(group)
     mine: dict[str, dict] = {}
     if error is None:
@@ -134,12 +135,24 @@ def write_checkpoint(
 
 def _first_line(e: BaseException) -> str:
     """A short form of an error (DCP's CheckpointException carries whole tracebacks per rank)."""
+    if isinstance(e, CheckpointException):  # the underlying error of each failing rank
+        causes = [f[0] if isinstance(f, tuple) else getattr(f, "exception", f) for f in e.failures.values()]
+        return "; ".join(f"{type(c).__name__}: {c}".splitlines()[0][:300] for c in causes) or "CheckpointException"
     text = str(e)
     for marker in ("OSError", "No space left", "Errno"):
         at = text.find(marker)
         if at >= 0:
             return text[at:].splitlines()[0][:500]
     return text.splitlines()[0][:500] if text else type(e).__name__
+
+
+def _free(root: Path) -> str:
+    """``"N bytes free in ROOT"``: a full disk often surfaces as another error (torch's zip writer
+    reports ENOSPC as "unexpected pos"), so every write error says how much space is left."""
+    try:
+        return f"{shutil.disk_usage(root).free} bytes free in {root}"
+    except OSError:
+        return f"free space in {root} unknown"
 
 
 def apply_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], state: dict[str, Any]) -> None:

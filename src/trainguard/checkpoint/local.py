@@ -90,6 +90,7 @@ class LocalTier:
         elif replica_root is not None:
             self.replica = CheckpointStore(replica_root / f"rank-{rank:05d}", keep_last, on_invalid)
         self.keep_last = keep_last
+        self._verified_own: set[int] = set()
 
     def clean_stale(self) -> None:
         """Remove temporary directories of interrupted writes (at start, before any save)."""
@@ -167,7 +168,9 @@ class LocalTier:
         if self.replica is not None:
             owner = self.recv_from if self.send_to is not None else self.rank
             held[owner] = _verified_steps(self.replica, verify, self.world)
-        return {"own": _verified_steps(self.own, verify, self.world), "held": held}
+        own = _verified_steps(self.own, verify, self.world)
+        self._verified_own = set(own)  # fetch() reads its own copy only if it verified
+        return {"own": own, "held": held}
 
     def fetch(self, step: int, plan: list[int], group: Any = None) -> bytes:
         """The bytes of this rank's copy at ``step``, following ``plan`` (from :func:`choose`):
@@ -179,8 +182,8 @@ class LocalTier:
                 sends.append((torch.tensor([len(data)], dtype=torch.int64), owner, data))
         mine: Optional[bytes] = None
         if plan[self.rank] == self.rank:
-            own = self.own.path_for(step) / STATE_FILE
-            mine = own.read_bytes() if own.exists() else (self.replica.path_for(step) / STATE_FILE).read_bytes()  # type: ignore[union-attr]
+            source = self.own if step in self._verified_own else self.replica
+            mine = (source.path_for(step) / STATE_FILE).read_bytes()  # type: ignore[union-attr]
         else:
             recvs.append(plan[self.rank])
         if not sends and not recvs and not any(h != o for o, h in enumerate(plan)):

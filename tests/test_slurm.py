@@ -1,0 +1,252 @@
+"""End to end on a real local SLURM cluster (scripts/slurm-up.sh): the tiny GPT on 2 ranks, submitted
+with ``trainguard slurm submit``, stopped by the job's time limit, by ``scancel --signal=USR1`` and
+by ``scontrol requeue``; job arrays; ``sbatch --test-only``; bad input.
+
+Without a reachable cluster these tests skip; with ``TRAINGUARD_REQUIRE_SLURM=1`` (CI) they fail.
+
+What each test exercises, honestly:
+
+* the time limit: the job's EndTime (``--time=1``) read by the launcher, minus ``[slurm]
+  end_margin`` (40 s here, to keep the test short), stops the ranks in time; the launcher then
+  requeues the job. SLURM's own ``--signal=B:USR1@N`` is not what stops it: SLURM sends that signal
+  from a periodic check (up to ~60 s early or late on a 1-minute job), so the test sets N=1. The
+  path the signal takes is the one ``scancel --signal=USR1 --batch`` exercises below;
+* ``scancel --signal=USR1 --batch``: the batch shell's trap → ``srun`` → ``trainguard run`` → ranks;
+* ``scontrol requeue`` of the running job: SLURM's SIGTERM to every process of the job.
+
+Measured figures (signal → requeue, requeue → running again, lost steps) are printed (``-s``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from conftest import REPO, GPT, TINY, events, final_hash, sets, wait_for
+
+from trainguard.slurm.info import parse_show_job
+
+STEPS = 800  # the tiny GPT: ~15-25 ms a step on 2 CPU ranks
+TIMEOUT = 240  # seconds for any one job to finish, requeues included
+
+
+def _cluster_problem() -> Optional[str]:
+    """Why the local SLURM cluster cannot be used, or ``None`` when its node is up."""
+    for cmd in ("sbatch", "sinfo", "scontrol", "scancel", "squeue"):
+        if not shutil.which(cmd):
+            return f"{cmd} is not on PATH"
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer in 20 s (slurmctld down?)"
+    states = proc.stdout.split()
+    if proc.returncode != 0 or not states:
+        return f"sinfo failed: {' '.join(proc.stderr.split()) or 'no nodes'}"
+    if not any(s.rstrip("*~#").split("+")[0] in ("idle", "mixed", "allocated", "completing") for s in states):
+        return f"no usable node (states: {', '.join(states)})"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    problem = _cluster_problem()
+    if problem is not None:
+        if os.environ.get("TRAINGUARD_REQUIRE_SLURM") == "1":
+            pytest.fail(f"TRAINGUARD_REQUIRE_SLURM=1 but the local SLURM cluster is not usable: {problem}")
+        pytest.skip(f"no local SLURM cluster ({problem}); start one with: sudo bash scripts/slurm-up.sh")
+
+
+@pytest.fixture
+def jobs():
+    """Job ids submitted by a test; whatever is left of them is cancelled afterwards."""
+    ids: list[str] = []
+    yield ids
+    if ids:
+        subprocess.run(["scancel", *ids], capture_output=True, timeout=30)
+
+
+def tg_slurm(command: str, run_dir: Path, *options: str, overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``trainguard slurm COMMAND --run-dir RUN_DIR OPTIONS --nproc-per-node 2 examples/gpt.py --set ...``"""
+    cmd = [sys.executable, "-m", "trainguard.cli", "slurm", command, "--run-dir", str(run_dir), "--nproc-per-node", "2",
+           *options, str(GPT), *sets(*TINY, *overrides)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60)
+
+
+def submit(jobs: list[str], run_dir: Path, *options: str, overrides: tuple[str, ...] = ()) -> str:
+    proc = tg_slurm("submit", run_dir, *options, overrides=overrides)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.split()[-1]
+    jobs.append(job)
+    return job
+
+
+def job_tasks(job: str) -> list[dict[str, str]]:
+    """``scontrol show job -o JOB``: one dict per job (per task for an array)."""
+    proc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30)
+    return [parse_show_job(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE")
+
+
+def wait_done(job: str, n_tasks: int = 1, timeout: float = TIMEOUT) -> list[dict[str, str]]:
+    """Wait until the job (all ``n_tasks`` tasks of an array) reached a final state; return them."""
+    def done():
+        tasks = job_tasks(job)
+        return tasks if len(tasks) == n_tasks and all(t.get("JobState") in FINAL for t in tasks) else None
+    return wait_for(done, timeout=timeout, what=f"job {job} to end")
+
+
+def output(run_dir: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("slurm-*.out")))
+
+
+def progress_step(run_dir: Path) -> int:
+    """Highest step the run has shown (``step N/M`` lines of rank 0 in the job output)."""
+    steps = [int(line.split()[1].split("/")[0]) for line in output(run_dir).splitlines() if line.startswith("step ")]
+    return max(steps, default=0)
+
+
+def restarts_seen(run_dir: Path) -> int:
+    return max((e["details"]["restart_count"] for e in events(run_dir, "slurm_info")), default=-1)
+
+
+def lost_steps(run_dir: Path) -> list[int]:
+    """Per resume: the highest step any event showed before it minus the step it resumed from."""
+    lost, high = [], 0
+    for e in events(run_dir):
+        if e["kind"] == "resume":
+            lost.append(high - e["details"]["from_step"])
+        elif e.get("step") is not None and e["rank"] is not None:
+            high = max(high, e["step"])
+    return lost
+
+
+def requeue_timing(run_dir: Path) -> list[dict]:
+    """For each successful ``slurm_requeue``: seconds from the requeue to the next launch's
+    ``slurm_info`` (the job runs again) and to its ``resume`` (training continues)."""
+    out, evs = [], events(run_dir)
+    for i, e in enumerate(evs):
+        if e["kind"] == "slurm_requeue" and e["details"].get("ok"):
+            info = next((x for x in evs[i:] if x["kind"] == "slurm_info"), None)
+            resume = next((x for x in evs[i:] if x["kind"] == "resume"), None)
+            out.append({"running_after": info and round(info["time"] - e["time"], 2),
+                        "resumed_after": resume and round(resume["time"] - e["time"], 2)})
+    return out
+
+
+def test_time_limit_saves_before_end_time_requeues_and_matches_clean_run(tmp_path, jobs, clean_hash):
+    run = tmp_path / "tl"
+    job = submit(jobs, run, "--time", "1", "--signal-lead", "1",
+                 overrides=(f"train.max_steps={STEPS}", "checkpoint.interval=50", "slurm.end_margin=40"))
+    tasks = wait_done(job)
+    assert tasks[0]["JobState"] == "COMPLETED" and tasks[0]["ExitCode"] == "0:0", output(run)[-3000:]
+    assert int(tasks[0]["Restarts"]) >= 1
+
+    infos = events(run, "slurm_info")
+    stops = events(run, "stop_requested")
+    assert stops and all(s["details"]["reason"] == "time_limit" for s in stops), stops
+    for stop in stops:  # each stop saved and left before the job's EndTime minus the margin
+        info = [i for i in infos if i["time"] <= stop["time"]][-1]["details"]
+        assert info["time_limit"] == 60 and info["end_time"] is not None
+        assert stop["step"] in [e["step"] for e in events(run, "checkpoint_committed")]
+        exit_ = next(e for e in events(run, "launch_exit") if e["time"] >= stop["time"])
+        assert exit_["details"]["code"] == 75 and exit_["time"] < info["end_time"] - 40 + 1
+    requeues = events(run, "slurm_requeue")
+    assert len(requeues) == len(stops) and all(r["details"]["ok"] for r in requeues)
+    assert [i["details"]["restart_count"] for i in infos] == list(range(len(stops) + 1))
+    assert lost_steps(run) == [0] * len(stops)
+    assert final_hash(run) == clean_hash(STEPS)
+    print(f"\n[time limit] stops at steps {[s['step'] for s in stops]}; requeue timing {requeue_timing(run)}")
+
+
+def test_usr1_to_batch_shell_and_scontrol_requeue_resume_bitwise(tmp_path, jobs, clean_hash):
+    run = tmp_path / "sig"
+    job = submit(jobs, run, "--time", "5", overrides=(f"train.max_steps={STEPS}", "checkpoint.interval=50"))
+    wait_for(lambda: progress_step(run) >= 150, timeout=TIMEOUT, what="step 150")
+    t_signal = time.time()
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
+    requeued = wait_for(lambda: events(run, "slurm_requeue"), timeout=120, what="the requeue")[0]
+    assert requeued["details"]["ok"] and requeued["details"]["requeue_id"] == job
+    signal_to_requeue = requeued["time"] - t_signal
+    stop = events(run, "stop_requested")[0]
+    assert stop["details"]["reason"] == "signal" and stop["details"]["signal"] == "SIGUSR1"
+
+    wait_for(lambda: restarts_seen(run) == 1 and len(events(run, "resume")) == 1, timeout=120, what="restart 1")
+    resumed_at = events(run, "resume")[0]["details"]["from_step"]
+    wait_for(lambda: progress_step(run) >= resumed_at + 100, timeout=TIMEOUT, what="100 more steps")
+    t_requeue = time.time()
+    subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
+    wait_for(lambda: restarts_seen(run) == 2, timeout=120, what="restart 2")
+    external_requeue_to_running = events(run, "slurm_info")[-1]["time"] - t_requeue
+
+    tasks = wait_done(job)
+    assert tasks[0]["JobState"] == "COMPLETED" and tasks[0]["Restarts"] == "2", output(run)[-3000:]
+    stops = events(run, "stop_requested")
+    assert [s["details"]["reason"] for s in stops] == ["signal", "signal"]
+    assert stops[1]["details"]["signal"] == "SIGTERM"  # SLURM's own signal on 'scontrol requeue'
+    # the launcher did not requeue again a job that SLURM was already requeueing
+    assert [bool(r["details"]["ok"]) for r in events(run, "slurm_requeue")] == [True, False]
+    assert "already requeued" in events(run, "slurm_requeue")[1]["details"]["skipped"]
+    assert lost_steps(run) == [0, 0]
+    assert final_hash(run) == clean_hash(STEPS)
+    print(f"\n[USR1 + scontrol requeue] signal → requeue {signal_to_requeue:.2f} s; requeue → running "
+          f"{requeue_timing(run)}; scontrol requeue → running {external_requeue_to_running:.2f} s; "
+          f"lost steps {lost_steps(run)}")
+
+
+def test_array_finished_run_and_kill_switch_burn_through(tmp_path, jobs):
+    done_run, kill_run = tmp_path / "array", tmp_path / "killed"
+    kill_run.mkdir()
+    (kill_run / "KILL").touch()
+    t0 = time.time()
+    first = submit(jobs, done_run, "--time", "5", "--array", "3", overrides=("train.max_steps=150",))
+    second = submit(jobs, kill_run, "--time", "5", "--array", "3", overrides=("train.max_steps=150",))
+    done_tasks, kill_tasks = wait_done(first, 3), wait_done(second, 3)
+    print(f"\n[arrays] both 3-task arrays ended after {time.time() - t0:.1f} s")
+
+    assert [t["ExitCode"] for t in done_tasks] == ["0:0"] * 3, output(done_run)[-3000:]
+    assert len(events(done_run, "start")) == 1 and len(events(done_run, "end")) == 1  # trained in task 1 only
+    skipped = events(done_run, "already_finished")
+    assert len(skipped) == 2
+    assert [e["details"]["array_task_id"] for e in events(done_run, "slurm_info")] == ["1", "2", "3"]
+    fast = [e["details"]["seconds"] for e in events(done_run, "launch_exit")[1:]]
+    assert all(s < 15 for s in fast), fast
+    assert len({e["details"]["state_sha256"] for e in events(done_run, "launch_exit")}) == 1
+
+    assert [t["ExitCode"] for t in kill_tasks] == ["75:0"] * 3, output(kill_run)[-3000:]
+    assert [e["details"]["reason"] for e in events(kill_run, "stop_requested")] == ["kill_switch"] * 3
+    assert not events(kill_run, "start") and not events(kill_run, "slurm_requeue")
+    assert len(events(kill_run, "slurm_requeue_declined")) == 3
+    assert all(t["Restarts"] == "0" for t in kill_tasks)
+
+
+def test_generated_script_passes_sbatch_test_only(tmp_path):
+    run = tmp_path / "t"
+    proc = tg_slurm("script", run, "--time", "10", "--array", "4", "--partition", "debug", "-o", str(tmp_path / "job.sh"))
+    assert proc.returncode == 0, proc.stderr
+    test = subprocess.run(["sbatch", "--test-only", str(tmp_path / "job.sh")], capture_output=True, text=True, timeout=30)
+    assert test.returncode == 0 and "to start at" in test.stderr, test.stderr
+    via_cli = tg_slurm("submit", run, "--time", "10", "--test-only")
+    assert via_cli.returncode == 0 and "to start at" in via_cli.stdout, via_cli.stderr
+
+
+@pytest.mark.parametrize("options, message", [
+    (("--time", "1", "--signal-lead", "90"), "signal lead 90 s is not shorter than the time limit 60 s"),
+    (("--time", "5", "--partition", "nosuch"), "unknown SLURM partition 'nosuch' (this cluster has: debug)"),
+    (("--time", "in a while"), "is not a SLURM time"),
+])
+def test_bad_input_exits_2_before_submitting(tmp_path, options, message):
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30).stdout
+    run = tmp_path / "bad"
+    proc = tg_slurm("submit", run, *options)
+    assert proc.returncode == 2 and "trainguard: error:" in proc.stderr and message in proc.stderr, proc.stderr
+    assert not (run / "slurm-job.sh").exists()
+    assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30).stdout == before

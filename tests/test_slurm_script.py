@@ -1,0 +1,209 @@
+"""The SLURM pieces that need no cluster: time parsing, SLURMInfo from the environment, the signal
+lead from a run's events, the batch script's text (checked by bash), the requeue decision, the
+finished marker, and the time limit from a job's end time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+from trainguard.config import ConfigError, StopSection, load_config
+from trainguard.events import EventLog
+from trainguard.signals import ShutdownHandler
+from trainguard.slurm import finished
+from trainguard.slurm import script as sbatch
+from trainguard.slurm.info import SLURMInfo, parse_show_job, parse_slurm_time, parse_slurm_timestamp
+from trainguard.slurm.requeue import requeue_decision, stop_reasons
+from trainguard.stop import StopConditions
+
+GPT = str(REPO / "examples" / "gpt.py")
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("10", 600), ("1:30", 90), ("01:00:00", 3600), ("2-3", 2 * 86400 + 3 * 3600),
+    ("1-00:30", 86400 + 1800), ("1-02:03:04", 86400 + 7384), ("UNLIMITED", None), ("infinite", None),
+])
+def test_parse_slurm_time(text, seconds):
+    assert parse_slurm_time(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "1h", "1:2:3:4", "-5", "ten", "1-"])
+def test_parse_slurm_time_rejects_malformed(text):
+    with pytest.raises(ValueError, match="not a SLURM time"):
+        parse_slurm_time(text)
+
+
+def test_show_job_parsing_keeps_spaces_in_values_and_reads_timestamps():
+    line = ("JobId=42 JobName=my job JobState=RUNNING Restarts=2 TimeLimit=00:01:00 "
+            "StartTime=2026-01-02T03:04:05 EndTime=Unknown Command=/x/run.sh --a b Requeue=1")
+    fields = parse_show_job(line)
+    assert fields["JobName"] == "my job" and fields["Command"] == "/x/run.sh --a b"
+    assert fields["Restarts"] == "2" and fields["Requeue"] == "1"
+    assert parse_slurm_timestamp(fields["StartTime"]) == time.mktime((2026, 1, 2, 3, 4, 5, 0, 0, -1))
+    assert parse_slurm_timestamp(fields["EndTime"]) is None
+
+
+def test_slurm_info_from_environment():
+    assert SLURMInfo.from_env({}, query=False) is None
+    env = {"SLURM_JOB_ID": "107", "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "7",
+           "SLURM_JOB_NODELIST": "n[01-04]", "SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "2",
+           "SLURM_RESTART_COUNT": "3", "SLURM_JOB_PARTITION": "gpu"}
+    info = SLURMInfo.from_env(env, query=False)
+    assert (info.job_id, info.num_nodes, info.node_id, info.restart_count) == ("107", 4, 2, 3)
+    assert info.requeue_id == "100_7"  # scontrol requeue needs the array form
+    assert SLURMInfo.from_env({"SLURM_JOB_ID": "9"}, query=False).requeue_id == "9"
+    event = info.to_event()
+    assert event["restart_count"] == 3 and event["requeue_id"] == "100_7"
+
+
+def test_slurm_info_records_why_scontrol_could_not_be_asked():
+    info = SLURMInfo.from_env({"SLURM_JOB_ID": "9"}, scontrol="/nonexistent/scontrol")
+    assert info.end_time is None and "/nonexistent/scontrol" in info.query_error
+
+
+def _events(run_dir: Path, *items: tuple[str, dict]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = EventLog(run_dir, rank=0)
+    for kind, details in items:
+        log.emit(kind, 1, **details)
+    log.close()
+
+
+def test_signal_lead_from_measured_step_and_save_times(tmp_path):
+    lead, basis = sbatch.signal_lead(tmp_path / "none")
+    assert lead == sbatch.DEFAULT_LEAD and "no measured" in basis
+    _events(tmp_path, ("progress", {"step_seconds": 2.0}), ("progress", {"step_seconds": 4.0}),
+            ("checkpoint_committed", {"seconds": 30.0}), ("checkpoint_committed", {"seconds": 10.0}))
+    lead, basis = sbatch.signal_lead(tmp_path)
+    # 2 × (check 1 s + 2 × slowest step 4 s + slowest save 30 s + exit 15 s) = 108 s
+    assert lead == 108 and "step 4.000 s" in basis and "save 30.000 s" in basis
+    fast = tmp_path / "fast"
+    _events(fast, ("progress", {"step_seconds": 0.01}))
+    assert sbatch.signal_lead(fast)[0] == 33  # ceil(2 × (1 + 0.02 + 15)): the exit time dominates
+
+
+def _opts(tmp_path: Path, **kw) -> sbatch.ScriptOptions:
+    base = dict(script=GPT, run_dir=tmp_path / "run", script_args=["--set", "train.max_steps=5"],
+                launcher_sets=["slurm.auto_requeue=true"], nproc_per_node=2, time="30", signal_lead=90)
+    return sbatch.ScriptOptions(**{**base, **kw})
+
+
+def test_script_text_has_signal_requeue_and_srun_and_is_valid_bash(tmp_path):
+    text = sbatch.render(_opts(tmp_path))
+    for line in ("#SBATCH --signal=B:USR1@90", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                 "#SBATCH --time=30", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1"):
+        assert line in text.splitlines(), line
+    assert "trap 'pending=USR1" in text and "trap 'pending=TERM" in text
+    assert 'kill -USR1 "$srun_pid"' in text and 'exit "$rc"' in text
+    assert "--nproc-per-node 2" in text and "--set slurm.auto_requeue=true" in text
+    assert "--rdzv-endpoint" not in text  # one node: standalone rendezvous
+    path = tmp_path / "job.sh"
+    path.write_text(text)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_script_for_several_nodes_array_and_dependency(tmp_path):
+    text = sbatch.render(_opts(tmp_path, nodes=4, gres="gpu:8", cpus_per_task=32, array=5, partition="p"))
+    assert '--rdzv-endpoint "$head_node:29500"' in text and "--nnodes 4" in text
+    assert "#SBATCH --array=1-5%1" in text and "slurm-%A_%a.out" in text
+    assert "#SBATCH --gres=gpu:8" in text and "srun --nodes=4 --ntasks=4 --ntasks-per-node=1" in text
+    assert "--cpus-per-task=32" in text.split("srun", 1)[1]  # srun ≥ 22.05 does not inherit it
+    assert "#SBATCH --dependency=afterany:77" in sbatch.render(_opts(tmp_path, after="77"))
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(time="1", signal_lead=60), "not shorter than the time limit"),
+    (dict(time="1:00:00:00"), "not a SLURM time"),
+    (dict(array=0), "--array must be"),
+    (dict(array=2, after="5"), "do not go together"),
+    (dict(after="abc"), "expected a SLURM job id"),
+    (dict(script="/nonexistent.py"), "does not exist"),
+    (dict(signal_lead=70000), "1 to 65535"),
+])
+def test_validate_rejects_bad_input(tmp_path, kw, message):
+    with pytest.raises(ConfigError, match=message):
+        sbatch.validate(_opts(tmp_path, **kw), check_cluster=False)
+
+
+def test_cli_bad_time_exits_2_with_a_clear_message(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "trainguard.cli", "slurm", "script", "--run-dir", str(tmp_path / "r"),
+                           "--time", "soon", GPT], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and "trainguard: error: --time: time 'soon' is not a SLURM time" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_slurm_section_rejects_malformed_time():
+    with pytest.raises(ConfigError, match="slurm.time"):
+        load_config(None, ["slurm.time=tomorrow"])
+
+
+def test_requeue_decision():
+    assert requeue_decision(75, {"time_limit"}, None) == (True, "time_limit")
+    assert requeue_decision(75, set(), "SIGTERM")[0] is True
+    assert requeue_decision(75, {"memory", "straggler"}, None)[0] is True
+    assert requeue_decision(75, {"kill_switch"}, None) == (False, "stopped by the kill switch")
+    assert requeue_decision(0, set(), None)[0] is False and requeue_decision(76, {"signal"}, None)[0] is False
+    assert requeue_decision(75, set(), None) == (True, "exit code 75 (no stop reason recorded)")
+
+
+def test_requeue_decision_reads_this_launchs_events_and_the_kill_switch(tmp_path):
+    _events(tmp_path, ("exit", {"code": 75, "reason": "kill_switch"}))
+    since = time.time()
+    _events(tmp_path, ("stop_requested", {"reason": "time_limit"}), ("exit", {"code": 75, "reason": "time_limit"}))
+    assert stop_reasons(tmp_path, since) == {"time_limit"}
+    kill = tmp_path / "KILL"
+    assert requeue_decision(75, stop_reasons(tmp_path, since), None, kill)[0] is True
+    kill.touch()
+    assert requeue_decision(75, stop_reasons(tmp_path, since), None, kill)[0] is False
+
+
+def test_finished_marker_signature(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[checkpoint]\ninterval = 5\n")
+    sig = finished.signature(GPT, ["--set", "train.max_steps=5"], [], str(cfg))
+    assert sig == finished.signature(GPT, ["--set", "train.max_steps=5"], [], str(cfg))
+    assert sig != finished.signature(GPT, ["--set", "train.max_steps=6"], [], str(cfg))
+    cfg.write_text("[checkpoint]\ninterval = 6\n")
+    assert sig != finished.signature(GPT, ["--set", "train.max_steps=5"], [], str(cfg))
+    finished.write(tmp_path, sig, "abc", slurm_job_id="3")
+    assert finished.read(tmp_path)["signature"] == sig and finished.read(tmp_path)["state_sha256"] == "abc"
+    assert finished.read(tmp_path / "missing") is None
+
+
+def test_time_left_is_the_earlier_of_max_duration_and_the_job_end(tmp_path, monkeypatch):
+    shutdown = ShutdownHandler([], deadline=60.0)
+    now = time.time()
+    assert StopConditions(StopSection(), tmp_path, shutdown, start_time=now).time_left() is None
+    by_end = StopConditions(StopSection(), tmp_path, shutdown, start_time=now, end_time=now + 100).time_left()
+    assert 99 < by_end <= 100
+    both = StopConditions(StopSection(max_duration=50), tmp_path, shutdown, start_time=now, end_time=now + 100)
+    assert 49 < both.time_left() <= 50
+    monkeypatch.setenv("TRAINGUARD_END_TIME", repr(now + 30))  # what trainguard run sets under SLURM
+    assert 29 < StopConditions(StopSection(max_duration=50), tmp_path, shutdown, start_time=now).time_left() <= 30
+    flags = StopConditions(StopSection(time_margin=40), tmp_path, shutdown, start_time=now).local_flags(0.1, 1.0)
+    assert flags[2] == 1  # the time-limit flag: 30 s left < 2 steps + save + 40 s margin
+
+
+def test_finished_run_makes_a_relaunch_exit_at_once(tmp_path):
+    """A launch of the same command on a finished run dir exits 0 without starting ranks (job arrays)."""
+    from conftest import events, finish, launch
+
+    run = tmp_path / "run"
+    assert finish(launch(run, "train.max_steps=5")) == 0
+    marker = json.loads((run / "FINISHED").read_text())
+    t0 = time.monotonic()
+    assert finish(launch(run, "train.max_steps=5")) == 0
+    assert time.monotonic() - t0 < 30
+    assert len(events(run, "start")) == 1 and events(run, "already_finished")
+    last = events(run, "launch_exit")[-1]["details"]
+    assert last["reason"] == "already finished" and last["state_sha256"] == marker["state_sha256"]
+    # another command (more steps) trains on from the final checkpoint
+    assert finish(launch(run, "train.max_steps=8")) == 0
+    assert events(run, "finished_marker_ignored") and events(run, "resume")[-1]["details"]["from_step"] == 5
