@@ -566,6 +566,7 @@ def run_trial_dir(tid: int, args: argparse.Namespace, launcher: Launcher, ref: d
             budget.give_back()
             if code == 0:
                 stats.add(finished_early=1)
+                expected_first = check_store(run_dir)[1] or 0  # the finished run's final checkpoint
                 break
             stats.fail(name, f"writer exited by itself with code {code} before its kill:\n{log_tail(run_dir)}")
             ok = False
