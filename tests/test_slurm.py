@@ -231,6 +231,7 @@ def test_array_finished_run_and_kill_switch_burn_through(tmp_path, jobs):
     assert [e["details"]["reason"] for e in events(kill_run, "stop_requested")] == ["kill_switch"] * 3
     assert not events(kill_run, "start") and not events(kill_run, "slurm_requeue")
     assert len(events(kill_run, "slurm_requeue_declined")) == 3
+    assert all(e["details"]["seconds"] < 5 for e in events(kill_run, "launch_exit"))  # no ranks started
     assert all(t["Restarts"] == "0" for t in kill_tasks)
 
 

@@ -17,7 +17,9 @@ What it adds to torchrun's behaviour:
   see :mod:`trainguard.slurm.requeue`); a ready file in ``TRAINGUARD_READY_DIR`` once the stop
   signals are handled (the generated batch script forwards signals only after that);
 * a finished run leaves ``RUN_DIR/FINISHED``: a later launch of the same command (the next task
-  of a job array, say) exits 0 at once with an ``already_finished`` event, without starting ranks.
+  of a job array, say) exits 0 at once with an ``already_finished`` event, without starting ranks;
+  with the kill-switch file present a launch exits 75 at once (``stop_requested`` with
+  ``before_training``), so queued jobs burn through in seconds and are not requeued.
 """
 
 from __future__ import annotations
@@ -147,8 +149,56 @@ def _already_finished(events: EventLog, run_dir: Path, signature: str, launch_ti
     return True
 
 
+def _kill_switch_set(events: EventLog, kill_path: Path, launch_time: float) -> bool:
+    """If the kill-switch file exists, record a stop before training (``launch``, ``stop_requested``
+    with ``before_training``, ``launch_exit`` 75) and return True: queued launches burn through at
+    once, without starting ranks (the Guard would stop them before training too, seconds later)."""
+    if not kill_path.exists():
+        return False
+    events.emit("launch", kill_switch=True, host=socket.gethostname())
+    events.emit("stop_requested", reason="kill_switch", before_training=True, path=str(kill_path), by="launcher")
+    print(f"trainguard: kill switch {kill_path} exists; not starting", file=sys.stderr, flush=True)
+    events.emit("launch_exit", code=int(ExitCode.REQUEUE), reason="kill switch", signal=None,
+                seconds=round(time.time() - launch_time, 3), state_sha256=None)
+    return True
+
+
 def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Optional[str],
                    overrides: list[str], min_nodes: int, max_nodes: int, slurm: Optional[SLURMInfo]) -> int:
+    events = EventLog(run_dir, rank=None)
+    launch_time = time.time()
+    if slurm is not None:
+        events.emit("slurm_info", **slurm.to_event())
+    signature = finished.signature(opts.script, opts.script_args, overrides, config_path)
+    if _already_finished(events, run_dir, signature, launch_time):
+        return int(ExitCode.OK)
+    kill_path = run_dir / cfg.stop.kill_switch
+    if _kill_switch_set(events, kill_path, launch_time):
+        code, stop_signal = int(ExitCode.REQUEUE), None
+    else:
+        code, stop_signal, sha = _run_agent(opts, cfg, run_dir, config_path, overrides, min_nodes, max_nodes,
+                                            slurm, events, launch_time)
+        if sha is not None:
+            finished.write(run_dir, signature, sha, slurm_job_id=slurm.requeue_id if slurm else None)
+    if slurm is not None and cfg.slurm.auto_requeue and slurm.node_id == 0 and code == ExitCode.REQUEUE:
+        from ..slurm.requeue import after_launch
+
+        outcome = after_launch(run_dir, slurm, events, code, launch_time, stop_signal, kill_path)
+        if outcome is not None:
+            state = "requeued" if outcome.get("ok") else f"not requeued ({outcome.get('skipped') or outcome.get('output')})"
+            print(f"trainguard: SLURM job {slurm.requeue_id} {state}", file=sys.stderr, flush=True)
+    return code
+
+
+def _run_agent(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Optional[str], overrides: list[str],
+               min_nodes: int, max_nodes: int, slurm: Optional[SLURMInfo], events: EventLog,
+               launch_time: float) -> tuple[int, Optional[str], Optional[str]]:
+    """Start the ranks under the elastic agent and wait for the launch's end.
+
+    Returns:
+        (exit code, the stop signal the launcher received or ``None``, the final state hash when
+        the run finished in this launch, else ``None``).
+    """
     # imported here: torch.distributed.elastic is slow to import and not needed for errors above
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -157,13 +207,6 @@ def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path:
 
     from .agent import TrainguardAgent
 
-    events = EventLog(run_dir, rank=None)
-    launch_time = time.time()
-    if slurm is not None:
-        events.emit("slurm_info", **slurm.to_event())
-    signature = finished.signature(opts.script, opts.script_args, overrides, config_path)
-    if _already_finished(events, run_dir, signature, launch_time):
-        return int(ExitCode.OK)
     end_time = slurm.end_time - cfg.slurm.end_margin if slurm and slurm.end_time and cfg.slurm.use_end_time else None
     ready_dir = os.environ.pop("TRAINGUARD_READY_DIR", "")
     hb_root = _heartbeat_root()
@@ -226,19 +269,9 @@ def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path:
         print(f"trainguard: giving up: {agent.exit_reason}", file=sys.stderr, flush=True)
     end = next((e for e in reversed(list(read_events(run_dir, "end"))) if e["time"] >= launch_time), None)
     sha = end["details"].get("state_sha256") if end and agent.exit_code == ExitCode.OK else None
-    if sha is not None:
-        finished.write(run_dir, signature, sha, slurm_job_id=slurm.requeue_id if slurm else None)
     events.emit("launch_exit", code=agent.exit_code, reason=agent.exit_reason, signal=agent.stop_signal,
                 seconds=round(time.time() - launch_time, 3), state_sha256=sha)
-    if slurm is not None and cfg.slurm.auto_requeue and slurm.node_id == 0 and agent.exit_code == ExitCode.REQUEUE:
-        from ..slurm.requeue import after_launch
-
-        kill_switch = run_dir / cfg.stop.kill_switch
-        outcome = after_launch(run_dir, slurm, events, agent.exit_code, launch_time, agent.stop_signal, kill_switch)
-        if outcome is not None:
-            state = "requeued" if outcome.get("ok") else f"not requeued ({outcome.get('skipped') or outcome.get('output')})"
-            print(f"trainguard: SLURM job {slurm.requeue_id} {state}", file=sys.stderr, flush=True)
-    return agent.exit_code
+    return agent.exit_code, agent.stop_signal, sha
 
 
 def _touch(path: Path) -> None:
