@@ -6,14 +6,15 @@ Without a reachable cluster these tests skip; with ``TRAINGUARD_REQUIRE_SLURM=1`
 
 What each test exercises, honestly:
 
-* the time limit: the job's EndTime (``--time=1``, SLURM's minimum) read by the launcher, minus
-  ``[slurm] end_margin`` (45 s here, to keep the test short), stops the ranks in time; the launcher
-  then requeues the job. Once it has, the test raises the job's limit to 5 minutes
-  (``scontrol update``), so that the requeued run finishes in one go whatever the machine's load
-  (otherwise every 1-minute run would stop after ~10 s). SLURM's own ``--signal=B:USR1@N`` is not
-  what stops it: SLURM sends that signal from a periodic check (up to ~60 s early or late on a
-  1-minute job), so the test sets N=1; the path that signal takes (batch shell → srun → launcher →
-  ranks) is the one ``scancel --signal=USR1 --batch`` exercises below;
+* the time limit: the job starts with ``--time=5``; once it has trained 150 steps the test lowers
+  its limit to 1 minute (SLURM's minimum) with ``scontrol update`` (so that the first run trains a
+  known amount, whatever the machine's load). The launcher re-reads EndTime every second here
+  (``[slurm] end_time_refresh``), the ranks stop ``end_margin`` (20 s) + one step + one save + 5 s
+  before it, save, exit 75, and the launcher requeues the job; the test then sets the limit back
+  to 5 minutes and the requeued run finishes. SLURM's own ``--signal=B:USR1@N`` is not what stops
+  it: SLURM sends that signal from a periodic check (up to ~60 s early or late on a 1-minute job),
+  so the test sets N=1; the path that signal takes (batch shell → srun → launcher → ranks) is the
+  one ``scancel --signal=USR1 --batch`` exercises below;
 * ``scancel --signal=USR1 --batch``: the batch shell's trap → ``srun`` → ``trainguard run`` → ranks;
 * ``scontrol requeue`` of the running job: SLURM's SIGTERM to every process of the job.
 
@@ -147,8 +148,10 @@ def requeue_timing(run_dir: Path) -> list[dict]:
 
 def test_time_limit_saves_before_end_time_requeues_and_matches_clean_run(tmp_path, jobs, clean_hash):
     run = tmp_path / "tl"
-    job = submit(jobs, run, "--time", "1", "--signal-lead", "1",
-                 overrides=(f"train.max_steps={STEPS}", "checkpoint.interval=50", "slurm.end_margin=45"))
+    job = submit(jobs, run, "--time", "5", "--signal-lead", "1",
+                 overrides=(f"train.max_steps={STEPS}", "checkpoint.interval=50", "slurm.end_time_refresh=1"))
+    wait_for(lambda: progress_step(run) >= 150, timeout=TIMEOUT, what="step 150")
+    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=1"], check=True, timeout=30)
     wait_for(lambda: events(run, "slurm_requeue"), timeout=120, what="the requeue at the time limit")
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=5"], check=True, timeout=30)
     tasks = wait_done(job)
@@ -156,20 +159,21 @@ def test_time_limit_saves_before_end_time_requeues_and_matches_clean_run(tmp_pat
     assert tasks[0]["Restarts"] == "1"
 
     infos = events(run, "slurm_info")
-    stops = events(run, "stop_requested")
-    assert len(stops) == 1 and stops[0]["details"]["reason"] == "time_limit", stops
-    for stop in stops:  # each stop saved and left before the job's EndTime minus the margin
-        info = [i for i in infos if i["time"] <= stop["time"]][-1]["details"]
-        assert info["time_limit"] == 60 and info["end_time"] is not None
-        assert stop["step"] in [e["step"] for e in events(run, "checkpoint_committed")]
-        exit_ = next(e for e in events(run, "launch_exit") if e["time"] >= stop["time"])
-        assert exit_["details"]["code"] == 75 and exit_["time"] < info["end_time"] - 45 + 1
-    requeues = events(run, "slurm_requeue")
-    assert len(requeues) == len(stops) and all(r["details"]["ok"] for r in requeues)
-    assert [i["details"]["restart_count"] for i in infos] == list(range(len(stops) + 1))
-    assert lost_steps(run) == [0] * len(stops)
+    assert [(i["details"]["restart_count"], i["details"]["time_limit"]) for i in infos] == [(0, 300), (1, 300)]
+    changed = events(run, "slurm_end_time_changed")[0]["details"]
+    assert changed["time_limit"] == 60 and changed["end_time"] < infos[0]["details"]["end_time"]
+    [stop] = events(run, "stop_requested")
+    assert stop["details"]["reason"] == "time_limit" and stop["step"] >= 150
+    assert stop["step"] in [e["step"] for e in events(run, "checkpoint_committed")]
+    exit_ = events(run, "launch_exit")[0]
+    assert exit_["details"]["code"] == 75 and exit_["time"] < changed["end_time"] - 20  # saved, left in time
+    [requeue] = events(run, "slurm_requeue")
+    assert requeue["details"]["ok"] and requeue["details"]["reason"] == "time_limit"
+    assert requeue["time"] < changed["end_time"] - 15
+    assert lost_steps(run) == [0]
     assert final_hash(run) == clean_hash(STEPS)
-    print(f"\n[time limit] stops at steps {[s['step'] for s in stops]}; requeue timing {requeue_timing(run)}")
+    print(f"\n[time limit] stop at step {stop['step']}, {changed['end_time'] - exit_['time']:.1f} s before EndTime; "
+          f"requeue timing {requeue_timing(run)}")
 
 
 def test_usr1_to_batch_shell_and_scontrol_requeue_resume_bitwise(tmp_path, jobs, clean_hash):

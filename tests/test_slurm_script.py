@@ -18,6 +18,7 @@ from trainguard.config import ConfigError, StopSection, load_config
 from trainguard.events import EventLog
 from trainguard.signals import ShutdownHandler
 from trainguard.slurm import finished
+from trainguard.slurm.endtime import JobEndTime, write_end_time
 from trainguard.slurm import script as sbatch
 from trainguard.slurm.info import SLURMInfo, parse_show_job, parse_slurm_time, parse_slurm_timestamp
 from trainguard.slurm.requeue import requeue_decision, stop_reasons
@@ -189,6 +190,19 @@ def test_time_left_is_the_earlier_of_max_duration_and_the_job_end(tmp_path, monk
     assert 29 < StopConditions(StopSection(max_duration=50), tmp_path, shutdown, start_time=now).time_left() <= 30
     flags = StopConditions(StopSection(time_margin=40), tmp_path, shutdown, start_time=now).local_flags(0.1, 1.0)
     assert flags[2] == 1  # the time-limit flag: 30 s left < 2 steps + save + 40 s margin
+
+
+def test_ranks_follow_the_end_time_file_when_it_changes(tmp_path):
+    path = tmp_path / ".slurm_end_time.7.0"
+    env = {"TRAINGUARD_END_TIME": "1000.5", "TRAINGUARD_END_TIME_FILE": str(path)}
+    reader = JobEndTime(env)
+    assert reader.get() == 1000.5  # no file yet: the environment's value
+    write_end_time(path, 2000.0)
+    assert reader.get() == 2000.0
+    time.sleep(0.01)
+    write_end_time(path, None)  # the limit was lifted
+    assert reader.get() is None
+    assert JobEndTime({}).get() is None
 
 
 def test_finished_run_makes_a_relaunch_exit_at_once(tmp_path):

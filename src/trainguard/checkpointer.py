@@ -5,10 +5,13 @@ Two tiers (``[checkpoint]`` and ``[checkpoint.local]``): the persistent store (s
 the shared filesystem, every ``interval`` steps) and the optional node-local tier (one file per rank,
 every ``local.interval`` steps, replicated; see :mod:`trainguard.checkpoint.local`).
 
-Asynchronous saves (``async_save``): at the step boundary the state is copied into reused host
-buffers (:class:`~trainguard.checkpoint.snapshot.Snapshot`), which is all the training waits for;
-one background thread then writes the copy and runs the commit protocol on a process group of its
-own. A checkpoint is committed (visible to ``latest_valid()``) only after every rank's files are
+Asynchronous saves (``async_save``): at the step boundary the module buffers and the rank state
+are copied at once into reused host buffers (:class:`~trainguard.checkpoint.snapshot.Snapshot`);
+one background thread then copies the parameters and optimizer states (while the next forward and
+backward run: they only read them; an optimizer step pre-hook waits for the copy before the step
+changes them, as torchtitan overlaps its staging), writes the copy and runs the commit protocol on
+a process group of its own. Contract: between a save and the next ``optimizer.step()``, parameters
+and optimizer states are changed only by that step (no in-place edits of ``param.data``). A checkpoint is committed (visible to ``latest_valid()``) only after every rank's files are
 durable and all ranks agreed, exactly as for a synchronous save. The next save first waits for the
 previous one, so at most one is in flight and its buffers are never overwritten while written.
 
@@ -25,19 +28,21 @@ import copy
 import logging
 import os
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import dist as tgdist
 from .checkpoint import CheckpointMismatchError, CheckpointStore, check_compatible, load_state
 from .checkpoint.io import apply_state, model_optim_state, write_checkpoint
 from .checkpoint.local import LocalTier, choose, deserialize, expand_dir
-from .checkpoint.snapshot import Snapshot
+from .checkpoint.snapshot import Snapshot, copy_pairs
 from .checkpoint.store import Checkpoint
 from .exitcodes import exit_bad_input
 
@@ -101,6 +106,10 @@ class Checkpointer:
         self.group = tgdist.new_cpu_group() if (background or self.local is not None) else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="trainguard-ckpt") if background else None
         self.snapshot = Snapshot()
+        self._copied: Optional[threading.Event] = None  # set once the background copy of the state is done
+        self._copy_wait = 0.0  # seconds the optimizer step waited for that copy (part of the blocked time)
+        if background and g.optimizer is not None:
+            g.optimizer.register_step_pre_hook(self._before_optimizer_step)
         self.pending: Optional[Future] = None
         self.failures = 0  # consecutive failed saves
         self.last_error: Optional[str] = None
@@ -138,11 +147,38 @@ class Checkpointer:
         for t in tiers:
             self.saved[t] = step
         if self.pool is not None and not blocking:
-            snap = self.snapshot.take(state)
+            snap, deferred = self.snapshot.take(state, defer=self._changes_only_in_step())
+            self._copied, self._copy_wait = threading.Event(), 0.0
             blocked = time.perf_counter() - t0
-            self.pending = self.pool.submit(self._write, step, reason, tiers, snap, rank_state, meta, blocked, True)
+            self.pending = self.pool.submit(self._write_async, deferred, step, reason, tiers, snap, rank_state, meta, blocked)
             return None
         return self._finalize(self._write(step, reason, tiers, state, rank_state, meta, 0.0, False))
+
+    def _changes_only_in_step(self) -> Callable[[torch.Tensor], bool]:
+        """A predicate: does this tensor (by storage address) belong to a parameter or an optimizer
+        state, i.e. change only inside ``optimizer.step()``? Without an optimizer: nothing is deferred."""
+        opt = self.g.optimizer
+        if opt is None:
+            return lambda t: False
+        ptrs = {_local(p).data_ptr() for group in opt.param_groups for p in group["params"]}
+        ptrs |= {_local(v).data_ptr() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)}
+        return lambda t: t.numel() > 0 and t.data_ptr() in ptrs
+
+    def _write_async(self, deferred: list, *args: Any) -> SaveResult:
+        try:
+            copy_pairs(deferred)
+        finally:
+            self._copied.set()  # type: ignore[union-attr]
+        return self._write(*args, True)
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        """Optimizer step pre-hook: the background copy of parameters and optimizer states must be
+        complete before the step changes them."""
+        copied = self._copied
+        if copied is not None and not copied.is_set():
+            t0 = time.perf_counter()
+            copied.wait()
+            self._copy_wait += time.perf_counter() - t0
 
     def _write(self, step: int, reason: str, tiers: tuple[str, ...], state: dict, rank_state: dict, meta: dict,
                blocked: float, asynchronous: bool) -> SaveResult:
@@ -176,6 +212,8 @@ class Checkpointer:
             result = future.result()
         except (Exception, CheckpointException) as e:  # an unexpected error in the writer: report it like a failed write
             result = SaveResult(self.g.step, "unknown", (), True, error=f"{type(e).__name__}: {e}")
+        result.blocked_seconds += self._copy_wait
+        self._copied, self._copy_wait = None, 0.0
         return self._finalize(result)
 
     def _finalize(self, r: SaveResult) -> SaveResult:
@@ -305,3 +343,8 @@ def _check_writable(root: Path) -> None:
         probe.unlink()
     except OSError as e:
         exit_bad_input(f"checkpoint.local.dir {root} is not writable: {e.strerror or e}")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t

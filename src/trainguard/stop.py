@@ -1,5 +1,5 @@
-"""Stop and save conditions checked at step boundaries: signal, kill switch, time limit, memory
-watchdog, save switch.
+"""Stop and save conditions checked at step boundaries: signal, kill switch, time limit (``[stop]
+max_duration`` or the SLURM job's end time), memory watchdog, save switch.
 
 Each rank computes its local flags; the Guard combines them across ranks in one small all-reduce
 (max), so every rank takes the same decision at the same step and none is left waiting in a save.
@@ -16,25 +16,10 @@ from typing import Optional
 from .config import StopSection
 from .memory import MemoryWatchdog
 from .signals import ShutdownHandler
+from .slurm.endtime import JobEndTime
 
 # order of the flag vector exchanged between ranks; all but the last are stop reasons, in priority order
 FLAGS = ("signal", "kill_switch", "time_limit", "memory", "save_switch")
-
-
-END_TIME_ENV = "TRAINGUARD_END_TIME"
-
-
-def job_end_time() -> Optional[float]:
-    """Unix time by which the ranks must have saved and exited, from ``TRAINGUARD_END_TIME``: set by
-    ``trainguard run`` under SLURM to the job's EndTime minus ``[slurm] end_margin``.
-
-    ``None`` when unset, empty or not a number.
-    """
-    text = os.environ.get(END_TIME_ENV, "")
-    try:
-        return float(text) if text else None
-    except ValueError:
-        return None
 
 
 def launch_start_time() -> float:
@@ -54,8 +39,9 @@ class StopConditions:
         shutdown: the signal recorder.
         memory: the ``[memory]`` watchdog, or ``None``.
         start_time: Unix time the launch began (for ``max_duration``).
-        end_time: Unix time by which the ranks must have exited (a SLURM job's end); default
-            :func:`job_end_time`.
+        end_time: Unix time by which the ranks must have exited; default: the SLURM job's end
+            as ``trainguard run`` passes it (:class:`~trainguard.slurm.endtime.JobEndTime`: the
+            job's EndTime minus ``[slurm] end_margin``, kept current when the time limit changes).
     """
 
     def __init__(self, cfg: StopSection, run_dir: Path, shutdown: ShutdownHandler,
@@ -67,11 +53,17 @@ class StopConditions:
         self.save_path = run_dir / cfg.save_switch
         self.shutdown = shutdown
         self.start_time = launch_start_time() if start_time is None else start_time
-        self.end_time = job_end_time() if end_time is None else end_time
+        self._job_end = JobEndTime() if end_time is None else None
+        self._fixed_end = end_time
 
     def kill_switch(self) -> bool:
         """True when the kill-switch file exists."""
         return self.kill_path.exists()
+
+    @property
+    def end_time(self) -> Optional[float]:
+        """Unix time by which the ranks must have exited (``None``: no such limit)."""
+        return self._fixed_end if self._job_end is None else self._job_end.get()
 
     def time_left(self) -> Optional[float]:
         """Seconds until the time limit: the earlier of ``start_time + [stop] max_duration`` and the

@@ -12,7 +12,8 @@ What it adds to torchrun's behaviour:
 * the agent of :mod:`trainguard.launcher.agent` (decision exit codes, signal forwarding, events);
 * under SLURM (``SLURM_JOB_ID`` set): a ``slurm_info`` event (job, array task, nodes, restart count,
   time limit, end time); the job's EndTime minus ``[slurm] end_margin`` passed to the ranks as
-  ``TRAINGUARD_END_TIME`` (their time limit, see :mod:`trainguard.stop`); with ``[slurm]
+  ``TRAINGUARD_END_TIME`` and kept current in an end-time file (their time limit, see
+  :mod:`trainguard.slurm.endtime` and :mod:`trainguard.stop`); with ``[slurm]
   auto_requeue``, ``scontrol requeue`` of the job after a requeue-worthy exit 75 (first node only,
   see :mod:`trainguard.slurm.requeue`); a ready file in ``TRAINGUARD_READY_DIR`` once the stop
   signals are handled (the generated batch script forwards signals only after that);
@@ -42,8 +43,8 @@ from ..events import EventLog, read_events
 from ..exitcodes import ExitCode
 from ..guard import prepare_run_dir
 from ..slurm import finished
+from ..slurm.endtime import END_TIME_ENV, END_TIME_FILE_ENV, EndTimeRefresher, end_time_file, remove_stale, write_end_time
 from ..slurm.info import SLURMInfo
-from ..stop import END_TIME_ENV
 from ..supervisor.monitor import HangMonitor
 from .lock import RunDirLock, RunDirLocked
 
@@ -207,7 +208,7 @@ def _run_agent(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Opt
 
     from .agent import TrainguardAgent
 
-    end_time = slurm.end_time - cfg.slurm.end_margin if slurm and slurm.end_time and cfg.slurm.use_end_time else None
+    end_time, end_file, refresher = _end_time_setup(cfg, run_dir, slurm, events)
     ready_dir = os.environ.pop("TRAINGUARD_READY_DIR", "")
     hb_root = _heartbeat_root()
     monitor = HangMonitor(cfg, run_dir, hb_root, events) if cfg.supervisor.enabled else None
@@ -222,6 +223,7 @@ def _run_agent(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Opt
         "TRAINGUARD_HEARTBEAT_DIR": str(hb_root) if monitor else "",
         "TRAINGUARD_INJECT": json.dumps([s.model_dump() for s in opts.inject]) if opts.inject else "",
         END_TIME_ENV: repr(end_time) if end_time is not None else "",
+        END_TIME_FILE_ENV: str(end_file) if end_file is not None else "",
     })
     standalone = max_nodes == 1 and not opts.rdzv_endpoint
     endpoint = "localhost:0" if standalone else opts.rdzv_endpoint
@@ -258,9 +260,13 @@ def _run_agent(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Opt
                 nproc_per_node=opts.nproc_per_node, max_restarts=max_restarts, host=socket.gethostname(),
                 slurm_job_id=slurm.requeue_id if slurm else None,
                 slurm_restart_count=slurm.restart_count if slurm else None, end_time=end_time)
+    if refresher is not None:
+        refresher.start()
     try:
         agent.run()
     finally:
+        if refresher is not None:
+            refresher.stop()
         spec.rdzv_handler.shutdown()
         if monitor is not None:
             monitor.group_stopped()
@@ -272,6 +278,24 @@ def _run_agent(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Opt
     events.emit("launch_exit", code=agent.exit_code, reason=agent.exit_reason, signal=agent.stop_signal,
                 seconds=round(time.time() - launch_time, 3), state_sha256=sha)
     return agent.exit_code, agent.stop_signal, sha
+
+
+def _end_time_setup(cfg: Config, run_dir: Path, slurm: Optional[SLURMInfo],
+                    events: EventLog) -> tuple[Optional[float], Optional[Path], Optional[EndTimeRefresher]]:
+    """The ranks' end time under SLURM (EndTime - ``end_margin``, Unix s), the end-time file they
+    re-read, and (first node, ``end_time_refresh`` > 0) the thread that keeps that file current;
+    ``(None, None, None)`` outside SLURM or with ``use_end_time = false``."""
+    if slurm is None or not cfg.slurm.use_end_time:
+        return None, None, None
+    end_time = slurm.end_time - cfg.slurm.end_margin if slurm.end_time else None
+    path = end_time_file(run_dir, slurm)
+    refresher = None
+    if slurm.node_id == 0:
+        remove_stale(run_dir, keep=path)
+        write_end_time(path, end_time)
+        if cfg.slurm.end_time_refresh > 0:
+            refresher = EndTimeRefresher(slurm, path, cfg.slurm.end_margin, cfg.slurm.end_time_refresh, events)
+    return end_time, path, refresher
 
 
 def _touch(path: Path) -> None:

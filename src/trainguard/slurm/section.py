@@ -21,6 +21,7 @@ class SlurmSection(Section):
     auto_requeue: bool = Field(False, description="on a requeue-worthy exit (75: signal, time limit, memory, straggler; not the kill switch) the launcher on the job's first node runs 'scontrol requeue' for its own job (ARRAYJOB_TASK for an array task), once per job and restart")
     use_end_time: bool = Field(True, description="stop before the job's EndTime (from 'scontrol show job'): the ranks' time limit is the earlier of [stop] max_duration and EndTime - end_margin")
     end_margin: float = Field(20.0, ge=0, description="seconds before the job's EndTime that the ranks must have saved and exited by, so that the launcher can exit and requeue before SLURM kills the job")
+    end_time_refresh: float = Field(60.0, ge=0, description="seconds between re-reads of the job's EndTime by the first node's launcher ('scontrol show job'), so that a changed time limit (scontrol update TimeLimit=...) reaches the ranks; 0 = read once at start")
 
     # ---- the batch script (trainguard slurm script|submit) ----
     partition: Optional[str] = Field(None, description="sbatch --partition (default: the cluster's default partition)")
