@@ -201,3 +201,32 @@ def test_bad_input_local_tier(tmp_path):
     assert r.returncode == ExitCode.BAD_INPUT
     assert "the persistent tier would never save" in r.stderr
     assert not (tmp_path / "c" / "checkpoints").exists() or not os.listdir(tmp_path / "c" / "checkpoints")
+
+
+# ---------------------------------------------------------------------------------------------
+# two "nodes": replicas on the peer node's local tier
+
+
+@pytest.mark.timeout(420)
+def test_two_nodes_lost_local_disk_resumes_from_peer_replica(tmp_path, clean_hash):
+    from test_multinode import check_finished, finish_both, two_nodes
+
+    run = tmp_path / "run"
+    tiers = ["train.max_steps=40", f"checkpoint.local.dir={tmp_path}/local-{{node}}", "checkpoint.local.interval=3",
+             "checkpoint.interval=10"]  # synchronous saves: step 21 is surely committed when rank 1 dies
+    # rank 1 dies at step 23 and the launch gives up (no restarts): local copies at 18 and 21, persistent at 20
+    with two_nodes(run, *tiers, extra=("--inject", "rank_killed:rank=1,step=23", "--max-restarts", "0")) as agents:
+        codes = finish_both(run, agents)
+    assert codes[0] != 0 or codes[1] != 0, codes
+    for node in (0, 1):
+        stores = sorted(p.name for p in (tmp_path / f"local-{node}").iterdir())
+        assert stores == sorted([f"rank-{node:05d}", f"replica-rank-{1 - node:05d}"]), stores
+        for name in stores:
+            assert steps_in(tmp_path / f"local-{node}" / name)[-1] == 21, name
+    shutil.rmtree(tmp_path / "local-1")  # node 1 (rank 1) lost its local disk
+
+    with two_nodes(run, *tiers) as agents:
+        check_finished(run, finish_both(run, agents))
+    resume = events(run, "resume")[-1]["details"]
+    assert (resume["tier"], resume["from_step"]) == ("local", 21), resume  # rank 1's part came from node 0's replica
+    assert events(run, "end")[-1]["details"]["state_sha256"] == clean_hash(40)
