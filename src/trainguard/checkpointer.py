@@ -74,6 +74,7 @@ class SaveResult:
     error: Optional[str] = None
     blocked_seconds: float = 0.0
     write_seconds: float = 0.0
+    started: float = 0.0  # Unix time the save began (training blocked from here for blocked_seconds)
 
 
 @dataclass
@@ -140,7 +141,7 @@ class Checkpointer:
         tiers = tuple(t for t in tiers if self.saved.get(t) != step and (t != "local" or self.local is not None))
         if not tiers:
             return None
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         state = model_optim_state(self.g.model, self.g.optimizer)
         rank_state = copy.deepcopy(self.g.rank_state())
         meta = {"reason": reason, "trainguard_step": step, "world_size": self.g.world_size}
@@ -150,9 +151,9 @@ class Checkpointer:
             snap, deferred = self.snapshot.take(state, defer=self._changes_only_in_step())
             self._copied, self._copy_wait = threading.Event(), 0.0
             blocked = time.perf_counter() - t0
-            self.pending = self.pool.submit(self._write_async, deferred, step, reason, tiers, snap, rank_state, meta, blocked)
+            self.pending = self.pool.submit(self._write_async, deferred, step, reason, tiers, snap, rank_state, meta, blocked, started)
             return None
-        return self._finalize(self._write(step, reason, tiers, state, rank_state, meta, 0.0, False))
+        return self._finalize(self._write(step, reason, tiers, state, rank_state, meta, 0.0, started, False))
 
     def _changes_only_in_step(self) -> Callable[[torch.Tensor], bool]:
         """A predicate: does this tensor (by storage address) belong to a parameter or an optimizer
@@ -181,9 +182,9 @@ class Checkpointer:
             self._copy_wait += time.perf_counter() - t0
 
     def _write(self, step: int, reason: str, tiers: tuple[str, ...], state: dict, rank_state: dict, meta: dict,
-               blocked: float, asynchronous: bool) -> SaveResult:
+               blocked: float, started: float, asynchronous: bool) -> SaveResult:
         t0 = time.perf_counter()
-        r = SaveResult(step, reason, tiers, asynchronous)
+        r = SaveResult(step, reason, tiers, asynchronous, started=started)
         errors = []
         if "local" in tiers:
             r.local_bytes, err = self.local.write(step, {**state, "rank": rank_state}, meta, self.group)  # type: ignore[union-attr]
@@ -236,7 +237,7 @@ class Checkpointer:
         if r.local_bytes and g.rank == 0:
             g.events.emit("local_checkpoint_committed", r.step, bytes_per_rank=r.local_bytes, reason=r.reason,
                           seconds=round(r.write_seconds, 4), blocked_seconds=round(r.blocked_seconds, 4),
-                          asynchronous=r.asynchronous, replicated=self.local.replica is not None)  # type: ignore[union-attr]
+                          started=round(r.started, 3), asynchronous=r.asynchronous, replicated=self.local.replica is not None)  # type: ignore[union-attr]
         if r.checkpoint is not None:
             deleted = []
             if g.rank == 0:
@@ -245,7 +246,8 @@ class Checkpointer:
                 deleted = self.store.apply_retention(protect={r.checkpoint.step} | g.recovery.protected())
                 g.events.emit("checkpoint_committed", r.step, path=str(r.checkpoint.path), bytes=r.bytes,
                               seconds=round(r.write_seconds, 4), blocked_seconds=round(r.blocked_seconds, 4),
-                              asynchronous=r.asynchronous, reason=r.reason, deleted_steps=deleted)
+                              started=round(r.started, 3), asynchronous=r.asynchronous, reason=r.reason,
+                              deleted_steps=deleted)
             for h in g.hooks:
                 h.on_checkpoint_save(g, r.step, r.checkpoint.path)
         return r

@@ -94,7 +94,7 @@ def build_report(events: Iterable[dict]) -> dict:
                      history.notices.get("checkpoint_invalid", 0))
     per_step = history.seconds_per_step
     failures = [i for i in history.incidents if i.kind in FAILURE_KINDS]
-    interval = recommend(ckpt["save_seconds"]["median"], wall, len(failures), per_step, ckpt["interval_steps"])
+    interval = recommend(ckpt["blocked_seconds"]["median"], wall, len(failures), per_step, ckpt["interval_steps"])
     interval["failures_injected"] = sum(i.injected for i in failures)
     status, code = _status(history)
     final = max((s.last_step() for s in history.segments), default=None)

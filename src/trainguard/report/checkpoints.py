@@ -39,6 +39,7 @@ def used_interval(committed: list[dict]) -> Optional[float]:
 def summarize(committed: list[dict], failed: int, invalid: int) -> dict:
     """The report's ``checkpoints`` section from the ``checkpoint_committed`` events."""
     seconds = [s for s in (number(c["details"].get("seconds")) for c in committed) if s is not None]
+    blocked = [s for s in (number(c["details"].get("blocked_seconds", c["details"].get("seconds"))) for c in committed) if s is not None]
     sizes = [b for b in (number(c["details"].get("bytes")) for c in committed) if b is not None]
     reasons: dict[str, int] = {}
     for c in committed:
@@ -53,6 +54,10 @@ def summarize(committed: list[dict], failed: int, invalid: int) -> dict:
             "p90": percentile(seconds, 90),
             "max": max(seconds) if seconds else None,
             "total": sum(seconds),
+        },
+        "blocked_seconds": {  # training waited this long (= save_seconds for synchronous saves)
+            "median": statistics.median(blocked) if blocked else None,
+            "total": sum(blocked),
         },
         "failures": failed,
         "invalid": invalid,

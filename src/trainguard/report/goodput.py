@@ -4,8 +4,9 @@ Goodput (the "effective training time ratio") = productive step time / wall time
 the first event to the last. Every moment of the wall time gets exactly one label, by the first
 rule that applies, so the parts add up to the wall time:
 
-1. ``checkpoint_stalls``: a checkpoint save, ``[commit − seconds, commit]`` of each
-   ``checkpoint_committed`` (the Guard saves synchronously: training waits).
+1. ``checkpoint_stalls``: the time training waited for a save: ``[started, started +
+   blocked_seconds]`` of each ``checkpoint_committed`` (an async save blocks only for its snapshot;
+   older logs without ``started``: ``[commit − seconds, commit]``, a synchronous save).
 2. ``restart_overhead``: from the moment an incident stopped progress (an injected fault's time;
    else for a hang the detection minus the seconds the rank was silent, for a ping timeout the
    detection minus the ping timeout, for a crash or stop the event that reports it) until the next
@@ -32,6 +33,14 @@ from .incidents import FAILURE_KINDS, Incident
 from .timeline import Segment
 
 Intervals = list[tuple[float, float]]
+
+
+def stall(c: dict) -> tuple[float, float]:
+    """The interval training waited for the save of a ``checkpoint_committed`` event."""
+    d = c["details"]
+    if d.get("started") is not None and d.get("blocked_seconds") is not None:
+        return float(d["started"]), float(d["started"]) + float(d["blocked_seconds"])
+    return c["time"] - float(d.get("seconds") or 0.0), c["time"]
 
 
 def union(intervals: Iterable[tuple[float, float]]) -> Intervals:
@@ -107,7 +116,7 @@ def breakdown(segments: list[Segment], incidents: list[Incident], checkpoints: l
               t0: float, t1: float) -> tuple[dict[str, float], list[float]]:
     """Seconds per label (``productive``, ``restart_overhead``, ``redone_work``,
     ``checkpoint_stalls``, ``other``) over ``[t0, t1]``, and each incident's redone seconds."""
-    stalls = clip(((c["time"] - float(c["details"].get("seconds") or 0.0), c["time"]) for c in checkpoints), t0, t1)
+    stalls = clip((stall(c) for c in checkpoints), t0, t1)
     gaps = [(a.end if a.end is not None else b.start, b.start) for a, b in zip(segments, segments[1:])]
     waits = [(i.failed_at, i.recovered_at if i.recovered_at is not None else t1) for i in incidents]
     restart = clip(gaps + waits, t0, t1)

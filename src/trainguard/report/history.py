@@ -142,8 +142,8 @@ class RunHistory:
 
     def _on_checkpoint_committed(self, e: dict, d: dict) -> None:
         self.checkpoints.append(dict(e, launch=self._launch))
-        seconds = number(d.get("seconds")) or 0.0
-        self._add_point(e, e["time"] - seconds, e["step"])
+        started = number(d.get("started"))
+        self._add_point(e, started if started is not None else e["time"] - (number(d.get("seconds")) or 0.0), e["step"])
         self._add_point(e, e["time"], e["step"])
 
     def _on_fault_injected(self, e: dict, d: dict) -> None:
