@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -106,6 +107,7 @@ class Checkpointer:
         background = cfg.async_save
         self.group = tgdist.new_cpu_group() if (background or self.local is not None) else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="trainguard-ckpt") if background else None
+        self.deleter: Optional[ThreadPoolExecutor] = None  # deletes what retention set aside (async only)
         self.snapshot = Snapshot()
         self._copied: Optional[threading.Event] = None  # set once the background copy of the state is done
         self._copy_wait = 0.0  # seconds the optimizer step waited for that copy (part of the blocked time)
@@ -243,7 +245,9 @@ class Checkpointer:
             if g.rank == 0:
                 g.recovery.on_commit(r.checkpoint)
                 g.recovery.after_step()  # a background commit may land after the steps that make it known-good
-                deleted = self.store.apply_retention(protect={r.checkpoint.step} | g.recovery.protected())
+                t0 = time.perf_counter()
+                deleted = self.store.apply_retention(protect={r.checkpoint.step} | g.recovery.protected(), remove=self._remove)
+                r.blocked_seconds += time.perf_counter() - t0 if r.asynchronous else 0.0  # on the training thread
                 g.events.emit("checkpoint_committed", r.step, path=str(r.checkpoint.path), bytes=r.bytes,
                               seconds=round(r.write_seconds, 4), blocked_seconds=round(r.blocked_seconds, 4),
                               started=round(r.started, 3), asynchronous=r.asynchronous, reason=r.reason,
@@ -251,6 +255,15 @@ class Checkpointer:
             for h in g.hooks:
                 h.on_checkpoint_save(g, r.step, r.checkpoint.path)
         return r
+
+    def _remove(self, path: Path) -> None:
+        """Delete a directory retention set aside: in the writer thread when saves are asynchronous."""
+        if self.pool is not None:  # a thread of its own: the next save's copy must not queue behind it
+            if self.deleter is None:
+                self.deleter = ThreadPoolExecutor(1, thread_name_prefix="trainguard-ckpt-delete")
+            self.deleter.submit(shutil.rmtree, path, ignore_errors=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
     def give_up_reason(self) -> Optional[str]:
         """Why the run must stop (``max_failures`` consecutive failed saves), else ``None``."""
@@ -277,9 +290,10 @@ class Checkpointer:
     def close(self) -> None:
         """Finish the save in flight and stop the writer thread."""
         self.wait()
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
-            self.pool = None
+        for pool in (self.pool, self.deleter):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self.pool = self.deleter = None
 
     # ------------------------------------------------------------------------------------------
     # resuming

@@ -196,12 +196,16 @@ class CheckpointStore:
         mf.fsync_path(self.root)
         return Checkpoint(step, final)
 
-    def apply_retention(self, protect: Iterable[int] = (), verify: str = "size") -> list[int]:
+    def apply_retention(self, protect: Iterable[int] = (), verify: str = "size",
+                        remove: Callable[[Path], object] = lambda p: shutil.rmtree(p, ignore_errors=True)) -> list[int]:
         """Delete verified checkpoints beyond the newest ``keep_last`` verified ones, except ``protect``.
 
         Only checkpoints that verify (``"size"``: one ``stat`` per file) count and can be deleted;
         others are left alone, so a corrupt newer directory never pushes a good one out. The newest
-        verified checkpoint is never deleted. Returns the deleted steps.
+        verified checkpoint is never deleted. A checkpoint is first renamed to ``.trash-…`` (atomic;
+        from then on invisible), then ``remove(trash_path)`` deletes it (pass a function that hands it
+        to a background thread to keep the deletion off the training loop; ``clean_stale`` removes
+        a ``.trash-`` directory left by a crash). Returns the deleted steps.
         """
         ckpts = [c for c in self.committed() if mf.verify(c.path, verify) is None]
         keep = {c.step for c in ckpts[-self.keep_last:]} | set(protect)
@@ -211,7 +215,7 @@ class CheckpointStore:
                 continue
             trash = self.root / f".trash-{c.path.name}"
             c.path.rename(trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            remove(trash)
             deleted.append(c.step)
         if deleted:
             mf.fsync_path(self.root)
