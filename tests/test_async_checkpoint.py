@@ -62,7 +62,9 @@ def test_async_local_tier_kill_resume_matches_sync_run(tmp_path):
 
     resumes = events(run, "resume")
     assert len(resumes) == 1 and resumes[0]["details"]["tier"] == "local", resumes
-    assert resumes[0]["details"]["from_step"] == 15  # the newest local step (persistent: step 10)
+    # the newest local step (persistent: step 10): 15, or 12 when 15's background write was not
+    # committed yet when rank 1 died two steps later (a loaded machine)
+    assert resumes[0]["details"]["from_step"] in (12, 15), resumes
     commits = events(run, "checkpoint_committed")
     assert commits and all(e["details"]["asynchronous"] for e in commits if e["details"]["reason"] == "interval")
     assert end_sha(run) == end_sha(clean)
