@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, events, launch, sets
+from conftest import REPO, events, launch
 from trainguard.checkpoint import manifest as mf
 from trainguard.checkpoint.store import CheckpointStore
 from trainguard.exitcodes import ExitCode
@@ -49,10 +49,8 @@ def steps_in(root: Path) -> list[int]:
 
 
 @pytest.mark.timeout(240)
-def test_async_local_tier_kill_resume_matches_sync_run(tmp_path):
-    common = ["train.max_steps=40", "checkpoint.interval=10"]
-    clean = tmp_path / "clean"
-    assert launch(clean, *common).wait(timeout=150) == 0, Path(f"{clean}.log").read_text()[-3000:]
+def test_async_local_tier_kill_resume_matches_sync_run(tmp_path, clean_hash):
+    common = ["train.max_steps=40", "checkpoint.interval=10"]  # as clean_hash's synchronous run
 
     run = tmp_path / "faulty"
     local = tmp_path / "node-local"
@@ -67,7 +65,7 @@ def test_async_local_tier_kill_resume_matches_sync_run(tmp_path):
     assert resumes[0]["details"]["from_step"] in (12, 15), resumes
     commits = events(run, "checkpoint_committed")
     assert commits and all(e["details"]["asynchronous"] for e in commits if e["details"]["reason"] == "interval")
-    assert end_sha(run) == end_sha(clean)
+    assert end_sha(run) == clean_hash(40)
     # both ranks' own copies and their replicas (single node: in the persistent tier) exist and verify
     for r in (0, 1):
         for root in (local / f"rank-{r:05d}", run / "checkpoints" / "local-replicas" / f"rank-{r:05d}"):
@@ -82,15 +80,15 @@ def test_async_local_tier_kill_resume_matches_sync_run(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_torture_async_local(tmp_path):
-    r = subprocess.run([sys.executable, str(TORTURE), "--trials", "30", "--kills-per-dir", "5", "--max-steps", "20",
+    r = subprocess.run([sys.executable, str(TORTURE), "--trials", "20", "--kills-per-dir", "5", "--max-steps", "20",
                         "--jobs", "2", "--seed", "3", "--async-save", "--local", "--workdir", str(tmp_path / "w"),
                         "--progress", "100"], capture_output=True, text=True, timeout=220, cwd=REPO)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("SUMMARY"))
     summary = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
-    assert int(summary["kills"]) == 30 and int(summary["failures"]) == 0, out[-2000:]
-    assert int(summary["dirs_ok"]) == int(summary["trial_dirs"]) >= 6, out[-2000:]
+    assert int(summary["kills"]) == 20 and int(summary["failures"]) == 0, out[-2000:]
+    assert int(summary["dirs_ok"]) == int(summary["trial_dirs"]) >= 4, out[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------
