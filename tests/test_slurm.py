@@ -38,7 +38,7 @@ from conftest import REPO, GPT, TINY, events, final_hash, sets, wait_for
 
 from trainguard.slurm.info import parse_show_job
 
-STEPS = 800  # the tiny GPT: ~15-25 ms a step on 2 CPU ranks
+STEPS = 500  # the tiny GPT: ~15-40 ms a step on 2 CPU ranks (shared with the clean run of conftest)
 TIMEOUT = 240  # seconds for any one job to finish, requeues included
 
 
@@ -239,6 +239,39 @@ def test_array_finished_run_and_kill_switch_burn_through(tmp_path, jobs):
     assert len(events(kill_run, "slurm_requeue_declined")) == 3
     assert all(e["details"]["seconds"] < 5 for e in events(kill_run, "launch_exit"))  # no ranks started
     assert all(t["Restarts"] == "0" for t in kill_tasks)
+
+
+def test_scancel_is_not_requeued(tmp_path, jobs):
+    """A user's scancel looks like a time-limit kill from inside the job (SIGTERM, COMPLETING); the
+    launcher tells them apart by run time vs. time limit and does not bring a cancelled job back."""
+    run = tmp_path / "cancel"
+    job = submit(jobs, run, "--time", "5", overrides=("train.max_steps=100000", "checkpoint.interval=500"))
+    wait_for(lambda: events(run, "start"), timeout=TIMEOUT, what="training to start")
+    subprocess.run(["scancel", job], check=True, timeout=30)
+    [task] = wait_done(job)
+    assert task["JobState"] == "CANCELLED" and task["Restarts"] == "0"
+    [requeue] = wait_for(lambda: events(run, "slurm_requeue"), timeout=30, what="the requeue decision")
+    assert not requeue["details"]["ok"] and "cancelled (scancel)" in requeue["details"]["skipped"]
+    assert events(run, "stop_requested")[0]["details"]["signal"] == "SIGTERM"  # it still saved on the way out
+
+
+@pytest.mark.skipif(os.environ.get("TRAINGUARD_SLURM_SLOW") != "1", reason="~2.5 min: set TRAINGUARD_SLURM_SLOW=1")
+def test_time_limit_kill_without_signal_is_requeued(tmp_path, jobs):
+    """SLURM's own SIGTERM at the time limit (no --signal, EndTime ignored): the ranks save, the
+    launcher requeues the TIMEOUT job, and it resumes where it stopped (Lightning #20542)."""
+    run = tmp_path / "kill"
+    submit(jobs, run, "--time", "1", "--signal-lead", "0",
+           overrides=("train.max_steps=100000", "checkpoint.interval=500", "train.log_interval=100",
+                      "slurm.use_end_time=false"))
+    assert "#SBATCH --signal" not in (run / "slurm-job.sh").read_text()
+    wait_for(lambda: events(run, "resume"), timeout=200, what="the resume after the time limit")
+    [stop] = events(run, "stop_requested")
+    assert stop["details"]["signal"] == "SIGTERM"
+    [requeue] = events(run, "slurm_requeue")
+    assert requeue["details"]["ok"] and requeue["details"]["job_state"] != "RUNNING"
+    assert lost_steps(run) == [0]
+    print(f"\n[time-limit kill] SIGTERM at {stop['details']['signal_time'] - events(run, 'slurm_info')[0]['details']['start_time']:.1f} s "
+          f"into a 60 s job; saved step {stop['step']}; state at requeue {requeue['details']['job_state']}; {requeue_timing(run)}")
 
 
 def test_generated_script_passes_sbatch_test_only(tmp_path):

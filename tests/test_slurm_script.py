@@ -21,7 +21,7 @@ from trainguard.slurm import finished
 from trainguard.slurm.endtime import JobEndTime, write_end_time
 from trainguard.slurm import script as sbatch
 from trainguard.slurm.info import SLURMInfo, parse_show_job, parse_slurm_time, parse_slurm_timestamp
-from trainguard.slurm.requeue import requeue_decision, stop_reasons
+from trainguard.slurm.requeue import ended_early, requeue_decision, stop_reasons
 from trainguard.stop import StopConditions
 
 GPT = str(REPO / "examples" / "gpt.py")
@@ -117,6 +117,9 @@ def test_script_for_several_nodes_array_and_dependency(tmp_path):
     assert "#SBATCH --gres=gpu:8" in text and "srun --nodes=4 --ntasks=4 --ntasks-per-node=1" in text
     assert "--cpus-per-task=32" in text.split("srun", 1)[1]  # srun ≥ 22.05 does not inherit it
     assert "#SBATCH --dependency=afterany:77" in sbatch.render(_opts(tmp_path, after="77"))
+    no_signal = _opts(tmp_path, signal_lead=0, time="1")
+    sbatch.validate(no_signal, check_cluster=False)  # 0: no --signal, so no conflict with a 1-minute limit
+    assert "#SBATCH --signal" not in sbatch.render(no_signal)
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -163,6 +166,16 @@ def test_requeue_decision_reads_this_launchs_events_and_the_kill_switch(tmp_path
     assert requeue_decision(75, stop_reasons(tmp_path, since), None, kill)[0] is True
     kill.touch()
     assert requeue_decision(75, stop_reasons(tmp_path, since), None, kill)[0] is False
+
+
+def test_a_job_ending_before_its_time_limit_was_cancelled():
+    # what scontrol shows while the job's processes are being killed: EndTime is the kill time
+    cancelled = {"JobState": "COMPLETING", "StartTime": "2026-11-23T07:25:51", "EndTime": "2026-11-23T07:25:53",
+                 "TimeLimit": "00:05:00"}
+    assert "cancelled (scancel)" in ended_early(cancelled)
+    timed_out = dict(cancelled, EndTime="2026-11-23T07:30:51")
+    assert ended_early(timed_out) is None
+    assert ended_early(dict(cancelled, JobState="RUNNING")) is None
 
 
 def test_finished_marker_signature(tmp_path):

@@ -148,19 +148,19 @@ def _slurm(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="training script; the arguments after it are passed to it"),
     run_dir: Path = typer.Option(..., "--run-dir", help="run directory (checkpoints, events, the job's output)"),
-    config: Optional[str] = typer.Option(None, "--config", help="TOML config file ([slurm] gives the defaults below)"),
+    config: Optional[str] = typer.Option(None, "--config", help="TOML config file (its slurm section gives the defaults below)"),
     overrides: List[str] = typer.Option([], "--set", help="section.key=value override for the config and the run (repeatable)"),
     nodes: int = typer.Option(1, "--nodes", help="nodes; one 'trainguard run' per node"),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", "--nproc_per_node", help="ranks per node"),
-    time_limit: Optional[str] = typer.Option(None, "--time", help="sbatch --time: minutes, HH:MM:SS, D-HH:MM:SS (default [slurm] time)"),
-    partition: Optional[str] = typer.Option(None, "--partition", help="sbatch --partition (default [slurm] partition, else the cluster's default)"),
-    signal_lead: Optional[int] = typer.Option(None, "--signal-lead", help="seconds before the time limit for SIGUSR1 (default [slurm] signal_lead, else from the run's measured step and save times)"),
+    time_limit: Optional[str] = typer.Option(None, "--time", help="sbatch --time: minutes, HH:MM:SS, D-HH:MM:SS (default slurm.time)"),
+    partition: Optional[str] = typer.Option(None, "--partition", help="sbatch --partition (default slurm.partition, else the cluster's default)"),
+    signal_lead: Optional[int] = typer.Option(None, "--signal-lead", help="seconds before the time limit for SIGUSR1, 0 for none (default slurm.signal_lead, else from the run's measured step and save times)"),
     array: Optional[int] = typer.Option(None, "--array", help="K: a job array --array=1-K%1 (K launches, one at a time; the ones after the run finished exit at once)"),
     after: Optional[str] = typer.Option(None, "--after", help="start after job ID ends (--dependency=afterany:ID)"),
-    gres: Optional[str] = typer.Option(None, "--gres", help="sbatch --gres, e.g. gpu:8 (default [slurm] gres)"),
-    cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task", help="CPUs for each node's launcher and its ranks (default [slurm] cpus_per_task)"),
+    gres: Optional[str] = typer.Option(None, "--gres", help="sbatch --gres, e.g. gpu:8 (default slurm.gres)"),
+    cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task", help="CPUs for each node's launcher and its ranks (default slurm.cpus_per_task)"),
     job_name: Optional[str] = typer.Option(None, "--job-name", help="sbatch --job-name (default: the run directory's name)"),
-    auto_requeue: bool = typer.Option(True, "--auto-requeue/--no-auto-requeue", help="the launcher requeues the job after a signal or time-limit stop ([slurm] auto_requeue for this run)"),
+    auto_requeue: bool = typer.Option(True, "--auto-requeue/--no-auto-requeue", help="the launcher requeues the job after a signal or time-limit stop (sets slurm.auto_requeue for the run)"),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="script: write the script here instead of stdout; submit: where to write it (default RUN_DIR/slurm-job.sh)"),
     chain: int = typer.Option(1, "--chain", help="submit only: submit N jobs, each starting after the previous one ends (afterany)"),
     test_only: bool = typer.Option(False, "--test-only", help="submit only: run 'sbatch --test-only' (nothing is queued)"),
@@ -181,7 +181,7 @@ def _slurm(
     except ConfigError as e:
         _fail(str(e))
     if signal_lead is not None:
-        lead, basis = signal_lead, f"{signal_lead} s, given"
+        lead, basis = signal_lead, (f"{signal_lead} s, given" if signal_lead else "none (--signal-lead 0: EndTime and SIGTERM only)")
     elif cfg.signal_lead is not None:
         lead, basis = int(cfg.signal_lead), f"{int(cfg.signal_lead)} s from [slurm] signal_lead"
     else:

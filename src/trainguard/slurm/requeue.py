@@ -10,7 +10,11 @@ that a later run can continue from:
   75 whose reason was not recorded;
 * not requeued: the kill switch (the run was stopped on purpose; a requeued job would only burn
   through), any other exit code, a job already requeued by someone else (its ``Restarts`` grew or
-  it is pending again), or a job this launcher already requeued at this restart count.
+  it is pending again), a job this launcher already requeued at this restart count, and a job that
+  is ending before its time limit: ``scancel`` (or preemption with ``PreemptMode=CANCEL``; use
+  ``PreemptMode=REQUEUE``, SLURM then requeues the job itself). SLURM shows such a job and one
+  killed at its time limit alike (``JobState=COMPLETING``, EndTime = now); they differ in run time:
+  ``EndTime - StartTime`` below ``TimeLimit`` means it was cancelled.
 
 Each attempt is one ``slurm_requeue`` event: command, return code, output, seconds, and the reason.
 """
@@ -24,12 +28,13 @@ from pathlib import Path
 from typing import Optional
 
 from ..events import EventLog, read_events
-from .info import SLURMInfo, SlurmError, show_job
+from .info import SLURMInfo, SlurmError, parse_slurm_time, parse_slurm_timestamp, show_job
 
 # stop reasons (the ranks' ``exit``/``stop_requested`` events) after which the job should run again
 REQUEUE_WORTHY = ("signal", "time_limit", "memory", "straggler")
 NOT_RUNNING = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD")
 REQUEUE_TIMEOUT = 60.0  # seconds for 'scontrol requeue'
+LIMIT_TOLERANCE = 5.0  # seconds: a job that ends this close to its time limit ended at the limit
 
 
 def stop_reasons(run_dir: Path, since: float) -> set[str]:
@@ -87,6 +92,10 @@ def requeue(info: SLURMInfo, scontrol: str = "scontrol") -> dict:
         if job.get("JobState") in NOT_RUNNING:
             details["skipped"] = f"the job is {job.get('JobState')}"
             return details
+        early = ended_early(job)
+        if early is not None:
+            details["skipped"] = early
+            return details
     except (SlurmError, ValueError) as e:
         details["state_error"] = str(e)  # try the requeue anyway: it fails clearly if it must
     for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -101,6 +110,28 @@ def requeue(info: SLURMInfo, scontrol: str = "scontrol") -> dict:
         details.update(returncode=None, output=str(e))
     details.update(command=" ".join(cmd), seconds=round(time.monotonic() - t0, 3))
     return details
+
+
+def ended_early(job: dict[str, str]) -> Optional[str]:
+    """Why a job that is no longer RUNNING ended before its time limit (cancelled, or preempted
+    without requeue), or ``None`` when it is running or ended at its limit (or this is unknown).
+
+    Args:
+        job: :func:`~trainguard.slurm.info.show_job` of the job.
+    """
+    if job.get("JobState") == "RUNNING":
+        return None
+    start, end = parse_slurm_timestamp(job.get("StartTime")), parse_slurm_timestamp(job.get("EndTime"))
+    try:
+        limit = parse_slurm_time(job.get("TimeLimit", "UNLIMITED"))
+    except ValueError:
+        limit = None
+    if start is None or end is None:
+        return None
+    if limit is None or end - start < limit - LIMIT_TOLERANCE:
+        return (f"the job is {job.get('JobState')} after {end - start:.0f} s of its "
+                f"{'unlimited' if limit is None else f'{limit:.0f} s'} time limit: cancelled (scancel) or preempted, not requeued")
+    return None
 
 
 def after_launch(run_dir: Path, info: SLURMInfo, events: EventLog, code: int, since: float,

@@ -77,7 +77,8 @@ def signal_lead(run_dir: Path, check_seconds: float = 1.0) -> tuple[int, str]:
 class ScriptOptions:
     """Everything the batch script is made of (times in seconds; ``None`` = not set).
 
-    ``time`` is the sbatch ``--time`` text; ``array`` is K for ``--array=1-K%1``; ``after`` a job
+    ``time`` is the sbatch ``--time`` text; ``signal_lead`` 0 writes no ``--signal`` (the ranks
+    then stop before the job's EndTime alone, or on SLURM's SIGTERM); ``array`` is K for ``--array=1-K%1``; ``after`` a job
     id for ``--dependency=afterany:ID``; ``launcher_sets`` are ``--set`` overrides for
     ``trainguard run`` (and its ranks).
     """
@@ -162,8 +163,8 @@ def validate(opts: ScriptOptions, check_cluster: bool = True) -> list[str]:
         raise ConfigError("--array and --after do not go together: a job array already runs its tasks one after another")
     if opts.after and not re.fullmatch(r"\d+(_\d+)?", opts.after):
         raise ConfigError(f"--after {opts.after!r}: expected a SLURM job id such as 1234 or 1234_5")
-    if not 1 <= opts.signal_lead <= MAX_LEAD:
-        raise ConfigError(f"signal lead {opts.signal_lead} s: SLURM accepts 1 to {MAX_LEAD} seconds")
+    if not 0 <= opts.signal_lead <= MAX_LEAD:
+        raise ConfigError(f"signal lead {opts.signal_lead} s: SLURM accepts 1 to {MAX_LEAD} seconds (0: no --signal)")
     limit: Optional[float] = None
     if opts.time is not None:
         try:
@@ -183,7 +184,7 @@ def validate(opts: ScriptOptions, check_cluster: bool = True) -> list[str]:
                 notes.append(f"no --time: partition {part}'s limit of {limit:g} s applies")
     elif check_cluster:
         notes.append("sinfo not found: the partition and its limits were not checked")
-    if limit is not None and opts.signal_lead >= limit:
+    if limit is not None and opts.signal_lead and opts.signal_lead >= limit:
         raise ConfigError(f"signal lead {opts.signal_lead} s is not shorter than the time limit {limit:g} s "
                           f"({opts.lead_basis or 'given'}): use a longer --time or a shorter --signal-lead")
     return notes
@@ -197,14 +198,10 @@ def render(opts: ScriptOptions) -> str:
     """The batch script's text (validate first with :func:`validate`)."""
     run_dir = Path(opts.run_dir).resolve()
     out = run_dir / ("slurm-%A_%a.out" if opts.array else "slurm-%j.out")
-    sb = [f"--job-name={opts.job_name or run_dir.name}",
-          f"--signal=B:USR1@{opts.signal_lead}",
-          "--requeue",
-          "--open-mode=append",
-          f"--output={out}",
-          f"--chdir={Path(opts.workdir).resolve()}",
-          f"--nodes={opts.nodes}",
-          "--ntasks-per-node=1"]
+    sb = [f"--job-name={opts.job_name or run_dir.name}"]
+    sb += [f"--signal=B:USR1@{opts.signal_lead}"] if opts.signal_lead else []  # 0: rely on EndTime alone
+    sb += ["--requeue", "--open-mode=append", f"--output={out}", f"--chdir={Path(opts.workdir).resolve()}",
+           f"--nodes={opts.nodes}", "--ntasks-per-node=1"]
     sb += [f"--time={opts.time}"] if opts.time else []
     sb += [f"--partition={opts.partition}"] if opts.partition else []
     sb += [f"--gres={opts.gres}"] if opts.gres else []

@@ -26,7 +26,7 @@ class SlurmSection(Section):
     # ---- the batch script (trainguard slurm script|submit) ----
     partition: Optional[str] = Field(None, description="sbatch --partition (default: the cluster's default partition)")
     time: Optional[str] = Field(None, description="sbatch --time: minutes, HH:MM:SS or D-HH:MM:SS (default: the partition's limit)")
-    signal_lead: Optional[float] = Field(None, gt=0, description="seconds before the time limit that SLURM sends SIGUSR1 to the batch shell (--signal=B:USR1@N); default: from the run's measured step and save times")
+    signal_lead: Optional[float] = Field(None, ge=0, description="seconds before the time limit that SLURM sends SIGUSR1 to the batch shell (--signal=B:USR1@N; 0 = no --signal); default: from the run's measured step and save times")
     job_name: Optional[str] = Field(None, description="sbatch --job-name (default: the run directory's name)")
     gres: Optional[str] = Field(None, description="sbatch --gres, e.g. 'gpu:8'")
     cpus_per_task: Optional[int] = Field(None, ge=1, description="sbatch --cpus-per-task (one task per node: the node's trainguard run)")
