@@ -401,7 +401,7 @@ class Guard:
         if reason == "signal":
             details.update(signal=self.shutdown.received, signal_time=self.shutdown.received_at)
         elif reason == "time_limit":
-            details.update(time_left=self.stop.time_left(), max_duration=self.cfg.stop.max_duration)
+            details.update(time_left=self.stop.time_left(), max_duration=self.cfg.stop.max_duration, end_time=self.stop.end_time)
         elif reason == "memory":
             details.update(limits=self.cfg.memory.model_dump(exclude_none=True))
         self._emit0("stop_requested", **details)
