@@ -16,7 +16,7 @@ cores busy while a background write runs) and an ``optimizer.step()``. Methods, 
 * ``DCP async``         — ``torch.distributed.checkpoint.async_save``: blocked = until it returns.
 
 Also: trainguard's write throughput (bytes / write time of a synchronous save) against ``dd
-conv=fsync`` of the same number of bytes into the same directory, and load throughput
+conv=fsync`` of the same number of bytes into the same directory, run right after each save, and load throughput
 (``load_state``: ``dcp.load`` + ``set_state_dict``) against a plain read of the same files. Both
 read from the page cache (nothing evicts it here); verification (checksums) is timed on its own.
 
@@ -102,6 +102,8 @@ def child(method: str, mb: int, reps: int, gap: float, work: Path, out: Path) ->
             blocked = r.blocked_seconds  # the snapshot call plus the optimizer step's wait for the copy
         if guard is not None:
             total, res["bytes"] = r.write_seconds, r.bytes  # start of the write to its commit
+            if method == "trainguard sync" and rep > 0:  # dd of the same bytes, alternated with the saves
+                res.setdefault("dd", []).append(_dd(work, r.bytes))
         else:
             total = done[0] - t0 if done else blocked
         if rep > 0:
@@ -173,7 +175,7 @@ def main() -> int:
         for method in METHODS[1:] + METHODS[:1]:
             results[method] = run(method, gap)
         nbytes = results["trainguard sync"]["bytes"]
-        dd = [_dd(base, nbytes) for _ in range(a.reps)]
+        dd = results["trainguard sync"]["dd"]
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -107,7 +107,7 @@ class Checkpointer:
         background = cfg.async_save
         self.group = tgdist.new_cpu_group() if (background or self.local is not None) else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="trainguard-ckpt") if background else None
-        self.deleter: Optional[ThreadPoolExecutor] = None  # deletes what retention set aside (async only)
+        self.deleter: Optional[ThreadPoolExecutor] = None  # deletes what retention set aside
         self.snapshot = Snapshot()
         self._copied: Optional[threading.Event] = None  # set once the background copy of the state is done
         self._copy_wait = 0.0  # seconds the optimizer step waited for that copy (part of the blocked time)
@@ -257,13 +257,11 @@ class Checkpointer:
         return r
 
     def _remove(self, path: Path) -> None:
-        """Delete a directory retention set aside: in the writer thread when saves are asynchronous."""
-        if self.pool is not None:  # a thread of its own: the next save's copy must not queue behind it
-            if self.deleter is None:
-                self.deleter = ThreadPoolExecutor(1, thread_name_prefix="trainguard-ckpt-delete")
-            self.deleter.submit(shutil.rmtree, path, ignore_errors=True)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
+        """Delete a directory retention set aside (already renamed to ``.trash-``), in a thread of
+        its own: neither the loop nor the next save's copy waits for it."""
+        if self.deleter is None:
+            self.deleter = ThreadPoolExecutor(1, thread_name_prefix="trainguard-ckpt-delete")
+        self.deleter.submit(shutil.rmtree, path, ignore_errors=True)
 
     def give_up_reason(self) -> Optional[str]:
         """Why the run must stop (``max_failures`` consecutive failed saves), else ``None``."""
