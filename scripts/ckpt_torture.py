@@ -479,7 +479,7 @@ def newest_local(run_dir: Path, problems: list[str]) -> Optional[int]:
     from trainguard.checkpoint.store import CheckpointStore
 
     steps = set()
-    for root in (run_dir / "local" / "rank-00000", run_dir / "checkpoints" / "local-replicas" / "rank-00000"):
+    for root in [*(run_dir / "local").glob("*/rank-00000"), run_dir / "checkpoints" / "local-replicas" / "rank-00000"]:
         for c in CheckpointStore(root).committed():
             reason = mf.verify(c.path)
             if reason is not None:

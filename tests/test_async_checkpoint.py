@@ -44,6 +44,11 @@ def steps_in(root: Path) -> list[int]:
     return [c.step for c in CheckpointStore(root).committed()]
 
 
+def run_local(local: Path, run_dir: Path) -> Path:
+    """The run's own part of a node-local directory (``LOCAL/<run id>``)."""
+    return local / (run_dir / ".run-id").read_text().strip()
+
+
 # ---------------------------------------------------------------------------------------------
 # 2 ranks: async + local tier + a killed rank
 
@@ -68,7 +73,7 @@ def test_async_local_tier_kill_resume_matches_sync_run(tmp_path, clean_hash):
     assert end_sha(run) == clean_hash(40)
     # both ranks' own copies and their replicas (single node: in the persistent tier) exist and verify
     for r in (0, 1):
-        for root in (local / f"rank-{r:05d}", run / "checkpoints" / "local-replicas" / f"rank-{r:05d}"):
+        for root in (run_local(local, run) / f"rank-{r:05d}", run / "checkpoints" / "local-replicas" / f"rank-{r:05d}"):
             kept = CheckpointStore(root).committed()
             assert [c.step for c in kept] == [36, 39], (root, kept)  # every 3 steps, keep_last 2
             assert all(mf.verify(c.path) is None for c in kept)
@@ -104,7 +109,7 @@ def test_local_tier_deleted_or_corrupt_falls_back(tmp_path):
     r = writer(base, 14, *tiers, f"checkpoint.local.dir={base}/local")
     assert r.returncode == 0, r.stderr[-3000:]
     assert steps_in(base / "checkpoints") == [5, 10]
-    assert steps_in(base / "local" / "rank-00000") == [13, 14]
+    assert steps_in(run_local(base / "local", base) / "rank-00000") == [13, 14]
     assert steps_in(base / "checkpoints" / "local-replicas" / "rank-00000") == [13, 14]
 
     def scenario(name: str, damage) -> list[dict]:
@@ -122,7 +127,7 @@ def test_local_tier_deleted_or_corrupt_falls_back(tmp_path):
         path.write_bytes(bytes(data))
 
     # own copy of step 14 corrupted: the replica of step 14 is used
-    evs = scenario("corrupt", lambda run: flip_byte(run / "local" / "rank-00000" / "step-00000014" / "state.pt"))
+    evs = scenario("corrupt", lambda run: flip_byte(run_local(run / "local", run) / "rank-00000" / "step-00000014" / "state.pt"))
     invalid = [e for e in evs if e["kind"] == "checkpoint_invalid"]
     assert invalid and invalid[0]["details"]["tier"] == "local" and "checksum" in invalid[0]["details"]["reason"]
     resume = [e for e in evs if e["kind"] == "resume"][-1]["details"]
@@ -203,6 +208,19 @@ def test_bad_input_local_tier(tmp_path):
     assert not (tmp_path / "c" / "checkpoints").exists() or not os.listdir(tmp_path / "c" / "checkpoints")
 
 
+def test_runs_sharing_a_local_dir_keep_apart(tmp_path):
+    """Run B uses the node-local directory run A used: it starts fresh (never A's copies) and A's
+    copies stay."""
+    local = tmp_path / "shm"
+    tiers = ["checkpoint.interval=5", "checkpoint.local.interval=1", "checkpoint.save_final=false", f"checkpoint.local.dir={local}"]
+    assert writer(tmp_path / "a", 14, *tiers).returncode == 0
+    r = writer(tmp_path / "b", 6, *tiers)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert events(tmp_path / "b", "start")[0]["details"]["first_step"] == 0
+    assert steps_in(run_local(local, tmp_path / "a") / "rank-00000") == [13, 14]
+    assert steps_in(run_local(local, tmp_path / "b") / "rank-00000") == [5, 6]
+
+
 # ---------------------------------------------------------------------------------------------
 # two "nodes": replicas on the peer node's local tier
 
@@ -219,10 +237,10 @@ def test_two_nodes_lost_local_disk_resumes_from_peer_replica(tmp_path, clean_has
         codes = finish_both(run, agents)
     assert codes[0] != 0 or codes[1] != 0, codes
     for node in (0, 1):
-        stores = sorted(p.name for p in (tmp_path / f"local-{node}").iterdir())
+        stores = sorted(p.name for p in run_local(tmp_path / f"local-{node}", run).iterdir())
         assert stores == sorted([f"rank-{node:05d}", f"replica-rank-{1 - node:05d}"]), stores
         for name in stores:
-            assert steps_in(tmp_path / f"local-{node}" / name)[-1] == 21, name
+            assert steps_in(run_local(tmp_path / f"local-{node}", run) / name)[-1] == 21, name
     shutil.rmtree(tmp_path / "local-1")  # node 1 (rank 1) lost its local disk
 
     with two_nodes(run, *tiers) as agents:

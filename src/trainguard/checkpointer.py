@@ -31,6 +31,7 @@ import shutil
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,11 +100,12 @@ class Checkpointer:
                                      on_invalid=self._on_invalid)
         self.local: Optional[LocalTier] = None
         if cfg.local.dir is not None:
-            local_root = expand_dir(cfg.local.dir, g.rank, int(os.environ.get("GROUP_RANK", "0")))
-            _check_writable(local_root)
-            self.local = LocalTier(local_root, self.store.root / "local-replicas" if cfg.local.replicate else None,
+            base = expand_dir(cfg.local.dir, g.rank, int(os.environ.get("GROUP_RANK", "0")))
+            _check_writable(base)
+            run_id = _run_id(g.run_dir, g.rank)  # runs sharing a node-local directory keep apart
+            self.local = LocalTier(base / run_id, self.store.root / "local-replicas" if cfg.local.replicate else None,
                                    cfg.local.keep_last, g.rank, g.world_size,
-                                   int(os.environ.get("LOCAL_WORLD_SIZE", str(g.world_size))), self._on_invalid)
+                                   int(os.environ.get("LOCAL_WORLD_SIZE", str(g.world_size))), run_id, self._on_invalid)
         background = cfg.async_save
         self.group = tgdist.new_cpu_group() if (background or self.local is not None) else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="trainguard-ckpt") if background else None
@@ -344,6 +346,21 @@ class Checkpointer:
     def _on_invalid(self, ckpt: Checkpoint, reason: str) -> None:
         tier = "persistent" if ckpt.path.parent == self.store.root else "local"
         self.g.events.emit("checkpoint_invalid", ckpt.step, path=str(ckpt.path), reason=reason, tier=tier)
+
+
+def _run_id(run_dir: Path, rank: int) -> str:
+    """The run's identity, kept in ``RUN_DIR/.run-id`` (a random hex string made by rank 0 on first
+    use, written atomically): it survives moving or copying the run directory, and tells local
+    copies of this run from those of another run that shares the node-local directory. A collective."""
+    run_id = None
+    if rank == 0:
+        path = run_dir / ".run-id"
+        if not path.exists():
+            tmp = run_dir / f".run-id.tmp-{os.getpid()}"
+            tmp.write_text(uuid.uuid4().hex)
+            os.replace(tmp, path)
+        run_id = path.read_text().strip()
+    return tgdist.broadcast_object(run_id)
 
 
 def _check_writable(root: Path) -> None:

@@ -1,10 +1,12 @@
 """The node-local checkpoint tier: fast, frequent, replicated to one other place.
 
 Each rank writes its whole state (model and optimizer state dict, its rank state) as one file,
-``state.pt``, into its own store under the node-local directory (``/dev/shm``, a local NVMe disk)::
+``state.pt``, into its own store under the node-local directory (``/dev/shm``, a local NVMe disk),
+in a subdirectory named by the run's id (``RUN_DIR/.run-id``), so runs sharing the directory never
+see each other's copies::
 
-    LOCAL/rank-00003/step-00001200/{state.pt, manifest.json}        this rank's own copy
-    LOCAL/replica-rank-00001/step-00001200/{state.pt, manifest.json} a copy held for another node's rank
+    LOCAL/RUNID/rank-00003/step-00001200/{state.pt, manifest.json}        this rank's own copy
+    LOCAL/RUNID/replica-rank-00001/step-00001200/{state.pt, manifest.json} a copy held for another node's rank
 
 Every copy goes through the store's commit protocol (temporary directory, manifest with XXH3-128
 checksums, atomic rename), so a copy is either complete and verifiable or invisible.
@@ -72,12 +74,14 @@ class LocalTier:
             ``local-replicas``); ``None``: no replication.
         keep_last: copies kept per store (own and replicas).
         rank, world_size, local_world_size: this rank's place (``LOCAL_WORLD_SIZE`` ranks per node).
+        run_id: the run's identity (its run directory) written into every copy's manifest; copies of
+            another run (a local directory shared by several runs) are never used.
         on_invalid: ``on_invalid(checkpoint, reason)`` for each copy that fails verification.
     """
 
     def __init__(self, root: Path, replica_root: Optional[Path], keep_last: int, rank: int, world_size: int,
-                 local_world_size: int, on_invalid: Optional[Callable[[Checkpoint, str], None]] = None):
-        self.root, self.rank, self.world = root, rank, world_size
+                 local_world_size: int, run_id: str, on_invalid: Optional[Callable[[Checkpoint, str], None]] = None):
+        self.root, self.rank, self.world, self.run_id = root, rank, world_size, run_id
         self.own = CheckpointStore(root / f"rank-{rank:05d}", keep_last=keep_last, on_invalid=on_invalid)
         multi_node = world_size > local_world_size
         self.send_to: Optional[int] = None
@@ -126,7 +130,7 @@ class LocalTier:
             if store is None or tmp is None:
                 continue
             if first is None:
-                store.commit(tmp, step, mf.describe_files(tmp, [STATE_FILE]), {**meta, "rank": self.rank})
+                store.commit(tmp, step, mf.describe_files(tmp, [STATE_FILE]), {**meta, "rank": self.rank, "run": self.run_id})
                 store.apply_retention()
             else:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -167,8 +171,8 @@ class LocalTier:
         held: dict[int, list[int]] = {}
         if self.replica is not None:
             owner = self.recv_from if self.send_to is not None else self.rank
-            held[owner] = _verified_steps(self.replica, verify, self.world)
-        own = _verified_steps(self.own, verify, self.world)
+            held[owner] = _verified_steps(self.replica, verify, self.world, self.run_id)
+        own = _verified_steps(self.own, verify, self.world, self.run_id)
         self._verified_own = set(own)  # fetch() reads its own copy only if it verified
         return {"own": own, "held": held}
 
@@ -220,12 +224,13 @@ def choose(inventories: list[dict[str, Any]]) -> tuple[Optional[int], list[int]]
     return None, []
 
 
-def _verified_steps(store: CheckpointStore, verify: str, world_size: int) -> list[int]:
+def _verified_steps(store: CheckpointStore, verify: str, world_size: int, run_id: str) -> list[int]:
     steps = []
     for ckpt in store.committed():
         reason = store.check(ckpt, verify)
-        if reason is None and mf.read_manifest(ckpt.path)["meta"].get("world_size") != world_size:
-            continue  # another world size's copy: the ranks do not map onto this run's
+        meta = mf.read_manifest(ckpt.path)["meta"] if reason is None else {}
+        if reason is None and (meta.get("world_size") != world_size or meta.get("run") != run_id):
+            continue  # another world size's copy (ranks do not map) or another run's
         if reason is None:
             steps.append(ckpt.step)
         elif store.on_invalid is not None:
