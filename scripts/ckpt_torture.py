@@ -437,8 +437,11 @@ def check_store(run_dir: Path) -> tuple[list[str], Optional[int], dict[str, bool
     root = run_dir / "checkpoints"
     store = CheckpointStore(root, keep_last=KEEP_LAST)
     leftovers = {"tmp": False, "trash": False}
-    if root.is_dir():
-        for p in root.iterdir():
+    # the persistent store, and with --local the local tier and its replicas: a kill during any save counts
+    for d in [root, *(run_dir / "local").glob("*/rank-00000"), root / "local-replicas" / "rank-00000"]:
+        if not d.is_dir():
+            continue
+        for p in d.iterdir():
             leftovers["tmp"] |= p.name.startswith(".tmp-step-")
             leftovers["trash"] |= p.name.startswith(".trash-")
     for c in store.committed():
