@@ -41,12 +41,14 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import dist as tgdist
+from .atomic import write_atomic
 from .checkpoint import CheckpointMismatchError, CheckpointStore, check_compatible, load_state
 from .checkpoint.io import apply_state, model_optim_state, write_checkpoint
 from .checkpoint.local import LocalTier, choose, deserialize, expand_dir
 from .checkpoint.snapshot import Snapshot, copy_pairs
 from .checkpoint.store import Checkpoint
 from .exitcodes import exit_bad_input
+from .health.preflight import PreflightError, check_writable, state_bytes
 
 if TYPE_CHECKING:
     from .guard import Guard
@@ -101,7 +103,10 @@ class Checkpointer:
         self.local: Optional[LocalTier] = None
         if cfg.local.dir is not None:
             base = expand_dir(cfg.local.dir, g.rank, int(os.environ.get("GROUP_RANK", "0")))
-            _check_writable(base)
+            try:
+                check_writable(base, "checkpoint.local.dir")
+            except PreflightError as e:
+                exit_bad_input(str(e))
             run_id = _run_id(g.run_dir, g.rank)  # runs sharing a node-local directory keep apart
             self.local = LocalTier(base / run_id, self.store.root / "local-replicas" if cfg.local.replicate else None,
                                    cfg.local.keep_last, g.rank, g.world_size,
@@ -120,7 +125,7 @@ class Checkpointer:
         self.last_error: Optional[str] = None
         self.saved: dict[str, int] = {}  # tier -> last step saved (or being saved)
         self.save_seconds: Optional[float] = None  # last measured synchronous write time
-        self.state_bytes_guess = sum(p.numel() * p.element_size() for p in g.model.parameters()) * 3
+        self.state_bytes_guess = state_bytes(g.model, g.optimizer)  # for the save-time guess
 
     # ------------------------------------------------------------------------------------------
     # saving
@@ -356,24 +361,9 @@ def _run_id(run_dir: Path, rank: int) -> str:
     if rank == 0:
         path = run_dir / ".run-id"
         if not path.exists():
-            tmp = run_dir / f".run-id.tmp-{os.getpid()}"
-            tmp.write_text(uuid.uuid4().hex)
-            os.replace(tmp, path)
+            write_atomic(path, uuid.uuid4().hex)
         run_id = path.read_text().strip()
     return tgdist.broadcast_object(run_id)
-
-
-def _check_writable(root: Path) -> None:
-    """Exit 2 unless ``root`` can be created and written (a probe file, fsynced and removed)."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".write-test-{os.getpid()}"
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-            os.fsync(f.fileno())
-        probe.unlink()
-    except OSError as e:
-        exit_bad_input(f"checkpoint.local.dir {root} is not writable: {e.strerror or e}")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ else:  # pragma: no cover
 
 import tomli_w
 
+from .atomic import write_atomic
 from .sections import (  # noqa: F401  (re-exported: trainguard.config.Section etc.)
     CheckpointSection, FaultSpec, FaultsSection, HealthSection, InstabilitySection, LauncherSection, MemorySection,
     OOMSection, PreemptionSection, RollbackSection, RunSection, Section, StopSection, StragglerSection, SupervisorSection,
@@ -247,10 +248,4 @@ def _plain(value: Any) -> Any:
 
 def dump_config(cfg: BaseModel, path: str | os.PathLike) -> None:
     """Write the resolved config as TOML, atomically (temp file + fsync + rename). ``None`` keys are omitted."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        tomli_w.dump(_plain(cfg.model_dump()), f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, tomli_w.dumps(_plain(cfg.model_dump())))

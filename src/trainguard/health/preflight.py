@@ -32,9 +32,11 @@ class PreflightError(RuntimeError):
     """A start-up check failed (the message names the check, the path or rank, and the numbers)."""
 
 
-def check_writable(directory: Path) -> None:
+def check_writable(directory: Path, what: str = "checkpoint dir") -> None:
     """Create ``directory`` and write, fsync and remove a probe file in it.
 
+    Args:
+        what: how the error names the directory (``"checkpoint dir"``, ``"checkpoint.local.dir"``).
     Raises:
         PreflightError: it cannot be created or written (names it and the OS error).
     """
@@ -47,7 +49,7 @@ def check_writable(directory: Path) -> None:
             os.fsync(f.fileno())
         probe.unlink()
     except OSError as e:
-        raise PreflightError(f"checkpoint dir {directory} is not writable: {e.strerror or e}") from None
+        raise PreflightError(f"{what} {directory} is not writable: {e.strerror or e}") from None
 
 
 def state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> int:

@@ -24,7 +24,6 @@ rank 0 then records it in the checkpoint's manifest (:meth:`CheckpointStore.mark
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from .. import dist as tgdist
+from ..atomic import write_atomic
 from ..checkpoint import manifest as mf
 from ..checkpoint.store import Checkpoint
 from ..exitcodes import ExitCode
@@ -59,13 +59,7 @@ def read_ledger(run_dir: Path) -> list[dict]:
 
 def append_ledger(run_dir: Path, record: dict) -> None:
     """Append a rollback record, atomically (temp file, fsync, rename)."""
-    records = read_ledger(run_dir) + [record]
-    tmp = run_dir / f".{LEDGER}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"rollbacks": records}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, run_dir / LEDGER)
+    write_atomic(run_dir / LEDGER, json.dumps({"rollbacks": read_ledger(run_dir) + [record]}, indent=1))
 
 
 def checkpoint_id(ckpt: Checkpoint) -> str:

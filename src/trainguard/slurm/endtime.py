@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Mapping, Optional
 
+from ..atomic import write_atomic
 from ..events import EventLog
 from .info import SLURMInfo, SlurmError, parse_slurm_time, parse_slurm_timestamp, show_job
 
@@ -44,9 +45,7 @@ def end_time_file(run_dir: Path, info: SLURMInfo) -> Path:
 
 def write_end_time(path: Path, end_time: Optional[float]) -> None:
     """Write ``end_time`` (Unix s; ``None`` = unlimited: an empty file) atomically (temp + rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("" if end_time is None else repr(end_time))
-    os.replace(tmp, path)
+    write_atomic(path, "" if end_time is None else repr(end_time))
 
 
 def remove_stale(run_dir: Path, keep: Path) -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Optional
+
+from ..atomic import write_atomic
 
 FILENAME = "FINISHED"
 
@@ -51,7 +52,4 @@ def write(run_dir: Path, sig: str, state_sha256: Optional[str], **extra: object)
         extra: more JSON-ready details (job id, ...).
     """
     path = Path(run_dir) / FILENAME
-    tmp = path.with_name(f".{FILENAME}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"time": time.time(), "signature": sig, "state_sha256": state_sha256, **extra}) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, json.dumps({"time": time.time(), "signature": sig, "state_sha256": state_sha256, **extra}) + "\n")

@@ -17,12 +17,12 @@ good, and ``longest`` makes sure a duration that already happened once never tim
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Optional
 
 from ..config import SupervisorSection
+from ..atomic import write_atomic
 from .heartbeat import NBUCKETS, OUT_OF_SECTION, bucket_upper
 
 BUILTIN = ("setup", "step", "checkpointing", OUT_OF_SECTION)
@@ -136,10 +136,4 @@ class TimeoutBook:
 
     def save(self, run_dir: Path) -> None:
         """Write ``run_dir/timeouts.json`` atomically (temp file, fsync, rename)."""
-        path = run_dir / FILENAME
-        tmp = path.with_name(f".{FILENAME}.tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump(self.snapshot(), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(run_dir / FILENAME, json.dumps(self.snapshot(), indent=1))

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from ..atomic import write_atomic
+
 STATE_FILE = "watch_state.json"
 LOCK_FILE = ".watch.lock"
 WINDOW = 7 * 86400.0
@@ -54,10 +56,7 @@ class WatchState:
 
     def save(self, run_dir: Path) -> None:
         """Write the state atomically (temporary file, then rename)."""
-        path = Path(run_dir) / STATE_FILE
-        tmp = path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"samples": self.samples, "alerting": self.alerting}) + "\n")
-        os.replace(tmp, path)
+        write_atomic(Path(run_dir) / STATE_FILE, json.dumps({"samples": self.samples, "alerting": self.alerting}) + "\n")
 
     def add_sample(self, when: float, nbytes: float) -> None:
         """Record the checkpoint directory's size, dropping samples outside the window."""
