@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install trainguard with its test extras. Idempotent and quick when
-# nothing changed. TORCH_SPEC overrides the torch requirement (default torch==2.13.0; where a CPU
-# wheel of it lies on local disk, pip takes it from there).
+# Create .venv (if missing) and install trainguard with all its optional extras (report: matplotlib,
+# watch: apprise, gpu: nvidia-ml-py) and the test extras. Idempotent and quick when nothing changed
+# (the stamp is a hash of pyproject.toml and the extras). TORCH_SPEC overrides the torch requirement
+# (default torch==2.13.0; where a CPU wheel of it lies on local disk, pip takes it from there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,9 +14,10 @@ if [ ! -x .venv/bin/python ]; then
   fi
 fi
 stamp=".venv/.trainguard-installed"
-want="$(sha256sum pyproject.toml | cut -c1-16)"
+extras="all,test"
+want="$( (cat pyproject.toml; echo "extras=$extras") | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-  .venv/bin/pip install -q -e ".[test]"
+  .venv/bin/pip install -q -e ".[$extras]"
   echo "$want" > "$stamp"
 fi

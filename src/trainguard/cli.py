@@ -13,8 +13,10 @@ from typing import List, Optional
 
 import typer
 
-from .config import ConfigError
 from .exitcodes import ExitCode
+
+# Only typer and the exit codes load at import: ``trainguard --help``, ``report``, ``watch`` and
+# ``slurm script`` never import torch (nor pydantic, for --help). Each command imports what it needs.
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Keeps long PyTorch training runs alive. Exit codes: 0 finished, 2 bad input, 75 requeue, 76 gave up.")
@@ -46,6 +48,7 @@ def run(
     inject: List[str] = typer.Option([], "--inject", help="inject a fault: KIND[:key=value,...], e.g. rank_hung:rank=1,step=30 (see [faults])"),
 ) -> None:
     """Launch SCRIPT on this node's ranks; restart them when one dies; forward stop signals."""
+    from .config import ConfigError
     from .launcher import LaunchOptions, RunDirLocked, launch
 
     from .faults import parse_inject
@@ -75,6 +78,7 @@ def demo(
     overrides: List[str] = typer.Option([], "--set", help="override for both runs, e.g. train.max_steps=120"),
 ) -> None:
     """Train the example GPT twice, once cleanly and once with faults injected, and compare."""
+    from .config import ConfigError
     from .demo import run_demo
 
     try:
@@ -95,7 +99,7 @@ def checkpoints(
 
     from .checkpoint import CheckpointStore
     from .checkpoint import manifest as mf
-    from .config import load_config
+    from .config import ConfigError, load_config
 
     if not run_dir.is_dir():
         _fail(f"run dir {run_dir} does not exist")
@@ -166,7 +170,7 @@ def _slurm(
     test_only: bool = typer.Option(False, "--test-only", help="submit only: run 'sbatch --test-only' (nothing is queued)"),
 ) -> None:
     """Write the sbatch script for SCRIPT (script) or write it into the run dir and sbatch it (submit)."""
-    from .config import Config, load_config, split_cli_args
+    from .config import Config, ConfigError, load_config, split_cli_args
     from .slurm import script as sbatch
 
     submitting = ctx.info_name == "submit"

@@ -136,7 +136,7 @@ def gpu_health(index: int | None = None, max_temperature_c: float = 90.0) -> lis
     or driver does not support is the string ``"unsupported"``.
 
     Raises:
-        ImportError: ``nvidia-ml-py`` is not installed.
+        ImportError: ``nvidia-ml-py`` (the ``trainguard[gpu]`` extra) is not installed.
         pynvml.NVMLError: NVML cannot initialize (no driver), or ``index`` is not a GPU.
     """
     import pynvml
@@ -223,7 +223,8 @@ def gpu_report(max_temperature_c: float = 90.0) -> dict:
     try:
         import pynvml
     except ImportError as exc:
-        return {"status": "skipped: nvidia-ml-py not installed", "reason": str(exc)}
+        return {"status": "skipped: nvidia-ml-py not installed",
+                "reason": f"{exc}; install it with: pip install 'trainguard[gpu]'"}
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:

@@ -21,7 +21,8 @@ def main(run_dir: Path, as_json: bool = False, png: Optional[Path] = None) -> in
 
     Returns 0; 2 with ``trainguard: error: ...`` on stderr when the run cannot be reported on (no
     run directory, no readable ``events.jsonl``, no events, an explicit ``png`` that cannot be
-    written). A default picture path that cannot be written is a warning only.
+    written or drawn because matplotlib is missing). A default picture that cannot be written or
+    drawn (no matplotlib: the ``trainguard[report]`` extra) is a warning only.
     """
     run_dir = Path(run_dir)
     try:
@@ -36,6 +37,10 @@ def main(run_dir: Path, as_json: bool = False, png: Optional[Path] = None) -> in
         target = Path(png) if png is not None else run_dir / PNG_NAME
         try:
             render_png(events, report, target)
+        except ReportError as e:  # matplotlib (the trainguard[report] extra) is not installed
+            if png is not None:
+                raise
+            print(f"trainguard: warning: {e}", file=sys.stderr)
         except (OSError, ValueError) as e:
             message = f"cannot write the picture {target}: {getattr(e, 'strerror', None) or e}"
             if png is not None:

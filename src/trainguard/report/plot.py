@@ -5,6 +5,8 @@ positions (start, progress, checkpoint saves, faults, end), a marker at every co
 a cross at every injected fault, and a coloured band per incident from its detection to the
 recovery (to the end of the run if it never recovered), hatched from the failure to its detection. Drawn with matplotlib's Agg canvas on a
 ``Figure`` of its own (no pyplot, no global backend switch), so it works without a display.
+
+matplotlib is the optional extra ``trainguard[report]``, imported only when a picture is drawn.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import os
 from typing import Iterable
 
 from .history import reconstruct
-from .load import prepare
+from .load import ReportError, prepare
+
+MISSING = "the picture needs matplotlib, which is not installed ({error}); install it with: pip install 'trainguard[report]'"
 
 COLOURS = {"rank_killed": "tab:red", "rank_crashed": "tab:red", "hang": "tab:orange", "ping_timeout": "tab:brown",
            "preemption_signal": "tab:blue", "time_limit": "tab:cyan", "kill_switch": "tab:gray",
@@ -27,9 +31,13 @@ def render_png(events: Iterable[dict], report: dict, path: str | os.PathLike) ->
 
     Raises:
         OSError: ``path`` cannot be written.
+        ReportError: matplotlib is not installed (the ``trainguard[report]`` extra).
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ReportError(MISSING.format(error=e)) from None
 
     events = prepare(events)
     t0 = events[0]["time"] if events else 0.0

@@ -9,6 +9,9 @@ Forms known to work against local servers:
   before the host to log in).
 * ``json://HOST:PORT/PATH``: POSTs ``{"version", "title", "message", "attachments", "type"}``;
   ``type`` is ``failure`` for an alert and ``success`` for a recovery.
+
+apprise is the optional extra ``trainguard[watch]``, imported only when there is a URL to notify:
+a watch without URLs runs without it, one with URLs and no apprise is bad input (exit code 2).
 """
 
 from __future__ import annotations
@@ -17,11 +20,23 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import apprise
-
 from .errors import WatchError
 
 _PASSWORD = re.compile(r"(://[^:/@?#]*:)[^@/?#]*@")
+
+
+def _apprise() -> Any:
+    """The apprise module, imported on first use.
+
+    Raises:
+        WatchError: apprise is not installed (it comes with the ``trainguard[watch]`` extra).
+    """
+    try:
+        import apprise
+    except ImportError as e:
+        raise WatchError(f"notifications need apprise, which is not installed ({e}); "
+                         "install it with: pip install 'trainguard[watch]'") from None
+    return apprise
 
 
 def redact(url: str) -> str:
@@ -42,11 +57,13 @@ class Notifier:
     """The validated notification URLs.
 
     Raises:
-        WatchError: a URL apprise cannot parse (``invalid notification URL ...``).
+        WatchError: a URL apprise cannot parse (``invalid notification URL ...``), or URLs given
+            and apprise not installed.
     """
 
     def __init__(self, urls: list[str]):
         self.plugins: dict[str, Any] = {}
+        apprise = _apprise() if urls else None
         for url in urls:
             plugin = apprise.Apprise.instantiate(url)
             if plugin is None:
@@ -69,6 +86,9 @@ class Notifier:
 
         ``ok`` picks the notification type: ``success`` (a recovery) or ``failure`` (an alert).
         """
+        if not self.plugins:
+            return []
+        apprise = _apprise()
         kind = apprise.NotifyType.SUCCESS if ok else apprise.NotifyType.FAILURE
         failures = []
         for url in self.plugins if urls is None else [u for u in urls if u in self.plugins]:
