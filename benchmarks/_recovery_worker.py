@@ -44,8 +44,9 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 
-def _parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser()
+def _parse() -> tuple[argparse.Namespace, list[str]]:
+    """This script's own options, and the rest (``--config``/``--set``: trainguard's, trainguard mode only)."""
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--mode", choices=["trainguard", "plain", "ft"], required=True)
     p.add_argument("--run-dir", default=None, help="plain/ft: where events.jsonl and checkpoints go (trainguard: the launcher's)")
     p.add_argument("--steps", type=int, default=60)
@@ -59,8 +60,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--pause-rank", type=int, default=-1, help="this rank pauses --pause-s seconds (no collective) after step --pause-step, every attempt")
     p.add_argument("--pause-step", type=int, default=0)
     p.add_argument("--pause-s", type=float, default=0.0)
-    args, _ = p.parse_known_args()  # --set/--config are trainguard's
-    return args
+    return p.parse_known_args()  # --set/--config are trainguard's
 
 
 class Events:
@@ -94,7 +94,7 @@ def _pause(ev, step: int, seconds: float) -> None:
 
 
 def main() -> None:
-    args = _parse()
+    args, rest = _parse()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     t_pg = time.time()
@@ -118,7 +118,7 @@ def main() -> None:
         import trainguard
 
         t_imported = time.time()
-        cfg = trainguard.config_from_argv()
+        cfg = trainguard.config_from_argv(argv=rest)  # only --config/--set: it refuses this script's own options
         guard = trainguard.Guard(cfg, model=ddp, optimizer=opt)
         ev = guard.events
         ev.emit("worker_timing", process=T_PROCESS, torch_imported=T_TORCH, pg_ready=t_pg, trainguard_import=t_import,

@@ -20,7 +20,7 @@ conv=fsync`` of the same number of bytes into the same directory, run right afte
 (``load_state``: ``dcp.load`` + ``set_state_dict``) against a plain read of the same files. Both
 read from the page cache (nothing evicts it here); verification (checksums) is timed on its own.
 
-    .venv/bin/python benchmarks/async_checkpoint.py [--quick] [--mb 128] [--reps 5] [--dir DIR]
+    .venv/bin/python benchmarks/async_checkpoint.py [--quick | --smoke] [--mb 128] [--reps 5] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import SMOKE_HELP  # noqa: E402
 from checkpoint_throughput import _build, _dd  # noqa: E402  (the same state builder and dd baseline)
 
 GOAL_BLOCK = 0.05
@@ -145,14 +146,17 @@ def _load_and_read(guard, model, opt, reps: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="64 MiB, 2 reps")
-    p.add_argument("--mb", type=int, default=None, help="state size in MiB (default 128)")
-    p.add_argument("--reps", type=int, default=None, help="saves per method (default 5)")
-    p.add_argument("--gap", type=float, default=None, help="seconds of training after each save (default: 2 × a sync save)")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (4 MiB, 1 rep, 0.05 s gaps)")
+    p.add_argument("--mb", type=int, default=None, help="state size in MiB (default 128, quick 64, smoke 4)")
+    p.add_argument("--reps", type=int, default=None, help="saves per method (default 5, quick 2, smoke 1)")
+    p.add_argument("--gap", type=float, default=None, help="seconds of training after each save (default: 2 × a sync save, "
+                   "at least 0.5; smoke 0.05)")
     p.add_argument("--dir", default=None, help="directory to write in (default: a temporary directory under /tmp)")
     p.add_argument("--child", nargs=4, metavar=("METHOD", "GAP", "WORK", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
-    a.mb = a.mb or (64 if a.quick else 128)
-    a.reps = a.reps or (2 if a.quick else 5)
+    a.mb = a.mb or (4 if a.smoke else 64 if a.quick else 128)
+    a.reps = a.reps or (1 if a.smoke else 2 if a.quick else 5)
+    a.gap = a.gap or (0.05 if a.smoke else None)
     if a.child:
         method, gap, work, out = a.child
         child(method, a.mb, a.reps, float(gap), Path(work), Path(out))

@@ -12,7 +12,7 @@ Also reported, for information: ``get_state_dict`` + ``dcp.save`` alone (same st
 committed files, timed separately right after the save, files still in the page cache) and its
 share of the save, and (``--ranks both``, the default) the same save by 2 gloo ranks.
 
-    .venv/bin/python benchmarks/checkpoint_throughput.py [--quick] [--mb 256] [--reps 5] [--dir DIR] [--ranks 1|2|both]
+    .venv/bin/python benchmarks/checkpoint_throughput.py [--quick | --smoke] [--mb 256] [--reps 5] [--dir DIR] [--ranks 1|2|both]
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import SMOKE_HELP
+
 GOAL = 0.8
 MiB = 1 << 20
 
@@ -35,13 +37,14 @@ MiB = 1 << 20
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short run (64 MiB, 2 reps, 1 rank) to check that it works")
-    p.add_argument("--mb", type=int, default=None, help="checkpoint size in MiB (default 256, quick 64)")
-    p.add_argument("--reps", type=int, default=None, help="repetitions of each variant (default 5, quick 2)")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (4 MiB, 1 rep, 1 and 2 ranks)")
+    p.add_argument("--mb", type=int, default=None, help="checkpoint size in MiB (default 256, quick 64, smoke 4)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions of each variant (default 5, quick 2, smoke 1)")
     p.add_argument("--dir", default=None, help="directory to write in (default: a new temporary directory under /tmp)")
     p.add_argument("--ranks", choices=["1", "2", "both"], default=None, help="ranks that save (default both, quick 1)")
     args = p.parse_args()
-    args.mb = args.mb or (64 if args.quick else 256)
-    args.reps = args.reps or (2 if args.quick else 5)
+    args.mb = args.mb or (4 if args.smoke else 64 if args.quick else 256)
+    args.reps = args.reps or (1 if args.smoke else 2 if args.quick else 5)
     args.ranks = args.ranks or ("1" if args.quick else "both")
     return args
 

@@ -24,7 +24,11 @@ For each hang, from ``RUN_DIR/events.jsonl``:
 * **hang → new start**: ``fault_injected`` → the next ``start`` event of rank 0 (the resumed loop
   is about to run its first step): detection, restart, process start, resume.
 
-    .venv/bin/python benchmarks/hang_detection.py [--quick] [--hangs 20] [--modes sigstop,collective]
+    .venv/bin/python benchmarks/hang_detection.py [--quick | --smoke] [--hangs 20] [--modes sigstop,collective]
+
+``--smoke``: one launch per mode with two hangs (one restart), 10 ms steps, the hang at a step in
+[22, 29] (after the 20 observed steps that the first attempt needs to learn its step timeout); it
+exits 1 when a hang was not detected.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional
-from _common import run_events as _events, trainguard_cmd as _trainguard  # noqa: E402
+from _common import SMOKE_HELP, run_events as _events, trainguard_cmd as _trainguard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "_recovery_worker.py"
@@ -53,19 +57,23 @@ GOAL = 1.0
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 hangs per mode in one launch each, to check that it works")
-    p.add_argument("--hangs", type=int, default=None, help="hangs per mode, at least (default 20, quick 2)")
-    p.add_argument("--per-launch", type=int, default=None, help="hangs per launch (default 10, quick 2)")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP + "; exits 1 when a hang was not detected (see above)")
+    p.add_argument("--hangs", type=int, default=None, help="hangs per mode, at least (default 20, quick 2, smoke 2)")
+    p.add_argument("--per-launch", type=int, default=None, help="hangs per launch (default 10, quick 2, smoke 2)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of sigstop,collective")
-    p.add_argument("--step-ms", type=float, default=30.0)
+    p.add_argument("--step-ms", type=float, default=None, help="pad every step to this duration (default 30, smoke 10)")
     p.add_argument("--ckpt-every", type=int, default=10)
-    p.add_argument("--min-step", type=int, default=25, help="the hang step S is drawn from [min-step, max-step]")
-    p.add_argument("--max-step", type=int, default=75)
+    p.add_argument("--min-step", type=int, default=None, help="the hang step S is drawn from [min-step, max-step] (default 25, smoke 22)")
+    p.add_argument("--max-step", type=int, default=None, help="default 75, smoke 29")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
     p.add_argument("--analyse", metavar="DIR", default=None, help="print the table of launches kept with --keep in DIR, run nothing")
     args = p.parse_args()
-    args.hangs = args.hangs or (2 if args.quick else 20)
-    args.per_launch = max(1, args.per_launch or (2 if args.quick else 10))
+    args.hangs = args.hangs or (2 if args.quick or args.smoke else 20)
+    args.per_launch = max(1, args.per_launch or (2 if args.quick or args.smoke else 10))
+    args.step_ms = args.step_ms or (10.0 if args.smoke else 30.0)
+    args.min_step = args.min_step or (22 if args.smoke else 25)
+    args.max_step = args.max_step or (29 if args.smoke else 75)
     args.modes = [m for m in args.modes.split(",") if m]
     for m in args.modes:
         if m not in MODES:
@@ -222,6 +230,10 @@ def main() -> int:
     load1 = os.getloadavg()
     console.print(f"wall {wall:.0f} s; load average at start {load0[0]:.2f}, at end {load1[0]:.2f} (1 min), {load1[1]:.2f} (5 min) "
                   "(2 ranks fill a 2-core machine: other load adds noise)")
+    undetected = [r for r in records if "over" not in r]
+    if args.smoke and (undetected or not records):
+        console.print(f"smoke: {len(undetected)} of {len(records)} injected hang(s) not detected")
+        return 1
     return 0
 
 

@@ -21,7 +21,7 @@ Reported (rank 0): the median wall and CPU step time of A and B, B / A, the medi
 ratios; from the B blocks, the pings completed and their median duration, and the
 ``straggler_report`` (and ``straggler_detected``) events written.
 
-    .venv/bin/python benchmarks/health_overhead.py [--quick] [--steps N] [--rounds R] [--hidden H]
+    .venv/bin/python benchmarks/health_overhead.py [--quick | --smoke] [--steps N] [--rounds R] [--hidden H]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _options(p: argparse.ArgumentParser) -> None:
 def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
-    from _common import abba, ddp_mlp, timed_block
+    from _common import NO_SCHEDULED_SAVES, abba, ddp_mlp, timed_block
 
     import trainguard
     from trainguard.events import read_events
@@ -61,8 +61,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         return F.cross_entropy(ddp(xb), yb)
 
     def run_block(variant: str) -> tuple[list[float], list[float]]:
-        cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-{block[0]}", "checkpoint.interval=1000000",
-                                            "checkpoint.save_final=false", f"stop.check_interval={args.check_interval}",
+        cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-{block[0]}", *NO_SCHEDULED_SAVES, f"stop.check_interval={args.check_interval}",
                                             *(ON if variant == "on" else OFF)])
         block[0] += 1
         guard = trainguard.Guard(cfg, model=ddp, optimizer=opt)
@@ -85,7 +84,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
             on["detected"].append(sum(1 for _ in read_events(guard.run_dir, "straggler_detected")))
         return result
 
-    for _ in range(2):  # warm-up
+    for _ in range(args.warmup_blocks):  # warm-up
         run_block("off")
         run_block("on")
     for values in on.values():

@@ -16,7 +16,7 @@ Reported: the median over blocks of ns per call (wall, ``perf_counter_ns``), the
 percentile range, the ratio to the empty call, the cost net of it, and the median thread CPU time per
 call (``thread_time_ns``: time descheduled by other load is not counted). The record lives in ``/dev/shm`` like under ``trainguard run``.
 
-    .venv/bin/python benchmarks/heartbeat_cost.py [--quick] [--calls 200000] [--block 1000]
+    .venv/bin/python benchmarks/heartbeat_cost.py [--quick | --smoke] [--calls 200000] [--block 1000]
 """
 
 from __future__ import annotations
@@ -31,16 +31,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import SMOKE_HELP
+
 GOAL_NS = 5_000  # "a few µs" per step
 
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="20k calls per operation, to check that it works")
-    p.add_argument("--calls", type=int, default=None, help="calls per operation (default 200000, quick 20000)")
-    p.add_argument("--block", type=int, default=1000, help="calls per timed block")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    p.add_argument("--calls", type=int, default=None, help="calls per operation (default 200000, quick 20000, smoke 2000)")
+    p.add_argument("--block", type=int, default=None, help="calls per timed block (default 1000, smoke 200)")
     args = p.parse_args()
-    args.calls = args.calls or (20_000 if args.quick else 200_000)
+    args.calls = args.calls or (2_000 if args.smoke else 20_000 if args.quick else 200_000)
+    args.block = args.block or (200 if args.smoke else 1000)
     return args
 
 

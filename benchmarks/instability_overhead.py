@@ -17,7 +17,7 @@ Then, in one extra guarded block, ``should_step()`` is instrumented: a ``TorchFu
 counts every tensor→host conversion (``item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``,
 ``numpy``, ``cpu``) and wrappers count ``torch.distributed`` collectives, per call.
 
-    .venv/bin/python benchmarks/instability_overhead.py [--quick] [--steps N] [--rounds R] [--hidden H]
+    .venv/bin/python benchmarks/instability_overhead.py [--quick | --smoke] [--steps N] [--rounds R] [--hidden H]
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import NO_SCHEDULED_SAVES, SMOKE_HELP
+
 GOAL = 1.01
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu")
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "broadcast_object_list", "all_gather_object", "barrier")
@@ -39,13 +41,17 @@ COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "broadcast_object_list",
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short run to check that it works")
-    p.add_argument("--steps", type=int, default=None, help="steps per block (default 40, quick 20)")
-    p.add_argument("--rounds", type=int, default=None, help="ABCDDCBA rounds (default 6, quick 1)")
-    p.add_argument("--hidden", type=int, default=1024, help="MLP width (sets the step time)")
-    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    p.add_argument("--steps", type=int, default=None, help="steps per block (default 40, quick 20, smoke 4)")
+    p.add_argument("--rounds", type=int, default=None, help="ABCDDCBA rounds (default 6, quick 1, smoke 1)")
+    p.add_argument("--hidden", type=int, default=None, help="MLP width (sets the step time; default 1024, smoke 64)")
+    p.add_argument("--batch", type=int, default=None, help="samples per rank per step (default 64, smoke 8)")
     args = p.parse_args()
-    args.steps = args.steps or (20 if args.quick else 40)
-    args.rounds = args.rounds or (1 if args.quick else 6)
+    args.steps = args.steps or (4 if args.smoke else 20 if args.quick else 40)
+    args.rounds = args.rounds or (1 if args.smoke or args.quick else 6)
+    args.hidden = args.hidden or (64 if args.smoke else 1024)
+    args.batch = args.batch or (8 if args.smoke else 64)
+    args.warmup = 2 if args.smoke else 20
     return args
 
 
@@ -67,7 +73,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         loss.backward()
         return loss.detach(), torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
-    for _ in range(20):  # warm-up
+    for _ in range(args.warmup):  # warm-up
         forward_backward()
         opt.step()
 
@@ -94,8 +100,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         yield
 
     def guarded(variant: str, guard_box: list):
-        cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-{block[0]}", "checkpoint.interval=1000000",
-                                            "checkpoint.save_final=false"])
+        cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-{block[0]}", *NO_SCHEDULED_SAVES])
         block[0] += 1
         guard = trainguard.Guard(cfg, model=ddp, optimizer=opt)
         guard_box.append(guard)
@@ -134,7 +139,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     originals = {name: getattr(dist, name) for name in COLLECTIVES}
     for name, fn in originals.items():
         setattr(dist, name, lambda *a, _n=name, _f=fn, **k: (calls.append(_n), _f(*a, **k))[1])
-    cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-count", "checkpoint.interval=1000000", "checkpoint.save_final=false"])
+    cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-count", *NO_SCHEDULED_SAVES])
     guard = trainguard.Guard(cfg, model=ddp, optimizer=opt)
     for _ in guard.steps(n):
         loss, norm = forward_backward()

@@ -16,7 +16,7 @@ Then one guarded block with ``run_step`` injects an out-of-memory error on rank 
 failed attempt, agreement, cleanup and the retry over two half micro-batches — against the
 block's normal steps, and, for scale, steps that run two half micro-batches without a failure.
 
-    .venv/bin/python benchmarks/oom_overhead.py [--quick] [--steps N] [--rounds R] [--hidden H]
+    .venv/bin/python benchmarks/oom_overhead.py [--quick | --smoke] [--steps N] [--rounds R] [--hidden H]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     import torch.nn.functional as F
 
     import trainguard
-    from _common import abba, ddp_mlp, timed_block
+    from _common import NO_SCHEDULED_SAVES, abba, ddp_mlp, timed_block
 
     model, ddp, opt, x, y = ddp_mlp(rank, world, tmp, args.hidden, args.batch, lr=1e-5)
     clock = time.perf_counter
@@ -48,8 +48,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         return F.cross_entropy(ddp(xb), yb)
 
     def guard_for(*overrides: str) -> trainguard.Guard:
-        cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-{block[0]}", "checkpoint.interval=1000000",
-                                            "checkpoint.save_final=false", *overrides])
+        cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-{block[0]}", *NO_SCHEDULED_SAVES, *overrides])
         block[0] += 1
         return trainguard.Guard(cfg, model=ddp, optimizer=opt)
 
@@ -69,7 +68,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     def run_block(variant: str, guard: trainguard.Guard) -> tuple[list[float], list[float]]:
         return timed_block(guard, n, off_step if variant == "off" else on_step)
 
-    for _ in range(2):  # warm-up
+    for _ in range(args.warmup_blocks):  # warm-up
         run_block("off", guard_for())
         run_block("on", guard_for())
     wall, cpu = abba(args.rounds, lambda variant: run_block(variant, guard_for()))

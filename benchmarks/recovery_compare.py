@@ -34,7 +34,13 @@ nothing big is downloaded)::
     .venv/bin/python -c "import site; print(site.getsitepackages()[0])" > /tmp/nvrx/lib/python3.11/site-packages/zz_main.pth
     /tmp/nvrx/bin/pip install torch==2.13.0 nvidia-resiliency-ext==0.4.1
 
-    .venv/bin/python benchmarks/recovery_compare.py [--quick] [--trials 6] [--launchers trainguard,torchrun,torchrun-fix,ft]
+    .venv/bin/python benchmarks/recovery_compare.py [--quick | --smoke] [--trials 6] [--launchers trainguard,torchrun,torchrun-fix,ft]
+
+``--smoke`` runs the smallest job (30 steps of 10 ms, fault at step 15) once per configuration that
+recovers without a fixed wait: trainguard kill and hang, torchrun+fix kill, ft_launcher kill (when
+installed); plain torchrun (it can need a second restart after a one-minute connect timeout) and
+the torchrun/ft hangs (a process-group or heartbeat timeout, then torch elastic's fixed 30 s wait
+for the stopped rank before it is killed) are left out. It exits 1 when a trial did not recover.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Optional
-from _common import exited as _exited, run_events as _events, trainguard_cmd as _trainguard  # noqa: E402
+from _common import SMOKE_HELP, exited as _exited, run_events as _events, trainguard_cmd as _trainguard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "_recovery_worker.py"
@@ -67,26 +73,40 @@ REFERENCE = {("torchrun", "kill"): 3.3, ("ft", "kill"): 3.4, ("ft", "hang"): 13.
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="1 trial each and a 10 s process-group timeout, to check that it works")
-    p.add_argument("--trials", type=int, default=None, help="trials per launcher and fault (default 6, quick 1)")
-    p.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma-separated subset of trainguard,torchrun,torchrun-fix,ft")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP + "; exits 1 when a trial did not recover (see above)")
+    p.add_argument("--trials", type=int, default=None, help="trials per launcher and fault (default 6, quick 1, smoke 1)")
+    p.add_argument("--launchers", default=None, help="comma-separated subset of trainguard,torchrun,torchrun-fix,ft "
+                   "(default all; smoke: all but torchrun)")
     p.add_argument("--fix-faults", default="kill", help="faults run with torchrun-fix (default: kill only; its hang recovery is the "
                    "process-group timeout, as plain torchrun's)")
     p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated subset of kill,hang")
-    p.add_argument("--step-ms", type=float, default=30.0)
-    p.add_argument("--steps", type=int, default=70)
-    p.add_argument("--fault-step", type=int, default=45, help="not a multiple of --ckpt-every (all launchers then resume from the same step)")
+    p.add_argument("--skip", default=None, help="comma-separated LAUNCHER:FAULT pairs not to run (smoke: torchrun:hang,ft:hang)")
+    p.add_argument("--step-ms", type=float, default=None, help="pad every step to this duration (default 30, smoke 10)")
+    p.add_argument("--steps", type=int, default=None, help="steps of the job (default 70, smoke 30: 20 observed steps "
+                   "before the fault let the warm-up run learn its step timeout)")
+    p.add_argument("--fault-step", type=int, default=None,
+                   help="default 45, smoke 15; not a multiple of --ckpt-every (all launchers then resume from the same step)")
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--pg-timeout", type=float, default=None, help="torchrun/ft: init_process_group timeout in seconds (default 30, quick 10)")
     p.add_argument("--ft-hb-timeout", type=float, default=10.0, help="ft_launcher: rank heartbeat timeout (seconds)")
     p.add_argument("--ft-check-interval", type=float, default=1.0, help="ft_launcher: workload check interval (seconds)")
     p.add_argument("--nvrx", default="/tmp/nvrx", help="virtualenv with nvidia-resiliency-ext (ft_launcher)")
-    p.add_argument("--cap", type=float, default=120.0, help="seconds after which a trial is killed")
+    p.add_argument("--cap", type=float, default=None, help="seconds after which a trial is killed (default 120, smoke 60)")
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
     p.add_argument("--analyse", metavar="DIR", default=None, help="print the tables of trials kept with --keep in DIR, run nothing")
     args = p.parse_args()
-    args.trials = args.trials or (1 if args.quick else 6)
-    args.pg_timeout = args.pg_timeout or (10.0 if args.quick else 30.0)
+    args.trials = args.trials or (1 if args.quick or args.smoke else 6)
+    args.pg_timeout = args.pg_timeout or (5.0 if args.smoke else 10.0 if args.quick else 30.0)
+    args.step_ms = args.step_ms or (10.0 if args.smoke else 30.0)
+    args.steps = args.steps or (30 if args.smoke else 70)
+    args.fault_step = args.fault_step or (15 if args.smoke else 45)
+    args.cap = args.cap or (60.0 if args.smoke else 120.0)
+    if args.launchers is None:
+        args.launchers = ",".join(x for x in LAUNCHERS if not (args.smoke and x == "torchrun"))
+    if args.skip is None:
+        args.skip = "torchrun:hang,ft:hang" if args.smoke else ""
     args.launchers = [x for x in args.launchers.split(",") if x]
+    args.skip = {tuple(x.split(":", 1)) for x in args.skip.split(",") if x}
     args.faults = [x for x in args.faults.split(",") if x]
     args.fix_faults = [x for x in args.fix_faults.split(",") if x]
     for x in args.launchers:
@@ -224,8 +244,8 @@ def analyse(launcher: str, fault: str, run_dir: Path, code: Optional[int], exits
     ev = _events(run_dir)
     out: dict = {"launcher": launcher, "fault": fault, "code": code, "run_dir": str(run_dir), "error": None}
     inj = next((e for e in ev if e["kind"] == "fault_injected"), None)
-    if inj is None:
-        out["error"] = "no fault_injected event"
+    if inj is None:  # the job never reached the fault: say why (the launch's exit code, its last error line)
+        out["error"] = f"no fault_injected event (exit code {code}{_last_error(run_dir / 'launcher.log')})"
         return out
     t_f = inj["time"]
     start = next((e for e in ev if e["kind"] == "start" and e["rank"] == 0 and e["time"] > t_f), None)
@@ -270,6 +290,16 @@ def analyse(launcher: str, fault: str, run_dir: Path, code: Optional[int], exits
     return out
 
 
+def _last_error(log: Path) -> str:
+    """``; LINE`` with the last line of ``log`` that names an error, or ``""``."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    hits = [ln.strip() for ln in lines if "Error" in ln or "error:" in ln or "giving up" in ln]
+    return f"; {hits[-1][:300]}" if hits else ""
+
+
 PHASE_ROWS = [  # (key, label, from → to, part of the total: the rows marked True add up to it)
     ("detect+stop", "detect + stop", "fault → the last rank process of the failed attempt has exited", True),
     ("detect", "  detect", "fault → workers_failed (after torch closed the other ranks) / hang_detected event (trainguard)", False),
@@ -304,7 +334,8 @@ def run_all(args: argparse.Namespace, base: Path, console, unavailable: dict[str
     for trial in range(args.trials):
         for fault in args.faults:
             for launcher in args.launchers:
-                if launcher in unavailable or (launcher == "torchrun-fix" and fault not in args.fix_faults):
+                if (launcher in unavailable or (launcher == "torchrun-fix" and fault not in args.fix_faults)
+                        or (launcher, fault) in args.skip):
                     continue
                 t0 = time.perf_counter()
                 r = run_trial(args, launcher, fault, base / f"{launcher}-{fault}-{trial}", timeouts if launcher == "trainguard" else None)
@@ -447,6 +478,10 @@ def main() -> int:
     load1 = os.getloadavg()
     console.print(f"wall {wall:.0f} s; load average at start {load0[0]:.2f}, at end {load1[0]:.2f} (1 min), {load1[1]:.2f} (5 min) "
                   f"(2 ranks fill a 2-core machine: other load adds noise)")
+    failures = [f"{NAMES[r['launcher']]} {r['fault']}: {r['error']}" for r in results if r["error"]]
+    if args.smoke and failures:
+        console.print("smoke: trials that did not recover: " + " | ".join(failures))
+        return 1
     return 0
 
 

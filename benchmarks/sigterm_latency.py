@@ -25,7 +25,7 @@ of a step (so the signal lands anywhere in a step), sends SIGTERM to the launche
 The medians over ``--reps`` runs are printed with the total and the save's share of it. There is no
 external baseline: the save is the work that has to happen, everything else is overhead.
 
-    .venv/bin/python benchmarks/sigterm_latency.py [--quick] [--reps 3] [--model default|small] [--set k=v ...]
+    .venv/bin/python benchmarks/sigterm_latency.py [--quick | --smoke] [--reps 3] [--model default|small|tiny] [--set k=v ...]
 """
 
 from __future__ import annotations
@@ -42,24 +42,29 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from _common import exited as _exited, run_events as _events, trainguard_cmd as _trainguard  # noqa: E402
+from _common import SMOKE_HELP, exited as _exited, run_events as _events, trainguard_cmd as _trainguard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "data.max_bytes=2000000"]
+TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.seq_len=32", "data.max_bytes=200000",
+        "train.batch_size=2", "train.log_interval=1"]
+MODELS = {"default": [], "small": SMALL, "tiny": TINY}
 
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one repetition with the small model, to check that it works")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, quick 1)")
-    p.add_argument("--model", choices=["default", "small"], default=None,
-                   help="examples/gpt.py's default model (3.3 M parameters) or a small one (default: default, quick: small)")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (one repetition, tiny model, a step log line every step)")
+    p.add_argument("--model", choices=list(MODELS), default=None,
+                   help="examples/gpt.py's default model (3.3 M parameters), a small one or a tiny one (default: default, "
+                        "quick: small, smoke: tiny)")
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra override for gpt.py (repeatable)")
     p.add_argument("--warm-steps", type=int, default=2, help="wait for this many 'step' log lines before SIGTERM")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each phase before giving up")
     args = p.parse_args()
-    args.reps = args.reps or (1 if args.quick else 3)
-    args.model = args.model or ("small" if args.quick else "default")
+    args.reps = args.reps or (1 if args.quick or args.smoke else 3)
+    args.model = args.model or ("tiny" if args.smoke else "small" if args.quick else "default")
     return args
 
 
@@ -77,7 +82,7 @@ def _watch_exits(pids: list[int], out: dict[int, float], stop: threading.Event) 
 
 def one_run(args: argparse.Namespace, run_dir: Path, rng: random.Random) -> dict:
     sets = ["train.max_steps=100000", "checkpoint.interval=1000000", "train.log_interval=5"]
-    sets += (SMALL if args.model == "small" else []) + args.sets
+    sets += MODELS[args.model] + args.sets
     cmd = _trainguard() + ["run", "--nproc-per-node", "2", "--run-dir", str(run_dir), str(ROOT / "examples" / "gpt.py")]
     for s in sets:
         cmd += ["--set", s]

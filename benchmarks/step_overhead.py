@@ -6,17 +6,18 @@ steps (B: ``for step in guard.steps(N): ...; guard.step_end(loss)``), and, as a 
 steps each followed by one bare 4-integer ``all_reduce`` (C: the collective the Guard's stop check
 adds at every step with ``stop.check_interval = 1``; the default, auto, adds it about once a second), in the order ABCCBA ABCCBA ... so that drift
 (thermal, other load) and ordering effects cancel. Each guarded block gets a fresh run
-directory (``steps()`` would otherwise resume) and ``checkpoint.interval`` larger than N with
-``save_final=false``: saving is measured by ``checkpoint_throughput.py``, not here.
+directory (``steps()`` would otherwise resume) and ``checkpoint.interval`` larger than N: no save
+during the steps (saving is measured by ``checkpoint_throughput.py``); the block's final save
+(``save_final``, which the Guard requires when no interval save happens) runs after its last timed step.
 
 Reported (rank 0): median per-step wall time of each variant (the first step of every block is
 dropped: for the Guard it includes ``_begin()``) and their ratio; the median over ABBA rounds of
 (guarded time / plain time) per round; the same for the reference; the same for the process's CPU time per step (all its
 threads; time spent descheduled or blocked is not counted, so it is much less sensitive to other
 load on the machine); the time spent inside ``guard.step_end()`` per call; and the Guard's per-run
-fixed cost (setup + the end-of-run state hash), for information.
+fixed cost (setup + the end-of-run state hash, without the final save) and the final save, for information.
 
-    .venv/bin/python benchmarks/step_overhead.py [--quick] [--steps N] [--rounds R] [--hidden H]
+    .venv/bin/python benchmarks/step_overhead.py [--quick | --smoke] [--steps N] [--rounds R] [--hidden H]
 """
 
 from __future__ import annotations
@@ -30,24 +31,28 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import NO_SCHEDULED_SAVES, SMOKE_HELP
+
 GOAL = 1.01
 
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short run (~15 s) to check that it works")
-    p.add_argument("--steps", type=int, default=None, help="steps per block (default 40, quick 30)")
-    p.add_argument("--rounds", type=int, default=None, help="ABCCBA rounds (default 8, quick 2)")
-    p.add_argument("--hidden", type=int, default=768, help="MLP width (sets the step time)")
-    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    p.add_argument("--steps", type=int, default=None, help="steps per block (default 40, quick 30, smoke 4)")
+    p.add_argument("--rounds", type=int, default=None, help="ABCCBA rounds (default 8, quick 2, smoke 1)")
+    p.add_argument("--hidden", type=int, default=None, help="MLP width (sets the step time; default 768, smoke 64)")
+    p.add_argument("--batch", type=int, default=None, help="samples per rank per step (default 64, smoke 8)")
     p.add_argument("--check-interval", type=int, default=0, help="Guard stop.check_interval (0 = auto, the default)")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip the reference variant (plain loop + one bare 4-int all_reduce per step)")
     args = p.parse_args()
-    if args.steps is None:
-        args.steps = 30 if args.quick else 40
-    if args.rounds is None:
-        args.rounds = 2 if args.quick else 8
+    args.steps = args.steps or (4 if args.smoke else 30 if args.quick else 40)
+    args.rounds = args.rounds or (1 if args.smoke else 2 if args.quick else 8)
+    args.hidden = args.hidden or (64 if args.smoke else 768)
+    args.batch = args.batch or (8 if args.smoke else 64)
+    args.warmup = 2 if args.smoke else 20
     return args
 
 
@@ -58,6 +63,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
 
     import trainguard
     from _common import ddp_mlp
+    from trainguard.events import read_events
 
     model, ddp, opt, x, y = ddp_mlp(rank, world, tmp, args.hidden, args.batch, lr=1e-4)
 
@@ -68,7 +74,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         opt.step()
         return loss
 
-    for _ in range(20):  # warm-up: allocator, gloo buffers, DDP buckets
+    for _ in range(args.warmup):  # warm-up: allocator, gloo buffers, DDP buckets
         train_step()
 
     n = args.steps
@@ -76,6 +82,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     cpu = {"plain": [], "guarded": [], "collective": []}  # per block: per-step CPU seconds of this process (all threads)
     step_end_us: list[float] = []
     fixed_ms: list[float] = []
+    final_save_ms: list[float] = []
     clock, cpu_clock = time.perf_counter, time.process_time
 
     def run_plain(variant: str = "plain") -> None:
@@ -94,8 +101,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         cpu[variant].append(cpus[1:])
 
     def run_guarded(block: int) -> None:
-        cfg = trainguard.load_config(None, [f"run.dir={tmp}/guard-{block}", "checkpoint.interval=1000000",
-                                            "checkpoint.save_final=false", f"stop.check_interval={args.check_interval}"])
+        cfg = trainguard.load_config(None, [f"run.dir={tmp}/guard-{block}", *NO_SCHEDULED_SAVES,
+                                            f"stop.check_interval={args.check_interval}"])
         t_start = clock()
         guard = trainguard.Guard(cfg, model=ddp, optimizer=opt)
         times, cpus, inside = [], [], []
@@ -115,7 +122,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         wall["guarded"].append(times[1:])
         cpu["guarded"].append(cpus[1:])
         step_end_us.extend(v * 1e6 for v in inside[1:])
-        fixed_ms.append((t_end - t_start - sum(times[1:]) - statistics.median(times[1:])) * 1e3)
+        # rank 0 writes the commit event; its seconds: write to commit of the final save
+        save_s = sum(e["details"]["seconds"] for e in read_events(guard.run_dir, "checkpoint_committed")) if rank == 0 else 0.0
+        final_save_ms.append(save_s * 1e3)
+        fixed_ms.append((t_end - t_start - sum(times[1:]) - statistics.median(times[1:]) - save_s) * 1e3)
 
     block = 0
     for _ in range(args.rounds):  # ABCCBA: plain, guard, collective, collective, guard, plain
@@ -129,7 +139,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     dist.barrier()
     if rank == 0:
         Path(tmp, "result.json").write_text(json.dumps(
-            {"wall": wall, "cpu": cpu, "step_end_us": step_end_us, "fixed_ms": fixed_ms}))
+            {"wall": wall, "cpu": cpu, "step_end_us": step_end_us, "fixed_ms": fixed_ms, "final_save_ms": final_save_ms}))
     dist.destroy_process_group()
 
 
@@ -186,6 +196,7 @@ def main() -> int:
     table.add_row("guard.step_end() wall per call (µs)", "", f"median {med(se):.0f}, p90 {p90:.0f}",
                   f"{med(se) / 1e3 / w_p * 100:.2f}% of a step", "incl. waiting for the other rank")
     table.add_row("Guard fixed cost per run (ms)", "", f"{med(res['fixed_ms']):.1f}", "", "setup + end hash, once")
+    table.add_row("final save per run (ms)", "", f"{med(res['final_save_ms']):.1f}", "", "after the last step, not in any step")
     Console(width=150).print(table)
     print("block medians, wall ms  plain: " + " ".join(f"{med(b) * 1e3:.1f}" for b in res["wall"]["plain"]))
     print("                        guard: " + " ".join(f"{med(b) * 1e3:.1f}" for b in res["wall"]["guarded"]))
