@@ -6,16 +6,18 @@ Without a reachable cluster these tests skip; with ``TRAINGUARD_REQUIRE_SLURM=1`
 
 What each test exercises, honestly:
 
-* the time limit: the job starts with ``--time=5``; once it has trained 150 steps the test lowers
-  its limit to 1 minute (SLURM's minimum) with ``scontrol update`` (so that the first run trains a
-  known amount, whatever the machine's load). The launcher re-reads EndTime every second here
-  (``[slurm] end_time_refresh``); the ranks must be gone ``end_margin`` (40 s here) before it and
-  keep one step + one save + 5 s in reserve, so they stop at once (the job has run ≥ 15 s), save,
-  exit 75, and the launcher requeues the job; the test then sets the limit back to 5 minutes and
-  the requeued run finishes. SLURM's own ``--signal=B:USR1@N`` is not what stops
-  it: SLURM sends that signal from a periodic check (up to ~60 s early or late on a 1-minute job),
-  so the test sets N=1; the path that signal takes (batch shell → srun → launcher → ranks) is the
-  one ``scancel --signal=USR1 --batch`` exercises below;
+* the time limit: the job starts with ``--time=5``; both ranks SIGSTOP themselves once they have
+  trained 150 steps (an injected ``rank_hung`` fault each), so the run cannot finish before the
+  test lowers the limit, however fast the machine. The test then lowers the limit to 1 minute
+  (SLURM's minimum) with ``scontrol update``; the launcher re-reads EndTime every second here
+  (``[slurm] end_time_refresh``) and writes ``slurm_end_time_changed`` with the ranks' new end
+  time (EndTime − ``end_margin``, 50 s here). Once that moment has passed, the test continues the
+  ranks (SIGCONT); their next stop check (every step here) sees the time limit, they save, exit 75,
+  and the launcher requeues the job; the test then sets the limit back to 5 minutes and the
+  requeued run finishes. SLURM's own ``--signal=B:USR1@N`` is not what stops it: SLURM sends that
+  signal from a periodic check (up to ~60 s early or late on a 1-minute job), so the test sets
+  N=1; the path that signal takes (batch shell → srun → launcher → ranks) is the one
+  ``scancel --signal=USR1 --batch`` exercises below;
 * ``scancel --signal=USR1 --batch``: the batch shell's trap → ``srun`` → ``trainguard run`` → ranks;
 * ``scontrol requeue`` of the running job: SLURM's SIGTERM to every process of the job.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -149,11 +152,19 @@ def requeue_timing(run_dir: Path) -> list[dict]:
 
 def test_time_limit_saves_before_end_time_requeues_and_matches_clean_run(tmp_path, jobs, clean_hash):
     run = tmp_path / "tl"
+    hold = "[{kind='rank_hung', rank=0, step=150}, {kind='rank_hung', rank=1, step=150}]"
     job = submit(jobs, run, "--time", "5", "--signal-lead", "1",
-                 overrides=(f"train.max_steps={STEPS}", "checkpoint.interval=50",
-                           "slurm.end_time_refresh=1", "slurm.end_margin=40"))
-    wait_for(lambda: progress_step(run) >= 150, timeout=TIMEOUT, what="step 150")
+                 overrides=(f"train.max_steps={STEPS}", "checkpoint.interval=50", "stop.check_interval=1",
+                            "slurm.end_time_refresh=1", "slurm.end_margin=50",
+                            "supervisor.learn=false",  # the held ranks stay within the 180 s step timeout
+                            f"faults.inject={hold}"))
+    held = wait_for(lambda: (lambda f: f if len(f) == 2 else None)(events(run, "fault_injected")),
+                    timeout=TIMEOUT, what="both ranks held at step 150")
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=1"], check=True, timeout=30)
+    changed = wait_for(lambda: events(run, "slurm_end_time_changed"), timeout=60, what="the new EndTime")[0]["details"]
+    wait_for(lambda: time.time() > changed["ranks_end_time"], timeout=90, what="the ranks' new end time")
+    for f in held:
+        os.kill(f["pid"], signal.SIGCONT)
     wait_for(lambda: events(run, "slurm_requeue"), timeout=120, what="the requeue at the time limit")
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=5"], check=True, timeout=30)
     tasks = wait_done(job)
@@ -162,16 +173,16 @@ def test_time_limit_saves_before_end_time_requeues_and_matches_clean_run(tmp_pat
 
     infos = events(run, "slurm_info")
     assert [(i["details"]["restart_count"], i["details"]["time_limit"]) for i in infos] == [(0, 300), (1, 300)]
-    changed = events(run, "slurm_end_time_changed")[0]["details"]
     assert changed["time_limit"] == 60 and changed["end_time"] < infos[0]["details"]["end_time"]
+    assert changed["ranks_end_time"] == changed["end_time"] - 50
     [stop] = events(run, "stop_requested")
-    assert stop["details"]["reason"] == "time_limit" and stop["step"] >= 150
+    assert stop["details"]["reason"] == "time_limit" and stop["step"] in (150, 151)  # the first check after SIGCONT
     assert stop["step"] in [e["step"] for e in events(run, "checkpoint_committed")]
     exit_ = events(run, "launch_exit")[0]
-    assert exit_["details"]["code"] == 75 and exit_["time"] < changed["end_time"] - 40  # saved, left in time
+    assert exit_["details"]["code"] == 75 and exit_["time"] < changed["end_time"]  # saved, left before SLURM's kill
     [requeue] = events(run, "slurm_requeue")
     assert requeue["details"]["ok"] and requeue["details"]["reason"] == "time_limit"
-    assert requeue["time"] < changed["end_time"] - 40
+    assert requeue["time"] < changed["end_time"]
     assert lost_steps(run) == [0]
     assert final_hash(run) == clean_hash(STEPS)
     print(f"\n[time limit] stop at step {stop['step']}, {changed['end_time'] - exit_['time']:.1f} s before EndTime; "

@@ -185,7 +185,7 @@ class SupervisorSection(Section):
     min_timeout: float = Field(2.0, gt=0, description="floor of every learned timeout (seconds)")
     min_samples: int = Field(20, ge=1, description="observations of a section before its timeout is learned")
     kill_grace: float = Field(3.0, gt=0, description="seconds between SIGTERM and SIGKILL when the launcher stops a group to restart it")
-    stacks_wait: float = Field(1.0, ge=0, description="seconds to wait for a hung rank's stack dump")
+    stacks_wait: float = Field(2.0, ge=0, description="seconds to wait at most for a hung rank's stack dump (it usually ends in milliseconds: its main thread's outermost frame marks the end)")
     max_no_progress_restarts: int = Field(3, ge=1, description="give up after this many consecutive restarts with no new checkpoint")
     max_same_step_faults: int = Field(2, ge=2, description="give up when the group fails at the same step this many times in a row")
 

@@ -45,7 +45,8 @@ class RunHistory:
     def _new(self, kind: str, e: dict, *, failed_at: Optional[float] = None, step: Optional[float] = None,
              **extra: Any) -> Incident:
         launch, attempt = self._here(e)
-        inc = Incident(kind=kind, launch=launch, attempt=attempt, detected_at=e["time"],
+        detected = e["details"].get("detected_at", e["time"])  # hang_detected: the poll, before the stack dump
+        inc = Incident(kind=kind, launch=launch, attempt=attempt, detected_at=detected,
                        failed_at=e["time"] if failed_at is None else failed_at, step=step,
                        segment=self._segment_of(launch, attempt), **extra)
         fault = self._match_fault(inc)

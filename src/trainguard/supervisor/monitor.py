@@ -21,6 +21,8 @@ same step (a deterministic fault that a restart cannot cure).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 import signal
@@ -35,7 +37,39 @@ from .heartbeat import OUT_OF_SECTION, HeartbeatReader, RankState, heartbeat_pat
 from .timeouts import INITIAL, TimeoutBook
 
 STACK_SIGNAL = signal.SIGUSR2
-STACK_QUIET = 0.1  # seconds without growth that end a stack dump
+STACK_QUIET = 0.5  # seconds without growth that end a stack dump whose end was not seen
+# faulthandler dumps the threads newest first, so the main thread comes last and its outermost frame
+# (a script's ``<module>``, ``python -m``'s ``_run_module_as_main``) is the dump's last line
+MAIN_BOTTOM = ("in <module>", "in _run_module_as_main")
+
+
+# tgkill(2) by machine: a signal to one thread (the main thread's id is the process id)
+TGKILL = {"x86_64": 234, "aarch64": 131}
+
+
+def signal_main_thread(pid: int, sig: int) -> None:
+    """Send ``sig`` to the main thread of process ``pid`` (``tgkill``), so that faulthandler's handler
+    runs *in* the main thread and its stack is read while it stands still; a process-directed
+    signal may be handled by any thread while the main thread runs on, and a dump of a running
+    thread comes out cut short. Falls back to ``os.kill`` where ``tgkill`` is not known.
+
+    Raises:
+        ProcessLookupError: no such process.
+    """
+    number = TGKILL.get(os.uname().machine)
+    if number is None:
+        os.kill(pid, sig)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, pid, pid, sig) != 0:
+        err = ctypes.get_errno()
+        raise ProcessLookupError(err, os.strerror(err)) if err == errno.ESRCH else OSError(err, os.strerror(err))
+
+
+def dump_complete(text: str) -> bool:
+    """True when a faulthandler dump of all threads has reached the main thread's outermost frame."""
+    lines = text.rstrip().splitlines()
+    return bool(lines) and lines[-1].rstrip().endswith(MAIN_BOTTOM)
 
 
 def attempt_dir(root: str | os.PathLike, attempt: int) -> Path:
@@ -175,6 +209,7 @@ class HangMonitor:
         self._learn()
         self._frozen = True
         pids = agent.worker_pids()
+        detected_at = time.time()  # the events come after the stack dumps: they carry this poll's time
         for worker, section, silent, limit, step in hung:
             pid = pids.get(worker.local_rank)
             stacks = self._dump_stacks(worker.local_rank, worker.global_rank, pid)
@@ -185,7 +220,8 @@ class HangMonitor:
                     pass
             self.events.emit("hang_detected", step, rank=worker.global_rank, local_rank=worker.local_rank,
                              section=section, silent_seconds=round(silent, 3), timeout=round(limit, 3),
-                             learned=self.book.learned(section) is not None, stacks=str(stacks) if stacks else None)
+                             learned=self.book.learned(section) is not None, stacks=str(stacks) if stacks else None,
+                             detected_at=round(detected_at, 3))
         return "; ".join(f"hang: rank {w.global_rank} silent {s:.1f} s in '{sec}' (timeout {lim:.1f} s)"
                          for w, sec, s, lim, _ in hung)
 
@@ -226,13 +262,14 @@ class HangMonitor:
             return None
         before = src.stat().st_size
         try:
-            os.kill(pid, STACK_SIGNAL)
+            signal_main_thread(pid, STACK_SIGNAL)
             os.kill(pid, signal.SIGCONT)  # a stopped process handles the dump signal once continued
         except ProcessLookupError:
             return None
-        # faulthandler writes frame by frame from the signal handler and marks no end: wait for the
-        # first bytes, then until the file has stopped growing for STACK_QUIET seconds (a loaded
-        # machine may deschedule the rank mid-dump), all within stacks_wait.
+        # faulthandler writes frame by frame from the signal handler and marks no end: wait until the
+        # main thread's outermost frame is written (it comes last), or, for a main thread without
+        # one, until the file has stopped growing for STACK_QUIET seconds; all within stacks_wait
+        # (a loaded machine may deschedule the rank mid-dump).
         deadline = time.monotonic() + self.cfg.stacks_wait
         size, quiet_since = before, None
         while time.monotonic() < deadline:
@@ -240,6 +277,10 @@ class HangMonitor:
             now_size = src.stat().st_size
             if now_size != size:
                 size, quiet_since = now_size, time.monotonic()
+                with open(src, "rb") as f:
+                    f.seek(before)
+                    if dump_complete(f.read().decode(errors="replace")):
+                        break
             elif quiet_since is not None and time.monotonic() - quiet_since >= STACK_QUIET:
                 break
         dest = self.run_dir / "stacks" / f"attempt{self.attempt}-rank{global_rank}.txt"
