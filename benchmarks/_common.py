@@ -70,22 +70,22 @@ SMOKE_HELP = "smallest sizes, a few seconds: checks that the benchmark runs to i
 
 
 def block_args(doc: str, order: str = "ABBA",
-               extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+               extra: Callable[[argparse.ArgumentParser], None] | None = None, smoke_steps: int = 4) -> argparse.Namespace:
     """Command-line arguments of a benchmark of alternated step blocks: ``--quick`` (1 round of 20
-    steps), ``--smoke`` (1 round of 4 steps, width 64, batch 8, no warm-up blocks), ``--steps``
+    steps), ``--smoke`` (1 round of ``smoke_steps`` steps, width 64, batch 8, no warm-up blocks), ``--steps``
     (default 40), ``--rounds`` (default 8), ``--hidden`` (1024), ``--batch`` (64); ``extra(parser)``
     adds the script's own. The description is ``doc``'s first paragraph."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short run to check that it works")
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
-    p.add_argument("--steps", type=int, default=None, help="steps per block (default 40, quick 20, smoke 4)")
+    p.add_argument("--steps", type=int, default=None, help=f"steps per block (default 40, quick 20, smoke {smoke_steps})")
     p.add_argument("--rounds", type=int, default=None, help=f"{order} rounds (default 8, quick 1, smoke 1)")
     p.add_argument("--hidden", type=int, default=None, help="MLP width (sets the step time; default 1024, smoke 64)")
     p.add_argument("--batch", type=int, default=None, help="samples per rank per step (default 64, smoke 8)")
     if extra is not None:
         extra(p)
     args = p.parse_args()
-    args.steps = args.steps or (4 if args.smoke else 20 if args.quick else 40)
+    args.steps = args.steps or (smoke_steps if args.smoke else 20 if args.quick else 40)
     args.rounds = args.rounds or (1 if args.smoke or args.quick else 8)
     args.hidden = args.hidden or (64 if args.smoke else 1024)
     args.batch = args.batch or (8 if args.smoke else 64)

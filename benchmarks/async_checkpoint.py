@@ -5,9 +5,9 @@ so ≥ 100 MB). Each method saves the same state ``--reps`` times, each save fol
 seconds of "forward and backward" (matrix multiplications on the CPU, as a real loop would keep the
 cores busy while a background write runs) and an ``optimizer.step()``. Methods, each in a fresh process, in a rotating order:
 
-* ``trainguard sync``   — ``Checkpointer.save(blocking=True)``: DCP write with fsync, rank file,
+* ``trainguard sync``   — ``guard.save(blocking=True)``: DCP write with fsync, rank file,
   XXH3-128 manifest, atomic rename; blocked = the whole save;
-* ``trainguard async``  — ``checkpoint.async_save``: blocked = the save call (module buffers and rank
+* ``trainguard async``  — ``checkpoint.async_save``, ``guard.save(blocking=False)``: blocked = the save call (module buffers and rank
   state copied, the rest handed to the background thread) plus the time the next ``optimizer.step()``
   waits for the background copy of parameters and optimizer states; write and commit run in the
   background;
@@ -19,6 +19,8 @@ Also: trainguard's write throughput (bytes / write time of a synchronous save) a
 conv=fsync`` of the same number of bytes into the same directory, run right after each save, and load throughput
 (``load_state``: ``dcp.load`` + ``set_state_dict``) against a plain read of the same files. Both
 read from the page cache (nothing evicts it here); verification (checksums) is timed on its own.
+trainguard's write times and the async blocked time come from its ``checkpoint_committed`` events.
+``--smoke`` runs every method once, all in one process (a 4 MiB state): it only checks the path.
 
     .venv/bin/python benchmarks/async_checkpoint.py [--quick | --smoke] [--mb 128] [--reps 5] [--dir DIR]
 """
@@ -77,9 +79,9 @@ def child(method: str, mb: int, reps: int, gap: float, work: Path, out: Path) ->
     for rep in range(reps + 1):  # the first save warms up (buffers, DCP plan caches) and is not counted
         done: list[float] = []
         t0 = time.perf_counter()
-        if guard is not None:
+        if guard is not None:  # the public save; an async one returns after the snapshot
             guard.step = rep + 1
-            r = guard.ckpt.save("bench", blocking=method == "trainguard sync")
+            guard.save("bench", blocking=method == "trainguard sync")
         elif method == "torch.save":
             with open(work / f"ts-{rep}.pt", "wb") as f:
                 m, o = get_state_dict(model, opt)
@@ -98,15 +100,12 @@ def child(method: str, mb: int, reps: int, gap: float, work: Path, out: Path) ->
         opt.step()  # ... then the optimizer step, which waits for trainguard's background copy of the state
         if method == "DCP async":
             fut.result()
-        if method == "trainguard async":
-            r = guard.ckpt.wait()
-            blocked = r.blocked_seconds  # the snapshot call plus the optimizer step's wait for the copy
         if guard is not None:
-            total, res["bytes"] = r.write_seconds, r.bytes  # start of the write to its commit
-            if method == "trainguard sync" and rep > 0:  # dd of the same bytes, alternated with the saves
-                res.setdefault("dd", []).append(_dd(work, r.bytes))
-        else:
-            total = done[0] - t0 if done else blocked
+            if method == "trainguard sync" and rep > 0:
+                res["blocked"].append(blocked)  # the whole save call
+                res.setdefault("dd", []).append(_dd(work, _committed(guard)[rep + 1]["details"]["bytes"]))  # the same bytes, alternated
+            continue  # the other times from the checkpoint_committed events, below
+        total = done[0] - t0 if done else blocked
         if rep > 0:
             res["blocked"].append(blocked)
             res["total"].append(total)
@@ -114,9 +113,26 @@ def child(method: str, mb: int, reps: int, gap: float, work: Path, out: Path) ->
             q.unlink()
         for q in work.glob("dcp-*"):
             shutil.rmtree(q)
+    if guard is not None:
+        if method == "trainguard async":  # a last (synchronous) save waits for the last async one to commit
+            guard.step = reps + 2
+            guard.save("bench-end")
+        for step in range(2, reps + 2):
+            d = _committed(guard)[step]["details"]
+            if method == "trainguard async":  # the snapshot call plus the optimizer step's wait for the copy
+                res["blocked"].append(d["blocked_seconds"])
+            res["total"].append(d["seconds"])  # the start of the write to its commit
+            res["bytes"] = d["bytes"]
     if method == "trainguard sync":
         res.update(_load_and_read(guard, model, opt, reps))
     out.write_text(json.dumps(res))
+
+
+def _committed(guard) -> dict[int, dict]:
+    """The ``checkpoint_committed`` events of ``guard``'s run by step."""
+    from trainguard.events import read_events
+
+    return {e["step"]: e for e in read_events(guard.run_dir, "checkpoint_committed")}
 
 
 def _load_and_read(guard, model, opt, reps: int) -> dict:
@@ -146,38 +162,49 @@ def _load_and_read(guard, model, opt, reps: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="64 MiB, 2 reps")
-    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (4 MiB, 1 rep, 0.05 s gaps)")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (4 MiB, 1 rep, 0.05 s gaps, all methods in one process)")
     p.add_argument("--mb", type=int, default=None, help="state size in MiB (default 128, quick 64, smoke 4)")
     p.add_argument("--reps", type=int, default=None, help="saves per method (default 5, quick 2, smoke 1)")
     p.add_argument("--gap", type=float, default=None, help="seconds of training after each save (default: 2 × a sync save, "
                    "at least 0.5; smoke 0.05)")
     p.add_argument("--dir", default=None, help="directory to write in (default: a temporary directory under /tmp)")
-    p.add_argument("--child", nargs=4, metavar=("METHOD", "GAP", "WORK", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=4, metavar=("METHODS", "GAP", "WORK", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
     a.mb = a.mb or (4 if a.smoke else 64 if a.quick else 128)
     a.reps = a.reps or (1 if a.smoke else 2 if a.quick else 5)
     a.gap = a.gap or (0.05 if a.smoke else None)
-    if a.child:
-        method, gap, work, out = a.child
-        child(method, a.mb, a.reps, float(gap), Path(work), Path(out))
+    if a.child:  # METHODS: comma-separated, run one after the other (each in WORK/<n>, its result in OUT.<n>)
+        methods, gap, work, out = a.child
+        for i, method in enumerate(methods.split(",")):
+            (Path(work) / str(i)).mkdir()
+            child(method, a.mb, a.reps, float(gap), Path(work) / str(i), Path(f"{out}.{i}"))
         return 0
 
     base = Path(tempfile.mkdtemp(prefix="tg-async-", dir=a.dir))
     results: dict[str, dict] = {}
     try:
-        def run(method: str, gap: float) -> dict:
-            work = base / method.replace(" ", "-").replace(".", "")
+        def run_in_one_process(methods: list[str], gap: float) -> list[dict]:
+            work = base / "-".join(m.replace(" ", "-").replace(".", "") for m in methods)
             work.mkdir()
             out = base / f"{work.name}.json"
-            subprocess.run([sys.executable, __file__, "--mb", str(a.mb), "--reps", str(a.reps), "--child", method, str(gap),
-                            str(work), str(out)], check=True)
+            subprocess.run([sys.executable, __file__, "--mb", str(a.mb), "--reps", str(a.reps), "--child", ",".join(methods),
+                            str(gap), str(work), str(out)], check=True)
             shutil.rmtree(work)
-            return json.loads(out.read_text())
+            return [json.loads(Path(f"{out}.{i}").read_text()) for i in range(len(methods))]
 
-        first = run("trainguard sync", a.gap or 0.5)
-        gap = a.gap or max(0.5, 2 * statistics.median(first["blocked"]))
-        for method in METHODS[1:] + METHODS[:1]:
-            results[method] = run(method, gap)
+        def run(method: str, gap: float) -> dict:
+            return run_in_one_process([method], gap)[0]
+
+        if a.gap:
+            gap = a.gap
+        else:  # a first synchronous run sets the gap
+            gap = max(0.5, 2 * statistics.median(run("trainguard sync", 0.5)["blocked"]))
+        order = METHODS[1:] + METHODS[:1]
+        if a.smoke:  # one process start instead of five
+            results.update(zip(order, run_in_one_process(order, gap)))
+        else:
+            for method in order:
+                results[method] = run(method, gap)
         nbytes = results["trainguard sync"]["bytes"]
         dd = results["trainguard sync"]["dd"]
     finally:

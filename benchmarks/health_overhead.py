@@ -13,13 +13,17 @@ configurations, in mirrored order (ABBA) so that drift and ordering effects canc
   group of its own every half second) — far more often than the defaults of 300 s and 30 s.
 
 Both have ``health.preflight = false`` (it runs once, before the first step). Each block builds its
-own Guard (fresh run directory, no saves) and runs ``guard.steps()`` to its end on both ranks, so
+own Guard (fresh run directory, no save before its final one, after the last step) and runs ``guard.steps()`` to its end on both ranks, so
 that every B block stops its ping (a collective) before the next block starts; the first step of a
 block, which includes the Guard's start, is not counted.
 
 Reported (rank 0): the median wall and CPU step time of A and B, B / A, the median of per-round
 ratios; from the B blocks, the pings completed and their median duration, and the
 ``straggler_report`` (and ``straggler_detected``) events written.
+
+``--smoke``: 12 steps per block of a width-64 MLP, and in B a report every 4 steps after 2 warm-up
+steps, a ping every 0.02 s and a stop check every 2 steps (``--check-interval``), so that the
+short blocks still ping and report.
 
     .venv/bin/python benchmarks/health_overhead.py [--quick | --smoke] [--steps N] [--rounds R] [--hidden H]
 """
@@ -37,6 +41,9 @@ GOAL = 1.01
 OFF = ["straggler.enabled=false", "health.ping=false", "health.preflight=false"]
 ON = ["straggler.enabled=true", "straggler.report_interval_steps=10", "straggler.min_samples=5",
       "health.ping=true", "health.ping_interval=0.5", "health.preflight=false"]
+# --smoke: blocks of 12 tiny steps (~0.1 s) still see pings and a straggler report
+SMOKE_ON = ["straggler.report_interval_steps=4", "straggler.warmup_steps=2", "straggler.min_samples=2",
+            "health.ping_interval=0.02"]
 
 
 def _options(p: argparse.ArgumentParser) -> None:
@@ -62,7 +69,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
 
     def run_block(variant: str) -> tuple[list[float], list[float]]:
         cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-{block[0]}", *NO_SCHEDULED_SAVES, f"stop.check_interval={args.check_interval}",
-                                            *(ON if variant == "on" else OFF)])
+                                            *((ON + (SMOKE_ON if args.smoke else [])) if variant == "on" else OFF)])
         block[0] += 1
         guard = trainguard.Guard(cfg, model=ddp, optimizer=opt)
         pings, seconds = [], []
@@ -112,7 +119,9 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    args = block_args(__doc__, extra=_options)
+    args = block_args(__doc__, extra=_options, smoke_steps=12)
+    if args.smoke and not args.check_interval:
+        args.check_interval = 2  # the straggler report rides on the stop check
     res, seconds = spawn_pair(_worker, args, "tg-bench-health-")
     check = f"stop.check_interval {args.check_interval}" if args.check_interval else "auto stop check"
     Console(width=160).print(ratio_table(f"straggler timing + liveness ping — 2 gloo ranks, DDP MLP width {args.hidden}, "
