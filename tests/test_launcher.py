@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 from conftest import REPO, events, final_hash, finish, launch, logged_step, wait_for
 
 from trainguard.exitcodes import ExitCode
@@ -149,3 +151,72 @@ def test_sigusr1_to_launcher_reaches_ranks(tmp_path):
     stop = events(run, "stop_requested")[-1]
     assert stop["details"]["signal"] == "SIGUSR1"
     assert events(run, "launch_exit")[-1]["details"]["signal"] == "SIGUSR1"
+
+
+# ---- ranks never outlive their launcher ---------------------------------------------------------
+
+ORPHAN = REPO / "tests" / "orphan_worker.py"
+
+
+def running(proc: psutil.Process) -> bool:
+    """The process still runs (not exited, not a zombie waiting for a parent to reap it)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_ranks_die_with_their_sigkilled_launcher_and_a_relaunch_then_starts(tmp_path):
+    run = tmp_path / "run"
+    proc = launch(run, "train.max_steps=100000")
+    wait_for(lambda: events(run, "start") and logged_step(run) >= 3, what="training")
+    ranks = [int(p) for p in events(run, "workers_started")[-1]["details"]["pids"].values()]
+    tree = psutil.Process(proc.pid).children(recursive=True)  # the ranks and anything else it started
+    assert set(ranks) <= {p.pid for p in tree} and len(ranks) == 2
+    record = next((run / ".launches").glob("*.json"))
+    recorded = json.loads(record.read_text())
+    assert set(ranks) == {r["pid"] for r in recorded["ranks"].values()}
+    heartbeats = Path(recorded["heartbeat_dir"])
+    assert heartbeats.is_dir()
+
+    proc.kill()  # as the OOM killer would: no handler runs, the launcher cannot stop its ranks
+    proc.wait()
+    wait_for(lambda: not any(running(p) for p in tree), timeout=5, what=f"the launcher's processes {tree} to die")
+
+    # the record the dead launcher left names only dead processes: a relaunch cleans it up and runs
+    relaunch = launch(run, "train.max_steps=100000")
+    wait_for(lambda: len(events(run, "start")) == 2, what="the relaunch training")
+    assert not record.exists() and not heartbeats.exists()  # the dead launch's heartbeat records too
+    relaunch.send_signal(signal.SIGTERM)
+    assert finish(relaunch) == ExitCode.REQUEUE
+    assert not list((run / ".launches").glob("*.json"))  # a launch that ends removes its record
+
+
+def orphan_command(run: Path, *args: str) -> list[str]:
+    """``trainguard run`` of one rank of tests/orphan_worker.py with ``args``."""
+    return [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "1", "--run-dir", str(run), str(ORPHAN), *args]
+
+
+def test_relaunch_is_refused_while_a_rank_of_the_previous_launch_lives(tmp_path):
+    run, ready = tmp_path / "run", tmp_path / "orphan.pid"
+    with open(f"{run}.log", "ab") as log:
+        proc = subprocess.Popen(orphan_command(run, str(ready)), stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    survivor = None
+    try:
+        survivor = psutil.Process(int(wait_for(lambda: ready.exists() and ready.read_text(), what="the rank's pid file")))
+        wait_for(lambda: events(run, "workers_started"), what="the launcher's record of its rank")
+        proc.kill()  # its rank does not die with it (it cleared its parent-death signal)
+        proc.wait()
+        cmd = orphan_command(run, "--exit")
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert r.returncode == ExitCode.BAD_INPUT, r.stderr
+        assert "still alive" in r.stderr and str(survivor.pid) in r.stderr and str(run) in r.stderr, r.stderr
+        assert len(events(run, "launch")) == 1  # refused before anything started
+
+        survivor.kill()
+        wait_for(lambda: not running(survivor), timeout=5, what="the survivor's end")
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    finally:
+        if survivor is not None and running(survivor):
+            survivor.kill()

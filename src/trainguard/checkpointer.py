@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import shutil
 import sys
 import threading
@@ -49,6 +48,7 @@ from .checkpoint.snapshot import Snapshot, copy_pairs
 from .checkpoint.store import Checkpoint
 from .exitcodes import exit_bad_input
 from .health.preflight import PreflightError, check_writable, state_bytes
+from .launch_env import LaunchEnv
 
 if TYPE_CHECKING:
     from .guard import Guard
@@ -102,7 +102,8 @@ class Checkpointer:
                                      on_invalid=self._on_invalid)
         self.local: Optional[LocalTier] = None
         if cfg.local.dir is not None:
-            base = expand_dir(cfg.local.dir, g.rank, int(os.environ.get("GROUP_RANK", "0")))
+            launch = LaunchEnv.from_environ()
+            base = expand_dir(cfg.local.dir, g.rank, launch.group_rank)
             try:
                 check_writable(base, "checkpoint.local.dir")
             except PreflightError as e:
@@ -110,7 +111,7 @@ class Checkpointer:
             run_id = _run_id(g.run_dir, g.rank)  # runs sharing a node-local directory keep apart
             self.local = LocalTier(base / run_id, self.store.root / "local-replicas" if cfg.local.replicate else None,
                                    cfg.local.keep_last, g.rank, g.world_size,
-                                   int(os.environ.get("LOCAL_WORLD_SIZE", str(g.world_size))), run_id, self._on_invalid)
+                                   launch.local_world_size or g.world_size, run_id, self._on_invalid)
         background = cfg.async_save
         self.group = tgdist.new_cpu_group() if (background or self.local is not None) else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="trainguard-ckpt") if background else None

@@ -31,6 +31,7 @@ else:  # pragma: no cover
 import tomli_w
 
 from .atomic import write_atomic
+from .launch_env import LaunchEnv, LaunchEnvError
 from .sections import (  # noqa: F401  (re-exported: trainguard.config.Section etc.)
     CheckpointSection, FaultSpec, FaultsSection, HealthSection, InstabilitySection, LauncherSection, MemorySection,
     OOMSection, PreemptionSection, RollbackSection, RunSection, Section, StopSection, StragglerSection, SupervisorSection,
@@ -213,25 +214,27 @@ def config_from_argv(schema: type[Config] = Config, argv: list[str] | None = Non
     """Load the config a script was started with.
 
     Reads ``--config``/``--set`` from ``argv`` (default ``sys.argv[1:]``), plus what the launcher
-    passed in the environment (``TRAINGUARD_CONFIG``, ``TRAINGUARD_SET``: overrides joined by
-    newlines, applied before the script's own). ``TRAINGUARD_RUN_DIR`` sets ``run.dir``.
+    passed in the environment (:class:`~trainguard.launch_env.LaunchEnv`: its config file, its
+    overrides, applied before the script's own, and its ``--inject`` faults). Its run dir sets ``run.dir``.
 
     Raises:
-        ConfigError: as :func:`load_config`, or an argument other than ``--config``/``--set``.
+        ConfigError: as :func:`load_config`, an argument other than ``--config``/``--set``, or a
+            malformed launcher variable (:class:`~trainguard.launch_env.LaunchEnvError`).
     """
     path, sets, rest = split_cli_args(list(sys.argv[1:] if argv is None else argv))
     if rest:
         raise ConfigError(f"unexpected arguments {rest}: a trainguard script takes --config PATH and --set KEY=VALUE "
                           "(launcher options such as --inject go before the script name)")
-    path = path or os.environ.get("TRAINGUARD_CONFIG") or None
-    env_sets = [s for s in os.environ.get("TRAINGUARD_SET", "").split("\n") if s]
-    cfg = load_config(path, env_sets + sets, schema)
-    if os.environ.get("TRAINGUARD_RUN_DIR"):
-        cfg.run.dir = Path(os.environ["TRAINGUARD_RUN_DIR"])
-    if os.environ.get("TRAINGUARD_INJECT"):  # trainguard run --inject ...
-        import json
-
-        extra = [FaultSpec.model_validate(d) for d in json.loads(os.environ["TRAINGUARD_INJECT"])]
+    try:
+        launch = LaunchEnv.from_environ()
+    except LaunchEnvError as e:
+        raise ConfigError(str(e)) from None
+    path = path or (str(launch.config) if launch.config else None)
+    cfg = load_config(path, list(launch.overrides) + sets, schema)
+    if launch.run_dir is not None:
+        cfg.run.dir = launch.run_dir
+    if launch.inject:  # trainguard run --inject ...
+        extra = [FaultSpec.model_validate(d) for d in launch.inject]
         cfg.faults.inject = list(cfg.faults.inject) + extra
     return cfg
 

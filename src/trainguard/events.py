@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from .launch_env import LaunchEnv
+
 
 class EventLog:
     """Appends events to ``RUN_DIR/events.jsonl``.
@@ -33,7 +35,7 @@ class EventLog:
     def __init__(self, run_dir: str | os.PathLike, rank: Optional[int] = None):
         self.path = Path(run_dir) / self.FILENAME
         self.rank = rank
-        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.attempt = LaunchEnv.from_environ().restart_count
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def emit(self, kind: str, step: Optional[int] = None, /, **details: Any) -> dict:

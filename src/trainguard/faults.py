@@ -28,7 +28,6 @@ Each firing first writes a ``fault_injected`` event, so reports can tell injecte
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -40,6 +39,7 @@ import torch
 
 from .config import ConfigError, FaultSpec
 from .events import EventLog
+from .launch_env import LaunchEnv
 
 
 def parse_inject(text: str) -> FaultSpec:
@@ -93,9 +93,13 @@ def provoke_oom(device: torch.device | str = "cpu") -> None:
 
 
 def specs_from_env() -> list[FaultSpec]:
-    """Injections passed by the launcher in ``TRAINGUARD_INJECT`` (a JSON list)."""
-    raw = os.environ.get("TRAINGUARD_INJECT")
-    return [FaultSpec.model_validate(d) for d in json.loads(raw)] if raw else []
+    """Injections passed by the launcher (:attr:`~trainguard.launch_env.LaunchEnv.inject`).
+
+    Raises:
+        LaunchEnvError: the launcher's value is not a JSON list of objects.
+        pydantic.ValidationError: an object is not a valid fault spec.
+    """
+    return [FaultSpec.model_validate(d) for d in LaunchEnv.from_environ().inject]
 
 
 class FaultInjector:

@@ -8,12 +8,12 @@ Each rank computes its local flags; the Guard combines them across ranks in one 
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 from typing import Optional
 
 from .config import StopSection
+from .launch_env import LaunchEnv
 from .memory import MemoryWatchdog
 from .signals import ShutdownHandler
 from .slurm.endtime import JobEndTime
@@ -23,11 +23,15 @@ FLAGS = ("signal", "kill_switch", "time_limit", "memory", "save_switch")
 
 
 def launch_start_time() -> float:
-    """Unix time the launch began: ``TRAINGUARD_LAUNCH_TIME`` from the launcher, else now.
+    """Unix time the launch began: the launcher's (:attr:`~trainguard.launch_env.LaunchEnv.launch_time`), else now.
 
     Restarted worker groups of one launch share it, so the time limit counts the whole launch.
+
+    Raises:
+        LaunchEnvError: the launcher's value is not a number.
     """
-    return float(os.environ.get("TRAINGUARD_LAUNCH_TIME", time.time()))
+    launched = LaunchEnv.from_environ().launch_time
+    return time.time() if launched is None else launched
 
 
 class StopConditions:

@@ -15,6 +15,9 @@ monitor loop in place of ``_invoke_run``:
 
 ``poll_hooks`` is the extension point for the hang supervisor: callables run every monitor
 interval that may return a reason to restart the group (for example a missed heartbeat).
+
+What it needs of torch's agent beyond ``run()`` comes through :mod:`trainguard.launcher.elastic`
+(the only module that touches torch elastic's private members).
 """
 
 from __future__ import annotations
@@ -26,35 +29,44 @@ import time
 from typing import Callable, Optional
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from ..events import EventLog
 from ..exitcodes import ExitCode
 from ..supervisor.monitor import HangMonitor
+from .elastic import ElasticAdapter
+from .record import LaunchRecord
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # exit codes with which a rank tells the launcher "do not restart, end the launch with this code"
 DECISION_CODES = (int(ExitCode.REQUEUE), int(ExitCode.BAD_INPUT), int(ExitCode.GIVE_UP))
 
 
-class TrainguardAgent(LocalElasticAgent):
+class TrainguardAgent(ElasticAdapter):
     """``LocalElasticAgent`` with signal forwarding, decision exit codes and events.
 
     Args:
         events: the launcher's event log.
-        stop_grace: seconds ranks get to save and exit after a forwarded stop signal.
+        stop_grace: seconds ranks get to save and exit after a forwarded stop signal
+            (``[launcher] stop_grace``).
+        kill_grace: seconds between SIGTERM and SIGKILL when the agent stops a group
+            (``[supervisor] kill_grace``).
+        monitor: the hang supervisor, or ``None`` when it is off.
+        record: the launch's record of its processes, rewritten at each start of a group, or ``None``.
         (other arguments as ``LocalElasticAgent``)
+    Raises:
+        ElasticIncompatible: the installed torch lacks a member the agent relies on.
 
     After :meth:`run`, :attr:`exit_code` and :attr:`exit_reason` hold the launch's outcome.
     """
 
     def __init__(self, *args, events: EventLog, stop_grace: float, kill_grace: float = 30.0,
-                 monitor: Optional[HangMonitor] = None, **kwargs):
+                 monitor: Optional[HangMonitor] = None, record: Optional[LaunchRecord] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.events = events
         self.stop_grace = stop_grace
         self.kill_grace = kill_grace
         self.monitor = monitor
+        self.record = record
         self.exit_code = int(ExitCode.GIVE_UP)
         self.exit_reason = "not started"
         self.stop_signal: Optional[str] = None
@@ -76,7 +88,7 @@ class TrainguardAgent(LocalElasticAgent):
         self._forward(signum)
 
     def _forward(self, signum: int) -> None:
-        pids = set(self._pcontext.pids().values()) if self._pcontext is not None else set()
+        pids = set(self.worker_pids().values())
         for pid in pids - self._forwarded_to:
             try:
                 os.kill(pid, signum)
@@ -84,45 +96,47 @@ class TrainguardAgent(LocalElasticAgent):
                 pass
         self._forwarded_to |= pids
 
-    def worker_pids(self) -> dict[int, int]:
-        """``{local_rank: pid}`` of the running workers (empty between groups)."""
-        return dict(self._pcontext.pids()) if self._pcontext is not None else {}
-
     # ---- monitor loop --------------------------------------------------------------------------
 
-    def _stop_workers(self, worker_group) -> None:
+    def stop_group(self) -> None:
         """Stop the group: SIGCONT (a stopped rank must be able to die), SIGTERM, ``kill_grace``, SIGKILL."""
         for pid in self.worker_pids().values():
             try:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        self._shutdown(timeout=max(1, math.ceil(self.kill_grace)))
+        self.shutdown_workers(timeout=max(1, math.ceil(self.kill_grace)))
         if self.monitor is not None:
             self.monitor.group_stopped()
 
     def _start_group(self) -> None:
         self._forwarded_to = set()
         if self.monitor is not None:
-            self.monitor.group_started(self._worker_group.spec.max_restarts - self._remaining_restarts)
-        self._initialize_workers(self._worker_group)
+            self.monitor.group_started(self.restart_count)
+        self.start_workers()
+        group = self.worker_group
         if self.monitor is not None:
-            self.monitor.write_timeouts = self._worker_group.group_rank == 0
-        self.events.emit("workers_started", restart=self._worker_group.spec.max_restarts - self._remaining_restarts,
-                         pids=self.worker_pids(), world_size=self._worker_group.workers[0].world_size)
+            self.monitor.write_timeouts = group.group_rank == 0
+        pids = self.worker_pids()
+        if self.record is not None:
+            self.record.write_ranks(pids)
+        self.events.emit("workers_started", restart=self.restart_count, pids=pids, world_size=group.workers[0].world_size)
         if self.stop_signal is not None:  # a signal that arrived during rendezvous
             self._forward(getattr(signal, self.stop_signal))
 
-    def _invoke_run(self, role: str = "default") -> RunResult:
-        spec = self._worker_group.spec
+    def monitor_loop(self) -> RunResult:
+        """Start the group, then poll it every ``monitor_interval`` until the launch ends: restart it
+        after a failure or a hang (within the budget and the give-up rules), end on success, on a
+        decision exit code, or when the ranks do not stop within ``stop_grace`` of a signal."""
+        spec = self.worker_group.spec
         self._start_group()
         while True:
             time.sleep(spec.monitor_interval)
             self._kill_survivors_of_failure()
-            result = self._monitor_workers(self._worker_group)
-            self._worker_group.state = result.state
+            result = self.poll_workers()
+            self.worker_group.state = result.state
             if result.state == WorkerState.SUCCEEDED:
-                self._exit_barrier()
+                self.exit_barrier()
                 self.exit_code, self.exit_reason = int(ExitCode.OK), "finished"
                 return result
             if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
@@ -131,7 +145,7 @@ class TrainguardAgent(LocalElasticAgent):
                 return result
             if self.stop_signal and self._stop_deadline and time.monotonic() > self._stop_deadline:
                 self.events.emit("stop_grace_expired", signal=self.stop_signal, grace=self.stop_grace)
-                self._stop_workers(self._worker_group)
+                self.stop_group()
                 self.exit_code, self.exit_reason = int(ExitCode.REQUEUE), "stop grace expired"
                 return RunResult(state=WorkerState.FAILED)
             reason = next((r for hook in self.poll_hooks if (r := hook(self))), None)
@@ -141,14 +155,14 @@ class TrainguardAgent(LocalElasticAgent):
                     return RunResult(state=WorkerState.FAILED)
             elif spec.rdzv_handler.num_nodes_waiting() > 0:  # membership change: not a failure
                 self.events.emit("membership_change", nodes_waiting=spec.rdzv_handler.num_nodes_waiting())
-                self._stop_workers(self._worker_group)
-                self._worker_group.state = WorkerState.STOPPED
+                self.stop_group()
+                self.worker_group.state = WorkerState.STOPPED
                 self._start_group()
 
     def _kill_survivors_of_failure(self) -> None:
         """If a rank has exited with a failure (not 0 or a decision code), SIGCONT and SIGKILL the
         ranks still running; torch then collects the group at once."""
-        procs = {r: h.proc for r, h in getattr(self._pcontext, "subprocess_handlers", {}).items()}
+        procs = self.worker_processes()
         codes = {r: p.poll() for r, p in procs.items()}
         if not any(c is not None and c not in (0, *DECISION_CODES) for c in codes.values()):
             return
@@ -167,28 +181,28 @@ class TrainguardAgent(LocalElasticAgent):
                          pids={r: f.pid for r, f in result.failures.items()})
         decision = next((c for c in DECISION_CODES if c in codes.values()), None)
         if decision is not None or self.stop_signal is not None:
-            self._stop_workers(self._worker_group)
+            self.stop_group()
             self.exit_code = decision if decision is not None else int(ExitCode.REQUEUE)
             self.exit_reason = {75: "ranks stopped for requeue", 2: "bad input", 76: "a rank gave up"}[self.exit_code]
             return False
         return self._restart_or_give_up(f"rank failure (exit codes {codes})")
 
     def _restart_or_give_up(self, reason: str) -> bool:
-        spec = self._worker_group.spec
+        spec = self.worker_group.spec
         why = self.monitor.policy.give_up_reason(self.monitor.failure_step(), self.monitor.newest_checkpoint()) if self.monitor else None
         if why is not None:
-            self._stop_workers(self._worker_group)
+            self.stop_group()
             self.events.emit("give_up", reason=why, failure=reason)
             self.exit_code, self.exit_reason = int(ExitCode.GIVE_UP), f"{why}: {reason}"
             return False
-        if self._remaining_restarts <= 0:
-            self._stop_workers(self._worker_group)
+        if self.remaining_restarts <= 0:
+            self.stop_group()
             self.events.emit("restart_budget_spent", max_restarts=spec.max_restarts, reason=reason)
             self.exit_code, self.exit_reason = int(ExitCode.GIVE_UP), f"restart budget ({spec.max_restarts}) spent: {reason}"
             return False
-        self._remaining_restarts -= 1
-        self.events.emit("group_restart", reason=reason, remaining_restarts=self._remaining_restarts)
-        self._stop_workers(self._worker_group)
-        self._worker_group.state = WorkerState.STOPPED
+        self.use_restart()
+        self.events.emit("group_restart", reason=reason, remaining_restarts=self.remaining_restarts)
+        self.stop_group()
+        self.worker_group.state = WorkerState.STOPPED
         self._start_group()
         return True

@@ -2,20 +2,25 @@
 
 What it adds to torchrun's behaviour:
 
-* a lock on the run directory, so one run directory is used by one launch at a time;
-* the run directory, config file, overrides and launch time are passed to the ranks in the
-  environment (``TRAINGUARD_RUN_DIR``, ``TRAINGUARD_CONFIG``, ``TRAINGUARD_SET``,
-  ``TRAINGUARD_LAUNCH_TIME``);
+* a lock on the run directory, so one run directory is used by one launch at a time, and a record
+  of the launch's processes in it (``RUN_DIR/.launches``): a launch is refused while ranks of an
+  earlier launch whose launcher died are still alive (see :mod:`trainguard.launcher.record`);
+* ranks never outlive their launcher: each is started with a parent-death signal (SIGKILL when the
+  launcher dies, however it dies; see :mod:`trainguard.launcher.deathsig`);
+* the run directory, config file, overrides, injected faults, launch time, heartbeat directory and
+  (under SLURM) end time are passed to the ranks in the environment, as
+  :class:`~trainguard.launch_env.LaunchEnv` defines;
 * ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: restarted gloo groups otherwise often fail in
   ``init_process_group`` with stale peer addresses in the shared TCPStore (pytorch issue 135712;
   measured in MEASURED.md: this fix held in every trial);
 * the agent of :mod:`trainguard.launcher.agent` (decision exit codes, signal forwarding, events);
 * under SLURM (``SLURM_JOB_ID`` set): a ``slurm_info`` event (job, array task, nodes, restart count,
-  time limit, end time); the job's EndTime minus ``[slurm] end_margin`` passed to the ranks as
-  ``TRAINGUARD_END_TIME`` and kept current in an end-time file (their time limit, see
+  time limit, end time); the job's EndTime minus ``[slurm] end_margin`` passed to the ranks
+  (``LaunchEnv.end_time``) and kept current in an end-time file (their time limit, see
   :mod:`trainguard.slurm.endtime` and :mod:`trainguard.stop`); with ``[slurm]
   auto_requeue``, ``scontrol requeue`` of the job after a requeue-worthy exit 75 (first node only,
-  see :mod:`trainguard.slurm.requeue`); a ready file in ``TRAINGUARD_READY_DIR`` once the stop
+  see :mod:`trainguard.slurm.requeue`); a ready file in ``TRAINGUARD_READY_DIR``
+  (:data:`trainguard.launch_env.READY_DIR`) once the stop
   signals are handled (the generated batch script forwards signals only after that);
 * a finished run leaves ``RUN_DIR/FINISHED``: a later launch of the same command (the next task
   of a job array, say) exits 0 at once with an ``already_finished`` event, without starting ranks;
@@ -25,7 +30,6 @@ What it adds to torchrun's behaviour:
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -42,11 +46,14 @@ from ..config import Config, ConfigError, load_config, split_cli_args
 from ..events import EventLog, read_events
 from ..exitcodes import ExitCode
 from ..guard import prepare_run_dir
+from ..launch_env import READY_DIR, LaunchEnv
 from ..slurm import finished
-from ..slurm.endtime import END_TIME_ENV, END_TIME_FILE_ENV, EndTimeRefresher, end_time_file, remove_stale, write_end_time
+from ..slurm.endtime import EndTimeRefresher, end_time_file, remove_stale, write_end_time
 from ..slurm.info import SLURMInfo
 from ..supervisor.monitor import HangMonitor
+from . import deathsig
 from .lock import RunDirLock, RunDirLocked
+from .record import LaunchRecord, check_previous
 
 
 @dataclass
@@ -109,7 +116,9 @@ def launch(opts: LaunchOptions) -> int:
         The exit code (see :mod:`trainguard.exitcodes`).
     Raises:
         ConfigError: bad arguments, config or run dir (the CLI exits with code 2).
-        RunDirLocked: another launch holds the run directory.
+        RunDirLocked: another launch holds the run directory, or processes of an earlier launch
+            in it are still alive (:class:`~trainguard.launcher.record.PreviousLaunchAlive`).
+        ElasticIncompatible: the installed torch lacks a torch elastic member the agent relies on.
     """
     # the script's own --config/--set count for the launcher's sections too
     script_cfg, script_sets, _ = split_cli_args(opts.script_args)
@@ -128,6 +137,7 @@ def launch(opts: LaunchOptions) -> int:
     job_id = None if max_nodes == 1 else (opts.rdzv_id or "trainguard")
     slurm = SLURMInfo.from_env()  # None outside SLURM
     with RunDirLock(run_dir / ".launch.lock", job_id):
+        check_previous(run_dir)
         return _launch_locked(opts, cfg, run_dir, config_path, overrides, min_nodes, max_nodes, slurm)
 
 
@@ -209,21 +219,18 @@ def _run_agent(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Opt
     from .agent import TrainguardAgent
 
     end_time, end_file, refresher = _end_time_setup(cfg, run_dir, slurm, events)
-    ready_dir = os.environ.pop("TRAINGUARD_READY_DIR", "")
+    ready_dir = os.environ.pop(READY_DIR, "")
     hb_root = _heartbeat_root()
     monitor = HangMonitor(cfg, run_dir, hb_root, events) if cfg.supervisor.enabled else None
+    to_ranks = LaunchEnv(run_dir=run_dir, config=Path(config_path).resolve() if config_path else None,
+                         overrides=tuple(overrides), inject=tuple(s.model_dump() for s in opts.inject),
+                         launch_time=launch_time, heartbeat_dir=hb_root if monitor else None,
+                         end_time=end_time, end_time_file=end_file)
+    os.environ.update(to_ranks.to_environ())
     os.environ.update({
-        "TRAINGUARD_RUN_DIR": str(run_dir),
-        "TRAINGUARD_CONFIG": str(Path(config_path).resolve()) if config_path else "",
-        "TRAINGUARD_SET": "\n".join(overrides),
-        "TRAINGUARD_LAUNCH_TIME": repr(launch_time),
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         # torch elastic keeps SIGHUP/SIGQUIT; SIGTERM/SIGUSR1/SIGINT are forwarded by our agent
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT",
-        "TRAINGUARD_HEARTBEAT_DIR": str(hb_root) if monitor else "",
-        "TRAINGUARD_INJECT": json.dumps([s.model_dump() for s in opts.inject]) if opts.inject else "",
-        END_TIME_ENV: repr(end_time) if end_time is not None else "",
-        END_TIME_FILE_ENV: str(end_file) if end_file is not None else "",
     })
     standalone = max_nodes == 1 and not opts.rdzv_endpoint
     endpoint = "localhost:0" if standalone else opts.rdzv_endpoint
@@ -234,16 +241,18 @@ def _run_agent(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Opt
         backend=opts.rdzv_backend, endpoint=endpoint, run_id=opts.rdzv_id or (uuid.uuid4().hex if standalone else "trainguard"),
         min_nodes=min_nodes, max_nodes=max_nodes, local_addr=opts.local_addr, **_rdzv_configs(opts.rdzv_conf),
     )
+    command = _rank_command(opts)
     spec = WorkerSpec(
         role="trainer",
         local_world_size=opts.nproc_per_node,
-        entrypoint=sys.executable,
-        args=("-u", opts.script, *opts.script_args),
+        entrypoint=command[0],
+        args=tuple(command[1:]),
         rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_params),
         max_restarts=max_restarts,
         monitor_interval=opts.monitor_interval or cfg.launcher.monitor_interval,
         local_addr=opts.local_addr,
     )
+    record = LaunchRecord(run_dir, hb_root)
     agent = TrainguardAgent(
         spec=spec,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
@@ -252,6 +261,7 @@ def _run_agent(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Opt
         stop_grace=cfg.launcher.stop_grace,
         kill_grace=cfg.supervisor.kill_grace,
         monitor=monitor,
+        record=record,
     )
     agent.install_signal_handlers()
     if ready_dir:  # the batch script forwards stop signals to this node only once this file exists
@@ -271,6 +281,10 @@ def _run_agent(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Opt
         if monitor is not None:
             monitor.group_stopped()
         shutil.rmtree(hb_root, ignore_errors=True)
+        survivors = record.close()
+        if survivors:
+            print(f"trainguard: warning: ranks {survivors} did not exit; {run_dir} cannot be launched again until they do",
+                  file=sys.stderr, flush=True)
     if agent.exit_code == ExitCode.GIVE_UP:
         print(f"trainguard: giving up: {agent.exit_reason}", file=sys.stderr, flush=True)
     end = next((e for e in reversed(list(read_events(run_dir, "end"))) if e["time"] >= launch_time), None)
@@ -278,6 +292,17 @@ def _run_agent(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Opt
     events.emit("launch_exit", code=agent.exit_code, reason=agent.exit_reason, signal=agent.stop_signal,
                 seconds=round(time.time() - launch_time, 3), state_sha256=sha)
     return agent.exit_code, agent.stop_signal, sha
+
+
+def _rank_command(opts: LaunchOptions) -> list[str]:
+    """The command line of each rank: ``python -u SCRIPT ARGS``, started (on Linux) through
+    :mod:`.deathsig` so that the rank is SIGKILLed when this launcher dies."""
+    command = [sys.executable, "-u", opts.script, *opts.script_args]
+    if not deathsig.supported():
+        print(f"trainguard: warning: on {sys.platform} the ranks are not killed if the launcher dies",
+              file=sys.stderr, flush=True)
+        return command
+    return deathsig.wrap(os.getpid(), command)
 
 
 def _end_time_setup(cfg: Config, run_dir: Path, slurm: Optional[SLURMInfo],

@@ -24,10 +24,9 @@ from typing import Mapping, Optional
 
 from ..atomic import write_atomic
 from ..events import EventLog
+from ..launch_env import LaunchEnv
 from .info import SLURMInfo, SlurmError, parse_slurm_time, parse_slurm_timestamp, show_job
 
-END_TIME_ENV = "TRAINGUARD_END_TIME"
-END_TIME_FILE_ENV = "TRAINGUARD_END_TIME_FILE"
 PREFIX = ".slurm_end_time."
 
 
@@ -62,14 +61,17 @@ class JobEndTime:
     """The ranks' reader: :meth:`get` returns the current end time (Unix s) or ``None``.
 
     Args:
-        environ: where ``TRAINGUARD_END_TIME`` and ``TRAINGUARD_END_TIME_FILE`` are read (default
+        environ: where the launcher's end time and end-time file are read
+            (:meth:`LaunchEnv.from_environ <trainguard.launch_env.LaunchEnv.from_environ>`; default
             ``os.environ``, at construction).
+    Raises:
+        LaunchEnvError: the end time in ``environ`` is not a number.
     """
 
     def __init__(self, environ: Optional[Mapping[str, str]] = None):
-        env = os.environ if environ is None else environ
-        self.value = _float(env.get(END_TIME_ENV))
-        self.path = env.get(END_TIME_FILE_ENV) or None
+        launch = LaunchEnv.from_environ(environ)
+        self.value = launch.end_time
+        self.path = str(launch.end_time_file) if launch.end_time_file is not None else None
         self._mtime: Optional[int] = None
 
     def get(self) -> Optional[float]:

@@ -32,6 +32,7 @@ from typing import Optional
 
 from ..config import ConfigError
 from ..events import read_events
+from ..launch_env import READY_DIR
 from .info import parse_slurm_time
 
 DEFAULT_LEAD = 120  # seconds of signal lead when the run has no measured step or save time yet
@@ -225,7 +226,7 @@ def render(opts: ScriptOptions) -> str:
     lines = ["#!/bin/bash",
              "# Written by 'trainguard slurm script'. Signal lead: " + (opts.lead_basis or f"{opts.signal_lead} s, given") + "."]
     lines += [f"#SBATCH {s}" for s in sb]
-    lines += ["", BODY.replace("@RUN_DIR@", _q(run_dir)).replace("@READY_TIMEOUT@", str(READY_TIMEOUT))
+    lines += ["", BODY.replace("@RUN_DIR@", _q(run_dir)).replace("@READY_TIMEOUT@", str(READY_TIMEOUT)).replace("@READY_DIR@", READY_DIR)
               .replace("@SRUN@", " ".join(srun) + " \\\n  " + " ".join(run) + " &")]
     return "\n".join(lines)
 
@@ -237,7 +238,7 @@ head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 ready_dir="$run_dir/.slurm-ready/$SLURM_JOB_ID.$restart"
 rm -rf "$run_dir/.slurm-ready/$SLURM_JOB_ID".*
 mkdir -p "$ready_dir"
-export TRAINGUARD_READY_DIR="$ready_dir"
+export @READY_DIR@="$ready_dir"
 log() { echo "trainguard-sbatch: $(date '+%F %T') $*"; }
 log "job ${SLURM_JOB_ID} (array ${SLURM_ARRAY_JOB_ID:-none}_${SLURM_ARRAY_TASK_ID:-none}) restart $restart on ${SLURM_JOB_NODELIST}, first host $head_node"
 

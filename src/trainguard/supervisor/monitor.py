@@ -28,7 +28,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from ..checkpoint.store import CheckpointStore
 from ..config import Config
@@ -80,6 +80,16 @@ def attempt_dir(root: str | os.PathLike, attempt: int) -> Path:
 def stack_path(directory: str | os.PathLike, local_rank: int) -> Path:
     """Where a rank's faulthandler writes its stacks (next to its heartbeat record)."""
     return Path(directory) / f"rank-{local_rank}.stack"
+
+
+class HangHit(NamedTuple):
+    """One rank found over its timeout by a poll."""
+
+    worker: Any  # torch elastic's Worker: local_rank, global_rank
+    section: str  # the section it is in (``out_of_section`` between sections, ``initial`` before any record)
+    silent: float  # seconds it has been in that section (or out of any, or since the group started)
+    limit: float  # the timeout in force for that section, seconds
+    step: Optional[int]  # the last step it reported; None before its first heartbeat
 
 
 class RestartPolicy:
@@ -184,21 +194,18 @@ class HangMonitor:
     # ---- polling --------------------------------------------------------------------------------
 
     def poll(self, agent: Any) -> Optional[str]:
-        """One check of every local rank; returns a restart reason if some are hung."""
+        """One check of every local rank of ``agent`` (its ``workers()`` and ``worker_pids()``, see
+        :class:`~trainguard.launcher.elastic.ElasticAdapter`); returns a restart reason if some are hung."""
         if not self.cfg.enabled:
             return None
         now = time.monotonic()
-        hung = []
-        for worker in agent._worker_group.workers:
-            found = self._check(worker.local_rank, now)
-            if found is not None:
-                hung.append((worker, *found))
+        hung = [hit for worker in agent.workers() if (hit := self._check(worker, now)) is not None]
         # A rank over its timeout while a local peer that is not ahead of it is still within its own
         # timeout is waiting for that peer (rank-local work such as an evaluation): not hung.
-        over = {w.local_rank for w, *_ in hung}
-        hung = [h for h in hung if h[4] is None or not any(
-            q != h[0].local_rank and q not in over and st.step <= h[4] for q, st in self._last_states.items())]
-        hung.sort(key=lambda h: (h[4] if h[4] is not None else -1, -h[2]))  # the laggard first
+        over = {h.worker.local_rank for h in hung}
+        hung = [h for h in hung if h.step is None or not any(
+            q != h.worker.local_rank and q not in over and st.step <= h.step for q, st in self._last_states.items())]
+        hung.sort(key=lambda h: (h.step if h.step is not None else -1, -h.silent))  # the laggard first
         if now - self._last_learn > 1.0:
             self._learn()
         if now - self._last_save > self.SAVE_EVERY:
@@ -210,26 +217,27 @@ class HangMonitor:
         self._frozen = True
         pids = agent.worker_pids()
         detected_at = time.time()  # the events come after the stack dumps: they carry this poll's time
-        for worker, section, silent, limit, step in hung:
-            pid = pids.get(worker.local_rank)
-            stacks = self._dump_stacks(worker.local_rank, worker.global_rank, pid)
+        for h in hung:
+            pid = pids.get(h.worker.local_rank)
+            stacks = self._dump_stacks(h.worker.local_rank, h.worker.global_rank, pid)
             if pid is not None:  # unresponsive by definition: SIGTERM cannot reach a stuck main thread
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            self.events.emit("hang_detected", step, rank=worker.global_rank, local_rank=worker.local_rank,
-                             section=section, silent_seconds=round(silent, 3), timeout=round(limit, 3),
-                             learned=self.book.learned(section) is not None, stacks=str(stacks) if stacks else None,
+            self.events.emit("hang_detected", h.step, rank=h.worker.global_rank, local_rank=h.worker.local_rank,
+                             section=h.section, silent_seconds=round(h.silent, 3), timeout=round(h.limit, 3),
+                             learned=self.book.learned(h.section) is not None, stacks=str(stacks) if stacks else None,
                              detected_at=round(detected_at, 3))
-        return "; ".join(f"hang: rank {w.global_rank} silent {s:.1f} s in '{sec}' (timeout {lim:.1f} s)"
-                         for w, sec, s, lim, _ in hung)
+        return "; ".join(f"hang: rank {h.worker.global_rank} silent {h.silent:.1f} s in '{h.section}' "
+                         f"(timeout {h.limit:.1f} s)" for h in hung)
 
-    def _check(self, local_rank: int, now: float) -> Optional[tuple[str, float, float, Optional[int]]]:
+    def _check(self, worker: Any, now: float) -> Optional[HangHit]:
+        local_rank = worker.local_rank
         reader = self._reader(local_rank)
         if reader is None:
             silent, limit = now - self._started, self.book.timeout(INITIAL)
-            return (INITIAL, silent, limit, None) if silent > limit else None
+            return HangHit(worker, INITIAL, silent, limit, None) if silent > limit else None
         state = reader.state()
         if state is None:  # mid-write: time it from its last consistent state (a writer stopped
             state = self._last_states.get(local_rank)  # in the middle of a write must not look alive)
@@ -239,7 +247,7 @@ class HangMonitor:
         section = state.section or OUT_OF_SECTION
         silent = now - (state.entered if state.section else state.last_closed)
         limit = self.book.timeout(section)
-        return (section, silent, limit, state.step) if silent > limit else None
+        return HangHit(worker, section, silent, limit, state.step) if silent > limit else None
 
     def _reader(self, local_rank: int) -> Optional[HeartbeatReader]:
         reader = self._readers.get(local_rank)

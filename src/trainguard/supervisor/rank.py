@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import faulthandler
-import os
 from typing import Optional
 
+from ..launch_env import LaunchEnv
 from .heartbeat import HeartbeatWriter, heartbeat_path
 from .monitor import STACK_SIGNAL, attempt_dir, stack_path
 
@@ -17,14 +17,17 @@ def attach(attempt: int) -> Optional[HeartbeatWriter]:
     Args:
         attempt: the worker-group restart count (records live per attempt).
     Returns:
-        The writer, or ``None`` when not run by ``trainguard run`` (no ``TRAINGUARD_HEARTBEAT_DIR``).
+        The writer, or ``None`` when not run by ``trainguard run`` with the supervisor on (no
+        :attr:`~trainguard.launch_env.LaunchEnv.heartbeat_dir`).
+    Raises:
+        LaunchEnvError: the launcher's variables are malformed.
     """
-    root = os.environ.get("TRAINGUARD_HEARTBEAT_DIR")
-    if not root:
+    launch = LaunchEnv.from_environ()
+    if launch.heartbeat_dir is None:
         return None
-    directory = attempt_dir(root, attempt)
+    directory = attempt_dir(launch.heartbeat_dir, attempt)
     directory.mkdir(parents=True, exist_ok=True)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = launch.local_rank
     stack_file = open(stack_path(directory, local_rank), "w")
     faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
     writer = HeartbeatWriter(heartbeat_path(directory, local_rank))

@@ -1,0 +1,182 @@
+"""The launcher → rank contract: what ``trainguard run`` tells its ranks through the environment.
+
+Every environment variable that passes between the launcher and its ranks is named here, once:
+:class:`LaunchEnv` holds them as typed fields, the launcher writes them with
+:meth:`LaunchEnv.to_environ` and every rank-side reader builds one with
+:meth:`LaunchEnv.from_environ`. Two kinds of variables:
+
+* trainguard's own (``TRAINGUARD_*``), written by ``trainguard run`` for all its ranks;
+* torch elastic's per-worker ones (``TORCHELASTIC_RESTART_COUNT``, ``LOCAL_RANK``, ``GROUP_RANK``,
+  ``LOCAL_WORLD_SIZE``), which torch's agent sets for each worker; they are read here, never written.
+
+An unset or empty variable means "not given" (a script run without ``trainguard run`` sees the
+defaults). This module imports only the standard library: the launcher's command line imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+# ---- trainguard's variables (written by the launcher) -------------------------------------------
+RUN_DIR = "TRAINGUARD_RUN_DIR"
+CONFIG = "TRAINGUARD_CONFIG"
+SET = "TRAINGUARD_SET"
+INJECT = "TRAINGUARD_INJECT"
+LAUNCH_TIME = "TRAINGUARD_LAUNCH_TIME"
+HEARTBEAT_DIR = "TRAINGUARD_HEARTBEAT_DIR"
+END_TIME = "TRAINGUARD_END_TIME"
+END_TIME_FILE = "TRAINGUARD_END_TIME_FILE"
+# ---- torch elastic's per-worker variables (read only) --------------------------------------------
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+LOCAL_RANK = "LOCAL_RANK"
+GROUP_RANK = "GROUP_RANK"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+# ---- the batch script → launcher variable (``trainguard slurm script``; the launcher removes it) --
+READY_DIR = "TRAINGUARD_READY_DIR"
+
+WRITTEN = (RUN_DIR, CONFIG, SET, INJECT, LAUNCH_TIME, HEARTBEAT_DIR, END_TIME, END_TIME_FILE)
+
+
+class LaunchEnvError(ValueError):
+    """A launcher → rank variable holds a value of the wrong form (the message names it)."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher tells a rank. Every field is ``None`` / empty / 0 when not launched by
+    ``trainguard run`` (or torch elastic, for the torch fields).
+
+    Attributes:
+        run_dir: the run directory (``TRAINGUARD_RUN_DIR``); sets the rank's ``run.dir``.
+        config: the config file given to the launcher, absolute (``TRAINGUARD_CONFIG``).
+        overrides: the launcher's ``--set KEY=VALUE`` overrides, applied before the script's own
+            (``TRAINGUARD_SET``: joined by newlines).
+        inject: ``--inject`` fault specs as plain dicts (``TRAINGUARD_INJECT``: a JSON list),
+            validated into ``FaultSpec`` by the config loader.
+        launch_time: Unix seconds when the launch began (``TRAINGUARD_LAUNCH_TIME``); restarted
+            groups share it, so the time limit counts the whole launch.
+        heartbeat_dir: node-local directory of the heartbeat records (``TRAINGUARD_HEARTBEAT_DIR``);
+            ``None`` when the hang supervisor is off.
+        end_time: Unix seconds by which the ranks must have saved and exited, under SLURM
+            (``TRAINGUARD_END_TIME``); ``None``: no end time.
+        end_time_file: the file the launcher keeps that end time current in
+            (``TRAINGUARD_END_TIME_FILE``).
+        restart_count: worker-group restart count (torch's ``TORCHELASTIC_RESTART_COUNT``, default 0).
+        local_rank: rank on this node (``LOCAL_RANK``, default 0).
+        group_rank: this node's rank among the nodes (``GROUP_RANK``, default 0).
+        local_world_size: ranks on this node (``LOCAL_WORLD_SIZE``); ``None`` when unset.
+    """
+
+    run_dir: Optional[Path] = None
+    config: Optional[Path] = None
+    overrides: tuple[str, ...] = ()
+    inject: tuple[dict[str, Any], ...] = ()
+    launch_time: Optional[float] = None
+    heartbeat_dir: Optional[Path] = None
+    end_time: Optional[float] = None
+    end_time_file: Optional[Path] = None
+    restart_count: int = 0
+    local_rank: int = 0
+    group_rank: int = 0
+    local_world_size: Optional[int] = None
+
+    @classmethod
+    def from_environ(cls, env: Optional[Mapping[str, str]] = None) -> "LaunchEnv":
+        """Read the contract from ``env`` (default ``os.environ``, read now).
+
+        Raises:
+            LaunchEnvError: a variable is set to a value of the wrong form (not a number, a
+                negative rank, an inject list that is not a JSON list of objects); the message
+                names the variable and its value. (Overrides are checked where they are applied,
+                by the config loader.)
+        """
+        env = os.environ if env is None else env
+        return cls(
+            run_dir=_path(env, RUN_DIR),
+            config=_path(env, CONFIG),
+            overrides=tuple(s for s in env.get(SET, "").split("\n") if s),
+            inject=_inject(env),
+            launch_time=_float(env, LAUNCH_TIME),
+            heartbeat_dir=_path(env, HEARTBEAT_DIR),
+            end_time=_float(env, END_TIME),
+            end_time_file=_path(env, END_TIME_FILE),
+            restart_count=_count(env, RESTART_COUNT, 0),
+            local_rank=_count(env, LOCAL_RANK, 0),
+            group_rank=_count(env, GROUP_RANK, 0),
+            local_world_size=_count(env, LOCAL_WORLD_SIZE, None),
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        """The ``TRAINGUARD_*`` variables for the ranks' environment: every one of them, ``""`` for
+        a field that is not given (so a stale value inherited by the launcher never reaches the
+        ranks). Torch's per-worker fields are not included: torch's agent sets those.
+        ``LaunchEnv.from_environ(e.to_environ())`` equals ``e`` when the torch fields are defaults.
+
+        Raises:
+            LaunchEnvError: an override holds a newline (it could not be read back as one).
+        """
+        for item in self.overrides:
+            if "\n" in item:
+                raise LaunchEnvError(f"override {item!r} for {SET}: holds a newline (overrides are passed one per line)")
+        return {
+            RUN_DIR: _text(self.run_dir),
+            CONFIG: _text(self.config),
+            SET: "\n".join(self.overrides),
+            INJECT: json.dumps(list(self.inject)) if self.inject else "",
+            LAUNCH_TIME: repr(float(self.launch_time)) if self.launch_time is not None else "",
+            HEARTBEAT_DIR: _text(self.heartbeat_dir),
+            END_TIME: repr(float(self.end_time)) if self.end_time is not None else "",
+            END_TIME_FILE: _text(self.end_time_file),
+        }
+
+
+def _text(path: Optional[Path]) -> str:
+    return "" if path is None else str(path)
+
+
+def _path(env: Mapping[str, str], name: str) -> Optional[Path]:
+    value = env.get(name, "")
+    return Path(value) if value else None
+
+
+def _float(env: Mapping[str, str], name: str) -> Optional[float]:
+    value = env.get(name, "")
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise LaunchEnvError(f"{name}={value!r}: expected Unix seconds (a number)") from None
+
+
+def _count(env: Mapping[str, str], name: str, default: Optional[int]) -> Optional[int]:
+    value = env.get(name, "")
+    if not value:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise LaunchEnvError(f"{name}={value!r}: expected a whole number ≥ 0")
+    return number
+
+
+def _inject(env: Mapping[str, str]) -> tuple[dict[str, Any], ...]:
+    value = env.get(INJECT, "")
+    if not value:
+        return ()
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise LaunchEnvError(f"{INJECT}={value!r}: not JSON ({e.msg})") from None
+    if not isinstance(items, list) or not all(isinstance(d, dict) for d in items):
+        raise LaunchEnvError(f"{INJECT}={value!r}: expected a JSON list of objects")
+    return tuple(items)
+
+
+__all__ = ["LaunchEnv", "LaunchEnvError"]
