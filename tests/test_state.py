@@ -50,3 +50,104 @@ def test_state_hash_sees_one_bit_and_optimizer_state():
         m.weight.view(-1).view(torch.int32)[0] ^= 1
     opt.state[m.weight]["exp_avg"][0, 0] += 1
     assert state_hash(m, opt) != h
+
+
+# ------------------------------------------------------------------------------------------------
+# across ranks: real gloo groups of 2 CPU processes
+
+FLIPS = (None, 1, 0)  # no change; lowest mantissa bit of one parameter element flipped on rank 1; on rank 0
+
+
+def _flip_lowest_bit(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        t.view(-1).view(torch.int32)[0] ^= 1
+
+
+def _trained(layout: str, rank: int, world: int):
+    """A small MLP after one AdamW step on rank-dependent data, as (module to hash, optimizer,
+    first parameter's local tensor). ``ddp``: DDP-wrapped; ``fsdp``: FSDP2 ``fully_shard`` on a
+    1-D CPU mesh (parameters and optimizer states are DTensors sharded on dim 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    if layout == "ddp":
+        wrapped = DDP(model)
+    else:
+        wrapped = fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    wrapped(x).sum().backward()
+    opt.step()
+    first = model[0].weight
+    return wrapped, opt, first.to_local() if layout == "fsdp" else first
+
+
+def _hash_worker(rank: int, world: int, tmp: str, out) -> None:
+    """One rank of a run: the state hash of every (layout, flip) case, and of the DDP case's plain
+    module; DTensor.full_tensor is made to fail, so a hash that gathers shards would raise."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+
+    def no_gather(self, *a, **k):
+        raise AssertionError("state_hash called DTensor.full_tensor()")
+
+    DTensor.full_tensor = no_gather
+    try:
+        result = {}
+        for layout in ("ddp", "fsdp"):
+            for flip in FLIPS:
+                wrapped, opt, first = _trained(layout, rank, world)
+                if flip == rank:
+                    _flip_lowest_bit(first)
+                result[layout, flip] = state_hash(wrapped, opt)
+                if layout == "ddp" and flip is None:
+                    result["plain"] = state_hash(wrapped.module, opt)
+        out.put((rank, result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_rank_run() -> dict:
+    """Run :func:`_hash_worker` on 2 fresh processes; returns ``{case: hash}`` (checked equal on both ranks)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_hash_worker, args=(2, tmp, out), nprocs=2, start_method="spawn")
+        results = dict(out.get(timeout=30) for _ in range(2))
+    assert results[0] == results[1], "every rank must return the same hash"
+    return results[0]
+
+
+def test_state_hash_across_ranks_ddp_and_dtensor_shards():
+    first, second = _two_rank_run(), _two_rank_run()
+    assert first == second, "two identical 2-rank runs must give the same hashes"
+    for layout in ("ddp", "fsdp"):
+        same, on_rank1, on_rank0 = (first[layout, f] for f in FLIPS)
+        assert len({same, on_rank1, on_rank0}) == 3, f"{layout}: one bit on one rank must change the hash, and which rank matters"
+    assert first["plain"] == first["ddp", None], "a DDP-wrapped and a plain module hash alike"
+    assert first["ddp", None] != first["fsdp", None], "the sharding layout is part of the hash"
+
+
+def test_state_hash_without_process_group_is_local():
+    """Without a process group the hash is computed locally: SHA-256 over the format line, world=1
+    and the one local digest."""
+    import hashlib
+
+    from trainguard.state import local_state_digest
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    expected = hashlib.sha256(b"trainguard state hash v2\nworld=1\n" + local_state_digest(m, opt)).hexdigest()
+    assert state_hash(m, opt) == expected
+    assert state_hash(m) != state_hash(m, opt)

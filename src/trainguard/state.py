@@ -4,7 +4,8 @@
   They are captured as plain containers and tensors so that they load with
   ``torch.load(weights_only=True)`` (no arbitrary pickle).
 * :func:`state_hash`: SHA-256 over the model and optimizer state, tensors in sorted key order, so
-  that two runs compare by one string.
+  that two runs compare by one string. Each rank hashes only the shards it holds; the ranks'
+  digests are combined in rank order (a collective when a process group exists).
 """
 
 from __future__ import annotations
@@ -54,14 +55,51 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+_FORMAT = b"trainguard state hash v2\n"
+# bytes of a non-CPU tensor copied to host memory at a time (bounds the host memory the hash needs)
+_HOST_CHUNK = 64 << 20
+
+
+def _hash_bytes(h: "hashlib._Hash", t: torch.Tensor) -> None:
+    """Feed the raw bytes of ``t`` (row-major, native byte order) to ``h`` without a host copy of
+    the whole tensor: a CPU tensor is read in place, another device's in ``_HOST_CHUNK`` pieces."""
+    if t.numel() == 0:
+        return
+    flat = t.contiguous().reshape(-1).view(torch.uint8)
+    if flat.device.type == "cpu":
+        h.update(flat.numpy())
+        return
+    for start in range(0, flat.numel(), _HOST_CHUNK):
+        h.update(flat[start:start + _HOST_CHUNK].cpu().numpy())
+
+
+def _tensor_header(key: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """(header line, local tensor) of one tensor entry.
+
+    A plain tensor is taken as it is. A ``DTensor`` contributes only this rank's shard
+    (``to_local()``, never ``full_tensor()``), and its header names the global shape, the device
+    mesh's shape, the placements and the shard's local shape and global offset (as
+    ``torch.distributed.checkpoint`` computes them), so that the same bytes at another place of
+    the global tensor hash differently.
+    """
+    if hasattr(t, "to_local") and hasattr(t, "placements"):  # DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = t.to_local()
+        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        header = (f"{key}:{t.dtype}:{list(t.shape)}:mesh={list(t.device_mesh.shape)}:"
+                  f"placements={[str(p) for p in t.placements]}:local={list(local.shape)}:offset={list(offset)}\n")
+        return header, local
+    return f"{key}:{t.dtype}:{list(t.shape)}\n", t
+
+
 def _update_with(h: "hashlib._Hash", key: str, value: Any) -> None:
+    """Feed one state entry to ``h``: dict keys in sorted order, list items in order, each tensor
+    as its header line then its local bytes, anything else as ``key=<JSON text>``."""
     if isinstance(value, torch.Tensor):
-        t = value.detach()
-        if hasattr(t, "full_tensor"):  # DTensor: hash the global tensor
-            t = t.full_tensor()
-        t = t.cpu().contiguous()
-        h.update(f"{key}:{t.dtype}:{list(t.shape)}\n".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        header, local = _tensor_header(key, value.detach())
+        h.update(header.encode())
+        _hash_bytes(h, local)
     elif isinstance(value, dict):
         for k in sorted(value, key=str):
             _update_with(h, f"{key}.{k}", value[k])
@@ -72,13 +110,12 @@ def _update_with(h: "hashlib._Hash", key: str, value: Any) -> None:
         h.update(f"{key}={json.dumps(value, default=str)}\n".encode())
 
 
-def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
-    """SHA-256 (hex) of the model's and optimizer's state.
+def local_state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> bytes:
+    """SHA-256 (32 raw bytes) of the part of the model's and optimizer's state that this rank holds.
 
-    Keys are visited in sorted order; each tensor contributes its key, dtype, shape and raw bytes,
-    each scalar its JSON text. The optimizer state is taken in fully-qualified-name form
-    (``torch.distributed.checkpoint.state_dict.get_state_dict``), so the hash does not depend on
-    parameter ids and is the same for a DDP-wrapped and a plain model.
+    Not a collective (``get_state_dict`` without full state dicts gathers nothing): DTensor entries
+    contribute their local shard, plain tensors (a DDP replica, a non-distributed model) their
+    whole bytes. See :func:`state_hash` for the fields hashed.
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -87,4 +124,64 @@ def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None =
     _update_with(h, "model", model_sd)
     if optimizer is not None:
         _update_with(h, "optim", optim_sd)
+    return h.digest()
+
+
+def _gather_digests(digest: bytes, group: Any) -> list[bytes]:
+    """All ranks' 32-byte digests (of ``group``), in group-rank order; ``[digest]`` without a group.
+
+    A collective: one all-gather of 32 bytes per rank (through the GPU on a backend without CPU
+    support, NCCL).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [digest]
+    world = dist.get_world_size(group)
+    backend = str(dist.get_backend(group))
+    device = torch.device("cpu") if "gloo" in backend or not torch.cuda.is_available() else torch.device("cuda", torch.cuda.current_device())
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [bytes(t.cpu().tolist()) for t in out]
+
+
+def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, group: Any = None) -> str:
+    """SHA-256 (hex) of the model's and optimizer's state across all ranks, the same string on each.
+
+    **A collective** when a process group exists: every rank of ``group`` (default: the world) must
+    call it at the same point (the Guard does, at the end of a run). Without a process group it is
+    a local computation.
+
+    Formula (earlier versions hashed gathered full tensors on every rank; values differ from theirs):
+
+    1. each rank hashes what it holds (:func:`local_state_digest`): the state dicts in
+       fully-qualified-name form (``torch.distributed.checkpoint.state_dict.get_state_dict``, so
+       the value does not depend on parameter ids and is the same for a DDP-wrapped and a plain
+       model), keys visited in sorted order; each tensor contributes a header line (key, dtype,
+       global shape; for a ``DTensor`` also mesh shape, placements, local shape and global offset)
+       and then the raw bytes of its **local** part (``DTensor.to_local()``; never
+       ``full_tensor()``, so no rank ever holds more than its own shards); each non-tensor value
+       its JSON text;
+    2. the 32-byte digests of all ranks are all-gathered (one collective of 32 bytes per rank);
+    3. the result is ``SHA-256("trainguard state hash v2\n" + "world=W\n" + d_0 + ... + d_{W-1})``.
+
+    Consequences: two runs with the same world size and the same sharding give the same value
+    iff every rank's state is bitwise equal (replicated state, e.g. DDP, is hashed on every rank,
+    so a replica that diverged changes the value too); runs with different world sizes or
+    layouts give different values. Cost: one SHA-256 pass over each rank's own bytes, in
+    parallel on all ranks, plus the 32-byte all-gather.
+
+    Args:
+        model: the module (plain, DDP, FSDP2) as passed to the Guard.
+        optimizer: its optimizer, or ``None`` to hash the model only.
+        group: the process group whose ranks' digests are combined (default: the world).
+    Returns:
+        64 hex characters.
+    """
+    digests = _gather_digests(local_state_digest(model, optimizer), group)
+    h = hashlib.sha256(_FORMAT)
+    h.update(f"world={len(digests)}\n".encode())
+    for d in digests:
+        h.update(d)
     return h.hexdigest()
