@@ -202,7 +202,7 @@ def test_time_left_is_the_earlier_of_max_duration_and_the_job_end(tmp_path, monk
     monkeypatch.setenv("TRAINGUARD_END_TIME", repr(now + 30))  # what trainguard run sets under SLURM
     assert 29 < StopConditions(StopSection(max_duration=50), tmp_path, shutdown, start_time=now).time_left() <= 30
     flags = StopConditions(StopSection(time_margin=40), tmp_path, shutdown, start_time=now).local_flags(0.1, 1.0)
-    assert flags[2] == 1  # the time-limit flag: 30 s left < 2 steps + save + 40 s margin
+    assert flags.time_limit == 1  # the time-limit flag: 30 s left < 2 steps + save + 40 s margin
 
 
 def test_ranks_follow_the_end_time_file_when_it_changes(tmp_path):

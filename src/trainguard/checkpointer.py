@@ -18,8 +18,12 @@ previous one, so at most one is in flight and its buffers are never overwritten 
 Failures (ENOSPC, EIO, ...) of either tier: the commit does not happen, the older checkpoints stay,
 a ``checkpoint_failed`` event and a warning name the error. Every rank learns the same result (the
 protocol broadcasts it), and the decision to stop after ``max_failures`` consecutive failures is
-taken when the next save begins (the same step on every rank): exit 76 with a message, instead of
-training on without checkpoints.
+taken when the next save begins (the same step on every rank): :meth:`Checkpointer.check_failures`
+raises :class:`~trainguard.outcomes.GiveUp` (exit 76), instead of training on without checkpoints.
+
+The Checkpointer knows the model, the optimizer, the store and the event log, nothing else: the
+Guard hands it each save's rank state, and acts on the :class:`SaveResult` it returns (the
+known-good bookkeeping, retention through :meth:`Checkpointer.retain`, the hooks).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -46,12 +50,10 @@ from .checkpoint.io import apply_state, model_optim_state, write_checkpoint
 from .checkpoint.local import LocalTier, choose, deserialize, expand_dir
 from .checkpoint.snapshot import Snapshot, copy_pairs
 from .checkpoint.store import Checkpoint
-from .exitcodes import exit_bad_input
+from .events import EventLog
 from .health.preflight import PreflightError, check_writable, state_bytes
-from .launch_env import LaunchEnv
-
-if TYPE_CHECKING:
-    from .guard import Guard
+from .outcomes import BadInput, GiveUp
+from .sections import CheckpointSection
 
 log = logging.getLogger(__name__)
 
@@ -92,26 +94,39 @@ class ResumePoint:
 
 
 class Checkpointer:
-    """Saving and resuming for one Guard (one rank). Exits with code 2 on an unusable local dir."""
+    """Saving and resuming for one rank.
 
-    def __init__(self, guard: "Guard"):
-        g, cfg = guard, guard.cfg.checkpoint
-        self.g, self.cfg = g, cfg
+    Args:
+        cfg: the ``[checkpoint]`` section.
+        run_dir: the run directory (``cfg.dir`` is relative to it unless absolute).
+        events: the rank's event log.
+        model, optimizer: what is saved through DCP (the optimizer may be ``None``).
+        rank, world_size: this rank and the group size.
+        node_rank, local_world_size: this node's index and its number of ranks (the local tier's
+            ``{node}`` and its replication peer); ``local_world_size`` ``None``: ``world_size``.
+    Raises:
+        BadInput: ``[checkpoint.local] dir`` is not a writable directory.
+    """
+
+    def __init__(self, cfg: CheckpointSection, run_dir: Path, events: EventLog, model: torch.nn.Module,
+                 optimizer: Optional[torch.optim.Optimizer], rank: int, world_size: int, node_rank: int = 0,
+                 local_world_size: Optional[int] = None):
+        self.cfg, self.events, self.model, self.optimizer = cfg, events, model, optimizer
+        self.rank, self.world_size = rank, world_size
         root = Path(cfg.dir)
-        self.store = CheckpointStore(root if root.is_absolute() else g.run_dir / root, keep_last=cfg.keep_last,
+        self.store = CheckpointStore(root if root.is_absolute() else run_dir / root, keep_last=cfg.keep_last,
                                      on_invalid=self._on_invalid)
         self.local: Optional[LocalTier] = None
         if cfg.local.dir is not None:
-            launch = LaunchEnv.from_environ()
-            base = expand_dir(cfg.local.dir, g.rank, launch.group_rank)
+            base = expand_dir(cfg.local.dir, rank, node_rank)
             try:
                 check_writable(base, "checkpoint.local.dir")
             except PreflightError as e:
-                exit_bad_input(str(e))
-            run_id = _run_id(g.run_dir, g.rank)  # runs sharing a node-local directory keep apart
+                raise BadInput(str(e)) from None
+            run_id = _run_id(run_dir, rank)  # runs sharing a node-local directory keep apart
             self.local = LocalTier(base / run_id, self.store.root / "local-replicas" if cfg.local.replicate else None,
-                                   cfg.local.keep_last, g.rank, g.world_size,
-                                   launch.local_world_size or g.world_size, run_id, self._on_invalid)
+                                   cfg.local.keep_last, rank, world_size, local_world_size or world_size, run_id,
+                                   self._on_invalid)
         background = cfg.async_save
         self.group = tgdist.new_cpu_group() if (background or self.local is not None) else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="trainguard-ckpt") if background else None
@@ -119,14 +134,14 @@ class Checkpointer:
         self.snapshot = Snapshot()
         self._copied: Optional[threading.Event] = None  # set once the background copy of the state is done
         self._copy_wait = 0.0  # seconds the optimizer step waited for that copy (part of the blocked time)
-        if background and g.optimizer is not None:
-            g.optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if background and optimizer is not None else None
         self.pending: Optional[Future] = None
+        self._pending_step = 0
         self.failures = 0  # consecutive failed saves
         self.last_error: Optional[str] = None
         self.saved: dict[str, int] = {}  # tier -> last step saved (or being saved)
         self.save_seconds: Optional[float] = None  # last measured synchronous write time
-        self.state_bytes_guess = state_bytes(g.model, g.optimizer)  # for the save-time guess
+        self.state_bytes_guess = state_bytes(model, optimizer)  # for the save-time guess
 
     # ------------------------------------------------------------------------------------------
     # saving
@@ -138,28 +153,35 @@ class Checkpointer:
             tiers += ("local",)
         return tiers
 
-    def save(self, reason: str, tiers: tuple[str, ...] = ("persistent",), blocking: bool = True) -> Optional[SaveResult]:
-        """Save the current step to ``tiers`` (a collective: every rank calls it at the same step).
+    def save(self, step: int, reason: str, tiers: tuple[str, ...], rank_state: dict[str, Any],
+             blocking: bool = True) -> Optional[SaveResult]:
+        """Save step ``step`` to ``tiers`` (a collective: every rank calls it at the same step).
 
-        Waits for the previous save first. ``blocking=False`` with ``async_save`` returns after the
-        snapshot (``None``; the result is finalized later by :meth:`poll` or :meth:`wait`).
+        Call :meth:`wait` first (the previous save's result is the caller's to act on).
+        ``blocking=False`` with ``async_save`` returns after the snapshot (``None``; the result is
+        finalized later by :meth:`poll` or :meth:`wait`).
+
+        Args:
+            step: steps completed (the checkpoint's step).
+            reason: why (``interval``, ``signal``, ``final``...), recorded in the events.
+            tiers: ``"persistent"`` and/or ``"local"``; a tier already holding ``step`` is skipped.
+            rank_state: this rank's non-tensor state (copied here).
         Returns:
             The finalized result of a blocking save, or ``None`` (already saved, or in flight).
         """
-        self.wait()
-        step = self.g.step
+        assert self.pending is None, "wait() for the previous save first"
         tiers = tuple(t for t in tiers if self.saved.get(t) != step and (t != "local" or self.local is not None))
         if not tiers:
             return None
         t0, started = time.perf_counter(), time.time()
-        state = model_optim_state(self.g.model, self.g.optimizer)
-        rank_state = copy.deepcopy(self.g.rank_state())
-        meta = {"reason": reason, "trainguard_step": step, "world_size": self.g.world_size}
+        state = model_optim_state(self.model, self.optimizer)
+        rank_state = copy.deepcopy(rank_state)
+        meta = {"reason": reason, "trainguard_step": step, "world_size": self.world_size}
         for t in tiers:
             self.saved[t] = step
         if self.pool is not None and not blocking:
             snap, deferred = self.snapshot.take(state, defer=self._changes_only_in_step())
-            self._copied, self._copy_wait = threading.Event(), 0.0
+            self._copied, self._copy_wait, self._pending_step = threading.Event(), 0.0, step
             blocked = time.perf_counter() - t0
             self.pending = self.pool.submit(self._write_async, deferred, step, reason, tiers, snap, rank_state, meta, blocked, started)
             return None
@@ -168,7 +190,7 @@ class Checkpointer:
     def _changes_only_in_step(self) -> Callable[[torch.Tensor], bool]:
         """A predicate: does this tensor (by storage address) belong to a parameter or an optimizer
         state, i.e. change only inside ``optimizer.step()``? Without an optimizer: nothing is deferred."""
-        opt = self.g.optimizer
+        opt = self.optimizer
         if opt is None:
             return lambda t: False
         ptrs = {_local(p).data_ptr() for group in opt.param_groups for p in group["params"]}
@@ -209,10 +231,11 @@ class Checkpointer:
         r.blocked_seconds = blocked if asynchronous else r.write_seconds
         return r
 
-    def poll(self) -> None:
+    def poll(self) -> Optional[SaveResult]:
         """At a step boundary: finalize a background save that has finished (no waiting)."""
         if self.pending is not None and self.pending.done():
-            self.wait()
+            return self.wait()
+        return None
 
     def wait(self) -> Optional[SaveResult]:
         """Block until the save in flight (if any) is committed or failed, and finalize it."""
@@ -222,47 +245,46 @@ class Checkpointer:
         try:
             result = future.result()
         except (Exception, CheckpointException) as e:  # an unexpected error in the writer: report it like a failed write
-            result = SaveResult(self.g.step, "unknown", (), True, error=f"{type(e).__name__}: {e}")
+            result = SaveResult(self._pending_step, "unknown", (), True, error=f"{type(e).__name__}: {e}")
         result.blocked_seconds += self._copy_wait
         self._copied, self._copy_wait = None, 0.0
         return self._finalize(result)
 
     def _finalize(self, r: SaveResult) -> SaveResult:
-        g = self.g
         if r.error is not None:
             self.failures += 1
             self.last_error = r.error
             for t in r.tiers:
                 self.saved.pop(t, None)
             log.warning("checkpoint at step %d failed: %s", r.step, r.error)
-            if g.rank == 0:
+            if self.rank == 0:
                 print(f"trainguard: WARNING: checkpoint at step {r.step} failed ({self.failures} in a row): {r.error}",
                       file=sys.stderr, flush=True)
-            g.events.emit("checkpoint_failed", r.step, reason=r.reason, error=r.error[:2000], tiers=list(r.tiers),
-                          asynchronous=r.asynchronous, consecutive=self.failures)
+            self.events.emit("checkpoint_failed", r.step, reason=r.reason, error=r.error[:2000], tiers=list(r.tiers),
+                             asynchronous=r.asynchronous, consecutive=self.failures)
             return r
         self.failures = 0
         if not r.asynchronous:
             self.save_seconds = r.write_seconds
-        if r.local_bytes and g.rank == 0:
-            g.events.emit("local_checkpoint_committed", r.step, bytes_per_rank=r.local_bytes, reason=r.reason,
-                          seconds=round(r.write_seconds, 4), blocked_seconds=round(r.blocked_seconds, 4),
-                          started=round(r.started, 3), asynchronous=r.asynchronous, replicated=self.local.replica is not None)  # type: ignore[union-attr]
-        if r.checkpoint is not None:
-            deleted = []
-            if g.rank == 0:
-                g.recovery.on_commit(r.checkpoint)
-                g.recovery.after_step()  # a background commit may land after the steps that make it known-good
-                t0 = time.perf_counter()
-                deleted = self.store.apply_retention(protect={r.checkpoint.step} | g.recovery.protected(), remove=self._remove)
-                r.blocked_seconds += time.perf_counter() - t0 if r.asynchronous else 0.0  # on the training thread
-                g.events.emit("checkpoint_committed", r.step, path=str(r.checkpoint.path), bytes=r.bytes,
-                              seconds=round(r.write_seconds, 4), blocked_seconds=round(r.blocked_seconds, 4),
-                              started=round(r.started, 3), asynchronous=r.asynchronous, reason=r.reason,
-                              deleted_steps=deleted)
-            for h in g.hooks:
-                h.on_checkpoint_save(g, r.step, r.checkpoint.path)
+        if r.local_bytes and self.rank == 0:
+            self.events.emit("local_checkpoint_committed", r.step, bytes_per_rank=r.local_bytes, reason=r.reason,
+                             seconds=round(r.write_seconds, 4), blocked_seconds=round(r.blocked_seconds, 4),
+                             started=round(r.started, 3), asynchronous=r.asynchronous, replicated=self.local.replica is not None)  # type: ignore[union-attr]
         return r
+
+    def retain(self, r: SaveResult, protect: set[int]) -> list[int]:
+        """After a persistent commit: apply retention (rank 0; never ``r``'s step nor ``protect``)
+        and write the ``checkpoint_committed`` event. Returns the steps set aside for deletion."""
+        if r.checkpoint is None or self.rank != 0:
+            return []
+        t0 = time.perf_counter()
+        deleted = self.store.apply_retention(protect={r.checkpoint.step} | protect, remove=self._remove)
+        r.blocked_seconds += time.perf_counter() - t0 if r.asynchronous else 0.0  # on the training thread
+        self.events.emit("checkpoint_committed", r.step, path=str(r.checkpoint.path), bytes=r.bytes,
+                         seconds=round(r.write_seconds, 4), blocked_seconds=round(r.blocked_seconds, 4),
+                         started=round(r.started, 3), asynchronous=r.asynchronous, reason=r.reason,
+                         deleted_steps=deleted)
+        return deleted
 
     def _remove(self, path: Path) -> None:
         """Delete a directory retention set aside (already renamed to ``.trash-``), in a thread of
@@ -271,12 +293,24 @@ class Checkpointer:
             self.deleter = ThreadPoolExecutor(1, thread_name_prefix="trainguard-ckpt-delete")
         self.deleter.submit(shutil.rmtree, path, ignore_errors=True)
 
-    def give_up_reason(self) -> Optional[str]:
-        """Why the run must stop (``max_failures`` consecutive failed saves), else ``None``."""
-        if self.cfg.max_failures and self.failures >= self.cfg.max_failures:
-            return (f"{self.failures} checkpoint saves in a row failed (last: {self.last_error}); stopping instead of "
-                    f"training on without checkpoints (checkpoint.max_failures = {self.cfg.max_failures})")
-        return None
+    def check_failures(self, step: int) -> None:
+        """Before a save (after :meth:`wait`, so every rank counts alike): stop after
+        ``max_failures`` consecutive failed saves.
+
+        Raises:
+            GiveUp: ``checkpoint_failures`` (a ``checkpoint_give_up`` event from rank 0 first).
+        """
+        if not (self.cfg.max_failures and self.failures >= self.cfg.max_failures):
+            return
+        why = (f"{self.failures} checkpoint saves in a row failed (last: {self.last_error}); stopping instead of "
+               f"training on without checkpoints (checkpoint.max_failures = {self.cfg.max_failures})")
+        if self.rank == 0:
+            self.events.emit("checkpoint_give_up", step, reason=why, failures=self.failures)
+        raise GiveUp("checkpoint_failures", why)
+
+    def loaded(self, tier: str, step: int) -> None:
+        """The run resumed or rolled back to ``step`` of ``tier``: no tier holds a newer step."""
+        self.saved = {tier: step}
 
     def estimated_save_seconds(self) -> float:
         """Seconds a synchronous save should take: the last measured one, else a size-based guess."""
@@ -293,13 +327,22 @@ class Checkpointer:
                 if c.step > step:
                     store.set_aside(c, why, kind="rolledback")
 
-    def close(self) -> None:
-        """Finish the save in flight and stop the writer thread."""
-        self.wait()
+    def close(self) -> Optional[SaveResult]:
+        """Finish the save in flight (its result is returned), stop the writer and deleter threads,
+        remove the optimizer hook and destroy the writer's process group. Safe to call twice."""
+        result = self.wait()
         for pool in (self.pool, self.deleter):
             if pool is not None:
                 pool.shutdown(wait=True)
         self.pool = self.deleter = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.group is not None:
+            tgdist.destroy_group(self.group)
+            self.group = None
+        self.snapshot.release()
+        return result
 
     # ------------------------------------------------------------------------------------------
     # resuming
@@ -313,7 +356,7 @@ class Checkpointer:
         ``checkpoint_invalid`` event and the next candidate is used.
         """
         found = None
-        if self.g.rank == 0:
+        if self.rank == 0:
             self.store.clean_stale()
             found = self.store.latest_valid(self.cfg.verify)
             for c in self.store.committed():
@@ -332,26 +375,26 @@ class Checkpointer:
     def load(self, point: ResumePoint) -> dict[str, Any]:
         """Load ``point`` into the model and optimizer (a collective); returns this rank's rank state.
 
-        Exits with code 2 when a persistent checkpoint does not fit the model or world size.
+        Raises:
+            BadInput: the checkpoint does not fit the model, optimizer or world size.
         """
-        g = self.g
         if point.tier == "persistent":
             try:
-                check_compatible(point.checkpoint.path, g.model, g.optimizer, g.world_size)  # type: ignore[union-attr]
+                check_compatible(point.checkpoint.path, self.model, self.optimizer, self.world_size)  # type: ignore[union-attr]
             except CheckpointMismatchError as e:
-                exit_bad_input(str(e), g.events)
-            return load_state(point.checkpoint.path, g.model, g.optimizer)  # type: ignore[union-attr]
+                raise BadInput(str(e)) from None
+            return load_state(point.checkpoint.path, self.model, self.optimizer)  # type: ignore[union-attr]
         state = deserialize(self.local.fetch(point.step, point.plan, self.group))  # type: ignore[union-attr,arg-type]
         try:
-            apply_state(g.model, g.optimizer, state)
+            apply_state(self.model, self.optimizer, state)
         except (KeyError, RuntimeError, ValueError) as e:
-            exit_bad_input(f"local checkpoint at step {point.step} in {self.local.root} does not fit this model: "  # type: ignore[union-attr]
-                           f"{str(e).splitlines()[0]}", g.events)
+            raise BadInput(f"local checkpoint at step {point.step} in {self.local.root} does not fit this model: "  # type: ignore[union-attr]
+                           f"{str(e).splitlines()[0]}") from None
         return state["rank"]
 
     def _on_invalid(self, ckpt: Checkpoint, reason: str) -> None:
         tier = "persistent" if ckpt.path.parent == self.store.root else "local"
-        self.g.events.emit("checkpoint_invalid", ckpt.step, path=str(ckpt.path), reason=reason, tier=tier)
+        self.events.emit("checkpoint_invalid", ckpt.step, path=str(ckpt.path), reason=reason, tier=tier)
 
 
 def _run_id(run_dir: Path, rank: int) -> str:

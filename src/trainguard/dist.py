@@ -35,6 +35,13 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
+def destroy_group(group: Any) -> None:
+    """Destroy a process group this process created with ``new_group`` (no-op for ``None``, or when
+    the default group is already gone, which takes every group with it)."""
+    if group is not None and is_dist():
+        dist.destroy_process_group(group)
+
+
 def all_reduce_max(values: list[int], group: Any = None) -> list[int]:
     """Element-wise max of a short int vector across ranks, in one collective.
 

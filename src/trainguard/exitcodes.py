@@ -39,9 +39,12 @@ def describe(code: int) -> str:
 
 
 def exit_bad_input(message: str, events: Optional[Any] = None) -> NoReturn:
-    """Print ``trainguard: error: message`` to stderr, record a ``bad_input`` event in ``events``
-    (an :class:`~trainguard.events.EventLog`, if given), and exit with code 2."""
+    """For a script's own edge (its ``main``): print ``trainguard: error: message`` to stderr,
+    record a ``bad_input`` event in ``events`` (an :class:`~trainguard.events.EventLog`, if given),
+    and raise :class:`~trainguard.outcomes.BadInput` (a ``SystemExit`` with code 2)."""
+    from .outcomes import BadInput
+
     print(f"trainguard: error: {message}", file=sys.stderr, flush=True)
     if events is not None:
         events.emit("bad_input", message=message)
-    raise SystemExit(int(ExitCode.BAD_INPUT))
+    raise BadInput(message)

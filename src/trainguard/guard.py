@@ -2,24 +2,41 @@
 
 ::
 
-    guard = trainguard.Guard(cfg, model=model, optimizer=opt, scheduler=sched, sampler=sampler)
-    for step in guard.steps(max_steps):      # resumes from the newest valid checkpoint
-        loss = train_step(batch_for(step))
-        guard.step_end(loss=loss)            # saves on schedule, stops on signal/switch/time
+    with trainguard.Guard(cfg, model=model, optimizer=opt, scheduler=sched, sampler=sampler) as guard:
+        for step in guard.steps(max_steps):      # resumes from the newest valid checkpoint
+            loss = train_step(batch_for(step))
+            guard.step_end(loss=loss)            # saves on schedule, stops on signal/switch/time
+
+**Step numbers.** ``guard.step`` counts completed steps. ``steps()`` yields the 0-based index of
+the step about to run, which equals ``guard.step``; that step's *number* is ``guard.step + 1``
+(1-based: step number N is the N-th optimizer step). Events about a step in progress (instability,
+out of memory, injected faults) carry its number; a checkpoint "at step N" holds the state after N
+completed steps, and resuming from it yields N next.
 
 What happens at each step boundary (``step_end``), on every rank:
 
 1. the step counter advances and the step time is measured;
 2. about once a second (``[stop] check_seconds``, converted to steps from the measured step
    time; or every ``[stop] check_interval`` steps) the stop flags of all ranks (signal, kill
-   switch, time limit, save switch) and the next check step are combined in one all-reduce, so all
-   ranks decide alike at the same step;
-3. on a stop: save a checkpoint, write the events, exit with the requeue code (75);
+   switch, time limit, memory, save switch) and the next check step are combined in one
+   all-reduce (:class:`~trainguard.stop.StopFlags`), so all ranks decide alike at the same step;
+3. on a stop: save a checkpoint and raise :class:`~trainguard.outcomes.Requeue` (exit code 75);
 4. on the checkpoint interval or a save switch: save and keep training.
 
 When ``steps()`` runs out the Guard saves the final state and writes an ``end`` event carrying the
-SHA-256 of the model and optimizer state. Errors the user must fix (a checkpoint of another model,
-an unwritable run dir) print one clear line and exit with code 2.
+SHA-256 of the model and optimizer state.
+
+**Outcomes.** Components raise typed outcomes (:mod:`trainguard.outcomes`: ``Requeue``,
+``GiveUp``, ``BadInput``, each a ``SystemExit`` with its code) or return decisions (a rollback);
+the Guard's public methods are the edge: on an outcome they print one line, write the ``exit``
+event, release what the Guard installed and let the outcome propagate, so an uncaught one ends the
+script with its code. On ``Requeue`` and ``GiveUp`` (which every rank raises at the same step) the
+ranks also leave together and destroy the default process group: a gloo group torn down during
+interpreter exit can abort the process, which the launcher would read as a crash.
+
+**Lifetime.** Everything the Guard installs — signal handlers, optimizer and gradient hooks, the
+liveness-ping, checkpoint-writer and deleter threads, their process groups, the heartbeat record —
+is released by :meth:`Guard.close` (or leaving ``with Guard(...)``); closing twice is harmless.
 """
 
 from __future__ import annotations
@@ -37,27 +54,34 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import dist as tgdist
+from . import health
 from .checkpoint.store import Checkpoint
-from .checkpointer import Checkpointer, ResumePoint
+from .checkpointer import Checkpointer, ResumePoint, SaveResult
 from .config import Config, ConfigError, config_from_argv, dump_config, load_config
 from .events import EventLog, Hook
 from .exitcodes import ExitCode, exit_bad_input
 from .faults import FaultInjector
-from .instability.recovery import Recovery
-from . import health
+from .instability.recovery import Recovery, Rollback
+from .launch_env import LaunchEnv
 from .memory import MemoryWatchdog
 from .oom import MicroBatcher
-from .straggler import StragglerDetector
-from .supervisor.rank import attach as attach_supervisor, enter_teardown
+from .outcomes import BadInput, Outcome, Requeue
 from .signals import ShutdownHandler
-from .state import capture_rng, restore_rng, state_hash
-from .stop import FLAGS, StopConditions
+from .state import state_hash
+from .stop import StopConditions, StopFlags
+from .straggler import StragglerDetector
+from .supervisor.rank import attach as attach_supervisor, detach as detach_supervisor, enter_teardown
+from .trainstate import RNGState, TrainState
 
 log = logging.getLogger(__name__)
 
 # Rank 0 writes a `progress` event (step, recent step time) at a stop check at most this often (seconds);
 # reports draw the run's timeline from these, the checkpoints and the incidents.
 PROGRESS_SECONDS = 10.0
+# After a failed liveness ping, seconds the main thread gets to reach a step boundary (and raise
+# PeerLostError there) before the hard deadline ends the process: it is most likely stuck in a
+# collective whose peer is gone.
+PING_FAILURE_GRACE = 1.0
 
 
 def prepare_run_dir(run_dir: Path) -> None:
@@ -84,12 +108,15 @@ class Guard:
         optimizer, scheduler: optional; saved and restored with the model.
         sampler: optional data position; any object with ``state_dict()``/``load_state_dict()``
             such as :class:`~trainguard.sampler.ResumableSampler`.
-        extra_state: more ``{name: stateful}`` objects to save (their state must load with
-            ``weights_only=True``).
+        extra_state: more ``{name: stateful}`` objects to save (a GradScaler, say; their state
+            must load with ``weights_only=True``).
         hooks: :class:`~trainguard.events.Hook` instances.
 
-    Create it after ``torch.distributed.init_process_group`` (if distributed). On bad input it
-    exits with code 2 (see :func:`exit_bad_input`).
+    Create it after ``torch.distributed.init_process_group`` (if distributed).
+
+    Raises:
+        BadInput: an unwritable run dir or local checkpoint dir, or ``[rollback] skip_batches``
+            without a sampler that can skip (the message is printed first).
     """
 
     def __init__(
@@ -109,34 +136,56 @@ class Guard:
         self.hooks: list[Hook] = list(hooks)
         self.rank, self.world_size = tgdist.rank(), tgdist.world_size()
         self.run_dir = Path(config.run.dir)
-        try:
-            prepare_run_dir(self.run_dir)
-        except ConfigError as e:
-            exit_bad_input(str(e))
-        self.events = EventLog(self.run_dir, self.rank)
-        self.ckpt = Checkpointer(self)  # both tiers, async saves, resume
-        self.store = self.ckpt.store
-        self.shutdown = ShutdownHandler(config.preemption.signals, config.preemption.save_deadline, self._on_deadline).install()
-        self.stop = StopConditions(config.stop, self.run_dir, self.shutdown, MemoryWatchdog(config.memory, self.events))
         self.step = 0
         self.last_loss: Any = None
         self.resumed_from: Optional[Checkpoint] = None
+        self.state_sha256: Optional[str] = None
+        self.events: Optional[EventLog] = None
+        self.shutdown: Optional[ShutdownHandler] = None
+        self.ckpt: Optional[Checkpointer] = None
+        self.recovery: Optional[Recovery] = None
+        self.micro: Optional[MicroBatcher] = None
+        self.heartbeat = None
+        self.ping: Optional[health.LivenessPing] = None
         self._step_seconds = 0.0
         self._t_last = time.perf_counter()
         self._awaiting_step_end = False
         self._rolled_back = False  # should_step() rolled back: the next step_end() does not count
         self._next_check = 0  # step at which the stop flags are next exchanged (agreed by all ranks)
         self._last_progress = time.monotonic()
+        self._left = False  # an outcome was carried out
+        self._closed = False
+        with self._edge():
+            self._build()
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        try:
+            prepare_run_dir(self.run_dir)
+        except ConfigError as e:
+            raise BadInput(str(e)) from None
+        self.events = EventLog(self.run_dir, self.rank)
+        launch = LaunchEnv.from_environ()
+        self.ckpt = Checkpointer(cfg.checkpoint, self.run_dir, self.events, self.model, self.optimizer, self.rank,
+                                 self.world_size, launch.group_rank, launch.local_world_size)
+        self.store = self.ckpt.store
+        self.shutdown = ShutdownHandler(cfg.preemption.signals, cfg.preemption.save_deadline, self._on_deadline).install()
+        self.stop = StopConditions(cfg.stop, self.run_dir, self.shutdown, MemoryWatchdog(cfg.memory, self.events))
         self.heartbeat = attach_supervisor(self.events.attempt)  # under trainguard run: heartbeat + stack dumps
-        self.faults = FaultInjector(config.faults.inject, self.rank, self.world_size, self.events.attempt, self.events)
-        self.recovery = Recovery(self)
-        self.straggler = StragglerDetector(config.straggler, self.rank, self.world_size, [socket.gethostname()] * self.world_size,
+        self.faults = FaultInjector(cfg.faults.inject, self.rank, self.world_size, self.events.attempt, self.events)
+        self.recovery = Recovery(cfg.instability, cfg.rollback, self.model, self.optimizer, self.sampler, self.store,
+                                 self.events, self.run_dir, self.rank, self.world_size, lambda: self.step + 1,
+                                 self._ask_hooks, cfg.checkpoint.verify)
+        self.straggler = StragglerDetector(cfg.straggler, self.rank, self.world_size, [socket.gethostname()] * self.world_size,
                                            self.events, self.run_dir)
-        self.micro = MicroBatcher(self)
-        self.ping: Optional[health.LivenessPing] = None
-        if config.rollback.skip_batches and sampler is not None and not hasattr(sampler, "skip_batches"):
-            exit_bad_input(f"rollback.skip_batches={config.rollback.skip_batches} needs a sampler with a skip_batches(n) "
-                           f"method; {type(sampler).__name__} has none (use trainguard.ResumableSampler, or 0)")
+        self.micro = MicroBatcher(cfg.oom, self.model, self.events, self.faults, self.straggler, self.rank, self.world_size)
+        # what a checkpoint holds per rank besides the tensors (the order is the load order: RNG last)
+        self.train_state = TrainState({"scheduler": self.scheduler, "sampler": self.sampler,
+                                       "extra": TrainState(self.extra_state), "instability": self.recovery,
+                                       "oom": self.micro, "rng": RNGState()})
+        if cfg.rollback.skip_batches and self.sampler is not None and not hasattr(self.sampler, "skip_batches"):
+            raise BadInput(f"rollback.skip_batches={cfg.rollback.skip_batches} needs a sampler with a skip_batches(n) "
+                           f"method; {type(self.sampler).__name__} has none (use trainguard.ResumableSampler, or 0)")
 
     def section(self, name: str) -> "contextlib.AbstractContextManager[None]":
         """``with guard.section("eval"): ...``: a named section the hang supervisor times (and learns)."""
@@ -146,7 +195,11 @@ class Guard:
     def from_config(cls, path: str | os.PathLike | None = None, *, overrides: Optional[list[str]] = None,
                     schema: type[Config] = Config, **kwargs: Any) -> "Guard":
         """Build a Guard from a TOML file (or, with ``path=None``, from the script's ``--config``/``--set``
-        arguments and the launcher's environment). Exits with code 2 on a config error."""
+        arguments and the launcher's environment).
+
+        Raises:
+            BadInput: a config error (printed first).
+        """
         try:
             cfg = load_config(path, overrides, schema) if path else config_from_argv(schema)
         except ConfigError as e:
@@ -161,17 +214,22 @@ class Guard:
     # the loop
 
     def steps(self, max_steps: int) -> Iterator[int]:
-        """Yield step indices from the resumed step up to ``max_steps - 1``.
+        """Yield step indices from the resumed step up to ``max_steps - 1`` (see "Step numbers").
 
-        Call :meth:`step_end` once per yielded step. May exit the process (``SystemExit``) with the
-        requeue code on a stop, or with code 2 on bad input.
+        Call :meth:`step_end` once per yielded step.
+
+        Raises:
+            Requeue: the kill switch was set before training (exit code 75).
+            BadInput: ``checkpoint.interval`` > ``max_steps`` without ``save_final``, a checkpoint
+                that does not fit, a failed preflight check (exit code 2).
         """
-        c = self.cfg.checkpoint
-        if not c.save_final and c.interval > max_steps:
-            exit_bad_input(f"checkpoint.interval ({c.interval}) is larger than max_steps ({max_steps}) and "
-                           "checkpoint.save_final is false: the persistent tier would never save")
-        self._begin()
-        self.faults.arm(max_steps)
+        with self._edge():
+            c = self.cfg.checkpoint
+            if not c.save_final and c.interval > max_steps:
+                raise BadInput(f"checkpoint.interval ({c.interval}) is larger than max_steps ({max_steps}) and "
+                               "checkpoint.save_final is false: the persistent tier would never save")
+            self._begin()
+            self.faults.arm(max_steps)
         while self.step < max_steps:
             self._awaiting_step_end = True
             if self.heartbeat is not None and self.heartbeat.current is None:
@@ -179,7 +237,8 @@ class Guard:
             yield self.step
             if self._awaiting_step_end:
                 raise RuntimeError(f"guard.step_end() was not called in step {self.step}")
-        self._finish()
+        with self._edge():
+            self._finish()
 
     def should_step(self, loss: Any, grad_norm: Any = None) -> bool:
         """Check the step for instability after ``backward()``; apply it only if this returns ``True``::
@@ -194,17 +253,25 @@ class Guard:
         Runs the ``[instability]`` detectors (non-finite loss or gradients, loss and gradient-norm
         spikes) with one all-reduce and one device→host sync, and acts on every rank alike: ``False``
         after a skip (gradients zeroed) or a rollback (state reloaded from a known-good checkpoint;
-        the next yielded step is the checkpoint's). May exit with code 76 (``raise`` policy, no
-        checkpoint to roll back to, rollback budget spent). A collective: call it on every rank.
+        the next yielded step is the checkpoint's). A collective: call it on every rank.
 
         Args:
             loss: this rank's loss (0-dim tensor or float).
             grad_norm: the total gradient norm (e.g. ``clip_grad_norm_``'s return value); ``None``:
                 computed here from the model's gradients with fused ops.
         Raises:
+            GiveUp: ``raise`` policy, no checkpoint to roll back to, rollback budget spent (exit 76).
             ValueError: a hook's ``on_instability`` returned an unknown action.
         """
-        return self.recovery.check(loss, grad_norm)
+        with self._edge():
+            step = self.step + 1
+            if self.faults.numeric_pending:
+                loss, grad_norm = self.faults.numeric(step, loss, grad_norm, self.model)
+            decision = self.recovery.check(step, loss, grad_norm)
+            if isinstance(decision, Rollback):
+                self._roll_back(decision)
+                return False
+            return decision
 
     def run_step(self, step_fn: Callable[[Any], torch.Tensor], batch: Any,
                  backward: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
@@ -222,8 +289,12 @@ class Guard:
             batch: a tensor, or tuples/lists/dicts of tensors sharing their first (sample) dimension.
         Returns:
             The batch's loss (0-dim, detached).
+        Raises:
+            BadInput: a batch that cannot be split, a micro-batch size larger than the batch.
+            GiveUp: out of memory at micro-batch size 1.
         """
-        return self.micro.run(self.step + 1, step_fn, batch, backward)
+        with self._edge():
+            return self.micro.run(self.step + 1, step_fn, batch, backward)
 
     def step_end(self, loss: Any = None) -> None:
         """Close the current step: count it, then check stop and save conditions (see module doc).
@@ -231,7 +302,15 @@ class Guard:
         Args:
             loss: the step's loss (tensor or float), kept as ``guard.last_loss`` and passed to hooks;
                 it is not synchronized here.
+        Raises:
+            Requeue: a stop was agreed (after the checkpoint of this step).
+            GiveUp: ``[checkpoint] max_failures`` saves in a row failed.
+            PeerLostError: a peer stopped answering the liveness ping.
         """
+        with self._edge():
+            self._step_end(loss)
+
+    def _step_end(self, loss: Any) -> None:
         self._awaiting_step_end = False
         self.recovery.rejected = False
         if self._rolled_back:  # the step was undone: steps() yields the checkpoint's step next
@@ -252,39 +331,41 @@ class Guard:
         if self.heartbeat is not None:
             self.heartbeat.close()
             self.heartbeat.beat(self.step)
+        if self.ping is not None and self.ping.failed is not None:
+            raise health.PeerLostError(self.ping.failed)
         for h in self.hooks:
             h.on_step_end(self, self.step, loss)
-        self.ckpt.poll()  # finalize a background save that has finished (before its known-good verdict)
+        self._saved(self.ckpt.poll())  # finalize a background save that has finished (before its known-good verdict)
         if self.rank == 0:
-            self.recovery.after_step()
-        flags = self._check() if self.step >= self._next_check else [0] * len(FLAGS)
-        reason = self.stop.reason(flags)
-        if reason is not None:
-            self._stop_and_exit(reason)
-        if flags[-1]:  # save switch
+            self.recovery.after_step(self.step)
+        flags = self._check() if self.step >= self._next_check else StopFlags()
+        if flags.reason is not None:
+            self._stop(flags.reason)
+        if flags.save_switch:
             self.save("save_switch")
             if self.rank == 0:
                 self.stop.clear_save_switch()
         elif tiers := self.ckpt.due(self.step):
             self.save("interval", tiers, blocking=not self.cfg.checkpoint.async_save)
 
-    def _check(self) -> list[int]:
+    def _check(self) -> StopFlags:
         """The stop check: one all-reduce (max) of every rank's stop flags, its proposed next check
         step and, on report checks, its straggler timings; returns the agreed flags."""
         report = self.straggler.due(self.step)
         ahead = self.stop.next_interval(self._step_seconds)
         mine = self.stop.local_flags(self._step_seconds, self.ckpt.estimated_save_seconds(), ahead, self.step)
-        agreed = tgdist.all_reduce_max(mine + (self.straggler.pack() if report else []))
-        flags, self._next_check = agreed[:len(FLAGS)], self.step + agreed[len(FLAGS)]
-        slow = self.straggler.unpack(self.step, agreed[len(FLAGS) + 1:]) if report else []
+        agreed = tgdist.all_reduce_max(mine.pack() + (self.straggler.pack() if report else []))
+        flags = StopFlags.unpack(agreed)
+        self._next_check = self.step + flags.next_interval
+        slow = self.straggler.unpack(self.step, agreed[StopFlags.size():]) if report else []
         if self.rank == 0 and time.monotonic() - self._last_progress >= PROGRESS_SECONDS:
             self._last_progress = time.monotonic()
             self.events.emit("progress", self.step, step_seconds=round(self._step_seconds, 6))
         if slow and self.cfg.straggler.stop_if_detected:
-            hosts = sorted({self.straggler.hosts[r] for r in slow})
             if self.rank == 0:
                 self.straggler.write_exclude(slow)
-            self._stop_and_exit("straggler", ranks=slow, hosts=hosts, exclude_nodes=str(self.run_dir / "exclude_nodes"))
+            self._stop("straggler", ranks=slow, hosts=self.straggler.hosts_of(slow),
+                       exclude_nodes=str(self.run_dir / "exclude_nodes"))
         return flags
 
     # ------------------------------------------------------------------------------------------
@@ -294,12 +375,14 @@ class Guard:
         kill = tgdist.all_reduce_max([int(self.stop.kill_switch())])[0]
         if kill:
             self._emit0("stop_requested", reason="kill_switch", before_training=True, path=str(self.stop.kill_path))
-            self._exit(ExitCode.REQUEUE, "kill_switch")
+            raise Requeue("kill_switch", f"the kill switch {self.stop.kill_path} is set: not training")
         if self.rank == 0:
             dump_config(self.cfg, self.run_dir / "config.toml")
-        self.straggler.hosts = tgdist.gather_objects(socket.gethostname())
+        hosts = tgdist.gather_objects(socket.gethostname())
+        self.straggler.set_hosts(hosts)
         self._resume()
-        self.ping = health.start(self)  # preflight (exit 2 on failure), then the liveness ping
+        self.ping = health.start(self.cfg.health, self.store, self.cfg.checkpoint.keep_last, self.model, self.optimizer,
+                                 self.events, self.step, hosts, self.rank, self.world_size, self._on_ping_failure)
         self._emit0("start", world_size=self.world_size, host=socket.gethostname(), first_step=self.step,
                     resumed_from=str(self.resumed_from.path) if self.resumed_from else None)
         self._t_last = time.perf_counter()
@@ -319,29 +402,31 @@ class Guard:
         if point.checkpoint is not None:
             self.recovery.on_resume(point.checkpoint)
 
-    def _load_checkpoint(self, ckpt: Checkpoint) -> None:
-        """Load the whole training state from the persistent checkpoint ``ckpt`` (a collective)."""
-        self._load(ResumePoint("persistent", ckpt.step, ckpt))
-
     def _load(self, point: ResumePoint) -> None:
+        """Load the whole training state from ``point`` (a collective)."""
         state = self.ckpt.load(point)
         self.step = int(state["step"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.sampler is not None and state.get("sampler") is not None:
-            self.sampler.load_state_dict(state["sampler"])
-        for name, obj in self.extra_state.items():
-            if name in state.get("extra", {}):
-                obj.load_state_dict(state["extra"][name])
-        self.recovery.load_state_dict(state.get("instability"))
-        self.micro.load_state_dict(state.get("oom"))
-        restore_rng(state["rng"])
-        self.ckpt.saved = {point.tier: self.step}
+        self.train_state.load_state_dict(state)
+        self.ckpt.loaded(point.tier, self.step)
+
+    def _roll_back(self, rb: Rollback) -> None:
+        """Carry out a rollback decision: reload the known-good checkpoint in this process."""
+        with self.section("rollback"):
+            self._saved(self.ckpt.wait())  # a save in flight would commit a step of the abandoned trajectory afterwards
+            target = self.recovery.rollback_target(rb)
+            lr_before = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None
+            position = self.sampler.state_dict() if self.sampler is not None else None  # after the bad step's batch
+            self._load(ResumePoint("persistent", target.step, target))
+            self.ckpt.discard_local_after(target.step, f"rolled back from step {rb.from_step} to {target.step}")
+            self.recovery.rolled_back(rb, target, position, lr_before)
+            self._rolled_back = True
+        for h in self.hooks:
+            h.on_rollback(self, rb.from_step, target.step)
 
     def _finish(self) -> None:
         if self.cfg.checkpoint.save_final:
             self.save("final")
-        self.ckpt.close()
+        self._saved(self.ckpt.close())
         digest = state_hash(self.model, self.optimizer)
         loss = float(self.last_loss.detach() if torch.is_tensor(self.last_loss) else self.last_loss) if self.last_loss is not None else None
         self._emit0("end", state_sha256=digest, last_loss=loss)
@@ -358,24 +443,15 @@ class Guard:
     # saving and stopping
 
     def rank_state(self) -> dict[str, Any]:
-        """This rank's non-tensor training state: step, scheduler, data position, RNG, extras,
-        instability statistics and learning-rate ramp."""
-        return {
-            "step": self.step,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-            "extra": {k: v.state_dict() for k, v in self.extra_state.items()},
-            "instability": self.recovery.state_dict(),
-            "oom": self.micro.state_dict(),
-            "rng": capture_rng(),
-        }
+        """This rank's non-tensor training state: ``{"step": ..., **train_state}`` (scheduler, data
+        position, extras, instability statistics and learning-rate ramp, micro-batch size, RNG)."""
+        return {"step": self.step, **self.train_state.state_dict()}
 
     def save(self, reason: str = "manual", tiers: tuple[str, ...] = ("persistent",), blocking: bool = True) -> Optional[Checkpoint]:
         """Save a checkpoint of the current step (a collective: call on every rank).
 
         Does nothing for a tier that already holds this step. A failed write is recorded as a
-        ``checkpoint_failed`` event and a warning; the older checkpoints stay valid. After
-        ``[checkpoint] max_failures`` failures in a row the run exits with code 76.
+        ``checkpoint_failed`` event and a warning; the older checkpoints stay valid.
 
         Args:
             tiers: ``"persistent"`` and/or ``"local"``.
@@ -383,20 +459,33 @@ class Guard:
                 to host memory; the write and commit finish in the background.
         Returns:
             The committed persistent checkpoint of a blocking save, else ``None``.
+        Raises:
+            GiveUp: ``[checkpoint] max_failures`` failures in a row (exit 76).
         """
-        with self.section("checkpointing"):
+        with self._edge(), self.section("checkpointing"):
             if self.faults.pending:
                 self.faults.at(self.step, "checkpointing")
-            self.ckpt.wait()  # the previous save's result: the same on every rank from here on
-            why = self.ckpt.give_up_reason()
-            if why is not None:
-                print(f"trainguard: giving up: {why}", file=sys.stderr, flush=True)
-                self._emit0("checkpoint_give_up", reason=why, failures=self.ckpt.failures)
-                self._exit(ExitCode.GIVE_UP, "checkpoint_failures")
-            result = self.ckpt.save(reason, tiers, blocking)
+            self._saved(self.ckpt.wait())  # the previous save's result: the same on every rank from here on
+            self.ckpt.check_failures(self.step)
+            result = self.ckpt.save(self.step, reason, tiers, self.rank_state(), blocking)
+            self._saved(result)
         return result.checkpoint if result is not None else None
 
-    def _stop_and_exit(self, reason: str, **extra: Any) -> None:
+    def _saved(self, r: Optional[SaveResult]) -> None:
+        """Act on a finished save: a committed checkpoint awaits its known-good verdict (rank 0),
+        retention runs (never the newest known-good), hooks hear of it."""
+        if r is None or r.checkpoint is None:
+            return
+        protect: set[int] = set()
+        if self.rank == 0:
+            self.recovery.on_commit(r.checkpoint)
+            self.recovery.after_step(self.step)  # a background commit may land after the steps that make it known-good
+            protect = self.recovery.protected()
+        self.ckpt.retain(r, protect)
+        for h in self.hooks:
+            h.on_checkpoint_save(self, r.step, r.checkpoint.path)
+
+    def _stop(self, reason: str, **extra: Any) -> None:
         details: dict[str, Any] = {"reason": reason, **extra}
         if reason == "signal":
             details.update(signal=self.shutdown.received, signal_time=self.shutdown.received_at)
@@ -406,27 +495,95 @@ class Guard:
             details.update(limits=self.cfg.memory.model_dump(exclude_none=True))
         self._emit0("stop_requested", **details)
         self.save(reason)
-        self._exit(ExitCode.REQUEUE, reason)
+        raise Requeue(reason, f"stopped at step {self.step} ({reason}), checkpoint saved: relaunch to resume")
 
-    def _exit(self, code: ExitCode, reason: str) -> None:
-        self.ckpt.close()
+    # ------------------------------------------------------------------------------------------
+    # the edge: outcomes, closing
+
+    @contextlib.contextmanager
+    def _edge(self) -> Iterator[None]:
+        """Carry out an outcome raised inside (once), then let it propagate."""
+        try:
+            yield
+        except Outcome as o:
+            self._leave(o)
+            raise
+
+    def _leave(self, o: Outcome) -> None:
+        if self._left:
+            return
+        self._left = True
+        if isinstance(o, BadInput):  # found on this rank only: no collective, no waiting for peers
+            print(f"trainguard: error: {o.message}", file=sys.stderr, flush=True)
+            if self.events is not None:
+                self.events.emit("bad_input", self.step, message=o.message)
+            self._release(collective=False)
+            return
+        if o.exit_code == ExitCode.GIVE_UP and self.rank == 0:
+            print(f"trainguard: giving up: {o.message}", file=sys.stderr, flush=True)
+        if self.ckpt is not None:
+            self._saved(self.ckpt.wait())
         for h in self.hooks:
-            h.on_train_end(self, reason)
-        self._emit0("exit", code=int(code), reason=reason)
+            h.on_train_end(self, o.reason)
+        self._emit0("exit", code=int(o.exit_code), reason=o.reason, message=o.message)
         enter_teardown(self.heartbeat)
         gc.freeze()  # skip the final collection over torch objects at exit (measured: 0.6 s → 0.1 s)
-        # Leave together and tear the group down before the interpreter exits: a gloo group
-        # destroyed during interpreter shutdown can abort ("terminate called ...", SIGABRT),
-        # which the launcher would read as a crash instead of a decision.
         self._stop_ping()
-        tgdist.barrier()
+        tgdist.barrier()  # leave together, then tear the default group down before the interpreter exits
+        self.close()
         tgdist.destroy()
-        raise SystemExit(int(code))
+
+    def close(self) -> None:
+        """Release everything the Guard installed: finish a save in flight, stop the liveness ping
+        (agreeing with the other ranks: call ``close`` on every rank, as the loop does) and the
+        checkpoint threads, destroy their process groups, remove optimizer and gradient hooks,
+        restore the previous signal handlers, unmap the heartbeat record, close the event log.
+        Safe to call twice; ``with Guard(...) as guard:`` calls it."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.ckpt is not None:
+            self._saved(self.ckpt.close())
+        self._stop_ping()
+        self._release(collective=True)
+
+    def _release(self, collective: bool) -> None:
+        """The local part of closing (no collective): hooks, signal handlers, threads that need no
+        peer, heartbeat, event log. ``collective=False`` (a failure on this rank alone) does not
+        wait for a background save, which may be waiting for peers."""
+        self._closed = True
+        if self.ckpt is not None and collective:
+            self.ckpt.close()
+        for part in (self.recovery, self.micro):
+            if part is not None:
+                part.close()
+        if self.shutdown is not None:
+            self.shutdown.close()
+        detach_supervisor(self.heartbeat)
+        self.heartbeat = None
+        if self.events is not None and collective:
+            self.events.close()
+
+    def __enter__(self) -> "Guard":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None or (isinstance(exc, Outcome) and exc.collective):
+            self.close()
+        else:  # a crash: the peers may not come to a collective
+            self._release(collective=False)
 
     def _stop_ping(self) -> None:
         if self.ping is not None:
             self.ping.stop()
+            self.ping.close()
             self.ping = None
+
+    def _on_ping_failure(self, why: str) -> None:
+        self.shutdown.deadline_timer.arm(PING_FAILURE_GRACE, health.PING_FAILED_EXIT)
+
+    def _ask_hooks(self, event: dict) -> list[Optional[str]]:
+        return [h.on_instability(self, dict(event)) for h in self.hooks]
 
     def _on_deadline(self) -> None:
         self.events.emit("deadline_exit", self.step, deadline=self.cfg.preemption.save_deadline,

@@ -4,6 +4,11 @@ On the first stop signal a hard-deadline timer starts: if the process has not ex
 ``save_deadline`` seconds later (for example the emergency save hangs on a dead filesystem), the
 timer thread calls ``on_deadline`` and exits the process with the requeue code. Because a
 checkpoint becomes visible only by its final atomic rename, the previous checkpoint stays valid.
+
+:class:`HardDeadline` is the one place in trainguard that ends the process from another thread:
+when the main thread is stuck (in a save on a dead filesystem, in a collective whose peer is gone),
+no exception can reach it. Its other user is the liveness ping (:mod:`trainguard.health.ping`),
+whose failure means the main thread is waiting in a collective that will not complete.
 """
 
 from __future__ import annotations
@@ -15,6 +20,48 @@ import time
 from typing import Callable, Optional
 
 from .exitcodes import ExitCode
+
+
+class HardDeadline:
+    """A watchdog thread that ends the process ``seconds`` after :meth:`arm` unless cancelled.
+
+    Args:
+        name: the thread's name (``trainguard-deadline``...).
+    """
+
+    def __init__(self, name: str = "trainguard-deadline"):
+        self.name = name
+        self._thread: Optional[threading.Thread] = None
+        self._cancelled = threading.Event()
+
+    @property
+    def armed(self) -> bool:
+        """True once :meth:`arm` was called (and not cancelled)."""
+        return self._thread is not None and not self._cancelled.is_set()
+
+    def arm(self, seconds: float, code: int, on_expire: Optional[Callable[[], None]] = None) -> None:
+        """Start the timer (once; later calls are ignored): after ``seconds``, call ``on_expire``
+        (from the timer thread) and exit with ``code`` (``os._exit``: no cleanup runs)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._expire, args=(seconds, code, on_expire), daemon=True, name=self.name)
+        self._thread.start()
+
+    def cancel(self) -> None:
+        """Stop the timer if it has not fired (the process carries on)."""
+        self._cancelled.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _expire(self, seconds: float, code: int, on_expire: Optional[Callable[[], None]]) -> None:
+        if self._cancelled.wait(seconds):
+            return
+        try:
+            if on_expire:
+                on_expire()
+        finally:
+            os._exit(code)
 
 
 class ShutdownHandler:
@@ -32,7 +79,7 @@ class ShutdownHandler:
         self.on_deadline = on_deadline
         self.received: Optional[str] = None
         self.received_at: Optional[float] = None
-        self._timer: Optional[threading.Thread] = None
+        self.deadline_timer = HardDeadline()
         self._previous: dict[int, object] = {}
 
     def install(self) -> "ShutdownHandler":
@@ -55,15 +102,9 @@ class ShutdownHandler:
 
     def arm_deadline(self, seconds: float) -> None:
         """Start the hard-deadline timer (once): exit with the requeue code after ``seconds``."""
-        if self._timer is not None:
-            return
-        self._timer = threading.Thread(target=self._expire, args=(seconds,), daemon=True, name="trainguard-deadline")
-        self._timer.start()
+        self.deadline_timer.arm(seconds, int(ExitCode.REQUEUE), self.on_deadline)
 
-    def _expire(self, seconds: float) -> None:
-        time.sleep(seconds)
-        try:
-            if self.on_deadline:
-                self.on_deadline()
-        finally:
-            os._exit(int(ExitCode.REQUEUE))
+    def close(self) -> None:
+        """Restore the previous handlers and cancel the deadline (safe to call twice)."""
+        self.uninstall()
+        self.deadline_timer.cancel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Optional
 
@@ -18,8 +19,46 @@ from .memory import MemoryWatchdog
 from .signals import ShutdownHandler
 from .slurm.endtime import JobEndTime
 
-# order of the flag vector exchanged between ranks; all but the last are stop reasons, in priority order
-FLAGS = ("signal", "kill_switch", "time_limit", "memory", "save_switch")
+
+
+@dataclass(frozen=True)
+class StopFlags:
+    """One rank's stop and save flags, or (after the all-reduce with max) the ranks' agreement.
+
+    The fields travel as a vector of ints in this order (:meth:`pack` / :meth:`unpack`); the stop
+    reasons come first, in priority order (a signal wins, then the kill switch, the time limit, the
+    memory watchdog). ``next_interval`` is the steps until the next check this rank proposes: the
+    maximum over ranks is taken, so every rank schedules the next check at the same step without
+    another collective.
+    """
+
+    signal: int = 0
+    kill_switch: int = 0
+    time_limit: int = 0
+    memory: int = 0
+    save_switch: int = 0
+    next_interval: int = 1
+
+    REASONS = ("signal", "kill_switch", "time_limit", "memory")
+
+    @classmethod
+    def size(cls) -> int:
+        """Length of the packed vector."""
+        return len(fields(cls))
+
+    def pack(self) -> list[int]:
+        """The fields as ints, in declaration order."""
+        return [int(v) for v in astuple(self)]
+
+    @classmethod
+    def unpack(cls, values: list[int]) -> "StopFlags":
+        """The inverse of :meth:`pack` (extra trailing values are not read)."""
+        return cls(*values[:cls.size()])
+
+    @property
+    def reason(self) -> Optional[str]:
+        """The stop reason (``None`` = keep training)."""
+        return next((name for name in self.REASONS if getattr(self, name)), None)
 
 
 def launch_start_time() -> float:
@@ -85,8 +124,8 @@ class StopConditions:
             return 1
         return max(1, min(1000, math.ceil(self.cfg.check_seconds / step_seconds)))
 
-    def local_flags(self, step_seconds: float, save_seconds: float, steps_ahead: int = 1, step: int = 0) -> list[int]:
-        """This rank's flags in :data:`FLAGS` order (1 = set), then its proposed next interval.
+    def local_flags(self, step_seconds: float, save_seconds: float, steps_ahead: int = 1, step: int = 0) -> StopFlags:
+        """This rank's flags.
 
         Args:
             step_seconds: estimate of one more step (the slowest recent step).
@@ -94,27 +133,18 @@ class StopConditions:
             steps_ahead: steps until the next check (the time limit must hold until then).
             step: the current step (the memory watchdog measures every ``check_interval`` steps).
         The time limit fires when fewer than ``(steps_ahead + 1) × step + save + time_margin``
-        seconds remain. The last element is :meth:`next_interval`; the Guard takes the maximum
-        over ranks, so all ranks schedule the next check at the same step without another collective.
+        seconds remain. ``next_interval`` is :meth:`next_interval`.
         """
         left = self.time_left()
         late = left is not None and left < (steps_ahead + 1) * step_seconds + save_seconds + self.cfg.time_margin
-        return [
-            int(self.shutdown.received is not None),
-            int(self.kill_switch()),
-            int(late),
-            int(self.memory is not None and self.memory.over(step)),
-            int(self.save_path.exists()),
-            self.next_interval(step_seconds),
-        ]
-
-    def reason(self, flags: list[int]) -> Optional[str]:
-        """The stop reason for agreed flags (``None`` = keep training). A signal wins, then the kill
-        switch, the time limit, the memory watchdog."""
-        for name, flag in zip(FLAGS[:-1], flags[:-1]):
-            if flag:
-                return name
-        return None
+        return StopFlags(
+            signal=int(self.shutdown.received is not None),
+            kill_switch=int(self.kill_switch()),
+            time_limit=int(late),
+            memory=int(self.memory is not None and self.memory.over(step)),
+            save_switch=int(self.save_path.exists()),
+            next_interval=self.next_interval(step_seconds),
+        )
 
     def clear_save_switch(self) -> None:
         """Remove the save-switch file (after the requested save)."""

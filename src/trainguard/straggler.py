@@ -96,6 +96,14 @@ class StragglerDetector:
         self.timer: Optional[ComputeTimer] = None
         self.measure = "step"  # what the last window timed: "compute" (run_step) or "step"
 
+    def set_hosts(self, hosts: list[str]) -> None:
+        """Every rank's host name (index = rank), once gathered at start."""
+        self.hosts = list(hosts)
+
+    def hosts_of(self, ranks: list[int]) -> list[str]:
+        """The distinct hosts of ``ranks``, sorted."""
+        return sorted({self.hosts[r] for r in ranks})
+
     def compute_timer(self, device: torch.device) -> ComputeTimer:
         """The timer ``run_step`` wraps its compute in (created once, for the training device)."""
         if self.timer is None:  # inactive: a host clock (CUDA events would pile up unread)

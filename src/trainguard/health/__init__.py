@@ -3,47 +3,59 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Optional
+
+import torch
 
 from .. import dist as tgdist
-from ..checkpoint.manifest import read_manifest
-from ..exitcodes import exit_bad_input
-from .ping import LivenessPing
+from ..checkpoint.store import CheckpointStore
+from ..events import EventLog
+from ..outcomes import BadInput
+from ..sections import HealthSection
+from .ping import PING_FAILED_EXIT, LivenessPing, PeerLostError
 from .preflight import PreflightError, run_preflight
 
-if TYPE_CHECKING:
-    from ..guard import Guard
-
-__all__ = ["LivenessPing", "PreflightError", "run_preflight", "start"]
+__all__ = ["PING_FAILED_EXIT", "LivenessPing", "PeerLostError", "PreflightError", "run_preflight", "start"]
 
 
-def start(guard: "Guard") -> Optional[LivenessPing]:
-    """Before the first step, on every rank: the ``[health]`` preflight (exit 2 naming the failed
-    check; a ``preflight`` event either way), then the liveness ping of a multi-rank run.
+def start(cfg: HealthSection, store: CheckpointStore, keep_last: int, model: torch.nn.Module,
+          optimizer: Optional[torch.optim.Optimizer], events: EventLog, step: int, hosts: list[str],
+          rank: int, world_size: int, on_ping_failure: Optional[Callable[[str], None]] = None) -> Optional[LivenessPing]:
+    """Before the first step, on every rank: the ``[health]`` preflight (a ``preflight`` event
+    either way), then the liveness ping of a multi-rank run (a collective).
 
+    Args:
+        cfg: the ``[health]`` section.
+        store, keep_last: the persistent checkpoint store and ``[checkpoint] keep_last`` (free space).
+        model, optimizer: their size and device decide the space and device checks.
+        events: the rank's event log; step: the step training starts from.
+        hosts: every rank's host name (index = rank), for the ping's reports.
+        on_ping_failure: called from the ping thread when a ping times out (see :mod:`.ping`).
     Returns:
         The running ping, or ``None`` (single rank, or ``[health] ping = false``).
+    Raises:
+        BadInput: a preflight check failed (names it).
     """
-    cfg = guard.cfg.health
-    device = next(guard.model.parameters()).device
+    device = next(model.parameters()).device
     if cfg.preflight:
-        newest = _newest_checkpoint_bytes(guard)
         try:
-            result = run_preflight(guard.store.root, guard.model, guard.optimizer, guard.cfg.checkpoint.keep_last,
-                                   newest, device, cfg.gpu_check)
+            result = run_preflight(store.root, model, optimizer, keep_last, _newest_checkpoint_bytes(store), device,
+                                   cfg.gpu_check)
         except PreflightError as e:
-            exit_bad_input(f"preflight: {e}", guard.events)
-        guard.events.emit("preflight", guard.step, rank=guard.rank, **result)
-    if not cfg.ping or guard.world_size < 2:
+            raise BadInput(f"preflight: {e}") from None
+        events.emit("preflight", step, rank=rank, **result)
+    if not cfg.ping or world_size < 2:
         return None
-    ping = LivenessPing(cfg.ping_interval, cfg.ping_timeout, guard.straggler.hosts, guard.events, device)
+    ping = LivenessPing(cfg.ping_interval, cfg.ping_timeout, hosts, events, device, on_ping_failure)
     ping.start(tgdist.broadcast_object(time.time()))
     return ping
 
 
-def _newest_checkpoint_bytes(guard: "Guard") -> Optional[int]:
+def _newest_checkpoint_bytes(store: CheckpointStore) -> Optional[int]:
     """Size of the newest committed checkpoint from its manifest (``None``: none, or unreadable)."""
-    committed = guard.store.committed()
+    from ..checkpoint.manifest import read_manifest
+
+    committed = store.committed()
     try:
         return sum(f["size"] for f in read_manifest(committed[-1].path)["files"].values()) if committed else None
     except (OSError, ValueError, KeyError, TypeError):

@@ -11,18 +11,20 @@ step-driven ping cannot run while no step completes.
 
 Before each ping every rank sets ``trainguard/ping/<attempt>/<n>/<rank>`` in the job's store; on a
 timeout the ranks without that key are the ones that never reached ping ``n``: they are named (with
-their hosts) in a ``ping_timeout`` event, and the process exits with code 1 so that ``trainguard
-run`` restarts the group from the newest checkpoint. Shutdown agrees on the number of pings first
+their hosts) in a ``ping_timeout`` event. The ping then calls ``on_failure``: the Guard arms its
+hard deadline (:class:`~trainguard.signals.HardDeadline`), because the main thread is waiting in
+a collective that will not complete and no exception can reach it; the process exits with code 1
+and ``trainguard run`` restarts the group from the newest checkpoint. A main thread that reaches a
+step boundary first raises :class:`PeerLostError` there instead. Shutdown agrees on the number of pings first
 (every rank finishes the same sequence), so a clean exit never leaves a ping half-matched.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,10 @@ from .. import dist as tgdist
 from ..events import EventLog
 
 PING_FAILED_EXIT = 1  # a failure: the launcher restarts the group
+
+
+class PeerLostError(RuntimeError):
+    """A peer rank stopped answering the liveness ping (the ``ping_timeout`` event names it)."""
 
 
 def _default_store() -> Optional[dist.Store]:
@@ -49,10 +55,17 @@ class LivenessPing:
         hosts: host name of every rank (index = rank).
         events: where ``ping_timeout`` goes.
         device: where the ping tensor lives (the training device; CUDA for NCCL).
+        on_failure: called from the ping thread after a ``ping_timeout`` event, with its message.
+
+    Attributes:
+        failed: the failure's message once a ping timed out, else ``None``.
     """
 
-    def __init__(self, interval: float, timeout: float, hosts: list[str], events: EventLog, device: torch.device):
+    def __init__(self, interval: float, timeout: float, hosts: list[str], events: EventLog, device: torch.device,
+                 on_failure: Optional[Callable[[str], None]] = None):
         self.interval, self.timeout, self.hosts, self.events = interval, timeout, hosts, events
+        self.on_failure = on_failure
+        self.failed: Optional[str] = None
         self.rank, self.world = tgdist.rank(), tgdist.world_size()
         self.device = device
         self.group = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=max(timeout * 4, 60)))
@@ -78,7 +91,7 @@ class LivenessPing:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         one = torch.ones(1, device=self.device)
-        while (n := self._next()) is not None:
+        while self.failed is None and (n := self._next()) is not None:
             self._ping(n, one)
 
     def _next(self) -> Optional[int]:
@@ -131,12 +144,20 @@ class LivenessPing:
         self.events.emit("ping_timeout", None, rank=self.rank, ping=n, timeout=self.timeout, missing_ranks=missing,
                          missing_hosts=None if missing is None else [self.hosts[r] for r in missing],
                          why="no answer from the store" if missing is None else None)
-        os._exit(PING_FAILED_EXIT)
+        self.failed = (f"liveness ping {n} got no answer in {self.timeout:g} s"
+                       + (f" from rank(s) {missing}" if missing else ""))
+        if self.on_failure is not None:
+            self.on_failure(self.failed)
 
     def stop(self) -> None:
         """Agree with every rank on the number of pings, finish them, stop the thread (a collective,
         on the training group; call on every rank before the group is destroyed)."""
         if self._thread is None:
+            return
+        if self.failed is not None:  # the thread has ended; the peers cannot agree on anything now
+            self._stopping.set()
+            self._thread.join()
+            self._thread = None
             return
         with self._lock:
             self._stopping.set()
@@ -144,3 +165,9 @@ class LivenessPing:
         self.final = tgdist.all_reduce_max([mine])[0]
         self._thread.join()
         self._thread = None
+
+    def close(self) -> None:
+        """Destroy the ping's process group (after :meth:`stop`; safe to call twice)."""
+        if self.group is not None and self._thread is None:
+            tgdist.destroy_group(self.group)
+            self.group = None

@@ -32,8 +32,13 @@ class LRRamp:
         self.factor = 1.0
         self.steps = 0
         self._saved: list[Any] = []
-        optimizer.register_step_pre_hook(self._pre)
-        optimizer.register_step_post_hook(self._post)
+        self._hooks = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+
+    def close(self) -> None:
+        """Remove the optimizer hooks (safe to call twice)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def begin(self, start: int, factor: float, steps: int) -> None:
         """Start a ramp after a rollback to step ``start`` (replaces any ramp in progress)."""

@@ -8,7 +8,13 @@ Otherwise the most severe policy among the detectors that fired decides (``warn`
 1. non-finite gradients are never applied: ``warn`` becomes ``skip``;
 2. after ``max_consecutive`` skipped steps in a row the action becomes ``escalate``;
 3. hooks may override (``Hook.on_instability(guard, event) -> action``), rank 0's answer wins;
-   a rollback past ``max_rollbacks`` gives up (exit code 76) instead.
+   a rollback past ``max_rollbacks`` gives up (:class:`~trainguard.outcomes.GiveUp`, exit 76) instead.
+
+:meth:`Recovery.check` returns ``True`` (apply the step), ``False`` (skipped) or a
+:class:`Rollback` decision, which the Guard carries out (it owns loading a checkpoint) with
+:meth:`Recovery.rollback_target` and :meth:`Recovery.rolled_back`; it raises ``GiveUp``.
+Step numbers here are 1-based step numbers: the step in progress after ``guard.step`` completed
+ones is number ``guard.step + 1`` (see :mod:`trainguard.guard`).
 
 A **rollback** from the bad step S (1-based) reloads the newest known-good checkpoint K with
 ``K <= S - max(1, depth)`` in the same processes, skips the S - K batches between K and S (more
@@ -25,21 +31,21 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from .. import dist as tgdist
 from ..atomic import write_atomic
 from ..checkpoint import manifest as mf
-from ..checkpoint.store import Checkpoint
-from ..exitcodes import ExitCode
+from ..checkpoint.store import Checkpoint, CheckpointStore
+from ..events import EventLog
+from ..outcomes import GiveUp
+from ..sections import InstabilitySection, RollbackSection
 from .detect import Detector, Verdict, total_grad_norm
 from .lr_ramp import LRRamp
-
-if TYPE_CHECKING:
-    from ..guard import Guard
 
 SEVERITY = {"warn": 0, "skip": 1, "rollback": 2, "raise": 3}
 LEDGER = "rollbacks.json"
@@ -67,16 +73,42 @@ def checkpoint_id(ckpt: Checkpoint) -> str:
     return f"{ckpt.step}@{mf.read_manifest(ckpt.path)['meta'].get('created')}"
 
 
-class Recovery:
-    """Instability detection and recovery for one :class:`~trainguard.guard.Guard` (every rank)."""
+@dataclass
+class Rollback:
+    """Decision: step number ``from_step`` was bad; roll back to a known-good checkpoint at or
+    before step ``at_most``. ``detectors``: what fired."""
 
-    def __init__(self, guard: "Guard"):
-        self.g = guard
-        self.cfg, self.rb = guard.cfg.instability, guard.cfg.rollback
-        self.detector = Detector(self.cfg, guard.rank, guard.world_size)
-        self.ramp = LRRamp(guard.optimizer, lambda: guard.step + 1) if guard.optimizer is not None else None
-        if guard.optimizer is not None:
-            guard.optimizer.register_step_pre_hook(self._refuse_rejected_step)
+    from_step: int
+    at_most: int
+    detectors: list[str]
+
+
+class Recovery:
+    """Instability detection and recovery for one rank (every rank builds one; they decide alike).
+
+    Args:
+        cfg, rb: the ``[instability]`` and ``[rollback]`` sections.
+        model, optimizer, sampler: zeroed / hooked / repositioned by skips and rollbacks
+            (optimizer and sampler may be ``None``).
+        store: the persistent checkpoint store (known-good checkpoints).
+        events: the rank's event log (rank 0 writes the decisions).
+        run_dir: where ``rollbacks.json`` lives.
+        rank, world_size: this rank and the group size.
+        current_step: returns the step number in progress (1-based), for the learning-rate ramp.
+        ask_hooks: given the ``instability`` event, returns each hook's answer (``[]`` without hooks).
+        verify: ``[checkpoint] verify``: how a rollback target is checked (``full`` or ``size``).
+    """
+
+    def __init__(self, cfg: InstabilitySection, rb: RollbackSection, model: torch.nn.Module,
+                 optimizer: Optional[torch.optim.Optimizer], sampler: Any, store: CheckpointStore, events: EventLog,
+                 run_dir: Path, rank: int, world_size: int, current_step: Callable[[], int],
+                 ask_hooks: Callable[[dict], list[Optional[str]]] = lambda event: [], verify: str = "full"):
+        self.cfg, self.rb, self.verify = cfg, rb, verify
+        self.model, self.optimizer, self.sampler, self.store, self.events = model, optimizer, sampler, store, events
+        self.run_dir, self.rank, self.current_step, self.ask_hooks = run_dir, rank, current_step, ask_hooks
+        self.detector = Detector(cfg, rank, world_size)
+        self.ramp = LRRamp(optimizer, current_step) if optimizer is not None else None
+        self._hook = optimizer.register_step_pre_hook(self._refuse_rejected_step) if optimizer is not None else None
         self.consecutive = 0  # skipped steps in a row
         self.skipped = 0  # skipped steps in this run's history (saved in checkpoints)
         self.rollbacks = 0  # rollbacks in the whole run (from the ledger)
@@ -88,14 +120,18 @@ class Recovery:
     # ------------------------------------------------------------------------------------------
     # the per-step check
 
-    def check(self, loss: Any, grad_norm: Any = None) -> bool:
-        """Run the detectors and act; ``True`` when the optimizer and scheduler may step."""
-        g = self.g
-        step = g.step + 1
-        if g.faults.numeric_pending:
-            loss, grad_norm = g.faults.numeric(step, loss, grad_norm, g.model)
+    def check(self, step: int, loss: Any, grad_norm: Any = None) -> Union[bool, Rollback]:
+        """Run the detectors on step number ``step`` and decide (a collective).
+
+        Returns:
+            ``True``: apply the step; ``False``: skipped (gradients zeroed, ``optimizer.step()``
+            refused); a :class:`Rollback` for the Guard to carry out.
+        Raises:
+            GiveUp: policy ``raise``, or the rollback budget is spent.
+            ValueError: a hook answered an unknown action.
+        """
         if grad_norm is None:
-            grad_norm = total_grad_norm(g.model.parameters())
+            grad_norm = total_grad_norm(self.model.parameters())
         verdict = self.detector.observe(step, loss, grad_norm)
         self.rejected = False
         if verdict.healthy:
@@ -118,10 +154,9 @@ class Recovery:
         if action == "rollback" and self.rollbacks >= self.cfg.max_rollbacks:
             action, why = "raise", f"rollback budget spent ({self.rollbacks} of max_rollbacks={self.cfg.max_rollbacks})"
         if action == "rollback":
-            self._rollback(verdict)
-            return False
-        self._give_up(verdict, why or f"policy 'raise' for {', '.join(verdict.fired)}")
-        return False  # not reached
+            self._reject()
+            return Rollback(step, step - max(1, self.rb.depth), verdict.fired)
+        self._give_up(step, verdict.fired, why or f"policy 'raise' for {', '.join(verdict.fired)}")
 
     def _decide(self, v: Verdict) -> tuple[str, str]:
         policies = {d: getattr(self.cfg, d) for d in v.fired}
@@ -144,13 +179,13 @@ class Recovery:
 
     def _hook_override(self, event: dict, v: Verdict) -> str:
         action = event["action"]
-        for h in self.g.hooks:
-            answer = h.on_instability(self.g, dict(event))
+        answers = self.ask_hooks(dict(event))
+        for answer in answers:
             if answer is not None:
                 if answer not in SEVERITY:
-                    raise ValueError(f"{type(h).__name__}.on_instability returned {answer!r}; expected one of {sorted(SEVERITY)} or None")
+                    raise ValueError(f"a hook's on_instability returned {answer!r}; expected one of {sorted(SEVERITY)} or None")
                 action = answer
-        if self.g.hooks:
+        if answers:
             action = tgdist.broadcast_object(action)  # hooks may differ by rank: rank 0 decides
         if action == "warn" and "nonfinite_grad" in v.fired:
             action = "skip"
@@ -161,104 +196,102 @@ class Recovery:
     def _reject(self) -> None:
         """Zero the gradients and refuse ``optimizer.step()`` for this step."""
         self.rejected = True
-        if self.g.optimizer is not None:
-            self.g.optimizer.zero_grad(set_to_none=True)
-        self.g.model.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
 
     def _refuse_rejected_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.rejected:
-            raise SkippedStepError(f"optimizer.step() called in step {self.g.step + 1}, which guard.should_step() "
+            raise SkippedStepError(f"optimizer.step() called in step {self.current_step()}, which guard.should_step() "
                                    "rejected (skip or rollback): call it only when should_step() returns True")
 
-    def _give_up(self, v: Verdict, why: str) -> None:
+    def _give_up(self, step: int, detectors: list[str], why: str) -> None:
         self._reject()
-        self._emit(v.step, "instability_give_up", detectors=v.fired, reason=why, rollbacks=self.rollbacks)
-        self.g._exit(ExitCode.GIVE_UP, f"instability: {why}")
+        self._emit(step, "instability_give_up", detectors=detectors, reason=why, rollbacks=self.rollbacks)
+        raise GiveUp("instability", f"instability: {why}")
 
     # ------------------------------------------------------------------------------------------
-    # rollback
+    # rollback (carried out by the Guard: wait for saves, rollback_target, load it, rolled_back)
 
-    def _rollback(self, v: Verdict) -> None:
-        g, bad = self.g, v.step
-        at_most = bad - max(1, self.rb.depth)
-        with g.section("rollback"):
-            g.ckpt.wait()  # a save in flight would commit a step of the abandoned trajectory afterwards
-            target = g.store.known_good(g.cfg.checkpoint.verify, at_most) if g.rank == 0 else None
-            target = tgdist.broadcast_object(target)
-            if target is None:
-                self._give_up(v, f"no known-good checkpoint at or before step {at_most} to roll back to")
-            lr_before = g.optimizer.param_groups[0]["lr"] if g.optimizer is not None else None
-            position = g.sampler.state_dict() if g.sampler is not None else None  # after the bad step's batch
-            g._load_checkpoint(target)
-            g.ckpt.discard_local_after(target.step, f"rolled back from step {bad} to {target.step}")
-            window = bad - target.step
-            skip = max(self.rb.skip_batches, window)
-            if g.sampler is not None:
-                g.sampler.load_state_dict(position)
-                if skip > window:
-                    g.sampler.skip_batches(skip - window)
-            if self.ramp is not None:
-                self.ramp.begin(target.step, self.rb.lr_factor, self.rb.lr_ramp_steps)
-            self.rollbacks += 1
-            self.consecutive = 0
-            positions = tgdist.gather_objects(g.sampler.state_dict() if g.sampler is not None else None)
-            lr_after = lr_before
-            if g.optimizer is not None:
-                lr_after = g.optimizer.param_groups[0]["lr"] * (self.ramp.multiplier(target.step + 1) if self.ramp else 1.0)
-            if g.rank == 0:
-                newer = [c for c in g.store.committed() if c.step > target.step]
-                for c in newer:
-                    g.store.set_aside(c, f"rolled back from step {bad} to {target.step}", kind="rolledback")
-                aside = [c.step for c in newer]
-                self.pending = [c for c in self.pending if c.step <= target.step]
-                record = {"time": round(time.time(), 3), "attempt": g.events.attempt, "from_step": bad,
-                          "to_step": target.step, "checkpoint": checkpoint_id(target), "detectors": v.fired,
-                          "skipped_batches": skip, "skipped_window": [target.step + 1, target.step + skip],
-                          "lr_factor": self.rb.lr_factor, "lr_ramp_steps": self.rb.lr_ramp_steps,
-                          "sampler_states": positions}
-                append_ledger(g.run_dir, record)
-                self._emit(bad, "rollback", from_step=bad, to_step=target.step, path=str(target.path), detectors=v.fired,
-                         skipped_batches=skip, skipped_window=record["skipped_window"], set_aside=aside,
-                         lr_before=lr_before, lr_after=lr_after, lr_factor=self.rb.lr_factor,
-                         lr_ramp_steps=self.rb.lr_ramp_steps, rollbacks=self.rollbacks, max_rollbacks=self.cfg.max_rollbacks)
-            self.newest_known_good = target.step
-            self.last_bad = target.step  # the bad steps belong to the abandoned trajectory
-            self._reject()
-            g._rolled_back = True
-        for h in g.hooks:
-            h.on_rollback(g, bad, target.step)
+    def rollback_target(self, rb: Rollback) -> Checkpoint:
+        """The newest known-good checkpoint at or before ``rb.at_most`` (a collective; rank 0 looks).
+
+        Raises:
+            GiveUp: there is none.
+        """
+        target = self.store.known_good(self.verify, rb.at_most) if self.rank == 0 else None
+        target = tgdist.broadcast_object(target)
+        if target is None:
+            self._give_up(rb.from_step, rb.detectors, f"no known-good checkpoint at or before step {rb.at_most} to roll back to")
+        return target
+
+    def rolled_back(self, rb: Rollback, target: Checkpoint, position: Any, lr_before: Optional[float]) -> None:
+        """After the Guard loaded ``target``: put the data position back to ``position`` (where it
+        was after the bad step's batch) and skip what ``[rollback] skip_batches`` adds, start the
+        learning-rate ramp, set aside newer checkpoints, record the rollback (``rollbacks.json``,
+        ``rollback`` event). A collective."""
+        bad, window = rb.from_step, rb.from_step - target.step
+        skip = max(self.rb.skip_batches, window)
+        if self.sampler is not None:
+            self.sampler.load_state_dict(position)
+            if skip > window:
+                self.sampler.skip_batches(skip - window)
+        if self.ramp is not None:
+            self.ramp.begin(target.step, self.rb.lr_factor, self.rb.lr_ramp_steps)
+        self.rollbacks += 1
+        self.consecutive = 0
+        positions = tgdist.gather_objects(self.sampler.state_dict() if self.sampler is not None else None)
+        lr_after = lr_before
+        if self.optimizer is not None:
+            lr_after = self.optimizer.param_groups[0]["lr"] * (self.ramp.multiplier(target.step + 1) if self.ramp else 1.0)
+        if self.rank == 0:
+            newer = [c for c in self.store.committed() if c.step > target.step]
+            for c in newer:
+                self.store.set_aside(c, f"rolled back from step {bad} to {target.step}", kind="rolledback")
+            self.pending = [c for c in self.pending if c.step <= target.step]
+            record = {"time": round(time.time(), 3), "attempt": self.events.attempt, "from_step": bad,
+                      "to_step": target.step, "checkpoint": checkpoint_id(target), "detectors": rb.detectors,
+                      "skipped_batches": skip, "skipped_window": [target.step + 1, target.step + skip],
+                      "lr_factor": self.rb.lr_factor, "lr_ramp_steps": self.rb.lr_ramp_steps,
+                      "sampler_states": positions}
+            append_ledger(self.run_dir, record)
+            self._emit(bad, "rollback", from_step=bad, to_step=target.step, path=str(target.path), detectors=rb.detectors,
+                       skipped_batches=skip, skipped_window=record["skipped_window"], set_aside=[c.step for c in newer],
+                       lr_before=lr_before, lr_after=lr_after, lr_factor=self.rb.lr_factor,
+                       lr_ramp_steps=self.rb.lr_ramp_steps, rollbacks=self.rollbacks, max_rollbacks=self.cfg.max_rollbacks)
+        self.newest_known_good = target.step
+        self.last_bad = target.step  # the bad steps belong to the abandoned trajectory
+        self._reject()
 
     def on_resume(self, ckpt: Checkpoint) -> None:
-        """After the Guard loaded ``ckpt`` at start: count past rollbacks, and if the run had rolled
-        back to exactly this checkpoint, apply that rollback's data skip and learning-rate ramp."""
-        g = self.g
-        records, cid = (read_ledger(g.run_dir), checkpoint_id(ckpt)) if g.rank == 0 else (None, None)
+        """After the Guard loaded ``ckpt`` at start: if the run had rolled back to exactly this
+        checkpoint, apply that rollback's data skip and learning-rate ramp (a collective)."""
+        records, cid = (read_ledger(self.run_dir), checkpoint_id(ckpt)) if self.rank == 0 else (None, None)
         records, cid = tgdist.broadcast_object((records, cid))
-        if g.rank == 0 and "known_good" not in mf.read_manifest(ckpt.path):
+        if self.rank == 0 and "known_good" not in mf.read_manifest(ckpt.path):
             self.pending.append(ckpt)
         last = next((r for r in reversed(records) if r["checkpoint"] == cid), None)
         if last is None:
             return
-        if g.sampler is not None and last["sampler_states"][g.rank] is not None:
-            g.sampler.load_state_dict(last["sampler_states"][g.rank])
+        if self.sampler is not None and last["sampler_states"][self.rank] is not None:
+            self.sampler.load_state_dict(last["sampler_states"][self.rank])
         if self.ramp is not None:
             self.ramp.begin(ckpt.step, last["lr_factor"], last["lr_ramp_steps"])
         self._emit(ckpt.step, "rollback_resumed", to_step=ckpt.step, from_step=last["from_step"],
-                 skipped_window=last["skipped_window"], lr_factor=last["lr_factor"])
+                   skipped_window=last["skipped_window"], lr_factor=last["lr_factor"])
 
     def on_start(self) -> None:
         """At start, before any resume: count the run's rollbacks (all ranks) and find the newest
-        known-good checkpoint (rank 0, to protect it from retention)."""
-        g = self.g
-        if g.rank == 0:
-            kg = g.store.known_good("size")
+        known-good checkpoint (rank 0, to protect it from retention). A collective."""
+        if self.rank == 0:
+            kg = self.store.known_good("size")
             self.newest_known_good = kg.step if kg is not None else None
-        self.rollbacks = tgdist.broadcast_object(len(read_ledger(g.run_dir)) if g.rank == 0 else None)
+        self.rollbacks = tgdist.broadcast_object(len(read_ledger(self.run_dir)) if self.rank == 0 else None)
 
     def _emit(self, step: int, kind: str, **details: Any) -> None:
         """An event from rank 0 (the decision is the same on every rank), at step number ``step``."""
-        if self.g.rank == 0:
-            self.g.events.emit(kind, step, **details)
+        if self.rank == 0:
+            self.events.emit(kind, step, **details)
 
     # ------------------------------------------------------------------------------------------
     # known-good checkpoints (rank 0)
@@ -273,17 +306,23 @@ class Recovery:
         self.pending = [c for c in self.pending if c.path.exists()]
         return keep | ({self.pending[0].step} if self.pending else set())
 
-    def after_step(self) -> None:
-        """At each step boundary: mark checkpoints whose following steps were all healthy."""
-        if not self.pending:
-            return
-        done = self.g.step
+    def after_step(self, done: int) -> None:
+        """At each step boundary (rank 0), ``done`` steps completed: mark the checkpoints whose
+        following ``known_good_after`` steps were all healthy."""
         while self.pending and done - self.pending[0].step >= self.cfg.known_good_after:
             c = self.pending.pop(0)
             if self.last_bad <= c.step and c.path.exists():
-                self.g.store.mark_known_good(c, done - c.step)
+                self.store.mark_known_good(c, done - c.step)
                 self.newest_known_good = c.step
-                self.g._emit0("checkpoint_known_good", checkpoint_step=c.step, path=str(c.path), healthy_steps=done - c.step)
+                self._emit(done, "checkpoint_known_good", checkpoint_step=c.step, path=str(c.path), healthy_steps=done - c.step)
+
+    def close(self) -> None:
+        """Remove the optimizer hooks (this one's and the ramp's). Safe to call twice."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.ramp is not None:
+            self.ramp.close()
 
     # ------------------------------------------------------------------------------------------
     # state saved in checkpoints

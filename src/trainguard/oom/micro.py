@@ -29,7 +29,7 @@ that collective, and the hang supervisor restarts the group.
 
 After ``[oom] grow_after`` clean steps the micro-batch doubles again (up to the batch); a grow
 that runs out of memory before the next ``grow_after`` clean steps doubles that wait. At
-micro-batch size 1 nothing is left to split: the run exits with the give-up code (76). The
+micro-batch size 1 nothing is left to split: :class:`~trainguard.outcomes.GiveUp` (exit 76). The
 micro-batch size and the counters are part of every checkpoint, so a resumed run splits alike
 (needed for a bitwise-identical resume: the accumulation order changes floating-point sums).
 
@@ -44,19 +44,19 @@ import gc
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import psutil
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import dist as tgdist
-from ..exitcodes import ExitCode, exit_bad_input
-from ..faults import provoke_oom
+from ..events import EventLog
+from ..faults import FaultInjector, provoke_oom
+from ..outcomes import BadInput, GiveUp
+from ..sections import OOMSection
+from ..straggler import StragglerDetector
 from .sync import GradSync
-
-if TYPE_CHECKING:
-    from ..guard import Guard
 
 # The CPU allocator raises a plain RuntimeError (c10::Error) whose text carries this; no type exists.
 CPU_OOM_TEXT = "DefaultCPUAllocator: can't allocate memory"
@@ -112,6 +112,14 @@ def slice_batch(batch: Any, start: int, stop: int) -> Any:
 class MicroBatcher:
     """Runs :meth:`Guard.run_step <trainguard.guard.Guard.run_step>` (one per Guard, every rank).
 
+    Args:
+        cfg: the ``[oom]`` section.
+        model: the (possibly DDP-wrapped) model.
+        events: the rank's event log.
+        faults: injected ``oom`` / ``slow_rank`` faults.
+        straggler: times the compute of each step.
+        rank, world_size: this rank and the group size.
+
     Attributes:
         size: samples per micro-batch (``None`` until the first batch: the whole batch, or
             ``[oom] micro_batch_size``).
@@ -119,11 +127,11 @@ class MicroBatcher:
         wait: clean steps before the next grow (``grow_after``, doubled by each failed grow).
     """
 
-    def __init__(self, guard: "Guard"):
-        self.g = guard
-        self.cfg = guard.cfg.oom
-        self.model = guard.model
-        self.ddp = isinstance(guard.model, DistributedDataParallel)
+    def __init__(self, cfg: OOMSection, model: torch.nn.Module, events: EventLog, faults: FaultInjector,
+                 straggler: StragglerDetector, rank: int, world_size: int):
+        self.cfg, self.model, self.events, self.faults, self.straggler = cfg, model, events, faults, straggler
+        self.rank, self.world_size = rank, world_size
+        self.ddp = isinstance(model, DistributedDataParallel)
         self.sync: Optional[GradSync] = None  # created by the first run_step (its buffers take the gradients' size)
         self.size: Optional[int] = self.cfg.micro_batch_size or None
         self.clean = 0
@@ -140,21 +148,23 @@ class MicroBatcher:
 
         Returns:
             The batch's loss (0-dim, detached): the sum of the micro-batch losses weighted by their
-            share of the batch. Exits with code 2 on a batch that cannot be split or a
-            micro-batch size larger than the batch, 76 when micro-batch size 1 runs out of memory.
+            share of the batch.
+        Raises:
+            BadInput: a batch that cannot be split, or a micro-batch size larger than the batch.
+            GiveUp: micro-batch size 1 ran out of memory.
         """
         backward = backward or torch.Tensor.backward
         try:
             n = batch_size(batch)
         except ValueError as e:
-            exit_bad_input(str(e), self.g.events)
+            raise BadInput(str(e)) from None
         if self.cfg.micro_batch_size > n:
-            exit_bad_input(f"oom.micro_batch_size={self.cfg.micro_batch_size} is larger than the batch ({n} samples "
-                           f"on rank {self.g.rank}); expected 1..{n}, or 0 for the whole batch", self.g.events)
+            raise BadInput(f"oom.micro_batch_size={self.cfg.micro_batch_size} is larger than the batch ({n} samples "
+                           f"on rank {self.rank}); expected 1..{n}, or 0 for the whole batch")
         if self.size is None:
             self.size = n
-        if self.sync is None and self.ddp and self.g.world_size > 1:
-            self.sync = GradSync(list(self.model.parameters()), self.g.rank, self.g.world_size, int(self.cfg.bucket_mb * 2**20))
+        if self.sync is None and self.ddp and self.world_size > 1:
+            self.sync = GradSync(list(self.model.parameters()), self.rank, self.world_size, int(self.cfg.bucket_mb * 2**20))
         self._maybe_grow(step, n)
         while True:
             size = min(self.size, n)
@@ -171,25 +181,25 @@ class MicroBatcher:
     def _attempt(self, step: int, step_fn: Callable, batch: Any, n: int, size: int,
                  backward: Callable) -> tuple[Optional[torch.Tensor], Optional[str]]:
         """One try at the whole batch; returns (loss, None) or (None, phase) after an OOM on this rank."""
-        fault = self.g.faults.oom_due(step) if self.g.faults.oom_pending else None
+        fault = self.faults.oom_due(step) if self.faults.oom_pending else None
         handle = self._arm(fault.phase) if fault is not None else None
         if self.ddp:  # the first forward syncs buffers as DDP's own would (no_sync forwards turn it off)
             self.model.require_forward_param_sync = True
         if self.sync is not None:
             self.sync.begin()
-        timer = self.g.straggler.compute_timer(_device(self.model))
+        timer = self.straggler.compute_timer(_device(self.model))
         try:
             timer.start()
             total = self._micro_batches(step_fn, batch, n, size, backward)
-            slow = self.g.faults.slow_factor(step) if self.g.faults.slow_pending else 0.0
+            slow = self.faults.slow_factor(step) if self.faults.slow_pending else 0.0
             if slow:
                 time.sleep(slow * (time.perf_counter() - timer.t0))
-            self.g.straggler.record_compute(timer.stop())
+            self.straggler.record_compute(timer.stop())
             return total, None
         except Exception as e:
             if not is_oom(e):
                 raise
-            self.g.events.emit("oom", step, rank=self.g.rank, phase=self._phase, micro_batch=size,
+            self.events.emit("oom", step, rank=self.rank, phase=self._phase, micro_batch=size,
                                injected=fault is not None, error=str(e).splitlines()[0][:500], **memory_in_use())
             return None, self._phase  # leaving this block frees the traceback and the attempt's tensors
         finally:
@@ -198,7 +208,7 @@ class MicroBatcher:
 
     def _micro_batches(self, step_fn: Callable, batch: Any, n: int, size: int, backward: Callable) -> torch.Tensor:
         total = None
-        divide = self.g.world_size if self.sync is not None else 1  # GradSync sums: pre-divide for the mean
+        divide = self.world_size if self.sync is not None else 1  # GradSync sums: pre-divide for the mean
         with self.model.no_sync() if self.ddp else contextlib.nullcontext():
             for start in range(0, n, size):
                 stop = min(n, start + size)
@@ -224,14 +234,14 @@ class MicroBatcher:
 
     def _agree(self, failed: bool) -> list[int]:
         """Per-rank codes (index into :data:`PHASES`), the same list on every rank."""
-        codes = [0] * self.g.world_size
+        codes = [0] * self.world_size
         if failed:
-            codes[self.g.rank] = PHASES.index(self._phase)
-        if self.g.world_size == 1:
+            codes[self.rank] = PHASES.index(self._phase)
+        if self.world_size == 1:
             return codes
         if self.sync is None:
             return tgdist.all_reduce_max(codes)
-        return self.sync.finish(codes[self.g.rank])
+        return self.sync.finish(codes[self.rank])
 
     def _free(self) -> float:
         """Drop the step's gradients, collect garbage (a full collection: ~0.14 s in a process with
@@ -269,14 +279,17 @@ class MicroBatcher:
         where = ", ".join(f"rank {r} in {phase}" for r, phase in ranks.items())
         why = (f"out of memory at micro-batch size 1 in step {step} ({where}): the batch cannot be split further; "
                "reduce the model, the sequence length or the per-rank batch, or use more ranks")
-        if self.g.rank == 0:
-            print(f"trainguard: {why}", file=sys.stderr, flush=True)
         self._emit(step, "oom_give_up", ranks=ranks, reason=why)
-        self.g._exit(ExitCode.GIVE_UP, "out_of_memory")
+        raise GiveUp("out_of_memory", why)
 
     def _emit(self, step: int, kind: str, **details: Any) -> None:
-        if self.g.rank == 0:
-            self.g.events.emit(kind, step, **details)
+        if self.rank == 0:
+            self.events.emit(kind, step, **details)
+
+    def close(self) -> None:
+        """Remove the gradient hooks of the DDP gradient sync (safe to call twice)."""
+        if self.sync is not None:
+            self.sync.close()
 
     # ------------------------------------------------------------------------------------------
     # checkpointed state

@@ -65,8 +65,13 @@ class GradSync:
         self.where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.armed = False
         self.launched = 0
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._ready)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+
+    def close(self) -> None:
+        """Remove the gradient hooks (safe to call twice)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def begin(self) -> None:
         """Zero the buffers and make every gradient a view into them (before the first micro-batch)."""

@@ -44,3 +44,16 @@ def enter_teardown(writer: Optional[HeartbeatWriter]) -> None:
     while writer.current is not None:
         writer.close()
     writer.open("teardown")
+
+
+def detach(writer: Optional[HeartbeatWriter]) -> None:
+    """Undo :func:`attach`: stop the stack-dump signal, close the stack file, unmap the record.
+    The launcher reads the record until the process ends, so call this only when the rank is done
+    with supervision (``Guard.close()``)."""
+    if writer is None:
+        return
+    faulthandler.unregister(STACK_SIGNAL)
+    stack_file = getattr(writer, "stack_file", None)
+    if stack_file is not None:
+        stack_file.close()
+    writer.close_file()

@@ -1,0 +1,69 @@
+"""The training state a rank saves besides its tensors: one mapping of named ``Stateful`` objects.
+
+A checkpoint holds two things per rank:
+
+* the model and optimizer tensors, through ``torch.distributed.checkpoint`` (sharded, see
+  :mod:`trainguard.checkpoint.io`);
+* this rank's own state (``rank-NNNNN.pt``, loaded with ``weights_only=True``): the step and a
+  :class:`TrainState` — by default ``scheduler``, ``sampler``, ``extra`` (the user's
+  ``extra_state``, itself a ``TrainState``), ``instability``, ``oom`` and ``rng``.
+
+Every part is a *Stateful*: an object with ``state_dict()`` and ``load_state_dict(state)`` (the
+protocol of ``torch.distributed.checkpoint.stateful.Stateful``, torch's LR schedulers and
+optimizers, :class:`~trainguard.sampler.ResumableSampler`). A part absent from a saved state (a
+checkpoint written before that part existed) is left as it is on load.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Protocol, runtime_checkable
+
+from .state import capture_rng, restore_rng
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict(state)``."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class RNGState:
+    """The random number generators of Python, NumPy, torch (CPU) and CUDA, as one Stateful."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return capture_rng()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        restore_rng(state)
+
+
+class TrainState:
+    """Named Stateful parts, saved and loaded as one mapping ``{name: part.state_dict()}``.
+
+    Args:
+        parts: ``{name: stateful}``; ``None`` values are skipped (an absent scheduler, say).
+    Raises:
+        TypeError: a part has no ``state_dict``/``load_state_dict`` (names it).
+    """
+
+    def __init__(self, parts: Mapping[str, Optional[Any]]):
+        self.parts: dict[str, Any] = {}
+        for name, part in parts.items():
+            if part is None:
+                continue
+            if not isinstance(part, Stateful):
+                raise TypeError(f"training state {name!r} ({type(part).__name__}) needs state_dict() and load_state_dict()")
+            self.parts[name] = part
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{name: part.state_dict()}`` for every part."""
+        return {name: part.state_dict() for name, part in self.parts.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load every part whose name is in ``state`` (others are left as they are)."""
+        for name, part in self.parts.items():
+            if state.get(name) is not None:
+                part.load_state_dict(state[name])
