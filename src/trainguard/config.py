@@ -34,8 +34,8 @@ from .atomic import write_atomic
 from .launch_env import LaunchEnv, LaunchEnvError
 from .sections import (  # noqa: F401  (re-exported: trainguard.config.Section etc.)
     CheckpointSection, FaultSpec, FaultsSection, HealthSection, InstabilitySection, LauncherSection, MemorySection,
-    OOMSection, PreemptionSection, RollbackSection, RunSection, Section, StopSection, StragglerSection, SupervisorSection,
-    parse_bytes, parse_duration,
+    Bytes, OOMSection, PositiveBytes, PreemptionSection, RollbackSection, RunSection, Section, StopSection, StragglerSection,
+    SupervisorSection, parse_bytes, parse_duration,
 )
 
 from .slurm.section import SlurmSection  # noqa: E402  (its own module: the slurm package owns it)
@@ -70,24 +70,64 @@ class Config(BaseModel):
 # loading
 
 
+def parse_value(raw: str) -> Any:
+    """Read ``raw`` as a TOML value when it is one (``20``, ``1e-3``, ``true``, ``[1, 2]``, ``"text"``)
+    and keep it as plain text otherwise (``/data/corpus``, ``20GiB``)."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def split_key_value(item: str, where: str, expected: str = "key=value",
+                    error: type[Exception] = ConfigError) -> tuple[str, str]:
+    """Split one ``key=value`` at its first ``=``: (key, value), both stripped of surrounding blanks.
+
+    The value is text; :func:`parse_value` or a pydantic model gives it its type.
+
+    Args:
+        item: the text, e.g. ``"checkpoint.interval=50"``.
+        where: how the error names the input, e.g. ``"--set 'interval'"``.
+        expected: the form the error says was expected.
+        error: the exception class raised (:class:`ConfigError`, or a caller's own such as ``WatchError``).
+    Raises:
+        error: no ``=``, or an empty key; the message is ``"{where}: expected {expected}"``.
+    """
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise error(f"{where}: expected {expected}")
+    return key, value.strip()
+
+
+def parse_key_values(text: str, where: str, expected: str = "key=value,...",
+                     error: type[Exception] = ConfigError) -> dict[str, str]:
+    """Parse ``"key=value,key=value,..."`` (``--inject KIND:...``'s part after the colon, ``--rdzv-conf``)
+    into ``{key: value}`` (text values, in order; a repeated key keeps its last value).
+
+    Items are split at every comma (values cannot hold one), blank items are skipped, and each item
+    is split by :func:`split_key_value`.
+
+    Raises:
+        error: an item without ``=`` or with an empty key (``"{where}: expected {expected}"``).
+    """
+    return dict(split_key_value(item, where, expected, error) for item in text.split(",") if item.strip())
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``"section.key=value"`` into (``["section", "key"]``, value).
 
-    The value is read as a TOML value when it is one (``20``, ``1e-3``, ``true``, ``[1, 2]``,
-    ``"text"``) and kept as a plain string otherwise (``/data/corpus``).
+    The value is read by :func:`parse_value`: a TOML value when it is one (``20``, ``1e-3``,
+    ``true``, ``[1, 2]``, ``"text"``), plain text otherwise (``/data/corpus``).
 
     Raises:
         ConfigError: no ``=`` or no dotted key.
     """
-    key, sep, raw = text.partition("=")
-    key = key.strip()
-    if not sep or not key or "." not in key:
-        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set checkpoint.interval=50")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key.split("."), value
+    expected = "section.key=value, e.g. --set checkpoint.interval=50"
+    key, raw = split_key_value(text, f"--set {text!r}", expected)
+    if "." not in key:
+        raise ConfigError(f"--set {text!r}: expected {expected}")
+    return key.split("."), parse_value(raw)
 
 
 def _read_toml(path: Path) -> dict:

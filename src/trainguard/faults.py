@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 import torch
 
-from .config import ConfigError, FaultSpec
+from .config import ConfigError, FaultSpec, parse_key_values
 from .events import EventLog
 from .launch_env import LaunchEnv
 
@@ -49,12 +49,7 @@ def parse_inject(text: str) -> FaultSpec:
         ConfigError: unknown kind or key, or a bad value.
     """
     kind, _, rest = text.partition(":")
-    fields: dict = {"kind": kind.strip()}
-    for item in filter(None, rest.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--inject {text!r}: expected KIND:key=value,...")
-        fields[key.strip()] = value.strip()
+    fields: dict = {"kind": kind.strip(), **parse_key_values(rest, f"--inject {text!r}", "KIND:key=value,...")}
     try:
         return FaultSpec.model_validate(fields)
     except ValueError as e:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, ValidatorFunctionWrapHandler,
+                      WrapValidator, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 
 _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)d)?\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*$")
@@ -46,33 +48,45 @@ def parse_duration(value: Any) -> Optional[float]:
     return seconds
 
 
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: Any) -> Optional[int]:
-    """Parse a size in bytes from a number or text such as ``"512MiB"``, ``"2GB"``, ``"1.5GiB"``.
-
-    Decimal units are powers of 1000 (``GB``), binary units powers of 1024 (``GiB``).
-
-    Returns:
-        The size in bytes, or ``None`` for ``None``/``""``.
-    Raises:
-        ValueError: not a size, or negative.
-    """
+def _byte_size(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """Validate a size with pydantic's ``ByteSize`` (an integer, or a number and a unit: ``B``,
+    ``KB``/``MB``/``GB``/``TB`` powers of 1000, ``KiB``/``MiB``/``GiB``/``TiB`` powers of 1024,
+    case-insensitive, e.g. ``"20GiB"``, ``"1.5 gib"``, ``"2GB"``); ``""`` means unset (``None``),
+    a boolean is refused, and a value ``ByteSize`` cannot read gets one message that says what is expected."""
     if value is None or value == "":
         return None
     if isinstance(value, bool):
-        raise ValueError("expected a size in bytes, got a boolean")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"expected a non-negative size, got {value!r}")
-        return int(value)
-    m = _BYTES.match(value) if isinstance(value, str) else None
-    if not m:
-        raise ValueError(f"expected a size such as 1073741824, '512MiB' or '2GB', got {value!r}")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+        raise PydanticCustomError("byte_size", "expected a size in bytes, not a boolean")
+    try:
+        return handler(value)
+    except ValidationError as e:
+        if not any(err["type"] in ("byte_size", "byte_size_unit") for err in e.errors()):
+            raise
+        raise PydanticCustomError("byte_size", "expected a size such as 1073741824, '512MiB' or '2GB' (a non-negative "
+                                  "whole number of bytes, or a number and a unit: KB/MB/GB/TB = 1000^n, KiB/MiB/GiB/TiB = 1024^n)") from None
+
+
+Bytes = Annotated[ByteSize, WrapValidator(_byte_size)]
+"""A size in bytes (``ByteSize``, an ``int`` subclass), ≥ 0: an integer or text such as ``"20GiB"``
+(see :func:`_byte_size`). Use it as ``Optional[Bytes]``, so that ``""`` can unset it."""
+
+PositiveBytes = Annotated[ByteSize, Field(gt=0), WrapValidator(_byte_size)]
+"""As :data:`Bytes`, > 0. The bound sits inside the annotation, under the ``""`` → ``None`` rule
+(a ``gt`` on the field itself would be applied to that ``None``)."""
+
+_BYTES_ADAPTER: TypeAdapter = TypeAdapter(Optional[Bytes])
+
+
+def parse_bytes(value: Any) -> Optional[int]:
+    """Parse a size in bytes outside a config section (as a :data:`Bytes` field does).
+
+    Returns:
+        The size in bytes (``int``), or ``None`` for ``None``/``""``.
+    Raises:
+        ValueError: not a size (a ``pydantic.ValidationError``, whose message says what is expected).
+    """
+    size = _BYTES_ADAPTER.validate_python(value)
+    return None if size is None else int(size)
 
 
 class Section(BaseModel):
@@ -104,7 +118,7 @@ class CheckpointSection(Section):
     interval: int = Field(100, ge=1, description="save to the persistent tier every N optimizer steps")
     keep_last: int = Field(3, ge=1, description="committed checkpoints kept (the newest is never deleted)")
     dir: str = Field("checkpoints", description="store directory, relative to the run dir unless absolute")
-    verify: str = Field("full", pattern="^(full|size)$", description="'full' checks every checksum on resume, 'size' only sizes")
+    verify: Literal["full", "size"] = Field("full", description="'full' checks every checksum on resume, 'size' only sizes")
     save_final: bool = Field(True, description="save a checkpoint when the last step finishes")
     async_save: bool = Field(False, description="scheduled saves copy the state to host memory and write it in the background "
                              "while training goes on (stop and final saves are always synchronous)")
@@ -212,19 +226,19 @@ class FaultSpec(Section):
     ``grad_explosion`` (its gradients and gradient norm × ``factor``).
     """
 
-    kind: str = Field(..., pattern="^(rank_killed|rank_hung|random|nan_loss|loss_spike|grad_explosion|oom|slow_rank)$",
-                      description="rank_killed, rank_hung, random, nan_loss, loss_spike, grad_explosion, oom or slow_rank")
+    kind: Literal["rank_killed", "rank_hung", "random", "nan_loss", "loss_spike", "grad_explosion", "oom", "slow_rank"] = Field(
+        ..., description="rank_killed, rank_hung, random, nan_loss, loss_spike, grad_explosion, oom or slow_rank")
     rank: Optional[int] = Field(None, ge=0, description="global rank (random: drawn)")
     step: Optional[int] = Field(None, ge=1, description="fire when this many steps are complete (numeric faults: in this step)")
     after_seconds: Optional[float] = Field(None, gt=0, description="fire this long after the Guard starts instead of at a step")
-    hang: str = Field("sigstop", pattern="^(sigstop|collective)$", description="rank_hung: stop the process (SIGSTOP), or block it before the next collective so the others wait inside it")
-    section: str = Field("step", pattern="^(step|checkpointing)$", description="rank_hung at a step: hang in the step, or inside the next checkpoint save")
+    hang: Literal["sigstop", "collective"] = Field("sigstop", description="rank_hung: stop the process (SIGSTOP), or block it before the next collective so the others wait inside it")
+    section: Literal["step", "checkpointing"] = Field("step", description="rank_hung at a step: hang in the step, or inside the next checkpoint save")
     every_attempt: bool = Field(False, description="fire again after each restart (a recurring fault); default only in the first attempt")
     seed: int = Field(0, description="random: the seed of the draw")
     factor: float = Field(10.0, gt=0, description="loss_spike / grad_explosion: the multiplier; slow_rank: extra compute time as a fraction (0.3 = 30 % slower)")
     repeat: int = Field(1, ge=1, description="numeric faults: in this many consecutive steps from 'step'")
     persistent: bool = Field(False, description="numeric faults: fire again when a rollback re-runs the step; oom: in every retry of the step too (a fault recovery cannot outrun)")
-    phase: str = Field("forward", pattern="^(forward|backward)$", description="oom: fail a real allocation inside the model's forward, or during backward")
+    phase: Literal["forward", "backward"] = Field("forward", description="oom: fail a real allocation inside the model's forward, or during backward")
 
 
 class FaultsSection(Section):
@@ -311,14 +325,9 @@ class MemorySection(Section):
     """
 
     host_percent: Optional[float] = Field(None, gt=0, lt=100, description="stop when the host's used memory exceeds this percentage (psutil's virtual_memory().percent)")
-    rss_limit: Optional[int] = Field(None, gt=0, description="stop when a rank's resident set size exceeds this (bytes, or '20GiB')")
-    gpu_free_min: Optional[int] = Field(None, gt=0, description="stop when a rank's GPU has less free memory than this (bytes, or '2GiB'); skipped without a GPU")
+    rss_limit: Optional[PositiveBytes] = Field(None, description="stop when a rank's resident set size exceeds this (bytes, or '20GiB')")
+    gpu_free_min: Optional[PositiveBytes] = Field(None, description="stop when a rank's GPU has less free memory than this (bytes, or '2GiB'); skipped without a GPU")
     check_interval: int = Field(100, ge=1, description="measure every N steps (the GPU measurement empties the allocator cache)")
-
-    @field_validator("rss_limit", "gpu_free_min", mode="before")
-    @classmethod
-    def _bytes(cls, v: Any) -> Optional[int]:
-        return parse_bytes(v)
 
 
 class StragglerSection(Section):

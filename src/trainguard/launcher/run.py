@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Optional
 
 from .. import faults
-from ..config import Config, ConfigError, load_config, split_cli_args
+from ..config import Config, ConfigError, load_config, parse_key_values, split_cli_args
 from ..events import EventLog, read_events
 from ..exitcodes import ExitCode
 from ..guard import prepare_run_dir
@@ -100,13 +100,7 @@ def parse_nnodes(text: str) -> tuple[int, int]:
 
 
 def _rdzv_configs(text: str) -> dict[str, str]:
-    out = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--rdzv-conf {item!r}: expected key=value")
-        out[key.strip()] = value.strip()
-    return out
+    return parse_key_values(text, f"--rdzv-conf {text!r}")
 
 
 def launch(opts: LaunchOptions) -> int:

@@ -33,7 +33,7 @@ from typing import Optional
 from ..config import ConfigError
 from ..events import read_events
 from ..launch_env import READY_DIR
-from .info import parse_slurm_time
+from .info import parse_show_job, parse_slurm_time
 
 DEFAULT_LEAD = 120  # seconds of signal lead when the run has no measured step or save time yet
 EXIT_SECONDS = 15.0  # launcher teardown, process exit and 'scontrol requeue' after the ranks saved
@@ -130,7 +130,7 @@ def partition_limit(name: str, scontrol: str = "scontrol") -> Optional[float]:
         proc = subprocess.run([scontrol, "show", "partition", "-o", name], capture_output=True, text=True, timeout=SLURM_TIMEOUT)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    fields = dict(w.split("=", 1) for w in proc.stdout.split() if "=" in w)
+    fields = parse_show_job(proc.stdout)  # the same Key=Value line format as scontrol show job -o
     for key in ("DefaultTime", "MaxTime"):
         try:
             value = parse_slurm_time(fields.get(key, "UNLIMITED"))

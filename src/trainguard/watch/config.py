@@ -6,12 +6,12 @@ Every threshold is off (``None``) unless set, except ``max_silence``. Durations 
 
 from __future__ import annotations
 
-import tomllib
 from typing import Any, Optional
 
 from pydantic import Field, ValidationError, field_validator
 
-from ..sections import Section, parse_bytes, parse_duration
+from ..config import parse_value, split_key_value
+from ..sections import Bytes, Section, parse_duration
 from .errors import WatchError
 
 
@@ -21,7 +21,7 @@ class WatchSection(Section):
     notify: list[str] = Field([], description="apprise notification URLs, e.g. 'mailto://smtp.host:25?from=a@b&to=c@d', 'json://host:8080/hook', 'slack://...'")
     every: Optional[float] = Field(None, gt=0, description="seconds between passes ('5m'); unset = one pass (for cron)")
     paths: list[str] = Field([], description="extra paths whose filesystems are checked, relative to the run dir unless absolute")
-    min_free_bytes: Optional[int] = Field(None, ge=0, description="alert when a filesystem has less free space than this (bytes or '50GiB')")
+    min_free_bytes: Optional[Bytes] = Field(None, description="alert when a filesystem has less free space than this (bytes or '50GiB')")
     max_used_percent: Optional[float] = Field(None, gt=0, lt=100, description="alert when a filesystem's used space exceeds this percentage")
     max_inodes_percent: Optional[float] = Field(None, gt=0, lt=100, description="alert when a filesystem's used inodes exceed this percentage")
     min_days: Optional[float] = Field(None, gt=0, description="alert when the checkpoint filesystem's free space lasts fewer days at the measured checkpoint growth")
@@ -35,11 +35,6 @@ class WatchSection(Section):
     def _duration(cls, v: Any) -> Optional[float]:
         return parse_duration(v)
 
-    @field_validator("min_free_bytes", mode="before")
-    @classmethod
-    def _bytes(cls, v: Any) -> Optional[int]:
-        return parse_bytes(v)
-
     @field_validator("notify", "paths", mode="before")
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
@@ -51,14 +46,6 @@ class WatchSection(Section):
         return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
 
-def parse_value(raw: str) -> Any:
-    """A TOML value (``95``, ``1.5``, ``["a", "b"]``, ``"text"``) or, when not one, the raw text."""
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-
-
 def section_from_overrides(overrides: list[str], base: Optional[dict] = None) -> WatchSection:
     """Build a :class:`WatchSection` from ``key=value`` strings (``watch.key=value`` is accepted too).
 
@@ -67,13 +54,8 @@ def section_from_overrides(overrides: list[str], base: Optional[dict] = None) ->
     """
     values: dict[str, Any] = dict(base or {})
     for text in overrides:
-        key, sep, raw = text.partition("=")
-        key = key.strip()
-        if key.startswith("watch."):
-            key = key[len("watch."):]
-        if not sep or not key:
-            raise WatchError(f"watch setting {text!r}: expected key=value, e.g. max_used_percent=90")
-        values[key] = parse_value(raw.strip())
+        key, raw = split_key_value(text, f"watch setting {text!r}", "key=value, e.g. max_used_percent=90", WatchError)
+        values[key.removeprefix("watch.")] = parse_value(raw)
     try:
         return WatchSection(**values)
     except ValidationError as e:
