@@ -15,6 +15,8 @@ from typing import Optional
 
 import xxhash
 
+from ..atomic import fsync_path  # noqa: F401  (mf.fsync_path: one copy, in trainguard.atomic)
+
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _CHUNK = 8 << 20
@@ -32,15 +34,6 @@ def hash_file(path: str | os.PathLike) -> str:
 def describe_files(root: Path, names: list[str]) -> dict[str, dict]:
     """``{name: {"size": bytes, "xxh3_128": hex}}`` for the given files under ``root``."""
     return {n: {"size": (root / n).stat().st_size, "xxh3_128": hash_file(root / n)} for n in names}
-
-
-def fsync_path(path: str | os.PathLike) -> None:
-    """fsync a file or a directory (a directory fsync makes its entries, e.g. a rename, durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_manifest(root: Path, step: int, files: dict[str, dict], meta: dict) -> None:

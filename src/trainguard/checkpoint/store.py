@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 import time
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from ..atomic import write_atomic
 from . import manifest as mf
 
 log = logging.getLogger(__name__)
@@ -130,14 +130,8 @@ class CheckpointStore:
         body["known_good"] = {"healthy_steps": healthy_steps, "time": round(time.time(), 3)}
         # the temp file lives in the store root under the .tmp- prefix (clean_stale removes it after
         # a crash), so a checkpoint directory never holds a file its manifest does not list
-        tmp = self.root / f".tmp-manifest-{ckpt.path.name}"
-        with open(tmp, "w") as f:
-            json.dump(body, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, ckpt.path / mf.MANIFEST)
-        mf.fsync_path(ckpt.path)
-        mf.fsync_path(self.root)
+        write_atomic(ckpt.path / mf.MANIFEST, json.dumps(body, indent=1, sort_keys=True),
+                     tmp=self.root / f".tmp-manifest-{ckpt.path.name}")
 
     def known_good(self, verify: str = "full", at_most: Optional[int] = None) -> Optional[Checkpoint]:
         """The newest verified checkpoint marked known-good with ``step <= at_most``, or ``None``."""
