@@ -327,18 +327,22 @@ class Checkpointer:
                 if c.step > step:
                     store.set_aside(c, why, kind="rolledback")
 
-    def close(self) -> Optional[SaveResult]:
+    def close(self, wait: bool = True) -> Optional[SaveResult]:
         """Finish the save in flight (its result is returned), stop the writer and deleter threads,
-        remove the optimizer hook and destroy the writer's process group. Safe to call twice."""
-        result = self.wait()
+        remove the optimizer hook and destroy the writer's process group. Safe to call twice.
+
+        ``wait=False`` (this rank failed alone): do not wait for a save in flight, which may be
+        waiting for its peers; its thread is left to end with the process and its group is kept.
+        """
+        result = self.wait() if wait else None
         for pool in (self.pool, self.deleter):
             if pool is not None:
-                pool.shutdown(wait=True)
+                pool.shutdown(wait=wait)
         self.pool = self.deleter = None
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if self.group is not None:
+        if self.group is not None and (wait or self.pending is None):
             tgdist.destroy_group(self.group)
             self.group = None
         self.snapshot.release()

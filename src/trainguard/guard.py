@@ -552,8 +552,8 @@ class Guard:
         peer, heartbeat, event log. ``collective=False`` (a failure on this rank alone) does not
         wait for a background save, which may be waiting for peers."""
         self._closed = True
-        if self.ckpt is not None and collective:
-            self.ckpt.close()
+        if self.ckpt is not None:
+            self.ckpt.close(wait=collective)
         for part in (self.recovery, self.micro):
             if part is not None:
                 part.close()
@@ -561,7 +561,7 @@ class Guard:
             self.shutdown.close()
         detach_supervisor(self.heartbeat)
         self.heartbeat = None
-        if self.events is not None and collective:
+        if self.events is not None:
             self.events.close()
 
     def __enter__(self) -> "Guard":
