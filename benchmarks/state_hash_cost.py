@@ -15,7 +15,9 @@ call, the median and range of the wall time and of the calling thread's CPU time
 descheduled by other load on the machine does not inflate), and the digest. ``--impl PATH`` times the ``state_hash`` of another file instead (e.g. an earlier
 ``state.py`` from ``git show``), to compare formulas on the same machine.
 
-    .venv/bin/python benchmarks/state_hash_cost.py [--world 2] [--layout ddp|fsdp] [--repeat 10] [--impl PATH]
+    .venv/bin/python benchmarks/state_hash_cost.py [--world 2] [--layout ddp|fsdp|both] [--repeat 10] [--impl PATH] [--smoke]
+
+``--smoke``: a one-layer GPT of width 32, 2 calls, both layouts: it only checks that the script runs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import SMOKE_HELP
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -39,7 +43,7 @@ def _load(path: Path, name: str):
     return module
 
 
-def _rank(rank: int, world: int, tmp: str, layout: str, repeat: int, impl: str | None, out) -> None:
+def _rank(rank: int, world: int, tmp: str, layouts: list[str], repeat: int, impl: str | None, out, model_overrides: dict) -> None:
     import torch
     import torch.distributed as dist
 
@@ -50,8 +54,16 @@ def _rank(rank: int, world: int, tmp: str, layout: str, repeat: int, impl: str |
         state_hash = _load(Path(impl), "state_impl").state_hash
     else:
         from trainguard.state import state_hash
+    for layout in layouts:  # one after the other in the same processes
+        _measure(rank, world, layout, repeat, impl, out, gpt.ModelSection(**model_overrides), gpt, state_hash)
+    dist.destroy_process_group()
+
+
+def _measure(rank: int, world: int, layout: str, repeat: int, impl: str | None, out, cfg, gpt, state_hash) -> None:
+    import torch
+    import torch.distributed as dist
+
     torch.manual_seed(0)
-    cfg = gpt.ModelSection()
     model = gpt.GPT(cfg)
     if layout == "ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
@@ -86,23 +98,28 @@ def _rank(rank: int, world: int, tmp: str, layout: str, repeat: int, impl: str |
                 f"wall median {statistics.median(ms):.1f} ms (min {ms[0]:.1f}, max {ms[-1]:.1f}), "
                 f"thread CPU median {statistics.median(cpu_ms):.1f} ms (min {cpu_ms[0]:.1f}), {repeat} calls; "
                 f"same digest on all ranks: {len(set(digests)) == 1}; digest {digests[0]}")
-    dist.destroy_process_group()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--layout", choices=["ddp", "fsdp"], default="ddp")
-    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--layout", choices=["ddp", "fsdp", "both"], default=None, help="default ddp, smoke both")
+    p.add_argument("--repeat", type=int, default=None, help="calls timed (default 10, smoke 2)")
     p.add_argument("--impl", default=None, help="a state.py whose state_hash is timed instead of trainguard's")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     a = p.parse_args()
+    a.layout = a.layout or ("both" if a.smoke else "ddp")
+    a.repeat = a.repeat or (2 if a.smoke else 10)
+    tiny = {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32} if a.smoke else {}
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    layouts = ["ddp", "fsdp"] if a.layout == "both" else [a.layout]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(a.world, tmp, a.layout, a.repeat, a.impl, out), nprocs=a.world, start_method="spawn")
-        print(out.get(timeout=10))
+        mp.start_processes(_rank, args=(a.world, tmp, layouts, a.repeat, a.impl, out, tiny), nprocs=a.world, start_method="spawn")
+        for _ in layouts:
+            print(out.get(timeout=10))
 
 
 if __name__ == "__main__":
