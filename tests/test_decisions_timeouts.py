@@ -1,0 +1,202 @@
+"""Learned section timeouts and the hang decision in one process.
+
+``tests/test_heartbeat.py`` checks the formula ``max(min_timeout, safety_factor × p99, longest)``
+on hand-made histograms. Here: when a timeout counts as learned (``min_samples`` over earlier
+launches and the running one together), what is never learned, the path from a rank's real
+heartbeat record (:class:`HeartbeatWriter` → :class:`HeartbeatReader` → :class:`TimeoutBook`), and
+:class:`HangMonitor` deciding with a timeout learned by an earlier launch (``timeouts.json``):
+over it is hung, except while a local peer that is not ahead is still within its own timeout.
+
+The monitor polls real heartbeat records in ``tmp_path``; the agent it asks for the workers is a
+two-method stand-in returning torch elastic ``Worker`` objects and no process ids (so nothing is
+signalled or killed). Hang cases wait until the silence has passed the timeout, whatever it takes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from torch.distributed.elastic.agent.server.api import Worker
+
+from trainguard.config import load_config
+from trainguard.events import EventLog, read_events
+from trainguard.sections import SupervisorSection
+from trainguard.supervisor.heartbeat import (NBUCKETS, OUT_OF_SECTION, HeartbeatReader, HeartbeatWriter, bucket_of,
+                                             bucket_upper, heartbeat_path)
+from trainguard.supervisor.monitor import HangMonitor, attempt_dir
+from trainguard.supervisor.timeouts import FILENAME, INITIAL, TEARDOWN, TimeoutBook, percentile_of
+
+
+def hist(n: int, seconds: float) -> tuple[int, float, list[int]]:
+    buckets = [0] * NBUCKETS
+    buckets[bucket_of(seconds)] = n
+    return n, seconds, buckets
+
+
+def history(sections: dict[str, tuple[int, float, list[int]]]) -> dict:
+    return {"sections": {name: {"count": c, "longest": longest, "buckets": b} for name, (c, longest, b) in sections.items()}}
+
+
+# ------------------------------------------------------------------------------------------------
+# the book
+
+
+@pytest.mark.parametrize("earlier, now, learned", [(15, 4, False), (15, 5, True), (0, 20, True), (20, 0, True), (19, 0, False)])
+def test_min_samples_counts_earlier_launches_and_the_running_one_together(earlier, now, learned):
+    cfg = SupervisorSection(step_timeout=77, min_samples=20)
+    book = TimeoutBook(cfg, history({"step": hist(earlier, 1.0)}) if earlier else None)
+    if now:
+        book.set_live([{"step": hist(now, 1.0)}])
+    assert (book.learned("step") is not None) is learned
+    assert book.timeout("step") == (pytest.approx(3 * bucket_upper(bucket_of(1.0))) if learned else 77)
+    book.close_attempt()  # a restart keeps what was seen
+    assert book.observed("step")[0] == earlier + now and (book.learned("step") is not None) is learned
+
+
+@pytest.mark.parametrize("durations, winner", [
+    ([(100, 0.001)], "min_timeout"),
+    ([(100, 1.0)], "p99"),
+    ([(99, 1.0), (1, 30.0)], "longest"),  # one outlier: p99 stays low, the longest still never times out
+])
+def test_each_term_of_the_formula_can_be_the_one_in_force(durations, winner):
+    cfg = SupervisorSection(min_timeout=2.0, safety_factor=3.0, percentile=99)
+    buckets = [0] * NBUCKETS
+    for n, s in durations:
+        buckets[bucket_of(s)] += n
+    book = TimeoutBook(cfg)
+    book.set_live([{"eval": (sum(n for n, _ in durations), max(s for _, s in durations), buckets)}])
+    terms = {"min_timeout": 2.0, "p99": 3.0 * percentile_of(buckets, 99), "longest": max(s for _, s in durations)}
+    assert max(terms, key=terms.get) == winner
+    assert book.timeout("eval") == pytest.approx(terms[winner])
+
+
+def test_teardown_and_initial_are_never_learned_from_the_ranks_records():
+    cfg = SupervisorSection(teardown_timeout=41, initial_timeout=43, section_timeouts={"eval": 47}, user_section_timeout=53)
+    book = TimeoutBook(cfg)
+    book.set_live([{TEARDOWN: hist(500, 0.01), "eval": hist(5, 0.01)}])
+    assert book.learned(TEARDOWN) is None and book.timeout(TEARDOWN) == 41
+    assert book.timeout(INITIAL) == 43 and book.timeout("eval") == 47 and book.timeout("export") == 53
+
+
+def test_a_ranks_real_record_teaches_the_book(tmp_path):
+    writer = HeartbeatWriter(tmp_path / "rank-0.hb")
+    for step in range(1, 26):
+        with writer.section("step"):
+            sum(range(1000))
+        writer.beat(step)
+    reader = HeartbeatReader(tmp_path / "rank-0.hb")
+    try:
+        seen = reader.histograms()
+        count, longest, buckets = seen["step"]
+        assert count == 25 and sum(buckets) == 25 and 0 < longest < 60
+        assert seen[OUT_OF_SECTION][0] == 25  # the gaps before each step
+        cfg = SupervisorSection(min_timeout=1e-4)
+        book = TimeoutBook(cfg)
+        book.set_live([seen])
+        want = max(1e-4, 3 * percentile_of(buckets, 99), longest)
+        assert book.learned("step") == pytest.approx(want) and book.learned("step") >= longest
+        book.save(tmp_path)  # what the next launch starts from
+        again = TimeoutBook.load(cfg, tmp_path)
+        assert again.timeout("step") == pytest.approx(want) and again.live == {}
+    finally:
+        reader.close()
+        writer.close_file()
+
+
+# ------------------------------------------------------------------------------------------------
+# the monitor's decision
+
+
+class Agent:
+    """What HangMonitor.poll asks of the launcher's agent: the node's workers and their pids."""
+
+    def __init__(self, n: int):
+        self._workers = [Worker(local_rank=r, global_rank=10 + r, role_rank=r, world_size=n, role_world_size=n) for r in range(n)]
+
+    def workers(self) -> list[Worker]:
+        return self._workers
+
+    def worker_pids(self) -> dict[int, int]:
+        return {}  # nothing to signal: the decision is under test, not the kill
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 60.0) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    pytest.fail("condition not reached")
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A run dir whose earlier launch learned a 0.3 s step timeout, a monitor over two local ranks."""
+    run_dir, hb_root = tmp_path / "run", tmp_path / "hb"
+    run_dir.mkdir()
+    cfg = load_config(None, [f"run.dir={run_dir}", "supervisor.min_timeout=0.3", "supervisor.step_timeout=600"])
+    earlier = TimeoutBook(cfg.supervisor)
+    earlier.set_live([{"step": hist(40, 0.01)}])
+    earlier.save(run_dir)
+    log = EventLog(run_dir)
+    monitor = HangMonitor(cfg, run_dir, hb_root, log)
+    monitor.group_started(0)
+    attempt_dir(hb_root, 0).mkdir(parents=True)
+    writers = [HeartbeatWriter(heartbeat_path(attempt_dir(hb_root, 0), r)) for r in (0, 1)]
+    yield monitor, writers, run_dir, hb_root
+    monitor.group_stopped()
+    for w in writers:
+        w.close_file()
+    log.close()
+
+
+def silent_for(hb_root: Path, local_rank: int, seconds: float) -> bool:
+    """Whether the rank has been in its current section for more than ``seconds`` (read from its record)."""
+    reader = HeartbeatReader(heartbeat_path(attempt_dir(hb_root, 0), local_rank))
+    try:
+        state = reader.state()
+    finally:
+        reader.close()
+    return state is not None and time.monotonic() - state.entered > seconds
+
+
+def test_a_timeout_learned_by_an_earlier_launch_decides_the_hang(node):
+    monitor, (a, b), run_dir, _ = node
+    assert monitor.book.timeout("step") == pytest.approx(0.3) and monitor.book.learned("step") is not None
+    agent = Agent(2)
+    for w in (a, b):
+        w.beat(4)
+        w.open("step")
+    b.close()
+    b.beat(5)
+    b.open("eval")  # the peer moved on into a long section of its own (600 s)
+    reason = wait_until(lambda: monitor.poll(agent))  # rank 0 stays in its step 5 past 0.3 s
+    assert reason.startswith("hang: rank 10 silent ") and "in 'step' (timeout 0.3 s)" in reason
+    (hang,) = [e["details"] for e in read_events(run_dir, "hang_detected")]
+    assert (hang["rank"], hang["local_rank"], hang["section"], hang["learned"]) == (10, 0, "step", True)
+    assert hang["timeout"] == pytest.approx(0.3) and hang["silent_seconds"] > 0.3
+    monitor.group_stopped()  # the observations up to the hang are kept, and saved for the next launch
+    saved = json.loads((run_dir / FILENAME).read_text())
+    assert saved["sections"]["step"]["count"] >= 40 and saved["sections"]["step"]["learned"] is True
+
+
+def test_a_rank_waiting_for_a_peer_that_is_not_ahead_is_not_hung(node):
+    monitor, (a, b), run_dir, hb_root = node
+    agent = Agent(2)
+    a.beat(5)
+    a.open("step")  # in the step's collective, waiting for rank 1
+    b.beat(5)
+    b.open("eval")  # rank 1 evaluates on its own before the step (600 s)
+    wait_until(lambda: silent_for(hb_root, 0, 0.35))
+    assert monitor.poll(agent) is None  # over its 0.3 s, but its peer is within its own timeout
+    assert not list(read_events(run_dir, "hang_detected"))
+    b.close()
+    b.beat(6)
+    b.open("eval")  # rank 1 is now ahead: rank 0 is not waiting for it
+    reason = monitor.poll(agent)
+    assert reason is not None and "rank 10" in reason and "rank 11" not in reason
