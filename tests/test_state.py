@@ -139,8 +139,9 @@ def test_state_hash_across_ranks_ddp_and_dtensor_shards():
 
 
 def test_state_hash_without_process_group_is_local():
-    """Without a process group the hash is computed locally: SHA-256 over the format line, world=1
-    and the one local digest."""
+    """Without a process group (one rank, so a replicated state) the hash is the rank's own digest:
+    SHA-256 over each tensor's header line and bytes in sorted key order — the formula of earlier
+    versions, so a single-process or DDP run keeps the value older records hold."""
     import hashlib
 
     from trainguard.state import local_state_digest
@@ -148,6 +149,10 @@ def test_state_hash_without_process_group_is_local():
     torch.manual_seed(0)
     m = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    expected = hashlib.sha256(b"trainguard state hash v2\nworld=1\n" + local_state_digest(m, opt)).hexdigest()
-    assert state_hash(m, opt) == expected
+    assert state_hash(m, opt) == local_state_digest(m, opt).hex()
+    bias, weight = m.bias.detach(), m.weight.detach()
+    by_hand = hashlib.sha256()
+    for key, t in (("model.bias", bias), ("model.weight", weight)):
+        by_hand.update(f"{key}:{t.dtype}:{list(t.shape)}\n".encode() + t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    assert state_hash(m) == by_hand.hexdigest()
     assert state_hash(m) != state_hash(m, opt)

@@ -153,7 +153,8 @@ def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None =
     call it at the same point (the Guard does, at the end of a run). Without a process group it is
     a local computation.
 
-    Formula (earlier versions hashed gathered full tensors on every rank; values differ from theirs):
+    Formula (earlier versions hashed gathered full tensors on every rank; for sharded states the
+    values differ from theirs):
 
     1. each rank hashes what it holds (:func:`local_state_digest`): the state dicts in
        fully-qualified-name form (``torch.distributed.checkpoint.state_dict.get_state_dict``, so
@@ -164,7 +165,10 @@ def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None =
        ``full_tensor()``, so no rank ever holds more than its own shards); each non-tensor value
        its JSON text;
     2. the 32-byte digests of all ranks are all-gathered (one collective of 32 bytes per rank);
-    3. the result is ``SHA-256("trainguard state hash v2\n" + "world=W\n" + d_0 + ... + d_{W-1})``.
+    3. when every rank's digest is the same (a replicated state: DDP, or a single process), the
+       result is that digest — the value earlier versions computed from full tensors, so
+       replicated runs compare with older records; otherwise it is
+       ``SHA-256("trainguard state hash v2\n" + "world=W\n" + d_0 + ... + d_{W-1})``.
 
     Consequences: two runs with the same world size and the same sharding give the same value
     iff every rank's state is bitwise equal (replicated state, e.g. DDP, is hashed on every rank,
@@ -180,6 +184,8 @@ def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None =
         64 hex characters.
     """
     digests = _gather_digests(local_state_digest(model, optimizer), group)
+    if len(set(digests)) == 1:  # replicated (or one rank): the rank's own digest
+        return digests[0].hex()
     h = hashlib.sha256(_FORMAT)
     h.update(f"world={len(digests)}\n".encode())
     for d in digests:
