@@ -98,7 +98,9 @@ def test_save_switch_saves_removes_file_and_continues(tmp_path):
 
 def test_time_limit_saves_and_exits_before_the_limit(tmp_path):
     run = tmp_path / "run"
-    limit = 15.0
+    # the limit counts from the launch, start-up included: two ranks' start-up took 16 s on a loaded
+    # 2-core machine, so the limit leaves room for it (the run itself would never end)
+    limit = 30.0
     proc = launch(run, "train.max_steps=1000000", f"stop.max_duration={limit}", "stop.time_margin=1")
     assert finish(proc) == ExitCode.REQUEUE
     launched = events(run, "launch")[-1]["time"]

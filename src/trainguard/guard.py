@@ -66,6 +66,7 @@ from .launch_env import LaunchEnv
 from .memory import MemoryWatchdog
 from .oom import MicroBatcher
 from .outcomes import BadInput, Outcome, Requeue
+from .rundir import prepare_run_dir
 from .signals import ShutdownHandler
 from .state import state_hash
 from .stop import StopConditions, StopFlags
@@ -82,21 +83,6 @@ PROGRESS_SECONDS = 10.0
 # PeerLostError there) before the hard deadline ends the process: it is most likely stuck in a
 # collective whose peer is gone.
 PING_FAILURE_GRACE = 1.0
-
-
-def prepare_run_dir(run_dir: Path) -> None:
-    """Create ``run_dir`` and check that it is writable.
-
-    Raises:
-        ConfigError: it cannot be created or written (names the directory and the OS error).
-    """
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"run dir {run_dir} is not writable: {e.strerror or e}") from None
 
 
 class Guard:

@@ -45,7 +45,7 @@ from .. import faults
 from ..config import Config, ConfigError, load_config, parse_key_values, split_cli_args
 from ..events import EventLog, read_events
 from ..exitcodes import ExitCode
-from ..guard import prepare_run_dir
+from ..rundir import prepare_run_dir
 from ..launch_env import READY_DIR, LaunchEnv
 from ..slurm import finished
 from ..slurm.endtime import EndTimeRefresher, end_time_file, remove_stale, write_end_time
