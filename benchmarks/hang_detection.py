@@ -66,6 +66,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--min-step", type=int, default=None, help="the hang step S is drawn from [min-step, max-step] (default 25, smoke 22)")
     p.add_argument("--max-step", type=int, default=None, help="default 75, smoke 29")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cap", type=float, default=None, help="seconds after which a launch is killed (default 60 + 40 per hang; "
+                   "smoke 300: only against a stuck launch)")
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
     p.add_argument("--analyse", metavar="DIR", default=None, help="print the table of launches kept with --keep in DIR, run nothing")
     args = p.parse_args()
@@ -95,7 +97,7 @@ def launch(args: argparse.Namespace, mode: str, step: int, hangs: int, run_dir: 
         "--set", f"checkpoint.interval={args.ckpt_every}", "--set", f"launcher.max_restarts={hangs - 1}",
         "--set", "supervisor.max_same_step_faults=1000", "--set", "supervisor.max_no_progress_restarts=1000",
     ]
-    cap = 60 + 40 * hangs
+    cap = args.cap or (300 if args.smoke else 60 + 40 * hangs)
     t0 = time.perf_counter()
     with open(run_dir / "launcher.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
