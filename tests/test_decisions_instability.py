@@ -466,9 +466,6 @@ def test_ramp_state_round_trips_and_close_removes_the_hooks():
     again.close()
 
 
-@pytest.mark.xfail(strict=True, reason="Recovery registers the ramp's pre-hook before the hook that refuses a "
-                   "rejected step: the refusal raises after the ramp scaled the rate, the post-hook never runs, "
-                   "and the scaled rate stays in the optimizer")
 def test_a_refused_optimizer_step_leaves_the_learning_rate_unscaled(rig):
     r = rig(rb={"lr_factor": 0.5, "lr_ramp_steps": 10})
     r.rec.ramp.begin(20, 0.5, 10)

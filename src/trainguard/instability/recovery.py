@@ -107,8 +107,9 @@ class Recovery:
         self.model, self.optimizer, self.sampler, self.store, self.events = model, optimizer, sampler, store, events
         self.run_dir, self.rank, self.current_step, self.ask_hooks = run_dir, rank, current_step, ask_hooks
         self.detector = Detector(cfg, rank, world_size)
-        self.ramp = LRRamp(optimizer, current_step) if optimizer is not None else None
+        # the refusal runs before the ramp's pre-hook: a refused step must not leave the rate scaled
         self._hook = optimizer.register_step_pre_hook(self._refuse_rejected_step) if optimizer is not None else None
+        self.ramp = LRRamp(optimizer, current_step) if optimizer is not None else None
         self.consecutive = 0  # skipped steps in a row
         self.skipped = 0  # skipped steps in this run's history (saved in checkpoints)
         self.rollbacks = 0  # rollbacks in the whole run (from the ledger)
