@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -62,38 +61,6 @@ def test_restart_budget_spent_gives_up(tmp_path):
         os.kill(int(pids["0"]), signal.SIGKILL)
     assert finish(proc) == ExitCode.GIVE_UP
     assert events(run, "restart_budget_spent")
-
-
-def test_kill_switch_mid_run_then_burn_through(tmp_path):
-    run = tmp_path / "run"
-    proc = launch(run, "train.max_steps=100000")
-    wait_for(lambda: logged_step(run) >= 10, what="step 10")
-    (run / "KILL").touch()
-    assert finish(proc) == ExitCode.REQUEUE
-    stop = events(run, "stop_requested")[-1]
-    assert stop["details"]["reason"] == "kill_switch"
-    assert stop["step"] in [e["step"] for e in events(run, "checkpoint_committed")]
-
-    # the switch stays: a queued relaunch exits at once, before training
-    n_ckpt = len(events(run, "checkpoint_committed"))
-    t0 = time.monotonic()
-    assert finish(launch(run, "train.max_steps=100000")) == ExitCode.REQUEUE
-    assert events(run, "stop_requested")[-1]["details"].get("before_training") is True
-    assert len(events(run, "checkpoint_committed")) == n_ckpt
-    assert len(events(run, "start")) == 1
-    assert time.monotonic() - t0 < 60
-
-
-def test_save_switch_saves_removes_file_and_continues(tmp_path):
-    run = tmp_path / "run"
-    proc = launch(run, "train.max_steps=200", "checkpoint.interval=1000", "stop.check_interval=2")
-    wait_for(lambda: logged_step(run) >= 20, what="step 20")
-    (run / "SAVE").touch()
-    wait_for(lambda: not (run / "SAVE").exists(), what="save switch removed")
-    assert finish(proc) == 0
-    reasons = {e["details"]["reason"]: e["step"] for e in events(run, "checkpoint_committed")}
-    assert "save_switch" in reasons and 20 <= reasons["save_switch"] < 200
-    assert reasons.get("final") == 200
 
 
 def test_time_limit_saves_and_exits_before_the_limit(tmp_path):
