@@ -240,7 +240,7 @@ def test_reader_never_sees_a_torn_snapshot_while_a_writer_process_hammers(tmp_pa
 def test_beat_and_section_cost_a_few_microseconds(tmp_path):
     w = HeartbeatWriter(tmp_path / "rank-0.hb")
     n, per_call = 2000, []
-    for batch in range(15):
+    for _ in range(15):
         t0 = time.perf_counter()
         for i in range(n):
             w.open("step")

@@ -55,9 +55,9 @@ def test_restart_budget_spent_gives_up(tmp_path):
     run = tmp_path / "run"
     proc = launch(run, "train.max_steps=100000", "launcher.max_restarts=1", "supervisor.max_same_step_faults=10")
     for attempt in range(2):
-        pids = wait_for(lambda: [e for e in events(run, "workers_started") if e["details"]["restart"] == attempt],
+        pids = wait_for(lambda a=attempt: [e for e in events(run, "workers_started") if e["details"]["restart"] == a],
                         what=f"group {attempt}")[0]["details"]["pids"]
-        wait_for(lambda: any(e["attempt"] == attempt for e in events(run, "start")), what="training start")
+        wait_for(lambda a=attempt: any(e["attempt"] == a for e in events(run, "start")), what="training start")
         os.kill(int(pids["0"]), signal.SIGKILL)
     assert finish(proc) == ExitCode.GIVE_UP
     assert events(run, "restart_budget_spent")

@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import sys
 import time
 from typing import Any, Callable, Optional
 
