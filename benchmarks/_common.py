@@ -51,7 +51,9 @@ def ddp_mlp(rank: int, world: int, tmp: str, hidden: int, batch: int, lr: float)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
     torch.manual_seed(0)
     h = hidden
-    model = nn.Sequential(nn.Linear(256, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 10))
+    model = nn.Sequential(
+        nn.Linear(256, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 10)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g)
@@ -69,8 +71,9 @@ NO_SCHEDULED_SAVES = ["checkpoint.interval=1000000000", "checkpoint.save_final=t
 SMOKE_HELP = "smallest sizes, a few seconds: checks that the benchmark runs to its tables (numbers meaningless)"
 
 
-def block_args(doc: str, order: str = "ABBA",
-               extra: Callable[[argparse.ArgumentParser], None] | None = None, smoke_steps: int = 4) -> argparse.Namespace:
+def block_args(
+    doc: str, order: str = "ABBA", extra: Callable[[argparse.ArgumentParser], None] | None = None, smoke_steps: int = 4
+) -> argparse.Namespace:
     """Command-line arguments of a benchmark of alternated step blocks: ``--quick`` (1 round of 20
     steps), ``--smoke`` (1 round of ``smoke_steps`` steps, width 64, batch 8, no warm-up blocks), ``--steps``
     (default 40), ``--rounds`` (default 8), ``--hidden`` (1024), ``--batch`` (64); ``extra(parser)``
@@ -78,7 +81,9 @@ def block_args(doc: str, order: str = "ABBA",
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short run to check that it works")
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
-    p.add_argument("--steps", type=int, default=None, help=f"steps per block (default 40, quick 20, smoke {smoke_steps})")
+    p.add_argument(
+        "--steps", type=int, default=None, help=f"steps per block (default 40, quick 20, smoke {smoke_steps})"
+    )
     p.add_argument("--rounds", type=int, default=None, help=f"{order} rounds (default 8, quick 1, smoke 1)")
     p.add_argument("--hidden", type=int, default=None, help="MLP width (sets the step time; default 1024, smoke 64)")
     p.add_argument("--batch", type=int, default=None, help="samples per rank per step (default 64, smoke 8)")
@@ -154,8 +159,12 @@ def median_ms(blocks: list[list[float]]) -> float:
 
 def per_round(on_blocks: list[list[float]], off_blocks: list[list[float]]) -> float:
     """Median over ABBA rounds of (the round's two "on" blocks' time) / (its two "off" blocks' time)."""
-    return statistics.median([(sum(on_blocks[2 * i]) + sum(on_blocks[2 * i + 1])) / (sum(off_blocks[2 * i]) + sum(off_blocks[2 * i + 1]))
-                              for i in range(len(off_blocks) // 2)])
+    return statistics.median(
+        [
+            (sum(on_blocks[2 * i]) + sum(on_blocks[2 * i + 1])) / (sum(off_blocks[2 * i]) + sum(off_blocks[2 * i + 1]))
+            for i in range(len(off_blocks) // 2)
+        ]
+    )
 
 
 def ratio_cell(r: float, goal: float) -> str:
@@ -175,5 +184,7 @@ def ratio_table(title: str, off: str, on: str, wall: dict, cpu: dict, goal: floa
     for label, d in (("wall", wall), ("CPU", cpu)):
         a, b = median_ms(d["off"]), median_ms(d["on"])
         table.add_row(f"{label}: median step (ms)", f"{a:.3f}", f"{b:.3f}", ratio_cell(b / a, goal), f"≤ {goal:.2f}×")
-        table.add_row(f"{label}: median of per-round ratios", "", "", ratio_cell(per_round(d["on"], d["off"]), goal), "")
+        table.add_row(
+            f"{label}: median of per-round ratios", "", "", ratio_cell(per_round(d["on"], d["off"]), goal), ""
+        )
     return table

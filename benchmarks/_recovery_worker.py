@@ -48,16 +48,25 @@ def _parse() -> tuple[argparse.Namespace, list[str]]:
     """This script's own options, and the rest (``--config``/``--set``: trainguard's, trainguard mode only)."""
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--mode", choices=["trainguard", "plain", "ft"], required=True)
-    p.add_argument("--run-dir", default=None, help="plain/ft: where events.jsonl and checkpoints go (trainguard: the launcher's)")
+    p.add_argument(
+        "--run-dir", default=None, help="plain/ft: where events.jsonl and checkpoints go (trainguard: the launcher's)"
+    )
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--step-ms", type=float, default=30.0, help="pad every step to this duration with a sleep")
     p.add_argument("--width", type=int, default=64)
-    p.add_argument("--ckpt-every", type=int, default=10, help="plain/ft: checkpoint interval (trainguard: checkpoint.interval)")
+    p.add_argument(
+        "--ckpt-every", type=int, default=10, help="plain/ft: checkpoint interval (trainguard: checkpoint.interval)"
+    )
     p.add_argument("--pg-timeout", type=float, default=1800.0, help="init_process_group timeout (seconds)")
     p.add_argument("--fault", choices=["none", "kill", "sigstop", "collective"], default="none", help="plain/ft only")
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-step", type=int, default=40)
-    p.add_argument("--pause-rank", type=int, default=-1, help="this rank pauses --pause-s seconds (no collective) after step --pause-step, every attempt")
+    p.add_argument(
+        "--pause-rank",
+        type=int,
+        default=-1,
+        help="this rank pauses --pause-s seconds (no collective) after step --pause-step, every attempt",
+    )
     p.add_argument("--pause-step", type=int, default=0)
     p.add_argument("--pause-s", type=float, default=0.0)
     return p.parse_known_args()  # --set/--config are trainguard's
@@ -73,8 +82,15 @@ class Events:
         self.fd = os.open(run_dir / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def emit(self, kind: str, step=None, /, **details) -> None:
-        event = {"time": round(time.time(), 6), "rank": self.rank, "kind": kind, "step": step,
-                 "attempt": self.attempt, "pid": os.getpid(), "details": details}
+        event = {
+            "time": round(time.time(), 6),
+            "rank": self.rank,
+            "kind": kind,
+            "step": step,
+            "attempt": self.attempt,
+            "pid": os.getpid(),
+            "details": details,
+        }
         os.write(self.fd, (json.dumps(event, separators=(",", ":")) + "\n").encode())
 
 
@@ -100,7 +116,9 @@ def main() -> None:
     t_pg = time.time()
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(args.width, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, 1)
+    )
     ddp = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(32, args.width)
@@ -121,10 +139,17 @@ def main() -> None:
         cfg = trainguard.config_from_argv(argv=rest)  # only --config/--set: it refuses this script's own options
         guard = trainguard.Guard(cfg, model=ddp, optimizer=opt)
         ev = guard.events
-        ev.emit("worker_timing", process=T_PROCESS, torch_imported=T_TORCH, pg_ready=t_pg, trainguard_import=t_import,
-                trainguard_imported=t_imported, guard_ready=time.time())
+        ev.emit(
+            "worker_timing",
+            process=T_PROCESS,
+            torch_imported=T_TORCH,
+            pg_ready=t_pg,
+            trainguard_import=t_import,
+            trainguard_imported=t_imported,
+            guard_ready=time.time(),
+        )
         first = True
-        for step in guard.steps(args.steps):
+        for _ in guard.steps(args.steps):
             t0 = time.perf_counter()
             loss = train_step()
             _pad(t0, args.step_ms)
@@ -168,8 +193,14 @@ def main() -> None:
         if client is not None:
             client.send_heartbeat()
         if args.fault != "none" and ev.attempt == 0 and rank == args.fault_rank and step == args.fault_step:
-            ev.emit("fault_injected", step, fault="rank_killed" if args.fault == "kill" else "rank_hung",
-                    rank=rank, hang=None if args.fault == "kill" else args.fault, injected=True)
+            ev.emit(
+                "fault_injected",
+                step,
+                fault="rank_killed" if args.fault == "kill" else "rank_hung",
+                rank=rank,
+                hang=None if args.fault == "kill" else args.fault,
+                injected=True,
+            )
             if args.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif args.fault == "sigstop":

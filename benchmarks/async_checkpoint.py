@@ -60,8 +60,16 @@ def _train(seconds: float) -> None:
 def _guard(work: Path, model, opt, async_save: bool):
     import trainguard
 
-    cfg = trainguard.load_config(None, [f"run.dir={work}", "checkpoint.keep_last=1", f"checkpoint.async_save={str(async_save).lower()}",
-                                        "health.preflight=false", "supervisor.enabled=false"])
+    cfg = trainguard.load_config(
+        None,
+        [
+            f"run.dir={work}",
+            "checkpoint.keep_last=1",
+            f"checkpoint.async_save={str(async_save).lower()}",
+            "health.preflight=false",
+            "supervisor.enabled=false",
+        ],
+    )
     return trainguard.Guard(cfg, model=model, optimizer=opt)
 
 
@@ -93,8 +101,10 @@ def child(method: str, mb: int, reps: int, gap: float, work: Path, out: Path) ->
             dcp.save({"model": m, "optim": o}, storage_writer=FileSystemWriter(work / f"dcp-{rep}", sync_files=True))
         else:  # DCP async
             m, o = get_state_dict(model, opt)
-            fut = dcp.async_save({"model": m, "optim": o}, storage_writer=FileSystemWriter(work / f"dcp-{rep}", sync_files=True))
-            fut.add_done_callback(lambda _: done.append(time.perf_counter()))
+            fut = dcp.async_save(
+                {"model": m, "optim": o}, storage_writer=FileSystemWriter(work / f"dcp-{rep}", sync_files=True)
+            )
+            fut.add_done_callback(lambda _, done=done: done.append(time.perf_counter()))
         blocked = time.perf_counter() - t0
         _train(gap)  # forward and backward go on (an async write runs meanwhile) ...
         opt.step()  # ... then the optimizer step, which waits for trainguard's background copy of the state
@@ -103,7 +113,9 @@ def child(method: str, mb: int, reps: int, gap: float, work: Path, out: Path) ->
         if guard is not None:
             if method == "trainguard sync" and rep > 0:
                 res["blocked"].append(blocked)  # the whole save call
-                res.setdefault("dd", []).append(_dd(work, _committed(guard)[rep + 1]["details"]["bytes"]))  # the same bytes, alternated
+                res.setdefault("dd", []).append(
+                    _dd(work, _committed(guard)[rep + 1]["details"]["bytes"])
+                )  # the same bytes, alternated
             continue  # the other times from the checkpoint_committed events, below
         total = done[0] - t0 if done else blocked
         if rep > 0:
@@ -162,11 +174,17 @@ def _load_and_read(guard, model, opt, reps: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="64 MiB, 2 reps")
-    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (4 MiB, 1 rep, 0.05 s gaps, all methods in one process)")
+    p.add_argument(
+        "--smoke", action="store_true", help=SMOKE_HELP + " (4 MiB, 1 rep, 0.05 s gaps, all methods in one process)"
+    )
     p.add_argument("--mb", type=int, default=None, help="state size in MiB (default 128, quick 64, smoke 4)")
     p.add_argument("--reps", type=int, default=None, help="saves per method (default 5, quick 2, smoke 1)")
-    p.add_argument("--gap", type=float, default=None, help="seconds of training after each save (default: 2 × a sync save, "
-                   "at least 0.5; smoke 0.05)")
+    p.add_argument(
+        "--gap",
+        type=float,
+        default=None,
+        help="seconds of training after each save (default: 2 × a sync save, at least 0.5; smoke 0.05)",
+    )
     p.add_argument("--dir", default=None, help="directory to write in (default: a temporary directory under /tmp)")
     p.add_argument("--child", nargs=4, metavar=("METHODS", "GAP", "WORK", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -183,12 +201,27 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="tg-async-", dir=a.dir))
     results: dict[str, dict] = {}
     try:
+
         def run_in_one_process(methods: list[str], gap: float) -> list[dict]:
             work = base / "-".join(m.replace(" ", "-").replace(".", "") for m in methods)
             work.mkdir()
             out = base / f"{work.name}.json"
-            subprocess.run([sys.executable, __file__, "--mb", str(a.mb), "--reps", str(a.reps), "--child", ",".join(methods),
-                            str(gap), str(work), str(out)], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--mb",
+                    str(a.mb),
+                    "--reps",
+                    str(a.reps),
+                    "--child",
+                    ",".join(methods),
+                    str(gap),
+                    str(work),
+                    str(out),
+                ],
+                check=True,
+            )
             shutil.rmtree(work)
             return [json.loads(Path(f"{out}.{i}").read_text()) for i in range(len(methods))]
 
@@ -213,7 +246,9 @@ def main() -> int:
     med = {m: statistics.median(r["blocked"]) for m, r in results.items()}
     tot = {m: statistics.median(r["total"]) for m, r in results.items()}
     sync = med["trainguard sync"]
-    print(f"\nstate {nbytes / 2**20:.0f} MiB on disk, {a.reps} saves per method, {gap:.2f} s of training after each; medians")
+    print(
+        f"\nstate {nbytes / 2**20:.0f} MiB on disk, {a.reps} saves per method, {gap:.2f} s of training after each; medians"
+    )
     print("| method | training blocked | save done (write + commit) | blocked / trainguard sync |")
     print("|---|---|---|---|")
     for m in METHODS:
@@ -226,12 +261,20 @@ def main() -> int:
     rbps = s["dir_bytes"] / statistics.median(s["read"])
     print("\n| ratio | value | baseline | goal |")
     print("|---|---|---|---|")
-    print(f"| async blocked / sync save | {ratio:.3f} | {sync * 1000:.0f} ms sync save | ≤ {GOAL_BLOCK} {'met' if ratio <= GOAL_BLOCK else 'NOT met'} |")
-    print(f"| write throughput / dd conv=fsync | {wbps / dbps:.2f} ({wbps / 1e6:.0f} MB/s) | dd {dbps / 1e6:.0f} MB/s | ≥ {GOAL_DD} "
-          f"{'met' if wbps / dbps >= GOAL_DD else 'NOT met'} |")
-    print(f"| load throughput / plain read | {lbps / rbps:.2f} ({lbps / 1e6:.0f} MB/s) | read {rbps / 1e6:.0f} MB/s | (information) |")
-    print(f"| full verification (XXH3-128) | {statistics.median(s['verify']) * 1000:.0f} ms "
-          f"({s['dir_bytes'] / statistics.median(s['verify']) / 1e6:.0f} MB/s) | | (information) |")
+    print(
+        f"| async blocked / sync save | {ratio:.3f} | {sync * 1000:.0f} ms sync save | ≤ {GOAL_BLOCK} {'met' if ratio <= GOAL_BLOCK else 'NOT met'} |"
+    )
+    print(
+        f"| write throughput / dd conv=fsync | {wbps / dbps:.2f} ({wbps / 1e6:.0f} MB/s) | dd {dbps / 1e6:.0f} MB/s | ≥ {GOAL_DD} "
+        f"{'met' if wbps / dbps >= GOAL_DD else 'NOT met'} |"
+    )
+    print(
+        f"| load throughput / plain read | {lbps / rbps:.2f} ({lbps / 1e6:.0f} MB/s) | read {rbps / 1e6:.0f} MB/s | (information) |"
+    )
+    print(
+        f"| full verification (XXH3-128) | {statistics.median(s['verify']) * 1000:.0f} ms "
+        f"({s['dir_bytes'] / statistics.median(s['verify']) / 1e6:.0f} MB/s) | | (information) |"
+    )
     return 0
 
 

@@ -70,8 +70,12 @@ def _build(mb: int):
 def _dd(directory: Path, nbytes: int) -> float:
     target = directory / "ddfile"
     t0 = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=4M", "iflag=count_bytes", f"count={nbytes}", "conv=fsync"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={target}", "bs=4M", "iflag=count_bytes", f"count={nbytes}", "conv=fsync"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     seconds = time.perf_counter() - t0
     target.unlink()
     return seconds
@@ -136,9 +140,13 @@ def _bench(rank: int, world: int, args: argparse.Namespace, work: str, result: s
         values.clear()
     for rep in range(args.reps):  # alternate the order: save dd dcp | dcp dd save | ...
         if rep % 2 == 0:
-            run_save(rep); run_dd(); run_dcp(rep)
+            run_save(rep)
+            run_dd()
+            run_dcp(rep)
         else:
-            run_dcp(rep); run_dd(); run_save(rep)
+            run_dcp(rep)
+            run_dd()
+            run_save(rep)
     if rank == 0:
         Path(result).write_text(json.dumps(out))
     if world > 1:
@@ -160,7 +168,7 @@ def main() -> int:
     results: dict[int, dict] = {}
     t_wall = time.perf_counter()
     try:
-        for world in ([1] if args.ranks == "1" else [2] if args.ranks == "2" else [1, 2]):
+        for world in [1] if args.ranks == "1" else [2] if args.ranks == "2" else [1, 2]:
             result = os.path.join(work, f"result-{world}.json")
             if world == 1:
                 _bench(0, 1, args, work, result)
@@ -172,9 +180,17 @@ def main() -> int:
     wall = time.perf_counter() - t_wall
 
     med = statistics.median
-    table = Table(title=f"Checkpoint write throughput — {args.mb} MiB model + AdamW state, {args.reps} reps, medians, dir {base}")
-    for col, just in (("variant", "left"), ("bytes", "right"), ("seconds", "right"), ("MB/s", "right"),
-                      ("ratio vs dd", "right"), ("goal", "right")):
+    table = Table(
+        title=f"Checkpoint write throughput — {args.mb} MiB model + AdamW state, {args.reps} reps, medians, dir {base}"
+    )
+    for col, just in (
+        ("variant", "left"),
+        ("bytes", "right"),
+        ("seconds", "right"),
+        ("MB/s", "right"),
+        ("ratio vs dd", "right"),
+        ("goal", "right"),
+    ):
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     summary = []
     for world, r in results.items():
@@ -182,19 +198,45 @@ def main() -> int:
         dd_s, save_s = med(r["dd"]), med(r["save"])
         ratio = dd_s / save_s  # = save throughput / dd throughput (same bytes)
         color = "[green]" if ratio >= GOAL else "[red]"
-        table.add_row(f"dd conv=fsync (baseline for {world} rank{'s' if world > 1 else ''})", f"{nbytes:,}",
-                      f"{dd_s:.3f}", f"{nbytes / dd_s / 1e6:.0f}", "1", "")
-        table.add_row(f"save_state, {world} rank{'s' if world > 1 else ''}", f"{nbytes:,}", f"{save_s:.3f}",
-                      f"{nbytes / save_s / 1e6:.0f}", f"{color}{ratio:.3f}", f"≥ {GOAL}")
+        table.add_row(
+            f"dd conv=fsync (baseline for {world} rank{'s' if world > 1 else ''})",
+            f"{nbytes:,}",
+            f"{dd_s:.3f}",
+            f"{nbytes / dd_s / 1e6:.0f}",
+            "1",
+            "",
+        )
+        table.add_row(
+            f"save_state, {world} rank{'s' if world > 1 else ''}",
+            f"{nbytes:,}",
+            f"{save_s:.3f}",
+            f"{nbytes / save_s / 1e6:.0f}",
+            f"{color}{ratio:.3f}",
+            f"≥ {GOAL}",
+        )
         if r["dcp"]:
             dcp_s = med(r["dcp"])
-            table.add_row("  get_state_dict + dcp.save alone (reference)", "", f"{dcp_s:.3f}", f"{nbytes / dcp_s / 1e6:.0f}",
-                          f"{dd_s / dcp_s:.3f}", "")
+            table.add_row(
+                "  get_state_dict + dcp.save alone (reference)",
+                "",
+                f"{dcp_s:.3f}",
+                f"{nbytes / dcp_s / 1e6:.0f}",
+                f"{dd_s / dcp_s:.3f}",
+                "",
+            )
         ck = med(r["checksum"])
-        table.add_row("  checksums (describe_files, all files, 1 process, hot cache)", "", f"{ck:.3f}", f"{nbytes / ck / 1e6:.0f}",
-                      "", f"{ck / save_s * 100:.0f}% of save")
-        summary.append(f"{world} rank(s): dd {' '.join(f'{v:.2f}' for v in r['dd'])} s | "
-                       f"save {' '.join(f'{v:.2f}' for v in r['save'])} s")
+        table.add_row(
+            "  checksums (describe_files, all files, 1 process, hot cache)",
+            "",
+            f"{ck:.3f}",
+            f"{nbytes / ck / 1e6:.0f}",
+            "",
+            f"{ck / save_s * 100:.0f}% of save",
+        )
+        summary.append(
+            f"{world} rank(s): dd {' '.join(f'{v:.2f}' for v in r['dd'])} s | "
+            f"save {' '.join(f'{v:.2f}' for v in r['save'])} s"
+        )
     Console(width=140).print(table)
     for line in summary:
         print(line)

@@ -46,7 +46,10 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional
-from _common import SMOKE_HELP, run_events as _events, trainguard_cmd as _trainguard  # noqa: E402
+
+from _common import SMOKE_HELP  # noqa: E402
+from _common import run_events as _events
+from _common import trainguard_cmd as _trainguard
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "_recovery_worker.py"
@@ -57,19 +60,36 @@ GOAL = 1.0
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 hangs per mode in one launch each, to check that it works")
-    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP + "; exits 1 when a hang was not detected (see above)")
+    p.add_argument(
+        "--smoke", action="store_true", help=SMOKE_HELP + "; exits 1 when a hang was not detected (see above)"
+    )
     p.add_argument("--hangs", type=int, default=None, help="hangs per mode, at least (default 20, quick 2, smoke 2)")
     p.add_argument("--per-launch", type=int, default=None, help="hangs per launch (default 10, quick 2, smoke 2)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of sigstop,collective")
     p.add_argument("--step-ms", type=float, default=None, help="pad every step to this duration (default 30, smoke 10)")
     p.add_argument("--ckpt-every", type=int, default=10)
-    p.add_argument("--min-step", type=int, default=None, help="the hang step S is drawn from [min-step, max-step] (default 25, smoke 22)")
+    p.add_argument(
+        "--min-step",
+        type=int,
+        default=None,
+        help="the hang step S is drawn from [min-step, max-step] (default 25, smoke 22)",
+    )
     p.add_argument("--max-step", type=int, default=None, help="default 75, smoke 29")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cap", type=float, default=None, help="seconds after which a launch is killed (default 60 + 40 per hang; "
-                   "smoke 300: only against a stuck launch)")
+    p.add_argument(
+        "--cap",
+        type=float,
+        default=None,
+        help="seconds after which a launch is killed (default 60 + 40 per hang; "
+        "smoke 300: only against a stuck launch)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
-    p.add_argument("--analyse", metavar="DIR", default=None, help="print the table of launches kept with --keep in DIR, run nothing")
+    p.add_argument(
+        "--analyse",
+        metavar="DIR",
+        default=None,
+        help="print the table of launches kept with --keep in DIR, run nothing",
+    )
     args = p.parse_args()
     args.hangs = args.hangs or (2 if args.quick or args.smoke else 20)
     args.per_launch = max(1, args.per_launch or (2 if args.quick or args.smoke else 10))
@@ -83,19 +103,36 @@ def _parse() -> argparse.Namespace:
     return args
 
 
-
-
-def launch(args: argparse.Namespace, mode: str, step: int, hangs: int, run_dir: Path, timeouts: Optional[Path]) -> tuple[Optional[int], float]:
+def launch(
+    args: argparse.Namespace, mode: str, step: int, hangs: int, run_dir: Path, timeouts: Optional[Path]
+) -> tuple[Optional[int], float]:
     """One launch with ``hangs`` recurring hangs (``hangs - 1`` restarts); returns (exit code or None if capped, seconds)."""
     run_dir.mkdir(parents=True)
     if timeouts is not None and timeouts.exists():
         shutil.copyfile(timeouts, run_dir / "timeouts.json")
     cmd = _trainguard() + [
-        "run", "--nproc-per-node", "2", "--run-dir", str(run_dir),
-        "--inject", f"rank_hung:rank=1,step={step},hang={mode},every_attempt=true",
-        str(WORKER), "--mode", "trainguard", "--steps", "1000000", "--step-ms", str(args.step_ms),
-        "--set", f"checkpoint.interval={args.ckpt_every}", "--set", f"launcher.max_restarts={hangs - 1}",
-        "--set", "supervisor.max_same_step_faults=1000", "--set", "supervisor.max_no_progress_restarts=1000",
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--inject",
+        f"rank_hung:rank=1,step={step},hang={mode},every_attempt=true",
+        str(WORKER),
+        "--mode",
+        "trainguard",
+        "--steps",
+        "1000000",
+        "--step-ms",
+        str(args.step_ms),
+        "--set",
+        f"checkpoint.interval={args.ckpt_every}",
+        "--set",
+        f"launcher.max_restarts={hangs - 1}",
+        "--set",
+        "supervisor.max_same_step_faults=1000",
+        "--set",
+        "supervisor.max_no_progress_restarts=1000",
     ]
     cap = args.cap or (300 if args.smoke else 60 + 40 * hangs)
     t0 = time.perf_counter()
@@ -122,13 +159,22 @@ def analyse(run_dir: Path, mode: str) -> list[dict]:
         dets = [e for e in ev if e["kind"] == "hang_detected" and t_f <= e["time"] < t_next]
         # the hung rank's own detection (its peer, waiting in a collective, may be detected too)
         det = next((e for e in dets if e["details"].get("rank") == f["rank"]), dets[0] if dets else None)
-        start = next((e for e in ev if e["kind"] == "start" and e["rank"] == 0 and e["attempt"] == f["attempt"] + 1), None)
+        start = next(
+            (e for e in ev if e["kind"] == "start" and e["rank"] == 0 and e["attempt"] == f["attempt"] + 1), None
+        )
         rec: dict = {"mode": mode, "attempt": f["attempt"], "step": f["step"], "run_dir": str(run_dir)}
         if det is not None:
             d = det["details"]
-            rec.update(latency=det["time"] - t_f, timeout=d["timeout"], learned=d.get("learned"), section=d.get("section"),
-                       over=det["time"] - t_f - d["timeout"], silent_over=d["silent_seconds"] - d["timeout"],
-                       detected_rank=d.get("rank"), first_detected_rank=dets[0]["details"].get("rank"))
+            rec.update(
+                latency=det["time"] - t_f,
+                timeout=d["timeout"],
+                learned=d.get("learned"),
+                section=d.get("section"),
+                over=det["time"] - t_f - d["timeout"],
+                silent_over=d["silent_seconds"] - d["timeout"],
+                detected_rank=d.get("rank"),
+                first_detected_rank=dets[0]["details"].get("rank"),
+            )
         if start is not None:
             rec["recovery"] = start["time"] - t_f
         out.append(rec)
@@ -180,10 +226,13 @@ def main() -> int:
                     records += recs
                     timeouts = run_dir / "timeouts.json"
                     overs = [r["over"] for r in recs if "over" in r]
-                    console.print(f"launch {i + 1}/{n_launches} {mode:<10} hang at step {step}: {len(recs)} hangs, "
-                                  f"latency − timeout median {statistics.median(overs) * 1e3:.0f} ms; exit code {code}, "
-                                  f"{secs:.0f} s, load {os.getloadavg()[0]:.2f}" if overs else
-                                  f"launch {i + 1}/{n_launches} {mode}: no hang detected (exit code {code}); see {run_dir}/launcher.log")
+                    console.print(
+                        f"launch {i + 1}/{n_launches} {mode:<10} hang at step {step}: {len(recs)} hangs, "
+                        f"latency − timeout median {statistics.median(overs) * 1e3:.0f} ms; exit code {code}, "
+                        f"{secs:.0f} s, load {os.getloadavg()[0]:.2f}"
+                        if overs
+                        else f"launch {i + 1}/{n_launches} {mode}: no hang detected (exit code {code}); see {run_dir}/launcher.log"
+                    )
         finally:
             if args.keep:
                 print(f"run directories kept in {base}")
@@ -192,12 +241,21 @@ def main() -> int:
     wall = time.perf_counter() - t_wall
 
     med = statistics.median
-    table = Table(title="hang detection of `trainguard run` (2 gloo ranks, "
-                        f"{args.step_ms:.0f} ms steps; rank 1 hangs in its step; seconds)")
-    for col, j in [("mode", "left"), ("hangs", "right"), ("timeout used", "right"), ("learned", "right"),
-                   ("latency − timeout\np50 / p99 / max", "right"), ("silent − timeout\np50 / max", "right"),
-                   ("latency / timeout\np50", "right"), ("hang → new start\np50 / p99 / max", "right"),
-                   (f"goal: p99 latency − timeout ≤ {GOAL:g} s", "right")]:
+    table = Table(
+        title="hang detection of `trainguard run` (2 gloo ranks, "
+        f"{args.step_ms:.0f} ms steps; rank 1 hangs in its step; seconds)"
+    )
+    for col, j in [
+        ("mode", "left"),
+        ("hangs", "right"),
+        ("timeout used", "right"),
+        ("learned", "right"),
+        ("latency − timeout\np50 / p99 / max", "right"),
+        ("silent − timeout\np50 / max", "right"),
+        ("latency / timeout\np50", "right"),
+        ("hang → new start\np50 / p99 / max", "right"),
+        (f"goal: p99 latency − timeout ≤ {GOAL:g} s", "right"),
+    ]:
         table.add_column(col, justify=j)  # type: ignore[arg-type]
     groups = [(m, [r for r in records if r["mode"] == m]) for m in args.modes]
     if len(groups) > 1:
@@ -213,7 +271,8 @@ def main() -> int:
         rec = [r["recovery"] for r in recs if "recovery" in r]
         p99 = _pct(over, 99)
         table.add_row(
-            name, f"{len(det)}" + (f" ({len(recs) - len(det)} undetected)" if len(recs) > len(det) else ""),
+            name,
+            f"{len(det)}" + (f" ({len(recs) - len(det)} undetected)" if len(recs) > len(det) else ""),
             f"{med(tos):.2f}" + (f" ({min(tos):.2f}–{max(tos):.2f})" if min(tos) != max(tos) else ""),
             f"{sum(bool(r['learned']) for r in det)}/{len(det)}",
             f"{med(over):.3f} / {p99:.3f} / {max(over):.3f}",
@@ -225,13 +284,19 @@ def main() -> int:
     console.print(table)
     sections = sorted({r.get("section") for r in records if r.get("section")})
     first_other = sum(1 for r in records if "over" in r and r["first_detected_rank"] != r["detected_rank"])
-    console.print(f"hang steps {sorted({r['step'] for r in records})}; sections {sections}; the waiting peer was detected "
-                  f"before the hung rank in {first_other} hang(s); launch exit codes {codes} (76 = restart budget spent, expected)")
-    console.print("latency = hang_detected − fault_injected; the section is timed from its start, slightly before the fault, "
-                  "and the event is written after the stack dump")
+    console.print(
+        f"hang steps {sorted({r['step'] for r in records})}; sections {sections}; the waiting peer was detected "
+        f"before the hung rank in {first_other} hang(s); launch exit codes {codes} (76 = restart budget spent, expected)"
+    )
+    console.print(
+        "latency = hang_detected − fault_injected; the section is timed from its start, slightly before the fault, "
+        "and the event is written after the stack dump"
+    )
     load1 = os.getloadavg()
-    console.print(f"wall {wall:.0f} s; load average at start {load0[0]:.2f}, at end {load1[0]:.2f} (1 min), {load1[1]:.2f} (5 min) "
-                  "(2 ranks fill a 2-core machine: other load adds noise)")
+    console.print(
+        f"wall {wall:.0f} s; load average at start {load0[0]:.2f}, at end {load1[0]:.2f} (1 min), {load1[1]:.2f} (5 min) "
+        "(2 ranks fill a 2-core machine: other load adds noise)"
+    )
     undetected = [r for r in records if "over" not in r]
     if args.smoke and (undetected or not records):
         console.print(f"smoke: {len(undetected)} of {len(records)} injected hang(s) not detected")

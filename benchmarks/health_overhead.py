@@ -39,16 +39,30 @@ from pathlib import Path
 
 GOAL = 1.01
 OFF = ["straggler.enabled=false", "health.ping=false", "health.preflight=false"]
-ON = ["straggler.enabled=true", "straggler.report_interval_steps=10", "straggler.min_samples=5",
-      "health.ping=true", "health.ping_interval=0.5", "health.preflight=false"]
+ON = [
+    "straggler.enabled=true",
+    "straggler.report_interval_steps=10",
+    "straggler.min_samples=5",
+    "health.ping=true",
+    "health.ping_interval=0.5",
+    "health.preflight=false",
+]
 # --smoke: blocks of 12 tiny steps (~0.1 s) still see pings and a straggler report
-SMOKE_ON = ["straggler.report_interval_steps=4", "straggler.warmup_steps=2", "straggler.min_samples=2",
-            "health.ping_interval=0.02"]
+SMOKE_ON = [
+    "straggler.report_interval_steps=4",
+    "straggler.warmup_steps=2",
+    "straggler.min_samples=2",
+    "health.ping_interval=0.02",
+]
 
 
 def _options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--check-interval", type=int, default=0,
-                   help="stop.check_interval in both variants (0 = auto, the default); 10 makes B report every 10 steps")
+    p.add_argument(
+        "--check-interval",
+        type=int,
+        default=0,
+        help="stop.check_interval in both variants (0 = auto, the default); 10 makes B report every 10 steps",
+    )
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
@@ -68,8 +82,15 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         return F.cross_entropy(ddp(xb), yb)
 
     def run_block(variant: str) -> tuple[list[float], list[float]]:
-        cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-{block[0]}", *NO_SCHEDULED_SAVES, f"stop.check_interval={args.check_interval}",
-                                            *((ON + (SMOKE_ON if args.smoke else [])) if variant == "on" else OFF)])
+        cfg = trainguard.load_config(
+            None,
+            [
+                f"run.dir={tmp}/run-{block[0]}",
+                *NO_SCHEDULED_SAVES,
+                f"stop.check_interval={args.check_interval}",
+                *((ON + (SMOKE_ON if args.smoke else [])) if variant == "on" else OFF),
+            ],
+        )
         block[0] += 1
         guard = trainguard.Guard(cfg, model=ddp, optimizer=opt)
         pings, seconds = [], []
@@ -124,17 +145,36 @@ def main() -> int:
         args.check_interval = 2  # the straggler report rides on the stop check
     res, seconds = spawn_pair(_worker, args, "tg-bench-health-")
     check = f"stop.check_interval {args.check_interval}" if args.check_interval else "auto stop check"
-    Console(width=160).print(ratio_table(f"straggler timing + liveness ping — 2 gloo ranks, DDP MLP width {args.hidden}, "
-                                         f"batch {args.batch}, {args.rounds}× ABBA blocks of {args.steps} steps, {check}, rank 0",
-                                         "off (A)", "on: reports ≥ 10 steps apart, ping every 0.5 s (B)", res["wall"], res["cpu"], GOAL))
+    Console(width=160).print(
+        ratio_table(
+            f"straggler timing + liveness ping — 2 gloo ranks, DDP MLP width {args.hidden}, "
+            f"batch {args.batch}, {args.rounds}× ABBA blocks of {args.steps} steps, {check}, rank 0",
+            "off (A)",
+            "on: reports ≥ 10 steps apart, ping every 0.5 s (B)",
+            res["wall"],
+            res["cpu"],
+            GOAL,
+        )
+    )
 
     blocks = len(res["pings"])
     t2 = Table(title=f"in the {blocks} B blocks (rank 0)")
-    for col in ("pings completed", "median ping (ms)", "max ping (ms)", "straggler_report events", "straggler_detected events"):
+    for col in (
+        "pings completed",
+        "median ping (ms)",
+        "max ping (ms)",
+        "straggler_report events",
+        "straggler_detected events",
+    ):
         t2.add_column(col, justify="right")
     durations = [s for s in res["ping_seconds"] if s is not None]
-    t2.add_row(str(sum(res["pings"])), f"{statistics.median(durations) * 1e3:.3f}" if durations else "-",
-               f"{max(durations) * 1e3:.3f}" if durations else "-", str(sum(res["reports"])), str(sum(res["detected"])))
+    t2.add_row(
+        str(sum(res["pings"])),
+        f"{statistics.median(durations) * 1e3:.3f}" if durations else "-",
+        f"{max(durations) * 1e3:.3f}" if durations else "-",
+        str(sum(res["reports"])),
+        str(sum(res["detected"])),
+    )
     Console(width=160).print(t2)
     print(f"wall {seconds:.1f} s; load average {os.getloadavg()[0]:.2f} (run on an idle machine; compare ratios)")
     return 0

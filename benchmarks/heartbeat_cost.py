@@ -40,7 +40,9 @@ def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="20k calls per operation, to check that it works")
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
-    p.add_argument("--calls", type=int, default=None, help="calls per operation (default 200000, quick 20000, smoke 2000)")
+    p.add_argument(
+        "--calls", type=int, default=None, help="calls per operation (default 200000, quick 20000, smoke 2000)"
+    )
     p.add_argument("--block", type=int, default=None, help="calls per timed block (default 1000, smoke 200)")
     args = p.parse_args()
     args.calls = args.calls or (2_000 if args.smoke else 20_000 if args.quick else 200_000)
@@ -74,8 +76,9 @@ def main() -> int:
                 os.environ["TRAINGUARD_HEARTBEAT_DIR"] = str(tmp / "guard")
             else:
                 os.environ.pop("TRAINGUARD_HEARTBEAT_DIR", None)
-            cfg = trainguard.load_config(None, [f"run.dir={runs / name}", "checkpoint.interval=1000000000000",
-                                                "checkpoint.save_final=false"])
+            cfg = trainguard.load_config(
+                None, [f"run.dir={runs / name}", "checkpoint.interval=1000000000000", "checkpoint.save_final=false"]
+            )
             g = trainguard.Guard(cfg, model=torch.nn.Linear(1, 1))
             os.environ.pop("TRAINGUARD_HEARTBEAT_DIR", None)
             return g
@@ -128,6 +131,7 @@ def main() -> int:
                     end()
                     next(it)
                 return time.perf_counter_ns() - t
+
             return run
 
         ops = [
@@ -135,7 +139,11 @@ def main() -> int:
             ("beat()", "HeartbeatWriter.beat(step)", block_beat),
             ("open() + close()", "enter and leave a section (one pair)", block_open_close),
             ("per-step reports", "close(); beat(step); open('step'): the Guard's per-step calls", block_step_reports),
-            ("Guard step, no supervisor", "guard.step_end() + next(steps()), TRAINGUARD_HEARTBEAT_DIR unset", guard_block(g_plain, it_plain)),
+            (
+                "Guard step, no supervisor",
+                "guard.step_end() + next(steps()), TRAINGUARD_HEARTBEAT_DIR unset",
+                guard_block(g_plain, it_plain),
+            ),
             ("Guard step, supervised", "the same with TRAINGUARD_HEARTBEAT_DIR set", guard_block(g_hb, it_hb)),
         ]
         samples: dict[str, list[float]] = {name: [] for name, _, _ in ops}
@@ -159,27 +167,49 @@ def main() -> int:
 
     med = statistics.median
     base = med(samples["empty call"])
-    table = Table(title=f"cost per call on the rank (ns; median over {blocks} blocks of {args.block} calls = {blocks * args.block:,} calls each)")
-    for col in ("operation", "what", "median ns", "p10–p90 ns", "× empty call", "net of empty call ns", "CPU ns\n(median)"):
+    table = Table(
+        title=f"cost per call on the rank (ns; median over {blocks} blocks of {args.block} calls = {blocks * args.block:,} calls each)"
+    )
+    for col in (
+        "operation",
+        "what",
+        "median ns",
+        "p10–p90 ns",
+        "× empty call",
+        "net of empty call ns",
+        "CPU ns\n(median)",
+    ):
         table.add_column(col, justify="left" if col in ("operation", "what") else "right")
     for name, what, _ in ops:
         v = samples[name]
         q = statistics.quantiles(v, n=10)
         m = med(v)
-        table.add_row(name, what, f"{m:,.0f}", f"{q[0]:,.0f}–{q[-1]:,.0f}", f"{m / base:.1f}", f"{m - base:,.0f}", f"{med(cpu[name]):,.0f}")
+        table.add_row(
+            name,
+            what,
+            f"{m:,.0f}",
+            f"{q[0]:,.0f}–{q[-1]:,.0f}",
+            f"{m / base:.1f}",
+            f"{m - base:,.0f}",
+            f"{med(cpu[name]):,.0f}",
+        )
     Console(width=150).print(table)
     plain, hb = med(samples["Guard step, no supervisor"]), med(samples["Guard step, supervised"])
     # per-block paired difference (the blocks of the two guards run next to each other)
     paired = med(b - a for a, b in zip(samples["Guard step, no supervisor"], samples["Guard step, supervised"]))
     cost = hb - plain
     cpu_cost = med(b - a for a, b in zip(cpu["Guard step, no supervisor"], cpu["Guard step, supervised"]))
-    print(f"supervisor cost per training step: {cost:,.0f} ns (difference of medians), {paired:,.0f} ns (median of paired "
-          f"block differences); per-step reports alone {med(samples['per-step reports']) - base:,.0f} ns net; "
-          f"CPU time {cpu_cost:,.0f} ns (paired); goal ≤ {GOAL_NS / 1e3:g} µs: {'met' if max(cost, paired) <= GOAL_NS else 'MISSED'} "
-          f"(judged on wall time; CPU time, which excludes time descheduled, is less sensitive to other load)")
+    print(
+        f"supervisor cost per training step: {cost:,.0f} ns (difference of medians), {paired:,.0f} ns (median of paired "
+        f"block differences); per-step reports alone {med(samples['per-step reports']) - base:,.0f} ns net; "
+        f"CPU time {cpu_cost:,.0f} ns (paired); goal ≤ {GOAL_NS / 1e3:g} µs: {'met' if max(cost, paired) <= GOAL_NS else 'MISSED'} "
+        f"(judged on wall time; CPU time, which excludes time descheduled, is less sensitive to other load)"
+    )
     load1 = os.getloadavg()
-    print(f"wall {wall:.1f} s; load average at start {load0[0]:.2f}, at end {load1[0]:.2f} (1 min) "
-          f"(other processes on this machine add noise)")
+    print(
+        f"wall {wall:.1f} s; load average at start {load0[0]:.2f}, at end {load1[0]:.2f} (1 min) "
+        f"(other processes on this machine add noise)"
+    )
     return 0
 
 

@@ -59,10 +59,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
+    from _common import ddp_mlp
     from torch.overrides import TorchFunctionMode
 
     import trainguard
-    from _common import ddp_mlp
 
     model, ddp, opt, x, y = ddp_mlp(rank, world, tmp, args.hidden, args.batch, lr=1e-5)
     clock, cpu_clock = time.perf_counter, time.process_time
@@ -175,7 +175,10 @@ def main() -> int:
 
     def per_round(d: dict, a: str, b: str) -> float:
         """median over rounds of (b's two blocks) / (a's two blocks)"""
-        r = [(sum(d[b][2 * i]) + sum(d[b][2 * i + 1])) / (sum(d[a][2 * i]) + sum(d[a][2 * i + 1])) for i in range(len(d[a]) // 2)]
+        r = [
+            (sum(d[b][2 * i]) + sum(d[b][2 * i + 1])) / (sum(d[a][2 * i]) + sum(d[a][2 * i + 1]))
+            for i in range(len(d[a]) // 2)
+        ]
         return med(r)
 
     def median_ms(d: dict, v: str) -> float:
@@ -184,20 +187,49 @@ def main() -> int:
     def fmt(r: float, goal: bool = True) -> str:
         return (f"{'[green]' if r <= GOAL else '[red]'}{r:.4f}×") if goal else f"{r:.4f}×"
 
-    table = Table(title=f"Instability detectors — 2 gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
-                        f"{args.rounds}× ABCDDCBA blocks of {args.steps} steps, rank 0")
-    for col in ("measure", "plain (A)", "Guard (B)", "Guard + detectors (C)", "B + bare all_reduce (D)", "C / B", "D / B", "C / A", "goal"):
+    table = Table(
+        title=f"Instability detectors — 2 gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
+        f"{args.rounds}× ABCDDCBA blocks of {args.steps} steps, rank 0"
+    )
+    for col in (
+        "measure",
+        "plain (A)",
+        "Guard (B)",
+        "Guard + detectors (C)",
+        "B + bare all_reduce (D)",
+        "C / B",
+        "D / B",
+        "C / A",
+        "goal",
+    ):
         table.add_column(col, justify="left" if col == "measure" else "right")
     for label, d in (("wall", res["wall"]), ("CPU", res["cpu"])):
-        table.add_row(f"{label}: median step (ms)", *(f"{median_ms(d, v):.3f}" for v in ("plain", "guard", "detectors", "reference")),
-                      fmt(median_ms(d, "detectors") / median_ms(d, "guard")), fmt(median_ms(d, "reference") / median_ms(d, "guard"), False),
-                      fmt(median_ms(d, "detectors") / median_ms(d, "plain"), False), f"C/B ≤ {GOAL:.2f}×")
-        table.add_row(f"{label}: median of per-round ratios", "", "", "", "", fmt(per_round(d, "guard", "detectors")),
-                      fmt(per_round(d, "guard", "reference"), False), fmt(per_round(d, "plain", "detectors"), False), "")
+        table.add_row(
+            f"{label}: median step (ms)",
+            *(f"{median_ms(d, v):.3f}" for v in ("plain", "guard", "detectors", "reference")),
+            fmt(median_ms(d, "detectors") / median_ms(d, "guard")),
+            fmt(median_ms(d, "reference") / median_ms(d, "guard"), False),
+            fmt(median_ms(d, "detectors") / median_ms(d, "plain"), False),
+            f"C/B ≤ {GOAL:.2f}×",
+        )
+        table.add_row(
+            f"{label}: median of per-round ratios",
+            "",
+            "",
+            "",
+            "",
+            fmt(per_round(d, "guard", "detectors")),
+            fmt(per_round(d, "guard", "reference"), False),
+            fmt(per_round(d, "plain", "detectors"), False),
+            "",
+        )
     Console(width=160).print(table)
     syncs = [len(s) for s in res["counts"]["syncs"]]
     colls = [len(c) for c in res["counts"]["collectives"]]
-    kinds = sorted({name for s in res["counts"]["syncs"] for name in s} | {name for c in res["counts"]["collectives"] for name in c})
+    kinds = sorted(
+        {name for s in res["counts"]["syncs"] for name in s}
+        | {name for c in res["counts"]["collectives"] for name in c}
+    )
     t2 = Table(title=f"per guard.should_step() call, {len(syncs)} healthy steps (goal: one host sync, one collective)")
     for col in ("measure", "min", "max", "what"):
         t2.add_column(col)

@@ -35,9 +35,9 @@ GOAL = 1.01
 def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
+    from _common import NO_SCHEDULED_SAVES, abba, ddp_mlp, timed_block
 
     import trainguard
-    from _common import NO_SCHEDULED_SAVES, abba, ddp_mlp, timed_block
 
     model, ddp, opt, x, y = ddp_mlp(rank, world, tmp, args.hidden, args.batch, lr=1e-5)
     clock = time.perf_counter
@@ -75,7 +75,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
 
     # recovered out-of-memory steps
     oom_steps = list(range(10, 10 * args.rounds * 2 + 1, 10))
-    inject = ", ".join(f"{{kind='oom', rank=1, step={s}, phase='{('forward', 'backward')[i % 2]}'}}" for i, s in enumerate(oom_steps))
+    inject = ", ".join(
+        f"{{kind='oom', rank=1, step={s}, phase='{('forward', 'backward')[i % 2]}'}}" for i, s in enumerate(oom_steps)
+    )
     guard = guard_for(f"faults.inject=[{inject}]", "oom.grow_after=1")
     times = {}
     for step in guard.steps(max(oom_steps) + 5):
@@ -92,33 +94,51 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     halves, _ = run_block("on", guard)
     dist.barrier()
     if rank == 0:
-        Path(tmp, "result.json").write_text(json.dumps({"wall": wall, "cpu": cpu, "recovered": recovered,
-                                                        "normal": normal, "halves": halves}))
+        Path(tmp, "result.json").write_text(
+            json.dumps({"wall": wall, "cpu": cpu, "recovered": recovered, "normal": normal, "halves": halves})
+        )
     dist.destroy_process_group()
 
 
 def main() -> int:
+    from _common import block_args, ratio_table, spawn_pair
     from rich.console import Console
     from rich.table import Table
-
-    from _common import block_args, ratio_table, spawn_pair
 
     args = block_args(__doc__)
     res, seconds = spawn_pair(_worker, args, "tg-bench-oom-")
     med = statistics.median
-    Console(width=160).print(ratio_table(f"OOM guard on normal steps — 2 gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
-                                         f"{args.rounds}× ABBA blocks of {args.steps} steps, rank 0",
-                                         "off: loss.backward() (A)", "on: guard.run_step (B)", res["wall"], res["cpu"], GOAL))
+    Console(width=160).print(
+        ratio_table(
+            f"OOM guard on normal steps — 2 gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
+            f"{args.rounds}× ABBA blocks of {args.steps} steps, rank 0",
+            "off: loss.backward() (A)",
+            "on: guard.run_step (B)",
+            res["wall"],
+            res["cpu"],
+            GOAL,
+        )
+    )
 
     normal = med(res["normal"]) * 1e3
-    t2 = Table(title="a recovered out-of-memory step (rank 0; OOM injected on rank 1, alternately in forward and backward)")
+    t2 = Table(
+        title="a recovered out-of-memory step (rank 0; OOM injected on rank 1, alternately in forward and backward)"
+    )
     for col in ("step", "count", "median (ms)", "÷ normal step"):
         t2.add_column(col, justify="left" if col == "step" else "right")
     t2.add_row("normal (whole batch)", str(len(res["normal"])), f"{normal:.3f}", "1.00×")
-    t2.add_row("two half micro-batches, no failure", str(len(res["halves"])), f"{med(res['halves']) * 1e3:.3f}",
-               f"{med(res['halves']) * 1e3 / normal:.2f}×")
-    t2.add_row("recovered: failed attempt + retry at half", str(len(res["recovered"])), f"{med(res['recovered']) * 1e3:.3f}",
-               f"{med(res['recovered']) * 1e3 / normal:.2f}×")
+    t2.add_row(
+        "two half micro-batches, no failure",
+        str(len(res["halves"])),
+        f"{med(res['halves']) * 1e3:.3f}",
+        f"{med(res['halves']) * 1e3 / normal:.2f}×",
+    )
+    t2.add_row(
+        "recovered: failed attempt + retry at half",
+        str(len(res["recovered"])),
+        f"{med(res['recovered']) * 1e3:.3f}",
+        f"{med(res['recovered']) * 1e3 / normal:.2f}×",
+    )
     Console(width=160).print(t2)
     print(f"wall {seconds:.1f} s; load average {os.getloadavg()[0]:.2f} (run on an idle machine; compare ratios)")
     return 0

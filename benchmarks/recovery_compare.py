@@ -58,7 +58,11 @@ import threading
 import time
 from pathlib import Path
 from typing import Optional
-from _common import SMOKE_HELP, exited as _exited, run_events as _events, trainguard_cmd as _trainguard  # noqa: E402
+
+from _common import SMOKE_HELP  # noqa: E402
+from _common import exited as _exited
+from _common import run_events as _events
+from _common import trainguard_cmd as _trainguard
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "_recovery_worker.py"
@@ -72,29 +76,67 @@ REFERENCE = {("torchrun", "kill"): 3.3, ("ft", "kill"): 3.4, ("ft", "hang"): 13.
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 trial each and a 10 s process-group timeout, to check that it works")
-    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP + "; exits 1 when a trial did not recover (see above)")
-    p.add_argument("--trials", type=int, default=None, help="trials per launcher and fault (default 6, quick 1, smoke 1)")
-    p.add_argument("--launchers", default=None, help="comma-separated subset of trainguard,torchrun,torchrun-fix,ft "
-                   "(default all; smoke: all but torchrun)")
-    p.add_argument("--fix-faults", default="kill", help="faults run with torchrun-fix (default: kill only; its hang recovery is the "
-                   "process-group timeout, as plain torchrun's)")
+    p.add_argument(
+        "--quick", action="store_true", help="1 trial each and a 10 s process-group timeout, to check that it works"
+    )
+    p.add_argument(
+        "--smoke", action="store_true", help=SMOKE_HELP + "; exits 1 when a trial did not recover (see above)"
+    )
+    p.add_argument(
+        "--trials", type=int, default=None, help="trials per launcher and fault (default 6, quick 1, smoke 1)"
+    )
+    p.add_argument(
+        "--launchers",
+        default=None,
+        help="comma-separated subset of trainguard,torchrun,torchrun-fix,ft (default all; smoke: all but torchrun)",
+    )
+    p.add_argument(
+        "--fix-faults",
+        default="kill",
+        help="faults run with torchrun-fix (default: kill only; its hang recovery is the "
+        "process-group timeout, as plain torchrun's)",
+    )
     p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated subset of kill,hang")
-    p.add_argument("--skip", default=None, help="comma-separated LAUNCHER:FAULT pairs not to run (smoke: torchrun:hang,ft:hang)")
+    p.add_argument(
+        "--skip", default=None, help="comma-separated LAUNCHER:FAULT pairs not to run (smoke: torchrun:hang,ft:hang)"
+    )
     p.add_argument("--step-ms", type=float, default=None, help="pad every step to this duration (default 30, smoke 10)")
-    p.add_argument("--steps", type=int, default=None, help="steps of the job (default 70, smoke 30: 20 observed steps "
-                   "before the fault let the warm-up run learn its step timeout)")
-    p.add_argument("--fault-step", type=int, default=None,
-                   help="default 45, smoke 15; not a multiple of --ckpt-every (all launchers then resume from the same step)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps of the job (default 70, smoke 30: 20 observed steps "
+        "before the fault let the warm-up run learn its step timeout)",
+    )
+    p.add_argument(
+        "--fault-step",
+        type=int,
+        default=None,
+        help="default 45, smoke 15; not a multiple of --ckpt-every (all launchers then resume from the same step)",
+    )
     p.add_argument("--ckpt-every", type=int, default=10)
-    p.add_argument("--pg-timeout", type=float, default=None, help="torchrun/ft: init_process_group timeout in seconds (default 30, quick 10)")
+    p.add_argument(
+        "--pg-timeout",
+        type=float,
+        default=None,
+        help="torchrun/ft: init_process_group timeout in seconds (default 30, quick 10)",
+    )
     p.add_argument("--ft-hb-timeout", type=float, default=10.0, help="ft_launcher: rank heartbeat timeout (seconds)")
-    p.add_argument("--ft-check-interval", type=float, default=1.0, help="ft_launcher: workload check interval (seconds)")
+    p.add_argument(
+        "--ft-check-interval", type=float, default=1.0, help="ft_launcher: workload check interval (seconds)"
+    )
     p.add_argument("--nvrx", default="/tmp/nvrx", help="virtualenv with nvidia-resiliency-ext (ft_launcher)")
-    p.add_argument("--cap", type=float, default=None, help="seconds after which a trial is killed (default 120; smoke 300: "
-                   "only against a stuck trial, a loaded machine must not fail the smoke run)")
+    p.add_argument(
+        "--cap",
+        type=float,
+        default=None,
+        help="seconds after which a trial is killed (default 120; smoke 300: "
+        "only against a stuck trial, a loaded machine must not fail the smoke run)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
-    p.add_argument("--analyse", metavar="DIR", default=None, help="print the tables of trials kept with --keep in DIR, run nothing")
+    p.add_argument(
+        "--analyse", metavar="DIR", default=None, help="print the tables of trials kept with --keep in DIR, run nothing"
+    )
     args = p.parse_args()
     args.trials = args.trials or (1 if args.quick or args.smoke else 6)
     args.pg_timeout = args.pg_timeout or (5.0 if args.smoke else 10.0 if args.quick else 30.0)
@@ -117,9 +159,6 @@ def _parse() -> argparse.Namespace:
         if x not in FAULTS:
             p.error(f"unknown fault {x!r}")
     return args
-
-
-
 
 
 class PidWatcher(threading.Thread):
@@ -169,21 +208,73 @@ def _command(args: argparse.Namespace, launcher: str, fault: str, run_dir: Path)
     env = dict(os.environ)
     common = ["--steps", str(args.steps), "--step-ms", str(args.step_ms)]
     if launcher == "trainguard":
-        spec = (f"rank_killed:rank=1,step={args.fault_step}" if fault == "kill"
-                else f"rank_hung:rank=1,step={args.fault_step},hang=sigstop")
-        cmd = _trainguard() + ["run", "--nproc-per-node", "2", "--run-dir", str(run_dir), "--inject", spec,
-                               str(WORKER), "--mode", "trainguard", *common, "--set", f"checkpoint.interval={args.ckpt_every}"]
+        spec = (
+            f"rank_killed:rank=1,step={args.fault_step}"
+            if fault == "kill"
+            else f"rank_hung:rank=1,step={args.fault_step},hang=sigstop"
+        )
+        cmd = _trainguard() + [
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            "--inject",
+            spec,
+            str(WORKER),
+            "--mode",
+            "trainguard",
+            *common,
+            "--set",
+            f"checkpoint.interval={args.ckpt_every}",
+        ]
         return cmd, env
-    worker = [str(WORKER), "--mode", "ft" if launcher == "ft" else "plain", "--run-dir", str(run_dir), *common,
-              "--ckpt-every", str(args.ckpt_every), "--pg-timeout", str(args.pg_timeout),
-              "--fault", "kill" if fault == "kill" else "sigstop", "--fault-rank", "1", "--fault-step", str(args.fault_step)]
+    worker = [
+        str(WORKER),
+        "--mode",
+        "ft" if launcher == "ft" else "plain",
+        "--run-dir",
+        str(run_dir),
+        *common,
+        "--ckpt-every",
+        str(args.ckpt_every),
+        "--pg-timeout",
+        str(args.pg_timeout),
+        "--fault",
+        "kill" if fault == "kill" else "sigstop",
+        "--fault-rank",
+        "1",
+        "--fault-step",
+        str(args.fault_step),
+    ]
     if launcher == "torchrun-fix":  # the workaround trainguard run applies for torch issue 135712
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if launcher.startswith("torchrun"):
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", *worker], env
-    ft = [str(Path(args.nvrx) / "bin" / "ft_launcher"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
-          "--ft-rank-heartbeat-timeout", str(args.ft_hb_timeout), "--ft-initial-rank-heartbeat-timeout", "120",
-          "--ft-workload-check-interval", str(args.ft_check_interval)]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "3",
+            *worker,
+        ], env
+    ft = [
+        str(Path(args.nvrx) / "bin" / "ft_launcher"),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        "--ft-rank-heartbeat-timeout",
+        str(args.ft_hb_timeout),
+        "--ft-initial-rank-heartbeat-timeout",
+        "120",
+        "--ft-workload-check-interval",
+        str(args.ft_check_interval),
+    ]
     return ft + worker, env
 
 
@@ -192,9 +283,16 @@ def ft_unavailable(args: argparse.Namespace) -> Optional[str]:
     exe = Path(args.nvrx) / "bin" / "ft_launcher"
     if not exe.exists():
         return f"{exe} not found (install nvidia-resiliency-ext==0.4.1 into --nvrx, see --help)"
-    r = subprocess.run([str(Path(args.nvrx) / "bin" / "python"), "-c",
-                        "import torch, nvidia_resiliency_ext.fault_tolerance as f; print(torch.__version__)"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            str(Path(args.nvrx) / "bin" / "python"),
+            "-c",
+            "import torch, nvidia_resiliency_ext.fault_tolerance as f; print(torch.__version__)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if r.returncode != 0:
         return "import failed: " + (r.stderr.strip().splitlines() or ["?"])[-1]
     return None
@@ -226,8 +324,16 @@ def run_trial(args: argparse.Namespace, launcher: str, fault: str, run_dir: Path
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-    (run_dir / "trial.json").write_text(json.dumps({"launcher": launcher, "fault": fault, "code": code,
-                                                    "pid_exits": {str(k): v for k, v in watcher.exits.items()}}))
+    (run_dir / "trial.json").write_text(
+        json.dumps(
+            {
+                "launcher": launcher,
+                "fault": fault,
+                "code": code,
+                "pid_exits": {str(k): v for k, v in watcher.exits.items()},
+            }
+        )
+    )
     return analyse(launcher, fault, run_dir, code, watcher.exits)
 
 
@@ -255,8 +361,12 @@ def analyse(launcher: str, fault: str, run_dir: Path, code: Optional[int], exits
         return out
     att = start["attempt"]
     done = next((e for e in ev if e["kind"] == "first_step_done" and e["attempt"] == att and e["time"] > t_f), None)
-    out.update(total=start["time"] - t_f, step_done=(done["time"] - t_f) if done else None, restarts=att,
-               start_step=start["details"].get("first_step"))
+    out.update(
+        total=start["time"] - t_f,
+        step_done=(done["time"] - t_f) if done else None,
+        restarts=att,
+        start_step=start["details"].get("first_step"),
+    )
     old_pids = [e["pid"] for e in ev if e["kind"] == "worker_timing" and e["attempt"] == inj["attempt"]]
     t_old_gone = max(exits[p] for p in old_pids) if old_pids and all(p in exits for p in old_pids) else None
     timing = next((e for e in ev if e["kind"] == "worker_timing" and e["rank"] == 0 and e["attempt"] == att), None)
@@ -303,14 +413,29 @@ def _last_error(log: Path) -> str:
 
 PHASE_ROWS = [  # (key, label, from → to, part of the total: the rows marked True add up to it)
     ("detect+stop", "detect + stop", "fault → the last rank process of the failed attempt has exited", True),
-    ("detect", "  detect", "fault → workers_failed (after torch closed the other ranks) / hang_detected event (trainguard)", False),
+    (
+        "detect",
+        "  detect",
+        "fault → workers_failed (after torch closed the other ranks) / hang_detected event (trainguard)",
+        False,
+    ),
     ("stop", "  stop", "hang_detected → old rank processes gone (trainguard, hang)", False),
-    ("restart", "restart", "→ first line of the new rank 0 process (rendezvous, spawn, interpreter; incl. failed re-rendezvous)", True),
+    (
+        "restart",
+        "restart",
+        "→ first line of the new rank 0 process (rendezvous, spawn, interpreter; incl. failed re-rendezvous)",
+        True,
+    ),
     ("rendezvous", "  rendezvous", "old processes gone → workers_started event (trainguard)", False),
     ("torch import", "torch import", "→ import torch done", True),
     ("pg init", "pg init", "→ init_process_group returned (waits for the slower rank)", True),
     ("model+DDP", "model + DDP", "→ model, DDP(model) (imports torch._dynamo), optimizer", True),
-    ("trainguard import+Guard", "import trainguard + Guard", "→ import trainguard, config, Guard() (trainguard only)", True),
+    (
+        "trainguard import+Guard",
+        "import trainguard + Guard",
+        "→ import trainguard, config, Guard() (trainguard only)",
+        True,
+    ),
     ("resume", "resume", "→ start event (checkpoint loaded)", True),
 ]
 
@@ -322,28 +447,61 @@ def run_all(args: argparse.Namespace, base: Path, console, unavailable: dict[str
     if "trainguard" in args.launchers and "hang" in args.faults:
         # warm-up: the same job without a fault; its timeouts.json gives the learned timeouts
         warm = base / "warmup"
-        subprocess.run(_trainguard() + ["run", "--nproc-per-node", "2", "--run-dir", str(warm), str(WORKER), "--mode", "trainguard",
-                                        "--steps", str(args.steps), "--step-ms", str(args.step_ms),
-                                        "--set", f"checkpoint.interval={args.ckpt_every}"],
-                       cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=args.cap)
+        subprocess.run(
+            _trainguard()
+            + [
+                "run",
+                "--nproc-per-node",
+                "2",
+                "--run-dir",
+                str(warm),
+                str(WORKER),
+                "--mode",
+                "trainguard",
+                "--steps",
+                str(args.steps),
+                "--step-ms",
+                str(args.step_ms),
+                "--set",
+                f"checkpoint.interval={args.ckpt_every}",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=args.cap,
+        )
         timeouts = warm / "timeouts.json"
         step = json.loads(timeouts.read_text())["sections"]["step"] if timeouts.exists() else None
-        console.print(f"warm-up run: step timeout {step['timeout']:.2f} s, learned={step['learned']} ({step['count']} steps observed)"
-                      if step else "warm-up run: no timeouts.json (the hang trials use the configured timeouts)")
+        console.print(
+            f"warm-up run: step timeout {step['timeout']:.2f} s, learned={step['learned']} ({step['count']} steps observed)"
+            if step
+            else "warm-up run: no timeouts.json (the hang trials use the configured timeouts)"
+        )
         if step is None:
             timeouts = None
     for trial in range(args.trials):
         for fault in args.faults:
             for launcher in args.launchers:
-                if (launcher in unavailable or (launcher == "torchrun-fix" and fault not in args.fix_faults)
-                        or (launcher, fault) in args.skip):
+                if (
+                    launcher in unavailable
+                    or (launcher == "torchrun-fix" and fault not in args.fix_faults)
+                    or (launcher, fault) in args.skip
+                ):
                     continue
                 t0 = time.perf_counter()
-                r = run_trial(args, launcher, fault, base / f"{launcher}-{fault}-{trial}", timeouts if launcher == "trainguard" else None)
+                r = run_trial(
+                    args,
+                    launcher,
+                    fault,
+                    base / f"{launcher}-{fault}-{trial}",
+                    timeouts if launcher == "trainguard" else None,
+                )
                 results.append(r)
                 val = f"{r['total']:.2f} s (restarts {r['restarts']})" if r.get("total") is not None else r["error"]
-                console.print(f"trial {trial + 1}/{args.trials} {NAMES[launcher]:>11} {fault:<4}: fault → start {val}; "
-                              f"trial {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.2f}")
+                console.print(
+                    f"trial {trial + 1}/{args.trials} {NAMES[launcher]:>11} {fault:<4}: fault → start {val}; "
+                    f"trial {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.2f}"
+                )
     return results
 
 
@@ -358,7 +516,9 @@ def main() -> int:
     t_wall = time.perf_counter()
     if args.analyse:
         results = reanalyse(Path(args.analyse))
-        args.trials = max(sum(1 for r in results if r["launcher"] == l and r["fault"] == f) for l in LAUNCHERS for f in FAULTS)
+        args.trials = max(
+            sum(1 for r in results if r["launcher"] == l and r["fault"] == f) for l in LAUNCHERS for f in FAULTS
+        )
         args.launchers = [l for l in args.launchers if any(r["launcher"] == l for r in results)]
         args.faults = [f for f in args.faults if any(r["fault"] == f for r in results)]
     else:
@@ -383,8 +543,10 @@ def main() -> int:
     def failed(launcher: str, fault: str) -> list[str]:
         return [r["error"] for r in results if r["launcher"] == launcher and r["fault"] == fault and r["error"]]
 
-    table = Table(title=f"fault on rank 1 at step {args.fault_step} → rank 0 starts the resumed loop (seconds, median of "
-                        f"{args.trials} trial(s)); 2 gloo ranks, {args.step_ms:.0f} ms steps")
+    table = Table(
+        title=f"fault on rank 1 at step {args.fault_step} → rank 0 starts the resumed loop (seconds, median of "
+        f"{args.trials} trial(s)); 2 gloo ranks, {args.step_ms:.0f} ms steps"
+    )
     table.add_column("fault")
     for launcher in args.launchers:
         table.add_column(NAMES[launcher], justify="right")
@@ -412,13 +574,18 @@ def main() -> int:
             more = sum(1 for x in restarts if x > 1)
             notes = ([f"{len(bad)} failed"] if bad else []) + ([f"{more}× 2+ restarts"] if more else [])
             cells.append(f"{med(v):.2f}" + (f"\n({', '.join(notes)})" if notes else ""))
-            per_trial.append(f"{NAMES[launcher]} {fault}: " + " ".join(f"{x:.1f}" for x in v)
-                             + (f"; failed: {'; '.join(bad)}" if bad else ""))
+            per_trial.append(
+                f"{NAMES[launcher]} {fault}: "
+                + " ".join(f"{x:.1f}" for x in v)
+                + (f"; failed: {'; '.join(bad)}" if bad else "")
+            )
         if has_tg:
             for o in others:
                 cells.append(f"{meds['trainguard'] / meds[o]:.2f}" if "trainguard" in meds and o in meds else "—")
             tg = meds.get("trainguard")
-            cells.append(f"≤ {GOALS[fault]:.0f} s: " + ("—" if tg is None else ("met" if tg <= GOALS[fault] else "MISSED")))
+            cells.append(
+                f"≤ {GOALS[fault]:.0f} s: " + ("—" if tg is None else ("met" if tg <= GOALS[fault] else "MISSED"))
+            )
         label = "kill\n(SIGKILL)" if fault == "kill" else "hang\n(SIGSTOP)"
         table.add_row(label, *cells)
     console.print(table)
@@ -430,10 +597,14 @@ def main() -> int:
             tos = vals("trainguard", "hang", "timeout")
             lrn = [r.get("learned") for r in results if r["launcher"] == "trainguard" and r["fault"] == "hang"]
             if tos:
-                console.print(f"trainguard hang timeout used: {med(tos):.2f} s (learned in {sum(bool(x) for x in lrn)}/{len(lrn)} trials); "
-                              f"ft_launcher: hand-set {args.ft_hb_timeout:.0f} s heartbeat timeout checked every {args.ft_check_interval:g} s; "
-                              f"torchrun: process-group timeout {args.pg_timeout:.0f} s")
-        sd = [f"{NAMES[l]} {med(vals(l, fault, 'step_done')):.2f}" for l in args.launchers if vals(l, fault, "step_done")]
+                console.print(
+                    f"trainguard hang timeout used: {med(tos):.2f} s (learned in {sum(bool(x) for x in lrn)}/{len(lrn)} trials); "
+                    f"ft_launcher: hand-set {args.ft_hb_timeout:.0f} s heartbeat timeout checked every {args.ft_check_interval:g} s; "
+                    f"torchrun: process-group timeout {args.pg_timeout:.0f} s"
+                )
+        sd = [
+            f"{NAMES[l]} {med(vals(l, fault, 'step_done')):.2f}" for l in args.launchers if vals(l, fault, "step_done")
+        ]
         console.print(f"{fault}: fault → first resumed step done (median s): " + ", ".join(sd))
 
     bd = Table(title="phases of the recovery (median ms; rank 0 of the new attempt)")
@@ -445,24 +616,39 @@ def main() -> int:
     for key, label, span, _ in PHASE_ROWS:
         cells = []
         for l, f in cols:
-            v = [r["phases"][key] for r in results if r["launcher"] == l and r["fault"] == f and r.get("phases", {}).get(key) is not None]
+            v = [
+                r["phases"][key]
+                for r in results
+                if r["launcher"] == l and r["fault"] == f and r.get("phases", {}).get(key) is not None
+            ]
             cells.append(f"{med(v) * 1e3:.0f}" if v else "")
         if any(cells):
             bd.add_row(label, span, *cells)
     bd.add_row("total", "fault → start event", *[f"{med(vals(l, f)) * 1e3:.0f}" for l, f in cols])
 
     def net(l: str, f: str) -> list[float]:
-        return [r["total"] - r["phases"].get("torch import", 0) - r["phases"].get("model+DDP", 0)
-                for r in results if r["launcher"] == l and r["fault"] == f and r.get("total") is not None]
+        return [
+            r["total"] - r["phases"].get("torch import", 0) - r["phases"].get("model+DDP", 0)
+            for r in results
+            if r["launcher"] == l and r["fault"] == f and r.get("total") is not None
+        ]
 
-    bd.add_row("total − torch start-up", "total less torch import and model + DDP (the same work for every launcher)",
-               *[f"{med(net(l, f)) * 1e3:.0f}" for l, f in cols])
+    bd.add_row(
+        "total − torch start-up",
+        "total less torch import and model + DDP (the same work for every launcher)",
+        *[f"{med(net(l, f)) * 1e3:.0f}" for l, f in cols],
+    )
     console.print(bd)
     for l, f in cols:
         if l != "trainguard":
             continue
-        phs = {k: med([r["phases"][k] for r in results if r["launcher"] == l and r["fault"] == f and k in r.get("phases", {})])
-               for k, _, _, top in PHASE_ROWS if top and any(k in r.get("phases", {}) for r in results if r["launcher"] == l and r["fault"] == f)}
+        phs = {
+            k: med(
+                [r["phases"][k] for r in results if r["launcher"] == l and r["fault"] == f and k in r.get("phases", {})]
+            )
+            for k, _, _, top in PHASE_ROWS
+            if top and any(k in r.get("phases", {}) for r in results if r["launcher"] == l and r["fault"] == f)
+        }
         if phs:
             big = max(phs, key=phs.get)
             console.print(f"trainguard {f}: biggest phase '{big}' {phs[big]:.2f} s of {med(vals(l, f)):.2f} s")
@@ -477,8 +663,10 @@ def main() -> int:
     refs = ", ".join(f"{NAMES[l]} {f} {v:g} s" for (l, f), v in REFERENCE.items())
     console.print(f"reference medians measured earlier on this machine: {refs}")
     load1 = os.getloadavg()
-    console.print(f"wall {wall:.0f} s; load average at start {load0[0]:.2f}, at end {load1[0]:.2f} (1 min), {load1[1]:.2f} (5 min) "
-                  f"(2 ranks fill a 2-core machine: other load adds noise)")
+    console.print(
+        f"wall {wall:.0f} s; load average at start {load0[0]:.2f}, at end {load1[0]:.2f} (1 min), {load1[1]:.2f} (5 min) "
+        f"(2 ranks fill a 2-core machine: other load adds noise)"
+    )
     failures = [f"{NAMES[r['launcher']]} {r['fault']}: {r['error']}" for r in results if r["error"]]
     if args.smoke and failures:
         console.print("smoke: trials that did not recover: " + " | ".join(failures))

@@ -42,12 +42,23 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from _common import SMOKE_HELP, exited as _exited, run_events as _events, trainguard_cmd as _trainguard  # noqa: E402
+
+from _common import SMOKE_HELP  # noqa: E402
+from _common import exited as _exited
+from _common import run_events as _events
+from _common import trainguard_cmd as _trainguard
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "data.max_bytes=2000000"]
-TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.seq_len=32", "data.max_bytes=200000",
-        "train.batch_size=2", "train.log_interval=1"]
+TINY = [
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.seq_len=32",
+    "data.max_bytes=200000",
+    "train.batch_size=2",
+    "train.log_interval=1",
+]
 MODELS = {"default": [], "small": SMALL, "tiny": TINY}
 
 
@@ -55,10 +66,16 @@ def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one repetition with the small model, to check that it works")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, quick 1)")
-    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (one repetition, tiny model, a step log line every step)")
-    p.add_argument("--model", choices=list(MODELS), default=None,
-                   help="examples/gpt.py's default model (3.3 M parameters), a small one or a tiny one (default: default, "
-                        "quick: small, smoke: tiny)")
+    p.add_argument(
+        "--smoke", action="store_true", help=SMOKE_HELP + " (one repetition, tiny model, a step log line every step)"
+    )
+    p.add_argument(
+        "--model",
+        choices=list(MODELS),
+        default=None,
+        help="examples/gpt.py's default model (3.3 M parameters), a small one or a tiny one (default: default, "
+        "quick: small, smoke: tiny)",
+    )
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra override for gpt.py (repeatable)")
     p.add_argument("--warm-steps", type=int, default=2, help="wait for this many 'step' log lines before SIGTERM")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each phase before giving up")
@@ -66,9 +83,6 @@ def _parse() -> argparse.Namespace:
     args.reps = args.reps or (1 if args.quick or args.smoke else 3)
     args.model = args.model or ("tiny" if args.smoke else "small" if args.quick else "default")
     return args
-
-
-
 
 
 def _watch_exits(pids: list[int], out: dict[int, float], stop: threading.Event) -> None:
@@ -87,8 +101,9 @@ def one_run(args: argparse.Namespace, run_dir: Path, rng: random.Random) -> dict
     for s in sets:
         cmd += ["--set", s]
     t_launch = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # our terminal's Ctrl-C must not reach it
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )  # our terminal's Ctrl-C must not reach it
     lines: list[str] = []
     ready = threading.Event()
     steps_seen = 0
@@ -131,7 +146,7 @@ def one_run(args: argparse.Namespace, run_dir: Path, rng: random.Random) -> dict
         code = proc.wait(args.timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise RuntimeError("launcher did not exit after SIGTERM:\n" + "\n".join(lines[-30:]))
+        raise RuntimeError("launcher did not exit after SIGTERM:\n" + "\n".join(lines[-30:])) from None
     t_exit = time.time()
     watch_stop.set()
     watcher.join(5)
@@ -191,8 +206,10 @@ def main() -> int:
 
     med = statistics.median
     total = med(r["total"] for r in runs)
-    table = Table(title=f"SIGTERM → exit of `trainguard run --nproc-per-node 2 examples/gpt.py` ({args.model} model), "
-                        f"median of {len(runs)} run(s)")
+    table = Table(
+        title=f"SIGTERM → exit of `trainguard run --nproc-per-node 2 examples/gpt.py` ({args.model} model), "
+        f"median of {len(runs)} run(s)"
+    )
     table.add_column("phase")
     table.add_column("from → to")
     table.add_column("median ms", justify="right")
@@ -220,12 +237,18 @@ def main() -> int:
     Console(width=140).print(table)
     codes = [r["code"] for r in runs]
     saves = [r["save_inner"] for r in runs if r["save_inner"] is not None]
-    print(f"exit codes {codes} (expected 75 each); checkpoint {runs[0]['bytes']:,} bytes, save_state's own "
-          f"time {med(saves) * 1e3:.0f} ms median; save share of total {med(r['save'] for r in runs) / total * 100:.0f}%")
+    print(
+        f"exit codes {codes} (expected 75 each); checkpoint {runs[0]['bytes']:,} bytes, save_state's own "
+        f"time {med(saves) * 1e3:.0f} ms median; save share of total {med(r['save'] for r in runs) / total * 100:.0f}%"
+    )
     delays = " ".join(f"{r['delay'] * 1e3:.0f}" for r in runs)
-    print(f"step time (rank 0 log) {med(r['step_ms'] for r in runs):.0f} ms; SIGTERM sent {delays} ms after a step log line")
-    print(f"launch to step line #{args.warm_steps} {med(r['startup'] for r in runs):.1f} s; stop steps {[r['stop_step'] for r in runs]}; "
-          f"wall {wall:.1f} s; load average {os.getloadavg()[0]:.2f} (other processes on this machine add noise)")
+    print(
+        f"step time (rank 0 log) {med(r['step_ms'] for r in runs):.0f} ms; SIGTERM sent {delays} ms after a step log line"
+    )
+    print(
+        f"launch to step line #{args.warm_steps} {med(r['startup'] for r in runs):.1f} s; stop steps {[r['stop_step'] for r in runs]}; "
+        f"wall {wall:.1f} s; load average {os.getloadavg()[0]:.2f} (other processes on this machine add noise)"
+    )
     if any(c != 75 for c in codes):
         print("WARNING: a launch did not exit with 75 (requeue)")
     return 0

@@ -43,7 +43,9 @@ def _load(path: Path, name: str):
     return module
 
 
-def _rank(rank: int, world: int, tmp: str, layouts: list[str], repeat: int, impl: str | None, out, model_overrides: dict) -> None:
+def _rank(
+    rank: int, world: int, tmp: str, layouts: list[str], repeat: int, impl: str | None, out, model_overrides: dict
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -74,8 +76,9 @@ def _measure(rank: int, world: int, layout: str, repeat: int, impl: str | None, 
         wrapped = model = fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95)
+    )
     g = torch.Generator().manual_seed(rank)
     idx = torch.randint(0, 256, (8, cfg.seq_len), generator=g)
     wrapped(idx, torch.roll(idx, -1, 1)).backward()
@@ -94,10 +97,12 @@ def _measure(rank: int, world: int, layout: str, repeat: int, impl: str | None, 
     if rank == 0:
         ms, cpu_ms = (sorted(x * 1e3 for x in row) for row in t.tolist())
         n_params = sum(p.numel() for p in model.parameters())
-        out.put(f"{layout} world={world} params={n_params / 1e6:.2f}M impl={impl or 'trainguard.state'}: "
-                f"wall median {statistics.median(ms):.1f} ms (min {ms[0]:.1f}, max {ms[-1]:.1f}), "
-                f"thread CPU median {statistics.median(cpu_ms):.1f} ms (min {cpu_ms[0]:.1f}), {repeat} calls; "
-                f"same digest on all ranks: {len(set(digests)) == 1}; digest {digests[0]}")
+        out.put(
+            f"{layout} world={world} params={n_params / 1e6:.2f}M impl={impl or 'trainguard.state'}: "
+            f"wall median {statistics.median(ms):.1f} ms (min {ms[0]:.1f}, max {ms[-1]:.1f}), "
+            f"thread CPU median {statistics.median(cpu_ms):.1f} ms (min {cpu_ms[0]:.1f}), {repeat} calls; "
+            f"same digest on all ranks: {len(set(digests)) == 1}; digest {digests[0]}"
+        )
 
 
 def main() -> None:
@@ -117,7 +122,9 @@ def main() -> None:
     out = ctx.Queue()
     layouts = ["ddp", "fsdp"] if a.layout == "both" else [a.layout]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(a.world, tmp, layouts, a.repeat, a.impl, out, tiny), nprocs=a.world, start_method="spawn")
+        mp.start_processes(
+            _rank, args=(a.world, tmp, layouts, a.repeat, a.impl, out, tiny), nprocs=a.world, start_method="spawn"
+        )
         for _ in layouts:
             print(out.get(timeout=10))
 

@@ -45,8 +45,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=None, help="MLP width (sets the step time; default 768, smoke 64)")
     p.add_argument("--batch", type=int, default=None, help="samples per rank per step (default 64, smoke 8)")
     p.add_argument("--check-interval", type=int, default=0, help="Guard stop.check_interval (0 = auto, the default)")
-    p.add_argument("--no-reference", dest="reference", action="store_false",
-                   help="skip the reference variant (plain loop + one bare 4-int all_reduce per step)")
+    p.add_argument(
+        "--no-reference",
+        dest="reference",
+        action="store_false",
+        help="skip the reference variant (plain loop + one bare 4-int all_reduce per step)",
+    )
     args = p.parse_args()
     args.steps = args.steps or (4 if args.smoke else 30 if args.quick else 40)
     args.rounds = args.rounds or (1 if args.smoke else 2 if args.quick else 8)
@@ -60,9 +64,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
+    from _common import ddp_mlp
 
     import trainguard
-    from _common import ddp_mlp
     from trainguard.events import read_events
 
     model, ddp, opt, x, y = ddp_mlp(rank, world, tmp, args.hidden, args.batch, lr=1e-4)
@@ -79,7 +83,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
 
     n = args.steps
     wall = {"plain": [], "guarded": [], "collective": []}  # per block: per-step wall seconds
-    cpu = {"plain": [], "guarded": [], "collective": []}  # per block: per-step CPU seconds of this process (all threads)
+    cpu = {
+        "plain": [],
+        "guarded": [],
+        "collective": [],
+    }  # per block: per-step CPU seconds of this process (all threads)
     step_end_us: list[float] = []
     fixed_ms: list[float] = []
     final_save_ms: list[float] = []
@@ -101,8 +109,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         cpu[variant].append(cpus[1:])
 
     def run_guarded(block: int) -> None:
-        cfg = trainguard.load_config(None, [f"run.dir={tmp}/guard-{block}", *NO_SCHEDULED_SAVES,
-                                            f"stop.check_interval={args.check_interval}"])
+        cfg = trainguard.load_config(
+            None, [f"run.dir={tmp}/guard-{block}", *NO_SCHEDULED_SAVES, f"stop.check_interval={args.check_interval}"]
+        )
         t_start = clock()
         guard = trainguard.Guard(cfg, model=ddp, optimizer=opt)
         times, cpus, inside = [], [], []
@@ -123,23 +132,38 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         cpu["guarded"].append(cpus[1:])
         step_end_us.extend(v * 1e6 for v in inside[1:])
         # rank 0 writes the commit event; its seconds: write to commit of the final save
-        save_s = sum(e["details"]["seconds"] for e in read_events(guard.run_dir, "checkpoint_committed")) if rank == 0 else 0.0
+        save_s = (
+            sum(e["details"]["seconds"] for e in read_events(guard.run_dir, "checkpoint_committed"))
+            if rank == 0
+            else 0.0
+        )
         final_save_ms.append(save_s * 1e3)
         fixed_ms.append((t_end - t_start - sum(times[1:]) - statistics.median(times[1:]) - save_s) * 1e3)
 
     block = 0
     for _ in range(args.rounds):  # ABCCBA: plain, guard, collective, collective, guard, plain
         run_plain()
-        run_guarded(block); block += 1
+        run_guarded(block)
+        block += 1
         if args.reference:
             run_plain("collective")
             run_plain("collective")
-        run_guarded(block); block += 1
+        run_guarded(block)
+        block += 1
         run_plain()
     dist.barrier()
     if rank == 0:
-        Path(tmp, "result.json").write_text(json.dumps(
-            {"wall": wall, "cpu": cpu, "step_end_us": step_end_us, "fixed_ms": fixed_ms, "final_save_ms": final_save_ms}))
+        Path(tmp, "result.json").write_text(
+            json.dumps(
+                {
+                    "wall": wall,
+                    "cpu": cpu,
+                    "step_end_us": step_end_us,
+                    "fixed_ms": fixed_ms,
+                    "final_save_ms": final_save_ms,
+                }
+            )
+        )
     dist.destroy_process_group()
 
 
@@ -162,10 +186,18 @@ def main() -> int:
         p_all = [t for b in d["plain"] for t in b]
         g_all = [t for b in d[variant] for t in b]
         # per round: the variant's two blocks against the two plain blocks around them
-        rounds = [(sum(d[variant][2 * i]) + sum(d[variant][2 * i + 1])) / (sum(d["plain"][2 * i]) + sum(d["plain"][2 * i + 1]))
-                  for i in range(len(d["plain"]) // 2)]
-        return (med(p_all) * 1e3, med(g_all) * 1e3, med(g_all) / med(p_all), med(rounds),
-                statistics.fmean(g_all) / statistics.fmean(p_all))
+        rounds = [
+            (sum(d[variant][2 * i]) + sum(d[variant][2 * i + 1]))
+            / (sum(d["plain"][2 * i]) + sum(d["plain"][2 * i + 1]))
+            for i in range(len(d["plain"]) // 2)
+        ]
+        return (
+            med(p_all) * 1e3,
+            med(g_all) * 1e3,
+            med(g_all) / med(p_all),
+            med(rounds),
+            statistics.fmean(g_all) / statistics.fmean(p_all),
+        )
 
     w_p, w_g, w_ratio, w_round, w_mean = summary(res["wall"])
     c_p, c_g, c_ratio, c_round, c_mean = summary(res["cpu"])
@@ -179,8 +211,10 @@ def main() -> int:
     def goal_fmt(r: float) -> str:
         return f"{'[green]' if r <= GOAL else '[red]'}{r:.4f}×"
 
-    table = Table(title=f"Guard step overhead — 2 gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
-                        f"{args.rounds}× {'ABCCBA' if args.reference else 'ABBA'} blocks of {args.steps} steps, rank 0")
+    table = Table(
+        title=f"Guard step overhead — 2 gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
+        f"{args.rounds}× {'ABCCBA' if args.reference else 'ABBA'} blocks of {args.steps} steps, rank 0"
+    )
     for col in ("measure", "plain loop", "with Guard", "ratio", "goal"):
         table.add_column(col, justify="left" if col == "measure" else "right")
     table.add_row("wall: median step (ms)", f"{w_p:.3f}", f"{w_g:.3f}", goal_fmt(w_ratio), f"≤ {GOAL:.2f}×")
@@ -189,21 +223,36 @@ def main() -> int:
     table.add_row("CPU: median step (ms)", f"{c_p:.3f}", f"{c_g:.3f}", goal_fmt(c_ratio), "less sensitive to load")
     table.add_row("CPU: median of per-round ratios", "", "", goal_fmt(c_round), "")
     if has_ref:
-        table.add_row("ref: plain + bare all_reduce, wall (ms)", f"{w_p:.3f}", f"{r_w:.3f}",
-                      f"{r_ratio:.4f}× (rounds {r_round:.4f}×)", "not the Guard")
-        table.add_row("ref: plain + bare all_reduce, CPU (ms)", f"{c_p:.3f}", f"{r_c:.3f}",
-                      f"{rc_ratio:.4f}×", "not the Guard")
-    table.add_row("guard.step_end() wall per call (µs)", "", f"median {med(se):.0f}, p90 {p90:.0f}",
-                  f"{med(se) / 1e3 / w_p * 100:.2f}% of a step", "incl. waiting for the other rank")
+        table.add_row(
+            "ref: plain + bare all_reduce, wall (ms)",
+            f"{w_p:.3f}",
+            f"{r_w:.3f}",
+            f"{r_ratio:.4f}× (rounds {r_round:.4f}×)",
+            "not the Guard",
+        )
+        table.add_row(
+            "ref: plain + bare all_reduce, CPU (ms)", f"{c_p:.3f}", f"{r_c:.3f}", f"{rc_ratio:.4f}×", "not the Guard"
+        )
+    table.add_row(
+        "guard.step_end() wall per call (µs)",
+        "",
+        f"median {med(se):.0f}, p90 {p90:.0f}",
+        f"{med(se) / 1e3 / w_p * 100:.2f}% of a step",
+        "incl. waiting for the other rank",
+    )
     table.add_row("Guard fixed cost per run (ms)", "", f"{med(res['fixed_ms']):.1f}", "", "setup + end hash, once")
-    table.add_row("final save per run (ms)", "", f"{med(res['final_save_ms']):.1f}", "", "after the last step, not in any step")
+    table.add_row(
+        "final save per run (ms)", "", f"{med(res['final_save_ms']):.1f}", "", "after the last step, not in any step"
+    )
     Console(width=150).print(table)
     print("block medians, wall ms  plain: " + " ".join(f"{med(b) * 1e3:.1f}" for b in res["wall"]["plain"]))
     print("                        guard: " + " ".join(f"{med(b) * 1e3:.1f}" for b in res["wall"]["guarded"]))
     if has_ref:
         print("       plain + all_reduce: " + " ".join(f"{med(b) * 1e3:.1f}" for b in res["wall"]["collective"]))
-    print(f"check_interval={args.check_interval}; wall {wall:.1f} s; load average {os.getloadavg()[0]:.2f} "
-          "(other processes on this 2-core machine add noise; compare runs on an idle machine)")
+    print(
+        f"check_interval={args.check_interval}; wall {wall:.1f} s; load average {os.getloadavg()[0]:.2f} "
+        "(other processes on this 2-core machine add noise; compare runs on an idle machine)"
+    )
     return 0
 
 

@@ -43,7 +43,9 @@ class ModelSection(trainguard.Section):
 class DataSection(trainguard.Section):
     """``[data]``: the text to train on."""
 
-    path: Optional[str] = Field(None, description="file or directory of text; default: the Python standard library sources")
+    path: Optional[str] = Field(
+        None, description="file or directory of text; default: the Python standard library sources"
+    )
     max_bytes: int = Field(8_000_000, ge=10_000, description="read at most this many bytes")
     val_fraction: float = Field(0.05, gt=0, lt=0.5)
 
@@ -78,7 +80,13 @@ def read_corpus(cfg: DataSection) -> torch.Tensor:
     root = Path(cfg.path) if cfg.path else Path(sysconfig.get_paths()["stdlib"])
     if not root.exists():
         raise trainguard.ConfigError(f"data.path {root} does not exist")
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*.py" if not cfg.path else "*") if p.is_file() and "site-packages" not in p.parts)
+    files = (
+        [root]
+        if root.is_file()
+        else sorted(
+            p for p in root.rglob("*.py" if not cfg.path else "*") if p.is_file() and "site-packages" not in p.parts
+        )
+    )
     chunks, total = [], 0
     for f in files:
         data = f.read_bytes()
@@ -102,7 +110,7 @@ class Windows:
         return (len(self.data) - 1) // (self.seq_len + 1)
 
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.stack([self.data[i * (self.seq_len + 1):(i + 1) * (self.seq_len + 1)] for i in indices]).long()
+        rows = torch.stack([self.data[i * (self.seq_len + 1) : (i + 1) * (self.seq_len + 1)] for i in indices]).long()
         return rows[:, :-1], rows[:, 1:]
 
 
@@ -116,7 +124,9 @@ class Block(nn.Module):
         self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model)
+        )
         self.n_heads, self.dropout = cfg.n_heads, cfg.dropout
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -134,7 +144,9 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelSection):
         super().__init__()
         if cfg.d_model % cfg.n_heads:
-            raise trainguard.ConfigError(f"model.d_model={cfg.d_model} must be a multiple of model.n_heads={cfg.n_heads}")
+            raise trainguard.ConfigError(
+                f"model.d_model={cfg.d_model} must be a multiple of model.n_heads={cfg.n_heads}"
+            )
         self.tok = nn.Embedding(256, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -181,11 +193,20 @@ def main() -> None:
     ddp = DDP(model) if world > 1 else model
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.train.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.train.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.train.lr,
+        betas=(0.9, 0.95),
+    )
     warm, total = cfg.train.warmup_steps, cfg.train.max_steps
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm))))
+        opt,
+        lambda s: (
+            (s + 1) / warm
+            if s < warm
+            else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
+        ),
+    )
 
     guard = trainguard.Guard(cfg, model=ddp, optimizer=opt, scheduler=sched, sampler=sampler)  # trainguard
     if rank == 0:
@@ -195,7 +216,9 @@ def main() -> None:
     for step in guard.steps(cfg.train.max_steps):  # trainguard
         x, y = train.batch(sampler.take(cfg.train.batch_size))
         opt.zero_grad(set_to_none=True)
-        loss = guard.run_step(lambda mb: ddp(*mb), (x, y))  # trainguard: forward+backward; on OOM, halve the micro-batch
+        loss = guard.run_step(
+            lambda mb: ddp(*mb), (x, y)
+        )  # trainguard: forward+backward; on OOM, halve the micro-batch
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if guard.should_step(loss, grad_norm):  # trainguard: NaN/spike check; skip or roll back
             opt.step()
@@ -203,7 +226,10 @@ def main() -> None:
         guard.step_end(loss=loss)  # trainguard
         if rank == 0 and (step + 1) % cfg.train.log_interval == 0:
             ms = (time.perf_counter() - t0) * 1000 / cfg.train.log_interval
-            print(f"step {step + 1}/{total} loss {loss.item():.4f} lr {sched.get_last_lr()[0]:.2e} {ms:.0f} ms/step", flush=True)
+            print(
+                f"step {step + 1}/{total} loss {loss.item():.4f} lr {sched.get_last_lr()[0]:.2e} {ms:.0f} ms/step",
+                flush=True,
+            )
             t0 = time.perf_counter()
     val_loss = validation_loss(model, val, cfg.train)
     if rank == 0:

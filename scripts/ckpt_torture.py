@@ -80,8 +80,11 @@ def build_model(in_dim: int, hidden: int, out_dim: int):
     import torch.nn as nn
 
     return nn.Sequential(
-        nn.Linear(in_dim, hidden), nn.ReLU(), nn.Dropout(0.1),  # dropout: the RNG state must resume too
-        nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(in_dim, hidden),
+        nn.ReLU(),
+        nn.Dropout(0.1),  # dropout: the RNG state must resume too
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
         nn.Linear(hidden, out_dim),
     )
 
@@ -105,6 +108,7 @@ def inject_bug(kind: str) -> None:
     from trainguard.checkpoint.store import Checkpoint, CheckpointStore
 
     if kind == "partial-dir":
+
         def begin(self, step):
             self.root.mkdir(parents=True, exist_ok=True)
             path = self.path_for(step)
@@ -133,8 +137,15 @@ def inject_bug(kind: str) -> None:
         raise ValueError(f"unknown bug {kind!r}; choose from {INJECTABLE}")
 
 
-def child_main(run_dir: str, max_steps: int, in_dim: int, hidden: int, out_dim: int, inject: Optional[str] = None,
-               sets: tuple[str, ...] = ()) -> int:
+def child_main(
+    run_dir: str,
+    max_steps: int,
+    in_dim: int,
+    hidden: int,
+    out_dim: int,
+    inject: Optional[str] = None,
+    sets: tuple[str, ...] = (),
+) -> int:
     """Train the MLP under a Guard in ``run_dir``; returns the exit code (SystemExit from the Guard passes)."""
     import torch
     import torch.nn.functional as F
@@ -147,8 +158,16 @@ def child_main(run_dir: str, max_steps: int, in_dim: int, hidden: int, out_dim: 
     from trainguard.exitcodes import exit_bad_input
 
     try:
-        cfg = trainguard.load_config(None, [f"run.dir={run_dir}", "checkpoint.interval=1", "instability.known_good_after=1",
-                                            f"checkpoint.keep_last={KEEP_LAST}", *sets])
+        cfg = trainguard.load_config(
+            None,
+            [
+                f"run.dir={run_dir}",
+                "checkpoint.interval=1",
+                "instability.known_good_after=1",
+                f"checkpoint.keep_last={KEEP_LAST}",
+                *sets,
+            ],
+        )
     except trainguard.ConfigError as e:
         exit_bad_input(str(e))
     trainguard.seed_everything(0)
@@ -159,8 +178,9 @@ def child_main(run_dir: str, max_steps: int, in_dim: int, hidden: int, out_dim: 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
     sampler = trainguard.ResumableSampler(N_SAMPLES, seed=0)
-    guard = trainguard.Guard(cfg, model=model, optimizer=opt, scheduler=sched,
-                             sampler=None if inject == "lost-data-position" else sampler)
+    guard = trainguard.Guard(
+        cfg, model=model, optimizer=opt, scheduler=sched, sampler=None if inject == "lost-data-position" else sampler
+    )
     for _ in guard.steps(max_steps):
         idx = sampler.take(BATCH)
         loss = F.mse_loss(model(xs[idx]), ys[idx])
@@ -264,7 +284,7 @@ def server_main() -> int:
 class Writer:
     """A running writer process: started either by exec or through a fork server."""
 
-    def __init__(self, pid: int, proc: Optional[subprocess.Popen] = None, server: Optional["ForkServer"] = None):
+    def __init__(self, pid: int, proc: Optional[subprocess.Popen] = None, server: Optional[ForkServer] = None):
         self.pid, self._proc, self._server = pid, proc, server
         self.returncode: Optional[int] = None
 
@@ -295,8 +315,9 @@ class Writer:
 
 class ForkServer:
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, str(THIS), "--server"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(THIS), "--server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
         self.ready = False  # servers start (import torch) in parallel; wait for one on first use
 
     def _ask(self, **request) -> list[str]:
@@ -332,8 +353,14 @@ class ForkServer:
 class Launcher:
     """Starts writers in one mode; one per job thread (a fork server is not shared)."""
 
-    def __init__(self, mode: str, max_steps: int, hidden: int = MODEL_DEFAULTS["hidden"], inject: Optional[str] = None,
-                 sets: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        mode: str,
+        max_steps: int,
+        hidden: int = MODEL_DEFAULTS["hidden"],
+        inject: Optional[str] = None,
+        sets: tuple[str, ...] = (),
+    ):
         self.mode, self.max_steps, self.hidden, self.inject, self.sets = mode, max_steps, hidden, inject, sets
         self.server = ForkServer() if mode == "fork" else None
 
@@ -347,8 +374,9 @@ class Launcher:
         if self.server is not None:
             return self.server.spawn(log, args)
         with open(log, "ab") as f:
-            proc = subprocess.Popen([sys.executable, str(THIS), *args], stdout=f, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [sys.executable, str(THIS), *args], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
         return Writer(proc.pid, proc=proc)
 
     def warm(self) -> None:
@@ -404,10 +432,10 @@ def read_all_events(run_dir: Path) -> list[dict]:
 @dataclass
 class Stats:
     kills: int = 0
-    during_save: int = 0     # a .tmp-step-* directory was left behind
-    during_delete: int = 0   # a .trash-* directory was left behind (killed inside retention)
-    early: int = 0           # killed during start-up/resume (before its first save of this incarnation)
-    no_ckpt_yet: int = 0     # killed before the trial directory had any checkpoint
+    during_save: int = 0  # a .tmp-step-* directory was left behind
+    during_delete: int = 0  # a .trash-* directory was left behind (killed inside retention)
+    early: int = 0  # killed during start-up/resume (before its first save of this incarnation)
+    no_ckpt_yet: int = 0  # killed before the trial directory had any checkpoint
     dirs: int = 0
     dirs_ok: int = 0
     finished_early: int = 0  # a writer reached max_steps before its kill (no kill counted)
@@ -466,8 +494,10 @@ def check_store(run_dir: Path) -> tuple[list[str], Optional[int], dict[str, bool
         if missing:
             problems.append(f"latest_valid() returned {best.path.name} with missing files {missing}")
     if newest_event is not None and (best is None or best.step < newest_event):
-        problems.append(f"checkpoint of step {newest_event} was committed (event), but latest_valid() is "
-                        f"{best.path.name if best else None}")
+        problems.append(
+            f"checkpoint of step {newest_event} was committed (event), but latest_valid() is "
+            f"{best.path.name if best else None}"
+        )
     resume = best.step if best else None
     local = newest_local(run_dir, problems)
     if local is not None and (resume is None or local > resume):
@@ -528,12 +558,18 @@ def reference_run(launcher: Launcher, workdir: Path, timeout: float) -> dict:
     commits = [e["time"] for e in evs if e["kind"] == "checkpoint_committed"]
     saves = [e["details"]["seconds"] for e in evs if e["kind"] == "checkpoint_committed"]
     period = statistics.median(b - a for a, b in zip(commits, commits[1:]))
-    return {"sha": ends[-1]["details"]["state_sha256"], "startup": commits[0] - t0, "period": period,
-            "save": statistics.median(saves), "steps": len(commits)}
+    return {
+        "sha": ends[-1]["details"]["state_sha256"],
+        "startup": commits[0] - t0,
+        "period": period,
+        "save": statistics.median(saves),
+        "steps": len(commits),
+    }
 
 
-def run_trial_dir(tid: int, args: argparse.Namespace, launcher: Launcher, ref: dict, stats: Stats,
-                  budget: "KillBudget") -> None:
+def run_trial_dir(
+    tid: int, args: argparse.Namespace, launcher: Launcher, ref: dict, stats: Stats, budget: KillBudget
+) -> None:
     rng = random.Random(f"{args.seed}-{tid}")
     run_dir = Path(args.workdir) / f"trial-{tid:05d}"
     name = run_dir.name
@@ -550,8 +586,9 @@ def run_trial_dir(tid: int, args: argparse.Namespace, launcher: Launcher, ref: d
                 time.sleep(rng.uniform(0, ref["startup"] * 1.2))
                 got, seen = [], tail.new()
             else:
-                got, seen = wait_events(tail, w, lambda evs: sum(e["kind"] == "checkpoint_committed" for e in evs) >= 2,
-                                        args.timeout)
+                got, seen = wait_events(
+                    tail, w, lambda evs: sum(e["kind"] == "checkpoint_committed" for e in evs) >= 2, args.timeout
+                )
                 if got is not None:
                     t1, t2 = [e["time"] for e in got if e["kind"] == "checkpoint_committed"][:2]
                     time.sleep(rng.uniform(0, max(t2 - t1, 0.005)))
@@ -575,18 +612,28 @@ def run_trial_dir(tid: int, args: argparse.Namespace, launcher: Launcher, ref: d
             ok = False
             break
         elif got is None and not early:
-            stats.fail(name, f"writer pid {w.pid} wrote no two checkpoints within {args.timeout} s:\n{log_tail(run_dir)}")
+            stats.fail(
+                name, f"writer pid {w.pid} wrote no two checkpoints within {args.timeout} s:\n{log_tail(run_dir)}"
+            )
             ok = False
             break
         kills_here += 1
         starts = [e for e in seen if e["kind"] == "start"]
         if starts and starts[0]["details"]["first_step"] != expected_first:
-            stats.fail(name, f"incarnation pid {w.pid} started at step {starts[0]['details']['first_step']}, "
-                             f"latest_valid() was step {expected_first}")
+            stats.fail(
+                name,
+                f"incarnation pid {w.pid} started at step {starts[0]['details']['first_step']}, "
+                f"latest_valid() was step {expected_first}",
+            )
             ok = False
         problems, best, left = check_store(run_dir)
-        stats.add(kills=1, during_save=int(left["tmp"]), during_delete=int(left["trash"]), early=int(early),
-                  no_ckpt_yet=int(best is None))
+        stats.add(
+            kills=1,
+            during_save=int(left["tmp"]),
+            during_delete=int(left["trash"]),
+            early=int(early),
+            no_ckpt_yet=int(best is None),
+        )
         for p in problems:
             stats.fail(name, f"after kill {kills_here} (pid {w.pid}): {p}")
             ok = False
@@ -596,8 +643,10 @@ def run_trial_dir(tid: int, args: argparse.Namespace, launcher: Launcher, ref: d
         n = budget.done()
         if n % args.progress == 0:
             with stats.lock:
-                print(f"[{n}/{args.trials}] kills, {stats.during_save} during a save, "
-                      f"{len(stats.failures)} failures", flush=True)
+                print(
+                    f"[{n}/{args.trials}] kills, {stats.during_save} during a save, {len(stats.failures)} failures",
+                    flush=True,
+                )
     if kills_here == 0 and ok:
         shutil.rmtree(run_dir, ignore_errors=True)
         Path(f"{run_dir}.log").unlink(missing_ok=True)
@@ -616,13 +665,19 @@ def run_trial_dir(tid: int, args: argparse.Namespace, launcher: Launcher, ref: d
             ok = False
         else:
             if starts and starts[0]["details"]["first_step"] != expected_first:
-                stats.fail(name, f"final resume started at step {starts[0]['details']['first_step']}, "
-                                 f"latest_valid() was step {expected_first}")
+                stats.fail(
+                    name,
+                    f"final resume started at step {starts[0]['details']['first_step']}, "
+                    f"latest_valid() was step {expected_first}",
+                )
                 ok = False
             sha = ends[-1]["details"]["state_sha256"]
             if sha != ref["sha"]:
-                stats.fail(name, f"final state_sha256 {sha[:16]}... differs from the reference {ref['sha'][:16]}... "
-                                 f"(resumed from step {expected_first})")
+                stats.fail(
+                    name,
+                    f"final state_sha256 {sha[:16]}... differs from the reference {ref['sha'][:16]}... "
+                    f"(resumed from step {expected_first})",
+                )
                 ok = False
             problems, best, left = check_store(run_dir)
             from trainguard.checkpoint.store import CheckpointStore
@@ -631,7 +686,9 @@ def run_trial_dir(tid: int, args: argparse.Namespace, launcher: Launcher, ref: d
             if not args.local and steps != list(range(args.max_steps - KEEP_LAST + 1, args.max_steps + 1)):
                 problems.append(f"after the final run the committed steps are {steps}, expected the last {KEEP_LAST}")
             if left["tmp"] or left["trash"]:
-                problems.append(f"after the final run leftovers remain: {sorted(p.name for p in (run_dir / 'checkpoints').iterdir())}")
+                problems.append(
+                    f"after the final run leftovers remain: {sorted(p.name for p in (run_dir / 'checkpoints').iterdir())}"
+                )
             for p in problems:
                 stats.fail(name, f"after the final run: {p}")
                 ok = False
@@ -674,24 +731,48 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=1000, help="number of SIGKILLs (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule (timings still vary)")
-    p.add_argument("--workdir", type=Path, default=None, help="where trial directories go (default: a new temp dir, removed on success)")
-    p.add_argument("--kills-per-dir", type=int, default=5, help="kill-resume-kill cycles per trial directory (default 5)")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="where trial directories go (default: a new temp dir, removed on success)",
+    )
+    p.add_argument(
+        "--kills-per-dir", type=int, default=5, help="kill-resume-kill cycles per trial directory (default 5)"
+    )
     p.add_argument("--max-steps", type=int, default=30, help="steps of a full run (default 30)")
-    p.add_argument("--hidden", type=int, default=MODEL_DEFAULTS["hidden"],
-                   help=f"hidden width of the MLP (default {MODEL_DEFAULTS['hidden']}: ~6 MB per checkpoint with AdamW state)")
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=MODEL_DEFAULTS["hidden"],
+        help=f"hidden width of the MLP (default {MODEL_DEFAULTS['hidden']}: ~6 MB per checkpoint with AdamW state)",
+    )
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="trial directories in parallel")
-    p.add_argument("--mode", choices=["exec", "fork"], default="fork",
-                   help="fork writers from a warm server (fork, default: ~0.3 s per kill) or start each as a new "
-                        "interpreter (exec: ~3 s per kill, for torch import)")
-    p.add_argument("--early-fraction", type=float, default=0.1, help="share of kills during start-up/resume (default 0.1)")
+    p.add_argument(
+        "--mode",
+        choices=["exec", "fork"],
+        default="fork",
+        help="fork writers from a warm server (fork, default: ~0.3 s per kill) or start each as a new "
+        "interpreter (exec: ~3 s per kill, for torch import)",
+    )
+    p.add_argument(
+        "--early-fraction", type=float, default=0.1, help="share of kills during start-up/resume (default 0.1)"
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a writer may take to reach its kill point")
     p.add_argument("--progress", type=int, default=50, help="print progress every N kills")
     p.add_argument("--keep", action="store_true", help="keep the trial directories that passed")
-    p.add_argument("--inject", choices=INJECTABLE, default=None,
-                   help="self-test: plant this bug in the killed writers (not the reference run); the torture must fail")
+    p.add_argument(
+        "--inject",
+        choices=INJECTABLE,
+        default=None,
+        help="self-test: plant this bug in the killed writers (not the reference run); the torture must fail",
+    )
     p.add_argument("--async-save", action="store_true", help="the writers save asynchronously (checkpoint.async_save)")
-    p.add_argument("--local", action="store_true",
-                   help="the writers also save to a local tier every step (persistent every 3 steps), replicated")
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="the writers also save to a local tier every step (persistent every 3 steps), replicated",
+    )
     args = p.parse_args(argv)
     if args.max_steps < 10:
         p.error("--max-steps must be at least 10")
@@ -700,8 +781,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.workdir = Path(tempfile.mkdtemp(prefix="ckpt-torture-")) if own_workdir else args.workdir
     args.workdir.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
-    print(f"ckpt_torture: {args.trials} kills, {args.kills_per_dir} per trial dir, {args.jobs} jobs, mode {args.mode}, "
-          f"seed {args.seed}, async_save {args.async_save}, local tier {args.local}, workdir {args.workdir}", flush=True)
+    print(
+        f"ckpt_torture: {args.trials} kills, {args.kills_per_dir} per trial dir, {args.jobs} jobs, mode {args.mode}, "
+        f"seed {args.seed}, async_save {args.async_save}, local tier {args.local}, workdir {args.workdir}",
+        flush=True,
+    )
 
     import trainguard  # noqa: F401  (the checks need it; import it before the clock matters)
 
@@ -716,8 +800,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise
     finally:
         launcher.close()
-    print(f"reference: state_sha256 {ref['sha'][:16]}..., start-up {ref['startup']:.2f} s, step+save period "
-          f"{ref['period'] * 1000:.0f} ms, save {ref['save'] * 1000:.0f} ms", flush=True)
+    print(
+        f"reference: state_sha256 {ref['sha'][:16]}..., start-up {ref['startup']:.2f} s, step+save period "
+        f"{ref['period'] * 1000:.0f} ms, save {ref['save'] * 1000:.0f} ms",
+        flush=True,
+    )
 
     stats = Stats()
     budget = KillBudget(args.trials)
@@ -746,10 +833,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     pct = 100.0 * stats.during_save / stats.kills if stats.kills else 0.0
     if stats.kills < args.trials and not stats.failures:
         stats.fail("summary", f"only {stats.kills} of {args.trials} kills were made")
-    print(f"SUMMARY trials={stats.kills} kills={stats.kills} during_save={stats.during_save} ({pct:.1f}%) "
-          f"during_retention={stats.during_delete} early={stats.early} no_checkpoint_yet={stats.no_ckpt_yet} "
-          f"trial_dirs={stats.dirs} dirs_ok={stats.dirs_ok} finished_before_kill={stats.finished_early} "
-          f"failures={len(stats.failures)} elapsed={elapsed:.1f}s", flush=True)
+    print(
+        f"SUMMARY trials={stats.kills} kills={stats.kills} during_save={stats.during_save} ({pct:.1f}%) "
+        f"during_retention={stats.during_delete} early={stats.early} no_checkpoint_yet={stats.no_ckpt_yet} "
+        f"trial_dirs={stats.dirs} dirs_ok={stats.dirs_ok} finished_before_kill={stats.finished_early} "
+        f"failures={len(stats.failures)} elapsed={elapsed:.1f}s",
+        flush=True,
+    )
     if stats.failures:
         print(f"failed trial directories are kept under {args.workdir}", flush=True)
         return 1

@@ -34,7 +34,9 @@ try:
     from pydantic import BaseModel, ByteSize
     from pydantic.fields import FieldInfo
 except ImportError:  # pragma: no cover
-    sys.exit("gen_docs.py: pydantic is not installed; run it with .venv/bin/python (bash scripts/setup.sh creates .venv)")
+    sys.exit(
+        "gen_docs.py: pydantic is not installed; run it with .venv/bin/python (bash scripts/setup.sh creates .venv)"
+    )
 
 NoneType = type(None)
 _UNIONS = {Union, types.UnionType}
@@ -51,7 +53,7 @@ def _validator_funcs(model: type[BaseModel], name: str, field: FieldInfo) -> lis
     validators inside ``Annotated[...]`` metadata (``BeforeValidator(parse_bytes)``, ...)."""
     funcs = []
     decorators = getattr(model, "__pydantic_decorators__", None)
-    for dec in (decorators.field_validators.values() if decorators else ()):
+    for dec in decorators.field_validators.values() if decorators else ():
         fields = dec.info.fields
         if name in fields or "*" in fields:
             funcs.append(getattr(dec.func, "__func__", dec.func))
@@ -293,8 +295,10 @@ class Page:
             if not description:
                 self.undocumented.append(f"{dotted}.{name}")
                 description = "*(no description)*"
-            rows.append(f"| `{name}` | {cell(key_type(model, name, field))} | {cell(key_default(model, name, field))} "
-                        f"| {cell(description)} |")
+            rows.append(
+                f"| `{name}` | {cell(key_type(model, name, field))} | {cell(key_default(model, name, field))} "
+                f"| {cell(description)} |"
+            )
         if rows:
             self.lines += ["| key | type | default | description |", "| --- | --- | --- | --- |", *rows, ""]
         for name, field, how, sub_model in nested:
@@ -391,7 +395,9 @@ def render() -> tuple[str, list[str]]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="Generate docs/config.md from the config schema.")
-    parser.add_argument("--check", action="store_true", help="do not write; exit 1 if docs/config.md is missing or stale")
+    parser.add_argument(
+        "--check", action="store_true", help="do not write; exit 1 if docs/config.md is missing or stale"
+    )
     parser.add_argument("--output", type=Path, default=TARGET, help="where to write (default docs/config.md)")
     args = parser.parse_args(argv)
     text, undocumented = render()
@@ -405,8 +411,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             current = None
         if current != text:
             state = "missing" if current is None else "stale"
-            print(f"gen_docs.py: {shown} is {state} (the config schema changed); "
-                  f"regenerate it with: .venv/bin/python scripts/gen_docs.py", file=sys.stderr)
+            print(
+                f"gen_docs.py: {shown} is {state} (the config schema changed); "
+                f"regenerate it with: .venv/bin/python scripts/gen_docs.py",
+                file=sys.stderr,
+            )
             return 1
         print(f"gen_docs.py: {shown} is up to date")
         return 0

@@ -15,9 +15,17 @@ from trainguard.events import read_events
 REPO = Path(__file__).resolve().parents[1]
 GPT = REPO / "examples" / "gpt.py"
 # a model small enough for ~20 ms steps on 2 CPU ranks
-TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.seq_len=32",
-        "train.batch_size=4", "data.max_bytes=200000", "train.log_interval=1", "train.eval_batches=2",
-        "train.warmup_steps=5"]
+TINY = [
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.seq_len=32",
+    "train.batch_size=4",
+    "data.max_bytes=200000",
+    "train.log_interval=1",
+    "train.eval_batches=2",
+    "train.warmup_steps=5",
+]
 
 
 def sets(*items: str) -> list[str]:
@@ -25,13 +33,25 @@ def sets(*items: str) -> list[str]:
     return [x for item in items for x in ("--set", item)]
 
 
-def launch(run_dir: Path, *overrides: str, nproc: int = 2, script: Path = GPT, extra: tuple[str, ...] = (),
-           tiny: bool = True) -> subprocess.Popen:
+def launch(
+    run_dir: Path, *overrides: str, nproc: int = 2, script: Path = GPT, extra: tuple[str, ...] = (), tiny: bool = True
+) -> subprocess.Popen:
     """Start ``trainguard run`` on the tiny GPT (``tiny=False``: without the GPT's TINY overrides,
     for other scripts); stdout+stderr go to ``run_dir.log``."""
     log = open(f"{run_dir}.log", "ab")
-    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", str(nproc), "--run-dir", str(run_dir),
-           *extra, str(script), *sets(*(TINY if tiny else ()), *overrides)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainguard.cli",
+        "run",
+        "--nproc-per-node",
+        str(nproc),
+        "--run-dir",
+        str(run_dir),
+        *extra,
+        str(script),
+        *sets(*(TINY if tiny else ()), *overrides),
+    ]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 

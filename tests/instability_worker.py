@@ -19,9 +19,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from pydantic import Field
 from torch.nn.parallel import DistributedDataParallel as DDP
+from worker_start import start_worker
 
 import trainguard
-from worker_start import start_worker
 
 
 class WorkerSection(trainguard.Section):
@@ -45,7 +45,10 @@ class Recorder(trainguard.Hook):
 
     def on_rollback(self, guard, from_step, to_step):
         with open(self.path, "a") as f:
-            f.write(json.dumps({"rank": guard.rank, "from_step": from_step, "to_step": to_step, "step_now": guard.step}) + "\n")
+            f.write(
+                json.dumps({"rank": guard.rank, "from_step": from_step, "to_step": to_step, "step_now": guard.step})
+                + "\n"
+            )
 
 
 def main() -> None:
@@ -78,9 +81,18 @@ def main() -> None:
         if applied:
             opt.step()
             sched.step()
-        rec = {"step": step + 1, "attempt": guard.events.attempt, "indices": idx, "applied": applied,
-               "loss": loss.item(), "before": before, "after": trainguard.state_hash(net, opt),
-               "lr_seen": seen.get("lr"), "sched_lr": sched_lr, "guard_step": guard.step}
+        rec = {
+            "step": step + 1,
+            "attempt": guard.events.attempt,
+            "indices": idx,
+            "applied": applied,
+            "loss": loss.item(),
+            "before": before,
+            "after": trainguard.state_hash(net, opt),
+            "lr_seen": seen.get("lr"),
+            "sched_lr": sched_lr,
+            "guard_step": guard.step,
+        }
         out.write(json.dumps(rec) + "\n")
         out.flush()
         guard.step_end(loss=loss.detach())

@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from pydantic import Field
 from torch.nn.parallel import DistributedDataParallel as DDP
+from worker_start import start_worker
 
 import trainguard
-from worker_start import start_worker
 
 
 class WorkerSection(trainguard.Section):
@@ -53,7 +53,7 @@ def main() -> None:
     w = cfg.worker
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(w.samples, 8, generator=gen)
-    y = (x ** 2).sum(1, keepdim=True) + 0.1 * torch.randn(w.samples, 1, generator=gen)
+    y = (x**2).sum(1, keepdim=True) + 0.1 * torch.randn(w.samples, 1, generator=gen)
     model = torch.nn.Sequential(torch.nn.Linear(8, w.hidden), torch.nn.Tanh(), torch.nn.Linear(w.hidden, 1))
     net = DDP(model) if world > 1 else model
     opt = torch.optim.Adam(model.parameters(), lr=w.lr)

@@ -28,9 +28,20 @@ from trainguard.exitcodes import ExitCode
 TORTURE = REPO / "scripts" / "ckpt_torture.py"
 
 
-def writer(run_dir: Path, max_steps: int, *overrides: str, hidden: int = 64, timeout: float = 120) -> subprocess.CompletedProcess:
+def writer(
+    run_dir: Path, max_steps: int, *overrides: str, hidden: int = 64, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """Run the torture script's writer (MLP + Guard, checkpoint every step unless overridden)."""
-    cmd = [sys.executable, str(TORTURE), "--child", str(run_dir), "--max-steps", str(max_steps), "--hidden", str(hidden)]
+    cmd = [
+        sys.executable,
+        str(TORTURE),
+        "--child",
+        str(run_dir),
+        "--max-steps",
+        str(max_steps),
+        "--hidden",
+        str(hidden),
+    ]
     for item in overrides:
         cmd += ["--set", item]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
@@ -59,8 +70,14 @@ def test_async_local_tier_kill_resume_matches_sync_run(tmp_path, clean_hash):
 
     run = tmp_path / "faulty"
     local = tmp_path / "node-local"
-    p = launch(run, *common, "checkpoint.async_save=true", f"checkpoint.local.dir={local}", "checkpoint.local.interval=3",
-               extra=("--inject", "rank_killed:rank=1,step=17"))
+    p = launch(
+        run,
+        *common,
+        "checkpoint.async_save=true",
+        f"checkpoint.local.dir={local}",
+        "checkpoint.local.interval=3",
+        extra=("--inject", "rank_killed:rank=1,step=17"),
+    )
     assert p.wait(timeout=180) == 0, Path(f"{run}.log").read_text()[-3000:]
 
     resumes = events(run, "resume")
@@ -85,9 +102,32 @@ def test_async_local_tier_kill_resume_matches_sync_run(tmp_path, clean_hash):
 
 @pytest.mark.timeout(240)
 def test_torture_async_local(tmp_path):
-    r = subprocess.run([sys.executable, str(TORTURE), "--trials", "20", "--kills-per-dir", "5", "--max-steps", "20",
-                        "--jobs", "2", "--seed", "3", "--async-save", "--local", "--workdir", str(tmp_path / "w"),
-                        "--progress", "100"], capture_output=True, text=True, timeout=220, cwd=REPO)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(TORTURE),
+            "--trials",
+            "20",
+            "--kills-per-dir",
+            "5",
+            "--max-steps",
+            "20",
+            "--jobs",
+            "2",
+            "--seed",
+            "3",
+            "--async-save",
+            "--local",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--progress",
+            "100",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        cwd=REPO,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("SUMMARY"))
@@ -127,7 +167,9 @@ def test_local_tier_deleted_or_corrupt_falls_back(tmp_path):
         path.write_bytes(bytes(data))
 
     # own copy of step 14 corrupted: the replica of step 14 is used
-    evs = scenario("corrupt", lambda run: flip_byte(run_local(run / "local", run) / "rank-00000" / "step-00000014" / "state.pt"))
+    evs = scenario(
+        "corrupt", lambda run: flip_byte(run_local(run / "local", run) / "rank-00000" / "step-00000014" / "state.pt")
+    )
     invalid = [e for e in evs if e["kind"] == "checkpoint_invalid"]
     assert invalid and invalid[0]["details"]["tier"] == "local" and "checksum" in invalid[0]["details"]["reason"]
     resume = [e for e in evs if e["kind"] == "resume"][-1]["details"]
@@ -143,6 +185,7 @@ def test_local_tier_deleted_or_corrupt_falls_back(tmp_path):
     def both(run: Path) -> None:
         shutil.rmtree(run / "local")
         shutil.rmtree(run / "checkpoints" / "local-replicas")
+
     evs = scenario("both", both)
     resume = [e for e in evs if e["kind"] == "resume"][-1]["details"]
     assert (resume["tier"], resume["from_step"]) == ("persistent", 10)
@@ -169,14 +212,24 @@ def small_fs(tmp_path):
 def test_enospc_keeps_older_checkpoints(tmp_path, small_fs, max_failures):
     run = tmp_path / "run"
     store = small_fs / "ckpt"
-    r = writer(run, 30 if max_failures else 12, "checkpoint.interval=3", "checkpoint.async_save=true", f"checkpoint.dir={store}",
-               f"checkpoint.max_failures={max_failures}", "checkpoint.keep_last=2",
-               "health.preflight=false", hidden=256)  # preflight would refuse the small disk up front
+    r = writer(
+        run,
+        30 if max_failures else 12,
+        "checkpoint.interval=3",
+        "checkpoint.async_save=true",
+        f"checkpoint.dir={store}",
+        f"checkpoint.max_failures={max_failures}",
+        "checkpoint.keep_last=2",
+        "health.preflight=false",
+        hidden=256,
+    )  # preflight would refuse the small disk up front
     failed = events(run, "checkpoint_failed")
     committed = steps_in(store)
     assert committed == [3, 6], (committed, r.stderr[-2000:])
     assert all(mf.verify(store / f"step-{s:08d}") is None for s in committed)
-    assert not [p.name for p in store.iterdir() if p.name.startswith(".tmp-")], "a failed save leaves no partial directory"
+    assert not [p.name for p in store.iterdir() if p.name.startswith(".tmp-")], (
+        "a failed save leaves no partial directory"
+    )
     # torch reports ENOSPC inside its zip writer as "unexpected pos"; the event says how full the disk is
     assert failed and all(" bytes free in " in e["details"]["error"] for e in failed), failed
     if max_failures:
@@ -198,7 +251,9 @@ def test_bad_input_local_tier(tmp_path):
     assert r.returncode == ExitCode.BAD_INPUT
     assert "checkpoint.local.dir /proc/trainguard-local is not writable" in r.stderr
 
-    r = writer(tmp_path / "b", 10, "checkpoint.local.dir=/dev/shm/x", "checkpoint.local.interval=50", "checkpoint.interval=10")
+    r = writer(
+        tmp_path / "b", 10, "checkpoint.local.dir=/dev/shm/x", "checkpoint.local.interval=50", "checkpoint.interval=10"
+    )
     assert r.returncode == ExitCode.BAD_INPUT
     assert "checkpoint.local.interval (50) is larger than checkpoint.interval (10)" in r.stderr
 
@@ -212,7 +267,12 @@ def test_runs_sharing_a_local_dir_keep_apart(tmp_path):
     """Run B uses the node-local directory run A used: it starts fresh (never A's copies) and A's
     copies stay."""
     local = tmp_path / "shm"
-    tiers = ["checkpoint.interval=5", "checkpoint.local.interval=1", "checkpoint.save_final=false", f"checkpoint.local.dir={local}"]
+    tiers = [
+        "checkpoint.interval=5",
+        "checkpoint.local.interval=1",
+        "checkpoint.save_final=false",
+        f"checkpoint.local.dir={local}",
+    ]
     assert writer(tmp_path / "a", 14, *tiers).returncode == 0
     r = writer(tmp_path / "b", 6, *tiers)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -230,8 +290,12 @@ def test_two_nodes_lost_local_disk_resumes_from_peer_replica(tmp_path, clean_has
     from test_multinode import check_finished, finish_both, two_nodes
 
     run = tmp_path / "run"
-    tiers = ["train.max_steps=40", f"checkpoint.local.dir={tmp_path}/local-{{node}}", "checkpoint.local.interval=3",
-             "checkpoint.interval=10"]  # synchronous saves: step 21 is surely committed when rank 1 dies
+    tiers = [
+        "train.max_steps=40",
+        f"checkpoint.local.dir={tmp_path}/local-{{node}}",
+        "checkpoint.local.interval=3",
+        "checkpoint.interval=10",
+    ]  # synchronous saves: step 21 is surely committed when rank 1 dies
     # rank 1 dies at step 23 and the launch gives up (no restarts): local copies at 18 and 21, persistent at 20
     with two_nodes(run, *tiers, extra=("--inject", "rank_killed:rank=1,step=23", "--max-restarts", "0")) as agents:
         codes = finish_both(run, agents)

@@ -35,7 +35,10 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "state_hash_cost.py": ([], ["ddp world=2", "fsdp world=2", "same digest on all ranks: True"]),
     "hang_detection.py": ([], ["hang detection of `trainguard run`", "hang steps"]),
     # ft_launcher has a test of its own below (skipped where it is not installed)
-    "recovery_compare.py": (["--launchers", "trainguard,torchrun-fix"], ["fault on rank 1 at step", "phases of the recovery"]),
+    "recovery_compare.py": (
+        ["--launchers", "trainguard,torchrun-fix"],
+        ["fault on rank 1 at step", "phases of the recovery"],
+    ),
 }
 NVRX = Path("/tmp/nvrx")  # recovery_compare.py's default --nvrx
 
@@ -47,8 +50,15 @@ def _scripts() -> list[str]:
 def _run(script: str, *args: str) -> str:
     """Run ``benchmarks/SCRIPT --smoke ARGS`` from the repository root; its output (stdout + stderr)."""
     try:  # the cap only ends a stuck run (each smoke run takes seconds to a minute, on a loaded machine a few)
-        proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", *args], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=840, check=False)
+        proc = subprocess.run(
+            [sys.executable, str(BENCH / script), "--smoke", *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=840,
+            check=False,
+        )
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         pytest.fail(f"{script} --smoke still running after {e.timeout:.0f} s:\n" + "\n".join(out.splitlines()[-60:]))
@@ -78,9 +88,15 @@ def test_recovery_compare_ft_launcher_smoke():
     exe = NVRX / "bin" / "ft_launcher"
     if not exe.exists():
         pytest.skip(f"NVIDIA ft_launcher is not installed ({exe} not found; recovery_compare.py --help says how)")
-    probe = subprocess.run([str(NVRX / "bin" / "python"), "-c", "import nvidia_resiliency_ext.fault_tolerance"],
-                           capture_output=True, text=True, check=False)
+    probe = subprocess.run(
+        [str(NVRX / "bin" / "python"), "-c", "import nvidia_resiliency_ext.fault_tolerance"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if probe.returncode != 0:
-        pytest.skip(f"{NVRX} has no importable nvidia_resiliency_ext: {(probe.stderr.strip().splitlines() or ['?'])[-1]}")
+        pytest.skip(
+            f"{NVRX} has no importable nvidia_resiliency_ext: {(probe.stderr.strip().splitlines() or ['?'])[-1]}"
+        )
     out = _run("recovery_compare.py", "--launchers", "ft", "--faults", "kill", "--nvrx", str(NVRX))
     assert "fault on rank 1 at step" in out and "ft_launcher not run" not in out, out[-3000:]

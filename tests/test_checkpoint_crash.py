@@ -54,7 +54,15 @@ def train(run_dir: Path, max_steps: int, keep_last: int = 3, hooks: tuple = ()) 
     """Train the tiny MLP in this process under a Guard (a checkpoint every step); resumes if it can."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    cfg = trainguard.load_config(None, [f"run.dir={run_dir}", "checkpoint.interval=1", "instability.known_good_after=1", f"checkpoint.keep_last={keep_last}"])
+    cfg = trainguard.load_config(
+        None,
+        [
+            f"run.dir={run_dir}",
+            "checkpoint.interval=1",
+            "instability.known_good_after=1",
+            f"checkpoint.keep_last={keep_last}",
+        ],
+    )
     trainguard.seed_everything(0)
     g = torch.Generator().manual_seed(1234)
     xs, ys = torch.randn(64, DIMS["in_dim"], generator=g), torch.randn(64, DIMS["out_dim"], generator=g)
@@ -114,7 +122,9 @@ def delete_manifest(ckpt: Path) -> None:
 
 
 def run_script(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
 
 
 def parse_summary(output: str) -> dict[str, int]:
@@ -154,8 +164,23 @@ def ckpt_set(tmp_path) -> Path:
 @pytest.mark.timeout(240)
 def test_torture_kills_during_saves(tmp_path):
     """50 SIGKILLs (5 per trial dir, 2 dirs at a time): the store stays valid, resumes end bit-identical."""
-    r = run_script("--trials", "50", "--kills-per-dir", "5", "--max-steps", "20", "--jobs", "2", "--seed", "7",
-                   "--workdir", str(tmp_path / "w"), "--progress", "25", timeout=220)
+    r = run_script(
+        "--trials",
+        "50",
+        "--kills-per-dir",
+        "5",
+        "--max-steps",
+        "20",
+        "--jobs",
+        "2",
+        "--seed",
+        "7",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--progress",
+        "25",
+        timeout=220,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
     s = parse_summary(r.stdout)
@@ -181,8 +206,13 @@ def test_torture_exec_mode_and_planted_bugs(tmp_path):
         "lost-data-position": ["--inject", "lost-data-position", "--trials", "2", "--kills-per-dir", "2"],
     }
     procs = {
-        name: subprocess.Popen([sys.executable, str(SCRIPT), *args, *common, "--workdir", str(tmp_path / name)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+        name: subprocess.Popen(
+            [sys.executable, str(SCRIPT), *args, *common, "--workdir", str(tmp_path / name)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+        )
         for name, args in runs.items()
     }
     outs = {}
@@ -201,9 +231,9 @@ def test_torture_exec_mode_and_planted_bugs(tmp_path):
     assert s["kills"] == 2 and s["failures"] == 0 and s["dirs_ok"] == 1, out[-2000:]
 
     expected = {
-        "partial-dir": "is committed but does not verify",                      # invariant 1
-        "early-retention": "was committed (event), but latest_valid()",          # invariant 2
-        "lost-data-position": "differs from the reference",                     # bit-identical resume
+        "partial-dir": "is committed but does not verify",  # invariant 1
+        "early-retention": "was committed (event), but latest_valid()",  # invariant 2
+        "lost-data-position": "differs from the reference",  # bit-identical resume
     }
     for name, needle in expected.items():
         out, code = outs[name]
@@ -326,10 +356,13 @@ def test_stale_tmp_is_invisible_and_cleaned_at_next_start(tmp_path, clean_sha):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("change,first_key", [
-    ({"in_dim": 24}, "0.weight"),   # 0.bias keeps its shape, 0.weight is the first that differs
-    ({"hidden": 40}, "0.bias"),     # keys are compared in sorted order: 0.bias < 0.weight
-])
+@pytest.mark.parametrize(
+    "change,first_key",
+    [
+        ({"in_dim": 24}, "0.weight"),  # 0.bias keeps its shape, 0.weight is the first that differs
+        ({"hidden": 40}, "0.bias"),  # keys are compared in sorted order: 0.bias < 0.weight
+    ],
+)
 def test_other_model_is_refused_without_touching_the_store(tmp_path, change, first_key):
     run = tmp_path / "run"
     train(run, 3, keep_last=3)
@@ -339,8 +372,19 @@ def test_other_model_is_refused_without_touching_the_store(tmp_path, change, fir
     assert len(manifests) == 3
 
     dims = {**DIMS, **change}
-    r = run_script("--child", str(run), "--max-steps", "6", "--in-dim", str(dims["in_dim"]),
-                   "--hidden", str(dims["hidden"]), "--out-dim", str(dims["out_dim"]), timeout=80)
+    r = run_script(
+        "--child",
+        str(run),
+        "--max-steps",
+        "6",
+        "--in-dim",
+        str(dims["in_dim"]),
+        "--hidden",
+        str(dims["hidden"]),
+        "--out-dim",
+        str(dims["out_dim"]),
+        timeout=80,
+    )
     assert r.returncode == 2, f"exit code {r.returncode}\n{r.stderr[-3000:]}"
     errors = [line for line in r.stderr.splitlines() if line.startswith("trainguard: error:")]
     assert len(errors) == 1, r.stderr[-3000:]

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import faulthandler
 import os
-from collections import Counter
-from typing import Optional
 import signal
 import threading
+from collections import Counter
+from typing import Optional
 
 import pytest
 import torch
@@ -58,17 +58,28 @@ def _target(fd: str) -> str:
 
 
 def config(run_dir, **extra):
-    return trainguard.Config.model_validate({
-        "run": {"dir": str(run_dir)},
-        "checkpoint": {"interval": 2, "keep_last": 2, "async_save": True,
-                       "local": {"dir": str(run_dir / "local"), "interval": 1}},
-        "instability": {"known_good_after": 1},  # old checkpoints lose their protection at once
-        **extra,
-    })
+    return trainguard.Config.model_validate(
+        {
+            "run": {"dir": str(run_dir)},
+            "checkpoint": {
+                "interval": 2,
+                "keep_last": 2,
+                "async_save": True,
+                "local": {"dir": str(run_dir / "local"), "interval": 1},
+            },
+            "instability": {"known_good_after": 1},  # old checkpoints lose their protection at once
+            **extra,
+        }
+    )
 
 
-def train(guard: trainguard.Guard, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int,
-          seen: Optional[set[str]] = None) -> None:
+def train(
+    guard: trainguard.Guard,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    seen: Optional[set[str]] = None,
+) -> None:
     for _ in guard.steps(steps):
         if seen is not None:
             seen.update(t.name for t in threading.enumerate())
@@ -83,7 +94,9 @@ def test_build_run_close_build_again_leaves_nothing_behind(tmp_path, group, monk
     monkeypatch.setenv("TRAINGUARD_HEARTBEAT_DIR", str(tmp_path / "hb"))  # attach the heartbeat as under trainguard run
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    train(trainguard.Guard(config(tmp_path / "warm"), model=model, optimizer=opt), model, opt, 1)  # torch's own lazy threads/files
+    train(
+        trainguard.Guard(config(tmp_path / "warm"), model=model, optimizer=opt), model, opt, 1
+    )  # torch's own lazy threads/files
     before = census(opt)
 
     for attempt in range(2):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 from trainguard.config import Config, ConfigError, dump_config, load_config, parse_duration, split_cli_args
 
@@ -38,13 +38,16 @@ def test_unknown_section_and_override_source(tmp_path):
         load_config(None, ["chekpoint.interval=5"])
 
 
-@pytest.mark.parametrize("text,key", [
-    ("[checkpoint]\ninterval = 'often'\n", "checkpoint.interval"),
-    ("[checkpoint]\ninterval = -5\n", "checkpoint.interval"),
-    ("[checkpoint]\nkeep_last = 0\n", "checkpoint.keep_last"),
-    ("[stop]\nmax_duration = 'soon'\n", "stop.max_duration"),
-    ("[preemption]\nsignals = ['SIGFOO']\n", "preemption.signals"),
-])
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ("[checkpoint]\ninterval = 'often'\n", "checkpoint.interval"),
+        ("[checkpoint]\ninterval = -5\n", "checkpoint.interval"),
+        ("[checkpoint]\nkeep_last = 0\n", "checkpoint.keep_last"),
+        ("[stop]\nmax_duration = 'soon'\n", "stop.max_duration"),
+        ("[preemption]\nsignals = ['SIGFOO']\n", "preemption.signals"),
+    ],
+)
 def test_bad_values_name_key_and_file(tmp_path, text, key):
     p = write(tmp_path, text)
     with pytest.raises(ConfigError) as e:
@@ -65,8 +68,9 @@ def test_missing_file_and_bad_set():
         load_config(None, ["interval"])
 
 
-@pytest.mark.parametrize("value,seconds", [(90, 90.0), ("90s", 90.0), ("2h", 7200.0), ("1d1m", 86460.0),
-                                           ("01:30:00", 5400.0), (None, None)])
+@pytest.mark.parametrize(
+    "value,seconds", [(90, 90.0), ("90s", 90.0), ("2h", 7200.0), ("1d1m", 86460.0), ("01:30:00", 5400.0), (None, None)]
+)
 def test_parse_duration(value, seconds):
     assert parse_duration(value) == seconds
 
@@ -88,8 +92,22 @@ def test_cli_bad_config_exit_code_2(tmp_path):
     p = write(tmp_path, "[checkpoint]\ninterval = -1\n")
     script = tmp_path / "train.py"
     script.write_text("print('should not run')\n")
-    r = subprocess.run([sys.executable, "-m", "trainguard.cli", "run", "--run-dir", str(tmp_path / "run"),
-                        "--config", str(p), str(script)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainguard.cli",
+            "run",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--config",
+            str(p),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2
     assert "checkpoint.interval" in r.stderr and "should not run" not in r.stdout
 
@@ -97,7 +115,9 @@ def test_cli_bad_config_exit_code_2(tmp_path):
 def test_script_arguments_other_than_config_and_set_are_refused():
     from trainguard.config import config_from_argv
 
-    with pytest.raises(ConfigError, match=r"unexpected arguments \['--inject', 'nan_loss:rank=1,step=5'\].*before the script name"):
+    with pytest.raises(
+        ConfigError, match=r"unexpected arguments \['--inject', 'nan_loss:rank=1,step=5'\].*before the script name"
+    ):
         config_from_argv(Config, ["--set", "run.seed=1", "--inject", "nan_loss:rank=1,step=5"])
 
 
@@ -105,8 +125,17 @@ def test_script_arguments_other_than_config_and_set_are_refused():
 # byte sizes (pydantic ByteSize), enum-like keys (Literal), key=value parsing, atomic writes
 
 
-@pytest.mark.parametrize("value,size", [(2048, 2048), ("'20GiB'", 20 * 2**30), ("'2GB'", 2 * 10**9),
-                                        ("'1.5 gib'", int(1.5 * 2**30)), ("'512MiB'", 512 * 2**20), ("2e10", 2 * 10**10)])
+@pytest.mark.parametrize(
+    "value,size",
+    [
+        (2048, 2048),
+        ("'20GiB'", 20 * 2**30),
+        ("'2GB'", 2 * 10**9),
+        ("'1.5 gib'", int(1.5 * 2**30)),
+        ("'512MiB'", 512 * 2**20),
+        ("2e10", 2 * 10**10),
+    ],
+)
 def test_byte_sizes(tmp_path, value, size):
     p = write(tmp_path, f"[memory]\nrss_limit = {value}\ngpu_free_min = {value}\n")
     cfg = load_config(p)
@@ -116,14 +145,17 @@ def test_byte_sizes(tmp_path, value, size):
     assert tomllib.loads(again.read_text())["memory"]["rss_limit"] == size  # written as a plain integer
 
 
-@pytest.mark.parametrize("value,expected", [
-    ("'lots'", "expected a size such as 1073741824, '512MiB' or '2GB'"),
-    ("'3 gigs'", "expected a size such as"),
-    ("-5", "expected a size such as"),
-    ("1.5", "expected a size such as"),          # a fraction of a byte
-    ("true", "expected a size in bytes, not a boolean"),
-    ("0", "greater than 0"),
-])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ("'lots'", "expected a size such as 1073741824, '512MiB' or '2GB'"),
+        ("'3 gigs'", "expected a size such as"),
+        ("-5", "expected a size such as"),
+        ("1.5", "expected a size such as"),  # a fraction of a byte
+        ("true", "expected a size in bytes, not a boolean"),
+        ("0", "greater than 0"),
+    ],
+)
 def test_bad_byte_sizes_name_file_key_and_expectation(tmp_path, value, expected):
     p = write(tmp_path, f"[memory]\ngpu_free_min = {value}\n")
     with pytest.raises(ConfigError) as e:
@@ -141,18 +173,30 @@ def test_empty_byte_size_unsets_it(tmp_path):
 def test_parse_bytes_outside_a_section():
     from trainguard.config import parse_bytes
 
-    assert (parse_bytes("1.5GiB"), parse_bytes(7), parse_bytes(None), parse_bytes("")) == (int(1.5 * 2**30), 7, None, None)
+    assert (parse_bytes("1.5GiB"), parse_bytes(7), parse_bytes(None), parse_bytes("")) == (
+        int(1.5 * 2**30),
+        7,
+        None,
+        None,
+    )
     with pytest.raises(ValueError, match="expected a size such as"):
         parse_bytes("lots")
 
 
-@pytest.mark.parametrize("text,key,allowed", [
-    ("[checkpoint]\nverify = 'fast'\n", "checkpoint.verify", "'full' or 'size'"),
-    ("[[faults.inject]]\nkind = 'rank_hang'\nrank = 0\n", "faults.inject.0.kind", "'rank_killed', 'rank_hung'"),
-    ("[[faults.inject]]\nkind = 'rank_hung'\nhang = 'forever'\n", "faults.inject.0.hang", "'sigstop' or 'collective'"),
-    ("[[faults.inject]]\nkind = 'oom'\nphase = 'optimizer'\n", "faults.inject.0.phase", "'forward' or 'backward'"),
-    ("[instability]\nloss_spike = 'ignore'\n", "instability.loss_spike", "'warn', 'skip', 'rollback' or 'raise'"),
-])
+@pytest.mark.parametrize(
+    "text,key,allowed",
+    [
+        ("[checkpoint]\nverify = 'fast'\n", "checkpoint.verify", "'full' or 'size'"),
+        ("[[faults.inject]]\nkind = 'rank_hang'\nrank = 0\n", "faults.inject.0.kind", "'rank_killed', 'rank_hung'"),
+        (
+            "[[faults.inject]]\nkind = 'rank_hung'\nhang = 'forever'\n",
+            "faults.inject.0.hang",
+            "'sigstop' or 'collective'",
+        ),
+        ("[[faults.inject]]\nkind = 'oom'\nphase = 'optimizer'\n", "faults.inject.0.phase", "'forward' or 'backward'"),
+        ("[instability]\nloss_spike = 'ignore'\n", "instability.loss_spike", "'warn', 'skip', 'rollback' or 'raise'"),
+    ],
+)
 def test_enum_keys_name_the_allowed_values(tmp_path, text, key, allowed):
     p = write(tmp_path, text)
     with pytest.raises(ConfigError) as e:
@@ -164,15 +208,24 @@ def test_enum_keys_name_the_allowed_values(tmp_path, text, key, allowed):
 def test_key_value_parsing():
     from trainguard.config import parse_key_values, parse_override, parse_value, split_key_value
 
-    assert parse_key_values(" rank = 1 ,step=30,, hang=collective ", "--inject x") == {"rank": "1", "step": "30", "hang": "collective"}
+    assert parse_key_values(" rank = 1 ,step=30,, hang=collective ", "--inject x") == {
+        "rank": "1",
+        "step": "30",
+        "hang": "collective",
+    }
     assert parse_key_values("", "--rdzv-conf ''") == {}
     assert split_key_value("url=http://h/?a=b", "x") == ("url", "http://h/?a=b")  # split at the first '='
     with pytest.raises(ConfigError, match=r"^--rdzv-conf 'a=1,b': expected key=value,\.\.\.$"):
         parse_key_values("a=1,b", "--rdzv-conf 'a=1,b'")
     with pytest.raises(KeyError, match="watch setting '=5': expected key=value"):
         split_key_value("=5", "watch setting '=5'", error=KeyError)
-    assert (parse_value("20"), parse_value("true"), parse_value("[1, 2]"), parse_value("/data/x"), parse_value("20GiB")) == \
-        (20, True, [1, 2], "/data/x", "20GiB")
+    assert (
+        parse_value("20"),
+        parse_value("true"),
+        parse_value("[1, 2]"),
+        parse_value("/data/x"),
+        parse_value("20GiB"),
+    ) == (20, True, [1, 2], "/data/x", "20GiB")
     assert parse_override("checkpoint.interval=50") == (["checkpoint", "interval"], 50)
     with pytest.raises(ConfigError, match="expected section.key=value"):
         parse_override("interval=50")

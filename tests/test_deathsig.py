@@ -11,20 +11,23 @@ import sys
 
 import psutil
 import pytest
-from conftest import wait_for
 
+from conftest import wait_for
 from trainguard.launcher import deathsig
 
 pytestmark = pytest.mark.skipif(not deathsig.supported(), reason="prctl(PR_SET_PDEATHSIG) is Linux-only")
 
 # prints its pid, its parent-death signal (prctl PR_GET_PDEATHSIG = 2) and its arguments
-REPORT = ("import ctypes, os, sys; v = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); "
-          "print(os.getpid(), v.value, sys.argv[1:])")
+REPORT = (
+    "import ctypes, os, sys; v = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); "
+    "print(os.getpid(), v.value, sys.argv[1:])"
+)
 
 
 def test_program_runs_in_place_with_the_parent_death_signal_set():
-    proc = subprocess.Popen(deathsig.wrap(os.getpid(), [sys.executable, "-c", REPORT, "a b", "--c"]),
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        deathsig.wrap(os.getpid(), [sys.executable, "-c", REPORT, "a b", "--c"]), stdout=subprocess.PIPE, text=True
+    )
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0
     assert out.strip().split(maxsplit=2) == [str(proc.pid), str(int(signal.SIGKILL)), "['a b', '--c']"]
@@ -33,17 +36,22 @@ def test_program_runs_in_place_with_the_parent_death_signal_set():
 def test_child_dies_with_its_sigkilled_parent(tmp_path):
     # a stand-in launcher: starts a wrapped, long-sleeping child in a session of its own (as torch
     # elastic does), prints the child's pid and waits to be killed
-    parent_code = ("import os, subprocess, sys, time; from trainguard.launcher import deathsig; "
-                   "p = subprocess.Popen(deathsig.wrap(os.getpid(), ['/bin/sleep', '300']), start_new_session=True); "
-                   "print(p.pid, flush=True); time.sleep(300)")
+    parent_code = (
+        "import os, subprocess, sys, time; from trainguard.launcher import deathsig; "
+        "p = subprocess.Popen(deathsig.wrap(os.getpid(), ['/bin/sleep', '300']), start_new_session=True); "
+        "print(p.pid, flush=True); time.sleep(300)"
+    )
     parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
     child = psutil.Process(int(parent.stdout.readline()))
     try:
         wait_for(lambda: child.name() == "sleep", timeout=30, what="the child to exec sleep")
         parent.kill()
         parent.wait()
-        wait_for(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, timeout=5,
-                 what="the child to die with its parent")
+        wait_for(
+            lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE,
+            timeout=5,
+            what="the child to die with its parent",
+        )
     finally:
         if child.is_running():
             child.kill()
@@ -63,6 +71,7 @@ def test_bad_use_is_named():
         deathsig.wrap(os.getpid(), ["sleep", "1"])
     proc = subprocess.run([sys.executable, deathsig.__file__], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "usage" in proc.stderr
-    missing = subprocess.run(deathsig.wrap(os.getpid(), ["/nonexistent/program"]), capture_output=True, text=True,
-                             timeout=60)
+    missing = subprocess.run(
+        deathsig.wrap(os.getpid(), ["/nonexistent/program"]), capture_output=True, text=True, timeout=60
+    )
     assert missing.returncode == deathsig.EXEC_FAILED and "/nonexistent/program" in missing.stderr

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -62,14 +61,17 @@ def events(run_dir: Path, kind: str) -> list[dict]:
 # retention
 
 
-@pytest.mark.parametrize("keep_last, protect, deleted", [
-    (2, set(), [10, 20, 30]),
-    (2, {20}, [10, 30]),
-    (1, set(), [10, 20, 30, 40]),
-    (1, {10, 30, 99}, [20, 40]),  # a protected step that does not exist changes nothing
-    (5, set(), []),
-    (9, set(), []),
-])
+@pytest.mark.parametrize(
+    "keep_last, protect, deleted",
+    [
+        (2, set(), [10, 20, 30]),
+        (2, {20}, [10, 30]),
+        (1, set(), [10, 20, 30, 40]),
+        (1, {10, 30, 99}, [20, 40]),  # a protected step that does not exist changes nothing
+        (5, set(), []),
+        (9, set(), []),
+    ],
+)
 def test_retention_keeps_the_newest_keep_last_and_the_protected(tmp_path, keep_last, protect, deleted):
     store = CheckpointStore(tmp_path, keep_last=keep_last)
     for step in (10, 20, 30, 40, 50):
@@ -158,14 +160,17 @@ def test_checkpointer_retains_after_a_commit_never_the_new_one_nor_the_protected
 # latest_valid and the known-good mark
 
 
-@pytest.mark.parametrize("damage, verify, found, reason", [
-    (None, "full", 30, None),
-    ("flip", "full", 20, "data checksum mismatch"),
-    ("flip", "size", 30, None),  # same size: only a full check reads the bytes
-    ("truncate", "size", 20, "data has 3 bytes, manifest says 130"),
-    ("no_manifest", "full", 20, "manifest.json is missing"),
-    ("renamed", "full", 20, "manifest is for step 10, directory says 30"),
-])
+@pytest.mark.parametrize(
+    "damage, verify, found, reason",
+    [
+        (None, "full", 30, None),
+        ("flip", "full", 20, "data checksum mismatch"),
+        ("flip", "size", 30, None),  # same size: only a full check reads the bytes
+        ("truncate", "size", 20, "data has 3 bytes, manifest says 130"),
+        ("no_manifest", "full", 20, "manifest.json is missing"),
+        ("renamed", "full", 20, "manifest is for step 10, directory says 30"),
+    ],
+)
 def test_latest_valid_skips_what_does_not_verify_and_says_why(tmp_path, damage, verify, found, reason):
     skipped: list[tuple[int, str]] = []
     store = CheckpointStore(tmp_path, on_invalid=lambda c, why: skipped.append((c.step, why)))
@@ -213,8 +218,19 @@ class Verdicts:
         self.store = CheckpointStore(run_dir / "checkpoints", keep_last=keep_last)
         self.events = EventLog(run_dir, 0)
         self.model = torch.nn.Linear(2, 1)
-        self.rec = Recovery(InstabilitySection(known_good_after=known_good_after), RollbackSection(), self.model,
-                            None, None, self.store, self.events, run_dir, 0, 1, lambda: 0)
+        self.rec = Recovery(
+            InstabilitySection(known_good_after=known_good_after),
+            RollbackSection(),
+            self.model,
+            None,
+            None,
+            self.store,
+            self.events,
+            run_dir,
+            0,
+            1,
+            lambda: 0,
+        )
 
     def step(self, s: int, bad: bool = False) -> None:
         """Step number ``s`` runs (a NaN loss when ``bad``), then the boundary after it (``s`` done)."""

@@ -27,8 +27,15 @@ from trainguard.checkpoint.store import Checkpoint, CheckpointStore
 from trainguard.events import EventLog, read_events
 from trainguard.exitcodes import ExitCode
 from trainguard.instability.lr_ramp import LRRamp
-from trainguard.instability.recovery import (LEDGER, Recovery, Rollback, SkippedStepError, append_ledger,
-                                             checkpoint_id, read_ledger)
+from trainguard.instability.recovery import (
+    LEDGER,
+    Recovery,
+    Rollback,
+    SkippedStepError,
+    append_ledger,
+    checkpoint_id,
+    read_ledger,
+)
 from trainguard.outcomes import GiveUp
 from trainguard.sampler import ResumableSampler
 from trainguard.sections import InstabilitySection, RollbackSection
@@ -69,8 +76,14 @@ class Rig:
     """A :class:`Recovery` for rank 0 of a world of 1, with a real model, optimizer, sampler,
     checkpoint store and event log under ``run_dir``; ``hooks`` answer ``on_instability``."""
 
-    def __init__(self, run_dir: Path, inst: Optional[dict] = None, rb: Optional[dict] = None,
-                 hooks: tuple[Callable[[dict], Optional[str]], ...] = (), verify: str = "full"):
+    def __init__(
+        self,
+        run_dir: Path,
+        inst: Optional[dict] = None,
+        rb: Optional[dict] = None,
+        hooks: tuple[Callable[[dict], Optional[str]], ...] = (),
+        verify: str = "full",
+    ):
         torch.manual_seed(0)
         self.run_dir = run_dir
         self.model = torch.nn.Linear(4, 1)
@@ -80,8 +93,21 @@ class Rig:
         self.events = EventLog(run_dir, 0)
         self.hooks, self.heard = hooks, []
         self.step = 1
-        self.rec = Recovery(InstabilitySection(**(inst or {})), RollbackSection(**(rb or {})), self.model, self.opt,
-                            self.sampler, self.store, self.events, run_dir, 0, 1, lambda: self.step, self._ask, verify)
+        self.rec = Recovery(
+            InstabilitySection(**(inst or {})),
+            RollbackSection(**(rb or {})),
+            self.model,
+            self.opt,
+            self.sampler,
+            self.store,
+            self.events,
+            run_dir,
+            0,
+            1,
+            lambda: self.step,
+            self._ask,
+            verify,
+        )
 
     def _ask(self, event: dict) -> list[Optional[str]]:
         self.heard.append(event)
@@ -239,21 +265,32 @@ def spike_history(r: Rig) -> None:
     r.rec.detector.load_state_dict({"loss": [loss] * 10, "grad_norm": [grad] * 10})
 
 
-@pytest.mark.parametrize("policy, answers, bad, expected", [
-    ("skip", ["rollback"], "spike", "rollback"),
-    ("skip", [None], "spike", "skip"),
-    ("rollback", ["skip"], "spike", "skip"),
-    ("raise", ["warn"], "spike", "warn"),
-    ("skip", ["rollback", "skip"], "spike", "skip"),  # every hook is asked; the last answer wins
-    ("skip", ["rollback", None], "spike", "rollback"),
-    ("skip", ["warn"], "nan", "skip"),  # non-finite gradients are never applied, whatever a hook says
-    ("warn", [None], "nan", "skip"),
-    ("skip", ["raise"], "nan", "raise"),
-])
+@pytest.mark.parametrize(
+    "policy, answers, bad, expected",
+    [
+        ("skip", ["rollback"], "spike", "rollback"),
+        ("skip", [None], "spike", "skip"),
+        ("rollback", ["skip"], "spike", "skip"),
+        ("raise", ["warn"], "spike", "warn"),
+        ("skip", ["rollback", "skip"], "spike", "skip"),  # every hook is asked; the last answer wins
+        ("skip", ["rollback", None], "spike", "rollback"),
+        ("skip", ["warn"], "nan", "skip"),  # non-finite gradients are never applied, whatever a hook says
+        ("warn", [None], "nan", "skip"),
+        ("skip", ["raise"], "nan", "raise"),
+    ],
+)
 def test_hooks_override_the_policy(rig, policy, answers, bad, expected):
     hooks = tuple((lambda event, a=a: a) for a in answers)
-    r = rig(inst={"loss_spike": policy, "nonfinite_loss": policy, "nonfinite_grad": policy,
-                  "min_history": 10, "window": 20}, hooks=hooks)
+    r = rig(
+        inst={
+            "loss_spike": policy,
+            "nonfinite_loss": policy,
+            "nonfinite_grad": policy,
+            "min_history": 10,
+            "window": 20,
+        },
+        hooks=hooks,
+    )
     spike_history(r)
     step = (lambda: r.check(2, bad="nan")) if bad == "nan" else (lambda: r.check(2, loss_scale=1000.0))
     if expected == "raise":
@@ -269,7 +306,11 @@ def test_hooks_override_the_policy(rig, policy, answers, bad, expected):
     (heard,) = r.heard  # the hooks were asked once, with it
     assert heard["step"] == 2 and heard["action"] == decided
     ev = events(r.run_dir, "instability")[-1]["details"]
-    assert ev["detectors"] == heard["detectors"] and ev["action"] == expected and ev["hook_override"] is (expected != decided)
+    assert (
+        ev["detectors"] == heard["detectors"]
+        and ev["action"] == expected
+        and ev["hook_override"] is (expected != decided)
+    )
 
 
 def test_a_hooks_rollback_past_the_budget_gives_up(rig):
@@ -290,16 +331,19 @@ def test_a_hooks_unknown_answer_is_refused(rig):
 # the rollback target
 
 
-@pytest.mark.parametrize("from_step, depth, target", [
-    (41, 0, 30),  # at most 40: 40 is not known-good
-    (31, 0, 30),  # at most 30: inclusive
-    (30, 0, 20),  # at most 29
-    (31, 1, 30),  # depth 1 is the default's one step
-    (31, 2, 20),
-    (45, 15, 30),
-    (45, 16, 20),
-    (11, 0, 10),
-])
+@pytest.mark.parametrize(
+    "from_step, depth, target",
+    [
+        (41, 0, 30),  # at most 40: 40 is not known-good
+        (31, 0, 30),  # at most 30: inclusive
+        (30, 0, 20),  # at most 29
+        (31, 1, 30),  # depth 1 is the default's one step
+        (31, 2, 20),
+        (45, 15, 30),
+        (45, 16, 20),
+        (11, 0, 10),
+    ],
+)
 def test_rollback_target_is_the_newest_known_good_at_or_before_from_step_minus_depth(rig, from_step, depth, target):
     r = rig(inst={"nonfinite_loss": "rollback"}, rb={"depth": depth})
     for step in (10, 20, 30):
@@ -357,7 +401,10 @@ def test_rolled_back_skips_the_data_starts_the_ramp_sets_newer_aside_and_a_resum
     assert r.sampler.take(4) == [order.take(4) for _ in range(41)][-1]
     assert [r.rec.ramp.multiplier(s) for s in (21, 25, 29, 30)] == [0.25, 0.25 + 0.75 * 4 / 8, 1.0, 1.0]
     assert [c.step for c in r.store.committed()] == [10, 20]
-    assert sorted(p.name.split("-step-")[0] for p in r.store.root.iterdir() if p.name.startswith(".")) == [".rolledback"] * 2
+    assert (
+        sorted(p.name.split("-step-")[0] for p in r.store.root.iterdir() if p.name.startswith("."))
+        == [".rolledback"] * 2
+    )
     assert r.rec.rollbacks == 1 and r.rec.newest_known_good == 20 and r.rec.pending == [] and r.rec.rejected
     (record,) = read_ledger(r.run_dir)
     assert record["from_step"] == 35 and record["to_step"] == 20 and record["checkpoint"] == f"20@{1_000_020}"
@@ -408,18 +455,25 @@ def test_ramp_multiplier_follows_the_formula(k, factor, steps):
     ramp.close()
 
 
-@pytest.mark.parametrize("make_sched", [
-    lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9),  # chainable: reads group["lr"]
-    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1.0 + 0.3 * s)),
-    lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
-], ids=["exponential", "lambda", "step"])
+@pytest.mark.parametrize(
+    "make_sched",
+    [
+        lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9),  # chainable: reads group["lr"]
+        lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1.0 + 0.3 * s)),
+        lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
+    ],
+    ids=["exponential", "lambda", "step"],
+)
 def test_ramp_scales_the_update_and_the_scheduler_never_sees_it(make_sched):
     """Two optimizers from the same start, one with a ramp after a rollback to K = 10: each
     parameter update is exactly the scheduler's rate × m(s); the scheduler's rates are the same."""
     k, factor, steps = 10, 0.25, 6
 
     def build():
-        w1, w2 = torch.nn.Parameter(torch.ones(3, dtype=torch.float64)), torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+        w1, w2 = (
+            torch.nn.Parameter(torch.ones(3, dtype=torch.float64)),
+            torch.nn.Parameter(torch.ones(2, dtype=torch.float64)),
+        )
         opt = torch.optim.SGD([{"params": [w1], "lr": 0.5}, {"params": [w2], "lr": 0.05}], lr=0.5)
         return (w1, w2), opt, make_sched(opt)
 
@@ -490,11 +544,21 @@ class RollbackHook(trainguard.Hook):
         self.heard.append((from_step, to_step, guard.step))
 
 
-BASE = ("checkpoint.interval=20", "instability.known_good_after=5", "instability.min_history=10", "health.preflight=false")
+BASE = (
+    "checkpoint.interval=20",
+    "instability.known_good_after=5",
+    "instability.min_history=10",
+    "health.preflight=false",
+)
 
 
-def train(run_dir: Path, max_steps: int, *overrides: str, crash_at: Optional[int] = None,
-          hook: Optional[trainguard.Hook] = None) -> tuple[list[dict], Optional[str]]:
+def train(
+    run_dir: Path,
+    max_steps: int,
+    *overrides: str,
+    crash_at: Optional[int] = None,
+    hook: Optional[trainguard.Hook] = None,
+) -> tuple[list[dict], Optional[str]]:
     """The instability worker's regression, in this process under a Guard. Returns one record per
     step run (number, batch, applied, learning rate used and the scheduler's) and the end state hash.
     ``crash_at``: raise before step number ``crash_at`` runs (a crash: no save, no exit event)."""
@@ -511,8 +575,9 @@ def train(run_dir: Path, max_steps: int, *overrides: str, crash_at: Optional[int
     records: list[dict] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with trainguard.Guard(cfg, model=model, optimizer=opt, scheduler=sched, sampler=sampler,
-                              hooks=[hook] if hook else []) as guard:
+        with trainguard.Guard(
+            cfg, model=model, optimizer=opt, scheduler=sched, sampler=sampler, hooks=[hook] if hook else []
+        ) as guard:
             opt.register_step_pre_hook(lambda o, a, k: seen.__setitem__("lr", o.param_groups[0]["lr"]))
             for step in guard.steps(max_steps):
                 if step + 1 == crash_at:
@@ -527,8 +592,15 @@ def train(run_dir: Path, max_steps: int, *overrides: str, crash_at: Optional[int
                 if applied:
                     opt.step()
                     sched.step()
-                records.append({"step": step + 1, "indices": idx, "applied": applied, "lr_seen": seen.get("lr"),
-                                "sched_lr": sched_lr})
+                records.append(
+                    {
+                        "step": step + 1,
+                        "indices": idx,
+                        "applied": applied,
+                        "lr_seen": seen.get("lr"),
+                        "sched_lr": sched_lr,
+                    }
+                )
                 guard.step_end(loss=loss.detach())
         return records, guard.state_sha256
 
@@ -579,11 +651,18 @@ def test_guard_asks_the_hook_and_tells_it_of_the_rollback(tmp_path):
     assert rb["details"]["set_aside"] == [30]
 
 
-@pytest.mark.parametrize("overrides, fault, reason, rollbacks", [
-    (("instability.nonfinite_loss=raise",), "step=12", "policy 'raise'", 0),
-    (("instability.nonfinite_loss=rollback", "instability.max_rollbacks=2"), "step=28, persistent=true",
-     "rollback budget spent (2 of max_rollbacks=2)", 2),
-])
+@pytest.mark.parametrize(
+    "overrides, fault, reason, rollbacks",
+    [
+        (("instability.nonfinite_loss=raise",), "step=12", "policy 'raise'", 0),
+        (
+            ("instability.nonfinite_loss=rollback", "instability.max_rollbacks=2"),
+            "step=28, persistent=true",
+            "rollback budget spent (2 of max_rollbacks=2)",
+            2,
+        ),
+    ],
+)
 def test_guard_gives_up_with_76_and_says_why(tmp_path, overrides, fault, reason, rollbacks):
     run = tmp_path / "run"
     with pytest.raises(GiveUp) as e:

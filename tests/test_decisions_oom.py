@@ -52,7 +52,7 @@ class MLP(torch.nn.Module):
 def batch_for(step: int, n: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     x = torch.randn(n, 4, generator=g, dtype=torch.float64)
-    return x, (x ** 2).sum(1, keepdim=True)
+    return x, (x**2).sum(1, keepdim=True)
 
 
 def loss_fn(model: torch.nn.Module):
@@ -136,7 +136,10 @@ def test_an_injected_oom_halves_and_retries_the_same_batch_with_the_unsplit_grad
     for step in (1, 2, 3):
         loss = r.step(step)
     assert r.sizes == {1: 8, 2: 8, 3: 4}
-    assert r.model.calls == [8, 8] + ([8] if phase == "backward" else []) + [4, 4]  # a forward OOM fails before the model runs
+    assert r.model.calls == [8, 8] + ([8] if phase == "backward" else []) + [
+        4,
+        4,
+    ]  # a forward OOM fails before the model runs
     # the failed attempt's partial gradients were dropped: the retried step's are the whole batch's
     assert same_grads(r.model, 3) and torch.allclose(loss, reference(3)[0], rtol=1e-14)
     (injected,) = r.details("fault_injected")
@@ -145,8 +148,17 @@ def test_an_injected_oom_halves_and_retries_the_same_batch_with_the_unsplit_grad
     assert (o["step"], o["phase"], o["micro_batch"], o["injected"]) == (3, phase, 8, True)
     assert "DefaultCPUAllocator" in o["error"] and o["rss_bytes"] > 0
     (split,) = r.details("micro_batch_split")
-    assert split == {**split, "step": 3, "from_size": 8, "to_size": 4, "batch": 8, "accumulation": [1, 2],
-                     "ranks": {"0": phase}, "grow_after": 50, "backoff": False}
+    assert split == {
+        **split,
+        "step": 3,
+        "from_size": 8,
+        "to_size": 4,
+        "batch": 8,
+        "accumulation": [1, 2],
+        "ranks": {"0": phase},
+        "grow_after": 50,
+        "backoff": False,
+    }
 
 
 def test_a_real_allocator_failure_splits_until_the_activations_fit(rig):
@@ -155,7 +167,10 @@ def test_a_real_allocator_failure_splits_until_the_activations_fit(rig):
     assert r.micro.size == 2 and r.model.calls[-4:] == [2, 2, 2, 2]
     assert [(s["from_size"], s["to_size"]) for s in r.details("micro_batch_split")] == [(8, 4), (4, 2)]
     ooms = r.details("oom")
-    assert [(o["micro_batch"], o["injected"], o["phase"]) for o in ooms] == [(8, False, "forward"), (4, False, "forward")]
+    assert [(o["micro_batch"], o["injected"], o["phase"]) for o in ooms] == [
+        (8, False, "forward"),
+        (4, False, "forward"),
+    ]
     assert all("DefaultCPUAllocator" in o["error"] for o in ooms)
     assert same_grads(r.model, 1) and torch.allclose(loss, reference(1)[0], rtol=1e-14)
     r.step(2)  # the next step starts at the size that fit
@@ -181,7 +196,10 @@ def test_odd_batches_split_by_ceiling_halves_and_size_one_gives_up(rig):
     assert e.value.exit_code == 76 and e.value.reason == "out_of_memory"
     assert "out of memory at micro-batch size 1 in step 2 (rank 0 in forward)" in e.value.message
     assert [(s["from_size"], s["to_size"], s["accumulation"]) for s in r.details("micro_batch_split")] == [
-        (7, 4, [1, 2]), (4, 2, [2, 4]), (2, 1, [4, 7])]
+        (7, 4, [1, 2]),
+        (4, 2, [2, 4]),
+        (2, 1, [4, 7]),
+    ]
     assert [o["micro_batch"] for o in r.details("oom")] == [7, 4, 2, 1]
     (gave_up,) = r.details("oom_give_up")
     assert gave_up["step"] == 2 and gave_up["ranks"] == {"0": "forward"} and gave_up["reason"] == e.value.message
@@ -200,7 +218,9 @@ def test_grow_after_clean_steps_and_a_failed_grow_doubles_the_wait(rig):
     # split at 1; grow after 2 clean steps (1, 2) at 3; the grow fails at 4: split, wait doubled to
     # 4; grow after 4 clean steps (4..7) at 8; it holds 4 steps (8..11), so the split at 12 keeps it
     assert r.sizes == {1: 4, 2: 4, 3: 8, 4: 4, 5: 4, 6: 4, 7: 4, 8: 8, 9: 8, 10: 8, 11: 8, 12: 4, 13: 4}
-    splits = [(s["step"], s["from_size"], s["to_size"], s["backoff"], s["grow_after"]) for s in r.details("micro_batch_split")]
+    splits = [
+        (s["step"], s["from_size"], s["to_size"], s["backoff"], s["grow_after"]) for s in r.details("micro_batch_split")
+    ]
     assert splits == [(1, 8, 4, False, 2), (4, 8, 4, True, 4), (12, 8, 4, False, 4)]
     grows = [(g["step"], g["from_size"], g["to_size"], g["accumulation"]) for g in r.details("micro_batch_grow")]
     assert grows == [(3, 4, 8, [2, 1]), (8, 4, 8, [2, 1])]
@@ -243,11 +263,17 @@ def test_a_custom_backward_receives_each_micro_batchs_weighted_loss(rig):
     assert sum(seen) == pytest.approx(total.item(), rel=1e-14) and len(seen) == 2
 
 
-@pytest.mark.parametrize("batch, message", [
-    ((torch.zeros(4, 2), torch.zeros(4, 1)), "oom.micro_batch_size=5 is larger than the batch (4 samples on rank 0)"),
-    (["no", "tensors"], "needs a batch of tensors"),
-    ((torch.zeros(4, 2), torch.zeros(3, 1)), "different first dimensions [3, 4]"),
-])
+@pytest.mark.parametrize(
+    "batch, message",
+    [
+        (
+            (torch.zeros(4, 2), torch.zeros(4, 1)),
+            "oom.micro_batch_size=5 is larger than the batch (4 samples on rank 0)",
+        ),
+        (["no", "tensors"], "needs a batch of tensors"),
+        ((torch.zeros(4, 2), torch.zeros(3, 1)), "different first dimensions [3, 4]"),
+    ],
+)
 def test_bad_input_is_refused_before_any_forward(rig, batch, message):
     r = rig(micro_batch_size=5)
     with pytest.raises(BadInput) as e:

@@ -66,21 +66,28 @@ def test_flags_pack_in_declaration_order_and_unpack_ignores_the_straggler_tail()
     assert StopFlags().pack() == [0, 0, 0, 0, 0, 1] and StopFlags().reason is None
 
 
-@pytest.mark.parametrize("raised, reason", [
-    ({"signal", "kill_switch", "time_limit", "memory"}, "signal"),
-    ({"kill_switch", "time_limit", "memory"}, "kill_switch"),
-    ({"time_limit", "memory"}, "time_limit"),
-    ({"memory"}, "memory"),
-    ({"save_switch"}, None),  # a save, not a stop
-    (set(), None),
-])
+@pytest.mark.parametrize(
+    "raised, reason",
+    [
+        ({"signal", "kill_switch", "time_limit", "memory"}, "signal"),
+        ({"kill_switch", "time_limit", "memory"}, "kill_switch"),
+        ({"time_limit", "memory"}, "time_limit"),
+        ({"memory"}, "memory"),
+        ({"save_switch"}, None),  # a save, not a stop
+        (set(), None),
+    ],
+)
 def test_the_stop_reason_follows_the_priority(raised, reason):
     assert StopFlags(**{name: 1 for name in raised}).reason == reason
 
 
 def test_ranks_agree_on_the_union_of_their_flags_and_the_latest_next_check(group):
-    ranks = [StopFlags(time_limit=1, next_interval=3), StopFlags(memory=1, next_interval=12),
-             StopFlags(save_switch=1, next_interval=1), StopFlags(signal=1, next_interval=5)]
+    ranks = [
+        StopFlags(time_limit=1, next_interval=3),
+        StopFlags(memory=1, next_interval=12),
+        StopFlags(save_switch=1, next_interval=1),
+        StopFlags(signal=1, next_interval=5),
+    ]
     agreed = StopFlags.unpack([max(col) for col in zip(*(f.pack() for f in ranks))])  # all_reduce(MAX)
     assert agreed == StopFlags(signal=1, time_limit=1, memory=1, save_switch=1, next_interval=12)
     assert agreed.reason == "signal"
@@ -102,7 +109,7 @@ def test_straggler_scores_ride_in_the_same_vector_and_every_rank_names_the_same_
     vectors = [StopFlags(next_interval=4 + r).pack() + d.pack() for r, d in enumerate(dets)]
     agreed = [max(col) for col in zip(*vectors)]
     assert StopFlags.unpack(agreed) == StopFlags(next_interval=5)
-    assert [d.unpack(10, agreed[StopFlags.size():]) for d in dets] == [[1], [1]]  # 0.010 / 0.025 = 0.4 < 0.7
+    assert [d.unpack(10, agreed[StopFlags.size() :]) for d in dets] == [[1], [1]]  # 0.010 / 0.025 = 0.4 < 0.7
     (found,) = events(tmp_path, "straggler_detected")  # written once, by rank 0
     assert found["rank"] == 0 and found["details"]["rank"] == 1 and found["details"]["host"] == "slow-host"
     assert found["details"]["relative"] == pytest.approx(0.4)
@@ -115,20 +122,35 @@ def test_straggler_scores_ride_in_the_same_vector_and_every_rank_names_the_same_
 # the local flags
 
 
-def conditions(run_dir: Path, shutdown: Optional[ShutdownHandler] = None, memory: Optional[MemoryWatchdog] = None,
-               end_time: Optional[float] = None, start_time: Optional[float] = None, **stop: Any) -> StopConditions:
-    return StopConditions(StopSection(**stop), run_dir, shutdown or ShutdownHandler(["SIGUSR1"], 300.0), memory,
-                          start_time=start_time, end_time=end_time)
+def conditions(
+    run_dir: Path,
+    shutdown: Optional[ShutdownHandler] = None,
+    memory: Optional[MemoryWatchdog] = None,
+    end_time: Optional[float] = None,
+    start_time: Optional[float] = None,
+    **stop: Any,
+) -> StopConditions:
+    return StopConditions(
+        StopSection(**stop),
+        run_dir,
+        shutdown or ShutdownHandler(["SIGUSR1"], 300.0),
+        memory,
+        start_time=start_time,
+        end_time=end_time,
+    )
 
 
-@pytest.mark.parametrize("step_seconds, ahead, save, margin, late", [
-    (100.0, 4, 400.0, 50.0, False),  # (4 + 1) · 100 + 400 + 50 = 950 < 1000 left
-    (100.0, 4, 500.0, 50.0, True),   # 1050: the save would not fit
-    (100.0, 5, 400.0, 50.0, True),   # one more step until the next check: 1050
-    (150.0, 4, 200.0, 50.0, True),   # a slower step: 1000
-    (100.0, 4, 400.0, 150.0, True),  # a wider margin: 1050
-    (0.0, 1000, 0.0, 950.0, False),
-])
+@pytest.mark.parametrize(
+    "step_seconds, ahead, save, margin, late",
+    [
+        (100.0, 4, 400.0, 50.0, False),  # (4 + 1) · 100 + 400 + 50 = 950 < 1000 left
+        (100.0, 4, 500.0, 50.0, True),  # 1050: the save would not fit
+        (100.0, 5, 400.0, 50.0, True),  # one more step until the next check: 1050
+        (150.0, 4, 200.0, 50.0, True),  # a slower step: 1000
+        (100.0, 4, 400.0, 150.0, True),  # a wider margin: 1050
+        (0.0, 1000, 0.0, 950.0, False),
+    ],
+)
 def test_the_time_limit_rule(tmp_path, step_seconds, ahead, save, margin, late):
     """Late when ``left < (steps_ahead + 1) × step + save + time_margin``, with 1,000 s left (the
     cases sit 50 s from the line: elapsed test time only lowers ``left``, and only a late case
@@ -171,15 +193,18 @@ def test_the_job_end_time_is_read_from_the_launchers_file_and_follows_its_change
     assert stop.end_time is None and stop.local_flags(1.0, 10.0, 5).time_limit == 0
 
 
-@pytest.mark.parametrize("check_interval, check_seconds, step_seconds, expected", [
-    (7, 1.0, 0.001, 7),      # fixed: whatever the step time
-    (0, 1.0, 0.3, 4),        # auto: ceil(1.0 / 0.3)
-    (0, 1.0, 0.25, 4),
-    (0, 1.0, 5.0, 1),        # slow steps: every step
-    (0, 1.0, 1e-6, 1000),    # fast steps: clamped to 1,000
-    (0, 30.0, 0.01, 1000),
-    (0, 1.0, 0.0, 1),        # not measured yet
-])
+@pytest.mark.parametrize(
+    "check_interval, check_seconds, step_seconds, expected",
+    [
+        (7, 1.0, 0.001, 7),  # fixed: whatever the step time
+        (0, 1.0, 0.3, 4),  # auto: ceil(1.0 / 0.3)
+        (0, 1.0, 0.25, 4),
+        (0, 1.0, 5.0, 1),  # slow steps: every step
+        (0, 1.0, 1e-6, 1000),  # fast steps: clamped to 1,000
+        (0, 30.0, 0.01, 1000),
+        (0, 1.0, 0.0, 1),  # not measured yet
+    ],
+)
 def test_next_interval(tmp_path, check_interval, check_seconds, step_seconds, expected):
     stop = conditions(tmp_path, check_interval=check_interval, check_seconds=check_seconds)
     assert stop.next_interval(step_seconds) == expected
@@ -217,8 +242,14 @@ def test_the_memory_watchdog_measures_every_check_interval_steps(tmp_path):
     assert [e["step"] for e in fired] == [7, 14]
     assert fired[0]["details"]["exceeded"][0].startswith("resident set ")
     assert "memory.rss_limit=1048576" in fired[0]["details"]["exceeded"][0]
-    assert StopConditions(StopSection(), tmp_path, ShutdownHandler(["SIGUSR1"], 300.0),
-                          MemoryWatchdog(MemorySection(), log)).local_flags(0.1, 1.0, step=1000).memory == 0
+    assert (
+        StopConditions(
+            StopSection(), tmp_path, ShutdownHandler(["SIGUSR1"], 300.0), MemoryWatchdog(MemorySection(), log)
+        )
+        .local_flags(0.1, 1.0, step=1000)
+        .memory
+        == 0
+    )
     log.close()
 
 
@@ -239,8 +270,10 @@ class AtStep(trainguard.Hook):
 
 def train(run_dir: Path, max_steps: int, *overrides: str, hooks: tuple = ()) -> Optional[str]:
     """A tiny regression under a Guard in this process; returns the end state hash."""
-    cfg = trainguard.load_config(None, [f"run.dir={run_dir}", "checkpoint.interval=10", "stop.check_interval=1",
-                                        "health.preflight=false", *overrides])
+    cfg = trainguard.load_config(
+        None,
+        [f"run.dir={run_dir}", "checkpoint.interval=10", "stop.check_interval=1", "health.preflight=false", *overrides],
+    )
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(256, 8, generator=gen)
     y = x.sum(1, keepdim=True)

@@ -25,8 +25,15 @@ from torch.distributed.elastic.agent.server.api import Worker
 from trainguard.config import load_config
 from trainguard.events import EventLog, read_events
 from trainguard.sections import SupervisorSection
-from trainguard.supervisor.heartbeat import (NBUCKETS, OUT_OF_SECTION, HeartbeatReader, HeartbeatWriter, bucket_of,
-                                             bucket_upper, heartbeat_path)
+from trainguard.supervisor.heartbeat import (
+    NBUCKETS,
+    OUT_OF_SECTION,
+    HeartbeatReader,
+    HeartbeatWriter,
+    bucket_of,
+    bucket_upper,
+    heartbeat_path,
+)
 from trainguard.supervisor.monitor import HangMonitor, attempt_dir
 from trainguard.supervisor.timeouts import FILENAME, INITIAL, TEARDOWN, TimeoutBook, percentile_of
 
@@ -38,14 +45,18 @@ def hist(n: int, seconds: float) -> tuple[int, float, list[int]]:
 
 
 def history(sections: dict[str, tuple[int, float, list[int]]]) -> dict:
-    return {"sections": {name: {"count": c, "longest": longest, "buckets": b} for name, (c, longest, b) in sections.items()}}
+    return {
+        "sections": {name: {"count": c, "longest": longest, "buckets": b} for name, (c, longest, b) in sections.items()}
+    }
 
 
 # ------------------------------------------------------------------------------------------------
 # the book
 
 
-@pytest.mark.parametrize("earlier, now, learned", [(15, 4, False), (15, 5, True), (0, 20, True), (20, 0, True), (19, 0, False)])
+@pytest.mark.parametrize(
+    "earlier, now, learned", [(15, 4, False), (15, 5, True), (0, 20, True), (20, 0, True), (19, 0, False)]
+)
 def test_min_samples_counts_earlier_launches_and_the_running_one_together(earlier, now, learned):
     cfg = SupervisorSection(step_timeout=77, min_samples=20)
     book = TimeoutBook(cfg, history({"step": hist(earlier, 1.0)}) if earlier else None)
@@ -57,11 +68,14 @@ def test_min_samples_counts_earlier_launches_and_the_running_one_together(earlie
     assert book.observed("step")[0] == earlier + now and (book.learned("step") is not None) is learned
 
 
-@pytest.mark.parametrize("durations, winner", [
-    ([(100, 0.001)], "min_timeout"),
-    ([(100, 1.0)], "p99"),
-    ([(99, 1.0), (1, 30.0)], "longest"),  # one outlier: p99 stays low, the longest still never times out
-])
+@pytest.mark.parametrize(
+    "durations, winner",
+    [
+        ([(100, 0.001)], "min_timeout"),
+        ([(100, 1.0)], "p99"),
+        ([(99, 1.0), (1, 30.0)], "longest"),  # one outlier: p99 stays low, the longest still never times out
+    ],
+)
 def test_each_term_of_the_formula_can_be_the_one_in_force(durations, winner):
     cfg = SupervisorSection(min_timeout=2.0, safety_factor=3.0, percentile=99)
     buckets = [0] * NBUCKETS
@@ -75,7 +89,9 @@ def test_each_term_of_the_formula_can_be_the_one_in_force(durations, winner):
 
 
 def test_teardown_and_initial_are_never_learned_from_the_ranks_records():
-    cfg = SupervisorSection(teardown_timeout=41, initial_timeout=43, section_timeouts={"eval": 47}, user_section_timeout=53)
+    cfg = SupervisorSection(
+        teardown_timeout=41, initial_timeout=43, section_timeouts={"eval": 47}, user_section_timeout=53
+    )
     book = TimeoutBook(cfg)
     book.set_live([{TEARDOWN: hist(500, 0.01), "eval": hist(5, 0.01)}])
     assert book.learned(TEARDOWN) is None and book.timeout(TEARDOWN) == 41
@@ -115,7 +131,9 @@ class Agent:
     """What HangMonitor.poll asks of the launcher's agent: the node's workers and their pids."""
 
     def __init__(self, n: int):
-        self._workers = [Worker(local_rank=r, global_rank=10 + r, role_rank=r, world_size=n, role_world_size=n) for r in range(n)]
+        self._workers = [
+            Worker(local_rank=r, global_rank=10 + r, role_rank=r, world_size=n, role_world_size=n) for r in range(n)
+        ]
 
     def workers(self) -> list[Worker]:
         return self._workers

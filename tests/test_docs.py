@@ -152,7 +152,9 @@ def test_every_emitted_event_is_documented():
         for field, where in sorted(fields.items()):
             if not re.search(rf"`{re.escape(field)}`", body):
                 gaps.append(f"{kind}.{field} (emitted at {', '.join(sorted(where))})")
-    assert not gaps, "docs/events.md does not mention these fields (as `field`) in their event's section:\n  " + "\n  ".join(gaps)
+    assert not gaps, (
+        "docs/events.md does not mention these fields (as `field`) in their event's section:\n  " + "\n  ".join(gaps)
+    )
 
 
 def test_no_documented_event_is_gone():
@@ -216,4 +218,6 @@ def test_readme_exit_codes_match_exitcode():
 
     text = (ROOT / "README.md").read_text()
     rows = set(re.findall(r"^\| (\d+) \|", text, re.M))
-    assert rows == {str(int(c)) for c in ExitCode}, f"README exit-code table rows {sorted(rows)} != ExitCode {[int(c) for c in ExitCode]}"
+    assert rows == {str(int(c)) for c in ExitCode}, (
+        f"README exit-code table rows {sorted(rows)} != ExitCode {[int(c) for c in ExitCode]}"
+    )

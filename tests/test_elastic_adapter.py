@@ -10,13 +10,13 @@ import uuid
 
 import pytest
 import torch
-from conftest import REPO
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
+from conftest import REPO
 from trainguard.launcher import elastic
 
 SRC = REPO / "src" / "trainguard"
@@ -26,13 +26,21 @@ PRIVATE = set(elastic.AGENT_METHODS + elastic.AGENT_ATTRIBUTES)
 @pytest.fixture
 def agent_and_pcontext(tmp_path):
     """A constructed LocalElasticAgent (real rendezvous handler) and a started process context."""
-    params = RendezvousParameters(backend="c10d", endpoint="localhost:0", run_id=uuid.uuid4().hex, min_nodes=1, max_nodes=1)
+    params = RendezvousParameters(
+        backend="c10d", endpoint="localhost:0", run_id=uuid.uuid4().hex, min_nodes=1, max_nodes=1
+    )
     handler = rdzv_registry.get_rendezvous_handler(params)
-    spec = WorkerSpec(role="trainer", local_world_size=1, entrypoint=sys.executable, args=("-c", "pass"),
-                      rdzv_handler=handler)
+    spec = WorkerSpec(
+        role="trainer", local_world_size=1, entrypoint=sys.executable, args=("-c", "pass"), rdzv_handler=handler
+    )
     agent = LocalElasticAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "agent")))
-    pcontext = start_processes(name="probe", entrypoint=sys.executable, args={0: ("-c", "pass")}, envs={0: {}},
-                               logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "probe")))
+    pcontext = start_processes(
+        name="probe",
+        entrypoint=sys.executable,
+        args={0: ("-c", "pass")},
+        envs={0: {}},
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "probe")),
+    )
     try:
         yield agent, pcontext
     finally:
@@ -43,8 +51,10 @@ def agent_and_pcontext(tmp_path):
 def test_private_members_exist_on_the_installed_torch(agent_and_pcontext):
     agent, pcontext = agent_and_pcontext
     missing = elastic.missing_members(agent, pcontext)
-    assert not missing, (f"torch {torch.__version__} lacks {missing}: update trainguard/launcher/elastic.py "
-                         f"and the torch range in pyproject.toml")
+    assert not missing, (
+        f"torch {torch.__version__} lacks {missing}: update trainguard/launcher/elastic.py "
+        f"and the torch range in pyproject.toml"
+    )
     elastic.check(agent, pcontext)  # raises nothing either
 
 

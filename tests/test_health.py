@@ -15,13 +15,30 @@ from trainguard.exitcodes import ExitCode
 from trainguard.health.preflight import PreflightError, check_devices, check_free_space
 
 WORKER = REPO / "tests" / "oom_worker.py"
-REPORTS = ("straggler.report_interval_steps=10", "straggler.min_samples=5", "straggler.warmup_steps=5", "stop.check_interval=1")
+REPORTS = (
+    "straggler.report_interval_steps=10",
+    "straggler.min_samples=5",
+    "straggler.warmup_steps=5",
+    "stop.check_interval=1",
+)
 
 
 def run_worker(run: Path, *overrides: str, inject: tuple[str, ...] = (), steps: int = 40, timeout: float = 180) -> int:
     extra = tuple(x for spec in inject for x in ("--inject", spec))
-    return finish(launch(run, f"worker.max_steps={steps}", "checkpoint.interval=10", "worker.hidden=4096",
-                         "worker.batch_size=64", *overrides, script=WORKER, extra=extra, tiny=False), timeout)
+    return finish(
+        launch(
+            run,
+            f"worker.max_steps={steps}",
+            "checkpoint.interval=10",
+            "worker.hidden=4096",
+            "worker.batch_size=64",
+            *overrides,
+            script=WORKER,
+            extra=extra,
+            tiny=False,
+        ),
+        timeout,
+    )
 
 
 def log(run: Path) -> str:
@@ -47,7 +64,12 @@ def test_free_space_and_device_checks_name_the_problem(tmp_path):
     cpu = {"host": "a", "type": "cpu", "cuda_devices": 0}
     check_devices([cpu, dict(cpu, host="b")])
     try:
-        check_devices([{"host": "a", "type": "cuda", "name": "H100", "cuda_devices": 8}, {"host": "b", "type": "cpu", "cuda_devices": 0}])
+        check_devices(
+            [
+                {"host": "a", "type": "cuda", "name": "H100", "cuda_devices": 8},
+                {"host": "b", "type": "cpu", "cuda_devices": 0},
+            ]
+        )
         raise AssertionError("no error")
     except PreflightError as e:
         assert "rank 1 on b" in str(e)
@@ -59,8 +81,9 @@ def test_free_space_and_device_checks_name_the_problem(tmp_path):
 
 def test_slow_rank_is_flagged_with_its_host_and_a_clean_run_is_not(tmp_path):
     run = tmp_path / "slow"
-    code = run_worker(run, *REPORTS, "straggler.relative_threshold=0.9",
-                      inject=("slow_rank:rank=1,step=1,repeat=100000,factor=0.3",))
+    code = run_worker(
+        run, *REPORTS, "straggler.relative_threshold=0.9", inject=("slow_rank:rank=1,step=1,repeat=100000,factor=0.3",)
+    )
     assert code == 0, log(run)
     slow = [f for f in details(run, "straggler_detected") if f["rank"] == 1]
     # reports at steps 15, 25, ... (5 warm-up steps): flagged within two reports, 20 steps
@@ -73,15 +96,21 @@ def test_slow_rank_is_flagged_with_its_host_and_a_clean_run_is_not(tmp_path):
     assert sum(r["stragglers"] == [1] for r in reports) > len(reports) / 2
 
     clean = tmp_path / "clean"
-    assert run_worker(clean, "straggler.report_interval_steps=50", "stop.check_interval=10", steps=1000, timeout=300) == 0, log(clean)
+    assert (
+        run_worker(clean, "straggler.report_interval_steps=50", "stop.check_interval=10", steps=1000, timeout=300) == 0
+    ), log(clean)
     assert len(details(clean, "straggler_report")) >= 15
     assert details(clean, "straggler_detected") == []
 
 
 def test_stop_if_detected_saves_requeues_and_writes_exclude_nodes(tmp_path):
     run = tmp_path / "stop"
-    code = run_worker(run, *REPORTS, "straggler.stop_if_detected=true",  # twice as slow, default threshold 0.7
-                      inject=("slow_rank:rank=1,step=1,repeat=100000,factor=1.0",))
+    code = run_worker(
+        run,
+        *REPORTS,
+        "straggler.stop_if_detected=true",  # twice as slow, default threshold 0.7
+        inject=("slow_rank:rank=1,step=1,repeat=100000,factor=1.0",),
+    )
     assert code == ExitCode.REQUEUE, log(run)
     (stop,) = details(run, "stop_requested")
     assert stop["reason"] == "straggler" and stop["ranks"] == [1]
@@ -91,8 +120,15 @@ def test_stop_if_detected_saves_requeues_and_writes_exclude_nodes(tmp_path):
 
 def test_stopped_rank_fails_the_ping_within_its_timeout_and_the_group_restarts(tmp_path):
     run = tmp_path / "ping"
-    code = run_worker(run, "supervisor.enabled=false", "health.ping_interval=1", "health.ping_timeout=3",
-                      "stop.check_interval=1", inject=("rank_hung:rank=1,step=15,hang=sigstop",), steps=30)
+    code = run_worker(
+        run,
+        "supervisor.enabled=false",
+        "health.ping_interval=1",
+        "health.ping_timeout=3",
+        "stop.check_interval=1",
+        inject=("rank_hung:rank=1,step=15,hang=sigstop",),
+        steps=30,
+    )
     assert code == 0, log(run)
     (fault,) = details(run, "fault_injected")
     (timeout,) = details(run, "ping_timeout")

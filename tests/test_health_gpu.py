@@ -8,9 +8,19 @@ import torch
 from trainguard.health.gpu import compute_check, gpu_report
 
 GPU_KEYS = {
-    "index", "name", "uuid", "temperature_c", "ecc_uncorrected_volatile", "ecc_uncorrected_aggregate",
-    "ecc_corrected_volatile", "retired_pages_double_bit", "retired_pages_pending", "remapped_rows",
-    "throttle_reasons", "recovery_action", "problems",
+    "index",
+    "name",
+    "uuid",
+    "temperature_c",
+    "ecc_uncorrected_volatile",
+    "ecc_uncorrected_aggregate",
+    "ecc_corrected_volatile",
+    "retired_pages_double_bit",
+    "retired_pages_pending",
+    "remapped_rows",
+    "throttle_reasons",
+    "recovery_action",
+    "problems",
 }
 COMPUTE_KEYS = {"device", "alloc_mb", "ok", "seconds", "error"}
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from trainguard import faults
-from trainguard.supervisor import heartbeat as hb
 from trainguard.config import ConfigError, FaultSpec, SupervisorSection
+from trainguard.supervisor import heartbeat as hb
 from trainguard.supervisor.heartbeat import (
     BASE,
     MAX_SECTIONS,
@@ -67,8 +67,12 @@ class WriterProcess:
     """A HeartbeatWriter living in a child process."""
 
     def __init__(self, path: Path):
-        self.proc = subprocess.Popen([sys.executable, "-c", DRIVER, hb.__file__, str(path)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", DRIVER, hb.__file__, str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout.readline().strip() == "ready"
 
     def __call__(self, command: str) -> tuple[object, float]:
@@ -94,7 +98,7 @@ def test_bucket_edges_are_consistent():
         i = bucket_of(seconds)
         lower = BASE * 2 ** (i / 4)
         assert lower <= seconds * (1 + 1e-12) and seconds < bucket_upper(i), (seconds, i)
-        assert bucket_upper(i) / lower == pytest.approx(2 ** 0.25)  # each bucket ≤ 19 % wide
+        assert bucket_upper(i) / lower == pytest.approx(2**0.25)  # each bucket ≤ 19 % wide
     assert [bucket_of(BASE * 2 ** (k / 4) * 1.0001) for k in range(8)] == list(range(8))
 
 
@@ -205,7 +209,9 @@ def vars_of(s) -> dict:
 
 def test_reader_never_sees_a_torn_snapshot_while_a_writer_process_hammers(tmp_path):
     path = tmp_path / "rank-0.hb"
-    proc = subprocess.Popen([sys.executable, "-c", HAMMER, hb.__file__, str(path), "1.5"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HAMMER, hb.__file__, str(path), "1.5"], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "ready"
     reader = HeartbeatReader(path)
     snapshots, busy, last_step, steps_seen = 0, 0, -1, set()
@@ -266,8 +272,15 @@ def hist(*groups: tuple[int, float]) -> tuple[int, float, list[int]]:
 
 
 def test_defaults_before_min_samples():
-    cfg = SupervisorSection(step_timeout=7, setup_timeout=11, checkpointing_timeout=13, out_of_section_timeout=17,
-                            initial_timeout=19, section_timeouts={"eval": 23}, user_section_timeout=29)
+    cfg = SupervisorSection(
+        step_timeout=7,
+        setup_timeout=11,
+        checkpointing_timeout=13,
+        out_of_section_timeout=17,
+        initial_timeout=19,
+        section_timeouts={"eval": 23},
+        user_section_timeout=29,
+    )
     book = TimeoutBook(cfg)
     expected = {"step": 7, "setup": 11, "checkpointing": 13, OUT_OF_SECTION: 17, INITIAL: 19, "eval": 23, "mine": 29}
     assert {name: book.timeout(name) for name in expected} == expected
@@ -409,7 +422,14 @@ def test_checkpoint_progress_resets_the_no_progress_count():
 
 def test_parse_inject():
     s = faults.parse_inject("rank_hung:rank=1,step=30,hang=collective")
-    assert (s.kind, s.rank, s.step, s.hang, s.section, s.every_attempt) == ("rank_hung", 1, 30, "collective", "step", False)
+    assert (s.kind, s.rank, s.step, s.hang, s.section, s.every_attempt) == (
+        "rank_hung",
+        1,
+        30,
+        "collective",
+        "step",
+        False,
+    )
     s = faults.parse_inject("rank_killed:rank=0,step=15,every_attempt=true")
     assert s.every_attempt is True and s.kind == "rank_killed"
     s = faults.parse_inject("rank_hung:rank=1,step=20,section=checkpointing")
@@ -420,17 +440,20 @@ def test_parse_inject():
     assert faults.parse_inject("random").kind == "random"
 
 
-@pytest.mark.parametrize("text, words", [
-    ("bogus_kind:rank=0,step=1", ["bogus_kind", "rank_killed", "rank_hung"]),
-    ("rank_hung:rank=1,step", ["expected KIND:key=value"]),
-    ("rank_hung:rnak=1,step=3", ["rnak"]),
-    ("rank_hung:rank=-1,step=3", ["rank"]),
-    ("rank_hung:rank=1,step=0", ["step"]),
-    ("rank_hung:rank=1,step=three", ["step"]),
-    ("rank_hung:rank=1,step=3,hang=forever", ["hang", "forever"]),
-    ("rank_hung:rank=1,step=3,section=eval", ["section", "eval"]),
-    ("rank_hung:rank=1,after_seconds=0", ["after_seconds"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("bogus_kind:rank=0,step=1", ["bogus_kind", "rank_killed", "rank_hung"]),
+        ("rank_hung:rank=1,step", ["expected KIND:key=value"]),
+        ("rank_hung:rnak=1,step=3", ["rnak"]),
+        ("rank_hung:rank=-1,step=3", ["rank"]),
+        ("rank_hung:rank=1,step=0", ["step"]),
+        ("rank_hung:rank=1,step=three", ["step"]),
+        ("rank_hung:rank=1,step=3,hang=forever", ["hang", "forever"]),
+        ("rank_hung:rank=1,step=3,section=eval", ["section", "eval"]),
+        ("rank_hung:rank=1,after_seconds=0", ["after_seconds"]),
+    ],
+)
 def test_parse_inject_errors(text, words):
     with pytest.raises(ConfigError) as e:
         faults.parse_inject(text)
@@ -441,8 +464,11 @@ def test_parse_inject_errors(text, words):
 
 
 def test_validate():
-    ok = [FaultSpec(kind="rank_killed", rank=1, step=3), FaultSpec(kind="rank_hung", rank=0, after_seconds=1.0),
-          FaultSpec(kind="random", seed=3)]
+    ok = [
+        FaultSpec(kind="rank_killed", rank=1, step=3),
+        FaultSpec(kind="rank_hung", rank=0, after_seconds=1.0),
+        FaultSpec(kind="random", seed=3),
+    ]
     faults.validate(ok, 2)
     faults.validate([FaultSpec(kind="rank_killed", rank=7, step=3)], None)  # world size unknown: not checked
     with pytest.raises(ConfigError, match=r"faults.inject\[1\] \(rank_hung\): 'rank' is required"):

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO
 
 if sys.version_info >= (3, 11):
@@ -51,8 +52,15 @@ def cli(*args: str) -> list[str]:
 
 
 def ev(t: float, kind: str, step=None, rank=0, attempt=0, **details) -> dict:
-    return {"time": 1000.0 + t, "rank": rank, "kind": kind, "step": step, "attempt": attempt, "pid": 1,
-            "details": details}
+    return {
+        "time": 1000.0 + t,
+        "rank": rank,
+        "kind": kind,
+        "step": step,
+        "attempt": attempt,
+        "pid": 1,
+        "details": details,
+    }
 
 
 @pytest.fixture
@@ -60,17 +68,30 @@ def run_dir(tmp_path) -> Path:
     """A finished run's directory with a small, hand-made event log (and a training script)."""
     run = tmp_path / "run"
     run.mkdir()
-    log = [ev(0, "launch", rank=None), ev(1, "workers_started", rank=None, restart=0),
-           ev(10, "start", 0, first_step=0, resumed_from=None),
-           ev(20, "checkpoint_committed", 10, bytes=100, seconds=1.0, reason="interval"),
-           ev(60, "end", 30, state_sha256="x"), ev(62, "launch_exit", rank=None, code=0, reason="finished", seconds=62)]
+    log = [
+        ev(0, "launch", rank=None),
+        ev(1, "workers_started", rank=None, restart=0),
+        ev(10, "start", 0, first_step=0, resumed_from=None),
+        ev(20, "checkpoint_committed", 10, bytes=100, seconds=1.0, reason="interval"),
+        ev(60, "end", 30, state_sha256="x"),
+        ev(62, "launch_exit", rank=None, code=0, reason="finished", seconds=62),
+    ]
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
     (tmp_path / "train.py").write_text("print('training')\n")
     return run
 
 
-@pytest.mark.parametrize("args", [["--help"], ["report", "--help"], ["watch", "--help"], ["slurm", "script", "--help"],
-                                  ["slurm", "submit", "--help"]], ids=" ".join)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["report", "--help"],
+        ["watch", "--help"],
+        ["slurm", "script", "--help"],
+        ["slurm", "submit", "--help"],
+    ],
+    ids=" ".join,
+)
 def test_help_imports_no_torch(args):
     proc = run(cli(*args))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -108,8 +129,17 @@ def test_slurm_script_imports_no_torch(run_dir, tmp_path):
     assert heavy(proc.stderr) == []
 
 
-@pytest.mark.parametrize("module", ["trainguard", "trainguard.report", "trainguard.watch", "trainguard.outcomes",
-                                    "trainguard.config", "trainguard.slurm.script"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "trainguard",
+        "trainguard.report",
+        "trainguard.watch",
+        "trainguard.outcomes",
+        "trainguard.config",
+        "trainguard.slurm.script",
+    ],
+)
 def test_import_leaves_torch_out(module):
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -150,19 +180,44 @@ def test_public_names_resolve_lazily():
 
 def test_public_names_cover_the_documented_api():
     code = "import trainguard; print(' '.join(trainguard.__all__))"
-    names = set(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                               timeout=60).stdout.split())
-    assert {"Guard", "Config", "ConfigError", "Section", "ResumableSampler", "Checkpoint", "CheckpointStore",
-            "CheckpointMismatchError", "EventLog", "Hook", "read_events", "ExitCode", "exit_bad_input",
-            "config_from_argv", "load_config", "seed_everything", "state_hash", "dist",
-            "Outcome", "Requeue", "GiveUp", "BadInput"} <= names
+    names = set(
+        subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+        ).stdout.split()
+    )
+    assert {
+        "Guard",
+        "Config",
+        "ConfigError",
+        "Section",
+        "ResumableSampler",
+        "Checkpoint",
+        "CheckpointStore",
+        "CheckpointMismatchError",
+        "EventLog",
+        "Hook",
+        "read_events",
+        "ExitCode",
+        "exit_bad_input",
+        "config_from_argv",
+        "load_config",
+        "seed_everything",
+        "state_hash",
+        "dist",
+        "Outcome",
+        "Requeue",
+        "GiveUp",
+        "BadInput",
+    } <= names
 
 
 def without(module: str, *args: str) -> subprocess.CompletedProcess:
     """Run the CLI with ``args`` in an interpreter where ``module`` cannot be imported (as if the
     extra that brings it were not installed)."""
-    code = (f"import sys; sys.modules[{module!r}] = None; sys.argv = ['trainguard', *sys.argv[1:]]; "
-            "from trainguard.cli import main; main()")
+    code = (
+        f"import sys; sys.modules[{module!r}] = None; sys.argv = ['trainguard', *sys.argv[1:]]; "
+        "from trainguard.cli import main; main()"
+    )
     return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
@@ -198,4 +253,3 @@ def test_optional_dependencies_are_extras():
         assert package not in core
         assert any(req.startswith(package) for req in extras[extra]), extra
     assert extras["all"] == ["trainguard[report,watch,gpu]"]
-

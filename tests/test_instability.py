@@ -73,13 +73,16 @@ def test_detector_single_rank_nonfinite_and_spike():
     assert grad.fired == ["grad_spike"] and grad.thresholds["grad_norm"] == pytest.approx(10.0)
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("instability.loss_spike=explode", "instability.loss_spike"),
-    ("instability.grad_spike_factor=0", "instability.grad_spike_factor"),
-    ("instability.window=0", "instability.window"),
-    ("rollback.lr_factor=0", "rollback.lr_factor"),
-    ("instability.max_consecutiv=3", "did you mean 'max_consecutive'"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("instability.loss_spike=explode", "instability.loss_spike"),
+        ("instability.grad_spike_factor=0", "instability.grad_spike_factor"),
+        ("instability.window=0", "instability.window"),
+        ("rollback.lr_factor=0", "rollback.lr_factor"),
+        ("instability.max_consecutiv=3", "did you mean 'max_consecutive'"),
+    ],
+)
 def test_bad_instability_config_is_named(override, expected):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -88,8 +91,25 @@ def test_bad_instability_config_is_named(override, expected):
 
 def test_bad_policy_exits_2_before_training(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--run-dir", str(run),
-                           str(WORKER), "--set", "instability.nonfinite_loss=ignore"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainguard.cli",
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--run-dir",
+            str(run),
+            str(WORKER),
+            "--set",
+            "instability.nonfinite_loss=ignore",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == ExitCode.BAD_INPUT, proc.stdout + proc.stderr
     assert "instability.nonfinite_loss" in proc.stderr and "'warn', 'skip', 'rollback' or 'raise'" in proc.stderr
     assert not (run / "checkpoints").exists()
@@ -162,8 +182,16 @@ def test_consecutive_nans_roll_back_with_lr_ramp_and_data_skip_and_survive_a_res
 
 def test_loss_spike_and_gradient_explosion_are_detected_by_the_documented_rules(tmp_path):
     run = tmp_path / "run"
-    assert run_worker(run, "instability.window=20", "worker.batch_size=16", steps=45,
-                      inject=("loss_spike:rank=1,step=40,factor=1000", "grad_explosion:rank=0,step=42,factor=1000")) == 0, log(run)
+    assert (
+        run_worker(
+            run,
+            "instability.window=20",
+            "worker.batch_size=16",
+            steps=45,
+            inject=("loss_spike:rank=1,step=40,factor=1000", "grad_explosion:rank=0,step=42,factor=1000"),
+        )
+        == 0
+    ), log(run)
     loss_ev, grad_ev = events(run, "instability")
     d = loss_ev["details"]
     assert loss_ev["step"] == 40 and d["detectors"] == ["loss_spike"] and d["action"] == "skip"
@@ -182,7 +210,9 @@ def test_loss_spike_and_gradient_explosion_are_detected_by_the_documented_rules(
 
 def test_clean_1000_step_gpt_run_has_no_false_spike(tmp_path):
     run = tmp_path / "run"
-    code = finish(launch(run, "train.max_steps=1000", "checkpoint.interval=500", "train.log_interval=100", nproc=1), timeout=300)
+    code = finish(
+        launch(run, "train.max_steps=1000", "checkpoint.interval=500", "train.log_interval=100", nproc=1), timeout=300
+    )
     assert code == 0, log(run)
     assert not events(run, "instability"), events(run, "instability")[:3]
 
@@ -198,4 +228,6 @@ def test_hook_overrides_the_policy_and_hears_the_rollback(tmp_path):
     assert all(c["from_step"] == 32 and c["to_step"] == 20 and c["step_now"] == 20 for c in calls)
     (rb,) = events(run, "rollback")
     assert rb["details"]["set_aside"] == [30]
-    assert [p.name.split("-step-")[0] for p in (run / "checkpoints").iterdir() if p.name.startswith(".")] == [".rolledback"]
+    assert [p.name.split("-step-")[0] for p in (run / "checkpoints").iterdir() if p.name.startswith(".")] == [
+        ".rolledback"
+    ]

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import psutil
-from conftest import REPO, events, final_hash, finish, launch, logged_step, wait_for
 
+from conftest import REPO, events, final_hash, finish, launch, logged_step, wait_for
 from trainguard.exitcodes import ExitCode
 
 STEPS = 150
@@ -55,8 +55,10 @@ def test_restart_budget_spent_gives_up(tmp_path):
     run = tmp_path / "run"
     proc = launch(run, "train.max_steps=100000", "launcher.max_restarts=1", "supervisor.max_same_step_faults=10")
     for attempt in range(2):
-        pids = wait_for(lambda a=attempt: [e for e in events(run, "workers_started") if e["details"]["restart"] == a],
-                        what=f"group {attempt}")[0]["details"]["pids"]
+        pids = wait_for(
+            lambda a=attempt: [e for e in events(run, "workers_started") if e["details"]["restart"] == a],
+            what=f"group {attempt}",
+        )[0]["details"]["pids"]
         wait_for(lambda a=attempt: any(e["attempt"] == a for e in events(run, "start")), what="training start")
         os.kill(int(pids["0"]), signal.SIGKILL)
     assert finish(proc) == ExitCode.GIVE_UP
@@ -82,8 +84,22 @@ def test_second_launch_on_locked_run_dir_is_refused(tmp_path):
     run = tmp_path / "run"
     first = launch(run, "train.max_steps=100000")
     wait_for(lambda: events(run, "start"), what="first launch training")
-    r = subprocess.run([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--run-dir", str(run),
-                        str(REPO / "examples" / "gpt.py")], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainguard.cli",
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--run-dir",
+            str(run),
+            str(REPO / "examples" / "gpt.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == ExitCode.BAD_INPUT
     assert "in use by another launch" in r.stderr and str(first.pid) in r.stderr
     first.send_signal(signal.SIGTERM)
@@ -104,8 +120,20 @@ def test_bad_user_key_exits_2_without_restart_and_keeps_checkpoints(tmp_path):
 def test_unwritable_run_dir_is_bad_input(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    r = subprocess.run([sys.executable, "-m", "trainguard.cli", "run", "--run-dir", str(blocker / "run"),
-                        str(REPO / "examples" / "gpt.py")], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainguard.cli",
+            "run",
+            "--run-dir",
+            str(blocker / "run"),
+            str(REPO / "examples" / "gpt.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == ExitCode.BAD_INPUT
     assert "not writable" in r.stderr and str(blocker / "run") in r.stderr
     assert blocker.read_text() == "not a directory"
@@ -163,7 +191,18 @@ def test_ranks_die_with_their_sigkilled_launcher_and_a_relaunch_then_starts(tmp_
 
 def orphan_command(run: Path, *args: str) -> list[str]:
     """``trainguard run`` of one rank of tests/orphan_worker.py with ``args``."""
-    return [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "1", "--run-dir", str(run), str(ORPHAN), *args]
+    return [
+        sys.executable,
+        "-m",
+        "trainguard.cli",
+        "run",
+        "--nproc-per-node",
+        "1",
+        "--run-dir",
+        str(run),
+        str(ORPHAN),
+        *args,
+    ]
 
 
 def test_relaunch_is_refused_while_a_rank_of_the_previous_launch_lives(tmp_path):
@@ -172,7 +211,9 @@ def test_relaunch_is_refused_while_a_rank_of_the_previous_launch_lives(tmp_path)
         proc = subprocess.Popen(orphan_command(run, str(ready)), stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     survivor = None
     try:
-        survivor = psutil.Process(int(wait_for(lambda: ready.exists() and ready.read_text(), what="the rank's pid file")))
+        survivor = psutil.Process(
+            int(wait_for(lambda: ready.exists() and ready.read_text(), what="the rank's pid file"))
+        )
         wait_for(lambda: events(run, "workers_started"), what="the launcher's record of its rank")
         proc.kill()  # its rank does not die with it (it cleared its parent-death signal)
         proc.wait()

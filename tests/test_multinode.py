@@ -16,6 +16,7 @@ from typing import Iterator, Optional
 
 import psutil
 import pytest
+
 from conftest import GPT, REPO, TINY, events, sets
 
 STEPS = 150  # as test_launcher.py: the clean_hash fixture's run is shared
@@ -46,10 +47,14 @@ class TeardownFalseHang(AssertionError):
 #    for a hang and the group is restarted from the final checkpoint. On one node that costs a
 #    restart; on two, when only one node's rank is caught, its agent waits in the rendezvous for a
 #    peer that is already in the exit barrier, and it dies of RendezvousTimeoutError (exit 1).
-MEMBERSHIP_RESTART_BUG = "a membership-change restart (torch's _restart_workers) bypasses TrainguardAgent._start_group: " \
-                         "the HangMonitor reads the old worker's heartbeat record and kills the new worker as hung"
-TEARDOWN_BUG = "the code after the last step is timed with the learned out_of_section timeout (2 s): a slow " \
-               "teardown is a false hang, and on two nodes the restarted agent times out in the rendezvous"
+MEMBERSHIP_RESTART_BUG = (
+    "a membership-change restart (torch's _restart_workers) bypasses TrainguardAgent._start_group: "
+    "the HangMonitor reads the old worker's heartbeat record and kills the new worker as hung"
+)
+TEARDOWN_BUG = (
+    "the code after the last step is timed with the learned out_of_section timeout (2 s): a slow "
+    "teardown is a false hang, and on two nodes the restarted agent times out in the rendezvous"
+)
 
 
 def free_port() -> int:
@@ -63,8 +68,11 @@ def node_log(run: Path, node: int) -> Path:
 
 
 def logs(run: Path, chars: int = 3000) -> str:
-    return "\n".join(f"--- node {n} ---\n{node_log(run, n).read_text(errors='replace')[-chars:]}" for n in range(2)
-                     if node_log(run, n).exists())
+    return "\n".join(
+        f"--- node {n} ---\n{node_log(run, n).read_text(errors='replace')[-chars:]}"
+        for n in range(2)
+        if node_log(run, n).exists()
+    )
 
 
 def _kill_tree(agent: subprocess.Popen) -> None:
@@ -88,11 +96,30 @@ def two_nodes(run: Path, *overrides: str, extra: tuple[str, ...] = ()) -> Iterat
     try:
         for node in range(2):
             with open(node_log(run, node), "ab") as log:
-                cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nnodes", "2", "--nproc-per-node", "1",
-                       "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
-                       # a lone agent gives up on the rendezvous after 1 min, not torch's 10
-                       "--rdzv-conf", "join_timeout=60", "--run-dir", str(run), *extra,
-                       str(GPT), *sets(*TINY, *overrides)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "trainguard.cli",
+                    "run",
+                    "--nnodes",
+                    "2",
+                    "--nproc-per-node",
+                    "1",
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    endpoint,
+                    "--rdzv-id",
+                    rdzv_id,
+                    # a lone agent gives up on the rendezvous after 1 min, not torch's 10
+                    "--rdzv-conf",
+                    "join_timeout=60",
+                    "--run-dir",
+                    str(run),
+                    *extra,
+                    str(GPT),
+                    *sets(*TINY, *overrides),
+                ]
                 agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
         yield agents
     finally:
@@ -123,7 +150,9 @@ def check_finished(run: Path, codes: list[Optional[int]]) -> None:
         ends = events(run, "end")
         late = [h for h in events(run, "hang_detected") if ends and h["time"] > ends[0]["time"]]
         if late:
-            raise TeardownFalseHang(f"exit codes {codes} after hangs reported past the end of training: {late}\n{logs(run)}")
+            raise TeardownFalseHang(
+                f"exit codes {codes} after hangs reported past the end of training: {late}\n{logs(run)}"
+            )
     assert codes == [0, 0], f"exit codes {codes}\n{logs(run)}"
 
 
@@ -198,7 +227,9 @@ def test_hang_on_second_node_is_detected_there_both_nodes_restart_and_match_clea
 
     # both nodes start new workers: the hung node through a restart, the healthy one because its
     # rank fails with its killed peer, or because the rendezvous sees the hung node come back
-    started = {n: [e for e in training_events(run, "workers_started") if e["pid"] == a.pid] for n, a in enumerate(agents)}
+    started = {
+        n: [e for e in training_events(run, "workers_started") if e["pid"] == a.pid] for n, a in enumerate(agents)
+    }
     assert [e["details"]["restart"] for e in started[hung_node]] == [0, 1], started
     assert len(started[healthy_node]) == 2, started
     first_pids = {int(p) for n in (0, 1) for p in started[n][0]["details"]["pids"].values()}

@@ -25,8 +25,17 @@ WORKER = REPO / "tests" / "oom_worker.py"
 
 def run_worker(run: Path, *overrides: str, inject: tuple[str, ...] = (), steps: int = 20) -> int:
     extra = tuple(x for spec in inject for x in ("--inject", spec))
-    return finish(launch(run, f"worker.max_steps={steps}", "checkpoint.interval=5", *overrides,
-                         script=WORKER, extra=extra, tiny=False))
+    return finish(
+        launch(
+            run,
+            f"worker.max_steps={steps}",
+            "checkpoint.interval=5",
+            *overrides,
+            script=WORKER,
+            extra=extra,
+            tiny=False,
+        )
+    )
 
 
 def steps_of(run: Path, rank: int) -> list[dict]:
@@ -64,13 +73,16 @@ def test_batches_split_along_the_first_dimension():
         batch_size(["no", "tensors"])
 
 
-@pytest.mark.parametrize("override, key, expected", [
-    ("memory.host_percent=150", "memory.host_percent", "less than 100"),
-    ("memory.host_percent=0", "memory.host_percent", "greater than 0"),
-    ("memory.rss_limit='lots'", "memory.rss_limit", "expected a size"),
-    ("memory.check_interval=0", "memory.check_interval", "greater than or equal to 1"),
-    ("oom.micro_batch_size=-1", "oom.micro_batch_size", "greater than or equal to 0"),
-])
+@pytest.mark.parametrize(
+    "override, key, expected",
+    [
+        ("memory.host_percent=150", "memory.host_percent", "less than 100"),
+        ("memory.host_percent=0", "memory.host_percent", "greater than 0"),
+        ("memory.rss_limit='lots'", "memory.rss_limit", "expected a size"),
+        ("memory.check_interval=0", "memory.check_interval", "greater than or equal to 1"),
+        ("oom.micro_batch_size=-1", "oom.micro_batch_size", "greater than or equal to 0"),
+    ],
+)
 def test_bad_thresholds_name_the_key(override, key, expected):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -86,12 +98,15 @@ def test_real_allocation_failure_on_one_rank_splits_on_every_rank(tmp_path):
     """Rank 1 caps its address space before step 3: the full batch of 128 (32 MiB per activation)
     no longer fits; both ranks halve until it does and the run finishes (nothing deadlocks)."""
     run = tmp_path / "rlimit"
-    code = run_worker(run, "worker.batch_size=128", "worker.hidden=65536", "worker.limit_mb=48",
-                      "oom.grow_after=1000", steps=8)
+    code = run_worker(
+        run, "worker.batch_size=128", "worker.hidden=65536", "worker.limit_mb=48", "oom.grow_after=1000", steps=8
+    )
     assert code == 0, log(run)
     ooms, splits = details(run, "oom"), details(run, "micro_batch_split")
     assert ooms and all(o["rank"] == 1 and not o["injected"] and "DefaultCPUAllocator" in o["error"] for o in ooms)
-    assert splits[0]["from_size"] == 128 and splits[0]["to_size"] == 64 and splits[0]["ranks"] == {"1": ooms[0]["phase"]}
+    assert (
+        splits[0]["from_size"] == 128 and splits[0]["to_size"] == 64 and splits[0]["ranks"] == {"1": ooms[0]["phase"]}
+    )
     assert [s["to_size"] for s in splits] == [128 // 2 ** (i + 1) for i in range(len(splits))]
     r0, r1 = steps_of(run, 0), steps_of(run, 1)
     assert [s["micro_batch"] for s in r0] == [s["micro_batch"] for s in r1]  # every rank splits alike
@@ -102,12 +117,18 @@ def test_injected_oom_on_one_rank_retries_the_same_batch_with_equal_gradients_an
     clean = tmp_path / "ddp"  # the unsplit reference: DDP's own backward
     assert run_worker(clean, "worker.grads_at=3", "worker.plain=true", steps=3) == 0, log(clean)
     run = tmp_path / "oom"
-    code = run_worker(run, "worker.grads_at=3", "oom.grow_after=4",
-                      inject=("oom:rank=1,step=3,phase=forward", "oom:rank=0,step=8,phase=backward"))
+    code = run_worker(
+        run,
+        "worker.grads_at=3",
+        "oom.grow_after=4",
+        inject=("oom:rank=1,step=3,phase=forward", "oom:rank=0,step=8,phase=backward"),
+    )
     assert code == 0, log(run)
     splits = details(run, "micro_batch_split")
     assert [(s["step"], s["from_size"], s["to_size"], s["ranks"], s["accumulation"]) for s in splits] == [
-        (3, 8, 4, {"1": "forward"}, [1, 2]), (8, 8, 4, {"0": "backward"}, [1, 2])]
+        (3, 8, 4, {"1": "forward"}, [1, 2]),
+        (8, 8, 4, {"0": "backward"}, [1, 2]),
+    ]
     assert splits[1]["backoff"] and splits[1]["grow_after"] == 8  # the grow at step 7 failed at once
     grows = details(run, "micro_batch_grow")
     # after 4 clean steps (3..6), then after 8 (8..15: the wait doubled)
@@ -134,4 +155,3 @@ def test_oom_at_micro_batch_one_gives_up(tmp_path):
     assert gave_up["step"] == 2 and gave_up["ranks"] == {"0": "forward"}
     assert len(events(run, "launch")) == 1 and len(details(run, "oom")) == 3  # no restart
     assert "out of memory at micro-batch size 1 in step 2" in log(run)
-

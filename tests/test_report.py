@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, events, finish, launch, logged_step, wait_for
 
+from conftest import REPO, events, finish, launch, logged_step, wait_for
 from trainguard.report import ReportError, build_report, daly_interval, load_events, main, render_text, young_interval
 
 # the relaunch injects its hang a little after the step the SIGTERM stopped at: max_steps leaves room
@@ -58,8 +58,11 @@ def test_chaos_run_incidents_match_the_events(chaos):
     assert set(faults) == {"rank_killed", "rank_hung"} and len(stops) == len(hang_restarts) == 1
     assert report["incident_counts"] == {"rank_killed": 1, "preemption_signal": 1, "hang": 1}, report["incidents"]
 
-    failure_step = {"rank_killed": faults["rank_killed"]["step"], "hang": faults["rank_hung"]["step"],
-                    "preemption_signal": stops[0]["step"]}
+    failure_step = {
+        "rank_killed": faults["rank_killed"]["step"],
+        "hang": faults["rank_hung"]["step"],
+        "preemption_signal": stops[0]["step"],
+    }
     for inc in report["incidents"]:
         kind = inc["kind"]
         assert inc["injected"] is (kind != "preemption_signal"), inc
@@ -69,7 +72,9 @@ def test_chaos_run_incidents_match_the_events(chaos):
         # more checkpoint before it is killed, so the resume can start past the injected step
         assert inc["resumed_from_step"] == resumed and inc["steps_lost"] == max(0, failure_step[kind] - resumed), inc
         start = next_after(evs, "start", inc["detected_time"])
-        assert inc["recovered"] and inc["time_to_recover"] == pytest.approx(start["time"] - inc["detected_time"], abs=2e-3)
+        assert inc["recovered"] and inc["time_to_recover"] == pytest.approx(
+            start["time"] - inc["detected_time"], abs=2e-3
+        )
         if inc["injected"]:
             fault = faults["rank_killed" if kind == "rank_killed" else "rank_hung"]
             assert inc["detection_latency"] == pytest.approx(inc["detected_time"] - fault["time"], abs=2e-3)
@@ -83,7 +88,9 @@ def test_chaos_run_incidents_match_the_events(chaos):
 def test_chaos_run_goodput_checkpoints_and_interval(chaos):
     evs, _ = load_events(chaos)
     report = build_report(evs)
-    assert report["launches"] == 2 and report["attempts"] == len([e for e in evs if e["kind"] == "workers_started"]) == 4
+    assert (
+        report["launches"] == 2 and report["attempts"] == len([e for e in evs if e["kind"] == "workers_started"]) == 4
+    )
     assert report["status"] == "finished" and report["exit_code"] == 0 and report["final_step"] == 300
     wall = max(e["time"] for e in evs) - min(e["time"] for e in evs)
     assert report["wall_seconds"] == pytest.approx(wall, abs=1e-3)
@@ -203,13 +210,22 @@ def test_young_and_daly_intervals():
 
 
 def ev(t: float, kind: str, step=None, rank=0, attempt=0, **details) -> dict:
-    return {"time": 1000.0 + t, "rank": rank, "kind": kind, "step": step, "attempt": attempt, "pid": 1, "details": details}
+    return {
+        "time": 1000.0 + t,
+        "rank": rank,
+        "kind": kind,
+        "step": step,
+        "attempt": attempt,
+        "pid": 1,
+        "details": details,
+    }
 
 
 def test_goodput_breakdown_of_a_known_timeline():
     """A crash no fault injection announced: its step comes from the step rate (1 s a step)."""
     log = [
-        ev(0, "launch", rank=None), ev(1, "workers_started", rank=None, restart=0),
+        ev(0, "launch", rank=None),
+        ev(1, "workers_started", rank=None, restart=0),
         ev(10, "start", 0, first_step=0, resumed_from=None),
         ev(20, "checkpoint_committed", 10, bytes=100, seconds=1.0, reason="interval"),
         ev(35, "workers_failed", rank=None, exit_codes={"0": -9, "1": -9}),
@@ -221,12 +237,13 @@ def test_goodput_breakdown_of_a_known_timeline():
         ev(62, "launch_exit", rank=None, code=0, reason="finished", seconds=62),
     ]
     report = build_report(log)
-    inc, = report["incidents"]
+    (inc,) = report["incidents"]
     assert inc["kind"] == "rank_killed" and not inc["injected"] and inc["detection_latency"] is None
     assert inc["step"] == 25 and inc["step_estimated"] and inc["resumed_from_step"] == 10 and inc["steps_lost"] == 15
     assert inc["time_to_recover"] == 5.0 and inc["redone_seconds"] == pytest.approx(15.0)
-    assert report["time_breakdown"] == pytest.approx({"productive": 29.0, "restart_overhead": 5.0, "redone_work": 15.0,
-                                                      "checkpoint_stalls": 1.0, "other": 12.0})
+    assert report["time_breakdown"] == pytest.approx(
+        {"productive": 29.0, "restart_overhead": 5.0, "redone_work": 15.0, "checkpoint_stalls": 1.0, "other": 12.0}
+    )
     assert report["goodput"] == pytest.approx(29 / 62, abs=1e-4)
     assert report["checkpoint_interval"]["mtbf_seconds"] == 62.0
     assert report["checkpoint_interval"]["young_seconds"] == pytest.approx(math.sqrt(2 * 1.0 * 62.0), rel=1e-4)

@@ -37,8 +37,7 @@ from typing import Optional
 
 import pytest
 
-from conftest import REPO, GPT, TINY, events, final_hash, sets, wait_for
-
+from conftest import GPT, REPO, TINY, events, final_hash, sets, wait_for
 from trainguard.slurm.info import parse_show_job
 
 STEPS = 500  # the tiny GPT: ~15-40 ms a step on 2 CPU ranks (shared with the clean run of conftest)
@@ -80,10 +79,24 @@ def jobs():
         subprocess.run(["scancel", *ids], capture_output=True, timeout=30)
 
 
-def tg_slurm(command: str, run_dir: Path, *options: str, overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def tg_slurm(
+    command: str, run_dir: Path, *options: str, overrides: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """``trainguard slurm COMMAND --run-dir RUN_DIR OPTIONS --nproc-per-node 2 examples/gpt.py --set ...``"""
-    cmd = [sys.executable, "-m", "trainguard.cli", "slurm", command, "--run-dir", str(run_dir), "--nproc-per-node", "2",
-           *options, str(GPT), *sets(*TINY, *overrides)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainguard.cli",
+        "slurm",
+        command,
+        "--run-dir",
+        str(run_dir),
+        "--nproc-per-node",
+        "2",
+        *options,
+        str(GPT),
+        *sets(*TINY, *overrides),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60)
 
 
@@ -101,14 +114,26 @@ def job_tasks(job: str) -> list[dict[str, str]]:
     return [parse_show_job(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
-FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE")
+FINAL = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+)
 
 
 def wait_done(job: str, n_tasks: int = 1, timeout: float = TIMEOUT) -> list[dict[str, str]]:
     """Wait until the job (all ``n_tasks`` tasks of an array) reached a final state; return them."""
+
     def done():
         tasks = job_tasks(job)
         return tasks if len(tasks) == n_tasks and all(t.get("JobState") in FINAL for t in tasks) else None
+
     return wait_for(done, timeout=timeout, what=f"job {job} to end")
 
 
@@ -145,21 +170,40 @@ def requeue_timing(run_dir: Path) -> list[dict]:
         if e["kind"] == "slurm_requeue" and e["details"].get("ok"):
             info = next((x for x in evs[i:] if x["kind"] == "slurm_info"), None)
             resume = next((x for x in evs[i:] if x["kind"] == "resume"), None)
-            out.append({"running_after": info and round(info["time"] - e["time"], 2),
-                        "resumed_after": resume and round(resume["time"] - e["time"], 2)})
+            out.append(
+                {
+                    "running_after": info and round(info["time"] - e["time"], 2),
+                    "resumed_after": resume and round(resume["time"] - e["time"], 2),
+                }
+            )
     return out
 
 
 def test_time_limit_saves_before_end_time_requeues_and_matches_clean_run(tmp_path, jobs, clean_hash):
     run = tmp_path / "tl"
     hold = "[{kind='rank_hung', rank=0, step=150}, {kind='rank_hung', rank=1, step=150}]"
-    job = submit(jobs, run, "--time", "5", "--signal-lead", "1",
-                 overrides=(f"train.max_steps={STEPS}", "checkpoint.interval=50", "stop.check_interval=1",
-                            "slurm.end_time_refresh=1", "slurm.end_margin=50",
-                            "supervisor.learn=false",  # the held ranks stay within the 180 s step timeout
-                            f"faults.inject={hold}"))
-    held = wait_for(lambda: (lambda f: f if len(f) == 2 else None)(events(run, "fault_injected")),
-                    timeout=TIMEOUT, what="both ranks held at step 150")
+    job = submit(
+        jobs,
+        run,
+        "--time",
+        "5",
+        "--signal-lead",
+        "1",
+        overrides=(
+            f"train.max_steps={STEPS}",
+            "checkpoint.interval=50",
+            "stop.check_interval=1",
+            "slurm.end_time_refresh=1",
+            "slurm.end_margin=50",
+            "supervisor.learn=false",  # the held ranks stay within the 180 s step timeout
+            f"faults.inject={hold}",
+        ),
+    )
+    held = wait_for(
+        lambda: (lambda f: f if len(f) == 2 else None)(events(run, "fault_injected")),
+        timeout=TIMEOUT,
+        what="both ranks held at step 150",
+    )
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=1"], check=True, timeout=30)
     changed = wait_for(lambda: events(run, "slurm_end_time_changed"), timeout=60, what="the new EndTime")[0]["details"]
     wait_for(lambda: time.time() > changed["ranks_end_time"], timeout=90, what="the ranks' new end time")
@@ -185,8 +229,10 @@ def test_time_limit_saves_before_end_time_requeues_and_matches_clean_run(tmp_pat
     assert requeue["time"] < changed["end_time"]
     assert lost_steps(run) == [0]
     assert final_hash(run) == clean_hash(STEPS)
-    print(f"\n[time limit] stop at step {stop['step']}, {changed['end_time'] - exit_['time']:.1f} s before EndTime; "
-          f"requeue timing {requeue_timing(run)}")
+    print(
+        f"\n[time limit] stop at step {stop['step']}, {changed['end_time'] - exit_['time']:.1f} s before EndTime; "
+        f"requeue timing {requeue_timing(run)}"
+    )
 
 
 def test_usr1_to_batch_shell_and_scontrol_requeue_resume_bitwise(tmp_path, jobs, clean_hash):
@@ -220,9 +266,11 @@ def test_usr1_to_batch_shell_and_scontrol_requeue_resume_bitwise(tmp_path, jobs,
     assert "already requeued" in events(run, "slurm_requeue")[1]["details"]["skipped"]
     assert lost_steps(run) == [0, 0]
     assert final_hash(run) == clean_hash(STEPS)
-    print(f"\n[USR1 + scontrol requeue] signal → requeue {signal_to_requeue:.2f} s; requeue → running "
-          f"{requeue_timing(run)}; scontrol requeue → running {external_requeue_to_running:.2f} s; "
-          f"lost steps {lost_steps(run)}; second stop by {stops[1]['details']['signal']}")
+    print(
+        f"\n[USR1 + scontrol requeue] signal → requeue {signal_to_requeue:.2f} s; requeue → running "
+        f"{requeue_timing(run)}; scontrol requeue → running {external_requeue_to_running:.2f} s; "
+        f"lost steps {lost_steps(run)}; second stop by {stops[1]['details']['signal']}"
+    )
 
 
 def test_array_finished_run_and_kill_switch_burn_through(tmp_path, jobs):
@@ -271,9 +319,20 @@ def test_time_limit_kill_without_signal_is_requeued(tmp_path, jobs):
     """SLURM's own SIGTERM at the time limit (no --signal, EndTime ignored): the ranks save, the
     launcher requeues the TIMEOUT job, and it resumes where it stopped (Lightning #20542)."""
     run = tmp_path / "kill"
-    submit(jobs, run, "--time", "1", "--signal-lead", "0",
-           overrides=("train.max_steps=100000", "checkpoint.interval=500", "train.log_interval=100",
-                      "slurm.use_end_time=false"))
+    submit(
+        jobs,
+        run,
+        "--time",
+        "1",
+        "--signal-lead",
+        "0",
+        overrides=(
+            "train.max_steps=100000",
+            "checkpoint.interval=500",
+            "train.log_interval=100",
+            "slurm.use_end_time=false",
+        ),
+    )
     assert "#SBATCH --signal" not in (run / "slurm-job.sh").read_text()
     wait_for(lambda: events(run, "resume"), timeout=200, what="the resume after the time limit")
     [stop] = events(run, "stop_requested")
@@ -281,25 +340,34 @@ def test_time_limit_kill_without_signal_is_requeued(tmp_path, jobs):
     [requeue] = events(run, "slurm_requeue")
     assert requeue["details"]["ok"] and requeue["details"]["job_state"] != "RUNNING"
     assert lost_steps(run) == [0]
-    print(f"\n[time-limit kill] SIGTERM at {stop['details']['signal_time'] - events(run, 'slurm_info')[0]['details']['start_time']:.1f} s "
-          f"into a 60 s job; saved step {stop['step']}; state at requeue {requeue['details']['job_state']}; {requeue_timing(run)}")
+    print(
+        f"\n[time-limit kill] SIGTERM at {stop['details']['signal_time'] - events(run, 'slurm_info')[0]['details']['start_time']:.1f} s "
+        f"into a 60 s job; saved step {stop['step']}; state at requeue {requeue['details']['job_state']}; {requeue_timing(run)}"
+    )
 
 
 def test_generated_script_passes_sbatch_test_only(tmp_path):
     run = tmp_path / "t"
-    proc = tg_slurm("script", run, "--time", "10", "--array", "4", "--partition", "debug", "-o", str(tmp_path / "job.sh"))
+    proc = tg_slurm(
+        "script", run, "--time", "10", "--array", "4", "--partition", "debug", "-o", str(tmp_path / "job.sh")
+    )
     assert proc.returncode == 0, proc.stderr
-    test = subprocess.run(["sbatch", "--test-only", str(tmp_path / "job.sh")], capture_output=True, text=True, timeout=30)
+    test = subprocess.run(
+        ["sbatch", "--test-only", str(tmp_path / "job.sh")], capture_output=True, text=True, timeout=30
+    )
     assert test.returncode == 0 and "to start at" in test.stderr, test.stderr
     via_cli = tg_slurm("submit", run, "--time", "10", "--test-only")
     assert via_cli.returncode == 0 and "to start at" in via_cli.stdout, via_cli.stderr
 
 
-@pytest.mark.parametrize("options, message", [
-    (("--time", "1", "--signal-lead", "90"), "signal lead 90 s is not shorter than the time limit 60 s"),
-    (("--time", "5", "--partition", "nosuch"), "unknown SLURM partition 'nosuch' (this cluster has: debug)"),
-    (("--time", "in a while"), "is not a SLURM time"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (("--time", "1", "--signal-lead", "90"), "signal lead 90 s is not shorter than the time limit 60 s"),
+        (("--time", "5", "--partition", "nosuch"), "unknown SLURM partition 'nosuch' (this cluster has: debug)"),
+        (("--time", "in a while"), "is not a SLURM time"),
+    ],
+)
 def test_bad_input_exits_2_before_submitting(tmp_path, options, message):
     before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30).stdout
     run = tmp_path / "bad"

@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-
 from trainguard.config import ConfigError, StopSection, load_config
 from trainguard.events import EventLog
 from trainguard.signals import ShutdownHandler
 from trainguard.slurm import finished
-from trainguard.slurm.endtime import JobEndTime, write_end_time
 from trainguard.slurm import script as sbatch
+from trainguard.slurm.endtime import JobEndTime, write_end_time
 from trainguard.slurm.info import SLURMInfo, parse_show_job, parse_slurm_time, parse_slurm_timestamp
 from trainguard.slurm.requeue import ended_early, requeue_decision, stop_reasons
 from trainguard.stop import StopConditions
@@ -27,10 +26,19 @@ from trainguard.stop import StopConditions
 GPT = str(REPO / "examples" / "gpt.py")
 
 
-@pytest.mark.parametrize("text, seconds", [
-    ("10", 600), ("1:30", 90), ("01:00:00", 3600), ("2-3", 2 * 86400 + 3 * 3600),
-    ("1-00:30", 86400 + 1800), ("1-02:03:04", 86400 + 7384), ("UNLIMITED", None), ("infinite", None),
-])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("10", 600),
+        ("1:30", 90),
+        ("01:00:00", 3600),
+        ("2-3", 2 * 86400 + 3 * 3600),
+        ("1-00:30", 86400 + 1800),
+        ("1-02:03:04", 86400 + 7384),
+        ("UNLIMITED", None),
+        ("infinite", None),
+    ],
+)
 def test_parse_slurm_time(text, seconds):
     assert parse_slurm_time(text) == seconds
 
@@ -42,8 +50,10 @@ def test_parse_slurm_time_rejects_malformed(text):
 
 
 def test_show_job_parsing_keeps_spaces_in_values_and_reads_timestamps():
-    line = ("JobId=42 JobName=my job JobState=RUNNING Restarts=2 TimeLimit=00:01:00 "
-            "StartTime=2026-01-02T03:04:05 EndTime=Unknown Command=/x/run.sh --a b Requeue=1")
+    line = (
+        "JobId=42 JobName=my job JobState=RUNNING Restarts=2 TimeLimit=00:01:00 "
+        "StartTime=2026-01-02T03:04:05 EndTime=Unknown Command=/x/run.sh --a b Requeue=1"
+    )
     fields = parse_show_job(line)
     assert fields["JobName"] == "my job" and fields["Command"] == "/x/run.sh --a b"
     assert fields["Restarts"] == "2" and fields["Requeue"] == "1"
@@ -53,9 +63,16 @@ def test_show_job_parsing_keeps_spaces_in_values_and_reads_timestamps():
 
 def test_slurm_info_from_environment():
     assert SLURMInfo.from_env({}, query=False) is None
-    env = {"SLURM_JOB_ID": "107", "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "7",
-           "SLURM_JOB_NODELIST": "n[01-04]", "SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "2",
-           "SLURM_RESTART_COUNT": "3", "SLURM_JOB_PARTITION": "gpu"}
+    env = {
+        "SLURM_JOB_ID": "107",
+        "SLURM_ARRAY_JOB_ID": "100",
+        "SLURM_ARRAY_TASK_ID": "7",
+        "SLURM_JOB_NODELIST": "n[01-04]",
+        "SLURM_JOB_NUM_NODES": "4",
+        "SLURM_NODEID": "2",
+        "SLURM_RESTART_COUNT": "3",
+        "SLURM_JOB_PARTITION": "gpu",
+    }
     info = SLURMInfo.from_env(env, query=False)
     assert (info.job_id, info.num_nodes, info.node_id, info.restart_count) == ("107", 4, 2, 3)
     assert info.requeue_id == "100_7"  # scontrol requeue needs the array form
@@ -80,8 +97,13 @@ def _events(run_dir: Path, *items: tuple[str, dict]) -> None:
 def test_signal_lead_from_measured_step_and_save_times(tmp_path):
     lead, basis = sbatch.signal_lead(tmp_path / "none")
     assert lead == sbatch.DEFAULT_LEAD and "no measured" in basis
-    _events(tmp_path, ("progress", {"step_seconds": 2.0}), ("progress", {"step_seconds": 4.0}),
-            ("checkpoint_committed", {"seconds": 30.0}), ("checkpoint_committed", {"seconds": 10.0}))
+    _events(
+        tmp_path,
+        ("progress", {"step_seconds": 2.0}),
+        ("progress", {"step_seconds": 4.0}),
+        ("checkpoint_committed", {"seconds": 30.0}),
+        ("checkpoint_committed", {"seconds": 10.0}),
+    )
     lead, basis = sbatch.signal_lead(tmp_path)
     # 2 × (check 1 s + 2 × slowest step 4 s + slowest save 30 s + exit 15 s) = 108 s
     assert lead == 108 and "step 4.000 s" in basis and "save 30.000 s" in basis
@@ -91,15 +113,28 @@ def test_signal_lead_from_measured_step_and_save_times(tmp_path):
 
 
 def _opts(tmp_path: Path, **kw) -> sbatch.ScriptOptions:
-    base = dict(script=GPT, run_dir=tmp_path / "run", script_args=["--set", "train.max_steps=5"],
-                launcher_sets=["slurm.auto_requeue=true"], nproc_per_node=2, time="30", signal_lead=90)
+    base = dict(
+        script=GPT,
+        run_dir=tmp_path / "run",
+        script_args=["--set", "train.max_steps=5"],
+        launcher_sets=["slurm.auto_requeue=true"],
+        nproc_per_node=2,
+        time="30",
+        signal_lead=90,
+    )
     return sbatch.ScriptOptions(**{**base, **kw})
 
 
 def test_script_text_has_signal_requeue_and_srun_and_is_valid_bash(tmp_path):
     text = sbatch.render(_opts(tmp_path))
-    for line in ("#SBATCH --signal=B:USR1@90", "#SBATCH --requeue", "#SBATCH --open-mode=append",
-                 "#SBATCH --time=30", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1"):
+    for line in (
+        "#SBATCH --signal=B:USR1@90",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --time=30",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks-per-node=1",
+    ):
         assert line in text.splitlines(), line
     assert "trap 'pending=USR1" in text and "trap 'pending=TERM" in text
     assert 'kill -USR1 "$srun_pid"' in text and 'exit "$rc"' in text
@@ -122,23 +157,41 @@ def test_script_for_several_nodes_array_and_dependency(tmp_path):
     assert "#SBATCH --signal" not in sbatch.render(no_signal)
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(time="1", signal_lead=60), "not shorter than the time limit"),
-    (dict(time="1:00:00:00"), "not a SLURM time"),
-    (dict(array=0), "--array must be"),
-    (dict(array=2, after="5"), "do not go together"),
-    (dict(after="abc"), "expected a SLURM job id"),
-    (dict(script="/nonexistent.py"), "does not exist"),
-    (dict(signal_lead=70000), "1 to 65535"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(time="1", signal_lead=60), "not shorter than the time limit"),
+        (dict(time="1:00:00:00"), "not a SLURM time"),
+        (dict(array=0), "--array must be"),
+        (dict(array=2, after="5"), "do not go together"),
+        (dict(after="abc"), "expected a SLURM job id"),
+        (dict(script="/nonexistent.py"), "does not exist"),
+        (dict(signal_lead=70000), "1 to 65535"),
+    ],
+)
 def test_validate_rejects_bad_input(tmp_path, kw, message):
     with pytest.raises(ConfigError, match=message):
         sbatch.validate(_opts(tmp_path, **kw), check_cluster=False)
 
 
 def test_cli_bad_time_exits_2_with_a_clear_message(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "trainguard.cli", "slurm", "script", "--run-dir", str(tmp_path / "r"),
-                           "--time", "soon", GPT], capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainguard.cli",
+            "slurm",
+            "script",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--time",
+            "soon",
+            GPT,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert proc.returncode == 2 and "trainguard: error: --time: time 'soon' is not a SLURM time" in proc.stderr
     assert proc.stdout == ""
 
@@ -170,8 +223,12 @@ def test_requeue_decision_reads_this_launchs_events_and_the_kill_switch(tmp_path
 
 def test_a_job_ending_before_its_time_limit_was_cancelled():
     # what scontrol shows while the job's processes are being killed: EndTime is the kill time
-    cancelled = {"JobState": "COMPLETING", "StartTime": "2026-11-23T07:25:51", "EndTime": "2026-11-23T07:25:53",
-                 "TimeLimit": "00:05:00"}
+    cancelled = {
+        "JobState": "COMPLETING",
+        "StartTime": "2026-11-23T07:25:51",
+        "EndTime": "2026-11-23T07:25:53",
+        "TimeLimit": "00:05:00",
+    }
     assert "cancelled (scancel)" in ended_early(cancelled)
     timed_out = dict(cancelled, EndTime="2026-11-23T07:30:51")
     assert ended_early(timed_out) is None

@@ -14,7 +14,7 @@ from trainguard.state import capture_rng, restore_rng
 
 def test_sampler_resumes_mid_epoch_and_across_epochs():
     a = ResumableSampler(10, rank=1, world_size=2, seed=3)
-    first = a.take(7)                      # crosses into epoch 1 (5 indices per rank per epoch)
+    first = a.take(7)  # crosses into epoch 1 (5 indices per rank per epoch)
     b = ResumableSampler(10, rank=1, world_size=2, seed=3)
     b.load_state_dict(a.state_dict())
     assert a.state_dict() == {"epoch": 1, "offset": 2}
@@ -44,7 +44,7 @@ def test_state_hash_sees_one_bit_and_optimizer_state():
     h = state_hash(m, opt)
     assert h == state_hash(m, opt)
     with torch.no_grad():
-        m.weight.view(-1).view(torch.int32)[0] ^= 1      # flip the lowest mantissa bit
+        m.weight.view(-1).view(torch.int32)[0] ^= 1  # flip the lowest mantissa bit
     assert state_hash(m, opt) != h
     with torch.no_grad():
         m.weight.view(-1).view(torch.int32)[0] ^= 1
@@ -133,7 +133,9 @@ def test_state_hash_across_ranks_ddp_and_dtensor_shards():
     assert first == second, "two identical 2-rank runs must give the same hashes"
     for layout in ("ddp", "fsdp"):
         same, on_rank1, on_rank0 = (first[layout, f] for f in FLIPS)
-        assert len({same, on_rank1, on_rank0}) == 3, f"{layout}: one bit on one rank must change the hash, and which rank matters"
+        assert len({same, on_rank1, on_rank0}) == 3, (
+            f"{layout}: one bit on one rank must change the hash, and which rank matters"
+        )
     assert first["plain"] == first["ddp", None], "a DDP-wrapped and a plain module hash alike"
     assert first["ddp", None] != first["fsdp", None], "the sharding layout is part of the hash"
 
@@ -153,6 +155,8 @@ def test_state_hash_without_process_group_is_local():
     bias, weight = m.bias.detach(), m.weight.detach()
     by_hand = hashlib.sha256()
     for key, t in (("model.bias", bias), ("model.weight", weight)):
-        by_hand.update(f"{key}:{t.dtype}:{list(t.shape)}\n".encode() + t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        by_hand.update(
+            f"{key}:{t.dtype}:{list(t.shape)}\n".encode() + t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        )
     assert state_hash(m) == by_hand.hexdigest()
     assert state_hash(m) != state_hash(m, opt)

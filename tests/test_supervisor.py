@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import GPT, events, final_hash, finish, launch
 
+from conftest import GPT, events, final_hash, finish, launch
 from trainguard.exitcodes import ExitCode
 
 STEPS = 150  # as test_launcher.py: the clean_hash fixture's run is shared
@@ -85,8 +85,15 @@ def check_recovered(run: Path, code: int, clean: str) -> None:
 def test_sigstopped_rank_is_detected_dumped_restarted_and_run_matches_clean(tmp_path, clean_hash):
     clean = clean_hash(STEPS)
     run = tmp_path / "run"
-    code = finish(launch(run, f"train.max_steps={STEPS}", INTERVAL, "supervisor.step_timeout=3",
-                         extra=("--inject", "rank_hung:rank=1,step=60")))
+    code = finish(
+        launch(
+            run,
+            f"train.max_steps={STEPS}",
+            INTERVAL,
+            "supervisor.step_timeout=3",
+            extra=("--inject", "rank_hung:rank=1,step=60"),
+        )
+    )
     d = check_hang(run, rank=1)
     # 59 steps × 2 ranks observed: the step timeout is learned, max(min_timeout, 3 × p99, longest)
     # (tiny steps: the 2 s floor), no longer the configured 3 s
@@ -101,8 +108,15 @@ def test_sigstopped_rank_is_detected_dumped_restarted_and_run_matches_clean(tmp_
 def test_rank_blocked_before_allreduce_while_peer_waits_inside_it(tmp_path, clean_hash):
     clean = clean_hash(STEPS)
     run = tmp_path / "run"
-    code = finish(launch(run, f"train.max_steps={STEPS}", INTERVAL, "supervisor.step_timeout=3",
-                         extra=("--inject", "rank_hung:rank=0,step=60,hang=collective")))
+    code = finish(
+        launch(
+            run,
+            f"train.max_steps={STEPS}",
+            INTERVAL,
+            "supervisor.step_timeout=3",
+            extra=("--inject", "rank_hung:rank=0,step=60,hang=collective"),
+        )
+    )
     fault = only(run, "fault_injected")
     assert fault["details"]["hang"] == "collective" and fault["rank"] == 0
     d = check_hang(run, rank=0)
@@ -114,9 +128,17 @@ def test_rank_blocked_before_allreduce_while_peer_waits_inside_it(tmp_path, clea
 def test_hang_while_checkpointing_uses_the_checkpointing_timeout(tmp_path, clean_hash):
     clean = clean_hash(STEPS)
     run = tmp_path / "run"
-    code = finish(launch(run, f"train.max_steps={STEPS}", INTERVAL, "supervisor.checkpointing_timeout=4",
-                         "supervisor.step_timeout=30", "supervisor.learn=false",
-                         extra=("--inject", "rank_hung:rank=1,step=20,section=checkpointing")))
+    code = finish(
+        launch(
+            run,
+            f"train.max_steps={STEPS}",
+            INTERVAL,
+            "supervisor.checkpointing_timeout=4",
+            "supervisor.step_timeout=30",
+            "supervisor.learn=false",
+            extra=("--inject", "rank_hung:rank=1,step=20,section=checkpointing"),
+        )
+    )
     fault = only(run, "fault_injected")
     assert fault["details"]["section"] == "checkpointing" and fault["step"] == 20
     hangs = events(run, "hang_detected")
@@ -197,8 +219,11 @@ def test_slow_tail_after_training_is_not_a_hang(tmp_path):
 
 def test_fault_at_the_same_step_every_attempt_gives_up(tmp_path):
     run = tmp_path / "run"
-    code = finish(launch(run, "train.max_steps=100", INTERVAL,
-                         extra=("--inject", "rank_killed:rank=1,step=15,every_attempt=true")))
+    code = finish(
+        launch(
+            run, "train.max_steps=100", INTERVAL, extra=("--inject", "rank_killed:rank=1,step=15,every_attempt=true")
+        )
+    )
     assert code == ExitCode.GIVE_UP, log_of(run)[-4000:]
     # the default rule: 2 failures in a row at the same step, well inside the restart budget (3)
     assert [e["step"] for e in events(run, "fault_injected")] == [15, 15]
@@ -214,8 +239,9 @@ def write_config(path: Path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("case", ["step_timeout=0", "step_timeout=-1", "misspelled_section", "rank_outside_world",
-                                  "unknown_fault_kind"])
+@pytest.mark.parametrize(
+    "case", ["step_timeout=0", "step_timeout=-1", "misspelled_section", "rank_outside_world", "unknown_fault_kind"]
+)
 def test_bad_supervisor_or_fault_input_exits_2_before_any_worker(tmp_path, case):
     run = tmp_path / "run"
     overrides: tuple[str, ...] = ()

@@ -210,8 +210,11 @@ def test_job_skipped_without_squeue(tmp_path, monkeypatch, capsys):
 
 def test_parse_squeue():
     text = "87|RUNNING|my-training-10b\n88|PENDING|my|odd|name\n\ngarbage\n 89 | completing |x\n"
-    assert parse_squeue(text) == [("87", "RUNNING", "my-training-10b"), ("88", "PENDING", "my|odd|name"),
-                                  ("89", "COMPLETING", "x")]
+    assert parse_squeue(text) == [
+        ("87", "RUNNING", "my-training-10b"),
+        ("88", "PENDING", "my|odd|name"),
+        ("89", "COMPLETING", "x"),
+    ]
 
 
 def test_failed_notification_is_a_warning_and_retried(tmp_path, capsys):
@@ -252,8 +255,10 @@ def test_bad_input_exits_2(tmp_path, capsys):
 
 
 def test_loop_until_sigterm(tmp_path):
-    code = (f"import sys; from pathlib import Path; from trainguard.watch import main; "
-            f"sys.exit(main(Path({str(tmp_path)!r}), [], [], '0.2', False))")
+    code = (
+        f"import sys; from pathlib import Path; from trainguard.watch import main; "
+        f"sys.exit(main(Path({str(tmp_path)!r}), [], [], '0.2', False))"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     state = tmp_path / "watch_state.json"
     deadline = time.monotonic() + 40

@@ -108,14 +108,24 @@ class Checkpointer:
         BadInput: ``[checkpoint.local] dir`` is not a writable directory.
     """
 
-    def __init__(self, cfg: CheckpointSection, run_dir: Path, events: EventLog, model: torch.nn.Module,
-                 optimizer: Optional[torch.optim.Optimizer], rank: int, world_size: int, node_rank: int = 0,
-                 local_world_size: Optional[int] = None):
+    def __init__(
+        self,
+        cfg: CheckpointSection,
+        run_dir: Path,
+        events: EventLog,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        rank: int,
+        world_size: int,
+        node_rank: int = 0,
+        local_world_size: Optional[int] = None,
+    ):
         self.cfg, self.events, self.model, self.optimizer = cfg, events, model, optimizer
         self.rank, self.world_size = rank, world_size
         root = Path(cfg.dir)
-        self.store = CheckpointStore(root if root.is_absolute() else run_dir / root, keep_last=cfg.keep_last,
-                                     on_invalid=self._on_invalid)
+        self.store = CheckpointStore(
+            root if root.is_absolute() else run_dir / root, keep_last=cfg.keep_last, on_invalid=self._on_invalid
+        )
         self.local: Optional[LocalTier] = None
         if cfg.local.dir is not None:
             base = expand_dir(cfg.local.dir, rank, node_rank)
@@ -124,9 +134,16 @@ class Checkpointer:
             except PreflightError as e:
                 raise BadInput(str(e)) from None
             run_id = _run_id(run_dir, rank)  # runs sharing a node-local directory keep apart
-            self.local = LocalTier(base / run_id, self.store.root / "local-replicas" if cfg.local.replicate else None,
-                                   cfg.local.keep_last, rank, world_size, local_world_size or world_size, run_id,
-                                   self._on_invalid)
+            self.local = LocalTier(
+                base / run_id,
+                self.store.root / "local-replicas" if cfg.local.replicate else None,
+                cfg.local.keep_last,
+                rank,
+                world_size,
+                local_world_size or world_size,
+                run_id,
+                self._on_invalid,
+            )
         background = cfg.async_save
         self.group = tgdist.new_cpu_group() if (background or self.local is not None) else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="trainguard-ckpt") if background else None
@@ -134,7 +151,11 @@ class Checkpointer:
         self.snapshot = Snapshot()
         self._copied: Optional[threading.Event] = None  # set once the background copy of the state is done
         self._copy_wait = 0.0  # seconds the optimizer step waited for that copy (part of the blocked time)
-        self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if background and optimizer is not None else None
+        self._hook = (
+            optimizer.register_step_pre_hook(self._before_optimizer_step)
+            if background and optimizer is not None
+            else None
+        )
         self.pending: Optional[Future] = None
         self._pending_step = 0
         self.failures = 0  # consecutive failed saves
@@ -153,8 +174,9 @@ class Checkpointer:
             tiers += ("local",)
         return tiers
 
-    def save(self, step: int, reason: str, tiers: tuple[str, ...], rank_state: dict[str, Any],
-             blocking: bool = True) -> Optional[SaveResult]:
+    def save(
+        self, step: int, reason: str, tiers: tuple[str, ...], rank_state: dict[str, Any], blocking: bool = True
+    ) -> Optional[SaveResult]:
         """Save step ``step`` to ``tiers`` (a collective: every rank calls it at the same step).
 
         Call :meth:`wait` first (the previous save's result is the caller's to act on).
@@ -183,7 +205,9 @@ class Checkpointer:
             snap, deferred = self.snapshot.take(state, defer=self._changes_only_in_step())
             self._copied, self._copy_wait, self._pending_step = threading.Event(), 0.0, step
             blocked = time.perf_counter() - t0
-            self.pending = self.pool.submit(self._write_async, deferred, step, reason, tiers, snap, rank_state, meta, blocked, started)
+            self.pending = self.pool.submit(
+                self._write_async, deferred, step, reason, tiers, snap, rank_state, meta, blocked, started
+            )
             return None
         return self._finalize(self._write(step, reason, tiers, state, rank_state, meta, 0.0, started, False))
 
@@ -213,8 +237,18 @@ class Checkpointer:
             copied.wait()
             self._copy_wait += time.perf_counter() - t0
 
-    def _write(self, step: int, reason: str, tiers: tuple[str, ...], state: dict, rank_state: dict, meta: dict,
-               blocked: float, started: float, asynchronous: bool) -> SaveResult:
+    def _write(
+        self,
+        step: int,
+        reason: str,
+        tiers: tuple[str, ...],
+        state: dict,
+        rank_state: dict,
+        meta: dict,
+        blocked: float,
+        started: float,
+        asynchronous: bool,
+    ) -> SaveResult:
         t0 = time.perf_counter()
         r = SaveResult(step, reason, tiers, asynchronous, started=started)
         errors = []
@@ -244,7 +278,10 @@ class Checkpointer:
         future, self.pending = self.pending, None
         try:
             result = future.result()
-        except (Exception, CheckpointException) as e:  # an unexpected error in the writer: report it like a failed write
+        except (
+            Exception,
+            CheckpointException,
+        ) as e:  # an unexpected error in the writer: report it like a failed write
             result = SaveResult(self._pending_step, "unknown", (), True, error=f"{type(e).__name__}: {e}")
         result.blocked_seconds += self._copy_wait
         self._copied, self._copy_wait = None, 0.0
@@ -258,18 +295,36 @@ class Checkpointer:
                 self.saved.pop(t, None)
             log.warning("checkpoint at step %d failed: %s", r.step, r.error)
             if self.rank == 0:
-                print(f"trainguard: WARNING: checkpoint at step {r.step} failed ({self.failures} in a row): {r.error}",
-                      file=sys.stderr, flush=True)
-            self.events.emit("checkpoint_failed", r.step, reason=r.reason, error=r.error[:2000], tiers=list(r.tiers),
-                             asynchronous=r.asynchronous, consecutive=self.failures)
+                print(
+                    f"trainguard: WARNING: checkpoint at step {r.step} failed ({self.failures} in a row): {r.error}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self.events.emit(
+                "checkpoint_failed",
+                r.step,
+                reason=r.reason,
+                error=r.error[:2000],
+                tiers=list(r.tiers),
+                asynchronous=r.asynchronous,
+                consecutive=self.failures,
+            )
             return r
         self.failures = 0
         if not r.asynchronous:
             self.save_seconds = r.write_seconds
         if r.local_bytes and self.rank == 0:
-            self.events.emit("local_checkpoint_committed", r.step, bytes_per_rank=r.local_bytes, reason=r.reason,
-                             seconds=round(r.write_seconds, 4), blocked_seconds=round(r.blocked_seconds, 4),
-                             started=round(r.started, 3), asynchronous=r.asynchronous, replicated=self.local.replica is not None)  # type: ignore[union-attr]
+            self.events.emit(
+                "local_checkpoint_committed",
+                r.step,
+                bytes_per_rank=r.local_bytes,
+                reason=r.reason,
+                seconds=round(r.write_seconds, 4),
+                blocked_seconds=round(r.blocked_seconds, 4),
+                started=round(r.started, 3),
+                asynchronous=r.asynchronous,
+                replicated=self.local.replica is not None,
+            )  # type: ignore[union-attr]
         return r
 
     def retain(self, r: SaveResult, protect: set[int]) -> list[int]:
@@ -280,10 +335,18 @@ class Checkpointer:
         t0 = time.perf_counter()
         deleted = self.store.apply_retention(protect={r.checkpoint.step} | protect, remove=self._remove)
         r.blocked_seconds += time.perf_counter() - t0 if r.asynchronous else 0.0  # on the training thread
-        self.events.emit("checkpoint_committed", r.step, path=str(r.checkpoint.path), bytes=r.bytes,
-                         seconds=round(r.write_seconds, 4), blocked_seconds=round(r.blocked_seconds, 4),
-                         started=round(r.started, 3), asynchronous=r.asynchronous, reason=r.reason,
-                         deleted_steps=deleted)
+        self.events.emit(
+            "checkpoint_committed",
+            r.step,
+            path=str(r.checkpoint.path),
+            bytes=r.bytes,
+            seconds=round(r.write_seconds, 4),
+            blocked_seconds=round(r.blocked_seconds, 4),
+            started=round(r.started, 3),
+            asynchronous=r.asynchronous,
+            reason=r.reason,
+            deleted_steps=deleted,
+        )
         return deleted
 
     def _remove(self, path: Path) -> None:
@@ -302,8 +365,10 @@ class Checkpointer:
         """
         if not (self.cfg.max_failures and self.failures >= self.cfg.max_failures):
             return
-        why = (f"{self.failures} checkpoint saves in a row failed (last: {self.last_error}); stopping instead of "
-               f"training on without checkpoints (checkpoint.max_failures = {self.cfg.max_failures})")
+        why = (
+            f"{self.failures} checkpoint saves in a row failed (last: {self.last_error}); stopping instead of "
+            f"training on without checkpoints (checkpoint.max_failures = {self.cfg.max_failures})"
+        )
         if self.rank == 0:
             self.events.emit("checkpoint_give_up", step, reason=why, failures=self.failures)
         raise GiveUp("checkpoint_failures", why)
@@ -392,8 +457,10 @@ class Checkpointer:
         try:
             apply_state(self.model, self.optimizer, state)
         except (KeyError, RuntimeError, ValueError) as e:
-            raise BadInput(f"local checkpoint at step {point.step} in {self.local.root} does not fit this model: "  # type: ignore[union-attr]
-                           f"{str(e).splitlines()[0]}") from None
+            raise BadInput(
+                f"local checkpoint at step {point.step} in {self.local.root} does not fit this model: "  # type: ignore[union-attr]
+                f"{str(e).splitlines()[0]}"
+            ) from None
         return state["rank"]
 
     def _on_invalid(self, ckpt: Checkpoint, reason: str) -> None:

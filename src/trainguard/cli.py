@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
@@ -18,8 +18,11 @@ from .exitcodes import ExitCode
 # Only typer and the exit codes load at import: ``trainguard --help``, ``report``, ``watch`` and
 # ``slurm script`` never import torch (nor pydantic, for --help). Each command imports what it needs.
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Keeps long PyTorch training runs alive. Exit codes: 0 finished, 2 bad input, 75 requeue, 76 gave up.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Keeps long PyTorch training runs alive. Exit codes: 0 finished, 2 bad input, 75 requeue, 76 gave up.",
+)
 
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
 
@@ -35,33 +38,50 @@ def run(
     script: str = typer.Argument(..., help="training script; the arguments after it are passed to it"),
     run_dir: Path = typer.Option(..., "--run-dir", help="run directory (checkpoints, events, config)"),
     config: Optional[str] = typer.Option(None, "--config", help="TOML config file (also passed to the ranks)"),
-    overrides: List[str] = typer.Option([], "--set", help="section.key=value override (repeatable)"),
+    overrides: list[str] = typer.Option([], "--set", help="section.key=value override (repeatable)"),
     nnodes: str = typer.Option("1", "--nnodes", help="number of nodes, N or MIN:MAX"),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", "--nproc_per_node", help="ranks on this node"),
     rdzv_backend: str = typer.Option("c10d", "--rdzv-backend", help="rendezvous backend"),
-    rdzv_endpoint: str = typer.Option("", "--rdzv-endpoint", help="HOST:PORT of the rendezvous (required for several nodes)"),
+    rdzv_endpoint: str = typer.Option(
+        "", "--rdzv-endpoint", help="HOST:PORT of the rendezvous (required for several nodes)"
+    ),
     rdzv_id: str = typer.Option("", "--rdzv-id", help="rendezvous id shared by all nodes of the job"),
     rdzv_conf: str = typer.Option("", "--rdzv-conf", help="extra rendezvous settings key=value,..."),
-    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", help="worker-group restarts before giving up (default [launcher] max_restarts = 3)"),
+    max_restarts: Optional[int] = typer.Option(
+        None, "--max-restarts", help="worker-group restarts before giving up (default [launcher] max_restarts = 3)"
+    ),
     monitor_interval: Optional[float] = typer.Option(None, "--monitor-interval", help="seconds between worker checks"),
     local_addr: Optional[str] = typer.Option(None, "--local-addr", help="address of this node"),
-    inject: List[str] = typer.Option([], "--inject", help="inject a fault: KIND[:key=value,...], e.g. rank_hung:rank=1,step=30 (see [faults])"),
+    inject: list[str] = typer.Option(
+        [], "--inject", help="inject a fault: KIND[:key=value,...], e.g. rank_hung:rank=1,step=30 (see [faults])"
+    ),
 ) -> None:
     """Launch SCRIPT on this node's ranks; restart them when one dies; forward stop signals."""
     from .config import ConfigError
-    from .launcher import LaunchOptions, RunDirLocked, launch
-
     from .faults import parse_inject
+    from .launcher import LaunchOptions, RunDirLocked, launch
 
     try:
         specs = [parse_inject(text) for text in inject]
     except ConfigError as e:
         _fail(str(e))
-    opts = LaunchOptions(script=script, script_args=list(ctx.args), run_dir=run_dir, config=config,
-                         overrides=list(overrides), nnodes=nnodes, nproc_per_node=nproc_per_node,
-                         rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
-                         rdzv_conf=rdzv_conf, max_restarts=max_restarts, monitor_interval=monitor_interval,
-                         local_addr=local_addr, inject=specs)
+    opts = LaunchOptions(
+        script=script,
+        script_args=list(ctx.args),
+        run_dir=run_dir,
+        config=config,
+        overrides=list(overrides),
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+        rdzv_conf=rdzv_conf,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        local_addr=local_addr,
+        inject=specs,
+    )
     try:
         code = launch(opts)
     except (ConfigError, RunDirLocked) as e:
@@ -74,8 +94,10 @@ def run(
 
 @app.command()
 def demo(
-    run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir", help="parent directory of the demo's two runs (emptied first)"),
-    overrides: List[str] = typer.Option([], "--set", help="override for both runs, e.g. train.max_steps=120"),
+    run_dir: Path = typer.Option(
+        Path("runs/demo"), "--run-dir", help="parent directory of the demo's two runs (emptied first)"
+    ),
+    overrides: list[str] = typer.Option([], "--set", help="override for both runs, e.g. train.max_steps=120"),
 ) -> None:
     """Train the example GPT twice, once cleanly and once with faults injected, and compare."""
     from .config import ConfigError
@@ -122,7 +144,9 @@ def checkpoints(
 def report(
     run_dir: Path = typer.Argument(..., help="run directory"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
-    png: Optional[Path] = typer.Option(None, "--png", help="where to write the timeline picture (default RUN_DIR/report.png)"),
+    png: Optional[Path] = typer.Option(
+        None, "--png", help="where to write the timeline picture (default RUN_DIR/report.png)"
+    ),
 ) -> None:
     """Goodput, incidents, checkpoint costs and the best checkpoint interval of a run, from its events."""
     from .report import main as report_main
@@ -133,8 +157,10 @@ def report(
 @app.command()
 def watch(
     run_dir: Path = typer.Argument(..., help="run directory"),
-    overrides: List[str] = typer.Option([], "--set", help="threshold key=value, e.g. min_days=3 (repeatable)"),
-    notify: List[str] = typer.Option([], "--notify", help="apprise URL to notify (repeatable): mailto://..., slack://..., json://..."),
+    overrides: list[str] = typer.Option([], "--set", help="threshold key=value, e.g. min_days=3 (repeatable)"),
+    notify: list[str] = typer.Option(
+        [], "--notify", help="apprise URL to notify (repeatable): mailto://..., slack://..., json://..."
+    ),
     every: Optional[str] = typer.Option(None, "--every", help="repeat every interval (60, '5m'); default: one pass"),
 ) -> None:
     """Check disk space and inodes, the SLURM job, a silent (hung) run and node memory; notify once per condition."""
@@ -143,8 +169,11 @@ def watch(
     raise typer.Exit(watch_main(run_dir, list(overrides), list(notify), every, once=every is None))
 
 
-slurm_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                        help="SLURM: write or submit an sbatch script that stops, saves and requeues the run in time.")
+slurm_app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="SLURM: write or submit an sbatch script that stops, saves and requeues the run in time.",
+)
 app.add_typer(slurm_app, name="slurm")
 
 
@@ -152,22 +181,55 @@ def _slurm(
     ctx: typer.Context,
     script: str = typer.Argument(..., help="training script; the arguments after it are passed to it"),
     run_dir: Path = typer.Option(..., "--run-dir", help="run directory (checkpoints, events, the job's output)"),
-    config: Optional[str] = typer.Option(None, "--config", help="TOML config file (its slurm section gives the defaults below)"),
-    overrides: List[str] = typer.Option([], "--set", help="section.key=value override for the config and the run (repeatable)"),
+    config: Optional[str] = typer.Option(
+        None, "--config", help="TOML config file (its slurm section gives the defaults below)"
+    ),
+    overrides: list[str] = typer.Option(
+        [], "--set", help="section.key=value override for the config and the run (repeatable)"
+    ),
     nodes: int = typer.Option(1, "--nodes", help="nodes; one 'trainguard run' per node"),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", "--nproc_per_node", help="ranks per node"),
-    time_limit: Optional[str] = typer.Option(None, "--time", help="sbatch --time: minutes, HH:MM:SS, D-HH:MM:SS (default slurm.time)"),
-    partition: Optional[str] = typer.Option(None, "--partition", help="sbatch --partition (default slurm.partition, else the cluster's default)"),
-    signal_lead: Optional[int] = typer.Option(None, "--signal-lead", help="seconds before the time limit for SIGUSR1, 0 for none (default slurm.signal_lead, else from the run's measured step and save times)"),
-    array: Optional[int] = typer.Option(None, "--array", help="K: a job array --array=1-K%1 (K launches, one at a time; the ones after the run finished exit at once)"),
+    time_limit: Optional[str] = typer.Option(
+        None, "--time", help="sbatch --time: minutes, HH:MM:SS, D-HH:MM:SS (default slurm.time)"
+    ),
+    partition: Optional[str] = typer.Option(
+        None, "--partition", help="sbatch --partition (default slurm.partition, else the cluster's default)"
+    ),
+    signal_lead: Optional[int] = typer.Option(
+        None,
+        "--signal-lead",
+        help="seconds before the time limit for SIGUSR1, 0 for none (default slurm.signal_lead, else from the run's measured step and save times)",
+    ),
+    array: Optional[int] = typer.Option(
+        None,
+        "--array",
+        help="K: a job array --array=1-K%1 (K launches, one at a time; the ones after the run finished exit at once)",
+    ),
     after: Optional[str] = typer.Option(None, "--after", help="start after job ID ends (--dependency=afterany:ID)"),
     gres: Optional[str] = typer.Option(None, "--gres", help="sbatch --gres, e.g. gpu:8 (default slurm.gres)"),
-    cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task", help="CPUs for each node's launcher and its ranks (default slurm.cpus_per_task)"),
-    job_name: Optional[str] = typer.Option(None, "--job-name", help="sbatch --job-name (default: the run directory's name)"),
-    auto_requeue: bool = typer.Option(True, "--auto-requeue/--no-auto-requeue", help="the launcher requeues the job after a signal or time-limit stop (sets slurm.auto_requeue for the run)"),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="script: write the script here instead of stdout; submit: where to write it (default RUN_DIR/slurm-job.sh)"),
-    chain: int = typer.Option(1, "--chain", help="submit only: submit N jobs, each starting after the previous one ends (afterany)"),
-    test_only: bool = typer.Option(False, "--test-only", help="submit only: run 'sbatch --test-only' (nothing is queued)"),
+    cpus_per_task: Optional[int] = typer.Option(
+        None, "--cpus-per-task", help="CPUs for each node's launcher and its ranks (default slurm.cpus_per_task)"
+    ),
+    job_name: Optional[str] = typer.Option(
+        None, "--job-name", help="sbatch --job-name (default: the run directory's name)"
+    ),
+    auto_requeue: bool = typer.Option(
+        True,
+        "--auto-requeue/--no-auto-requeue",
+        help="the launcher requeues the job after a signal or time-limit stop (sets slurm.auto_requeue for the run)",
+    ),
+    output: Optional[Path] = typer.Option(
+        None,
+        "--output",
+        "-o",
+        help="script: write the script here instead of stdout; submit: where to write it (default RUN_DIR/slurm-job.sh)",
+    ),
+    chain: int = typer.Option(
+        1, "--chain", help="submit only: submit N jobs, each starting after the previous one ends (afterany)"
+    ),
+    test_only: bool = typer.Option(
+        False, "--test-only", help="submit only: run 'sbatch --test-only' (nothing is queued)"
+    ),
 ) -> None:
     """Write the sbatch script for SCRIPT (script) or write it into the run dir and sbatch it (submit)."""
     from .config import Config, ConfigError, load_config, split_cli_args
@@ -181,22 +243,41 @@ def _slurm(
     script_args = list(ctx.args)
     try:
         script_cfg, script_sets, _ = split_cli_args(script_args)
-        cfg = load_config(config or script_cfg, list(overrides) + script_sets, Config, ignore_unknown_sections=True).slurm
+        cfg = load_config(
+            config or script_cfg, list(overrides) + script_sets, Config, ignore_unknown_sections=True
+        ).slurm
     except ConfigError as e:
         _fail(str(e))
     if signal_lead is not None:
-        lead, basis = signal_lead, (f"{signal_lead} s, given" if signal_lead else "none (--signal-lead 0: EndTime and SIGTERM only)")
+        lead, basis = (
+            signal_lead,
+            (f"{signal_lead} s, given" if signal_lead else "none (--signal-lead 0: EndTime and SIGTERM only)"),
+        )
     elif cfg.signal_lead is not None:
         lead, basis = int(cfg.signal_lead), f"{int(cfg.signal_lead)} s from [slurm] signal_lead"
     else:
         lead, basis = sbatch.signal_lead(run_dir)
     sets = list(overrides) + [f"slurm.auto_requeue={str(auto_requeue).lower()}"]
     opts = sbatch.ScriptOptions(
-        script=script, run_dir=run_dir, script_args=script_args, config=config, launcher_sets=sets,
-        nodes=nodes, nproc_per_node=nproc_per_node, time=time_limit or cfg.time, partition=partition or cfg.partition,
-        signal_lead=lead, lead_basis=basis, job_name=job_name or cfg.job_name, array=array, after=after,
-        gres=gres or cfg.gres, cpus_per_task=cpus_per_task or cfg.cpus_per_task, rdzv_port=cfg.rdzv_port,
-        sbatch_args=list(cfg.sbatch_args))
+        script=script,
+        run_dir=run_dir,
+        script_args=script_args,
+        config=config,
+        launcher_sets=sets,
+        nodes=nodes,
+        nproc_per_node=nproc_per_node,
+        time=time_limit or cfg.time,
+        partition=partition or cfg.partition,
+        signal_lead=lead,
+        lead_basis=basis,
+        job_name=job_name or cfg.job_name,
+        array=array,
+        after=after,
+        gres=gres or cfg.gres,
+        cpus_per_task=cpus_per_task or cfg.cpus_per_task,
+        rdzv_port=cfg.rdzv_port,
+        sbatch_args=list(cfg.sbatch_args),
+    )
     try:
         notes = sbatch.validate(opts)
         text = sbatch.render(opts) + "\n"
@@ -224,10 +305,16 @@ def _slurm(
         _fail(f"cannot write the batch script: {e}")
 
 
-slurm_app.command("script", context_settings=_PASSTHROUGH,
-                  help="Print the sbatch script for SCRIPT (or write it with --output); nothing is submitted.")(_slurm)
-slurm_app.command("submit", context_settings=_PASSTHROUGH,
-                  help="Write the sbatch script into the run dir and submit it with sbatch; prints the job id(s).")(_slurm)
+slurm_app.command(
+    "script",
+    context_settings=_PASSTHROUGH,
+    help="Print the sbatch script for SCRIPT (or write it with --output); nothing is submitted.",
+)(_slurm)
+slurm_app.command(
+    "submit",
+    context_settings=_PASSTHROUGH,
+    help="Write the sbatch script into the run dir and submit it with sbatch; prints the job id(s).",
+)(_slurm)
 
 
 def main() -> None:

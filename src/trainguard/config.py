@@ -33,11 +33,26 @@ import tomli_w
 from .atomic import write_atomic
 from .launch_env import LaunchEnv, LaunchEnvError
 from .sections import (  # noqa: F401  (re-exported: trainguard.config.Section etc.)
-    CheckpointSection, FaultSpec, FaultsSection, HealthSection, InstabilitySection, LauncherSection, MemorySection,
-    Bytes, OOMSection, PositiveBytes, PreemptionSection, RollbackSection, RunSection, Section, StopSection, StragglerSection,
-    SupervisorSection, parse_bytes, parse_duration,
+    Bytes,
+    CheckpointSection,
+    FaultSpec,
+    FaultsSection,
+    HealthSection,
+    InstabilitySection,
+    LauncherSection,
+    MemorySection,
+    OOMSection,
+    PositiveBytes,
+    PreemptionSection,
+    RollbackSection,
+    RunSection,
+    Section,
+    StopSection,
+    StragglerSection,
+    SupervisorSection,
+    parse_bytes,
+    parse_duration,
 )
-
 from .slurm.section import SlurmSection  # noqa: E402  (its own module: the slurm package owns it)
 
 
@@ -79,8 +94,9 @@ def parse_value(raw: str) -> Any:
         return raw
 
 
-def split_key_value(item: str, where: str, expected: str = "key=value",
-                    error: type[Exception] = ConfigError) -> tuple[str, str]:
+def split_key_value(
+    item: str, where: str, expected: str = "key=value", error: type[Exception] = ConfigError
+) -> tuple[str, str]:
     """Split one ``key=value`` at its first ``=``: (key, value), both stripped of surrounding blanks.
 
     The value is text; :func:`parse_value` or a pydantic model gives it its type.
@@ -100,8 +116,9 @@ def split_key_value(item: str, where: str, expected: str = "key=value",
     return key, value.strip()
 
 
-def parse_key_values(text: str, where: str, expected: str = "key=value,...",
-                     error: type[Exception] = ConfigError) -> dict[str, str]:
+def parse_key_values(
+    text: str, where: str, expected: str = "key=value,...", error: type[Exception] = ConfigError
+) -> dict[str, str]:
     """Parse ``"key=value,key=value,..."`` (``--inject KIND:...``'s part after the colon, ``--rdzv-conf``)
     into ``{key: value}`` (text values, in order; a repeated key keeps its last value).
 
@@ -263,8 +280,10 @@ def config_from_argv(schema: type[Config] = Config, argv: list[str] | None = Non
     """
     path, sets, rest = split_cli_args(list(sys.argv[1:] if argv is None else argv))
     if rest:
-        raise ConfigError(f"unexpected arguments {rest}: a trainguard script takes --config PATH and --set KEY=VALUE "
-                          "(launcher options such as --inject go before the script name)")
+        raise ConfigError(
+            f"unexpected arguments {rest}: a trainguard script takes --config PATH and --set KEY=VALUE "
+            "(launcher options such as --inject go before the script name)"
+        )
     try:
         launch = LaunchEnv.from_environ()
     except LaunchEnvError as e:

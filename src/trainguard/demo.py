@@ -72,6 +72,7 @@ def load_example_config(script: Path, overrides: list[str]):
 
 def fault_steps(max_steps: int, log_interval: int, ckpt_interval: int) -> tuple[int, int]:
     """Logged steps at which to send SIGTERM (~1/3) and SIGKILL (~2/3, off a checkpoint step if possible)."""
+
     def logged_at_least(step: float) -> int:
         return max(1, math.ceil(step / log_interval)) * log_interval
 
@@ -81,8 +82,10 @@ def fault_steps(max_steps: int, log_interval: int, ckpt_interval: int) -> tuple[
     if kill_at % ckpt_interval == 0 and (kill_at + log_interval) % ckpt_interval and kill_at + log_interval < max_steps:
         kill_at += log_interval
     if kill_at >= max_steps:
-        raise ConfigError(f"train.max_steps={max_steps} is too short for the demo with train.log_interval="
-                          f"{log_interval}: use at least {3 * log_interval + 1}")
+        raise ConfigError(
+            f"train.max_steps={max_steps} is too short for the demo with train.log_interval="
+            f"{log_interval}: use at least {3 * log_interval + 1}"
+        )
     return term_at, kill_at
 
 
@@ -136,8 +139,14 @@ def stop_launch(proc: subprocess.Popen, grace: float = 90.0) -> None:
         proc.wait()
 
 
-def run_launch(cmd: list[str], log: Path, progress: Progress, task: int, expected: int,
-               trigger: Optional[tuple[int, Callable[[subprocess.Popen, Launch], bool]]] = None) -> Launch:
+def run_launch(
+    cmd: list[str],
+    log: Path,
+    progress: Progress,
+    task: int,
+    expected: int,
+    trigger: Optional[tuple[int, Callable[[subprocess.Popen, Launch], bool]]] = None,
+) -> Launch:
     """Run one launch with its output appended to ``log``, updating the progress bar from the log.
 
     ``trigger`` is ``(step, action)``: ``action(proc, launch)`` runs once when the log reaches ``step``
@@ -225,14 +234,23 @@ def _resumed(resume: list[dict], fault_step: Optional[int]) -> tuple[str, str]:
 def final_values(run_dir: Path) -> tuple[Optional[float], Optional[str]]:
     """(final validation loss, state SHA-256 of the successful launch) of a run directory."""
     val = [e["details"]["val_loss"] for e in read_events(run_dir, "validation")]
-    sha = [e["details"].get("state_sha256") for e in read_events(run_dir, "launch_exit") if e["details"].get("code") == 0]
+    sha = [
+        e["details"].get("state_sha256") for e in read_events(run_dir, "launch_exit") if e["details"].get("code") == 0
+    ]
     return (val[-1] if val else None), (sha[-1] if sha else None)
 
 
 def report(run_dir: Path, term: Launch, relaunch: Launch) -> int:
     """Print the fault table and the comparison; return 0 if all went as expected, else 1."""
-    table = Table("fault", "at step", "resumed\nfrom", "steps\nlost", "time to recover", title="injected faults",
-                  caption="lost: fault step − checkpoint step resumed from;\nrecovery: until the resumed group's first step")
+    table = Table(
+        "fault",
+        "at step",
+        "resumed\nfrom",
+        "steps\nlost",
+        "time to recover",
+        title="injected faults",
+        caption="lost: fault step − checkpoint step resumed from;\nrecovery: until the resumed group's first step",
+    )
     for row in fault_rows(run_dir / "faults", term, relaunch):
         table.add_row(*row)
     console.print(table)
@@ -272,8 +290,18 @@ def run_demo(run_dir: Path, overrides: list[str]) -> int:
         (run_dir / log).write_text("")
 
     def command(sub: str) -> list[str]:
-        return [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--run-dir",
-                str(run_dir / sub), str(script), *[a for o in overrides for a in ("--set", o)]]
+        return [
+            sys.executable,
+            "-m",
+            "trainguard.cli",
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--run-dir",
+            str(run_dir / sub),
+            str(script),
+            *[a for o in overrides for a in ("--set", o)],
+        ]
 
     console.print(f"trainguard demo: {total} steps of {script.name} on 2 ranks, twice; output in {run_dir}")
     console.print(f"faults: SIGTERM to the launcher at step {term_at}, SIGKILL of rank 1 at step {kill_at}")
@@ -287,13 +315,25 @@ def run_demo(run_dir: Path, overrides: list[str]) -> int:
                 return _aborted("the clean run", clean, run_dir / "clean.log")
             faults, flog = run_dir / "faults", run_dir / "faults.log"
             task = progress.add_task("faults: SIGTERM → requeue", total=total)
-            term = run_launch(command("faults"), flog, progress, task, int(ExitCode.REQUEUE),
-                              trigger=(term_at, lambda proc, _: proc.send_signal(signal.SIGTERM) or True))
+            term = run_launch(
+                command("faults"),
+                flog,
+                progress,
+                task,
+                int(ExitCode.REQUEUE),
+                trigger=(term_at, lambda proc, _: proc.send_signal(signal.SIGTERM) or True),
+            )
             if term.code != ExitCode.REQUEUE:
                 return _aborted("the faulted run after SIGTERM", term, flog)
             task = progress.add_task("faults: SIGKILL rank 1", total=total, completed=term.fault_step or 0)
-            relaunch = run_launch(command("faults"), flog, progress, task, 0,
-                                  trigger=(kill_at, lambda _, launch: kill_rank(faults, launch.started)))
+            relaunch = run_launch(
+                command("faults"),
+                flog,
+                progress,
+                task,
+                0,
+                trigger=(kill_at, lambda _, launch: kill_rank(faults, launch.started)),
+            )
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; the launches were stopped[/yellow]")
         return 130
@@ -308,5 +348,7 @@ def _outcome(launch: Launch) -> str:
 
 def _aborted(what: str, launch: Launch, log: Path) -> int:
     """Say why the demo stops early; return 1."""
-    console.print(f"[red]demo failed: {what} ended with {_outcome(launch)}, expected {launch.expected}; see {log}[/red]")
+    console.print(
+        f"[red]demo failed: {what} ended with {_outcome(launch)}, expected {launch.expected}; see {log}[/red]"
+    )
     return 1

@@ -72,7 +72,9 @@ def validate(specs: list[FaultSpec], world_size: Optional[int]) -> None:
         if s.kind in STEP_BOUND and s.step is None:
             raise ConfigError(f"{where}: a {s.kind} fault needs 'step' (after_seconds is not possible)")
         if world_size is not None and s.rank is not None and s.rank >= world_size:
-            raise ConfigError(f"{where}: rank {s.rank} does not exist (world size {world_size}, ranks 0..{world_size - 1})")
+            raise ConfigError(
+                f"{where}: rank {s.rank} does not exist (world size {world_size}, ranks 0..{world_size - 1})"
+            )
 
 
 NUMERIC = ("nan_loss", "loss_spike", "grad_explosion")
@@ -121,9 +123,13 @@ class FaultInjector:
         for s in self.specs:
             if s.kind == "random":
                 rng = random.Random(s.seed)
-                s = s.model_copy(update={"kind": rng.choice(["rank_killed", "rank_hung"]),
-                                         "rank": rng.randrange(self.world_size) if s.rank is None else s.rank,
-                                         "step": s.step if (s.step or s.after_seconds) else rng.randint(1, max(1, max_steps - 1))})
+                s = s.model_copy(
+                    update={
+                        "kind": rng.choice(["rank_killed", "rank_hung"]),
+                        "rank": rng.randrange(self.world_size) if s.rank is None else s.rank,
+                        "step": s.step if (s.step or s.after_seconds) else rng.randint(1, max(1, max_steps - 1)),
+                    }
+                )
             if s.rank != self.rank:
                 continue
             if s.kind in NUMERIC:
@@ -183,8 +189,15 @@ class FaultInjector:
             if s.step <= step < s.step + s.repeat:
                 if ("slow", i, 0) not in self._fired:
                     self._fired.add(("slow", i, 0))
-                    self.events.emit("fault_injected", step, fault="slow_rank", rank=self.rank, factor=s.factor,
-                                     steps=s.repeat, injected=True)
+                    self.events.emit(
+                        "fault_injected",
+                        step,
+                        fault="slow_rank",
+                        rank=self.rank,
+                        factor=s.factor,
+                        steps=s.repeat,
+                        injected=True,
+                    )
                 return s.factor
         return 0.0
 
@@ -194,8 +207,16 @@ class FaultInjector:
 
     def fire(self, spec: FaultSpec, step: Optional[int]) -> None:
         """Record the event, then inject the fault (does not return for a kill or a collective hang)."""
-        self.events.emit("fault_injected", step, fault=spec.kind, rank=self.rank, hang=spec.hang if spec.kind == "rank_hung" else None,
-                         section=spec.section, after_seconds=spec.after_seconds, injected=True)
+        self.events.emit(
+            "fault_injected",
+            step,
+            fault=spec.kind,
+            rank=self.rank,
+            hang=spec.hang if spec.kind == "rank_hung" else None,
+            section=spec.section,
+            after_seconds=spec.after_seconds,
+            injected=True,
+        )
         if spec.kind == "rank_killed":
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.hang == "sigstop":

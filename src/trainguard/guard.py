@@ -71,7 +71,9 @@ from .signals import ShutdownHandler
 from .state import state_hash
 from .stop import StopConditions, StopFlags
 from .straggler import StragglerDetector
-from .supervisor.rank import attach as attach_supervisor, detach as detach_supervisor, enter_teardown
+from .supervisor.rank import attach as attach_supervisor
+from .supervisor.rank import detach as detach_supervisor
+from .supervisor.rank import enter_teardown
 from .trainstate import RNGState, TrainState
 
 log = logging.getLogger(__name__)
@@ -152,34 +154,80 @@ class Guard:
             raise BadInput(str(e)) from None
         self.events = EventLog(self.run_dir, self.rank)
         launch = LaunchEnv.from_environ()
-        self.ckpt = Checkpointer(cfg.checkpoint, self.run_dir, self.events, self.model, self.optimizer, self.rank,
-                                 self.world_size, launch.group_rank, launch.local_world_size)
+        self.ckpt = Checkpointer(
+            cfg.checkpoint,
+            self.run_dir,
+            self.events,
+            self.model,
+            self.optimizer,
+            self.rank,
+            self.world_size,
+            launch.group_rank,
+            launch.local_world_size,
+        )
         self.store = self.ckpt.store
-        self.shutdown = ShutdownHandler(cfg.preemption.signals, cfg.preemption.save_deadline, self._on_deadline).install()
+        self.shutdown = ShutdownHandler(
+            cfg.preemption.signals, cfg.preemption.save_deadline, self._on_deadline
+        ).install()
         self.stop = StopConditions(cfg.stop, self.run_dir, self.shutdown, MemoryWatchdog(cfg.memory, self.events))
         self.heartbeat = attach_supervisor(self.events.attempt)  # under trainguard run: heartbeat + stack dumps
         self.faults = FaultInjector(cfg.faults.inject, self.rank, self.world_size, self.events.attempt, self.events)
-        self.recovery = Recovery(cfg.instability, cfg.rollback, self.model, self.optimizer, self.sampler, self.store,
-                                 self.events, self.run_dir, self.rank, self.world_size, lambda: self.step + 1,
-                                 self._ask_hooks, cfg.checkpoint.verify)
-        self.straggler = StragglerDetector(cfg.straggler, self.rank, self.world_size, [socket.gethostname()] * self.world_size,
-                                           self.events, self.run_dir)
-        self.micro = MicroBatcher(cfg.oom, self.model, self.events, self.faults, self.straggler, self.rank, self.world_size)
+        self.recovery = Recovery(
+            cfg.instability,
+            cfg.rollback,
+            self.model,
+            self.optimizer,
+            self.sampler,
+            self.store,
+            self.events,
+            self.run_dir,
+            self.rank,
+            self.world_size,
+            lambda: self.step + 1,
+            self._ask_hooks,
+            cfg.checkpoint.verify,
+        )
+        self.straggler = StragglerDetector(
+            cfg.straggler,
+            self.rank,
+            self.world_size,
+            [socket.gethostname()] * self.world_size,
+            self.events,
+            self.run_dir,
+        )
+        self.micro = MicroBatcher(
+            cfg.oom, self.model, self.events, self.faults, self.straggler, self.rank, self.world_size
+        )
         # what a checkpoint holds per rank besides the tensors (the order is the load order: RNG last)
-        self.train_state = TrainState({"scheduler": self.scheduler, "sampler": self.sampler,
-                                       "extra": TrainState(self.extra_state), "instability": self.recovery,
-                                       "oom": self.micro, "rng": RNGState()})
+        self.train_state = TrainState(
+            {
+                "scheduler": self.scheduler,
+                "sampler": self.sampler,
+                "extra": TrainState(self.extra_state),
+                "instability": self.recovery,
+                "oom": self.micro,
+                "rng": RNGState(),
+            }
+        )
         if cfg.rollback.skip_batches and self.sampler is not None and not hasattr(self.sampler, "skip_batches"):
-            raise BadInput(f"rollback.skip_batches={cfg.rollback.skip_batches} needs a sampler with a skip_batches(n) "
-                           f"method; {type(self.sampler).__name__} has none (use trainguard.ResumableSampler, or 0)")
+            raise BadInput(
+                f"rollback.skip_batches={cfg.rollback.skip_batches} needs a sampler with a skip_batches(n) "
+                f"method; {type(self.sampler).__name__} has none (use trainguard.ResumableSampler, or 0)"
+            )
 
-    def section(self, name: str) -> "contextlib.AbstractContextManager[None]":
+    def section(self, name: str) -> contextlib.AbstractContextManager[None]:
         """``with guard.section("eval"): ...``: a named section the hang supervisor times (and learns)."""
         return self.heartbeat.section(name) if self.heartbeat is not None else contextlib.nullcontext()
 
     @classmethod
-    def from_config(cls, path: str | os.PathLike | None = None, *, overrides: Optional[list[str]] = None,
-                    schema: type[Config] = Config, **kwargs: Any) -> "Guard":
+    def from_config(
+        cls,
+        path: str | os.PathLike | None = None,
+        *,
+        overrides: Optional[list[str]] = None,
+        schema: type[Config] = Config,
+        **kwargs: Any,
+    ) -> Guard:
         """Build a Guard from a TOML file (or, with ``path=None``, from the script's ``--config``/``--set``
         arguments and the launcher's environment).
 
@@ -212,8 +260,10 @@ class Guard:
         with self._edge():
             c = self.cfg.checkpoint
             if not c.save_final and c.interval > max_steps:
-                raise BadInput(f"checkpoint.interval ({c.interval}) is larger than max_steps ({max_steps}) and "
-                               "checkpoint.save_final is false: the persistent tier would never save")
+                raise BadInput(
+                    f"checkpoint.interval ({c.interval}) is larger than max_steps ({max_steps}) and "
+                    "checkpoint.save_final is false: the persistent tier would never save"
+                )
             self._begin()
             self.faults.arm(max_steps)
         while self.step < max_steps:
@@ -259,8 +309,12 @@ class Guard:
                 return False
             return decision
 
-    def run_step(self, step_fn: Callable[[Any], torch.Tensor], batch: Any,
-                 backward: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+    def run_step(
+        self,
+        step_fn: Callable[[Any], torch.Tensor],
+        batch: Any,
+        backward: Optional[Callable[[torch.Tensor], None]] = None,
+    ) -> torch.Tensor:
         """Forward and backward of this step over micro-batches, recovering from out-of-memory::
 
             loss = guard.run_step(lambda mb: F.cross_entropy(model(mb[0]), mb[1]), (x, y))
@@ -343,15 +397,19 @@ class Guard:
         agreed = tgdist.all_reduce_max(mine.pack() + (self.straggler.pack() if report else []))
         flags = StopFlags.unpack(agreed)
         self._next_check = self.step + flags.next_interval
-        slow = self.straggler.unpack(self.step, agreed[StopFlags.size():]) if report else []
+        slow = self.straggler.unpack(self.step, agreed[StopFlags.size() :]) if report else []
         if self.rank == 0 and time.monotonic() - self._last_progress >= PROGRESS_SECONDS:
             self._last_progress = time.monotonic()
             self.events.emit("progress", self.step, step_seconds=round(self._step_seconds, 6))
         if slow and self.cfg.straggler.stop_if_detected:
             if self.rank == 0:
                 self.straggler.write_exclude(slow)
-            self._stop("straggler", ranks=slow, hosts=self.straggler.hosts_of(slow),
-                       exclude_nodes=str(self.run_dir / "exclude_nodes"))
+            self._stop(
+                "straggler",
+                ranks=slow,
+                hosts=self.straggler.hosts_of(slow),
+                exclude_nodes=str(self.run_dir / "exclude_nodes"),
+            )
         return flags
 
     # ------------------------------------------------------------------------------------------
@@ -367,10 +425,26 @@ class Guard:
         hosts = tgdist.gather_objects(socket.gethostname())
         self.straggler.set_hosts(hosts)
         self._resume()
-        self.ping = health.start(self.cfg.health, self.store, self.cfg.checkpoint.keep_last, self.model, self.optimizer,
-                                 self.events, self.step, hosts, self.rank, self.world_size, self._on_ping_failure)
-        self._emit0("start", world_size=self.world_size, host=socket.gethostname(), first_step=self.step,
-                    resumed_from=str(self.resumed_from.path) if self.resumed_from else None)
+        self.ping = health.start(
+            self.cfg.health,
+            self.store,
+            self.cfg.checkpoint.keep_last,
+            self.model,
+            self.optimizer,
+            self.events,
+            self.step,
+            hosts,
+            self.rank,
+            self.world_size,
+            self._on_ping_failure,
+        )
+        self._emit0(
+            "start",
+            world_size=self.world_size,
+            host=socket.gethostname(),
+            first_step=self.step,
+            resumed_from=str(self.resumed_from.path) if self.resumed_from else None,
+        )
         self._t_last = time.perf_counter()
         for h in self.hooks:
             h.on_train_begin(self)
@@ -384,7 +458,9 @@ class Guard:
         self._load(point)
         path = point.checkpoint.path if point.checkpoint is not None else self.ckpt.local.own.path_for(point.step)
         self.resumed_from = Checkpoint(point.step, path)
-        self._emit0("resume", path=str(path), from_step=point.step, tier=point.tier, seconds=round(time.perf_counter() - t0, 4))
+        self._emit0(
+            "resume", path=str(path), from_step=point.step, tier=point.tier, seconds=round(time.perf_counter() - t0, 4)
+        )
         if point.checkpoint is not None:
             self.recovery.on_resume(point.checkpoint)
 
@@ -414,7 +490,11 @@ class Guard:
             self.save("final")
         self._saved(self.ckpt.close())
         digest = state_hash(self.model, self.optimizer)
-        loss = float(self.last_loss.detach() if torch.is_tensor(self.last_loss) else self.last_loss) if self.last_loss is not None else None
+        loss = (
+            float(self.last_loss.detach() if torch.is_tensor(self.last_loss) else self.last_loss)
+            if self.last_loss is not None
+            else None
+        )
         self._emit0("end", state_sha256=digest, last_loss=loss)
         # leave together: a rank that tears its group down while a peer still finishes rank-0
         # work (the final commit) can make gloo abort in the peer at exit
@@ -433,7 +513,9 @@ class Guard:
         position, extras, instability statistics and learning-rate ramp, micro-batch size, RNG)."""
         return {"step": self.step, **self.train_state.state_dict()}
 
-    def save(self, reason: str = "manual", tiers: tuple[str, ...] = ("persistent",), blocking: bool = True) -> Optional[Checkpoint]:
+    def save(
+        self, reason: str = "manual", tiers: tuple[str, ...] = ("persistent",), blocking: bool = True
+    ) -> Optional[Checkpoint]:
         """Save a checkpoint of the current step (a collective: call on every rank).
 
         Does nothing for a tier that already holds this step. A failed write is recorded as a
@@ -476,7 +558,9 @@ class Guard:
         if reason == "signal":
             details.update(signal=self.shutdown.received, signal_time=self.shutdown.received_at)
         elif reason == "time_limit":
-            details.update(time_left=self.stop.time_left(), max_duration=self.cfg.stop.max_duration, end_time=self.stop.end_time)
+            details.update(
+                time_left=self.stop.time_left(), max_duration=self.cfg.stop.max_duration, end_time=self.stop.end_time
+            )
         elif reason == "memory":
             details.update(limits=self.cfg.memory.model_dump(exclude_none=True))
         self._emit0("stop_requested", **details)
@@ -550,7 +634,7 @@ class Guard:
         if self.events is not None:
             self.events.close()
 
-    def __enter__(self) -> "Guard":
+    def __enter__(self) -> Guard:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -572,8 +656,9 @@ class Guard:
         return [h.on_instability(self, dict(event)) for h in self.hooks]
 
     def _on_deadline(self) -> None:
-        self.events.emit("deadline_exit", self.step, deadline=self.cfg.preemption.save_deadline,
-                         signal=self.shutdown.received)
+        self.events.emit(
+            "deadline_exit", self.step, deadline=self.cfg.preemption.save_deadline, signal=self.shutdown.received
+        )
 
     def _emit0(self, kind: str, **details: Any) -> None:
         """Emit an event from rank 0 only (for decisions all ranks share)."""

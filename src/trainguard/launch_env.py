@@ -85,7 +85,7 @@ class LaunchEnv:
     local_world_size: Optional[int] = None
 
     @classmethod
-    def from_environ(cls, env: Optional[Mapping[str, str]] = None) -> "LaunchEnv":
+    def from_environ(cls, env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
         """Read the contract from ``env`` (default ``os.environ``, read now).
 
         Raises:
@@ -121,7 +121,9 @@ class LaunchEnv:
         """
         for item in self.overrides:
             if "\n" in item:
-                raise LaunchEnvError(f"override {item!r} for {SET}: holds a newline (overrides are passed one per line)")
+                raise LaunchEnvError(
+                    f"override {item!r} for {SET}: holds a newline (overrides are passed one per line)"
+                )
         return {
             RUN_DIR: _text(self.run_dir),
             CONFIG: _text(self.config),

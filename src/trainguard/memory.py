@@ -37,8 +37,10 @@ class MemoryWatchdog:
     def measure(self) -> dict[str, Any]:
         """Current readings: ``host_percent`` (0–100), ``rss_bytes``, and ``gpu_free_bytes`` /
         ``gpu_total_bytes`` (only with ``gpu_free_min`` set and a GPU; after emptying the cache)."""
-        reading: dict[str, Any] = {"host_percent": psutil.virtual_memory().percent,
-                                   "rss_bytes": psutil.Process().memory_info().rss}
+        reading: dict[str, Any] = {
+            "host_percent": psutil.virtual_memory().percent,
+            "rss_bytes": psutil.Process().memory_info().rss,
+        }
         if self.cfg.gpu_free_min is not None and torch.cuda.is_available():
             gc.collect()
             torch.cuda.empty_cache()

@@ -11,12 +11,23 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import (BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, ValidatorFunctionWrapHandler,
-                      WrapValidator, field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
-
-_DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)d)?\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*$")
+_DURATION = re.compile(
+    r"^\s*(?:(\d+(?:\.\d+)?)d)?\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*$"
+)
 
 
 def parse_duration(value: Any) -> Optional[float]:
@@ -62,8 +73,11 @@ def _byte_size(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     except ValidationError as e:
         if not any(err["type"] in ("byte_size", "byte_size_unit") for err in e.errors()):
             raise
-        raise PydanticCustomError("byte_size", "expected a size such as 1073741824, '512MiB' or '2GB' (a non-negative "
-                                  "whole number of bytes, or a number and a unit: KB/MB/GB/TB = 1000^n, KiB/MiB/GiB/TiB = 1024^n)") from None
+        raise PydanticCustomError(
+            "byte_size",
+            "expected a size such as 1073741824, '512MiB' or '2GB' (a non-negative "
+            "whole number of bytes, or a number and a unit: KB/MB/GB/TB = 1000^n, KiB/MiB/GiB/TiB = 1024^n)",
+        ) from None
 
 
 Bytes = Annotated[ByteSize, WrapValidator(_byte_size)]
@@ -105,11 +119,16 @@ class RunSection(Section):
 class LocalTierSection(Section):
     """``[checkpoint.local]``: the fast node-local tier (off unless ``dir`` is set)."""
 
-    dir: Optional[str] = Field(None, description="node-local directory, e.g. '/dev/shm/trainguard/myrun' or a local NVMe path; "
-                               "{node}, {host} and {rank} are filled in; unset = no local tier")
+    dir: Optional[str] = Field(
+        None,
+        description="node-local directory, e.g. '/dev/shm/trainguard/myrun' or a local NVMe path; "
+        "{node}, {host} and {rank} are filled in; unset = no local tier",
+    )
     interval: int = Field(10, ge=1, description="save to the local tier every N optimizer steps")
     keep_last: int = Field(2, ge=1, description="local copies kept per rank (and per replica)")
-    replicate: bool = Field(True, description="copy each rank's part to the next node's local tier (a single node: to the persistent tier)")
+    replicate: bool = Field(
+        True, description="copy each rank's part to the next node's local tier (a single node: to the persistent tier)"
+    )
 
 
 class CheckpointSection(Section):
@@ -118,19 +137,30 @@ class CheckpointSection(Section):
     interval: int = Field(100, ge=1, description="save to the persistent tier every N optimizer steps")
     keep_last: int = Field(3, ge=1, description="committed checkpoints kept (the newest is never deleted)")
     dir: str = Field("checkpoints", description="store directory, relative to the run dir unless absolute")
-    verify: Literal["full", "size"] = Field("full", description="'full' checks every checksum on resume, 'size' only sizes")
+    verify: Literal["full", "size"] = Field(
+        "full", description="'full' checks every checksum on resume, 'size' only sizes"
+    )
     save_final: bool = Field(True, description="save a checkpoint when the last step finishes")
-    async_save: bool = Field(False, description="scheduled saves copy the state to host memory and write it in the background "
-                             "while training goes on (stop and final saves are always synchronous)")
-    max_failures: int = Field(3, ge=0, description="consecutive failed saves after which the run stops (exit 76) instead of "
-                              "training on without checkpoints; 0 = never stop")
+    async_save: bool = Field(
+        False,
+        description="scheduled saves copy the state to host memory and write it in the background "
+        "while training goes on (stop and final saves are always synchronous)",
+    )
+    max_failures: int = Field(
+        3,
+        ge=0,
+        description="consecutive failed saves after which the run stops (exit 76) instead of "
+        "training on without checkpoints; 0 = never stop",
+    )
     local: LocalTierSection = LocalTierSection()
 
     @model_validator(mode="after")
-    def _tiers(self) -> "CheckpointSection":
+    def _tiers(self) -> CheckpointSection:
         if self.local.dir is not None and self.local.interval > self.interval:
-            raise ValueError(f"checkpoint.local.interval ({self.local.interval}) is larger than checkpoint.interval "
-                             f"({self.interval}): the fast tier would save less often than the persistent one")
+            raise ValueError(
+                f"checkpoint.local.interval ({self.local.interval}) is larger than checkpoint.interval "
+                f"({self.interval}): the fast tier would save less often than the persistent one"
+            )
         return self
 
 
@@ -138,7 +168,11 @@ class PreemptionSection(Section):
     """``[preemption]``: signals that ask the run to save and exit (requeue)."""
 
     signals: list[str] = Field(["SIGTERM", "SIGUSR1", "SIGINT"], description="signals that request a stop")
-    save_deadline: float = Field(300.0, gt=0, description="seconds from the signal until the process exits even if the emergency save is unfinished")
+    save_deadline: float = Field(
+        300.0,
+        gt=0,
+        description="seconds from the signal until the process exits even if the emergency save is unfinished",
+    )
 
     @field_validator("signals")
     @classmethod
@@ -154,12 +188,23 @@ class PreemptionSection(Section):
 class StopSection(Section):
     """``[stop]``: stop and save conditions checked at every step boundary."""
 
-    max_duration: Optional[float] = Field(None, description="wall-clock budget of one launch (seconds, '4h', or 'HH:MM:SS'); the run stops early enough for one more step and one save")
+    max_duration: Optional[float] = Field(
+        None,
+        description="wall-clock budget of one launch (seconds, '4h', or 'HH:MM:SS'); the run stops early enough for one more step and one save",
+    )
     time_margin: float = Field(5.0, ge=0, description="extra seconds kept in reserve before max_duration")
     kill_switch: str = Field("KILL", description="file (relative to the run dir) whose presence means: save and exit")
     save_switch: str = Field("SAVE", description="file whose presence means: save, delete the file, continue")
-    check_interval: int = Field(0, ge=0, description="check stop conditions every N steps; 0 = auto: about every check_seconds, from the measured step time")
-    check_seconds: float = Field(1.0, gt=0, description="with check_interval = 0: target seconds between two checks (the stop latency); the check is one small all-reduce")
+    check_interval: int = Field(
+        0,
+        ge=0,
+        description="check stop conditions every N steps; 0 = auto: about every check_seconds, from the measured step time",
+    )
+    check_seconds: float = Field(
+        1.0,
+        gt=0,
+        description="with check_interval = 0: target seconds between two checks (the stop latency); the check is one small all-reduce",
+    )
 
     @field_validator("max_duration", mode="before")
     @classmethod
@@ -172,7 +217,11 @@ class LauncherSection(Section):
 
     max_restarts: int = Field(3, ge=0, description="worker-group restarts after a rank dies before giving up")
     monitor_interval: float = Field(0.1, gt=0, description="seconds between checks of the workers and their heartbeats")
-    stop_grace: float = Field(60.0, gt=0, description="seconds the launcher waits for ranks to save and exit after forwarding a stop signal, before SIGKILL")
+    stop_grace: float = Field(
+        60.0,
+        gt=0,
+        description="seconds the launcher waits for ranks to save and exit after forwarding a stop signal, before SIGKILL",
+    )
 
 
 class SupervisorSection(Section):
@@ -185,23 +234,47 @@ class SupervisorSection(Section):
     """
 
     enabled: bool = Field(True, description="detect hung ranks and restart the group")
-    initial_timeout: float = Field(600.0, gt=0, description="seconds from a rank's start to its first heartbeat (Guard created)")
-    setup_timeout: float = Field(600.0, gt=0, description="from the first heartbeat until the first step completes (resume, warm-up)")
+    initial_timeout: float = Field(
+        600.0, gt=0, description="seconds from a rank's start to its first heartbeat (Guard created)"
+    )
+    setup_timeout: float = Field(
+        600.0, gt=0, description="from the first heartbeat until the first step completes (resume, warm-up)"
+    )
     step_timeout: float = Field(180.0, gt=0, description="one training step")
     checkpointing_timeout: float = Field(600.0, gt=0, description="one checkpoint save")
     out_of_section_timeout: float = Field(300.0, gt=0, description="time between sections (code after step_end)")
-    teardown_timeout: float = Field(600.0, gt=0, description="after the last step or a stop: evaluation, process-group teardown, exit (never learned)")
+    teardown_timeout: float = Field(
+        600.0,
+        gt=0,
+        description="after the last step or a stop: evaluation, process-group teardown, exit (never learned)",
+    )
     section_timeouts: dict[str, float] = Field({}, description="starting timeouts of user-named sections")
-    user_section_timeout: float = Field(600.0, gt=0, description="starting timeout of user sections not in section_timeouts")
+    user_section_timeout: float = Field(
+        600.0, gt=0, description="starting timeout of user sections not in section_timeouts"
+    )
     learn: bool = Field(True, description="learn timeouts from observed durations")
-    percentile: float = Field(99.0, gt=0, le=100, description="percentile of observed durations the learned timeout starts from")
-    safety_factor: float = Field(3.0, ge=1, description="learned timeout = max(min_timeout, safety_factor × percentile, longest observed)")
+    percentile: float = Field(
+        99.0, gt=0, le=100, description="percentile of observed durations the learned timeout starts from"
+    )
+    safety_factor: float = Field(
+        3.0, ge=1, description="learned timeout = max(min_timeout, safety_factor × percentile, longest observed)"
+    )
     min_timeout: float = Field(2.0, gt=0, description="floor of every learned timeout (seconds)")
     min_samples: int = Field(20, ge=1, description="observations of a section before its timeout is learned")
-    kill_grace: float = Field(3.0, gt=0, description="seconds between SIGTERM and SIGKILL when the launcher stops a group to restart it")
-    stacks_wait: float = Field(2.0, ge=0, description="seconds to wait at most for a hung rank's stack dump (it usually ends in milliseconds: its main thread's outermost frame marks the end)")
-    max_no_progress_restarts: int = Field(3, ge=1, description="give up after this many consecutive restarts with no new checkpoint")
-    max_same_step_faults: int = Field(2, ge=2, description="give up when the group fails at the same step this many times in a row")
+    kill_grace: float = Field(
+        3.0, gt=0, description="seconds between SIGTERM and SIGKILL when the launcher stops a group to restart it"
+    )
+    stacks_wait: float = Field(
+        2.0,
+        ge=0,
+        description="seconds to wait at most for a hung rank's stack dump (it usually ends in milliseconds: its main thread's outermost frame marks the end)",
+    )
+    max_no_progress_restarts: int = Field(
+        3, ge=1, description="give up after this many consecutive restarts with no new checkpoint"
+    )
+    max_same_step_faults: int = Field(
+        2, ge=2, description="give up when the group fails at the same step this many times in a row"
+    )
 
     @field_validator("section_timeouts")
     @classmethod
@@ -226,19 +299,40 @@ class FaultSpec(Section):
     ``grad_explosion`` (its gradients and gradient norm × ``factor``).
     """
 
-    kind: Literal["rank_killed", "rank_hung", "random", "nan_loss", "loss_spike", "grad_explosion", "oom", "slow_rank"] = Field(
-        ..., description="rank_killed, rank_hung, random, nan_loss, loss_spike, grad_explosion, oom or slow_rank")
+    kind: Literal[
+        "rank_killed", "rank_hung", "random", "nan_loss", "loss_spike", "grad_explosion", "oom", "slow_rank"
+    ] = Field(..., description="rank_killed, rank_hung, random, nan_loss, loss_spike, grad_explosion, oom or slow_rank")
     rank: Optional[int] = Field(None, ge=0, description="global rank (random: drawn)")
-    step: Optional[int] = Field(None, ge=1, description="fire when this many steps are complete (numeric faults: in this step)")
-    after_seconds: Optional[float] = Field(None, gt=0, description="fire this long after the Guard starts instead of at a step")
-    hang: Literal["sigstop", "collective"] = Field("sigstop", description="rank_hung: stop the process (SIGSTOP), or block it before the next collective so the others wait inside it")
-    section: Literal["step", "checkpointing"] = Field("step", description="rank_hung at a step: hang in the step, or inside the next checkpoint save")
-    every_attempt: bool = Field(False, description="fire again after each restart (a recurring fault); default only in the first attempt")
+    step: Optional[int] = Field(
+        None, ge=1, description="fire when this many steps are complete (numeric faults: in this step)"
+    )
+    after_seconds: Optional[float] = Field(
+        None, gt=0, description="fire this long after the Guard starts instead of at a step"
+    )
+    hang: Literal["sigstop", "collective"] = Field(
+        "sigstop",
+        description="rank_hung: stop the process (SIGSTOP), or block it before the next collective so the others wait inside it",
+    )
+    section: Literal["step", "checkpointing"] = Field(
+        "step", description="rank_hung at a step: hang in the step, or inside the next checkpoint save"
+    )
+    every_attempt: bool = Field(
+        False, description="fire again after each restart (a recurring fault); default only in the first attempt"
+    )
     seed: int = Field(0, description="random: the seed of the draw")
-    factor: float = Field(10.0, gt=0, description="loss_spike / grad_explosion: the multiplier; slow_rank: extra compute time as a fraction (0.3 = 30 % slower)")
+    factor: float = Field(
+        10.0,
+        gt=0,
+        description="loss_spike / grad_explosion: the multiplier; slow_rank: extra compute time as a fraction (0.3 = 30 % slower)",
+    )
     repeat: int = Field(1, ge=1, description="numeric faults: in this many consecutive steps from 'step'")
-    persistent: bool = Field(False, description="numeric faults: fire again when a rollback re-runs the step; oom: in every retry of the step too (a fault recovery cannot outrun)")
-    phase: Literal["forward", "backward"] = Field("forward", description="oom: fail a real allocation inside the model's forward, or during backward")
+    persistent: bool = Field(
+        False,
+        description="numeric faults: fire again when a rollback re-runs the step; oom: in every retry of the step too (a fault recovery cannot outrun)",
+    )
+    phase: Literal["forward", "backward"] = Field(
+        "forward", description="oom: fail a real allocation inside the model's forward, or during backward"
+    )
 
 
 class FaultsSection(Section):
@@ -276,13 +370,19 @@ class InstabilitySection(Section):
     grad_spike_factor: float = Field(10.0, gt=1, description="gradient-norm spike: multiple of the running mean")
     window: int = Field(1000, ge=2, description="applied steps in the running statistics")
     min_history: int = Field(50, ge=2, description="applied steps seen before spikes are detected")
-    max_consecutive: int = Field(3, ge=1, description="consecutive skipped steps after which the action escalates to 'escalate'")
-    escalate: Literal["rollback", "raise"] = Field("rollback", description="action once max_consecutive steps in a row were skipped")
+    max_consecutive: int = Field(
+        3, ge=1, description="consecutive skipped steps after which the action escalates to 'escalate'"
+    )
+    escalate: Literal["rollback", "raise"] = Field(
+        "rollback", description="action once max_consecutive steps in a row were skipped"
+    )
     max_rollbacks: int = Field(3, ge=0, description="rollbacks in the whole run (all launches) before giving up")
-    known_good_after: int = Field(50, ge=1, description="healthy steps after a checkpoint that make it known-good (recorded in its manifest)")
+    known_good_after: int = Field(
+        50, ge=1, description="healthy steps after a checkpoint that make it known-good (recorded in its manifest)"
+    )
 
     @model_validator(mode="after")
-    def _history_fits(self) -> "InstabilitySection":
+    def _history_fits(self) -> InstabilitySection:
         if self.min_history > self.window:
             raise ValueError(f"min_history ({self.min_history}) must be ≤ window ({self.window})")
         return self
@@ -292,8 +392,16 @@ class RollbackSection(Section):
     """``[rollback]``: how a rollback recovers (PaLM's manual recipe, automated: restart ~100 steps
     before the spike and skip the 200–500 batches around it; Chowdhery et al. 2022, §5.1)."""
 
-    depth: int = Field(0, ge=0, description="roll back to the newest known-good checkpoint at least this many steps before the bad step")
-    skip_batches: int = Field(0, ge=0, description="batches skipped after the checkpoint; at least those between the checkpoint and the bad step, which are always skipped")
+    depth: int = Field(
+        0,
+        ge=0,
+        description="roll back to the newest known-good checkpoint at least this many steps before the bad step",
+    )
+    skip_batches: int = Field(
+        0,
+        ge=0,
+        description="batches skipped after the checkpoint; at least those between the checkpoint and the bad step, which are always skipped",
+    )
     lr_factor: float = Field(0.5, gt=0, le=1, description="learning-rate multiplier right after a rollback")
     lr_ramp_steps: int = Field(100, ge=0, description="steps over which the multiplier ramps linearly back to 1")
 
@@ -309,10 +417,14 @@ class OOMSection(Section):
     before the next ``grow_after`` clean steps doubles that wait).
     """
 
-    micro_batch_size: int = Field(0, ge=0, description="samples per micro-batch at the start; 0 = the whole batch (no accumulation)")
+    micro_batch_size: int = Field(
+        0, ge=0, description="samples per micro-batch at the start; 0 = the whole batch (no accumulation)"
+    )
     grow_after: int = Field(200, ge=1, description="clean steps after a split before the micro-batch is doubled again")
     grow: bool = Field(True, description="grow the micro-batch back after grow_after clean steps")
-    bucket_mb: float = Field(25.0, gt=0, description="DDP models: MiB per gradient all-reduce bucket (DDP's own default is 25)")
+    bucket_mb: float = Field(
+        25.0, gt=0, description="DDP models: MiB per gradient all-reduce bucket (DDP's own default is 25)"
+    )
 
 
 class MemorySection(Section):
@@ -324,10 +436,22 @@ class MemorySection(Section):
     ``gc.collect()`` and ``torch.cuda.empty_cache()``, as that text advises, so cached blocks do not count.
     """
 
-    host_percent: Optional[float] = Field(None, gt=0, lt=100, description="stop when the host's used memory exceeds this percentage (psutil's virtual_memory().percent)")
-    rss_limit: Optional[PositiveBytes] = Field(None, description="stop when a rank's resident set size exceeds this (bytes, or '20GiB')")
-    gpu_free_min: Optional[PositiveBytes] = Field(None, description="stop when a rank's GPU has less free memory than this (bytes, or '2GiB'); skipped without a GPU")
-    check_interval: int = Field(100, ge=1, description="measure every N steps (the GPU measurement empties the allocator cache)")
+    host_percent: Optional[float] = Field(
+        None,
+        gt=0,
+        lt=100,
+        description="stop when the host's used memory exceeds this percentage (psutil's virtual_memory().percent)",
+    )
+    rss_limit: Optional[PositiveBytes] = Field(
+        None, description="stop when a rank's resident set size exceeds this (bytes, or '20GiB')"
+    )
+    gpu_free_min: Optional[PositiveBytes] = Field(
+        None,
+        description="stop when a rank's GPU has less free memory than this (bytes, or '2GiB'); skipped without a GPU",
+    )
+    check_interval: int = Field(
+        100, ge=1, description="measure every N steps (the GPU measurement empties the allocator cache)"
+    )
 
 
 class StragglerSection(Section):
@@ -336,14 +460,22 @@ class StragglerSection(Section):
     current median; 0.7 thresholds as there). See :mod:`trainguard.straggler`."""
 
     enabled: bool = Field(True, description="time steps (and run_step's compute) and report stragglers")
-    report_interval: float = Field(300.0, gt=0, description="seconds between reports, converted to steps from the slowest rank's step time")
+    report_interval: float = Field(
+        300.0, gt=0, description="seconds between reports, converted to steps from the slowest rank's step time"
+    )
     report_interval_steps: int = Field(0, ge=0, description="report every N steps instead (0 = use report_interval)")
     warmup_steps: int = Field(10, ge=0, description="first steps not timed (allocation and first-iteration work)")
     min_samples: int = Field(10, ge=1, description="steps in a window before a rank's median counts")
-    relative_threshold: float = Field(0.7, gt=0, le=1, description="a rank whose relative score is below this is a straggler")
-    individual_threshold: float = Field(0.7, gt=0, le=1, description="a rank whose individual score is below this is a straggler")
+    relative_threshold: float = Field(
+        0.7, gt=0, le=1, description="a rank whose relative score is below this is a straggler"
+    )
+    individual_threshold: float = Field(
+        0.7, gt=0, le=1, description="a rank whose individual score is below this is a straggler"
+    )
     report_ranks: int = Field(5, ge=1, description="worst and best N ranks listed in each report")
-    stop_if_detected: bool = Field(False, description="on a straggler: save, write its host to RUN_DIR/exclude_nodes, exit with the requeue code")
+    stop_if_detected: bool = Field(
+        False, description="on a straggler: save, write its host to RUN_DIR/exclude_nodes, exit with the requeue code"
+    )
 
     @field_validator("report_interval", mode="before")
     @classmethod
@@ -355,7 +487,19 @@ class HealthSection(Section):
     """``[health]``: collective liveness ping and start-up preflight. See :mod:`trainguard.health`."""
 
     ping: bool = Field(True, description="run the background collective liveness ping (multi-rank runs)")
-    ping_interval: float = Field(30.0, gt=0, description="seconds between pings (seconds, not steps: the ping must also fire while the loop is stuck in a collective)")
-    ping_timeout: float = Field(60.0, gt=0, description="seconds a ping may take before the missing ranks are reported and the group restarted")
-    preflight: bool = Field(True, description="check before training: checkpoint dir writable, room for keep_last + 1 checkpoints, devices alike on all ranks, GPU health")
-    gpu_check: bool = Field(True, description="preflight: NVML GPU health and a small compute/allocation check ('skipped: no GPU' without one)")
+    ping_interval: float = Field(
+        30.0,
+        gt=0,
+        description="seconds between pings (seconds, not steps: the ping must also fire while the loop is stuck in a collective)",
+    )
+    ping_timeout: float = Field(
+        60.0, gt=0, description="seconds a ping may take before the missing ranks are reported and the group restarted"
+    )
+    preflight: bool = Field(
+        True,
+        description="check before training: checkpoint dir writable, room for keep_last + 1 checkpoints, devices alike on all ranks, GPU health",
+    )
+    gpu_check: bool = Field(
+        True,
+        description="preflight: NVML GPU health and a small compute/allocation check ('skipped: no GPU' without one)",
+    )

@@ -44,7 +44,9 @@ class HardDeadline:
         (from the timer thread) and exit with ``code`` (``os._exit``: no cleanup runs)."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._expire, args=(seconds, code, on_expire), daemon=True, name=self.name)
+        self._thread = threading.Thread(
+            target=self._expire, args=(seconds, code, on_expire), daemon=True, name=self.name
+        )
         self._thread.start()
 
     def cancel(self) -> None:
@@ -82,7 +84,7 @@ class ShutdownHandler:
         self.deadline_timer = HardDeadline()
         self._previous: dict[int, object] = {}
 
-    def install(self) -> "ShutdownHandler":
+    def install(self) -> ShutdownHandler:
         """Install the handlers (main thread only); returns self."""
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)

@@ -31,8 +31,13 @@ def capture_rng() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -49,7 +54,9 @@ def restore_rng(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -60,7 +67,7 @@ _FORMAT = b"trainguard state hash v2\n"
 _HOST_CHUNK = 64 << 20
 
 
-def _hash_bytes(h: "hashlib._Hash", t: torch.Tensor) -> None:
+def _hash_bytes(h: hashlib._Hash, t: torch.Tensor) -> None:
     """Feed the raw bytes of ``t`` (row-major, native byte order) to ``h`` without a host copy of
     the whole tensor: a CPU tensor is read in place, another device's in ``_HOST_CHUNK`` pieces."""
     if t.numel() == 0:
@@ -70,7 +77,7 @@ def _hash_bytes(h: "hashlib._Hash", t: torch.Tensor) -> None:
         h.update(flat.numpy())
         return
     for start in range(0, flat.numel(), _HOST_CHUNK):
-        h.update(flat[start:start + _HOST_CHUNK].cpu().numpy())
+        h.update(flat[start : start + _HOST_CHUNK].cpu().numpy())
 
 
 def _tensor_header(key: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -87,13 +94,15 @@ def _tensor_header(key: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
 
         local = t.to_local()
         _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        header = (f"{key}:{t.dtype}:{list(t.shape)}:mesh={list(t.device_mesh.shape)}:"
-                  f"placements={[str(p) for p in t.placements]}:local={list(local.shape)}:offset={list(offset)}\n")
+        header = (
+            f"{key}:{t.dtype}:{list(t.shape)}:mesh={list(t.device_mesh.shape)}:"
+            f"placements={[str(p) for p in t.placements]}:local={list(local.shape)}:offset={list(offset)}\n"
+        )
         return header, local
     return f"{key}:{t.dtype}:{list(t.shape)}\n", t
 
 
-def _update_with(h: "hashlib._Hash", key: str, value: Any) -> None:
+def _update_with(h: hashlib._Hash, key: str, value: Any) -> None:
     """Feed one state entry to ``h``: dict keys in sorted order, list items in order, each tensor
     as its header line then its local bytes, anything else as ``key=<JSON text>``."""
     if isinstance(value, torch.Tensor):
@@ -139,7 +148,11 @@ def _gather_digests(digest: bytes, group: Any) -> list[bytes]:
         return [digest]
     world = dist.get_world_size(group)
     backend = str(dist.get_backend(group))
-    device = torch.device("cpu") if "gloo" in backend or not torch.cuda.is_available() else torch.device("cuda", torch.cuda.current_device())
+    device = (
+        torch.device("cpu")
+        if "gloo" in backend or not torch.cuda.is_available()
+        else torch.device("cuda", torch.cuda.current_device())
+    )
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
     out = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(out, mine, group=group)

@@ -20,7 +20,6 @@ from .signals import ShutdownHandler
 from .slurm.endtime import JobEndTime
 
 
-
 @dataclass(frozen=True)
 class StopFlags:
     """One rank's stop and save flags, or (after the all-reduce with max) the ranks' agreement.
@@ -51,9 +50,9 @@ class StopFlags:
         return [int(v) for v in astuple(self)]
 
     @classmethod
-    def unpack(cls, values: list[int]) -> "StopFlags":
+    def unpack(cls, values: list[int]) -> StopFlags:
         """The inverse of :meth:`pack` (extra trailing values are not read)."""
-        return cls(*values[:cls.size()])
+        return cls(*values[: cls.size()])
 
     @property
     def reason(self) -> Optional[str]:
@@ -87,9 +86,15 @@ class StopConditions:
             job's EndTime minus ``[slurm] end_margin``, kept current when the time limit changes).
     """
 
-    def __init__(self, cfg: StopSection, run_dir: Path, shutdown: ShutdownHandler,
-                 memory: Optional[MemoryWatchdog] = None, start_time: Optional[float] = None,
-                 end_time: Optional[float] = None):
+    def __init__(
+        self,
+        cfg: StopSection,
+        run_dir: Path,
+        shutdown: ShutdownHandler,
+        memory: Optional[MemoryWatchdog] = None,
+        start_time: Optional[float] = None,
+        end_time: Optional[float] = None,
+    ):
         self.cfg = cfg
         self.memory = memory
         self.kill_path = run_dir / cfg.kill_switch
@@ -111,8 +116,11 @@ class StopConditions:
     def time_left(self) -> Optional[float]:
         """Seconds until the time limit: the earlier of ``start_time + [stop] max_duration`` and the
         job's end time (``None`` when neither is set). Negative once it has passed."""
-        limits = [t for t in (None if self.cfg.max_duration is None else self.start_time + self.cfg.max_duration,
-                              self.end_time) if t is not None]
+        limits = [
+            t
+            for t in (None if self.cfg.max_duration is None else self.start_time + self.cfg.max_duration, self.end_time)
+            if t is not None
+        ]
         return min(limits) - time.time() if limits else None
 
     def next_interval(self, step_seconds: float) -> int:

@@ -84,7 +84,9 @@ class StragglerDetector:
         run_dir: ``exclude_nodes`` is written there.
     """
 
-    def __init__(self, cfg: StragglerSection, rank: int, world_size: int, hosts: list[str], events: EventLog, run_dir: Path):
+    def __init__(
+        self, cfg: StragglerSection, rank: int, world_size: int, hosts: list[str], events: EventLog, run_dir: Path
+    ):
         self.cfg, self.rank, self.world, self.hosts, self.events = cfg, rank, world_size, hosts, events
         self.run_dir = run_dir
         self.active = cfg.enabled and world_size > 1  # one rank has no peers to compare with: time nothing
@@ -154,25 +156,51 @@ class StragglerDetector:
             The straggling ranks (the same list on every rank).
         """
         w = self.world
-        slowest_step, medians, individual = agreed[0] / US, agreed[1:1 + w], agreed[1 + w:1 + 2 * w]
+        slowest_step, medians, individual = agreed[0] / US, agreed[1 : 1 + w], agreed[1 + w : 1 + 2 * w]
         interval = self.cfg.report_interval_steps or math.ceil(self.cfg.report_interval / max(slowest_step, 1e-6))
         self.next_report = step + max(interval, self.cfg.min_samples)
         known = {r: m / US for r, m in enumerate(medians) if m > 0}
         if len(known) < 2:
             return []
         fastest = min(known.values())
-        rows = sorted(({"rank": r, "host": self.hosts[r], "median_ms": round(m * 1e3, 3), "relative": round(fastest / m, 4),
-                        "individual": round(individual[r] / 10_000, 4)} for r, m in known.items()),
-                      key=lambda row: (row["relative"], row["individual"]))
+        rows = sorted(
+            (
+                {
+                    "rank": r,
+                    "host": self.hosts[r],
+                    "median_ms": round(m * 1e3, 3),
+                    "relative": round(fastest / m, 4),
+                    "individual": round(individual[r] / 10_000, 4),
+                }
+                for r, m in known.items()
+            ),
+            key=lambda row: (row["relative"], row["individual"]),
+        )
         c = self.cfg
-        flagged = [row for row in rows if row["relative"] < c.relative_threshold or row["individual"] < c.individual_threshold]
+        flagged = [
+            row for row in rows if row["relative"] < c.relative_threshold or row["individual"] < c.individual_threshold
+        ]
         if self.rank == 0:
-            self.events.emit("straggler_report", step, measure=self.measure, window_steps=interval,
-                             worst=rows[:c.report_ranks], best=rows[::-1][:c.report_ranks], stragglers=[row["rank"] for row in flagged],
-                             relative_threshold=c.relative_threshold, individual_threshold=c.individual_threshold)
+            self.events.emit(
+                "straggler_report",
+                step,
+                measure=self.measure,
+                window_steps=interval,
+                worst=rows[: c.report_ranks],
+                best=rows[::-1][: c.report_ranks],
+                stragglers=[row["rank"] for row in flagged],
+                relative_threshold=c.relative_threshold,
+                individual_threshold=c.individual_threshold,
+            )
             for row in flagged:
-                self.events.emit("straggler_detected", step, measure=self.measure, relative_threshold=c.relative_threshold,
-                                 individual_threshold=c.individual_threshold, **row)
+                self.events.emit(
+                    "straggler_detected",
+                    step,
+                    measure=self.measure,
+                    relative_threshold=c.relative_threshold,
+                    individual_threshold=c.individual_threshold,
+                    **row,
+                )
         return [row["rank"] for row in flagged]
 
     def write_exclude(self, ranks: list[int]) -> Path:

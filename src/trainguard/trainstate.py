@@ -55,7 +55,9 @@ class TrainState:
             if part is None:
                 continue
             if not isinstance(part, Stateful):
-                raise TypeError(f"training state {name!r} ({type(part).__name__}) needs state_dict() and load_state_dict()")
+                raise TypeError(
+                    f"training state {name!r} ({type(part).__name__}) needs state_dict() and load_state_dict()"
+                )
             self.parts[name] = part
 
     def state_dict(self) -> dict[str, Any]:

@@ -35,7 +35,6 @@ from .. import dist as tgdist
 from . import manifest as mf
 from .store import Checkpoint, CheckpointStore
 
-
 # DCP warns on every single-process save/load that it assumes a single process: that is intended here
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -104,7 +103,11 @@ def write_checkpoint(
             torch.save(rank_state, f)
             f.flush()
             os.fsync(f.fileno())
-    except (OSError, RuntimeError, CheckpointException) as e:  # keep going to the collectives below: no rank is left waiting
+    except (
+        OSError,
+        RuntimeError,
+        CheckpointException,
+    ) as e:  # keep going to the collectives below: no rank is left waiting
         error = f"rank {rank}: writing {tmp.name} failed: {_first_line(e)} ({_free(store.root)})"
     tgdist.barrier(group)
     mine: dict[str, dict] = {}
@@ -165,7 +168,9 @@ def apply_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     )
 
 
-def check_compatible(path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], world_size: int) -> None:
+def check_compatible(
+    path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], world_size: int
+) -> None:
     """Refuse a checkpoint written for another model or world size.
 
     Compares the model's keys and tensor shapes with the DCP metadata, in sorted key order.
@@ -184,12 +189,18 @@ def check_compatible(path: Path, model: torch.nn.Module, optimizer: Optional[tor
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
     ours = model_optim_state(model, None)["model"]
     want = {f"model.{k}": list(v.shape) for k, v in ours.items() if isinstance(v, torch.Tensor)}
-    have = {k: list(m.size) for k, m in saved.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    have = {
+        k: list(m.size) for k, m in saved.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
     for key in sorted(set(want) | set(have)):
         if key not in have:
-            raise CheckpointMismatchError(f"checkpoint {path} does not fit this model: key '{key[6:]}' is missing from the checkpoint")
+            raise CheckpointMismatchError(
+                f"checkpoint {path} does not fit this model: key '{key[6:]}' is missing from the checkpoint"
+            )
         if key not in want:
-            raise CheckpointMismatchError(f"checkpoint {path} does not fit this model: key '{key[6:]}' is in the checkpoint but not in the model")
+            raise CheckpointMismatchError(
+                f"checkpoint {path} does not fit this model: key '{key[6:]}' is in the checkpoint but not in the model"
+            )
         if want[key] != have[key]:
             raise CheckpointMismatchError(
                 f"checkpoint {path} does not fit this model: key '{key[6:]}' has shape {have[key]} in the checkpoint, {want[key]} in the model"

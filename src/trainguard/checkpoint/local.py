@@ -79,8 +79,17 @@ class LocalTier:
         on_invalid: ``on_invalid(checkpoint, reason)`` for each copy that fails verification.
     """
 
-    def __init__(self, root: Path, replica_root: Optional[Path], keep_last: int, rank: int, world_size: int,
-                 local_world_size: int, run_id: str, on_invalid: Optional[Callable[[Checkpoint, str], None]] = None):
+    def __init__(
+        self,
+        root: Path,
+        replica_root: Optional[Path],
+        keep_last: int,
+        rank: int,
+        world_size: int,
+        local_world_size: int,
+        run_id: str,
+        on_invalid: Optional[Callable[[Checkpoint, str], None]] = None,
+    ):
         self.root, self.rank, self.world, self.run_id = root, rank, world_size, run_id
         self.own = CheckpointStore(root / f"rank-{rank:05d}", keep_last=keep_last, on_invalid=on_invalid)
         multi_node = world_size > local_world_size
@@ -130,7 +139,9 @@ class LocalTier:
             if store is None or tmp is None:
                 continue
             if first is None:
-                store.commit(tmp, step, mf.describe_files(tmp, [STATE_FILE]), {**meta, "rank": self.rank, "run": self.run_id})
+                store.commit(
+                    tmp, step, mf.describe_files(tmp, [STATE_FILE]), {**meta, "rank": self.rank, "run": self.run_id}
+                )
                 store.apply_retention()
             else:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -195,8 +206,11 @@ class LocalTier:
         size = torch.zeros(1, dtype=torch.int64)
         _pairwise([(s, dst) for s, dst, _ in sends], [(size, src) for src in recvs], group)
         incoming = torch.empty(int(size.item()), dtype=torch.uint8)
-        _pairwise([(torch.frombuffer(bytearray(d), dtype=torch.uint8), dst) for _, dst, d in sends],
-                  [(incoming, src) for src in recvs], group)
+        _pairwise(
+            [(torch.frombuffer(bytearray(d), dtype=torch.uint8), dst) for _, dst, d in sends],
+            [(incoming, src) for src in recvs],
+            group,
+        )
         return mine if mine is not None else incoming.numpy().tobytes()
 
 
@@ -240,6 +254,8 @@ def _verified_steps(store: CheckpointStore, verify: str, world_size: int, run_id
 
 def _pairwise(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Any) -> None:
     """Post every send and receive at once, then wait for all (no ordering deadlock)."""
-    works = [dist.isend(t, dst, group=group) for t, dst in sends] + [dist.irecv(t, src, group=group) for t, src in recvs]
+    works = [dist.isend(t, dst, group=group) for t, dst in sends] + [
+        dist.irecv(t, src, group=group) for t, src in recvs
+    ]
     for w in works:
         w.wait()

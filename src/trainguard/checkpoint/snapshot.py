@@ -59,8 +59,9 @@ class Snapshot:
     def _copy(self, obj: Any, path: str, now: list, later: list, defer: Callable[[torch.Tensor], bool]) -> Any:
         if DTensor is not None and isinstance(obj, DTensor):
             local = self._tensor(obj.to_local(), path, now, later, defer)
-            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
-                                      shape=obj.shape, stride=obj.stride())
+            return DTensor.from_local(
+                local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
+            )
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, path, now, later, defer)
         if isinstance(obj, dict):
@@ -70,7 +71,9 @@ class Snapshot:
             return items if isinstance(obj, list) else tuple(items)
         return copy.deepcopy(obj)
 
-    def _tensor(self, t: torch.Tensor, path: str, now: list, later: list, defer: Callable[[torch.Tensor], bool]) -> torch.Tensor:
+    def _tensor(
+        self, t: torch.Tensor, path: str, now: list, later: list, defer: Callable[[torch.Tensor], bool]
+    ) -> torch.Tensor:
         t = t.detach()
         buf = self._buffers.get(path)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:

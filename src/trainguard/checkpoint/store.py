@@ -52,7 +52,9 @@ class CheckpointStore:
             ``latest_valid()`` skips (the Guard turns it into an event).
     """
 
-    def __init__(self, root: str | Path, keep_last: int = 3, on_invalid: Optional[Callable[[Checkpoint, str], None]] = None):
+    def __init__(
+        self, root: str | Path, keep_last: int = 3, on_invalid: Optional[Callable[[Checkpoint, str], None]] = None
+    ):
         if keep_last < 1:
             raise ValueError(f"keep_last must be ≥ 1, got {keep_last}")
         self.root = Path(root)
@@ -130,8 +132,11 @@ class CheckpointStore:
         body["known_good"] = {"healthy_steps": healthy_steps, "time": round(time.time(), 3)}
         # the temp file lives in the store root under the .tmp- prefix (clean_stale removes it after
         # a crash), so a checkpoint directory never holds a file its manifest does not list
-        write_atomic(ckpt.path / mf.MANIFEST, json.dumps(body, indent=1, sort_keys=True),
-                     tmp=self.root / f".tmp-manifest-{ckpt.path.name}")
+        write_atomic(
+            ckpt.path / mf.MANIFEST,
+            json.dumps(body, indent=1, sort_keys=True),
+            tmp=self.root / f".tmp-manifest-{ckpt.path.name}",
+        )
 
     def known_good(self, verify: str = "full", at_most: Optional[int] = None) -> Optional[Checkpoint]:
         """The newest verified checkpoint marked known-good with ``step <= at_most``, or ``None``."""
@@ -190,8 +195,12 @@ class CheckpointStore:
         mf.fsync_path(self.root)
         return Checkpoint(step, final)
 
-    def apply_retention(self, protect: Iterable[int] = (), verify: str = "size",
-                        remove: Callable[[Path], object] = lambda p: shutil.rmtree(p, ignore_errors=True)) -> list[int]:
+    def apply_retention(
+        self,
+        protect: Iterable[int] = (),
+        verify: str = "size",
+        remove: Callable[[Path], object] = lambda p: shutil.rmtree(p, ignore_errors=True),
+    ) -> list[int]:
         """Delete verified checkpoints beyond the newest ``keep_last`` verified ones, except ``protect``.
 
         Only checkpoints that verify (``"size"``: one ``stat`` per file) count and can be deleted;
@@ -202,7 +211,7 @@ class CheckpointStore:
         a ``.trash-`` directory left by a crash). Returns the deleted steps.
         """
         ckpts = [c for c in self.committed() if mf.verify(c.path, verify) is None]
-        keep = {c.step for c in ckpts[-self.keep_last:]} | set(protect)
+        keep = {c.step for c in ckpts[-self.keep_last :]} | set(protect)
         deleted = []
         for c in ckpts[:-1]:
             if c.step in keep:

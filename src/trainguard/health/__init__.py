@@ -18,9 +18,19 @@ from .preflight import PreflightError, run_preflight
 __all__ = ["PING_FAILED_EXIT", "LivenessPing", "PeerLostError", "PreflightError", "run_preflight", "start"]
 
 
-def start(cfg: HealthSection, store: CheckpointStore, keep_last: int, model: torch.nn.Module,
-          optimizer: Optional[torch.optim.Optimizer], events: EventLog, step: int, hosts: list[str],
-          rank: int, world_size: int, on_ping_failure: Optional[Callable[[str], None]] = None) -> Optional[LivenessPing]:
+def start(
+    cfg: HealthSection,
+    store: CheckpointStore,
+    keep_last: int,
+    model: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    events: EventLog,
+    step: int,
+    hosts: list[str],
+    rank: int,
+    world_size: int,
+    on_ping_failure: Optional[Callable[[str], None]] = None,
+) -> Optional[LivenessPing]:
     """Before the first step, on every rank: the ``[health]`` preflight (a ``preflight`` event
     either way), then the liveness ping of a multi-rank run (a collective).
 
@@ -39,8 +49,9 @@ def start(cfg: HealthSection, store: CheckpointStore, keep_last: int, model: tor
     device = next(model.parameters()).device
     if cfg.preflight:
         try:
-            result = run_preflight(store.root, model, optimizer, keep_last, _newest_checkpoint_bytes(store), device,
-                                   cfg.gpu_check)
+            result = run_preflight(
+                store.root, model, optimizer, keep_last, _newest_checkpoint_bytes(store), device, cfg.gpu_check
+            )
         except PreflightError as e:
             raise BadInput(f"preflight: {e}") from None
         events.emit("preflight", step, rank=rank, **result)

@@ -159,7 +159,9 @@ def gpu_health(index: int | None = None, max_temperature_c: float = 90.0) -> lis
                 "ecc_uncorrected_aggregate": _call(
                     ecc, h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC
                 ),
-                "ecc_corrected_volatile": _call(ecc, h, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC),
+                "ecc_corrected_volatile": _call(
+                    ecc, h, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC
+                ),
                 "retired_pages_double_bit": _retired_double_bit(pynvml, h),
                 "retired_pages_pending": _call(pynvml.nvmlDeviceGetRetiredPagesPendingStatus, h),
                 "remapped_rows": _remapped_rows(pynvml, h),
@@ -175,7 +177,7 @@ def gpu_health(index: int | None = None, max_temperature_c: float = 90.0) -> lis
         pynvml.nvmlShutdown()
 
 
-def compute_check(device: "torch.device | str", mb: int = 64) -> dict:
+def compute_check(device: torch.device | str, mb: int = 64) -> dict:
     """Allocate ``mb`` MiB on ``device``, multiply two 256×256 float32 matrices there and compare
     the product with the CPU's (``allclose``, rtol 1e-3). Works for ``"cpu"`` too.
 
@@ -223,8 +225,10 @@ def gpu_report(max_temperature_c: float = 90.0) -> dict:
     try:
         import pynvml
     except ImportError as exc:
-        return {"status": "skipped: nvidia-ml-py not installed",
-                "reason": f"{exc}; install it with: pip install 'trainguard[gpu]'"}
+        return {
+            "status": "skipped: nvidia-ml-py not installed",
+            "reason": f"{exc}; install it with: pip install 'trainguard[gpu]'",
+        }
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:

@@ -61,8 +61,15 @@ class LivenessPing:
         failed: the failure's message once a ping timed out, else ``None``.
     """
 
-    def __init__(self, interval: float, timeout: float, hosts: list[str], events: EventLog, device: torch.device,
-                 on_failure: Optional[Callable[[str], None]] = None):
+    def __init__(
+        self,
+        interval: float,
+        timeout: float,
+        hosts: list[str],
+        events: EventLog,
+        device: torch.device,
+        on_failure: Optional[Callable[[str], None]] = None,
+    ):
         self.interval, self.timeout, self.hosts, self.events = interval, timeout, hosts, events
         self.on_failure = on_failure
         self.failed: Optional[str] = None
@@ -141,11 +148,19 @@ class LivenessPing:
 
     def _fail(self, n: int) -> None:
         missing = self._missing(n)
-        self.events.emit("ping_timeout", None, rank=self.rank, ping=n, timeout=self.timeout, missing_ranks=missing,
-                         missing_hosts=None if missing is None else [self.hosts[r] for r in missing],
-                         why="no answer from the store" if missing is None else None)
-        self.failed = (f"liveness ping {n} got no answer in {self.timeout:g} s"
-                       + (f" from rank(s) {missing}" if missing else ""))
+        self.events.emit(
+            "ping_timeout",
+            None,
+            rank=self.rank,
+            ping=n,
+            timeout=self.timeout,
+            missing_ranks=missing,
+            missing_hosts=None if missing is None else [self.hosts[r] for r in missing],
+            why="no answer from the store" if missing is None else None,
+        )
+        self.failed = f"liveness ping {n} got no answer in {self.timeout:g} s" + (
+            f" from rank(s) {missing}" if missing else ""
+        )
         if self.on_failure is not None:
             self.on_failure(self.failed)
 

@@ -77,14 +77,18 @@ def check_free_space(directory: Path, checkpoint_bytes: int, count: int) -> dict
         raise PreflightError(
             f"not enough free space for checkpoints in {directory}: {count} checkpoints of ~{checkpoint_bytes / 2**20:.1f} MiB "
             f"(checkpoint.keep_last + 1) need {needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free; "
-            "free space, lower checkpoint.keep_last, or point checkpoint.dir elsewhere")
+            "free space, lower checkpoint.keep_last, or point checkpoint.dir elsewhere"
+        )
     return {"free_bytes": free, "needed_bytes": needed, "checkpoint_bytes": checkpoint_bytes, "count": count}
 
 
 def device_summary(device: torch.device) -> dict[str, Any]:
     """This rank's devices: host, the training device type, CUDA device count and the device's name."""
-    out: dict[str, Any] = {"host": socket.gethostname(), "type": device.type,
-                           "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+    out: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "type": device.type,
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
     if device.type == "cuda":
         out["name"] = torch.cuda.get_device_name(device)
     return out
@@ -101,13 +105,24 @@ def check_devices(summaries: list[dict[str, Any]]) -> None:
     if ref["type"] == "cuda":
         odd += [(r, s) for r, s in enumerate(summaries) if s["cuda_devices"] == 0 and (r, s) not in odd]
     if odd:
-        listed = ", ".join(f"rank {r} on {s['host']}: {s['type']} {s.get('name', '')} ({s['cuda_devices']} CUDA devices)".strip()
-                           for r, s in odd)
-        raise PreflightError(f"devices differ across ranks (rank 0 on {ref['host']}: {ref['type']} {ref.get('name', '')}); {listed}")
+        listed = ", ".join(
+            f"rank {r} on {s['host']}: {s['type']} {s.get('name', '')} ({s['cuda_devices']} CUDA devices)".strip()
+            for r, s in odd
+        )
+        raise PreflightError(
+            f"devices differ across ranks (rank 0 on {ref['host']}: {ref['type']} {ref.get('name', '')}); {listed}"
+        )
 
 
-def run_preflight(directory: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], keep_last: int,
-                  newest_checkpoint_bytes: Optional[int], device: torch.device, gpu_check: bool = True) -> dict[str, Any]:
+def run_preflight(
+    directory: Path,
+    model: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    keep_last: int,
+    newest_checkpoint_bytes: Optional[int],
+    device: torch.device,
+    gpu_check: bool = True,
+) -> dict[str, Any]:
     """All checks for this rank (a collective: the device summaries are gathered from every rank).
 
     Args:

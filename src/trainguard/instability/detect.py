@@ -147,11 +147,26 @@ class Detector:
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(packed)
         loss_sum, grad_sum, n_bad_loss, n_bad_grad, id_loss, id_grad = packed.tolist()  # the one host sync
-        return self._verdict(step, loss_sum, grad_sum if has_grad else math.nan, int(n_bad_loss),
-                             int(n_bad_grad) if has_grad else 0, id_loss, id_grad)
+        return self._verdict(
+            step,
+            loss_sum,
+            grad_sum if has_grad else math.nan,
+            int(n_bad_loss),
+            int(n_bad_grad) if has_grad else 0,
+            id_loss,
+            id_grad,
+        )
 
-    def _verdict(self, step: int, loss_sum: float, grad_sum: float, n_bad_loss: int, n_bad_grad: int,
-                 id_loss: float, id_grad: float) -> Verdict:
+    def _verdict(
+        self,
+        step: int,
+        loss_sum: float,
+        grad_sum: float,
+        n_bad_loss: int,
+        n_bad_grad: int,
+        id_loss: float,
+        id_grad: float,
+    ) -> Verdict:
         cfg, fired = self.cfg, []
         loss = loss_sum / (self.world_size - n_bad_loss) if n_bad_loss < self.world_size else math.nan
         grad = grad_sum / (self.world_size - n_bad_grad) if n_bad_grad < self.world_size else math.nan
@@ -160,8 +175,12 @@ class Detector:
         if n_bad_grad:
             fired.append("nonfinite_grad")
         ready = len(self.loss_stats) >= cfg.min_history
-        thresholds = {"loss": self.loss_stats.threshold(cfg.loss_spike_factor) if ready else math.nan,
-                      "grad_norm": cfg.grad_spike_factor * self.grad_stats.mean_std()[0] if ready and len(self.grad_stats) else math.nan}
+        thresholds = {
+            "loss": self.loss_stats.threshold(cfg.loss_spike_factor) if ready else math.nan,
+            "grad_norm": cfg.grad_spike_factor * self.grad_stats.mean_std()[0]
+            if ready and len(self.grad_stats)
+            else math.nan,
+        }
         if ready and not n_bad_loss and loss > thresholds["loss"]:
             fired.append("loss_spike")
         if ready and not n_bad_grad and grad > thresholds["grad_norm"]:
@@ -171,9 +190,21 @@ class Detector:
         if n_bad_loss == 1 or n_bad_grad == 1:
             ranks = sorted({int(i) - 1 for i, n in ((id_loss, n_bad_loss), (id_grad, n_bad_grad)) if n == 1})
         mean_loss, std_loss = self.loss_stats.mean_std()
-        return Verdict(step, fired, loss, grad, thresholds, n_bad, ranks,
-                       {"loss_mean": mean_loss, "loss_std": std_loss, "grad_norm_mean": self.grad_stats.mean_std()[0],
-                        "history": len(self.loss_stats)})
+        return Verdict(
+            step,
+            fired,
+            loss,
+            grad,
+            thresholds,
+            n_bad,
+            ranks,
+            {
+                "loss_mean": mean_loss,
+                "loss_std": std_loss,
+                "grad_norm_mean": self.grad_stats.mean_std()[0],
+                "history": len(self.loss_stats),
+            },
+        )
 
     def record_applied(self, verdict: Verdict) -> None:
         """Add an applied step's values to the running statistics (skipped steps stay out)."""

@@ -71,4 +71,8 @@ class LRRamp:
         return {"start": self.start, "factor": self.factor, "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.start, self.factor, self.steps = state.get("start"), float(state.get("factor", 1.0)), int(state.get("steps", 0))
+        self.start, self.factor, self.steps = (
+            state.get("start"),
+            float(state.get("factor", 1.0)),
+            int(state.get("steps", 0)),
+        )

@@ -99,10 +99,22 @@ class Recovery:
         verify: ``[checkpoint] verify``: how a rollback target is checked (``full`` or ``size``).
     """
 
-    def __init__(self, cfg: InstabilitySection, rb: RollbackSection, model: torch.nn.Module,
-                 optimizer: Optional[torch.optim.Optimizer], sampler: Any, store: CheckpointStore, events: EventLog,
-                 run_dir: Path, rank: int, world_size: int, current_step: Callable[[], int],
-                 ask_hooks: Callable[[dict], list[Optional[str]]] = lambda event: [], verify: str = "full"):
+    def __init__(
+        self,
+        cfg: InstabilitySection,
+        rb: RollbackSection,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        sampler: Any,
+        store: CheckpointStore,
+        events: EventLog,
+        run_dir: Path,
+        rank: int,
+        world_size: int,
+        current_step: Callable[[], int],
+        ask_hooks: Callable[[dict], list[Optional[str]]] = lambda event: [],
+        verify: str = "full",
+    ):
         self.cfg, self.rb, self.verify = cfg, rb, verify
         self.model, self.optimizer, self.sampler, self.store, self.events = model, optimizer, sampler, store, events
         self.run_dir, self.rank, self.current_step, self.ask_hooks = run_dir, rank, current_step, ask_hooks
@@ -173,10 +185,20 @@ class Recovery:
         return action, why
 
     def _event(self, v: Verdict, action: str, why: str) -> dict:
-        return {"step": v.step, "detectors": v.fired, "loss": v.loss, "grad_norm": v.grad_norm,
-                "thresholds": v.thresholds, "nonfinite_ranks": v.nonfinite_ranks, "ranks": v.ranks,
-                "policies": {d: getattr(self.cfg, d) for d in v.fired}, "action": action, "why": why,
-                "consecutive": self.consecutive, "running": v.details}
+        return {
+            "step": v.step,
+            "detectors": v.fired,
+            "loss": v.loss,
+            "grad_norm": v.grad_norm,
+            "thresholds": v.thresholds,
+            "nonfinite_ranks": v.nonfinite_ranks,
+            "ranks": v.ranks,
+            "policies": {d: getattr(self.cfg, d) for d in v.fired},
+            "action": action,
+            "why": why,
+            "consecutive": self.consecutive,
+            "running": v.details,
+        }
 
     def _hook_override(self, event: dict, v: Verdict) -> str:
         action = event["action"]
@@ -184,7 +206,9 @@ class Recovery:
         for answer in answers:
             if answer is not None:
                 if answer not in SEVERITY:
-                    raise ValueError(f"a hook's on_instability returned {answer!r}; expected one of {sorted(SEVERITY)} or None")
+                    raise ValueError(
+                        f"a hook's on_instability returned {answer!r}; expected one of {sorted(SEVERITY)} or None"
+                    )
                 action = answer
         if answers:
             action = tgdist.broadcast_object(action)  # hooks may differ by rank: rank 0 decides
@@ -203,8 +227,10 @@ class Recovery:
 
     def _refuse_rejected_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.rejected:
-            raise SkippedStepError(f"optimizer.step() called in step {self.current_step()}, which guard.should_step() "
-                                   "rejected (skip or rollback): call it only when should_step() returns True")
+            raise SkippedStepError(
+                f"optimizer.step() called in step {self.current_step()}, which guard.should_step() "
+                "rejected (skip or rollback): call it only when should_step() returns True"
+            )
 
     def _give_up(self, step: int, detectors: list[str], why: str) -> None:
         self._reject()
@@ -223,7 +249,9 @@ class Recovery:
         target = self.store.known_good(self.verify, rb.at_most) if self.rank == 0 else None
         target = tgdist.broadcast_object(target)
         if target is None:
-            self._give_up(rb.from_step, rb.detectors, f"no known-good checkpoint at or before step {rb.at_most} to roll back to")
+            self._give_up(
+                rb.from_step, rb.detectors, f"no known-good checkpoint at or before step {rb.at_most} to roll back to"
+            )
         return target
 
     def rolled_back(self, rb: Rollback, target: Checkpoint, position: Any, lr_before: Optional[float]) -> None:
@@ -244,22 +272,45 @@ class Recovery:
         positions = tgdist.gather_objects(self.sampler.state_dict() if self.sampler is not None else None)
         lr_after = lr_before
         if self.optimizer is not None:
-            lr_after = self.optimizer.param_groups[0]["lr"] * (self.ramp.multiplier(target.step + 1) if self.ramp else 1.0)
+            lr_after = self.optimizer.param_groups[0]["lr"] * (
+                self.ramp.multiplier(target.step + 1) if self.ramp else 1.0
+            )
         if self.rank == 0:
             newer = [c for c in self.store.committed() if c.step > target.step]
             for c in newer:
                 self.store.set_aside(c, f"rolled back from step {bad} to {target.step}", kind="rolledback")
             self.pending = [c for c in self.pending if c.step <= target.step]
-            record = {"time": round(time.time(), 3), "attempt": self.events.attempt, "from_step": bad,
-                      "to_step": target.step, "checkpoint": checkpoint_id(target), "detectors": rb.detectors,
-                      "skipped_batches": skip, "skipped_window": [target.step + 1, target.step + skip],
-                      "lr_factor": self.rb.lr_factor, "lr_ramp_steps": self.rb.lr_ramp_steps,
-                      "sampler_states": positions}
+            record = {
+                "time": round(time.time(), 3),
+                "attempt": self.events.attempt,
+                "from_step": bad,
+                "to_step": target.step,
+                "checkpoint": checkpoint_id(target),
+                "detectors": rb.detectors,
+                "skipped_batches": skip,
+                "skipped_window": [target.step + 1, target.step + skip],
+                "lr_factor": self.rb.lr_factor,
+                "lr_ramp_steps": self.rb.lr_ramp_steps,
+                "sampler_states": positions,
+            }
             append_ledger(self.run_dir, record)
-            self._emit(bad, "rollback", from_step=bad, to_step=target.step, path=str(target.path), detectors=rb.detectors,
-                       skipped_batches=skip, skipped_window=record["skipped_window"], set_aside=[c.step for c in newer],
-                       lr_before=lr_before, lr_after=lr_after, lr_factor=self.rb.lr_factor,
-                       lr_ramp_steps=self.rb.lr_ramp_steps, rollbacks=self.rollbacks, max_rollbacks=self.cfg.max_rollbacks)
+            self._emit(
+                bad,
+                "rollback",
+                from_step=bad,
+                to_step=target.step,
+                path=str(target.path),
+                detectors=rb.detectors,
+                skipped_batches=skip,
+                skipped_window=record["skipped_window"],
+                set_aside=[c.step for c in newer],
+                lr_before=lr_before,
+                lr_after=lr_after,
+                lr_factor=self.rb.lr_factor,
+                lr_ramp_steps=self.rb.lr_ramp_steps,
+                rollbacks=self.rollbacks,
+                max_rollbacks=self.cfg.max_rollbacks,
+            )
         self.newest_known_good = target.step
         self.last_bad = target.step  # the bad steps belong to the abandoned trajectory
         self._reject()
@@ -278,8 +329,14 @@ class Recovery:
             self.sampler.load_state_dict(last["sampler_states"][self.rank])
         if self.ramp is not None:
             self.ramp.begin(ckpt.step, last["lr_factor"], last["lr_ramp_steps"])
-        self._emit(ckpt.step, "rollback_resumed", to_step=ckpt.step, from_step=last["from_step"],
-                   skipped_window=last["skipped_window"], lr_factor=last["lr_factor"])
+        self._emit(
+            ckpt.step,
+            "rollback_resumed",
+            to_step=ckpt.step,
+            from_step=last["from_step"],
+            skipped_window=last["skipped_window"],
+            lr_factor=last["lr_factor"],
+        )
 
     def on_start(self) -> None:
         """At start, before any resume: count the run's rollbacks (all ranks) and find the newest
@@ -315,7 +372,9 @@ class Recovery:
             if self.last_bad <= c.step and c.path.exists():
                 self.store.mark_known_good(c, done - c.step)
                 self.newest_known_good = c.step
-                self._emit(done, "checkpoint_known_good", checkpoint_step=c.step, path=str(c.path), healthy_steps=done - c.step)
+                self._emit(
+                    done, "checkpoint_known_good", checkpoint_step=c.step, path=str(c.path), healthy_steps=done - c.step
+                )
 
     def close(self) -> None:
         """Remove the optimizer hooks (this one's and the ramp's). Safe to call twice."""
@@ -329,8 +388,12 @@ class Recovery:
     # state saved in checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        return {"detector": self.detector.state_dict(), "ramp": self.ramp.state_dict() if self.ramp else None,
-                "consecutive": self.consecutive, "skipped": self.skipped}
+        return {
+            "detector": self.detector.state_dict(),
+            "ramp": self.ramp.state_dict() if self.ramp else None,
+            "consecutive": self.consecutive,
+            "skipped": self.skipped,
+        }
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
         state = state or {}

@@ -59,8 +59,16 @@ class TrainguardAgent(ElasticAdapter):
     After :meth:`run`, :attr:`exit_code` and :attr:`exit_reason` hold the launch's outcome.
     """
 
-    def __init__(self, *args, events: EventLog, stop_grace: float, kill_grace: float = 30.0,
-                 monitor: Optional[HangMonitor] = None, record: Optional[LaunchRecord] = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        events: EventLog,
+        stop_grace: float,
+        kill_grace: float = 30.0,
+        monitor: Optional[HangMonitor] = None,
+        record: Optional[LaunchRecord] = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.events = events
         self.stop_grace = stop_grace
@@ -72,7 +80,7 @@ class TrainguardAgent(ElasticAdapter):
         self.stop_signal: Optional[str] = None
         self._stop_deadline: Optional[float] = None
         self._forwarded_to: set[int] = set()
-        self.poll_hooks: list[Callable[["TrainguardAgent"], Optional[str]]] = [monitor.poll] if monitor else []
+        self.poll_hooks: list[Callable[[TrainguardAgent], Optional[str]]] = [monitor.poll] if monitor else []
 
     # ---- signals -------------------------------------------------------------------------------
 
@@ -120,7 +128,9 @@ class TrainguardAgent(ElasticAdapter):
         pids = self.worker_pids()
         if self.record is not None:
             self.record.write_ranks(pids)
-        self.events.emit("workers_started", restart=self.restart_count, pids=pids, world_size=group.workers[0].world_size)
+        self.events.emit(
+            "workers_started", restart=self.restart_count, pids=pids, world_size=group.workers[0].world_size
+        )
         if self.stop_signal is not None:  # a signal that arrived during rendezvous
             self._forward(getattr(signal, self.stop_signal))
 
@@ -177,8 +187,7 @@ class TrainguardAgent(ElasticAdapter):
     def _handle_failure(self, result: RunResult) -> bool:
         """Record the failure and restart the group if that is the right move; True if restarted."""
         codes = {r: f.exitcode for r, f in result.failures.items()}
-        self.events.emit("workers_failed", exit_codes=codes,
-                         pids={r: f.pid for r, f in result.failures.items()})
+        self.events.emit("workers_failed", exit_codes=codes, pids={r: f.pid for r, f in result.failures.items()})
         decision = next((c for c in DECISION_CODES if c in codes.values()), None)
         if decision is not None or self.stop_signal is not None:
             self.stop_group()
@@ -189,7 +198,11 @@ class TrainguardAgent(ElasticAdapter):
 
     def _restart_or_give_up(self, reason: str) -> bool:
         spec = self.worker_group.spec
-        why = self.monitor.policy.give_up_reason(self.monitor.failure_step(), self.monitor.newest_checkpoint()) if self.monitor else None
+        why = (
+            self.monitor.policy.give_up_reason(self.monitor.failure_step(), self.monitor.newest_checkpoint())
+            if self.monitor
+            else None
+        )
         if why is not None:
             self.stop_group()
             self.events.emit("give_up", reason=why, failure=reason)
@@ -198,7 +211,10 @@ class TrainguardAgent(ElasticAdapter):
         if self.remaining_restarts <= 0:
             self.stop_group()
             self.events.emit("restart_budget_spent", max_restarts=spec.max_restarts, reason=reason)
-            self.exit_code, self.exit_reason = int(ExitCode.GIVE_UP), f"restart budget ({spec.max_restarts}) spent: {reason}"
+            self.exit_code, self.exit_reason = (
+                int(ExitCode.GIVE_UP),
+                f"restart budget ({spec.max_restarts}) spent: {reason}",
+            )
             return False
         self.use_restart()
         self.events.emit("group_restart", reason=reason, remaining_restarts=self.remaining_restarts)

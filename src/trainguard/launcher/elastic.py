@@ -24,8 +24,14 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 #   _stop_workers: what torch's own code calls to stop the group (overridden: runs stop_group())
 #   _initialize_workers: rendezvous + start of the group; _monitor_workers: one poll of the group
 #   _exit_barrier: wait for the other nodes at the end; _shutdown: SIGTERM, wait, SIGKILL the workers
-AGENT_METHODS = ("_invoke_run", "_stop_workers", "_initialize_workers", "_monitor_workers", "_exit_barrier",
-                 "_shutdown")
+AGENT_METHODS = (
+    "_invoke_run",
+    "_stop_workers",
+    "_initialize_workers",
+    "_monitor_workers",
+    "_exit_barrier",
+    "_shutdown",
+)
 # attributes LocalElasticAgent.__init__ sets: the worker group, the restarts left, the process context
 AGENT_ATTRIBUTES = ("_worker_group", "_remaining_restarts", "_pcontext")
 # of the process context of workers started from a binary (SubprocessContext): {local_rank: handler}
@@ -59,7 +65,8 @@ def check(agent: Optional[LocalElasticAgent] = None, pcontext: Any = None) -> No
     if missing:
         raise ElasticIncompatible(
             f"torch {torch.__version__} lacks {', '.join(missing)} of torch.distributed.elastic, which "
-            f"trainguard's launcher relies on; trainguard is tested with torch 2.13 (see pyproject.toml)")
+            f"trainguard's launcher relies on; trainguard is tested with torch 2.13 (see pyproject.toml)"
+        )
 
 
 class ElasticAdapter(LocalElasticAgent):

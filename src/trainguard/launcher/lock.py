@@ -41,7 +41,7 @@ class RunDirLock:
         self.wait = wait
         self._fd: Optional[int] = None
 
-    def __enter__(self) -> "RunDirLock":
+    def __enter__(self) -> RunDirLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + (self.wait if self.job_id else 0)
         while True:

@@ -78,9 +78,12 @@ class LaunchRecord:
         """Record the ranks just started (``{local_rank: pid}``), replacing earlier ones."""
         started = {r: (pid, start_time(pid)) for r, pid in pids.items()}
         self._ranks = {r: (pid, t) for r, (pid, t) in started.items() if t is not None}
-        record = {"host": self.host, "launcher": {"pid": self.pid, "started": self._started},
-                  "heartbeat_dir": str(self.heartbeat_dir) if self.heartbeat_dir else None,
-                  "ranks": {str(r): {"pid": pid, "started": t} for r, (pid, t) in self._ranks.items()}}
+        record = {
+            "host": self.host,
+            "launcher": {"pid": self.pid, "started": self._started},
+            "heartbeat_dir": str(self.heartbeat_dir) if self.heartbeat_dir else None,
+            "ranks": {str(r): {"pid": pid, "started": t} for r, (pid, t) in self._ranks.items()},
+        }
         self.path.parent.mkdir(exist_ok=True)
         write_atomic(self.path, json.dumps(record))
 
@@ -103,7 +106,8 @@ def _read(path: Path) -> dict:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise PreviousLaunchAlive(
             f"cannot read the launch record {path} ({type(e).__name__}: {e}); if no process of that launch "
-            f"is alive, delete the file and launch again") from None
+            f"is alive, delete the file and launch again"
+        ) from None
     return {"launcher": launcher, "ranks": ranks, "heartbeat_dir": record.get("heartbeat_dir")}
 
 
@@ -132,7 +136,8 @@ def check_previous(run_dir: Path) -> None:
                 f"run dir {run_dir}: processes of a previous launch are still alive: pids {pids} (ranks of "
                 f"launcher pid {record['launcher'][0]}, which has ended); a new launch would train beside them "
                 f"in the same run directory. Wait for them to exit or stop them (kill -9 {' '.join(map(str, live))}; "
-                f"a process in state D only dies once its kernel call returns), then launch again")
+                f"a process in state D only dies once its kernel call returns), then launch again"
+            )
         _remove_heartbeat_dir(record["heartbeat_dir"])
         path.unlink(missing_ok=True)
 

@@ -45,8 +45,8 @@ from .. import faults
 from ..config import Config, ConfigError, load_config, parse_key_values, split_cli_args
 from ..events import EventLog, read_events
 from ..exitcodes import ExitCode
-from ..rundir import prepare_run_dir
 from ..launch_env import READY_DIR, LaunchEnv
+from ..rundir import prepare_run_dir
 from ..slurm import finished
 from ..slurm.endtime import EndTimeRefresher, end_time_file, remove_stale, write_end_time
 from ..slurm.info import SLURMInfo
@@ -142,15 +142,30 @@ def _already_finished(events: EventLog, run_dir: Path, signature: str, launch_ti
     if marker is None:
         return False
     if marker.get("signature") != signature:
-        events.emit("finished_marker_ignored", path=str(run_dir / finished.FILENAME), marker_signature=marker.get("signature"),
-                    signature=signature, why="the command differs from the one that finished (script, arguments, overrides or config)")
+        events.emit(
+            "finished_marker_ignored",
+            path=str(run_dir / finished.FILENAME),
+            marker_signature=marker.get("signature"),
+            signature=signature,
+            why="the command differs from the one that finished (script, arguments, overrides or config)",
+        )
         return False
     sha = marker.get("state_sha256")
     events.emit("launch", already_finished=True, host=socket.gethostname())
-    events.emit("already_finished", path=str(run_dir / finished.FILENAME), finished_at=marker.get("time"), state_sha256=sha)
-    print(f"trainguard: {run_dir} already finished (see {finished.FILENAME}); nothing to do", file=sys.stderr, flush=True)
-    events.emit("launch_exit", code=int(ExitCode.OK), reason="already finished", signal=None,
-                seconds=round(time.time() - launch_time, 3), state_sha256=sha)
+    events.emit(
+        "already_finished", path=str(run_dir / finished.FILENAME), finished_at=marker.get("time"), state_sha256=sha
+    )
+    print(
+        f"trainguard: {run_dir} already finished (see {finished.FILENAME}); nothing to do", file=sys.stderr, flush=True
+    )
+    events.emit(
+        "launch_exit",
+        code=int(ExitCode.OK),
+        reason="already finished",
+        signal=None,
+        seconds=round(time.time() - launch_time, 3),
+        state_sha256=sha,
+    )
     return True
 
 
@@ -163,13 +178,27 @@ def _kill_switch_set(events: EventLog, kill_path: Path, launch_time: float) -> b
     events.emit("launch", kill_switch=True, host=socket.gethostname())
     events.emit("stop_requested", reason="kill_switch", before_training=True, path=str(kill_path), by="launcher")
     print(f"trainguard: kill switch {kill_path} exists; not starting", file=sys.stderr, flush=True)
-    events.emit("launch_exit", code=int(ExitCode.REQUEUE), reason="kill switch", signal=None,
-                seconds=round(time.time() - launch_time, 3), state_sha256=None)
+    events.emit(
+        "launch_exit",
+        code=int(ExitCode.REQUEUE),
+        reason="kill switch",
+        signal=None,
+        seconds=round(time.time() - launch_time, 3),
+        state_sha256=None,
+    )
     return True
 
 
-def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Optional[str],
-                   overrides: list[str], min_nodes: int, max_nodes: int, slurm: Optional[SLURMInfo]) -> int:
+def _launch_locked(
+    opts: LaunchOptions,
+    cfg: Config,
+    run_dir: Path,
+    config_path: Optional[str],
+    overrides: list[str],
+    min_nodes: int,
+    max_nodes: int,
+    slurm: Optional[SLURMInfo],
+) -> int:
     events = EventLog(run_dir, rank=None)
     launch_time = time.time()
     if slurm is not None:
@@ -181,8 +210,9 @@ def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path:
     if _kill_switch_set(events, kill_path, launch_time):
         code, stop_signal = int(ExitCode.REQUEUE), None
     else:
-        code, stop_signal, sha = _run_agent(opts, cfg, run_dir, config_path, overrides, min_nodes, max_nodes,
-                                            slurm, events, launch_time)
+        code, stop_signal, sha = _run_agent(
+            opts, cfg, run_dir, config_path, overrides, min_nodes, max_nodes, slurm, events, launch_time
+        )
         if sha is not None:
             finished.write(run_dir, signature, sha, slurm_job_id=slurm.requeue_id if slurm else None)
     if slurm is not None and cfg.slurm.auto_requeue and slurm.node_id == 0 and code == ExitCode.REQUEUE:
@@ -190,14 +220,25 @@ def _launch_locked(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path:
 
         outcome = after_launch(run_dir, slurm, events, code, launch_time, stop_signal, kill_path)
         if outcome is not None:
-            state = "requeued" if outcome.get("ok") else f"not requeued ({outcome.get('skipped') or outcome.get('output')})"
+            state = (
+                "requeued" if outcome.get("ok") else f"not requeued ({outcome.get('skipped') or outcome.get('output')})"
+            )
             print(f"trainguard: SLURM job {slurm.requeue_id} {state}", file=sys.stderr, flush=True)
     return code
 
 
-def _run_agent(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Optional[str], overrides: list[str],
-               min_nodes: int, max_nodes: int, slurm: Optional[SLURMInfo], events: EventLog,
-               launch_time: float) -> tuple[int, Optional[str], Optional[str]]:
+def _run_agent(
+    opts: LaunchOptions,
+    cfg: Config,
+    run_dir: Path,
+    config_path: Optional[str],
+    overrides: list[str],
+    min_nodes: int,
+    max_nodes: int,
+    slurm: Optional[SLURMInfo],
+    events: EventLog,
+    launch_time: float,
+) -> tuple[int, Optional[str], Optional[str]]:
     """Start the ranks under the elastic agent and wait for the launch's end.
 
     Returns:
@@ -216,24 +257,37 @@ def _run_agent(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Opt
     ready_dir = os.environ.pop(READY_DIR, "")
     hb_root = _heartbeat_root()
     monitor = HangMonitor(cfg, run_dir, hb_root, events) if cfg.supervisor.enabled else None
-    to_ranks = LaunchEnv(run_dir=run_dir, config=Path(config_path).resolve() if config_path else None,
-                         overrides=tuple(overrides), inject=tuple(s.model_dump() for s in opts.inject),
-                         launch_time=launch_time, heartbeat_dir=hb_root if monitor else None,
-                         end_time=end_time, end_time_file=end_file)
+    to_ranks = LaunchEnv(
+        run_dir=run_dir,
+        config=Path(config_path).resolve() if config_path else None,
+        overrides=tuple(overrides),
+        inject=tuple(s.model_dump() for s in opts.inject),
+        launch_time=launch_time,
+        heartbeat_dir=hb_root if monitor else None,
+        end_time=end_time,
+        end_time_file=end_file,
+    )
     os.environ.update(to_ranks.to_environ())
-    os.environ.update({
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        # torch elastic keeps SIGHUP/SIGQUIT; SIGTERM/SIGUSR1/SIGINT are forwarded by our agent
-        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT",
-    })
+    os.environ.update(
+        {
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            # torch elastic keeps SIGHUP/SIGQUIT; SIGTERM/SIGUSR1/SIGINT are forwarded by our agent
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT",
+        }
+    )
     standalone = max_nodes == 1 and not opts.rdzv_endpoint
     endpoint = "localhost:0" if standalone else opts.rdzv_endpoint
     if not endpoint:
         raise ConfigError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
     max_restarts = cfg.launcher.max_restarts if opts.max_restarts is None else opts.max_restarts
     rdzv_params = RendezvousParameters(
-        backend=opts.rdzv_backend, endpoint=endpoint, run_id=opts.rdzv_id or (uuid.uuid4().hex if standalone else "trainguard"),
-        min_nodes=min_nodes, max_nodes=max_nodes, local_addr=opts.local_addr, **_rdzv_configs(opts.rdzv_conf),
+        backend=opts.rdzv_backend,
+        endpoint=endpoint,
+        run_id=opts.rdzv_id or (uuid.uuid4().hex if standalone else "trainguard"),
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        local_addr=opts.local_addr,
+        **_rdzv_configs(opts.rdzv_conf),
     )
     command = _rank_command(opts)
     spec = WorkerSpec(
@@ -260,10 +314,18 @@ def _run_agent(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Opt
     agent.install_signal_handlers()
     if ready_dir:  # the batch script forwards stop signals to this node only once this file exists
         _touch(Path(ready_dir) / f"node{slurm.node_id if slurm else 0}")
-    events.emit("launch", script=opts.script, args=opts.script_args, nnodes=opts.nnodes,
-                nproc_per_node=opts.nproc_per_node, max_restarts=max_restarts, host=socket.gethostname(),
-                slurm_job_id=slurm.requeue_id if slurm else None,
-                slurm_restart_count=slurm.restart_count if slurm else None, end_time=end_time)
+    events.emit(
+        "launch",
+        script=opts.script,
+        args=opts.script_args,
+        nnodes=opts.nnodes,
+        nproc_per_node=opts.nproc_per_node,
+        max_restarts=max_restarts,
+        host=socket.gethostname(),
+        slurm_job_id=slurm.requeue_id if slurm else None,
+        slurm_restart_count=slurm.restart_count if slurm else None,
+        end_time=end_time,
+    )
     if refresher is not None:
         refresher.start()
     try:
@@ -277,14 +339,23 @@ def _run_agent(opts: LaunchOptions, cfg: Config, run_dir: Path, config_path: Opt
         shutil.rmtree(hb_root, ignore_errors=True)
         survivors = record.close()
         if survivors:
-            print(f"trainguard: warning: ranks {survivors} did not exit; {run_dir} cannot be launched again until they do",
-                  file=sys.stderr, flush=True)
+            print(
+                f"trainguard: warning: ranks {survivors} did not exit; {run_dir} cannot be launched again until they do",
+                file=sys.stderr,
+                flush=True,
+            )
     if agent.exit_code == ExitCode.GIVE_UP:
         print(f"trainguard: giving up: {agent.exit_reason}", file=sys.stderr, flush=True)
     end = next((e for e in reversed(list(read_events(run_dir, "end"))) if e["time"] >= launch_time), None)
     sha = end["details"].get("state_sha256") if end and agent.exit_code == ExitCode.OK else None
-    events.emit("launch_exit", code=agent.exit_code, reason=agent.exit_reason, signal=agent.stop_signal,
-                seconds=round(time.time() - launch_time, 3), state_sha256=sha)
+    events.emit(
+        "launch_exit",
+        code=agent.exit_code,
+        reason=agent.exit_reason,
+        signal=agent.stop_signal,
+        seconds=round(time.time() - launch_time, 3),
+        state_sha256=sha,
+    )
     return agent.exit_code, agent.stop_signal, sha
 
 
@@ -293,14 +364,18 @@ def _rank_command(opts: LaunchOptions) -> list[str]:
     :mod:`.deathsig` so that the rank is SIGKILLed when this launcher dies."""
     command = [sys.executable, "-u", opts.script, *opts.script_args]
     if not deathsig.supported():
-        print(f"trainguard: warning: on {sys.platform} the ranks are not killed if the launcher dies",
-              file=sys.stderr, flush=True)
+        print(
+            f"trainguard: warning: on {sys.platform} the ranks are not killed if the launcher dies",
+            file=sys.stderr,
+            flush=True,
+        )
         return command
     return deathsig.wrap(os.getpid(), command)
 
 
-def _end_time_setup(cfg: Config, run_dir: Path, slurm: Optional[SLURMInfo],
-                    events: EventLog) -> tuple[Optional[float], Optional[Path], Optional[EndTimeRefresher]]:
+def _end_time_setup(
+    cfg: Config, run_dir: Path, slurm: Optional[SLURMInfo], events: EventLog
+) -> tuple[Optional[float], Optional[Path], Optional[EndTimeRefresher]]:
     """The ranks' end time under SLURM (EndTime - ``end_margin``, Unix s), the end-time file they
     re-read, and (first node, ``end_time_refresh`` > 0) the thread that keeps that file current;
     ``(None, None, None)`` outside SLURM or with ``use_end_time = false``."""

@@ -79,11 +79,15 @@ def batch_size(batch: Any) -> int:
     """
     sizes = {t.shape[0] if t.dim() else None for t in _tensors(batch)}
     if not sizes or None in sizes:
-        raise ValueError("run_step needs a batch of tensors with a first (sample) dimension, "
-                         f"got {type(batch).__name__}{' with a 0-dim tensor' if None in sizes else ''}")
+        raise ValueError(
+            "run_step needs a batch of tensors with a first (sample) dimension, "
+            f"got {type(batch).__name__}{' with a 0-dim tensor' if None in sizes else ''}"
+        )
     if len(sizes) > 1:
-        raise ValueError(f"the batch's tensors have different first dimensions {sorted(sizes)}; "
-                         "run_step splits every tensor along its first dimension")
+        raise ValueError(
+            f"the batch's tensors have different first dimensions {sorted(sizes)}; "
+            "run_step splits every tensor along its first dimension"
+        )
     return sizes.pop()
 
 
@@ -126,8 +130,16 @@ class MicroBatcher:
         wait: clean steps before the next grow (``grow_after``, doubled by each failed grow).
     """
 
-    def __init__(self, cfg: OOMSection, model: torch.nn.Module, events: EventLog, faults: FaultInjector,
-                 straggler: StragglerDetector, rank: int, world_size: int):
+    def __init__(
+        self,
+        cfg: OOMSection,
+        model: torch.nn.Module,
+        events: EventLog,
+        faults: FaultInjector,
+        straggler: StragglerDetector,
+        rank: int,
+        world_size: int,
+    ):
         self.cfg, self.model, self.events, self.faults, self.straggler = cfg, model, events, faults, straggler
         self.rank, self.world_size = rank, world_size
         self.ddp = isinstance(model, DistributedDataParallel)
@@ -141,8 +153,13 @@ class MicroBatcher:
     # ------------------------------------------------------------------------------------------
     # the step
 
-    def run(self, step: int, step_fn: Callable[[Any], torch.Tensor], batch: Any,
-            backward: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+    def run(
+        self,
+        step: int,
+        step_fn: Callable[[Any], torch.Tensor],
+        batch: Any,
+        backward: Optional[Callable[[torch.Tensor], None]] = None,
+    ) -> torch.Tensor:
         """Forward and backward of step number ``step`` over micro-batches, retried on OOM.
 
         Returns:
@@ -158,12 +175,16 @@ class MicroBatcher:
         except ValueError as e:
             raise BadInput(str(e)) from None
         if self.cfg.micro_batch_size > n:
-            raise BadInput(f"oom.micro_batch_size={self.cfg.micro_batch_size} is larger than the batch ({n} samples "
-                           f"on rank {self.rank}); expected 1..{n}, or 0 for the whole batch")
+            raise BadInput(
+                f"oom.micro_batch_size={self.cfg.micro_batch_size} is larger than the batch ({n} samples "
+                f"on rank {self.rank}); expected 1..{n}, or 0 for the whole batch"
+            )
         if self.size is None:
             self.size = n
         if self.sync is None and self.ddp and self.world_size > 1:
-            self.sync = GradSync(list(self.model.parameters()), self.rank, self.world_size, int(self.cfg.bucket_mb * 2**20))
+            self.sync = GradSync(
+                list(self.model.parameters()), self.rank, self.world_size, int(self.cfg.bucket_mb * 2**20)
+            )
         self._maybe_grow(step, n)
         while True:
             size = min(self.size, n)
@@ -177,8 +198,9 @@ class MicroBatcher:
             self.grown = False  # the grow held
         return total
 
-    def _attempt(self, step: int, step_fn: Callable, batch: Any, n: int, size: int,
-                 backward: Callable) -> tuple[Optional[torch.Tensor], Optional[str]]:
+    def _attempt(
+        self, step: int, step_fn: Callable, batch: Any, n: int, size: int, backward: Callable
+    ) -> tuple[Optional[torch.Tensor], Optional[str]]:
         """One try at the whole batch; returns (loss, None) or (None, phase) after an OOM on this rank."""
         fault = self.faults.oom_due(step) if self.faults.oom_pending else None
         handle = self._arm(fault.phase) if fault is not None else None
@@ -198,8 +220,16 @@ class MicroBatcher:
         except Exception as e:
             if not is_oom(e):
                 raise
-            self.events.emit("oom", step, rank=self.rank, phase=self._phase, micro_batch=size,
-                               injected=fault is not None, error=str(e).splitlines()[0][:500], **memory_in_use())
+            self.events.emit(
+                "oom",
+                step,
+                rank=self.rank,
+                phase=self._phase,
+                micro_batch=size,
+                injected=fault is not None,
+                error=str(e).splitlines()[0][:500],
+                **memory_in_use(),
+            )
             return None, self._phase  # leaving this block frees the traceback and the attempt's tensors
         finally:
             if handle is not None:
@@ -262,22 +292,39 @@ class MicroBatcher:
         if backoff:
             self.wait *= 2
         self.size, self.clean, self.grown = new, 0, False
-        self._emit(step, "micro_batch_split", from_size=size, to_size=new, batch=n,
-                   accumulation=[math.ceil(n / size), math.ceil(n / new)], ranks=ranks,
-                   grow_after=self.wait, backoff=backoff, cleanup_seconds=round(cleanup_seconds, 4))
+        self._emit(
+            step,
+            "micro_batch_split",
+            from_size=size,
+            to_size=new,
+            batch=n,
+            accumulation=[math.ceil(n / size), math.ceil(n / new)],
+            ranks=ranks,
+            grow_after=self.wait,
+            backoff=backoff,
+            cleanup_seconds=round(cleanup_seconds, 4),
+        )
 
     def _maybe_grow(self, step: int, n: int) -> None:
         if not self.cfg.grow or self.size >= n or self.clean < self.wait:
             return
         old, self.size = self.size, min(n, self.size * 2)
         self.clean, self.grown = 0, True
-        self._emit(step, "micro_batch_grow", from_size=old, to_size=self.size, batch=n,
-                   accumulation=[math.ceil(n / old), math.ceil(n / self.size)])
+        self._emit(
+            step,
+            "micro_batch_grow",
+            from_size=old,
+            to_size=self.size,
+            batch=n,
+            accumulation=[math.ceil(n / old), math.ceil(n / self.size)],
+        )
 
     def _give_up(self, step: int, ranks: dict[int, str]) -> None:
         where = ", ".join(f"rank {r} in {phase}" for r, phase in ranks.items())
-        why = (f"out of memory at micro-batch size 1 in step {step} ({where}): the batch cannot be split further; "
-               "reduce the model, the sequence length or the per-rank batch, or use more ranks")
+        why = (
+            f"out of memory at micro-batch size 1 in step {step} ({where}): the batch cannot be split further; "
+            "reduce the model, the sequence length or the per-rank batch, or use more ranks"
+        )
         self._emit(step, "oom_give_up", ranks=ranks, reason=why)
         raise GiveUp("out_of_memory", why)
 

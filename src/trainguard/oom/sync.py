@@ -79,7 +79,7 @@ class GradSync:
             b.buffer.zero_()
             b.pending, b.work = len(b.params), None
             for p, off in zip(b.params, b.offsets):
-                p.grad = b.buffer[off:off + p.numel()].view_as(p)
+                p.grad = b.buffer[off : off + p.numel()].view_as(p)
         self.armed, self.launched = False, 0
 
     def arm(self) -> None:
@@ -109,10 +109,10 @@ class GradSync:
         self.armed = False
         last = self.buckets[-1]
         if self.launched < len(self.buckets):
-            last.buffer[last.numel:] = 0
+            last.buffer[last.numel :] = 0
             last.buffer[last.numel + self.rank] = code
         while self.launched < len(self.buckets):
             self._launch()
         for b in self.buckets:
             b.work.wait()
-        return [int(round(c)) for c in last.buffer[last.numel:].tolist()]
+        return [int(round(c)) for c in last.buffer[last.numel :].tolist()]

@@ -16,5 +16,13 @@ from .load import ReportError, load_events
 from .plot import render_png
 from .text import render_text
 
-__all__ = ["ReportError", "build_report", "daly_interval", "load_events", "main", "render_png", "render_text",
-           "young_interval"]
+__all__ = [
+    "ReportError",
+    "build_report",
+    "daly_interval",
+    "load_events",
+    "main",
+    "render_png",
+    "render_text",
+    "young_interval",
+]

@@ -90,8 +90,9 @@ def build_report(events: Iterable[dict]) -> dict:
     counts: dict[str, int] = {}
     for inc in incidents:
         counts[inc["kind"]] = counts.get(inc["kind"], 0) + 1
-    ckpt = summarize(history.checkpoints, history.notices.get("checkpoint_failed", 0),
-                     history.notices.get("checkpoint_invalid", 0))
+    ckpt = summarize(
+        history.checkpoints, history.notices.get("checkpoint_failed", 0), history.notices.get("checkpoint_invalid", 0)
+    )
     per_step = history.seconds_per_step
     failures = [i for i in history.incidents if i.kind in FAILURE_KINDS]
     interval = recommend(ckpt["blocked_seconds"]["median"], wall, len(failures), per_step, ckpt["interval_steps"])
@@ -118,8 +119,15 @@ def build_report(events: Iterable[dict]) -> dict:
         "checkpoints": {k: (_r(v) if isinstance(v, float) else v) for k, v in ckpt.items() if k != "save_seconds"}
         | {"save_seconds": {k: _r(v, 4) for k, v in ckpt["save_seconds"].items()}},
         "checkpoint_interval": {k: (_r(v, 6) if isinstance(v, float) else v) for k, v in interval.items()},
-        "launch_history": [{"launch": e["launch"], "ended_at": _r(e["time"] - t0), "seconds": e["details"].get("seconds"),
-                            "code": e["details"].get("code"), "reason": e["details"].get("reason")}
-                           for e in history.launch_exits],
+        "launch_history": [
+            {
+                "launch": e["launch"],
+                "ended_at": _r(e["time"] - t0),
+                "seconds": e["details"].get("seconds"),
+                "code": e["details"].get("code"),
+                "reason": e["details"].get("reason"),
+            }
+            for e in history.launch_exits
+        ],
         "notices": history.notices,
     }

@@ -39,7 +39,11 @@ def used_interval(committed: list[dict]) -> Optional[float]:
 def summarize(committed: list[dict], failed: int, invalid: int) -> dict:
     """The report's ``checkpoints`` section from the ``checkpoint_committed`` events."""
     seconds = [s for s in (number(c["details"].get("seconds")) for c in committed) if s is not None]
-    blocked = [s for s in (number(c["details"].get("blocked_seconds", c["details"].get("seconds"))) for c in committed) if s is not None]
+    blocked = [
+        s
+        for s in (number(c["details"].get("blocked_seconds", c["details"].get("seconds"))) for c in committed)
+        if s is not None
+    ]
     sizes = [b for b in (number(c["details"].get("bytes")) for c in committed) if b is not None]
     reasons: dict[str, int] = {}
     for c in committed:

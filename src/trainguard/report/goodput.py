@@ -84,8 +84,11 @@ def kept_step(inc: Incident, checkpoints: list[dict]) -> Optional[float]:
     """The step training went on (or would go on) from after ``inc``."""
     if inc.resumed_step is not None:
         return inc.resumed_step
-    older = [c["step"] for c in checkpoints
-             if c["step"] is not None and c["time"] <= inc.failed_at and (inc.step is None or c["step"] <= inc.step)]
+    older = [
+        c["step"]
+        for c in checkpoints
+        if c["step"] is not None and c["time"] <= inc.failed_at and (inc.step is None or c["step"] <= inc.step)
+    ]
     return float(max(older, default=0))
 
 
@@ -112,8 +115,9 @@ def redone_windows(inc: Incident, segments: list[Segment], checkpoints: list[dic
     return out
 
 
-def breakdown(segments: list[Segment], incidents: list[Incident], checkpoints: list[dict],
-              t0: float, t1: float) -> tuple[dict[str, float], list[float]]:
+def breakdown(
+    segments: list[Segment], incidents: list[Incident], checkpoints: list[dict], t0: float, t1: float
+) -> tuple[dict[str, float], list[float]]:
     """Seconds per label (``productive``, ``restart_overhead``, ``redone_work``,
     ``checkpoint_stalls``, ``other``) over ``[t0, t1]``, and each incident's redone seconds."""
     stalls = clip((stall(c) for c in checkpoints), t0, t1)
@@ -130,8 +134,12 @@ def breakdown(segments: list[Segment], incidents: list[Incident], checkpoints: l
     redone_only = subtract(redone, above)
     above = union(above + redone)
     productive = subtract(loops, above)
-    parts = {"productive": total(productive), "restart_overhead": total(restart_only),
-             "redone_work": total(redone_only), "checkpoint_stalls": total(stalls)}
+    parts = {
+        "productive": total(productive),
+        "restart_overhead": total(restart_only),
+        "redone_work": total(redone_only),
+        "checkpoint_stalls": total(stalls),
+    }
     parts["other"] = max(0.0, (t1 - t0) - sum(parts.values()))
     above_redone = union(stalls + restart)
     return parts, [total(subtract(w, above_redone)) for w in per_incident]

@@ -42,13 +42,21 @@ class RunHistory:
         seg = self.seg
         return seg if seg is not None and (seg.launch, seg.attempt) == (launch, attempt) else None
 
-    def _new(self, kind: str, e: dict, *, failed_at: Optional[float] = None, step: Optional[float] = None,
-             **extra: Any) -> Incident:
+    def _new(
+        self, kind: str, e: dict, *, failed_at: Optional[float] = None, step: Optional[float] = None, **extra: Any
+    ) -> Incident:
         launch, attempt = self._here(e)
         detected = e["details"].get("detected_at", e["time"])  # hang_detected: the poll, before the stack dump
-        inc = Incident(kind=kind, launch=launch, attempt=attempt, detected_at=detected,
-                       failed_at=e["time"] if failed_at is None else failed_at, step=step,
-                       segment=self._segment_of(launch, attempt), **extra)
+        inc = Incident(
+            kind=kind,
+            launch=launch,
+            attempt=attempt,
+            detected_at=detected,
+            failed_at=e["time"] if failed_at is None else failed_at,
+            step=step,
+            segment=self._segment_of(launch, attempt),
+            **extra,
+        )
         fault = self._match_fault(inc)
         if fault is not None:
             inc.injected, inc.fault_at = True, fault["time"]
@@ -69,8 +77,12 @@ class RunHistory:
     def _match_fault(self, inc: Incident) -> Optional[dict]:
         kinds = FAULTS_FOR.get(inc.kind, ())
         for f in self._faults:
-            if (f["used"] or (f["launch"], f["attempt"]) != (inc.launch, inc.attempt)
-                    or f["details"].get("fault") not in kinds or f["time"] > inc.detected_at + 1e-6):
+            if (
+                f["used"]
+                or (f["launch"], f["attempt"]) != (inc.launch, inc.attempt)
+                or f["details"].get("fault") not in kinds
+                or f["time"] > inc.detected_at + 1e-6
+            ):
                 continue
             if inc.in_process and inc.step is not None and f["step"] is not None and f["step"] > inc.step:
                 continue  # a numeric or oom fault of a later step than this rollback's or split's
@@ -106,8 +118,12 @@ class RunHistory:
         if self.launch_open:  # the previous launch never wrote launch_exit: its launcher died
             seg = self.seg
             ev = dict(e, time=self._last_time, rank=None)
-            inc = self._new("launch_lost", ev, step=seg.last_step() if seg else None,
-                            reason="no launch_exit: the launcher itself was killed or its node lost")
+            inc = self._new(
+                "launch_lost",
+                ev,
+                step=seg.last_step() if seg else None,
+                reason="no launch_exit: the launcher itself was killed or its node lost",
+            )
             self._end_segment(inc, "lost")
         self.launches += 1
         self._launch, self._attempt, self.launch_open = self.launches - 1, 0, True
@@ -158,8 +174,14 @@ class RunHistory:
         rank, step = d.get("rank"), e["step"]
         inc = self._open
         if inc is None or inc.kind != "hang":
-            inc = self._new("hang", e, failed_at=e["time"] - silent, step=step, ranks=[],
-                            reason=f"rank {rank} silent {silent:.1f} s in '{d.get('section')}' (timeout {d.get('timeout')} s)")
+            inc = self._new(
+                "hang",
+                e,
+                failed_at=e["time"] - silent,
+                step=step,
+                ranks=[],
+                reason=f"rank {rank} silent {silent:.1f} s in '{d.get('section')}' (timeout {d.get('timeout')} s)",
+            )
             self._open = inc
         elif not inc.injected:
             inc.failed_at = min(inc.failed_at, e["time"] - silent)
@@ -176,8 +198,14 @@ class RunHistory:
         timeout = number(d.get("timeout")) or 0.0
         failed = max(e["time"] - timeout, seg.points[-1][0] if seg else e["time"] - timeout)
         missing = d.get("missing_ranks") if isinstance(d.get("missing_ranks"), list) else []
-        self._open = self._new("ping_timeout", e, failed_at=failed, step=seg.last_step(failed) if seg else None,
-                               ranks=missing, reason=f"no answer to liveness ping {d.get('ping')} in {timeout:g} s")
+        self._open = self._new(
+            "ping_timeout",
+            e,
+            failed_at=failed,
+            step=seg.last_step(failed) if seg else None,
+            ranks=missing,
+            reason=f"no answer to liveness ping {d.get('ping')} in {timeout:g} s",
+        )
         self._end_segment(self._open, "failed")
 
     def _on_workers_failed(self, e: dict, d: dict) -> None:
@@ -194,16 +222,24 @@ class RunHistory:
         if not bad:
             return
         killed = any(c < 0 for c in bad.values())
-        inc = self._new("rank_killed" if killed else "rank_crashed", e,
-                        ranks=sorted(int(r) for r in bad if str(r).isdigit()),
-                        reason="exit codes " + ", ".join(f"rank {r}: {c}" for r, c in sorted(bad.items())))
+        inc = self._new(
+            "rank_killed" if killed else "rank_crashed",
+            e,
+            ranks=sorted(int(r) for r in bad if str(r).isdigit()),
+            reason="exit codes " + ", ".join(f"rank {r}: {c}" for r, c in sorted(bad.items())),
+        )
         self._end_segment(inc, "failed")
 
     def _on_stop_requested(self, e: dict, d: dict) -> None:
         reason = str(d.get("reason"))
         kind = STOP_KINDS.get(reason, reason)
-        inc = self._new(kind, e, step=e["step"], ranks=d.get("ranks") if isinstance(d.get("ranks"), list) else [],
-                        reason=reason + (f" {d['signal']}" if d.get("signal") else ""))
+        inc = self._new(
+            kind,
+            e,
+            step=e["step"],
+            ranks=d.get("ranks") if isinstance(d.get("ranks"), list) else [],
+            reason=reason + (f" {d['signal']}" if d.get("signal") else ""),
+        )
         signal_time = number(d.get("signal_time"))
         if signal_time is not None and not inc.injected:
             inc.latency = round(e["time"] - signal_time, 6)  # signal received → all ranks agreed to stop
@@ -240,8 +276,14 @@ class RunHistory:
     def _on_rollback(self, e: dict, d: dict) -> None:
         bad, to = number(d.get("from_step")), number(d.get("to_step"))
         seen = self._instability.get(self._here(e), e["time"])
-        inc = self._new("instability_rollback", e, failed_at=seen, step=bad if bad is not None else e["step"],
-                        in_process=True, reason=f"{', '.join(map(str, d.get('detectors') or []))}: back to step {d.get('to_step')}")
+        inc = self._new(
+            "instability_rollback",
+            e,
+            failed_at=seen,
+            step=bad if bad is not None else e["step"],
+            in_process=True,
+            reason=f"{', '.join(map(str, d.get('detectors') or []))}: back to step {d.get('to_step')}",
+        )
         inc.detected_at, inc.recovered_at, inc.resumed_step = seen, e["time"], to
         if inc.injected and inc.fault_at is not None:
             inc.latency = round(seen - inc.fault_at, 6)
@@ -254,8 +296,14 @@ class RunHistory:
 
     def _on_micro_batch_split(self, e: dict, d: dict) -> None:
         seen = self._oom.get(self._here(e) + (e["step"],), e["time"])
-        inc = self._new("oom_split", e, failed_at=seen, step=e["step"], in_process=True,
-                        reason=f"micro-batch {d.get('from_size')} → {d.get('to_size')}")
+        inc = self._new(
+            "oom_split",
+            e,
+            failed_at=seen,
+            step=e["step"],
+            in_process=True,
+            reason=f"micro-batch {d.get('from_size')} → {d.get('to_size')}",
+        )
         inc.detected_at, inc.recovered_at, inc.resumed_step = seen, e["time"], e["step"]
         if inc.injected and inc.fault_at is not None:
             inc.latency = round(seen - inc.fault_at, 6)

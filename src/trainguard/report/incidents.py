@@ -27,16 +27,37 @@ from .timeline import Segment
 
 # failures that cost the work since the newest checkpoint: the "M" of Young/Daly
 FAILURE_KINDS = ("rank_killed", "rank_crashed", "hang", "ping_timeout", "launch_lost")
-STOP_KINDS = {"signal": "preemption_signal", "time_limit": "time_limit", "kill_switch": "kill_switch",
-              "memory": "memory", "straggler": "straggler"}
+STOP_KINDS = {
+    "signal": "preemption_signal",
+    "time_limit": "time_limit",
+    "kill_switch": "kill_switch",
+    "memory": "memory",
+    "straggler": "straggler",
+}
 NUMERIC_FAULTS = ("nan_loss", "loss_spike", "grad_explosion")
-FAULTS_FOR = {"rank_killed": ("rank_killed",), "rank_crashed": ("rank_killed",), "hang": ("rank_hung",),
-              "ping_timeout": ("rank_hung",), "instability_rollback": NUMERIC_FAULTS, "oom_split": ("oom",),
-              "straggler": ("slow_rank",)}
+FAULTS_FOR = {
+    "rank_killed": ("rank_killed",),
+    "rank_crashed": ("rank_killed",),
+    "hang": ("rank_hung",),
+    "ping_timeout": ("rank_hung",),
+    "instability_rollback": NUMERIC_FAULTS,
+    "oom_split": ("oom",),
+    "straggler": ("slow_rank",),
+}
 DECISION_CODES = (0, 2, 75, 76)  # exit codes that are decisions, not crashes (0 first)
 # events counted in the report's notices (no incident of their own)
-NOTICE_KINDS = ("step_skipped", "instability", "straggler_detected", "memory_watchdog", "micro_batch_grow",
-                "checkpoint_invalid", "checkpoint_failed", "deadline_exit", "stop_grace_expired", "membership_change")
+NOTICE_KINDS = (
+    "step_skipped",
+    "instability",
+    "straggler_detected",
+    "memory_watchdog",
+    "micro_batch_grow",
+    "checkpoint_invalid",
+    "checkpoint_failed",
+    "deadline_exit",
+    "stop_grace_expired",
+    "membership_change",
+)
 
 
 @dataclass

@@ -32,16 +32,30 @@ def daly_interval(save_seconds: float, mtbf_seconds: float) -> float:
     return young_interval(c, m) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - c
 
 
-def recommend(save_seconds: Optional[float], wall_seconds: float, failures: int,
-              seconds_per_step: Optional[float], used_steps: Optional[float]) -> dict:
+def recommend(
+    save_seconds: Optional[float],
+    wall_seconds: float,
+    failures: int,
+    seconds_per_step: Optional[float],
+    used_steps: Optional[float],
+) -> dict:
     """The report's ``checkpoint_interval`` section: C, M, Young's and Daly's intervals in seconds
     and steps, and the interval the run used. Without failures or a measured save there is no
     recommendation; ``note`` says why."""
     per_step = seconds_per_step if seconds_per_step and seconds_per_step > 0 else None
-    out: dict = {"save_seconds": save_seconds, "failures": failures, "mtbf_seconds": None,
-                 "young_seconds": None, "young_steps": None, "daly_seconds": None, "daly_steps": None,
-                 "used_steps": used_steps, "used_seconds": used_steps * per_step if used_steps and per_step else None,
-                 "seconds_per_step": per_step, "note": None}
+    out: dict = {
+        "save_seconds": save_seconds,
+        "failures": failures,
+        "mtbf_seconds": None,
+        "young_seconds": None,
+        "young_steps": None,
+        "daly_seconds": None,
+        "daly_steps": None,
+        "used_steps": used_steps,
+        "used_seconds": used_steps * per_step if used_steps and per_step else None,
+        "seconds_per_step": per_step,
+        "note": None,
+    }
     if failures <= 0:
         out["note"] = "no unplanned failures observed: no mean time between failures, no recommendation"
         return out
@@ -50,8 +64,13 @@ def recommend(save_seconds: Optional[float], wall_seconds: float, failures: int,
         return out
     m = wall_seconds / failures
     young, daly = young_interval(save_seconds, m), daly_interval(save_seconds, m)
-    out.update(mtbf_seconds=m, young_seconds=young, daly_seconds=daly,
-               young_steps=young / per_step if per_step else None, daly_steps=daly / per_step if per_step else None)
+    out.update(
+        mtbf_seconds=m,
+        young_seconds=young,
+        daly_seconds=daly,
+        young_steps=young / per_step if per_step else None,
+        daly_steps=daly / per_step if per_step else None,
+    )
     if per_step is None:
         out["note"] = "no step time measured: intervals in seconds only"
     return out

@@ -17,13 +17,27 @@ from typing import Iterable
 from .history import reconstruct
 from .load import ReportError, prepare
 
-MISSING = "the picture needs matplotlib, which is not installed ({error}); install it with: pip install 'trainguard[report]'"
+MISSING = (
+    "the picture needs matplotlib, which is not installed ({error}); install it with: pip install 'trainguard[report]'"
+)
 
-COLOURS = {"rank_killed": "tab:red", "rank_crashed": "tab:red", "hang": "tab:orange", "ping_timeout": "tab:brown",
-           "preemption_signal": "tab:blue", "time_limit": "tab:cyan", "kill_switch": "tab:gray",
-           "memory": "tab:purple", "straggler": "tab:olive", "instability_rollback": "tab:pink",
-           "oom_split": "gold", "give_up": "black", "bad_input": "black", "launch_lost": "darkred",
-           "launch_failed": "black"}
+COLOURS = {
+    "rank_killed": "tab:red",
+    "rank_crashed": "tab:red",
+    "hang": "tab:orange",
+    "ping_timeout": "tab:brown",
+    "preemption_signal": "tab:blue",
+    "time_limit": "tab:cyan",
+    "kill_switch": "tab:gray",
+    "memory": "tab:purple",
+    "straggler": "tab:olive",
+    "instability_rollback": "tab:pink",
+    "oom_split": "gold",
+    "give_up": "black",
+    "bad_input": "black",
+    "launch_lost": "darkred",
+    "launch_failed": "black",
+}
 
 
 def render_png(events: Iterable[dict], report: dict, path: str | os.PathLike) -> None:
@@ -51,16 +65,38 @@ def render_png(events: Iterable[dict], report: dict, path: str | os.PathLike) ->
     ax = fig.add_subplot(1, 1, 1)
     for n, seg in enumerate(history.segments):
         pts = [p for p in seg.points if seg.end is None or p[0] <= seg.end + 1e-9]
-        ax.plot([minutes(t) for t, _ in pts], [s for _, s in pts], color="tab:green", linewidth=1.6,
-                label="training (one line per worker group)" if n == 0 else None)
+        ax.plot(
+            [minutes(t) for t, _ in pts],
+            [s for _, s in pts],
+            color="tab:green",
+            linewidth=1.6,
+            label="training (one line per worker group)" if n == 0 else None,
+        )
     ckpts = history.checkpoints
     if ckpts:
-        ax.scatter([minutes(c["time"]) for c in ckpts], [c["step"] or 0 for c in ckpts], marker="o", s=14,
-                   facecolors="none", edgecolors="tab:green", zorder=3, label="checkpoint committed")
-    faults = [(minutes(e["time"]), e["step"]) for e in events if e["kind"] == "fault_injected" and e["step"] is not None]
+        ax.scatter(
+            [minutes(c["time"]) for c in ckpts],
+            [c["step"] or 0 for c in ckpts],
+            marker="o",
+            s=14,
+            facecolors="none",
+            edgecolors="tab:green",
+            zorder=3,
+            label="checkpoint committed",
+        )
+    faults = [
+        (minutes(e["time"]), e["step"]) for e in events if e["kind"] == "fault_injected" and e["step"] is not None
+    ]
     if faults:
-        ax.scatter([f[0] for f in faults], [f[1] for f in faults], marker="x", s=40, color="black", zorder=4,
-                   label="fault injected")
+        ax.scatter(
+            [f[0] for f in faults],
+            [f[1] for f in faults],
+            marker="x",
+            s=40,
+            color="black",
+            zorder=4,
+            label="fault injected",
+        )
     end = minutes(events[-1]["time"]) if events else 0.0
     seen: set[str] = set()
     for inc in report.get("incidents", []):
@@ -72,8 +108,9 @@ def render_png(events: Iterable[dict], report: dict, path: str | os.PathLike) ->
         seen.add(inc["kind"])
         ax.axvspan(start, max(stop, start + end / 500.0), color=colour, alpha=0.25, label=label, linewidth=0)
         if inc["failed_at"] is not None and inc["failed_at"] < inc["detected_at"]:  # until it was noticed
-            ax.axvspan(inc["failed_at"] / 60.0, start, facecolor="none", edgecolor=colour, hatch="///",
-                       alpha=0.6, linewidth=0)
+            ax.axvspan(
+                inc["failed_at"] / 60.0, start, facecolor="none", edgecolor=colour, hatch="///", alpha=0.6, linewidth=0
+            )
     goodput = report.get("goodput")
     title = "goodput " + ("-" if goodput is None else f"{100 * goodput:.1f} %")
     title += f"  ·  {len(report.get('incidents', []))} incidents  ·  {report.get('status', '')}"

@@ -5,8 +5,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 MAX_ROWS = 40  # incidents listed in full; a longer list shows its first and last 20
-BREAKDOWN = (("productive", "productive steps"), ("restart_overhead", "restart overhead"),
-             ("redone_work", "redone work"), ("checkpoint_stalls", "checkpoint stalls"), ("other", "other"))
+BREAKDOWN = (
+    ("productive", "productive steps"),
+    ("restart_overhead", "restart overhead"),
+    ("redone_work", "redone work"),
+    ("checkpoint_stalls", "checkpoint stalls"),
+    ("other", "other"),
+)
 
 
 def duration(seconds: Optional[float]) -> str:
@@ -74,7 +79,7 @@ def _incidents(report: dict) -> list[str]:
         lines.append("  by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
     shown = list(enumerate(incidents, 1))
     if len(shown) > MAX_ROWS:
-        shown = shown[: MAX_ROWS // 2] + [None] + shown[-MAX_ROWS // 2:]
+        shown = shown[: MAX_ROWS // 2] + [None] + shown[-MAX_ROWS // 2 :]
     rows = []
     for item in shown:
         if item is None:
@@ -82,12 +87,24 @@ def _incidents(report: dict) -> list[str]:
             continue
         n, i = item
         step = "-" if i["step"] is None else ("~" if i["step_estimated"] else "") + _steps(i["step"])
-        rows.append([n, clock(i["detected_at"]), i["kind"], "yes" if i["injected"] else "no",
-                     ",".join(map(str, i["ranks"])) or "-", step, _steps(i["resumed_from_step"]),
-                     _steps(i["steps_lost"]), duration(i["detection_latency"]),
-                     duration(i["time_to_recover"]) if i["recovered"] else "not recovered", duration(i["redone_seconds"])])
-    lines += table(["#", "seen at", "kind", "injected", "ranks", "step", "resumed", "lost", "detect",
-                    "recover", "redone"], rows)
+        rows.append(
+            [
+                n,
+                clock(i["detected_at"]),
+                i["kind"],
+                "yes" if i["injected"] else "no",
+                ",".join(map(str, i["ranks"])) or "-",
+                step,
+                _steps(i["resumed_from_step"]),
+                _steps(i["steps_lost"]),
+                duration(i["detection_latency"]),
+                duration(i["time_to_recover"]) if i["recovered"] else "not recovered",
+                duration(i["redone_seconds"]),
+            ]
+        )
+    lines += table(
+        ["#", "seen at", "kind", "injected", "ranks", "step", "resumed", "lost", "detect", "recover", "redone"], rows
+    )
     if len(incidents) > MAX_ROWS:
         lines.append(f"  ({len(incidents) - MAX_ROWS} more in --json)")
     lines += [f"  {item[0]}: {item[1]['reason']}" for item in shown if item is not None and item[1]["reason"]]
@@ -98,11 +115,16 @@ def _checkpoints(report: dict) -> list[str]:
     c = report["checkpoints"]
     s = c["save_seconds"]
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(c["by_reason"].items()))
-    lines = [f"Checkpoints: {c['count']} committed" + (f" ({reasons})" if reasons else "")
-             + f", {c['failures']} failed, {c['invalid']} invalid"]
+    lines = [
+        f"Checkpoints: {c['count']} committed"
+        + (f" ({reasons})" if reasons else "")
+        + f", {c['failures']} failed, {c['invalid']} invalid"
+    ]
     if c["count"]:
-        lines.append(f"  size (median) {size(c['bytes_median'])}; save median {duration(s['median'])}, "
-                     f"p90 {duration(s['p90'])}, max {duration(s['max'])}, total {duration(s['total'])}")
+        lines.append(
+            f"  size (median) {size(c['bytes_median'])}; save median {duration(s['median'])}, "
+            f"p90 {duration(s['p90'])}, max {duration(s['max'])}, total {duration(s['total'])}"
+        )
     return lines
 
 
@@ -118,18 +140,27 @@ def _interval(report: dict) -> list[str]:
         lines.append(f"  used: {used_text}")
         return lines
     injected = f", {iv['failures_injected']} injected" if iv.get("failures_injected") else ""
-    lines.append(f"  C = median save {duration(iv['save_seconds'])}, M = wall / failures = "
-                 f"{duration(iv['mtbf_seconds'])} ({plural(iv['failures'], 'failure')}{injected})")
-    lines += table(["", "seconds", "steps"], [
-        ["Young  sqrt(2CM)", duration(iv["young_seconds"]), _steps(iv["young_steps"])],
-        ["Daly   higher order", duration(iv["daly_seconds"]), _steps(iv["daly_steps"])],
-        ["used by the run", duration(iv["used_seconds"]), _steps(used)],
-    ])
+    lines.append(
+        f"  C = median save {duration(iv['save_seconds'])}, M = wall / failures = "
+        f"{duration(iv['mtbf_seconds'])} ({plural(iv['failures'], 'failure')}{injected})"
+    )
+    lines += table(
+        ["", "seconds", "steps"],
+        [
+            ["Young  sqrt(2CM)", duration(iv["young_seconds"]), _steps(iv["young_steps"])],
+            ["Daly   higher order", duration(iv["daly_seconds"]), _steps(iv["daly_steps"])],
+            ["used by the run", duration(iv["used_seconds"]), _steps(used)],
+        ],
+    )
     if used and iv["daly_steps"]:
         ratio = used / iv["daly_steps"]
-        verdict = ("close to the optimum" if 0.5 <= ratio <= 2 else
-                   f"{1 / ratio:.1f}x more often than the optimum" if ratio < 0.5 else
-                   f"{ratio:.1f}x less often than the optimum")
+        verdict = (
+            "close to the optimum"
+            if 0.5 <= ratio <= 2
+            else f"{1 / ratio:.1f}x more often than the optimum"
+            if ratio < 0.5
+            else f"{ratio:.1f}x less often than the optimum"
+        )
         lines.append(f"  the run checkpoints {verdict}")
     if iv["note"]:
         lines.append(f"  note: {iv['note']}")
@@ -140,17 +171,22 @@ def render_text(report: dict) -> str:
     """The report as text: summary, time breakdown, incidents, checkpoints, checkpoint interval."""
     wall = report["wall_seconds"]
     code = "" if report["exit_code"] is None else f", exit code {report['exit_code']}"
-    lines = [f"Run: {report['status']}{code}",
-             f"  wall time {duration(wall)}, {plural(report['launches'], 'launch')}, "
-             f"{plural(report['attempts'], 'worker-group start')}, final step {_steps(report['final_step'])}, "
-             f"{plural(_steps(report['steps_lost']), 'step')} lost"
-             + (f", {duration(report['seconds_per_step'])} per step (median)" if report["seconds_per_step"] else ""),
-             ""]
+    lines = [
+        f"Run: {report['status']}{code}",
+        f"  wall time {duration(wall)}, {plural(report['launches'], 'launch')}, "
+        f"{plural(report['attempts'], 'worker-group start')}, final step {_steps(report['final_step'])}, "
+        f"{plural(_steps(report['steps_lost']), 'step')} lost"
+        + (f", {duration(report['seconds_per_step'])} per step (median)" if report["seconds_per_step"] else ""),
+        "",
+    ]
     goodput = report["goodput"]
-    lines.append("Goodput: " + ("-" if goodput is None else f"{100 * goodput:.1f} %")
-                 + " (productive step time / wall time)")
+    lines.append(
+        "Goodput: " + ("-" if goodput is None else f"{100 * goodput:.1f} %") + " (productive step time / wall time)"
+    )
     parts = report["time_breakdown"]
-    lines += table(["", "time", "share"], [[label, duration(parts[key]), _pct(parts[key], wall)] for key, label in BREAKDOWN])
+    lines += table(
+        ["", "time", "share"], [[label, duration(parts[key]), _pct(parts[key], wall)] for key, label in BREAKDOWN]
+    )
     lines.append("")
     lines += _incidents(report)
     lines.append("")

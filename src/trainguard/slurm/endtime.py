@@ -25,7 +25,7 @@ from typing import Mapping, Optional
 from ..atomic import write_atomic
 from ..events import EventLog
 from ..launch_env import LaunchEnv
-from .info import SLURMInfo, SlurmError, parse_slurm_time, parse_slurm_timestamp, show_job
+from .info import SlurmError, SLURMInfo, parse_slurm_time, parse_slurm_timestamp, show_job
 
 PREFIX = ".slurm_end_time."
 

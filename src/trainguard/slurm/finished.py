@@ -52,4 +52,6 @@ def write(run_dir: Path, sig: str, state_sha256: Optional[str], **extra: object)
         extra: more JSON-ready details (job id, ...).
     """
     path = Path(run_dir) / FILENAME
-    return write_atomic(path, json.dumps({"time": time.time(), "signature": sig, "state_sha256": state_sha256, **extra}) + "\n")
+    return write_atomic(
+        path, json.dumps({"time": time.time(), "signature": sig, "state_sha256": state_sha256, **extra}) + "\n"
+    )

@@ -42,7 +42,9 @@ def parse_slurm_time(text: str) -> Optional[float]:
         return None
     m = _TIME.match(value)
     if not m:
-        raise ValueError(f"time {text!r} is not a SLURM time: use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
+        raise ValueError(
+            f"time {text!r} is not a SLURM time: use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
+        )
     days, a, b, c = m.groups()
     nums = [int(x) for x in (a, b, c) if x is not None]
     if days is not None:  # days-hours[:minutes[:seconds]]
@@ -145,8 +147,9 @@ class SLURMInfo:
         return self.job_id
 
     @classmethod
-    def from_env(cls, env: Optional[Mapping[str, str]] = None, query: bool = True,
-                 scontrol: str = "scontrol") -> Optional["SLURMInfo"]:
+    def from_env(
+        cls, env: Optional[Mapping[str, str]] = None, query: bool = True, scontrol: str = "scontrol"
+    ) -> Optional[SLURMInfo]:
         """The job of ``env`` (default ``os.environ``), or ``None`` when ``SLURM_JOB_ID`` is unset.
 
         With ``query``, ``scontrol show job`` fills in the time limit, end time and state; when it
@@ -203,4 +206,3 @@ def _int(text: Optional[str], default: int) -> int:
         return int(text) if text not in (None, "") else default
     except ValueError:
         return default
-

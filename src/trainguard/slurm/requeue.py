@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..events import EventLog, read_events
-from .info import SLURMInfo, SlurmError, parse_slurm_time, parse_slurm_timestamp, show_job
+from .info import SlurmError, SLURMInfo, parse_slurm_time, parse_slurm_timestamp, show_job
 
 # stop reasons (the ranks' ``exit``/``stop_requested`` events) after which the job should run again
 REQUEUE_WORTHY = ("signal", "time_limit", "memory", "straggler")
@@ -39,13 +39,19 @@ LIMIT_TOLERANCE = 5.0  # seconds: a job that ends this close to its time limit e
 
 def stop_reasons(run_dir: Path, since: float) -> set[str]:
     """Reasons in the ranks' ``exit`` and ``stop_requested`` events written at or after ``since`` (Unix s)."""
-    return {str(e["details"].get("reason")) for e in read_events(run_dir)
-            if e.get("time", 0) >= since and e.get("kind") in ("exit", "stop_requested")
-            and isinstance(e.get("details"), dict) and e["details"].get("reason")}
+    return {
+        str(e["details"].get("reason"))
+        for e in read_events(run_dir)
+        if e.get("time", 0) >= since
+        and e.get("kind") in ("exit", "stop_requested")
+        and isinstance(e.get("details"), dict)
+        and e["details"].get("reason")
+    }
 
 
-def requeue_decision(code: int, reasons: set[str], launcher_signal: Optional[str],
-                     kill_switch: Optional[Path] = None) -> tuple[bool, str]:
+def requeue_decision(
+    code: int, reasons: set[str], launcher_signal: Optional[str], kill_switch: Optional[Path] = None
+) -> tuple[bool, str]:
     """Whether a launch that ended with ``code`` should be requeued, and why (or why not).
 
     Args:
@@ -67,8 +73,12 @@ def requeue_decision(code: int, reasons: set[str], launcher_signal: Optional[str
 
 def already_requeued(run_dir: Path, info: SLURMInfo) -> bool:
     """True when a ``slurm_requeue`` event of this job and restart count already succeeded."""
-    return any(e["details"].get("requeue_id") == info.requeue_id and e["details"].get("restart_count") == info.restart_count
-               and e["details"].get("ok") for e in read_events(run_dir, "slurm_requeue"))
+    return any(
+        e["details"].get("requeue_id") == info.requeue_id
+        and e["details"].get("restart_count") == info.restart_count
+        and e["details"].get("ok")
+        for e in read_events(run_dir, "slurm_requeue")
+    )
 
 
 def requeue(info: SLURMInfo, scontrol: str = "scontrol") -> dict:
@@ -104,8 +114,11 @@ def requeue(info: SLURMInfo, scontrol: str = "scontrol") -> dict:
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=REQUEUE_TIMEOUT)
-        details.update(returncode=proc.returncode, ok=proc.returncode == 0,
-                       output=" ".join((proc.stdout + proc.stderr).split())[:2000])
+        details.update(
+            returncode=proc.returncode,
+            ok=proc.returncode == 0,
+            output=" ".join((proc.stdout + proc.stderr).split())[:2000],
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         details.update(returncode=None, output=str(e))
     details.update(command=" ".join(cmd), seconds=round(time.monotonic() - t0, 3))
@@ -129,13 +142,23 @@ def ended_early(job: dict[str, str]) -> Optional[str]:
     if start is None or end is None:
         return None
     if limit is None or end - start < limit - LIMIT_TOLERANCE:
-        return (f"the job is {job.get('JobState')} after {end - start:.0f} s of its "
-                f"{'unlimited' if limit is None else f'{limit:.0f} s'} time limit: cancelled (scancel) or preempted, not requeued")
+        return (
+            f"the job is {job.get('JobState')} after {end - start:.0f} s of its "
+            f"{'unlimited' if limit is None else f'{limit:.0f} s'} time limit: cancelled (scancel) or preempted, not requeued"
+        )
     return None
 
 
-def after_launch(run_dir: Path, info: SLURMInfo, events: EventLog, code: int, since: float,
-                 launcher_signal: Optional[str], kill_switch: Path, scontrol: str = "scontrol") -> Optional[dict]:
+def after_launch(
+    run_dir: Path,
+    info: SLURMInfo,
+    events: EventLog,
+    code: int,
+    since: float,
+    launcher_signal: Optional[str],
+    kill_switch: Path,
+    scontrol: str = "scontrol",
+) -> Optional[dict]:
     """The ``auto_requeue`` step at the end of a launch on the job's first node.
 
     Decides (:func:`requeue_decision`), skips a job already requeued at this restart count, runs
@@ -148,11 +171,18 @@ def after_launch(run_dir: Path, info: SLURMInfo, events: EventLog, code: int, si
     wanted, why = requeue_decision(code, stop_reasons(run_dir, since), launcher_signal, kill_switch)
     if not wanted:
         if code == 75:
-            events.emit("slurm_requeue_declined", reason=why, requeue_id=info.requeue_id, restart_count=info.restart_count)
+            events.emit(
+                "slurm_requeue_declined", reason=why, requeue_id=info.requeue_id, restart_count=info.restart_count
+            )
         return None
     if already_requeued(run_dir, info):
-        details = {"requeue_id": info.requeue_id, "restart_count": info.restart_count, "ok": False,
-                   "skipped": "already requeued by a launcher at this restart count", "reason": why}
+        details = {
+            "requeue_id": info.requeue_id,
+            "restart_count": info.restart_count,
+            "ok": False,
+            "skipped": "already requeued by a launcher at this restart count",
+            "reason": why,
+        }
     else:
         details = {**requeue(info, scontrol), "reason": why}
     events.emit("slurm_requeue", **details)

@@ -70,8 +70,10 @@ def signal_lead(run_dir: Path, check_seconds: float = 1.0) -> tuple[int, str]:
         return DEFAULT_LEAD, f"default {DEFAULT_LEAD} s (no measured step or save time in {run_dir})"
     need = check_seconds + 2 * (step or 0.0) + (save or 0.0) + EXIT_SECONDS
     lead = min(MAX_LEAD, max(MIN_LEAD, math.ceil(LEAD_FACTOR * need)))
-    return lead, (f"{LEAD_FACTOR:g} × (check {check_seconds:g} s + 2 × step {step or 0:.3f} s + save {save or 0:.3f} s"
-                  f" + exit {EXIT_SECONDS:g} s), at least {MIN_LEAD} s")
+    return lead, (
+        f"{LEAD_FACTOR:g} × (check {check_seconds:g} s + 2 × step {step or 0:.3f} s + save {save or 0:.3f} s"
+        f" + exit {EXIT_SECONDS:g} s), at least {MIN_LEAD} s"
+    )
 
 
 @dataclass
@@ -117,7 +119,9 @@ def partitions(sinfo: str = "sinfo") -> tuple[list[str], Optional[str]]:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ConfigError(f"cannot list the SLURM partitions ({sinfo} -h -o %P): {e}") from None
     if proc.returncode != 0:
-        raise ConfigError(f"cannot list the SLURM partitions: sinfo exited with {proc.returncode}: {' '.join(proc.stderr.split())}")
+        raise ConfigError(
+            f"cannot list the SLURM partitions: sinfo exited with {proc.returncode}: {' '.join(proc.stderr.split())}"
+        )
     names = [p.strip() for p in proc.stdout.split()]
     default = next((p.rstrip("*") for p in names if p.endswith("*")), None)
     return [p.rstrip("*") for p in names], default
@@ -127,7 +131,9 @@ def partition_limit(name: str, scontrol: str = "scontrol") -> Optional[float]:
     """The time limit (seconds) a job without ``--time`` gets in partition ``name``: its
     ``DefaultTime``, else its ``MaxTime``; ``None`` when unlimited or unknown."""
     try:
-        proc = subprocess.run([scontrol, "show", "partition", "-o", name], capture_output=True, text=True, timeout=SLURM_TIMEOUT)
+        proc = subprocess.run(
+            [scontrol, "show", "partition", "-o", name], capture_output=True, text=True, timeout=SLURM_TIMEOUT
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     fields = parse_show_job(proc.stdout)  # the same Key=Value line format as scontrol show job -o
@@ -161,7 +167,9 @@ def validate(opts: ScriptOptions, check_cluster: bool = True) -> list[str]:
     if opts.array is not None and opts.array < 1:
         raise ConfigError(f"--array must be ≥ 1 (the number of tasks), got {opts.array}")
     if opts.array is not None and opts.after:
-        raise ConfigError("--array and --after do not go together: a job array already runs its tasks one after another")
+        raise ConfigError(
+            "--array and --after do not go together: a job array already runs its tasks one after another"
+        )
     if opts.after and not re.fullmatch(r"\d+(_\d+)?", opts.after):
         raise ConfigError(f"--after {opts.after!r}: expected a SLURM job id such as 1234 or 1234_5")
     if not 0 <= opts.signal_lead <= MAX_LEAD:
@@ -178,7 +186,9 @@ def validate(opts: ScriptOptions, check_cluster: bool = True) -> list[str]:
         names, default = partitions()
         part = opts.partition or default
         if opts.partition is not None and opts.partition not in names:
-            raise ConfigError(f"unknown SLURM partition {opts.partition!r} (this cluster has: {', '.join(names) or 'none'})")
+            raise ConfigError(
+                f"unknown SLURM partition {opts.partition!r} (this cluster has: {', '.join(names) or 'none'})"
+            )
         if limit is None and opts.time is None and part:
             limit = partition_limit(part)
             if limit is not None:
@@ -186,8 +196,10 @@ def validate(opts: ScriptOptions, check_cluster: bool = True) -> list[str]:
     elif check_cluster:
         notes.append("sinfo not found: the partition and its limits were not checked")
     if limit is not None and opts.signal_lead and opts.signal_lead >= limit:
-        raise ConfigError(f"signal lead {opts.signal_lead} s is not shorter than the time limit {limit:g} s "
-                          f"({opts.lead_basis or 'given'}): use a longer --time or a shorter --signal-lead")
+        raise ConfigError(
+            f"signal lead {opts.signal_lead} s is not shorter than the time limit {limit:g} s "
+            f"({opts.lead_basis or 'given'}): use a longer --time or a shorter --signal-lead"
+        )
     return notes
 
 
@@ -201,8 +213,14 @@ def render(opts: ScriptOptions) -> str:
     out = run_dir / ("slurm-%A_%a.out" if opts.array else "slurm-%j.out")
     sb = [f"--job-name={opts.job_name or run_dir.name}"]
     sb += [f"--signal=B:USR1@{opts.signal_lead}"] if opts.signal_lead else []  # 0: rely on EndTime alone
-    sb += ["--requeue", "--open-mode=append", f"--output={out}", f"--chdir={Path(opts.workdir).resolve()}",
-           f"--nodes={opts.nodes}", "--ntasks-per-node=1"]
+    sb += [
+        "--requeue",
+        "--open-mode=append",
+        f"--output={out}",
+        f"--chdir={Path(opts.workdir).resolve()}",
+        f"--nodes={opts.nodes}",
+        "--ntasks-per-node=1",
+    ]
     sb += [f"--time={opts.time}"] if opts.time else []
     sb += [f"--partition={opts.partition}"] if opts.partition else []
     sb += [f"--gres={opts.gres}"] if opts.gres else []
@@ -211,11 +229,27 @@ def render(opts: ScriptOptions) -> str:
     sb += [f"--dependency=afterany:{opts.after}"] if opts.after else []
     sb += list(opts.sbatch_args)
 
-    run = [_q(opts.python), "-m", "trainguard.cli", "run", "--run-dir", _q(run_dir),
-           "--nnodes", str(opts.nodes), "--nproc-per-node", str(opts.nproc_per_node)]
+    run = [
+        _q(opts.python),
+        "-m",
+        "trainguard.cli",
+        "run",
+        "--run-dir",
+        _q(run_dir),
+        "--nnodes",
+        str(opts.nodes),
+        "--nproc-per-node",
+        str(opts.nproc_per_node),
+    ]
     if opts.nodes > 1:
-        run += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f'"$head_node:{opts.rdzv_port}"',
-                "--rdzv-id", '"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"']
+        run += [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f'"$head_node:{opts.rdzv_port}"',
+            "--rdzv-id",
+            '"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"',
+        ]
     run += ["--config", _q(Path(opts.config).resolve())] if opts.config else []
     for item in opts.launcher_sets:
         run += ["--set", _q(item)]
@@ -223,11 +257,20 @@ def render(opts: ScriptOptions) -> str:
     srun = ["srun", f"--nodes={opts.nodes}", f"--ntasks={opts.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
     srun += [f"--cpus-per-task={opts.cpus_per_task}"] if opts.cpus_per_task else []  # srun ≥ 22.05 does not inherit it
 
-    lines = ["#!/bin/bash",
-             "# Written by 'trainguard slurm script'. Signal lead: " + (opts.lead_basis or f"{opts.signal_lead} s, given") + "."]
+    lines = [
+        "#!/bin/bash",
+        "# Written by 'trainguard slurm script'. Signal lead: "
+        + (opts.lead_basis or f"{opts.signal_lead} s, given")
+        + ".",
+    ]
     lines += [f"#SBATCH {s}" for s in sb]
-    lines += ["", BODY.replace("@RUN_DIR@", _q(run_dir)).replace("@READY_TIMEOUT@", str(READY_TIMEOUT)).replace("@READY_DIR@", READY_DIR)
-              .replace("@SRUN@", " ".join(srun) + " \\\n  " + " ".join(run) + " &")]
+    lines += [
+        "",
+        BODY.replace("@RUN_DIR@", _q(run_dir))
+        .replace("@READY_TIMEOUT@", str(READY_TIMEOUT))
+        .replace("@READY_DIR@", READY_DIR)
+        .replace("@SRUN@", " ".join(srun) + " \\\n  " + " ".join(run) + " &"),
+    ]
     return "\n".join(lines)
 
 

@@ -97,8 +97,16 @@ class HeartbeatWriter:
     def _publish(self) -> None:
         name, entered = self._stack[-1] if self._stack else ("", 0.0)
         self._seqv[0] = self._seq + 1  # odd: update in progress (one aligned 8-byte store)
-        STATE.pack_into(self._mm, STATE_OFFSET, self.step, self._beats, self._beat_time, entered,
-                        self._last_closed, name.encode()[:24])
+        STATE.pack_into(
+            self._mm,
+            STATE_OFFSET,
+            self.step,
+            self._beats,
+            self._beat_time,
+            entered,
+            self._last_closed,
+            name.encode()[:24],
+        )
         self._seq += 2
         self._seqv[0] = self._seq  # even: consistent
 
@@ -206,7 +214,9 @@ class HeartbeatReader:
                 continue
             step, beats, beat_time, entered, last_closed, name = STATE.unpack_from(self._mm, STATE_OFFSET)
             if self._seqv[0] == seq1:
-                return RankState(step, beats, beat_time, entered, last_closed, name.rstrip(b"\0").decode(errors="replace"))
+                return RankState(
+                    step, beats, beat_time, entered, last_closed, name.rstrip(b"\0").decode(errors="replace")
+                )
         return None
 
     def histograms(self) -> dict[str, tuple[int, float, list[int]]]:

@@ -141,8 +141,9 @@ class HangMonitor:
         self.write_timeouts = write_timeouts
         root = Path(cfg.checkpoint.dir)
         self.store = CheckpointStore(root if root.is_absolute() else run_dir / root)
-        self.policy = RestartPolicy(cfg.supervisor.max_no_progress_restarts, cfg.supervisor.max_same_step_faults,
-                                    self.newest_checkpoint())
+        self.policy = RestartPolicy(
+            cfg.supervisor.max_no_progress_restarts, cfg.supervisor.max_same_step_faults, self.newest_checkpoint()
+        )
         self.attempt = 0
         self._readers: dict[int, HeartbeatReader] = {}
         self._last_states: dict[int, RankState] = {}
@@ -203,8 +204,14 @@ class HangMonitor:
         # A rank over its timeout while a local peer that is not ahead of it is still within its own
         # timeout is waiting for that peer (rank-local work such as an evaluation): not hung.
         over = {h.worker.local_rank for h in hung}
-        hung = [h for h in hung if h.step is None or not any(
-            q != h.worker.local_rank and q not in over and st.step <= h.step for q, st in self._last_states.items())]
+        hung = [
+            h
+            for h in hung
+            if h.step is None
+            or not any(
+                q != h.worker.local_rank and q not in over and st.step <= h.step for q, st in self._last_states.items()
+            )
+        ]
         hung.sort(key=lambda h: (h.step if h.step is not None else -1, -h.silent))  # the laggard first
         if now - self._last_learn > 1.0:
             self._learn()
@@ -225,12 +232,22 @@ class HangMonitor:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            self.events.emit("hang_detected", h.step, rank=h.worker.global_rank, local_rank=h.worker.local_rank,
-                             section=h.section, silent_seconds=round(h.silent, 3), timeout=round(h.limit, 3),
-                             learned=self.book.learned(h.section) is not None, stacks=str(stacks) if stacks else None,
-                             detected_at=round(detected_at, 3))
-        return "; ".join(f"hang: rank {h.worker.global_rank} silent {h.silent:.1f} s in '{h.section}' "
-                         f"(timeout {h.limit:.1f} s)" for h in hung)
+            self.events.emit(
+                "hang_detected",
+                h.step,
+                rank=h.worker.global_rank,
+                local_rank=h.worker.local_rank,
+                section=h.section,
+                silent_seconds=round(h.silent, 3),
+                timeout=round(h.limit, 3),
+                learned=self.book.learned(h.section) is not None,
+                stacks=str(stacks) if stacks else None,
+                detected_at=round(detected_at, 3),
+            )
+        return "; ".join(
+            f"hang: rank {h.worker.global_rank} silent {h.silent:.1f} s in '{h.section}' (timeout {h.limit:.1f} s)"
+            for h in hung
+        )
 
     def _check(self, worker: Any, now: float) -> Optional[HangHit]:
         local_rank = worker.local_rank
@@ -253,7 +270,9 @@ class HangMonitor:
         reader = self._readers.get(local_rank)
         if reader is None:
             try:
-                reader = self._readers[local_rank] = HeartbeatReader(heartbeat_path(attempt_dir(self.hb_root, self.attempt), local_rank))
+                reader = self._readers[local_rank] = HeartbeatReader(
+                    heartbeat_path(attempt_dir(self.hb_root, self.attempt), local_rank)
+                )
             except (FileNotFoundError, ValueError):
                 return None
         return reader

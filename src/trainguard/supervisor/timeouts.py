@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..config import SupervisorSection
 from ..atomic import write_atomic
+from ..config import SupervisorSection
 from .heartbeat import NBUCKETS, OUT_OF_SECTION, bucket_upper
 
 BUILTIN = ("setup", "step", "checkpointing", OUT_OF_SECTION)
@@ -59,11 +59,15 @@ class TimeoutBook:
         self.base: dict[str, list] = {}
         for name, rec in ((history or {}).get("sections") or {}).items():
             buckets = list(rec.get("buckets", []))[:NBUCKETS]
-            self.base[name] = [int(rec.get("count", 0)), float(rec.get("longest", 0.0)), buckets + [0] * (NBUCKETS - len(buckets))]
+            self.base[name] = [
+                int(rec.get("count", 0)),
+                float(rec.get("longest", 0.0)),
+                buckets + [0] * (NBUCKETS - len(buckets)),
+            ]
         self.live: dict[str, list] = {}
 
     @classmethod
-    def load(cls, cfg: SupervisorSection, run_dir: Path) -> "TimeoutBook":
+    def load(cls, cfg: SupervisorSection, run_dir: Path) -> TimeoutBook:
         """Start from ``run_dir/timeouts.json`` if it exists and parses, else from the defaults."""
         try:
             history = json.loads((run_dir / FILENAME).read_text())
@@ -100,8 +104,14 @@ class TimeoutBook:
     def default(self, name: str) -> float:
         """The configured starting timeout of a section (seconds)."""
         c = self.cfg
-        fixed = {"setup": c.setup_timeout, "step": c.step_timeout, "checkpointing": c.checkpointing_timeout,
-                 OUT_OF_SECTION: c.out_of_section_timeout, INITIAL: c.initial_timeout, TEARDOWN: c.teardown_timeout}
+        fixed = {
+            "setup": c.setup_timeout,
+            "step": c.step_timeout,
+            "checkpointing": c.checkpointing_timeout,
+            OUT_OF_SECTION: c.out_of_section_timeout,
+            INITIAL: c.initial_timeout,
+            TEARDOWN: c.teardown_timeout,
+        }
         return fixed.get(name, c.section_timeouts.get(name, c.user_section_timeout))
 
     def learned(self, name: str) -> Optional[float]:
@@ -123,12 +133,17 @@ class TimeoutBook:
         sections = {}
         for name in names:
             count, longest, buckets = self.observed(name)
-            sections[name] = {"timeout": self.timeout(name), "learned": self.learned(name) is not None,
-                              "count": count, "longest": longest, "buckets": buckets}
+            sections[name] = {
+                "timeout": self.timeout(name),
+                "learned": self.learned(name) is not None,
+                "count": count,
+                "longest": longest,
+                "buckets": buckets,
+            }
         return {
             "updated": time.time(),
             "formula": f"max(min_timeout={self.cfg.min_timeout}, safety_factor={self.cfg.safety_factor} × "
-                       f"p{self.cfg.percentile:g}, longest) once count >= {self.cfg.min_samples}",
+            f"p{self.cfg.percentile:g}, longest) once count >= {self.cfg.min_samples}",
             "out_of_section": self.timeout(OUT_OF_SECTION),
             "initial": self.timeout(INITIAL),
             "sections": sections,

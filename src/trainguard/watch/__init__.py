@@ -13,5 +13,17 @@ from .errors import WatchError
 from .notify import Notifier
 from .runner import collect, main, run_pass, watch_loop
 
-__all__ = ["ALERT", "OK", "SKIPPED", "Condition", "Notifier", "WatchError", "WatchSection", "collect", "main",
-           "run_pass", "section_from_overrides", "watch_loop"]
+__all__ = [
+    "ALERT",
+    "OK",
+    "SKIPPED",
+    "Condition",
+    "Notifier",
+    "WatchError",
+    "WatchSection",
+    "collect",
+    "main",
+    "run_pass",
+    "section_from_overrides",
+    "watch_loop",
+]

@@ -80,8 +80,9 @@ class Alerter:
             outcome.held[c.name] = now - since
             unsent = [u for u in self.notifier.urls if url_key(u) in set(entry.get("unsent", []))]
             if unsent:
-                entry["unsent"] = self._send(c.name, "alert", self._alert_text(c, now - since), ok=False,
-                                             urls=unsent, outcome=outcome)
+                entry["unsent"] = self._send(
+                    c.name, "alert", self._alert_text(c, now - since), ok=False, urls=unsent, outcome=outcome
+                )
         blind = any(c.values.get("check_failed") for c in conditions)
         for name in list(state.alerting):
             c = current.get(name)
@@ -90,11 +91,18 @@ class Alerter:
             entry = state.alerting.pop(name)
             seconds = now - float(entry.get("since", now))
             message = c.message if c is not None else "no longer checked"
-            self.emit("watch_recovered", condition=name, message=message,
-                      values=c.values if c is not None else {}, alerting_seconds=round(seconds, 3))
+            self.emit(
+                "watch_recovered",
+                condition=name,
+                message=message,
+                values=c.values if c is not None else {},
+                alerting_seconds=round(seconds, 3),
+            )
             title = f"[trainguard] RECOVERED {name}: run {self.run_dir.name} on {self.host}"
-            body = (f"RECOVERED {name} after {fmt_seconds(seconds)}\n{message}\n"
-                    f"was: {entry.get('message', '')}\nrun dir: {self.run_dir} on {self.host}")
+            body = (
+                f"RECOVERED {name} after {fmt_seconds(seconds)}\n{message}\n"
+                f"was: {entry.get('message', '')}\nrun dir: {self.run_dir} on {self.host}"
+            )
             self._send(name, "recovered", (title, body), ok=True, urls=None, outcome=outcome)
             outcome.recovered[name] = seconds
         return outcome
@@ -109,9 +117,9 @@ class Alerter:
         """Send; report failures (stderr + event); return the digests of the URLs that failed."""
         failures = self.notifier.send(text[0], text[1], ok=ok, urls=urls)
         for f in failures:
-            print(f"trainguard: warning: could not send the {notice} for {name} to {f.shown}: {f.reason}",
-                  file=sys.stderr)
+            print(
+                f"trainguard: warning: could not send the {notice} for {name} to {f.shown}: {f.reason}", file=sys.stderr
+            )
             self.emit("watch_notify_failed", condition=name, notice=notice, url=f.shown, reason=f.reason)
         outcome.failures += failures
         return [url_key(f.url) for f in failures]
-

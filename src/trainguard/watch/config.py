@@ -18,17 +18,45 @@ from .errors import WatchError
 class WatchSection(Section):
     """``[watch]``: operator watchdogs (disk, inodes, SLURM job, hang, node memory) and notifications."""
 
-    notify: list[str] = Field([], description="apprise notification URLs, e.g. 'mailto://smtp.host:25?from=a@b&to=c@d', 'json://host:8080/hook', 'slack://...'")
+    notify: list[str] = Field(
+        [],
+        description="apprise notification URLs, e.g. 'mailto://smtp.host:25?from=a@b&to=c@d', 'json://host:8080/hook', 'slack://...'",
+    )
     every: Optional[float] = Field(None, gt=0, description="seconds between passes ('5m'); unset = one pass (for cron)")
-    paths: list[str] = Field([], description="extra paths whose filesystems are checked, relative to the run dir unless absolute")
-    min_free_bytes: Optional[Bytes] = Field(None, description="alert when a filesystem has less free space than this (bytes or '50GiB')")
-    max_used_percent: Optional[float] = Field(None, gt=0, lt=100, description="alert when a filesystem's used space exceeds this percentage")
-    max_inodes_percent: Optional[float] = Field(None, gt=0, lt=100, description="alert when a filesystem's used inodes exceed this percentage")
-    min_days: Optional[float] = Field(None, gt=0, description="alert when the checkpoint filesystem's free space lasts fewer days at the measured checkpoint growth")
-    job_name: Optional[str] = Field(None, min_length=1, description="SLURM job name that must be RUNNING or PENDING (squeue --name)")
-    job_id: Optional[str] = Field(None, pattern=r"^\d+([_+]\d+)?$", description="SLURM job id that must be RUNNING or PENDING (squeue --jobs)")
-    max_silence: float = Field(1800.0, gt=0, description="alert when the newest training event is older than this (seconds or '30m') and the run has not ended")
-    max_memory_percent: Optional[float] = Field(None, gt=0, lt=100, description="alert when the node's used memory (psutil virtual_memory().percent) exceeds this")
+    paths: list[str] = Field(
+        [], description="extra paths whose filesystems are checked, relative to the run dir unless absolute"
+    )
+    min_free_bytes: Optional[Bytes] = Field(
+        None, description="alert when a filesystem has less free space than this (bytes or '50GiB')"
+    )
+    max_used_percent: Optional[float] = Field(
+        None, gt=0, lt=100, description="alert when a filesystem's used space exceeds this percentage"
+    )
+    max_inodes_percent: Optional[float] = Field(
+        None, gt=0, lt=100, description="alert when a filesystem's used inodes exceed this percentage"
+    )
+    min_days: Optional[float] = Field(
+        None,
+        gt=0,
+        description="alert when the checkpoint filesystem's free space lasts fewer days at the measured checkpoint growth",
+    )
+    job_name: Optional[str] = Field(
+        None, min_length=1, description="SLURM job name that must be RUNNING or PENDING (squeue --name)"
+    )
+    job_id: Optional[str] = Field(
+        None, pattern=r"^\d+([_+]\d+)?$", description="SLURM job id that must be RUNNING or PENDING (squeue --jobs)"
+    )
+    max_silence: float = Field(
+        1800.0,
+        gt=0,
+        description="alert when the newest training event is older than this (seconds or '30m') and the run has not ended",
+    )
+    max_memory_percent: Optional[float] = Field(
+        None,
+        gt=0,
+        lt=100,
+        description="alert when the node's used memory (psutil virtual_memory().percent) exceeds this",
+    )
 
     @field_validator("every", "max_silence", mode="before")
     @classmethod

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+import tomllib
 
 from .conditions import ALERT, OK, SKIPPED, Condition, fmt_bytes, fmt_seconds
 from .config import WatchSection
@@ -98,9 +99,15 @@ def _disk(name: str, paths: list[str], probe: Path, section: WatchSection) -> tu
     where = _where(paths)
     usage = shutil.disk_usage(probe)
     used_pct = 100.0 * usage.used / (usage.used + usage.free) if usage.used + usage.free else 0.0
-    values = {"paths": paths, "total": usage.total, "used": usage.used, "free": usage.free,
-              "used_percent": round(used_pct, 4), "min_free_bytes": section.min_free_bytes,
-              "max_used_percent": section.max_used_percent}
+    values = {
+        "paths": paths,
+        "total": usage.total,
+        "used": usage.used,
+        "free": usage.free,
+        "used_percent": round(used_pct, 4),
+        "min_free_bytes": section.min_free_bytes,
+        "max_used_percent": section.max_used_percent,
+    }
     text = f"{where}: {used_pct:.1f} % used, {fmt_bytes(usage.free)} free of {fmt_bytes(usage.total)}"
     crossed = []
     if section.min_free_bytes is not None and usage.free < section.min_free_bytes:
@@ -118,27 +125,44 @@ def _inodes(name: str, paths: list[str], probe: Path, section: WatchSection) -> 
         return Condition(name, SKIPPED, f"{where}: the filesystem reports no inode counts", {"paths": paths})
     used = st.f_files - st.f_ffree
     pct = 100.0 * used / st.f_files
-    values = {"paths": paths, "inodes": st.f_files, "inodes_used": used, "inodes_free": st.f_ffree,
-              "inodes_used_percent": round(pct, 6), "max_inodes_percent": section.max_inodes_percent}
+    values = {
+        "paths": paths,
+        "inodes": st.f_files,
+        "inodes_used": used,
+        "inodes_free": st.f_ffree,
+        "inodes_used_percent": round(pct, 6),
+        "max_inodes_percent": section.max_inodes_percent,
+    }
     text = f"{where}: {pct:.2f} % of inodes used ({used:,} of {st.f_files:,})"
     if section.max_inodes_percent is not None and pct > section.max_inodes_percent:
         return Condition(name, ALERT, f"{text}; > max_inodes_percent {section.max_inodes_percent:g} %", values)
     return Condition(name, OK, text, values)
 
 
-def headroom(name: str, free: int, size: int, rate: Optional[float], span: float, samples: int,
-             section: WatchSection) -> Condition:
+def headroom(
+    name: str, free: int, size: int, rate: Optional[float], span: float, samples: int, section: WatchSection
+) -> Condition:
     """Days until the checkpoint filesystem is full at the measured growth ``rate`` (bytes/day)."""
-    values = {"free": free, "checkpoint_bytes": size, "growth_bytes_per_day": rate,
-              "window_seconds": round(span, 3), "samples": samples, "min_days": section.min_days}
+    values = {
+        "free": free,
+        "checkpoint_bytes": size,
+        "growth_bytes_per_day": rate,
+        "window_seconds": round(span, 3),
+        "samples": samples,
+        "min_days": section.min_days,
+    }
     if rate is None:
         return Condition(name, SKIPPED, "growth not measured yet (needs two passes at least 1 s apart)", values)
     measured = f"measured over {fmt_seconds(span)}, {samples} samples"
     if rate <= 0:
-        return Condition(name, OK, f"no growth of the checkpoint dir ({fmt_bytes(size)}, {measured}); headroom unbounded", values)
+        return Condition(
+            name, OK, f"no growth of the checkpoint dir ({fmt_bytes(size)}, {measured}); headroom unbounded", values
+        )
     days = free / rate
     values["days"] = round(days, 4)
-    text = f"{days:,.1f} days of headroom: {fmt_bytes(free)} free, checkpoints growing {fmt_bytes(rate)}/day ({measured})"
+    text = (
+        f"{days:,.1f} days of headroom: {fmt_bytes(free)} free, checkpoints growing {fmt_bytes(rate)}/day ({measured})"
+    )
     if section.min_days is not None and days < section.min_days:
         return Condition(name, ALERT, f"{text}; < min_days {section.min_days:g}", values)
     return Condition(name, OK, text, values)
@@ -150,8 +174,9 @@ def filesystem_conditions(found: list[Target], section: WatchSection) -> tuple[l
     groups: dict[int, list[tuple[Target, Path]]] = {}
     for target in found:
         if target.must_exist and not target.path.exists():
-            conditions.append(Condition(f"disk[{target.role}]", ALERT, f"{target.path} does not exist",
-                                        {"paths": [str(target.path)]}))
+            conditions.append(
+                Condition(f"disk[{target.role}]", ALERT, f"{target.path} does not exist", {"paths": [str(target.path)]})
+            )
             continue
         probe = _probe(target.path)
         groups.setdefault(os.stat(probe).st_dev, []).append((target, probe))

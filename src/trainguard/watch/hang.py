@@ -77,11 +77,21 @@ def hang_condition(run_dir: Path, section: WatchSection, now: float) -> Conditio
     if newest is None:
         newest, source = path.stat().st_mtime, f"{EventLog.FILENAME} modified"
     age = max(0.0, now - newest)
-    values = {"last_event_time": newest, "last_event_kind": kind, "silence_seconds": round(age, 3),
-              "max_silence": section.max_silence, "ended": ended}
+    values = {
+        "last_event_time": newest,
+        "last_event_kind": kind,
+        "silence_seconds": round(age, 3),
+        "max_silence": section.max_silence,
+        "ended": ended,
+    }
     if ended:
         return Condition("hang", OK, f"the run has ended (launch_exit); {source} {fmt_seconds(age)} ago", values)
     text = f"{source} {fmt_seconds(age)} ago"
     if age > section.max_silence:
-        return Condition("hang", ALERT, f"{text} (> max_silence {fmt_seconds(section.max_silence)}) and the run has not ended", values)
+        return Condition(
+            "hang",
+            ALERT,
+            f"{text} (> max_silence {fmt_seconds(section.max_silence)}) and the run has not ended",
+            values,
+        )
     return Condition("hang", OK, text, values)

@@ -11,8 +11,12 @@ from .config import WatchSection
 def memory_condition(section: WatchSection) -> Condition:
     """The ``memory`` condition."""
     vm = psutil.virtual_memory()
-    values = {"percent": vm.percent, "total": vm.total, "available": vm.available,
-              "max_memory_percent": section.max_memory_percent}
+    values = {
+        "percent": vm.percent,
+        "total": vm.total,
+        "available": vm.available,
+        "max_memory_percent": section.max_memory_percent,
+    }
     text = f"{vm.percent:.1f} % of {fmt_bytes(vm.total)} used, {fmt_bytes(vm.available)} available"
     if section.max_memory_percent is not None and vm.percent > section.max_memory_percent:
         return Condition("memory", ALERT, f"{text}; > max_memory_percent {section.max_memory_percent:g} %", values)

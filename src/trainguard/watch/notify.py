@@ -34,8 +34,10 @@ def _apprise() -> Any:
     try:
         import apprise
     except ImportError as e:
-        raise WatchError(f"notifications need apprise, which is not installed ({e}); "
-                         "install it with: pip install 'trainguard[watch]'") from None
+        raise WatchError(
+            f"notifications need apprise, which is not installed ({e}); "
+            "install it with: pip install 'trainguard[watch]'"
+        ) from None
     return apprise
 
 

@@ -51,14 +51,19 @@ def collect(run_dir: Path, section: WatchSection, state: WatchState, now: float)
         state.add_sample(now, size)
         rate = growth_per_day(state.samples)
         if free is not None:
-            conditions.append(headroom("headroom[checkpoints]", free, size, rate, span_seconds(state.samples),
-                                       len(state.samples), section))
+            conditions.append(
+                headroom(
+                    "headroom[checkpoints]", free, size, rate, span_seconds(state.samples), len(state.samples), section
+                )
+            )
         return conditions
 
-    return (_guarded("disk", filesystems)
-            + _guarded("job", lambda: [job_condition(section)])
-            + _guarded("hang", lambda: [hang_condition(run_dir, section, now)])
-            + _guarded("memory", lambda: [memory_condition(section)]))
+    return (
+        _guarded("disk", filesystems)
+        + _guarded("job", lambda: [job_condition(section)])
+        + _guarded("hang", lambda: [hang_condition(run_dir, section, now)])
+        + _guarded("memory", lambda: [memory_condition(section)])
+    )
 
 
 def report_lines(conditions: list[Condition], outcome: Outcome) -> list[str]:
@@ -78,8 +83,7 @@ def report_lines(conditions: list[Condition], outcome: Outcome) -> list[str]:
     return lines
 
 
-def run_pass(run_dir: Path, section: WatchSection, notifier: Notifier,
-             out: Optional[TextIO] = None) -> list[Condition]:
+def run_pass(run_dir: Path, section: WatchSection, notifier: Notifier, out: Optional[TextIO] = None) -> list[Condition]:
     """One pass: check, alert/recover, save the state, print the lines to ``out`` (default stdout)."""
     run_dir = Path(run_dir)
     with locked(run_dir):

@@ -32,8 +32,14 @@ def job_condition(section: WatchSection, squeue: Optional[str] = None) -> Condit
     """The ``job`` condition; ``squeue`` is the command's path (default: looked up on PATH)."""
     if not section.job_name and not section.job_id:
         return Condition("job", SKIPPED, "no job_name or job_id given")
-    wanted = " ".join(x for x in (f"name {section.job_name!r}" if section.job_name else "",
-                                  f"id {section.job_id}" if section.job_id else "") if x)
+    wanted = " ".join(
+        x
+        for x in (
+            f"name {section.job_name!r}" if section.job_name else "",
+            f"id {section.job_id}" if section.job_id else "",
+        )
+        if x
+    )
     values = {"job_name": section.job_name, "job_id": section.job_id}
     squeue = squeue or shutil.which("squeue")
     if not squeue:
@@ -50,7 +56,9 @@ def job_condition(section: WatchSection, squeue: Optional[str] = None) -> Condit
     jobs = parse_squeue(proc.stdout)
     err = " ".join(proc.stderr.split())
     if proc.returncode != 0 and not (section.job_id and "invalid job id" in err.lower()):
-        return Condition("job", ALERT, f"job {wanted}: squeue exited with {proc.returncode}: {err or 'no message'}", values)
+        return Condition(
+            "job", ALERT, f"job {wanted}: squeue exited with {proc.returncode}: {err or 'no message'}", values
+        )
     values["jobs"] = [{"id": i, "state": s, "name": n} for i, s, n in jobs]
     listing = ", ".join(f"{i} {s}" for i, s, _ in jobs)
     if any(state in ALIVE for _, state, _ in jobs):

@@ -40,7 +40,7 @@ class WatchState:
     alerting: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, run_dir: Path) -> "WatchState":
+    def load(cls, run_dir: Path) -> WatchState:
         """Read the state; a missing file is an empty state, an unreadable one too (with a warning)."""
         path = Path(run_dir) / STATE_FILE
         try:
@@ -56,7 +56,9 @@ class WatchState:
 
     def save(self, run_dir: Path) -> None:
         """Write the state atomically (temporary file, then rename)."""
-        write_atomic(Path(run_dir) / STATE_FILE, json.dumps({"samples": self.samples, "alerting": self.alerting}) + "\n")
+        write_atomic(
+            Path(run_dir) / STATE_FILE, json.dumps({"samples": self.samples, "alerting": self.alerting}) + "\n"
+        )
 
     def add_sample(self, when: float, nbytes: float) -> None:
         """Record the checkpoint directory's size, dropping samples outside the window."""
