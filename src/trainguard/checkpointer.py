@@ -383,6 +383,11 @@ class Checkpointer:
             return self.save_seconds
         return 1.0 + self.state_bytes_guess / ASSUMED_WRITE_BPS
 
+    def local_path(self, step: int) -> Path:
+        """This rank's own local-tier directory of ``step`` (the local tier must be configured)."""
+        assert self.local is not None, "no local tier"
+        return self.local.own.path_for(step)
+
     def discard_local_after(self, step: int, why: str) -> None:
         """Set aside every local copy (own and replicas) newer than ``step`` (after a rollback)."""
         if self.local is None:

@@ -352,7 +352,7 @@ class Guard:
 
     def _step_end(self, loss: Any) -> None:
         self._awaiting_step_end = False
-        self.recovery.rejected = False
+        self.recovery.step_closed()
         if self._rolled_back:  # the step was undone: steps() yields the checkpoint's step next
             self._rolled_back = False
             if self.heartbeat is not None:
@@ -456,7 +456,7 @@ class Guard:
         if point is None:
             return
         self._load(point)
-        path = point.checkpoint.path if point.checkpoint is not None else self.ckpt.local.own.path_for(point.step)
+        path = point.checkpoint.path if point.checkpoint is not None else self.ckpt.local_path(point.step)
         self.resumed_from = Checkpoint(point.step, path)
         self._emit0(
             "resume", path=str(path), from_step=point.step, tier=point.tier, seconds=round(time.perf_counter() - t0, 4)

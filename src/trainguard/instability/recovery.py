@@ -225,6 +225,10 @@ class Recovery:
             self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
 
+    def step_closed(self) -> None:
+        """The step ended (``guard.step_end()``): the next step may be applied again."""
+        self.rejected = False
+
     def _refuse_rejected_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.rejected:
             raise SkippedStepError(
