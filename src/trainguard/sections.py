@@ -455,9 +455,10 @@ class MemorySection(Section):
 
 
 class StragglerSection(Section):
-    """``[straggler]``: per-rank timing, exchanged in the stop check; scores as defined by the NVIDIA
-    Resiliency Extension (relative = fastest median / this median; individual = own best median /
-    current median; 0.7 thresholds as there). See :mod:`trainguard.straggler`."""
+    """``[straggler]``: per-rank timing, exchanged in the stop check; scores after the NVIDIA
+    Resiliency Extension (relative = fastest median / this median; individual = own usual median —
+    the median of its last 16 earlier windows, where NVRx takes the best — / current median; 0.7
+    thresholds as there). See :mod:`trainguard.straggler`."""
 
     enabled: bool = Field(True, description="time steps (and run_step's compute) and report stragglers")
     report_interval: float = Field(

@@ -14,8 +14,10 @@ the same scores, the NVIDIA Resiliency Extension's definitions (``nvidia_resilie
 straggler detection, "performance scores"):
 
 * relative score = the fastest rank's median / this rank's median (1.0 = the fastest rank);
-* individual score = this rank's best (lowest) median of any earlier window / its current median
-  (1.0 = as fast as it has ever been).
+* individual score = this rank's typical median (the median of its last 16 earlier windows'
+  medians) / its current median (1.0 = as fast as usual). NVRx compares with the best window
+  ever; on a shared machine one lucky window then makes every later one look slow (a clean run
+  of 5 ms steps scored 0.65-0.70), so the baseline here is robust to a single outlier.
 
 A rank under ``relative_threshold`` or ``individual_threshold`` (0.7 each by default, as there) is
 a straggler: a ``straggler_detected`` event names its rank and host; each report is a
@@ -29,6 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,6 +41,7 @@ from .events import EventLog
 from .sections import StragglerSection
 
 US = 1_000_000  # medians travel as integer microseconds
+HISTORY = 16  # earlier window medians the individual score compares with
 
 
 class ComputeTimer:
@@ -93,7 +97,7 @@ class StragglerDetector:
         self.seen = 0  # steps completed (the first warmup_steps are not timed)
         self.steps: list[float] = []  # whole-step seconds in this window
         self.compute: list[float] = []  # compute seconds in this window (run_step)
-        self.best: Optional[float] = None  # this rank's best window median (seconds)
+        self.history: deque[float] = deque(maxlen=HISTORY)  # this rank's earlier window medians (seconds)
         self.next_report: Optional[int] = None  # step of the next report (identical on every rank)
         self.timer: Optional[ComputeTimer] = None
         self.measure = "step"  # what the last window timed: "compute" (run_step) or "step"
@@ -142,8 +146,9 @@ class StragglerDetector:
         if len(window) >= self.cfg.min_samples:
             mine = statistics.median(window)
             medians[self.rank] = max(1, int(mine * US))
-            individual[self.rank] = int(min(1.0, (self.best or mine) / mine) * 10_000)
-            self.best = mine if self.best is None else min(self.best, mine)
+            usual = statistics.median(self.history) if self.history else mine
+            individual[self.rank] = int(min(1.0, usual / mine) * 10_000)
+            self.history.append(mine)
         self.measure = "compute" if self.compute else "step"
         slowest = max(self.steps, default=0.0)
         self.steps, self.compute = [], []
