@@ -41,7 +41,7 @@ def describe(code: int) -> str:
 def exit_bad_input(message: str, events: Optional[Any] = None) -> NoReturn:
     """For a script's own edge (its ``main``): print ``trainguard: error: message`` to stderr,
     record a ``bad_input`` event in ``events`` (an :class:`~trainguard.events.EventLog`, if given),
-    and raise :class:`~trainguard.outcomes.BadInput` (a ``SystemExit`` with code 2)."""
+    and raise :class:`~trainguard.outcomes.BadInput` (exit code 2 when uncaught)."""
     from .outcomes import BadInput
 
     print(f"trainguard: error: {message}", file=sys.stderr, flush=True)

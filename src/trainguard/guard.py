@@ -27,7 +27,7 @@ When ``steps()`` runs out the Guard saves the final state and writes an ``end`` 
 SHA-256 of the model and optimizer state.
 
 **Outcomes.** Components raise typed outcomes (:mod:`trainguard.outcomes`: ``Requeue``,
-``GiveUp``, ``BadInput``, each a ``SystemExit`` with its code) or return decisions (a rollback);
+``GiveUp``, ``BadInput``, each carrying its exit code) or return decisions (a rollback);
 the Guard's public methods are the edge: on an outcome they print one line, write the ``exit``
 event, release what the Guard installed and let the outcome propagate, so an uncaught one ends the
 script with its code. On ``Requeue`` and ``GiveUp`` (which every rank raises at the same step) the

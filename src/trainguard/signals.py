@@ -41,7 +41,7 @@ class HardDeadline:
 
     def arm(self, seconds: float, code: int, on_expire: Optional[Callable[[], None]] = None) -> None:
         """Start the timer (once; later calls are ignored): after ``seconds``, call ``on_expire``
-        (from the timer thread) and exit with ``code`` (``os._exit``: no cleanup runs)."""
+        (from the timer thread) and end the process with ``code`` at once (no cleanup runs)."""
         if self._thread is not None:
             return
         self._thread = threading.Thread(
