@@ -65,12 +65,13 @@ def wrap(launcher_pid: int, argv: list[str]) -> list[str]:
     return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(int(launcher_pid)), *argv]
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
     """Run as a script: ``deathsig.py LAUNCHER_PID PROGRAM [ARG...]`` (see the module docstring).
-    Exits with 2 on bad arguments and :data:`EXEC_FAILED` when PROGRAM cannot be executed."""
+    Does not return when PROGRAM starts (it replaces this process); returns 2 on bad arguments and
+    :data:`EXEC_FAILED` when PROGRAM cannot be executed (the script's exit code)."""
     if len(argv) < 3 or not argv[1].isdigit():
         print(f"usage: {argv[0]} LAUNCHER_PID PROGRAM [ARG...]", file=sys.stderr)
-        sys.exit(2)
+        return 2
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != int(argv[1]):  # the launcher died before the prctl: die as it would have made us
         os.kill(os.getpid(), signal.SIGKILL)
@@ -78,8 +79,8 @@ def main(argv: list[str]) -> None:
         os.execv(argv[2], argv[2:])
     except OSError as e:
         print(f"trainguard: cannot execute {argv[2]}: {e}", file=sys.stderr, flush=True)
-        sys.exit(EXEC_FAILED)
+        return EXEC_FAILED
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    sys.exit(main(sys.argv))
