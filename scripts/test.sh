@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=10 "$@"

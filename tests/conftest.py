@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -9,6 +11,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
+from filelock import FileLock
 
 from trainguard.events import read_events
 
@@ -96,15 +99,24 @@ def finish(proc: subprocess.Popen, timeout: float = 180) -> int:
 
 @pytest.fixture(scope="session")
 def clean_hash(tmp_path_factory) -> Callable[[int], str]:
-    """Final state hash of an uninterrupted tiny run of ``max_steps`` steps (cached per length)."""
-    cache: dict[int, str] = {}
+    """Final state hash of an uninterrupted tiny run of ``max_steps`` steps, run once per length for
+    the whole session: under pytest-xdist the workers share it through a file in the session's
+    common temporary directory (the first worker to ask runs it; the others wait on its lock)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this session
+    cache = root / "clean_hashes.json"
 
     def get(max_steps: int) -> str:
-        if max_steps not in cache:
-            run_dir = tmp_path_factory.mktemp("clean") / f"run{max_steps}"
-            code = finish(launch(run_dir, f"train.max_steps={max_steps}", "checkpoint.interval=10"))
-            assert code == 0, Path(f"{run_dir}.log").read_text()[-3000:]
-            cache[max_steps] = final_hash(run_dir)
-        return cache[max_steps]
+        with FileLock(str(cache) + ".lock"):
+            known = json.loads(cache.read_text()) if cache.exists() else {}
+            if str(max_steps) not in known:
+                run_dir = root / f"clean{max_steps}" / "run"
+                run_dir.parent.mkdir(parents=True, exist_ok=True)
+                code = finish(launch(run_dir, f"train.max_steps={max_steps}", "checkpoint.interval=10"))
+                assert code == 0, Path(f"{run_dir}.log").read_text()[-3000:]
+                known[str(max_steps)] = final_hash(run_dir)
+                cache.write_text(json.dumps(known))
+            return known[str(max_steps)]
 
     return get

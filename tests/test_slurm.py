@@ -40,6 +40,9 @@ import pytest
 from conftest import GPT, REPO, TINY, events, final_hash, sets, wait_for
 from trainguard.slurm.info import parse_show_job
 
+# one local cluster of one node: its tests run one after another (on one worker under pytest-xdist)
+pytestmark = pytest.mark.xdist_group("slurm")
+
 STEPS = 500  # the tiny GPT: ~15-40 ms a step on 2 CPU ranks (shared with the clean run of conftest)
 TIMEOUT = 240  # seconds for any one job to finish, requeues included
 
