@@ -397,6 +397,13 @@ class Checkpointer:
                 if c.step > step:
                     store.set_aside(c, why, kind="rolledback")
 
+    def regroup(self) -> None:
+        """After in-process recovery replaced the default group (which took the writer's group
+        with it): create the writer's group again, at the point in the order where a starting
+        Checkpointer creates it (a collective)."""
+        if self.group is not None:
+            self.group = tgdist.new_cpu_group()
+
     def close(self, wait: bool = True) -> Optional[SaveResult]:
         """Finish the save in flight (its result is returned), stop the writer and deleter threads,
         remove the optimizer hook and destroy the writer's process group. Safe to call twice.

@@ -44,6 +44,7 @@ from .sections import (  # noqa: F401  (re-exported: trainguard.config.Section e
     OOMSection,
     PositiveBytes,
     PreemptionSection,
+    RecoverySection,
     RollbackSection,
     RunSection,
     Section,
@@ -78,6 +79,7 @@ class Config(BaseModel):
     memory: MemorySection = MemorySection()
     straggler: StragglerSection = StragglerSection()
     health: HealthSection = HealthSection()
+    recovery: RecoverySection = RecoverySection()
     slurm: SlurmSection = SlurmSection()
 
 

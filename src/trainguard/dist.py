@@ -23,6 +23,11 @@ def world_size() -> int:
     return dist.get_world_size() if is_dist() else 1
 
 
+def backend() -> str | None:
+    """The default group's backend (``"gloo"``, ``"nccl"``), ``None`` without a process group."""
+    return dist.get_backend() if is_dist() else None
+
+
 def barrier(group: Any = None) -> None:
     """Barrier across all ranks (of ``group``, default the world); no-op in a single process."""
     if is_dist():

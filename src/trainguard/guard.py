@@ -66,6 +66,9 @@ from .launch_env import LaunchEnv
 from .memory import MemoryWatchdog
 from .oom import MicroBatcher
 from .outcomes import BadInput, Outcome, Requeue
+from .rejoin import boundary as rejoin_boundary
+from .rejoin import regroup
+from .rejoin.rank import Rejoin
 from .rundir import prepare_run_dir
 from .signals import ShutdownHandler
 from .state import state_hash
@@ -135,6 +138,8 @@ class Guard:
         self.micro: Optional[MicroBatcher] = None
         self.heartbeat = None
         self.ping: Optional[health.LivenessPing] = None
+        self.rejoin: Optional[Rejoin] = None
+        self.hosts: list[str] = []
         self._step_seconds = 0.0
         self._t_last = time.perf_counter()
         self._awaiting_step_end = False
@@ -154,6 +159,8 @@ class Guard:
             raise BadInput(str(e)) from None
         self.events = EventLog(self.run_dir, self.rank)
         launch = LaunchEnv.from_environ()
+        self.rejoin = Rejoin(cfg.recovery, launch, self.rank)
+        self._backend = tgdist.backend()
         self.ckpt = Checkpointer(
             cfg.checkpoint,
             self.run_dir,
@@ -171,7 +178,9 @@ class Guard:
         ).install()
         self.stop = StopConditions(cfg.stop, self.run_dir, self.shutdown, MemoryWatchdog(cfg.memory, self.events))
         self.heartbeat = attach_supervisor(self.events.attempt)  # under trainguard run: heartbeat + stack dumps
-        self.faults = FaultInjector(cfg.faults.inject, self.rank, self.world_size, self.events.attempt, self.events)
+        # a replacement of a lost rank counts as a later attempt of it: faults of the first attempt do not fire again
+        attempt = max(self.events.attempt, int(self.rejoin.joining))
+        self.faults = FaultInjector(cfg.faults.inject, self.rank, self.world_size, attempt, self.events)
         self.recovery = Recovery(
             cfg.instability,
             cfg.rollback,
@@ -301,9 +310,18 @@ class Guard:
         """
         with self._edge():
             step = self.step + 1
+            if self.rejoin.failure is not None:  # a peer was lost in this step: it is done again
+                self.recovery.refuse()
+                return False
             if self.faults.numeric_pending:
                 loss, grad_norm = self.faults.numeric(step, loss, grad_norm, self.model)
-            decision = self.recovery.check(step, loss, grad_norm)
+            try:
+                decision = self.recovery.check(step, loss, grad_norm)
+            except Exception as e:
+                if not self.rejoin.caught(e, "should_step", step):
+                    raise
+                self.recovery.refuse()
+                return False
             if isinstance(decision, Rollback):
                 self._roll_back(decision)
                 return False
@@ -334,7 +352,12 @@ class Guard:
             GiveUp: out of memory at micro-batch size 1.
         """
         with self._edge():
-            return self.micro.run(self.step + 1, step_fn, batch, backward)
+            try:
+                return self.micro.run(self.step + 1, step_fn, batch, backward)
+            except Exception as e:
+                if not self.rejoin.caught(e, "run_step", self.step + 1):
+                    raise
+                return torch.full((), float("nan"))  # the step is abandoned and done again
 
     def step_end(self, loss: Any = None) -> None:
         """Close the current step: count it, then check stop and save conditions (see module doc).
@@ -353,6 +376,9 @@ class Guard:
     def _step_end(self, loss: Any) -> None:
         self._awaiting_step_end = False
         self.recovery.step_closed()
+        if self.rejoin.failure is not None:  # a peer was lost in this step: steps() yields it again
+            self._recover(redo=True)
+            self._rolled_back = True
         if self._rolled_back:  # the step was undone: steps() yields the checkpoint's step next
             self._rolled_back = False
             if self.heartbeat is not None:
@@ -366,6 +392,7 @@ class Guard:
         self.straggler.record_step(now - self._t_last)
         self._t_last = now
         self.last_loss = loss
+        self.rejoin.keep(self.rank_state())  # what a replacement of this rank starts from
         if self.faults.pending:  # inside the step section: an injected hang is a hang mid-step
             self.faults.at(self.step, "step")
         if self.heartbeat is not None:
@@ -379,6 +406,8 @@ class Guard:
         if self.rank == 0:
             self.recovery.after_step(self.step)
         flags = self._check() if self.step >= self._next_check else StopFlags()
+        if flags is None:  # recovered in-process: the replacement starts after this boundary, so do we
+            return
         if flags.reason is not None:
             self._stop(flags.reason)
         if flags.save_switch:
@@ -388,13 +417,20 @@ class Guard:
         elif tiers := self.ckpt.due(self.step):
             self.save("interval", tiers, blocking=not self.cfg.checkpoint.async_save)
 
-    def _check(self) -> StopFlags:
+    def _check(self) -> Optional[StopFlags]:
         """The stop check: one all-reduce (max) of every rank's stop flags, its proposed next check
-        step and, on report checks, its straggler timings; returns the agreed flags."""
+        step and, on report checks, its straggler timings; returns the agreed flags (``None``: a
+        peer was lost and replaced in-process instead)."""
         report = self.straggler.due(self.step)
         ahead = self.stop.next_interval(self._step_seconds)
         mine = self.stop.local_flags(self._step_seconds, self.ckpt.estimated_save_seconds(), ahead, self.step)
-        agreed = tgdist.all_reduce_max(mine.pack() + (self.straggler.pack() if report else []))
+        try:
+            agreed = tgdist.all_reduce_max(mine.pack() + (self.straggler.pack() if report else []))
+        except Exception as e:
+            if not self.rejoin.caught(e, "stop_check", self.step):
+                raise
+            self._recover(redo=False)  # the step is complete: check again at the next one
+            return None
         flags = StopFlags.unpack(agreed)
         self._next_check = self.step + flags.next_interval
         slow = self.straggler.unpack(self.step, agreed[StopFlags.size() :]) if report else []
@@ -416,15 +452,19 @@ class Guard:
     # begin / end
 
     def _begin(self) -> None:
+        if self.rejoin.joining:
+            self._join()
+            return
         kill = tgdist.all_reduce_max([int(self.stop.kill_switch())])[0]
         if kill:
             self._emit0("stop_requested", reason="kill_switch", before_training=True, path=str(self.stop.kill_path))
             raise Requeue("kill_switch", f"the kill switch {self.stop.kill_path} is set: not training")
         if self.rank == 0:
             dump_config(self.cfg, self.run_dir / "config.toml")
-        hosts = tgdist.gather_objects(socket.gethostname())
+        hosts = self.hosts = tgdist.gather_objects(socket.gethostname())
         self.straggler.set_hosts(hosts)
         self._resume()
+        self.rejoin.keep(self.rank_state())
         self.ping = health.start(
             self.cfg.health,
             self.store,
@@ -448,6 +488,96 @@ class Guard:
         self._t_last = time.perf_counter()
         for h in self.hooks:
             h.on_train_begin(self)
+
+    # ------------------------------------------------------------------------------------------
+    # in-process recovery (trainguard.rejoin)
+
+    def _recover(self, redo: bool) -> None:
+        """A peer was lost in this step: meet its replacement in the launcher's next generation and
+        send it the state; with ``redo`` restore this rank's step-boundary state so that the step
+        runs again from the same batch and random numbers.
+
+        Raises:
+            the collective's error: no new generation within ``[recovery] timeout`` (this rank
+            exits and the launcher restarts the group).
+            RegroupError: the ranks cannot be recovered in-process (same).
+        """
+        failure = self.rejoin.failure
+        with self.section("recovery"):
+            self.events.emit(
+                "recovery_started", failure.step, rank=self.rank, during=failure.during, error=str(failure.error)[:300]
+            )
+            if self.ping is not None:  # its group lost the peer too
+                self.ping.abandon()
+                self.ping = None
+            self._saved(self.ckpt.wait())  # a save in flight fails on its broken group; nothing commits
+            gen = self.rejoin.wait_generation()
+            regroup.rebuild_default_group(gen, self._backend, self.cfg.recovery.timeout)
+            regroup.rebind_ddp(self.model)
+            self.ckpt.regroup()
+            self._meet(gen)
+            if redo:
+                self.train_state.load_state_dict(self.rejoin.boundary.restore())
+        self.shutdown.deadline_timer.cancel()  # armed by the ping's failure
+        self.events.emit(
+            "recovery_finished",
+            self.step,
+            rank=self.rank,
+            generation=gen.number,
+            replaced=list(gen.replaced),
+            seconds=round(time.time() - failure.at, 4),
+            steps_lost=0,
+            redo_step=failure.step if redo else None,
+        )
+        self.rejoin.done()
+
+    def _join(self) -> None:
+        """A replacement of a lost rank starts here instead of resuming: its own state at the last
+        step boundary from the lost rank's file, the model and optimizer from the survivors."""
+        t0 = time.monotonic()
+        state = rejoin_boundary.read(self.rejoin.dir, self.rank)
+        self.step = int(state["step"])
+        gen = self.rejoin.joined_generation()
+        self._meet(gen)
+        self.train_state.load_state_dict(state)
+        self.rejoin.keep(self.rank_state())
+        self.rejoin.store.joined(gen.number, self.rank)
+        self.events.emit(
+            "rank_replaced",
+            self.step,
+            rank=self.rank,
+            generation=gen.number,
+            pid=os.getpid(),
+            seconds=round(time.monotonic() - t0, 4),
+        )
+        self._t_last = time.perf_counter()
+
+    def _meet(self, gen: Any) -> None:
+        """Both sides of a recovery, in the same order: agree on the step boundary, move the model
+        and optimizer from the lowest surviving rank, start the liveness ping on the new group."""
+        agreed = tgdist.all_reduce_max([self.step, -self.step])
+        if agreed[0] != -agreed[1]:
+            raise regroup.RegroupError(f"the ranks are at different step boundaries ({-agreed[1]} to {agreed[0]})")
+        src = min(set(range(gen.world_size)) - set(gen.replaced))
+        t0 = time.perf_counter()
+        schedule = {"hosts": self.hosts, "next_check": self.step + 1, "next_report": self.straggler.next_report}
+        packet, moved = regroup.transfer_state(self.model, self.optimizer, src, schedule)
+        if self.rank == src:
+            self.events.emit(
+                "state_transferred",
+                self.step,
+                rank=src,
+                to_ranks=list(gen.replaced),
+                bytes=moved,
+                seconds=round(time.perf_counter() - t0, 4),
+            )
+        self.hosts = packet["hosts"]
+        self.straggler.set_hosts(self.hosts)
+        self._next_check, self.straggler.next_report = packet["next_check"], packet["next_report"]
+        device = next(self.model.parameters()).device
+        self.ping = health.start_ping(
+            self.cfg.health, self.hosts, self.events, device, self.world_size, self._on_ping_failure
+        )
 
     def _resume(self) -> None:
         t0 = time.perf_counter()
@@ -535,7 +665,13 @@ class Guard:
                 self.faults.at(self.step, "checkpointing")
             self._saved(self.ckpt.wait())  # the previous save's result: the same on every rank from here on
             self.ckpt.check_failures(self.step)
-            result = self.ckpt.save(self.step, reason, tiers, self.rank_state(), blocking)
+            try:
+                result = self.ckpt.save(self.step, reason, tiers, self.rank_state(), blocking)
+            except Exception as e:  # nothing was committed: the commit follows the last collective
+                if not self.rejoin.caught(e, "checkpointing", self.step):
+                    raise
+                self._recover(redo=False)  # the step is complete; the next interval saves
+                return None
             self._saved(result)
         return result.checkpoint if result is not None else None
 
@@ -631,6 +767,8 @@ class Guard:
             self.shutdown.close()
         detach_supervisor(self.heartbeat)
         self.heartbeat = None
+        if self.rejoin is not None:
+            self.rejoin.close()
         if self.events is not None:
             self.events.close()
 
@@ -650,7 +788,9 @@ class Guard:
             self.ping = None
 
     def _on_ping_failure(self, why: str) -> None:
-        self.shutdown.deadline_timer.arm(PING_FAILURE_GRACE, health.PING_FAILED_EXIT)
+        # with in-process recovery the main thread may be waiting for the replacement: give it that long
+        grace = PING_FAILURE_GRACE + (self.cfg.recovery.timeout if self.rejoin.active else 0.0)
+        self.shutdown.deadline_timer.arm(grace, health.PING_FAILED_EXIT)
 
     def _ask_hooks(self, event: dict) -> list[Optional[str]]:
         return [h.on_instability(self, dict(event)) for h in self.hooks]

@@ -30,6 +30,10 @@ LAUNCH_TIME = "TRAINGUARD_LAUNCH_TIME"
 HEARTBEAT_DIR = "TRAINGUARD_HEARTBEAT_DIR"
 END_TIME = "TRAINGUARD_END_TIME"
 END_TIME_FILE = "TRAINGUARD_END_TIME_FILE"
+RECOVERY_STORE = "TRAINGUARD_RECOVERY_STORE"
+RECOVERY_DIR = "TRAINGUARD_RECOVERY_DIR"
+# set by the launcher for one process only: a replacement of a lost rank (not in to_environ)
+JOIN = "TRAINGUARD_JOIN"
 # ---- torch elastic's per-worker variables (read only) --------------------------------------------
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 LOCAL_RANK = "LOCAL_RANK"
@@ -38,7 +42,18 @@ LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 # ---- the batch script → launcher variable (``trainguard slurm script``; the launcher removes it) --
 READY_DIR = "TRAINGUARD_READY_DIR"
 
-WRITTEN = (RUN_DIR, CONFIG, SET, INJECT, LAUNCH_TIME, HEARTBEAT_DIR, END_TIME, END_TIME_FILE)
+WRITTEN = (
+    RUN_DIR,
+    CONFIG,
+    SET,
+    INJECT,
+    LAUNCH_TIME,
+    HEARTBEAT_DIR,
+    END_TIME,
+    END_TIME_FILE,
+    RECOVERY_STORE,
+    RECOVERY_DIR,
+)
 
 
 class LaunchEnvError(ValueError):
@@ -65,6 +80,12 @@ class LaunchEnv:
             (``TRAINGUARD_END_TIME``); ``None``: no end time.
         end_time_file: the file the launcher keeps that end time current in
             (``TRAINGUARD_END_TIME_FILE``).
+        recovery_store: ``host:port`` of the launcher's in-process recovery store
+            (``TRAINGUARD_RECOVERY_STORE``; :mod:`trainguard.rejoin.protocol`); ``None``: in-process
+            recovery is off.
+        recovery_dir: node-local directory of the ranks' step-boundary files (``TRAINGUARD_RECOVERY_DIR``).
+        join: the generation this process joins as the replacement of a lost rank (``TRAINGUARD_JOIN``,
+            set for that process only); ``None`` for a rank of a starting group.
         restart_count: worker-group restart count (torch's ``TORCHELASTIC_RESTART_COUNT``, default 0).
         local_rank: rank on this node (``LOCAL_RANK``, default 0).
         group_rank: this node's rank among the nodes (``GROUP_RANK``, default 0).
@@ -79,6 +100,9 @@ class LaunchEnv:
     heartbeat_dir: Optional[Path] = None
     end_time: Optional[float] = None
     end_time_file: Optional[Path] = None
+    recovery_store: Optional[str] = None
+    recovery_dir: Optional[Path] = None
+    join: Optional[int] = None
     restart_count: int = 0
     local_rank: int = 0
     group_rank: int = 0
@@ -104,6 +128,9 @@ class LaunchEnv:
             heartbeat_dir=_path(env, HEARTBEAT_DIR),
             end_time=_float(env, END_TIME),
             end_time_file=_path(env, END_TIME_FILE),
+            recovery_store=env.get(RECOVERY_STORE) or None,
+            recovery_dir=_path(env, RECOVERY_DIR),
+            join=_count(env, JOIN, None),
             restart_count=_count(env, RESTART_COUNT, 0),
             local_rank=_count(env, LOCAL_RANK, 0),
             group_rank=_count(env, GROUP_RANK, 0),
@@ -114,7 +141,7 @@ class LaunchEnv:
         """The ``TRAINGUARD_*`` variables for the ranks' environment: every one of them, ``""`` for
         a field that is not given (so a stale value inherited by the launcher never reaches the
         ranks). Torch's per-worker fields are not included: torch's agent sets those.
-        ``LaunchEnv.from_environ(e.to_environ())`` equals ``e`` when the torch fields are defaults.
+        ``LaunchEnv.from_environ(e.to_environ())`` equals ``e`` when the torch fields and ``join`` are defaults.
 
         Raises:
             LaunchEnvError: an override holds a newline (it could not be read back as one).
@@ -133,6 +160,8 @@ class LaunchEnv:
             HEARTBEAT_DIR: _text(self.heartbeat_dir),
             END_TIME: repr(float(self.end_time)) if self.end_time is not None else "",
             END_TIME_FILE: _text(self.end_time_file),
+            RECOVERY_STORE: self.recovery_store or "",
+            RECOVERY_DIR: _text(self.recovery_dir),
         }
 
 

@@ -504,3 +504,22 @@ class HealthSection(Section):
         True,
         description="preflight: NVML GPU health and a small compute/allocation check ('skipped: no GPU' without one)",
     )
+
+
+class RecoverySection(Section):
+    """``[recovery]``: in-process recovery of a lost rank (:mod:`trainguard.rejoin`). With
+    ``in_process``, ``trainguard run`` (one node) replaces a rank that died while the other ranks stay
+    alive, keep their memory, and redo only the interrupted step; without it (or when it cannot
+    complete) the whole group restarts from the newest checkpoint."""
+
+    in_process: bool = Field(
+        False, description="replace a lost rank without restarting the survivors (trainguard run, one node)"
+    )
+    timeout: float = Field(
+        30.0,
+        gt=0,
+        description="seconds the survivors wait for the replacement and the new group before falling back to a group restart",
+    )
+    max_replacements: int = Field(
+        10, ge=0, description="in-process replacements per launch before failures restart the group instead"
+    )

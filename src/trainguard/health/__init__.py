@@ -15,7 +15,15 @@ from ..sections import HealthSection
 from .ping import PING_FAILED_EXIT, LivenessPing, PeerLostError
 from .preflight import PreflightError, run_preflight
 
-__all__ = ["PING_FAILED_EXIT", "LivenessPing", "PeerLostError", "PreflightError", "run_preflight", "start"]
+__all__ = [
+    "PING_FAILED_EXIT",
+    "LivenessPing",
+    "PeerLostError",
+    "PreflightError",
+    "run_preflight",
+    "start",
+    "start_ping",
+]
 
 
 def start(
@@ -55,6 +63,20 @@ def start(
         except PreflightError as e:
             raise BadInput(f"preflight: {e}") from None
         events.emit("preflight", step, rank=rank, **result)
+    return start_ping(cfg, hosts, events, device, world_size, on_ping_failure)
+
+
+def start_ping(
+    cfg: HealthSection,
+    hosts: list[str],
+    events: EventLog,
+    device: torch.device,
+    world_size: int,
+    on_ping_failure: Optional[Callable[[str], None]] = None,
+) -> Optional[LivenessPing]:
+    """The liveness ping of a multi-rank run (a collective: its group and an agreed start time),
+    or ``None`` (single rank, or ``[health] ping = false``). :func:`start` runs it after the
+    preflight; in-process recovery runs it again on the new group."""
     if not cfg.ping or world_size < 2:
         return None
     ping = LivenessPing(cfg.ping_interval, cfg.ping_timeout, hosts, events, device, on_ping_failure)

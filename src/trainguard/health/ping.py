@@ -181,6 +181,18 @@ class LivenessPing:
         self._thread.join()
         self._thread = None
 
+    def abandon(self) -> None:
+        """Stop the thread without agreeing with the peers (one of them is gone: in-process
+        recovery destroys the ping's group with the default group and starts a new ping)."""
+        if self._thread is None:
+            return
+        with self._lock:
+            self._stopping.set()
+            self.final = self.launched  # no more pings
+        self._thread.join()
+        self._thread = None
+        self.group = None  # destroyed with the default group
+
     def close(self) -> None:
         """Destroy the ping's process group (after :meth:`stop`; safe to call twice)."""
         if self.group is not None and self._thread is None:

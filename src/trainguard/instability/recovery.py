@@ -225,6 +225,11 @@ class Recovery:
             self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
 
+    def refuse(self) -> None:
+        """Refuse the current step (gradients zeroed, ``optimizer.step()`` raises) without a
+        detection: in-process recovery abandons a step whose collective lost a peer."""
+        self._reject()
+
     def step_closed(self) -> None:
         """The step ended (``guard.step_end()``): the next step may be applied again."""
         self.rejected = False

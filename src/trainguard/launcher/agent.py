@@ -7,6 +7,10 @@ monitor loop in place of ``_invoke_run``:
   default 3) and resumes from the newest valid checkpoint; the surviving ranks are SIGKILLed at
   once (after SIGCONT, for a stopped one): they cannot finish a collective or a save without the
   dead peer, and torch's own close would SIGTERM them and wait up to 30 s;
+* with in-process recovery (``replacer``, :mod:`.replace`), a rank that dies while the others run
+  is replaced by a new process and the survivors keep running; a second failure while that
+  generation forms, a spent replacement budget or a generation that does not form in time fall
+  back to the group restart above (``recovery_fallback``);
 * a rank that exits with a *decision* code is not restarted: 75 (requeue: the ranks stopped and
   saved), 2 (bad input), 76 (give up) end the launch with that code;
 * SIGTERM, SIGUSR1 and SIGINT to the launcher are forwarded to every local rank, which saves and
@@ -35,6 +39,7 @@ from ..exitcodes import ExitCode
 from ..supervisor.monitor import HangMonitor
 from .elastic import ElasticAdapter
 from .record import LaunchRecord
+from .replace import Replacer
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # exit codes with which a rank tells the launcher "do not restart, end the launch with this code"
@@ -52,6 +57,7 @@ class TrainguardAgent(ElasticAdapter):
             (``[supervisor] kill_grace``).
         monitor: the hang supervisor, or ``None`` when it is off.
         record: the launch's record of its processes, rewritten at each start of a group, or ``None``.
+        replacer: in-process recovery of lost ranks, or ``None`` (off).
         (other arguments as ``LocalElasticAgent``)
     Raises:
         ElasticIncompatible: the installed torch lacks a member the agent relies on.
@@ -67,6 +73,7 @@ class TrainguardAgent(ElasticAdapter):
         kill_grace: float = 30.0,
         monitor: Optional[HangMonitor] = None,
         record: Optional[LaunchRecord] = None,
+        replacer: Optional[Replacer] = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -75,6 +82,7 @@ class TrainguardAgent(ElasticAdapter):
         self.kill_grace = kill_grace
         self.monitor = monitor
         self.record = record
+        self.replacer = replacer
         self.exit_code = int(ExitCode.GIVE_UP)
         self.exit_reason = "not started"
         self.stop_signal: Optional[str] = None
@@ -122,6 +130,8 @@ class TrainguardAgent(ElasticAdapter):
         if self.monitor is not None:
             self.monitor.group_started(self.restart_count)
         self.start_workers()
+        if self.replacer is not None:
+            self.replacer.group_started(self.restart_count)
         group = self.worker_group
         if self.monitor is not None:
             self.monitor.write_timeouts = group.group_rank == 0
@@ -142,6 +152,11 @@ class TrainguardAgent(ElasticAdapter):
         self._start_group()
         while True:
             time.sleep(spec.monitor_interval)
+            why = self._replace_lost() if self.replacer is not None else None
+            if why is not None:
+                if self._restart_or_give_up(f"in-process recovery failed: {why}"):
+                    continue
+                return RunResult(state=WorkerState.FAILED)
             self._kill_survivors_of_failure()
             result = self.poll_workers()
             self.worker_group.state = result.state
@@ -168,6 +183,36 @@ class TrainguardAgent(ElasticAdapter):
                 self.stop_group()
                 self.worker_group.state = WorkerState.STOPPED
                 self._start_group()
+
+    def _replace_lost(self) -> Optional[str]:
+        """In-process recovery: replace the ranks that exited with a failure while the others run
+        (see :mod:`.replace`). Returns why recovery failed (the group must restart), else ``None``
+        (nothing lost, replaced, or left to the group restart of the normal failure path)."""
+        why = self.replacer.poll()
+        if why is not None:
+            self.events.emit("recovery_fallback", reason=why)
+            return why
+        procs = self.worker_processes()
+        codes = {r: p.poll() for r, p in procs.items()}
+        lost = [r for r, c in codes.items() if c is not None and c not in (0, *DECISION_CODES)]
+        if not lost or self.stop_signal is not None or any(c in DECISION_CODES for c in codes.values()):
+            return None
+        why = self.replacer.can_replace()
+        if why is not None:  # the normal failure path below restarts the group
+            self.events.emit("recovery_fallback", reason=why, exit_codes={r: codes[r] for r in lost})
+            return None
+        workers = {w.local_rank: w for w in self.workers()}
+        self.events.emit("workers_failed", exit_codes={r: codes[r] for r in lost}, pids={r: procs[r].pid for r in lost})
+        started = self.replacer.replace(
+            {workers[r].global_rank: self.worker_command(r) for r in lost}, workers[lost[0]].world_size
+        )
+        for r in lost:
+            self.replace_process(r, started[workers[r].global_rank])
+            if self.monitor is not None:
+                self.monitor.rank_replaced(r)
+        if self.record is not None:
+            self.record.write_ranks(self.worker_pids())
+        return None
 
     def _kill_survivors_of_failure(self) -> None:
         """If a rank has exited with a failure (not 0 or a decision code), SIGCONT and SIGKILL the

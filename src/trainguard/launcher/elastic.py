@@ -35,8 +35,9 @@ AGENT_METHODS = (
 # attributes LocalElasticAgent.__init__ sets: the worker group, the restarts left, the process context
 AGENT_ATTRIBUTES = ("_worker_group", "_remaining_restarts", "_pcontext")
 # of the process context of workers started from a binary (SubprocessContext): {local_rank: handler}
-# whose handler.proc is the worker's subprocess.Popen
-PCONTEXT_ATTRIBUTES = ("subprocess_handlers",)
+# whose handler.proc is the worker's subprocess.Popen; the program, {local_rank: args} and
+# {local_rank: env} each worker was started with (in-process recovery starts a replacement alike)
+PCONTEXT_ATTRIBUTES = ("subprocess_handlers", "entrypoint", "args", "envs")
 
 
 class ElasticIncompatible(RuntimeError):
@@ -156,6 +157,17 @@ class ElasticAdapter(LocalElasticAgent):
         if handlers is None:
             check(pcontext=self._pcontext)  # raises, naming the missing member
         return {r: h.proc for r, h in handlers.items()}
+
+    def worker_command(self, local_rank: int) -> tuple[list[str], dict[str, str]]:
+        """The command line and environment the worker of ``local_rank`` was started with."""
+        pc = self._pcontext
+        return [pc.entrypoint, *map(str, pc.args[local_rank])], dict(pc.envs[local_rank])
+
+    def replace_process(self, local_rank: int, proc: subprocess.Popen) -> None:
+        """Make ``proc`` the worker of ``local_rank`` (a replacement of a lost one): torch's poll,
+        stop and shutdown then handle it as the worker."""
+        self._pcontext.subprocess_handlers[local_rank].proc = proc
+        next(w for w in self._worker_group.workers if w.local_rank == local_rank).id = proc.pid
 
     def worker_pids(self) -> dict[int, int]:
         """``{local_rank: pid}`` of the current group's processes (empty before the first start)."""

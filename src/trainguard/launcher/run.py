@@ -77,10 +77,10 @@ class LaunchOptions:
     inject: list = field(default_factory=list)  # FaultSpec objects from --inject
 
 
-def _heartbeat_root() -> Path:
-    """A fresh node-local directory for the heartbeat records: in /dev/shm (memory) when possible."""
+def _node_local_dir(prefix: str) -> Path:
+    """A fresh node-local directory: in /dev/shm (memory) when possible."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix="trainguard-hb-", dir=base))
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -255,8 +255,13 @@ def _run_agent(
 
     end_time, end_file, refresher = _end_time_setup(cfg, run_dir, slurm, events)
     ready_dir = os.environ.pop(READY_DIR, "")
-    hb_root = _heartbeat_root()
+    hb_root = _node_local_dir("trainguard-hb-")
     monitor = HangMonitor(cfg, run_dir, hb_root, events) if cfg.supervisor.enabled else None
+    replacer = None
+    if cfg.recovery.in_process and max_nodes == 1:  # multi-node: the group restart (not yet in-process)
+        from .replace import Replacer
+
+        replacer = Replacer(cfg.recovery, events, opts.script, _node_local_dir("trainguard-rejoin-"))
     to_ranks = LaunchEnv(
         run_dir=run_dir,
         config=Path(config_path).resolve() if config_path else None,
@@ -266,6 +271,8 @@ def _run_agent(
         heartbeat_dir=hb_root if monitor else None,
         end_time=end_time,
         end_time_file=end_file,
+        recovery_store=replacer.address if replacer else None,
+        recovery_dir=replacer.boundary_dir if replacer else None,
     )
     os.environ.update(to_ranks.to_environ())
     os.environ.update(
@@ -310,6 +317,7 @@ def _run_agent(
         kill_grace=cfg.supervisor.kill_grace,
         monitor=monitor,
         record=record,
+        replacer=replacer,
     )
     agent.install_signal_handlers()
     if ready_dir:  # the batch script forwards stop signals to this node only once this file exists
@@ -337,6 +345,8 @@ def _run_agent(
         if monitor is not None:
             monitor.group_stopped()
         shutil.rmtree(hb_root, ignore_errors=True)
+        if replacer is not None:
+            replacer.close()
         survivors = record.close()
         if survivors:
             print(

@@ -150,6 +150,7 @@ class HangMonitor:
         self._started = time.monotonic()
         self._last_learn = self._last_save = 0.0
         self._frozen = False  # set on a hang: the attempt's observations stop at the detection
+        self._replaced_at: dict[int, float] = {}  # local rank -> when a replacement was started
 
     # ---- group lifecycle (called by the agent) ------------------------------------------------
 
@@ -162,6 +163,18 @@ class HangMonitor:
         shutil.rmtree(attempt_dir(self.hb_root, attempt), ignore_errors=True)
         self._started = time.monotonic()
         self._frozen = False
+        self._replaced_at = {}
+
+    def rank_replaced(self, local_rank: int) -> None:
+        """A lost rank was replaced in-process (:mod:`trainguard.launcher.replace`): forget its
+        record; its replacement is timed as a starting rank (the initial timeout, from now) until
+        it writes its own."""
+        reader = self._readers.pop(local_rank, None)
+        if reader is not None:
+            reader.close()
+        self._last_states.pop(local_rank, None)
+        heartbeat_path(attempt_dir(self.hb_root, self.attempt), local_rank).unlink(missing_ok=True)
+        self._replaced_at[local_rank] = time.monotonic()
 
     def group_stopped(self) -> None:
         """The group ended or is being restarted: fold its observations in, save timeouts.json."""
@@ -253,7 +266,7 @@ class HangMonitor:
         local_rank = worker.local_rank
         reader = self._reader(local_rank)
         if reader is None:
-            silent, limit = now - self._started, self.book.timeout(INITIAL)
+            silent, limit = now - self._replaced_at.get(local_rank, self._started), self.book.timeout(INITIAL)
             return HangHit(worker, INITIAL, silent, limit, None) if silent > limit else None
         state = reader.state()
         if state is None:  # mid-write: time it from its last consistent state (a writer stopped

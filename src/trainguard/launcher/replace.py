@@ -1,0 +1,147 @@
+"""The launcher's side of in-process recovery (:mod:`trainguard.rejoin`): replace a lost rank.
+
+The agent asks :meth:`Replacer.replace` when ranks exited with a failure while the others still
+run. It starts one replacement process per lost rank, with the lost worker's command line and
+environment plus:
+
+* ``-m trainguard.rejoin.replacement`` before the script (DDP is constructed there without its
+  initial broadcast: the state comes from the survivors);
+* ``TRAINGUARD_JOIN`` = the new generation, and ``MASTER_ADDR``/``MASTER_PORT`` of the generation's
+  own store with ``TORCHELASTIC_USE_AGENT_STORE=True``, so the script's ``init_process_group`` joins
+  the group the survivors form;
+
+then publishes the generation. :meth:`poll` tells the agent when the replacements have joined, or
+that recovery did not finish within its bound (the agent then restarts the group).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..events import EventLog
+from ..launch_env import JOIN
+from ..rejoin.protocol import Generation, RecoveryStore, serve
+from ..sections import RecoverySection
+
+REPLACEMENT_MODULE = "trainguard.rejoin.replacement"
+
+
+class Replacer:
+    """Replaces lost ranks of this node's worker group in-process.
+
+    Args:
+        cfg: the ``[recovery]`` section.
+        events: the launcher's event log.
+        script: the training script's path as it appears in the workers' command line.
+        boundary_dir: the node-local directory of the ranks' step-boundary files (removed by :meth:`close`).
+        host: this node's address for the stores (loopback on one node).
+    """
+
+    def __init__(
+        self, cfg: RecoverySection, events: EventLog, script: str, boundary_dir: Path, host: str = "127.0.0.1"
+    ):
+        self.cfg, self.events, self.script, self.boundary_dir, self.host = cfg, events, script, boundary_dir, host
+        self.server = serve(host)
+        self.address = f"{host}:{self.server.port}"
+        self.replacements = 0
+        self.attempt = 0
+        self.generation = 0
+        self.pending: Optional[Generation] = None
+        self._deadline = 0.0
+        self._started = 0.0
+        self._stores: list = []  # the generations' stores (kept alive while their groups may use them)
+
+    def group_started(self, attempt: int) -> None:
+        """A (re)started group: generations count from 0 again, under the new attempt's keys."""
+        self.attempt, self.generation, self.pending = attempt, 0, None
+        self._stores.clear()
+
+    def can_replace(self) -> Optional[str]:
+        """``None`` when a replacement may start now, else why not (the agent restarts the group)."""
+        if self.pending is not None:
+            return f"a rank failed while generation {self.pending.number} was still forming"
+        if self.replacements >= self.cfg.max_replacements:
+            return f"in-process replacement budget spent ({self.cfg.max_replacements})"
+        return None
+
+    def replace(
+        self, lost: dict[int, tuple[list[str], dict[str, str]]], world_size: int
+    ) -> dict[int, subprocess.Popen]:
+        """Start a replacement for each lost rank and publish the new generation.
+
+        Args:
+            lost: ``{global_rank: (command line, environment)}`` of the lost workers.
+            world_size: the group's world size.
+        Returns:
+            ``{global_rank: Popen}`` of the replacements.
+        """
+        self.generation += 1
+        store = serve(self.host)
+        self._stores.append(store)
+        gen = Generation(self.generation, self.host, store.port, tuple(sorted(lost)), world_size)
+        procs = {}
+        for rank, (argv, env) in lost.items():
+            env = {
+                **os.environ,  # as torch starts a worker: the launcher's environment, then the worker's
+                **env,
+                JOIN: str(gen.number),
+                "MASTER_ADDR": gen.host,
+                "MASTER_PORT": str(gen.port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+            }
+            # its own session, as torch starts workers: torch's stop signals the process group
+            procs[rank] = subprocess.Popen(replacement_command(argv, self.script), env=env, start_new_session=True)
+        RecoveryStore(self.server, self.attempt).publish(gen)
+        self.replacements += len(lost)
+        self.pending = gen
+        self._started = time.monotonic()
+        self._deadline = self._started + self.cfg.timeout + 5.0
+        self.events.emit(
+            "recovery_started",
+            generation=gen.number,
+            ranks=list(gen.replaced),
+            pids={r: p.pid for r, p in procs.items()},
+            replacements=self.replacements,
+        )
+        return procs
+
+    def poll(self) -> Optional[str]:
+        """Follow a forming generation: ``None`` while it forms or once joined (a ``generation_joined``
+        event), else why recovery failed (not finished within ``[recovery] timeout`` + 5 s)."""
+        if self.pending is None:
+            return None
+        if RecoveryStore(self.server, self.attempt).all_joined(self.pending):
+            self.events.emit(
+                "generation_joined",
+                generation=self.pending.number,
+                ranks=list(self.pending.replaced),
+                seconds=round(time.monotonic() - self._started, 4),
+            )
+            self.pending = None
+            return None
+        if time.monotonic() > self._deadline:
+            why = f"generation {self.pending.number} did not form within {self.cfg.timeout + 5.0:.0f} s"
+            self.pending = None
+            return why
+        return None
+
+    def close(self) -> None:
+        """Remove the boundary directory."""
+        shutil.rmtree(self.boundary_dir, ignore_errors=True)
+
+
+def replacement_command(argv: list[str], script: str) -> list[str]:
+    """A worker's command line with ``-m trainguard.rejoin.replacement`` before the script.
+
+    Raises:
+        ValueError: ``script`` is not in ``argv``.
+    """
+    if script not in argv:
+        raise ValueError(f"the script {script!r} is not in the worker's command line {argv!r}")
+    i = argv.index(script)
+    return [*argv[:i], "-m", REPLACEMENT_MODULE, *argv[i:]]

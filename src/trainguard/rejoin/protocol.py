@@ -1,0 +1,124 @@
+"""The launcher ↔ rank protocol of in-process recovery, over one TCPStore the launcher hosts.
+
+Keys (all under ``attempt{N}/``, ``N`` the worker group's restart count):
+
+* ``gen/{g}``: the JSON of :class:`Generation` ``g`` (``g`` = 1, 2, ...), written by the launcher
+  once it has started the replacements; the survivors of generation ``g - 1`` wait for it.
+* ``gen/{g}/joined/{rank}``: written by a replacement once it holds the transferred state; the
+  launcher counts a recovery as finished when every replaced rank has written it.
+
+Each generation's process groups live on a store of their own (a fresh TCPStore server the
+launcher starts per generation, :attr:`Generation.port`), so no key of an earlier generation can
+be read by a later one (stale peer addresses break gloo's connect, pytorch issue 135712).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+# Substrings of the errors gloo and NCCL raise in a collective whose peer is gone (the process died
+# or its connection broke). An error without one is not treated as a lost peer: it propagates.
+PEER_FAILURE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Read error",
+    "Write error",
+    "Broken pipe",
+    "Socket Timeout",
+    "NCCL communicator was aborted",
+    "NCCL error",
+)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective's error about a lost peer (see :data:`PEER_FAILURE_MARKERS`):
+    ``torch.distributed``'s backend and network errors, or a ``RuntimeError`` carrying a marker."""
+    if isinstance(exc, (dist.DistBackendError, dist.DistNetworkError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in PEER_FAILURE_MARKERS)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One membership of the worker group after in-process recoveries.
+
+    Attributes:
+        number: 1 for the first recovery of a group start, then 2, 3, ...
+        host, port: the store the generation's process groups are created on.
+        replaced: global ranks that are new processes in this generation.
+        world_size: ranks in the generation (unchanged by a replacement).
+    """
+
+    number: int
+    host: str
+    port: int
+    replaced: tuple[int, ...]
+    world_size: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Generation:
+        d = json.loads(text)
+        return cls(int(d["number"]), str(d["host"]), int(d["port"]), tuple(d["replaced"]), int(d["world_size"]))
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``"host:port"`` → ``(host, port)``.
+
+    Raises:
+        ValueError: not of that form (the message quotes it).
+    """
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT for the recovery store, got {text!r}")
+    return host, int(port)
+
+
+def serve(host: str = "127.0.0.1") -> dist.TCPStore:
+    """A new TCPStore server on a free port of ``host`` (the launcher's; read ``.port``)."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+
+
+def connect(host: str, port: int, timeout: float = 30.0) -> dist.TCPStore:
+    """A client of the TCPStore at ``host:port``."""
+    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+
+
+class RecoveryStore:
+    """The ranks' and the launcher's view of the recovery keys of one group attempt.
+
+    Args:
+        store: a TCPStore (server in the launcher, client in a rank).
+        attempt: the worker group's restart count.
+    """
+
+    def __init__(self, store: dist.Store, attempt: int):
+        self.store = dist.PrefixStore(f"attempt{attempt}", store)
+
+    def publish(self, gen: Generation) -> None:
+        """Launcher: announce generation ``gen`` (after its replacements were started)."""
+        self.store.set(f"gen/{gen.number}", gen.to_json())
+
+    def wait(self, number: int, timeout: float) -> Optional[Generation]:
+        """Rank: generation ``number`` once published, or ``None`` after ``timeout`` seconds."""
+        key = f"gen/{number}"
+        try:
+            self.store.wait([key], timedelta(seconds=timeout))
+        except (RuntimeError, dist.DistStoreError):  # the store's timeout
+            return None
+        return Generation.from_json(self.store.get(key))
+
+    def joined(self, number: int, rank: int) -> None:
+        """Replacement: say that rank ``rank`` holds its state in generation ``number``."""
+        self.store.set(f"gen/{number}/joined/{rank}", "1")
+
+    def all_joined(self, gen: Generation) -> bool:
+        """Launcher: every replaced rank of ``gen`` has said so."""
+        return self.store.check([f"gen/{gen.number}/joined/{r}" for r in gen.replaced])

@@ -1,0 +1,106 @@
+"""The rank's side of in-process recovery: noticing a lost peer, waiting for the new generation.
+
+The Guard owns the order of the recovery (it holds the model, the checkpointer and the ping);
+this component holds what recovery needs across steps: the recovery store, the step-boundary
+state, the failure seen in the current step and the generation this process is in.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..launch_env import LaunchEnv
+from ..sections import RecoverySection
+from .boundary import BoundaryState
+from .protocol import Generation, RecoveryStore, connect, is_peer_failure, parse_address
+
+
+@dataclass
+class PeerFailure:
+    """A lost peer noticed in the current step.
+
+    Attributes:
+        error: the collective's exception (re-raised if recovery cannot complete).
+        during: where it surfaced (``run_step``, ``should_step``, ``stop_check``).
+        step: number of the step in progress (the 1-based number; ``guard.step + 1``).
+        at: ``time.time()`` when it was caught.
+    """
+
+    error: BaseException
+    during: str
+    step: int
+    at: float
+
+
+class Rejoin:
+    """In-process recovery state of one rank (inactive unless ``[recovery] in_process`` and the
+    launcher hosts a recovery store).
+
+    Args:
+        cfg: the ``[recovery]`` section.
+        launch: the launcher's contract (recovery store, boundary directory, ``join``).
+        rank: global rank.
+    """
+
+    def __init__(self, cfg: RecoverySection, launch: LaunchEnv, rank: int):
+        self.cfg, self.rank = cfg, rank
+        self.active = bool(cfg.in_process and launch.recovery_store)
+        self.store: Optional[RecoveryStore] = None
+        if self.active:
+            host, port = parse_address(launch.recovery_store)  # type: ignore[arg-type]
+            self.store = RecoveryStore(connect(host, port, cfg.timeout), launch.restart_count)
+        self.dir = launch.recovery_dir
+        self.boundary = BoundaryState(self.dir if self.active else None, rank)
+        self.joining = self.active and launch.join is not None
+        self.generation = launch.join if self.joining else 0
+        self.failure: Optional[PeerFailure] = None
+
+    def caught(self, exc: BaseException, during: str, step: int) -> bool:
+        """Whether ``exc`` is a lost peer that recovery handles (then it is recorded for
+        :meth:`wait_generation`); ``False``: the caller re-raises it."""
+        if not self.active or not is_peer_failure(exc):
+            return False
+        if self.failure is None:
+            self.failure = PeerFailure(exc, during, step, time.time())
+        return True
+
+    def keep(self, state: dict[str, Any]) -> None:
+        """Keep the step-boundary state (see :class:`~trainguard.rejoin.boundary.BoundaryState`)."""
+        if self.active:
+            self.boundary.keep(state)
+
+    def wait_generation(self) -> Generation:
+        """The next generation, once the launcher published it.
+
+        Raises:
+            BaseException: the recorded collective error, after ``[recovery] timeout`` seconds
+                without a new generation (the process then exits and the launcher falls back).
+        """
+        assert self.store is not None and self.failure is not None
+        gen = self.store.wait(self.generation + 1, self.cfg.timeout)
+        if gen is None:
+            raise self.failure.error
+        self.generation = gen.number
+        return gen
+
+    def joined_generation(self) -> Generation:
+        """A replacement's generation (already published when it was started).
+
+        Raises:
+            RuntimeError: it is not published (the launcher is gone).
+        """
+        assert self.store is not None
+        gen = self.store.wait(self.generation, self.cfg.timeout)
+        if gen is None:
+            raise RuntimeError(f"generation {self.generation} was not published in the recovery store")
+        return gen
+
+    def done(self) -> None:
+        """The step was recovered: forget the failure."""
+        self.failure = None
+
+    def close(self) -> None:
+        """Remove this rank's boundary file."""
+        self.boundary.close()

@@ -1,0 +1,146 @@
+"""Rebuilding the process groups in a live process, and moving state from survivors' memory.
+
+The one module that touches DDP's private members (listed in :data:`DDP_MEMBERS`; checked by
+``tests/test_rejoin.py`` against the installed torch, as the launcher's torch elastic members are).
+A DDP model keeps its module, parameters and hooks; only its reducer (the object that buckets and
+all-reduces gradients) is built again on the new default group, exactly as DDP's constructor builds
+it, so the survivors and a freshly started replacement hold reducers in the same state (both
+rebuild their buckets after the first step, as at a start).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .protocol import Generation
+
+# DistributedDataParallel members used to build a fresh reducer on a new group (torch 2.13):
+#   _build_params_for_reducer(): (parameters, expect_sparse_gradient) as the constructor computes
+#   _build_debug_param_to_name_mapping(parameters), _ddp_init_helper(...): the constructor's reducer set-up
+#   _comm_hooks: hooks registered with register_comm_hook (they would be lost: not supported)
+DDP_MEMBERS = ("_build_params_for_reducer", "_build_debug_param_to_name_mapping", "_ddp_init_helper")
+
+
+class RegroupError(RuntimeError):
+    """In-process recovery cannot rebuild this model or group (the message says why); the caller
+    falls back to a group restart."""
+
+
+def missing_ddp_members() -> list[str]:
+    """The members of :data:`DDP_MEMBERS` the installed torch lacks, as ``"DistributedDataParallel.x"``."""
+    return [f"DistributedDataParallel.{m}" for m in DDP_MEMBERS if not callable(getattr(DDP, m, None))]
+
+
+def rebuild_default_group(gen: Generation, backend: str, timeout: float) -> None:
+    """Destroy this process's groups and create the default group of generation ``gen`` on its store.
+
+    The group is created the way a replacement's script creates it (``init_process_group`` with
+    ``env://``): ``MASTER_ADDR``/``MASTER_PORT`` are set to the generation's store, as a client of it
+    (``TORCHELASTIC_USE_AGENT_STORE``), so both sides name their keys alike. ``RANK`` and
+    ``WORLD_SIZE`` stay this process's.
+
+    Args:
+        timeout: seconds for the group's collectives and for meeting the other ranks.
+    Raises:
+        RuntimeError, torch.distributed.DistError: the group could not be formed (a peer did not come).
+    """
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except RuntimeError:  # a group whose peer is gone may fail to shut down cleanly: drop it anyway
+            pass
+    os.environ.update(
+        {"MASTER_ADDR": gen.host, "MASTER_PORT": str(gen.port), "TORCHELASTIC_USE_AGENT_STORE": str(True)}
+    )
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+
+
+def rebind_ddp(model: torch.nn.Module) -> None:
+    """Give a DDP-wrapped ``model`` a fresh reducer on the (new) default group; other models: nothing.
+
+    Raises:
+        RegroupError: the model has communication hooks, or torch lacks a member used here.
+    """
+    if not isinstance(model, DDP):
+        return
+    missing = missing_ddp_members()
+    if missing:
+        raise RegroupError(f"torch {torch.__version__} lacks {', '.join(missing)}: in-process recovery of DDP")
+    if getattr(model, "_comm_hooks", None):
+        raise RegroupError("a DDP communication hook is registered: in-process recovery cannot carry it over")
+    model.process_group = dist.group.WORLD
+    params, sparse = model._build_params_for_reducer()
+    model._ddp_init_helper(params, sparse, model._build_debug_param_to_name_mapping(params), model.static_graph)
+
+
+def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by ``("__tensor__", index)`` (the tensor appended to ``tensors``)."""
+    if torch.is_tensor(obj):
+        tensors.append(obj)
+        return ("__tensor__", len(tensors) - 1, tuple(obj.shape), obj.dtype, str(obj.device))
+    if isinstance(obj, dict):
+        return {k: _split(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_split(v, tensors) for v in obj)
+    return obj
+
+
+def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, tuple) and len(obj) == 5 and obj[0] == "__tensor__":
+        return tensors[obj[1]]
+    if isinstance(obj, dict):
+        return {k: _join(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_join(v, tensors) for v in obj)
+    return obj
+
+
+def _empty_like_meta(meta: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(meta, tuple) and len(meta) == 5 and meta[0] == "__tensor__":
+        out.append(torch.empty(meta[2], dtype=meta[3], device=meta[4]))
+    elif isinstance(meta, dict):
+        for v in meta.values():
+            _empty_like_meta(v, out)
+    elif isinstance(meta, (list, tuple)):
+        for v in meta:
+            _empty_like_meta(v, out)
+
+
+def transfer_state(
+    model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], src: int, packet: Optional[dict]
+) -> tuple[dict, int]:
+    """Broadcast the model, the optimizer and a small ``packet`` from global rank ``src`` (a collective).
+
+    On ``src`` the tensors are sent from memory; every other rank receives them: the model's
+    parameters and buffers in place, the optimizer's state through ``load_state_dict``. Ranks
+    that held the same values (surviving data-parallel replicas) end with the same bits.
+
+    Args:
+        packet: on ``src``, picklable values to send along (the step, the hosts); ignored elsewhere.
+    Returns:
+        ``(packet, bytes)``: the packet as sent and the tensor bytes moved.
+    """
+    rank = dist.get_rank()
+    opt_tensors: list[torch.Tensor] = []
+    meta = None
+    if rank == src:
+        meta = {"packet": packet, "optimizer": _split(optimizer.state_dict(), opt_tensors) if optimizer else None}
+    box = [meta]
+    dist.broadcast_object_list(box, src=src)
+    meta = box[0]
+    if rank != src and meta["optimizer"] is not None:
+        _empty_like_meta(meta["optimizer"], opt_tensors)
+    moved = 0
+    with torch.no_grad():
+        for t in list(model.state_dict().values()) + opt_tensors:
+            dist.broadcast(t, src)
+            moved += t.numel() * t.element_size()
+    if rank != src and optimizer is not None and meta["optimizer"] is not None:
+        optimizer.load_state_dict(_join(meta["optimizer"], opt_tensors))
+    return meta["packet"], moved

@@ -1,0 +1,133 @@
+"""In-process recovery (trainguard.rejoin): the protocol's pieces in one process, then a real
+2-rank launch where rank 1 is SIGKILLed and replaced while rank 0 keeps running."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import events, final_hash, finish, launch
+from trainguard.launcher.replace import REPLACEMENT_MODULE, replacement_command
+from trainguard.rejoin import regroup
+from trainguard.rejoin.boundary import BoundaryState, read
+from trainguard.rejoin.protocol import Generation, RecoveryStore, connect, is_peer_failure, parse_address, serve
+
+STEPS = 150  # as test_launcher.py: the clean_hash fixture's run is shared
+
+
+def test_peer_failures_are_told_from_other_errors():
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer.")
+    assert is_peer_failure(gloo)
+    assert is_peer_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:2"))
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x2)"))
+    assert not is_peer_failure(ValueError("Connection reset by peer"))  # not from a collective
+
+
+def test_generation_round_trip_and_store_protocol():
+    gen = Generation(2, "127.0.0.1", 4242, (1, 3), 4)
+    assert Generation.from_json(gen.to_json()) == gen
+    assert parse_address("node7:29500") == ("node7", 29500)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        parse_address("29500")
+    server = serve()
+    launcher = RecoveryStore(server, attempt=1)
+    rank = RecoveryStore(connect("127.0.0.1", server.port), attempt=1)
+    assert rank.wait(2, timeout=0.2) is None  # not published: the caller falls back
+    launcher.publish(gen)
+    assert rank.wait(2, timeout=5) == gen
+    assert RecoveryStore(server, attempt=0).wait(2, timeout=0.2) is None  # another group attempt's keys
+    assert not launcher.all_joined(gen)
+    rank.joined(2, 1)
+    assert not launcher.all_joined(gen)
+    rank.joined(2, 3)
+    assert launcher.all_joined(gen)
+
+
+def test_boundary_state_outlives_the_process_that_kept_it(tmp_path):
+    state = {"step": 41, "rng": torch.get_rng_state(), "sampler": {"position": 164, "epoch": 0}}
+    kept = BoundaryState(tmp_path, rank=3)
+    with pytest.raises(RuntimeError, match="no step boundary"):
+        kept.restore()
+    kept.keep(state)
+    kept.keep({**state, "step": 42})  # replaced atomically: the newest boundary wins
+    for got in (kept.restore(), read(tmp_path, 3)):
+        assert got["step"] == 42 and got["sampler"] == state["sampler"]
+        assert torch.equal(got["rng"], state["rng"])
+    assert [p.name for p in tmp_path.iterdir()] == ["rank3.boundary"]
+    kept.close()
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(FileNotFoundError):
+        read(tmp_path, 3)
+
+
+def test_replacement_command_runs_the_script_through_the_replacement_module():
+    argv = ["/usr/bin/python3", "-I", "-S", "/x/deathsig.py", "77", "/venv/python", "-u", "train.py", "--lr=1"]
+    got = replacement_command(argv, "train.py")
+    assert got == [*argv[:7], "-m", REPLACEMENT_MODULE, "train.py", "--lr=1"]
+    with pytest.raises(ValueError, match="not in the worker's command line"):
+        replacement_command(argv, "other.py")
+
+
+def test_installed_torch_has_the_ddp_members_recovery_uses():
+    assert regroup.missing_ddp_members() == [], "in-process recovery of DDP needs these private DDP members"
+
+
+def test_state_moves_from_the_sending_rank_bitwise(tmp_path):
+    """transfer_state in a world of one: the sender's packet comes back and the bytes are counted;
+    a model and an optimizer with state round-trip through the meta/tensor split."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        packet, moved = regroup.transfer_state(model, opt, 0, {"hosts": ["h0"], "next_check": 9})
+        assert packet == {"hosts": ["h0"], "next_check": 9}
+        params = sum(p.numel() for p in model.parameters())
+        assert moved == 4 * (params + 2 * params) + 4 * 2  # params, exp_avg, exp_avg_sq (fp32), 2 steps
+    finally:
+        dist.destroy_process_group()
+
+
+def _pids(run: Path, kind: str) -> dict[int, int]:
+    return {e["rank"]: e["pid"] for e in events(run, kind)}
+
+
+@pytest.mark.parametrize("section", ["step", "checkpointing"])
+def test_sigkilled_rank_is_replaced_in_process_and_run_matches_clean(tmp_path, clean_hash, section):
+    """Rank 1 SIGKILLs itself at step 77 (inside the step, or inside the checkpoint save of step
+    70): rank 0 keeps its process, a replacement joins with the state from rank 0's memory and
+    rank 1's boundary file, no step is trained twice beyond the interrupted one, and the final
+    weights equal an uninterrupted run's."""
+    run = tmp_path / "run"
+    step = 77 if section == "step" else 70
+    proc = launch(
+        run,
+        f"train.max_steps={STEPS}",
+        "checkpoint.interval=10",
+        "recovery.in_process=true",
+        extra=("--inject", f"rank_killed:rank=1,step={step},section={section}"),
+    )
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert [e["details"]["exit_codes"] for e in events(run, "workers_failed")] == [{"1": -signal.SIGKILL}]
+    assert not events(run, "group_restart") and not events(run, "recovery_fallback")
+    assert len(events(run, "workers_started")) == 1
+    # rank 0 is the same process from start to end; rank 1 ended as the replacement
+    assert _pids(run, "start")[0] == _pids(run, "end")[0]
+    replaced = events(run, "rank_replaced")
+    assert [(e["rank"], e["details"]["generation"]) for e in replaced] == [(1, 1)]
+    done = events(run, "recovery_finished")
+    assert len(done) == 1 and done[0]["details"]["steps_lost"] == 0
+    # rank 1 dies at the end of step 77 (or in the save of step 70): rank 0 notices in that step's
+    # stop check or save (nothing to redo) or in the next step's backward (that step is done again)
+    assert replaced[0]["step"] == step
+    assert done[0]["details"]["redo_step"] in (None, step + 1)
+    if section == "checkpointing":  # the save broke before its commit: step 70 never committed
+        assert 70 not in [e["step"] for e in events(run, "checkpoint_committed")]
+    sent = events(run, "state_transferred")[0]["details"]
+    assert sent["rank"] == 0 and sent["to_ranks"] == [1] and sent["bytes"] > 0
+    assert final_hash(run) == clean_hash(STEPS)
