@@ -97,12 +97,13 @@ def _pids(run: Path, kind: str) -> dict[int, int]:
     return {e["rank"]: e["pid"] for e in events(run, kind)}
 
 
-@pytest.mark.parametrize("section", ["step", "checkpointing"])
-def test_sigkilled_rank_is_replaced_in_process_and_run_matches_clean(tmp_path, clean_hash, section):
-    """Rank 1 SIGKILLs itself at step 77 (inside the step, or inside the checkpoint save of step
-    70): rank 0 keeps its process, a replacement joins with the state from rank 0's memory and
-    rank 1's boundary file, no step is trained twice beyond the interrupted one, and the final
-    weights equal an uninterrupted run's."""
+@pytest.mark.parametrize(("section", "spares"), [("step", 1), ("checkpointing", 0)])
+def test_sigkilled_rank_is_replaced_in_process_and_run_matches_clean(tmp_path, clean_hash, section, spares):
+    """Rank 1 SIGKILLs itself at step 77 (inside the step; a warm spare takes its place) or inside
+    the checkpoint save of step 70 (no spare: a replacement is started cold): rank 0 keeps its
+    process, the replacement joins with the state from rank 0's memory and rank 1's boundary
+    file, no step is trained twice beyond the interrupted one, and the final weights equal an
+    uninterrupted run's."""
     run = tmp_path / "run"
     step = 77 if section == "step" else 70
     proc = launch(
@@ -110,6 +111,7 @@ def test_sigkilled_rank_is_replaced_in_process_and_run_matches_clean(tmp_path, c
         f"train.max_steps={STEPS}",
         "checkpoint.interval=10",
         "recovery.in_process=true",
+        f"launcher.spares={spares}",
         extra=("--inject", f"rank_killed:rank=1,step={step},section={section}"),
     )
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
@@ -118,6 +120,8 @@ def test_sigkilled_rank_is_replaced_in_process_and_run_matches_clean(tmp_path, c
     assert len(events(run, "workers_started")) == 1
     # rank 0 is the same process from start to end; rank 1 ended as the replacement
     assert _pids(run, "start")[0] == _pids(run, "end")[0]
+    started = [e for e in events(run, "recovery_started") if e["rank"] is None]
+    assert [e["details"]["warm"] for e in started] == [[1] if spares else []]
     replaced = events(run, "rank_replaced")
     assert [(e["rank"], e["details"]["generation"]) for e in replaced] == [(1, 1)]
     done = events(run, "recovery_finished")

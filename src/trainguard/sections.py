@@ -222,6 +222,11 @@ class LauncherSection(Section):
         gt=0,
         description="seconds the launcher waits for ranks to save and exit after forwarding a stop signal, before SIGKILL",
     )
+    spares: int = Field(
+        1,
+        ge=0,
+        description="warm spare processes per node for in-process recovery ([recovery] in_process): started in advance, each waits in the script's init_process_group to take a lost rank's place (on a GPU node a spare holds no GPU until it takes the lost rank's)",
+    )
 
 
 class SupervisorSection(Section):

@@ -132,6 +132,7 @@ class TrainguardAgent(ElasticAdapter):
         self.start_workers()
         if self.replacer is not None:
             self.replacer.group_started(self.restart_count)
+            self.replacer.fill_spares(*self.worker_command(0))
         group = self.worker_group
         if self.monitor is not None:
             self.monitor.write_timeouts = group.group_rank == 0

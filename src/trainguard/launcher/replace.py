@@ -10,7 +10,9 @@ environment plus:
   own store with ``TORCHELASTIC_USE_AGENT_STORE=True``, so the script's ``init_process_group`` joins
   the group the survivors form;
 
-then publishes the generation. :meth:`poll` tells the agent when the replacements have joined, or
+then publishes the generation. A warm spare (``[launcher] spares``, started with the group and
+waiting in the script's ``init_process_group``) is assigned the lost rank's environment instead of
+starting a new process; a new spare is then started in the background. :meth:`poll` tells the agent when the replacements have joined, or
 that recovery did not finish within its bound (the agent then restarts the group).
 """
 
@@ -25,7 +27,7 @@ from typing import Optional
 
 from ..events import EventLog
 from ..launch_env import JOIN
-from ..rejoin.protocol import Generation, RecoveryStore, serve
+from ..rejoin.protocol import Generation, RecoveryStore, assign_spare, serve
 from ..sections import RecoverySection
 
 REPLACEMENT_MODULE = "trainguard.rejoin.replacement"
@@ -40,10 +42,17 @@ class Replacer:
         script: the training script's path as it appears in the workers' command line.
         boundary_dir: the node-local directory of the ranks' step-boundary files (removed by :meth:`close`).
         host: this node's address for the stores (loopback on one node).
+        spares: warm spares to keep (``[launcher] spares``).
     """
 
     def __init__(
-        self, cfg: RecoverySection, events: EventLog, script: str, boundary_dir: Path, host: str = "127.0.0.1"
+        self,
+        cfg: RecoverySection,
+        events: EventLog,
+        script: str,
+        boundary_dir: Path,
+        host: str = "127.0.0.1",
+        spares: int = 0,
     ):
         self.cfg, self.events, self.script, self.boundary_dir, self.host = cfg, events, script, boundary_dir, host
         self.server = serve(host)
@@ -55,11 +64,27 @@ class Replacer:
         self._deadline = 0.0
         self._started = 0.0
         self._stores: list = []  # the generations' stores (kept alive while their groups may use them)
+        self.want_spares = spares
+        self.spares: dict[int, subprocess.Popen] = {}  # spare id -> waiting process
+        self._spare_ids = 0
+        self._template: Optional[tuple[list[str], dict[str, str]]] = None
 
     def group_started(self, attempt: int) -> None:
         """A (re)started group: generations count from 0 again, under the new attempt's keys."""
         self.attempt, self.generation, self.pending = attempt, 0, None
         self._stores.clear()
+
+    def fill_spares(self, argv: list[str], env: dict[str, str]) -> None:
+        """Keep ``[launcher] spares`` spares waiting; ``argv``/``env``: a worker's command line and
+        environment (its rank variables are replaced at assignment)."""
+        self._template = (argv, env)
+        for sid, proc in list(self.spares.items()):
+            if proc.poll() is not None:  # a spare that died (its script failed early): forget it
+                del self.spares[sid]
+        while len(self.spares) < self.want_spares:
+            self._spare_ids += 1
+            cmd = replacement_command(argv, self.script, ["--spare", str(self._spare_ids)])
+            self.spares[self._spare_ids] = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
 
     def can_replace(self) -> Optional[str]:
         """``None`` when a replacement may start now, else why not (the agent restarts the group)."""
@@ -84,7 +109,7 @@ class Replacer:
         store = serve(self.host)
         self._stores.append(store)
         gen = Generation(self.generation, self.host, store.port, tuple(sorted(lost)), world_size)
-        procs = {}
+        procs, warm = {}, []
         for rank, (argv, env) in lost.items():
             env = {
                 **os.environ,  # as torch starts a worker: the launcher's environment, then the worker's
@@ -94,8 +119,13 @@ class Replacer:
                 "MASTER_PORT": str(gen.port),
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
             }
-            # its own session, as torch starts workers: torch's stop signals the process group
-            procs[rank] = subprocess.Popen(replacement_command(argv, self.script), env=env, start_new_session=True)
+            spare = next((sid for sid, p in self.spares.items() if p.poll() is None), None)
+            if spare is not None:
+                assign_spare(self.server, spare, env)
+                procs[rank] = self.spares.pop(spare)
+                warm.append(rank)
+            else:  # cold: its own session, as torch starts workers (torch's stop signals the process group)
+                procs[rank] = subprocess.Popen(replacement_command(argv, self.script), env=env, start_new_session=True)
         RecoveryStore(self.server, self.attempt).publish(gen)
         self.replacements += len(lost)
         self.pending = gen
@@ -106,8 +136,11 @@ class Replacer:
             generation=gen.number,
             ranks=list(gen.replaced),
             pids={r: p.pid for r, p in procs.items()},
+            warm=warm,
             replacements=self.replacements,
         )
+        if self._template is not None:
+            self.fill_spares(*self._template)
         return procs
 
     def poll(self) -> Optional[str]:
@@ -131,12 +164,16 @@ class Replacer:
         return None
 
     def close(self) -> None:
-        """Remove the boundary directory."""
+        """Stop the spares, remove the boundary directory."""
+        for proc in self.spares.values():
+            proc.kill()
+            proc.wait()
+        self.spares.clear()
         shutil.rmtree(self.boundary_dir, ignore_errors=True)
 
 
-def replacement_command(argv: list[str], script: str) -> list[str]:
-    """A worker's command line with ``-m trainguard.rejoin.replacement`` before the script.
+def replacement_command(argv: list[str], script: str, options: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """A worker's command line with ``-m trainguard.rejoin.replacement [OPTIONS]`` before the script.
 
     Raises:
         ValueError: ``script`` is not in ``argv``.
@@ -144,4 +181,4 @@ def replacement_command(argv: list[str], script: str) -> list[str]:
     if script not in argv:
         raise ValueError(f"the script {script!r} is not in the worker's command line {argv!r}")
     i = argv.index(script)
-    return [*argv[:i], "-m", REPLACEMENT_MODULE, *argv[i:]]
+    return [*argv[:i], "-m", REPLACEMENT_MODULE, *options, *argv[i:]]

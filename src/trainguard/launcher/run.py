@@ -261,7 +261,9 @@ def _run_agent(
     if cfg.recovery.in_process and max_nodes == 1:  # multi-node: the group restart (not yet in-process)
         from .replace import Replacer
 
-        replacer = Replacer(cfg.recovery, events, opts.script, _node_local_dir("trainguard-rejoin-"))
+        replacer = Replacer(
+            cfg.recovery, events, opts.script, _node_local_dir("trainguard-rejoin-"), spares=cfg.launcher.spares
+        )
     to_ranks = LaunchEnv(
         run_dir=run_dir,
         config=Path(config_path).resolve() if config_path else None,

@@ -7,6 +7,9 @@ Keys (all under ``attempt{N}/``, ``N`` the worker group's restart count):
 * ``gen/{g}/joined/{rank}``: written by a replacement once it holds the transferred state; the
   launcher counts a recovery as finished when every replaced rank has written it.
 
+and, for warm spares (not tied to a group attempt): ``spares/{id}``, the JSON environment of the
+rank spare ``id`` becomes (:func:`assign_spare`, :func:`wait_for_assignment`).
+
 Each generation's process groups live on a store of their own (a fresh TCPStore server the
 launcher starts per generation, :attr:`Generation.port`), so no key of an earlier generation can
 be read by a later one (stale peer addresses break gloo's connect, pytorch issue 135712).
@@ -15,6 +18,7 @@ be read by a later one (stale peer addresses break gloo's connect, pytorch issue
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Optional
@@ -122,3 +126,32 @@ class RecoveryStore:
     def all_joined(self, gen: Generation) -> bool:
         """Launcher: every replaced rank of ``gen`` has said so."""
         return self.store.check([f"gen/{gen.number}/joined/{r}" for r in gen.replaced])
+
+
+def assign_spare(store: dist.Store, spare_id: int, env: dict[str, str]) -> None:
+    """Launcher: make spare ``spare_id`` the rank whose worker environment is ``env``."""
+    store.set(f"spares/{spare_id}", json.dumps(env))
+
+
+def wait_for_assignment(store: dist.Store, spare_id: int, poll: float = 60.0) -> dict[str, str]:
+    """Spare: block until the launcher assigns this spare a rank; returns that rank's environment.
+    (A spare whose launcher dies is killed by its parent-death signal, so this need not time out.)"""
+    key = f"spares/{spare_id}"
+    while True:
+        try:
+            store.wait([key], timedelta(seconds=poll))
+            return json.loads(store.get(key))
+        except (RuntimeError, dist.DistStoreError):  # the wait's own timeout: keep waiting
+            continue
+
+
+def spare_store_from_environ() -> dist.TCPStore:
+    """The recovery store a spare finds in its environment (``TRAINGUARD_RECOVERY_STORE``).
+
+    Raises:
+        ValueError: the variable is missing or not ``HOST:PORT``.
+    """
+    from ..launch_env import RECOVERY_STORE
+
+    host, port = parse_address(os.environ.get(RECOVERY_STORE, ""))
+    return connect(host, port)

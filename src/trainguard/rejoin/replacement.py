@@ -1,20 +1,30 @@
-"""``python -m trainguard.rejoin.replacement SCRIPT [ARG...]``: run a training script as the
-replacement of a lost rank (the launcher starts it; see :mod:`trainguard.launcher.replace`).
+"""``python -m trainguard.rejoin.replacement [--spare ID] SCRIPT [ARG...]``: run a training script
+as the replacement of a lost rank (the launcher starts it; see :mod:`trainguard.launcher.replace`).
 
-The script runs as ``python SCRIPT ARG...`` would run it, with one difference: a
-``DistributedDataParallel`` constructed without an explicit ``init_sync`` skips its initial
-parameter broadcast from rank 0. The survivors do not take part in a constructor's collectives
-(they are past theirs), and the Guard transfers the model from them anyway.
+The script runs as ``python SCRIPT ARG...`` would run it, with these differences:
+
+* a ``DistributedDataParallel`` constructed without an explicit ``init_sync`` skips its initial
+  parameter broadcast from rank 0: the survivors do not take part in a constructor's collectives
+  (they are past theirs), and the Guard transfers the model from them anyway;
+* ``--spare ID`` (a warm spare, started before any failure): the script runs up to its
+  ``torch.distributed.init_process_group`` call and waits there until the launcher assigns it a
+  rank; it then takes that rank's environment (``RANK``, ``LOCAL_RANK``, the generation's store, ...)
+  and goes on. Imports and everything the script does before ``init_process_group`` are done in
+  advance, so that code must not depend on the rank.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import runpy
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+from .protocol import spare_store_from_environ, wait_for_assignment
 
 
 def skip_initial_broadcast() -> None:
@@ -28,16 +38,40 @@ def skip_initial_broadcast() -> None:
     DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
 
 
+def wait_at_init(spare_id: int) -> None:
+    """Make this process's first ``init_process_group`` call wait for the launcher's assignment
+    and take the assigned rank's environment first."""
+    original = dist.init_process_group
+    store = spare_store_from_environ()
+
+    @functools.wraps(original)
+    def init(*args, **kwargs):  # type: ignore[no-untyped-def]
+        os.environ.update(wait_for_assignment(store, spare_id))
+        dist.init_process_group = original
+        return original(*args, **kwargs)
+
+    dist.init_process_group = init
+
+
 def main(argv: list[str]) -> None:
     """Run ``argv[0]`` (the script) as ``__main__`` with ``sys.argv = argv``.
 
     Raises:
         SystemExit: 2 without a script (usage); whatever the script raises.
     """
+    spare = argv[:1] == ["--spare"]
+    if spare:
+        if len(argv) < 3 or not argv[1].isdigit():
+            argv = []
+        else:
+            wait_at_init(int(argv[1]))
+            argv = argv[2:]
     if not argv:
-        print("usage: python -m trainguard.rejoin.replacement SCRIPT [ARG...]", file=sys.stderr)
+        print("usage: python -m trainguard.rejoin.replacement [--spare ID] SCRIPT [ARG...]", file=sys.stderr)
         raise SystemExit(2)
     skip_initial_broadcast()
+    import trainguard.guard  # noqa: F401  (the rank-side stack, imported lazily by the script otherwise)
+
     sys.argv = list(argv)
     sys.path.insert(0, str(Path(argv[0]).resolve().parent))
     runpy.run_path(argv[0], run_name="__main__")
