@@ -135,3 +135,28 @@ def test_sigkilled_rank_is_replaced_in_process_and_run_matches_clean(tmp_path, c
     sent = events(run, "state_transferred")[0]["details"]
     assert sent["rank"] == 0 and sent["to_ranks"] == [1] and sent["bytes"] > 0
     assert final_hash(run) == clean_hash(STEPS)
+
+
+def test_hung_rank_is_killed_by_the_supervisor_and_replaced_in_process(tmp_path, clean_hash):
+    """Rank 1 SIGSTOPs itself at step 60: the supervisor finds it silent past the learned step
+    timeout, dumps its stacks and kills it; rank 0, stuck in the step's all-reduce until then,
+    notices the lost peer and the run goes on in-process with a replacement."""
+    run = tmp_path / "run"
+    proc = launch(
+        run,
+        f"train.max_steps={STEPS}",
+        "checkpoint.interval=10",
+        "recovery.in_process=true",
+        "supervisor.step_timeout=3",
+        extra=("--inject", "rank_hung:rank=1,step=60"),
+    )
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    hang = events(run, "hang_detected")
+    assert [e["details"]["rank"] for e in hang] == [1]
+    assert not events(run, "group_restart") and len(events(run, "workers_started")) == 1
+    assert _pids(run, "start")[0] == _pids(run, "end")[0]
+    done = events(run, "recovery_finished")
+    assert len(done) == 1 and done[0]["details"]["steps_lost"] == 0
+    # training again soon after the detection: the recovery itself, not a restart from a checkpoint
+    assert done[0]["time"] - hang[0]["details"]["detected_at"] < 30
+    assert final_hash(run) == clean_hash(STEPS)

@@ -8,7 +8,7 @@ monitor loop in place of ``_invoke_run``:
   once (after SIGCONT, for a stopped one): they cannot finish a collective or a save without the
   dead peer, and torch's own close would SIGTERM them and wait up to 30 s;
 * with in-process recovery (``replacer``, :mod:`.replace`), a rank that dies while the others run
-  is replaced by a new process and the survivors keep running; a second failure while that
+  (or that the hang supervisor killed) is replaced by a new process and the survivors keep running; a second failure while that
   generation forms, a spent replacement budget or a generation that does not form in time fall
   back to the group restart above (``recovery_fallback``);
 * a rank that exits with a *decision* code is not restarted: 75 (requeue: the ranks stopped and
@@ -177,6 +177,8 @@ class TrainguardAgent(ElasticAdapter):
             reason = next((r for hook in self.poll_hooks if (r := hook(self))), None)
             if reason is not None:
                 self.events.emit("group_unhealthy", reason=reason)
+                if self.replacer is not None and self.replacer.can_replace() is None:
+                    continue  # the supervisor SIGKILLed the hung ranks: the next poll replaces them in-process
                 if not self._restart_or_give_up(reason):
                     return RunResult(state=WorkerState.FAILED)
             elif spec.rdzv_handler.num_nodes_waiting() > 0:  # membership change: not a failure
