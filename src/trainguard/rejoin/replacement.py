@@ -24,6 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..outcomes import BadInput
 from .protocol import spare_store_from_environ, wait_for_assignment
 
 
@@ -57,7 +58,7 @@ def main(argv: list[str]) -> None:
     """Run ``argv[0]`` (the script) as ``__main__`` with ``sys.argv = argv``.
 
     Raises:
-        SystemExit: 2 without a script (usage); whatever the script raises.
+        BadInput: no script (the usage line is printed first; exit code 2); whatever the script raises.
     """
     spare = argv[:1] == ["--spare"]
     if spare:
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> None:
             argv = argv[2:]
     if not argv:
         print("usage: python -m trainguard.rejoin.replacement [--spare ID] SCRIPT [ARG...]", file=sys.stderr)
-        raise SystemExit(2)
+        raise BadInput("no script given")
     skip_initial_broadcast()
     import trainguard.guard  # noqa: F401  (the rank-side stack, imported lazily by the script otherwise)
 
