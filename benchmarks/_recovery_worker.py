@@ -67,6 +67,12 @@ def _parse() -> tuple[argparse.Namespace, list[str]]:
         default=-1,
         help="this rank pauses --pause-s seconds (no collective) after step --pause-step, every attempt",
     )
+    p.add_argument(
+        "--guard-api",
+        action="store_true",
+        help="trainguard mode: forward/backward through guard.run_step and the update through guard.should_step "
+        "(what in-process recovery needs to redo an interrupted step)",
+    )
     p.add_argument("--pause-step", type=int, default=0)
     p.add_argument("--pause-s", type=float, default=0.0)
     return p.parse_known_args()  # --set/--config are trainguard's
@@ -151,7 +157,13 @@ def main() -> None:
         first = True
         for _ in guard.steps(args.steps):
             t0 = time.perf_counter()
-            loss = train_step()
+            if args.guard_api:
+                opt.zero_grad(set_to_none=True)
+                loss = guard.run_step(lambda b: torch.nn.functional.mse_loss(ddp(b[0]), b[1]), (x, y))
+                if guard.should_step(loss):
+                    opt.step()
+            else:
+                loss = train_step()
             _pad(t0, args.step_ms)
             guard.step_end(loss=loss)
             if first and rank == 0:

@@ -249,6 +249,37 @@ def test_goodput_breakdown_of_a_known_timeline():
     assert report["checkpoint_interval"]["young_seconds"] == pytest.approx(math.sqrt(2 * 1.0 * 62.0), rel=1e-4)
 
 
+def test_in_process_recovery_is_counted_apart_from_group_restarts():
+    """A rank killed at step 25 and replaced in-process (the segment goes on, nothing is redone),
+    then a kill recovered by a group restart from step 40's checkpoint."""
+    log = [
+        ev(0, "launch", rank=None),
+        ev(1, "workers_started", rank=None, restart=0),
+        ev(10, "start", 0, first_step=0, resumed_from=None),
+        ev(34.9, "fault_injected", 25, rank=1, fault="rank_killed"),
+        ev(35, "recovery_started", 26, during="run_step"),
+        ev(35.1, "workers_failed", rank=None, exit_codes={"1": -9}),
+        ev(35.1, "recovery_started", rank=None, generation=1, ranks=[1], warm=[1]),
+        ev(35.9, "recovery_finished", 25, generation=1, replaced=[1], seconds=0.9, steps_lost=0, redo_step=26),
+        ev(40, "checkpoint_committed", 40, bytes=100, seconds=0.1, reason="interval"),
+        ev(45, "workers_failed", rank=None, exit_codes={"1": -9}),
+        ev(45, "recovery_fallback", rank=None, reason="in-process replacement budget spent (1)"),
+        ev(45, "group_restart", rank=None, reason="rank failure"),
+        ev(45.5, "workers_started", rank=None, restart=1),
+        ev(50, "start", 40, attempt=1, first_step=40, resumed_from="step-40"),
+        ev(60, "end", 50, attempt=1, state_sha256="x"),
+        ev(61, "launch_exit", rank=None, code=0, reason="finished", seconds=61),
+    ]
+    report = build_report(log)
+    first, second = report["incidents"]
+    assert first["in_process"] and first["steps_lost"] == 0 and first["resumed_from_step"] == 25
+    assert first["time_to_recover"] == pytest.approx(0.8)
+    assert not second["in_process"] and second["resumed_from_step"] == 40 and second["time_to_recover"] == 5.0
+    assert report["failure_recovery"]["in_process"] == {"count": 1, "median_seconds": 0.8, "steps_lost": 0}
+    assert report["failure_recovery"]["group_restart"]["count"] == 1
+    assert "failures recovered: in process 1 (median 0.800 s to recover, 0 steps lost)" in render_text(report)
+
+
 def test_copy_of_a_live_run_reports_running(chaos, tmp_path):
     """A log cut in the middle of the second launch (as while it runs): the launch is open."""
     lines = (chaos / "events.jsonl").read_text().splitlines()

@@ -57,8 +57,24 @@ def _incident(inc: Incident, t0: float, redone: float, checkpoints: list[dict]) 
         "steps_lost": _step(lost),
         "redone_seconds": _r(redone),
         "planned": inc.planned,
+        "in_process": inc.in_process,
         "reason": inc.reason,
     }
+
+
+def _failure_recovery(incidents: list[dict]) -> dict:
+    """Lost ranks and hangs by how training went on: in-process (the survivors stayed) or by a
+    group restart; for each, the count, the median time to recover (seconds) and the steps lost."""
+    out = {}
+    for how, in_process in (("in_process", True), ("group_restart", False)):
+        done = [i for i in incidents if i["kind"] in FAILURE_KINDS and i["in_process"] == in_process and i["recovered"]]
+        times = sorted(i["time_to_recover"] for i in done if i["time_to_recover"] is not None)
+        out[how] = {
+            "count": len(done),
+            "median_seconds": _r(times[len(times) // 2]) if times else None,
+            "steps_lost": _step(sum(i["steps_lost"] or 0 for i in done)),
+        }
+    return out
 
 
 def _status(history: RunHistory) -> tuple[str, Optional[int]]:
@@ -115,6 +131,7 @@ def build_report(events: Iterable[dict]) -> dict:
         "time_breakdown": {k: _r(v, 6) for k, v in parts.items()},
         "steps_lost": _step(sum(i["steps_lost"] or 0 for i in incidents)),
         "incident_counts": counts,
+        "failure_recovery": _failure_recovery(incidents),
         "incidents": incidents,
         "checkpoints": {k: (_r(v) if isinstance(v, float) else v) for k, v in ckpt.items() if k != "save_seconds"}
         | {"save_seconds": {k: _r(v, 4) for k, v in ckpt["save_seconds"].items()}},

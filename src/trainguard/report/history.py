@@ -230,6 +230,25 @@ class RunHistory:
         )
         self._end_segment(inc, "failed")
 
+    def _on_recovery_started(self, e: dict, d: dict) -> None:
+        """The launcher replaces lost ranks in-process (``rank`` null): the failure it just reported
+        is recovered without a restart; the training segment goes on."""
+        if e["rank"] is not None or not self._pending:
+            return
+        inc = self._pending.pop()
+        inc.in_process = True
+        seg = inc.segment
+        if seg is not None and seg.how == "failed":
+            seg.end, seg.how = None, "running"
+
+    def _on_recovery_finished(self, e: dict, d: dict) -> None:
+        """A survivor trains again: the in-process incident's recovery (the first survivor's event)."""
+        for inc in reversed(self.incidents):
+            if inc.in_process and inc.recovered_at is None and inc.kind in ("rank_killed", "rank_crashed", "hang"):
+                inc.recovered_at, inc.resumed_step = e["time"], float(e["step"])
+                self._add_point(e, e["time"], e["step"])
+                return
+
     def _on_stop_requested(self, e: dict, d: dict) -> None:
         reason = str(d.get("reason"))
         kind = STOP_KINDS.get(reason, reason)

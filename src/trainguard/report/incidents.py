@@ -2,7 +2,8 @@
 
 An *incident* is a failure or a stop, with when it began (``failed_at``: the moment the loop stopped
 making progress), when it was seen (``detected_at``), when training went on (``recovered_at``: the
-next ``start``, or for in-process recoveries the ``rollback`` / ``micro_batch_split`` event) and
+next ``start``, or for in-process recoveries the ``rollback`` / ``micro_batch_split`` event, or a
+survivor's ``recovery_finished`` after a lost rank was replaced in-process) and
 the steps it cost (failure step − the step training went on from). Sources:
 
 * ``workers_failed`` with a crash code → ``rank_killed`` (a signal) or ``rank_crashed`` (an exit

@@ -74,6 +74,15 @@ def _incidents(report: dict) -> list[str]:
     lines = [f"Incidents: {len(incidents)}" + (f" ({injected} injected)" if injected else "")]
     if not incidents:
         return lines
+    rec = report["failure_recovery"]
+    if rec["in_process"]["count"]:
+        parts = [
+            f"{how.replace('_', ' ')} {r['count']} (median {duration(r['median_seconds'])} to recover, "
+            f"{_steps(r['steps_lost'])} steps lost)"
+            for how, r in rec.items()
+            if r["count"]
+        ]
+        lines.append("  failures recovered: " + "; ".join(parts))
     kinds = report["incident_counts"]
     if len(kinds) > 1 or len(incidents) > MAX_ROWS:
         lines.append("  by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
