@@ -15,6 +15,11 @@ Time to recover = ``fault_injected`` → rank 0 ready to train again (its ``star
 restarted attempt, or its ``recovery_finished``); steps lost = completed steps trained again
 (the fault step minus the step training resumes from). Medians and ranges of ``--trials`` (6).
 
+The steady-state cost of the machinery (the per-step boundary state written to ``/dev/shm``, the
+spare waiting beside the ranks) is measured on the same job without a fault: the step time
+(``start`` → ``end`` of rank 0, per step) with in-process recovery and a warm spare against
+without, trials interleaved.
+
     .venv/bin/python benchmarks/inprocess_recovery.py [--trials 6] [--smoke]
 """
 
@@ -28,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from _common import SMOKE_HELP
 from _common import run_events as _events
@@ -42,16 +48,16 @@ CONFIGS = {
 }
 
 
-def trial(args: argparse.Namespace, name: str, run_dir: Path) -> dict:
+def _launch(args: argparse.Namespace, name: str, run_dir: Path, fault: bool) -> tuple[int, list[dict]]:
     sets = [f"checkpoint.interval={args.ckpt_every}", *CONFIGS[name]]
+    inject = ["--inject", f"rank_killed:rank=1,step={args.fault_step}"] if fault else []
     cmd = _trainguard() + [
         "run",
         "--nproc-per-node",
         "2",
         "--run-dir",
         str(run_dir),
-        "--inject",
-        f"rank_killed:rank=1,step={args.fault_step}",
+        *inject,
         str(WORKER),
         "--mode",
         "trainguard",
@@ -63,7 +69,21 @@ def trial(args: argparse.Namespace, name: str, run_dir: Path) -> dict:
         *[x for s in sets for x in ("--set", s)],
     ]
     code = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300).returncode
-    ev = _events(run_dir)
+    return code, _events(run_dir)
+
+
+def step_time(args: argparse.Namespace, name: str, run_dir: Path) -> Optional[float]:
+    """Seconds per step of a run without a fault (rank 0's start → end), ``None`` if it failed."""
+    code, ev = _launch(args, name, run_dir, fault=False)
+    start = next((e for e in ev if e["kind"] == "start" and e["rank"] == 0), None)
+    end = next((e for e in ev if e["kind"] == "end" and e["rank"] == 0), None)
+    if code != 0 or start is None or end is None:
+        return None
+    return (end["time"] - start["time"]) / (end["step"] - start["details"]["first_step"])
+
+
+def trial(args: argparse.Namespace, name: str, run_dir: Path) -> dict:
+    code, ev = _launch(args, name, run_dir, fault=True)
     fault = next((e for e in ev if e["kind"] == "fault_injected"), None)
     if fault is None or code != 0:
         return {"name": name, "error": f"exit code {code}, fault injected: {fault is not None}"}
@@ -95,6 +115,7 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="tg-bench-inprocess-"))
     load0 = os.getloadavg()[0]
     results: list[dict] = []
+    steady: dict[str, list[Optional[float]]] = {}
     try:
         for t in range(args.trials):
             for name in CONFIGS:
@@ -102,6 +123,10 @@ def main() -> int:
                 results.append(r)
                 got = f"{r['seconds']:.2f} s, {r['lost']} steps lost" if r["error"] is None else r["error"]
                 print(f"trial {t + 1}/{args.trials} {name:>17}: {got}", flush=True)
+            for name in ("restart", "in-process, warm"):
+                st = step_time(args, name, base / f"steady-{name.replace(', ', '-')}-{t}")
+                steady.setdefault(name, []).append(st)
+                print(f"trial {t + 1}/{args.trials} {name:>17}: no fault, {st and st * 1e3:.2f} ms/step", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     med = statistics.median
@@ -120,8 +145,17 @@ def main() -> int:
         cell = f"{med(s):.2f} [{min(s):.2f}–{max(s):.2f}]" if s else "—"
         ratio = f"{med(s) / base_med:.2f}" if s and base_med else "—"
         print(f"| {n:<17} | {cell:>22} | {ratio:>9} | {','.join(map(str, lost)) or '—':>10} | {failed:>6} |")
+    off = [x for x in steady.get("restart", []) if x is not None]
+    on = [x for x in steady.get("in-process, warm", []) if x is not None]
+    if off and on:
+        print(
+            f"\nsteady state, no fault ({args.steps} steps padded to {args.step_ms:.0f} ms): "
+            f"{med(off) * 1e3:.2f} ms/step without in-process recovery, {med(on) * 1e3:.2f} ms/step with it and a "
+            f"warm spare: overhead {(med(on) / med(off) - 1) * 100:+.1f} % (median of {len(on)})"
+        )
     print(f"load average at start {load0:.2f}, at end {os.getloadavg()[0]:.2f} (1 min)")
     errors = [f"{r['name']}: {r['error']}" for r in results if r["error"]]
+    errors += [f"{n}: the run without a fault failed" for n, v in steady.items() if None in v]
     if errors:
         print("did not recover: " + " | ".join(errors))
         return 1

@@ -41,7 +41,7 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
         ["--launchers", "trainguard", "--skip", "trainguard:hang"],
         ["fault on rank 1 at step", "phases of the recovery"],
     ),
-    "inprocess_recovery.py": ([], ["kill of rank 1 at step", "| in-process, warm", "load average at start"]),
+    "inprocess_recovery.py": ([], ["kill of rank 1 at step", "| in-process, warm", "steady state, no fault"]),
 }
 NVRX = Path("/tmp/nvrx")  # recovery_compare.py's default --nvrx
 

@@ -93,8 +93,9 @@ def test_slow_rank_is_flagged_with_its_host(tmp_path):
     # two cores with another test (30 % was not: under pytest-xdist rank 0 was flagged as often)
     assert 0.2 < slow[0]["relative"] < 0.9
     reports = details(run, "straggler_report")
-    # two ranks on two busy cores make single windows noisy; rank 1 is the straggler in most
-    assert sum(r["stragglers"] == [1] for r in reports) > len(reports) / 2
+    # two ranks on two busy cores make single windows noisy (another test's ranks share them under
+    # pytest-xdist, so rank 0 is flagged now and then too); rank 1 is among the stragglers in most
+    assert sum(1 in r["stragglers"] for r in reports) > len(reports) / 2
 
     # a clean run is not flagged: tests/test_decisions_stop.py (scores from given timings; real timings
     # on a shared 2-core machine make one rank really slower whenever another process takes its core)

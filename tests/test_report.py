@@ -17,6 +17,9 @@ import pytest
 from conftest import REPO, events, finish, launch, logged_step, wait_for
 from trainguard.report import ReportError, build_report, daly_interval, load_events, main, render_text, young_interval
 
+# one worker under pytest-xdist runs this module, so that the chaos run (a module fixture) runs once
+pytestmark = pytest.mark.xdist_group("report")
+
 # the relaunch injects its hang a little after the step the SIGTERM stopped at: max_steps leaves room
 COMMON = ("train.max_steps=300", "checkpoint.interval=10", "supervisor.step_timeout=3")
 
