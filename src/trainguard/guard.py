@@ -68,6 +68,7 @@ from .oom import MicroBatcher
 from .outcomes import BadInput, Outcome, Requeue
 from .rejoin import boundary as rejoin_boundary
 from .rejoin import regroup
+from .rejoin.protocol import Generation
 from .rejoin.rank import Rejoin
 from .rundir import prepare_run_dir
 from .signals import ShutdownHandler
@@ -552,7 +553,7 @@ class Guard:
         )
         self._t_last = time.perf_counter()
 
-    def _meet(self, gen: Any) -> None:
+    def _meet(self, gen: Generation) -> None:
         """Both sides of a recovery, in the same order: agree on the step boundary, move the model
         and optimizer from the lowest surviving rank, start the liveness ping on the new group."""
         agreed = tgdist.all_reduce_max([self.step, -self.step])
