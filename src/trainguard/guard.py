@@ -393,7 +393,8 @@ class Guard:
         self.straggler.record_step(now - self._t_last)
         self._t_last = now
         self.last_loss = loss
-        self.rejoin.keep(self.rank_state())  # what a replacement of this rank starts from
+        if self.rejoin.active:  # what a replacement of this rank starts from (off: no per-step cost)
+            self.rejoin.keep(self.rank_state())
         if self.faults.pending:  # inside the step section: an injected hang is a hang mid-step
             self.faults.at(self.step, "step")
         if self.heartbeat is not None:
@@ -465,7 +466,8 @@ class Guard:
         hosts = self.hosts = tgdist.gather_objects(socket.gethostname())
         self.straggler.set_hosts(hosts)
         self._resume()
-        self.rejoin.keep(self.rank_state())
+        if self.rejoin.active:
+            self.rejoin.keep(self.rank_state())
         self.ping = health.start(
             self.cfg.health,
             self.store,
