@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import pickle
 import signal
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,9 @@ import torch.distributed as dist
 from conftest import events, final_hash, finish, launch
 from trainguard.launcher.replace import REPLACEMENT_MODULE, replacement_command
 from trainguard.rejoin import regroup
-from trainguard.rejoin.boundary import BoundaryState, read
+from trainguard.rejoin.boundary import PLAIN, TORCH, BoundaryState, decode, encode, read
 from trainguard.rejoin.protocol import Generation, RecoveryStore, connect, is_peer_failure, parse_address, serve
+from trainguard.state import capture_rng
 
 STEPS = 150  # as test_launcher.py: the clean_hash fixture's run is shared
 
@@ -62,6 +65,36 @@ def test_boundary_state_outlives_the_process_that_kept_it(tmp_path):
     assert not list(tmp_path.iterdir())
     with pytest.raises(FileNotFoundError):
         read(tmp_path, 3)
+
+
+def _same(a, b) -> bool:
+    """Equal values of equal types, tensors by dtype, shape and content."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def test_boundary_encoding_round_trips_and_refuses_classes():
+    state = {
+        "step": 7,
+        "rng": capture_rng(),
+        "extra": {"mixed": [1, 2.5, None, True, "x", b"y", (1, 2)], 3: {"empty": torch.empty(0, 3)}},
+        "tensors": [torch.randn(3, 2).bfloat16(), torch.tensor(3.5), torch.arange(5), torch.tensor([True, False])],
+    }
+    blob = encode(state)
+    assert blob[:1] == PLAIN  # the fast path: plain values and CPU tensors
+    assert _same(decode(blob), state)
+    odd = {"step": 1, "x": OrderedDict(a=1)}  # a dict subclass pickles by its class: torch.save carries it
+    assert encode(odd)[:1] == TORCH and decode(encode(odd)) == odd
+    planted = PLAIN + pickle.dumps({"step": 1, "x": Path("/etc")})  # a class inside a plain blob is refused
+    with pytest.raises(pickle.UnpicklingError, match="only built-in values"):
+        decode(planted)
+    with pytest.raises(ValueError, match="first byte"):
+        decode(b"Z123")
 
 
 def test_replacement_command_runs_the_script_through_the_replacement_module():
