@@ -243,3 +243,34 @@ def test_hang_on_second_node_is_detected_there_both_nodes_restart_and_match_clea
     for pid, exit_ in exits_by_agent(run, agents).items():
         assert exit_["code"] == 0, (pid, exit_)
         assert exit_["state_sha256"] == clean_hash(STEPS), (pid, exit_)
+
+
+def test_rank_killed_on_either_node_is_replaced_in_process_across_nodes(tmp_path, clean_hash):
+    """In-process recovery on two nodes: rank 1 SIGKILLs itself at step 77; the agent of its node
+    replaces it (a warm spare of that node), drawing the generation from node 0's recovery store;
+    rank 0, on the other node, keeps its process; both agents end with the clean hash."""
+    run = tmp_path / "run"
+    overrides = (f"train.max_steps={STEPS}", INTERVAL, "recovery.in_process=true", "launcher.spares=1")
+    with two_nodes(run, *overrides, extra=("--inject", "rank_killed:rank=1,step=77")) as agents:
+        codes = finish_both(run, agents)
+    check_finished(run, codes)
+
+    faults = events(run, "fault_injected")
+    assert len(faults) == 1 and faults[0]["rank"] == 1, faults
+    lost_node = node_of_worker(run, agents, faults[0]["pid"])
+    assert not events(run, "group_restart") and not events(run, "recovery_fallback"), logs(run)
+    assert sorted(e["pid"] for e in events(run, "workers_started")) == sorted(a.pid for a in agents)
+    started = [e for e in events(run, "recovery_started") if e["rank"] is None]
+    assert [(e["pid"], e["details"]["generation"], e["details"]["warm"]) for e in started] == [
+        (agents[lost_node].pid, 1, [1])
+    ], started
+    replaced = events(run, "rank_replaced")
+    assert [(e["rank"], e["step"]) for e in replaced] == [(1, 77)], replaced
+    starts, ends = events(run, "start"), events(run, "end")
+    assert [e["pid"] for e in starts if e["rank"] == 0] == [e["pid"] for e in ends if e["rank"] == 0]
+    done = events(run, "recovery_finished")
+    assert len(done) == 1 and done[0]["details"]["steps_lost"] == 0, done
+    joined = events(run, "generation_joined")
+    assert [e["pid"] for e in joined] == [agents[lost_node].pid], joined
+    for pid, exit_ in exits_by_agent(run, agents).items():
+        assert exit_["code"] == 0 and exit_["state_sha256"] == clean_hash(STEPS), (pid, exit_)

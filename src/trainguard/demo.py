@@ -1,8 +1,10 @@
 """``trainguard demo``: train the example GPT twice, once cleanly and once with faults, and compare.
 
 The faulted run gets SIGTERM at about 1/3 of ``train.max_steps`` (preemption: the launcher must
-exit with 75 and a relaunch resumes), then SIGKILL of local rank 1 at about 2/3 (the launcher
-restarts the group from the newest valid checkpoint). The demo then prints the steps lost, the
+exit with 75 and a relaunch resumes), then SIGKILL of local rank 1 at about 2/3 (with in-process
+recovery, on in the demo, rank 0 keeps running and a warm spare takes rank 1's place with the
+state from rank 0's memory; with ``--set recovery.in_process=false`` the launcher restarts the
+group from the newest valid checkpoint). The demo then prints the steps lost, the
 recovery times, both validation losses and whether both final states are bitwise identical.
 
 Layout of ``RUN_DIR``: ``clean/`` and ``faults/`` (run directories, emptied first), ``clean.log``
@@ -35,6 +37,9 @@ from .config import ConfigError, load_config
 from .events import read_events
 from .exitcodes import ExitCode, describe
 
+# what the demo turns on beyond the example's defaults (a user's --set comes after and wins):
+# in-process recovery, so that the SIGKILL costs neither the survivors nor a completed step
+DEMO_SETTINGS = ("recovery.in_process=true",)
 LAUNCH_TIMEOUT = 600.0  # seconds one launch may take before the demo kills it
 POLL = 0.2
 _STEP_LINE = re.compile(r"^step (\d+)/(\d+) ")
@@ -217,9 +222,16 @@ def fault_rows(faults: Path, term: Launch, relaunch: Launch) -> list[tuple[str, 
     rows.append(("SIGTERM → requeue", str(step), *_resumed(resume, step), recover))
     if relaunch.fault_time is None:
         return rows + [("SIGKILL rank 1", "not injected", "-", "-", "-")]
+    recovered = [e for e in events_after(faults, "recovery_finished", relaunch.fault_time) if e["rank"] is not None]
+    if recovered:  # in-process: the survivors kept their state, a replacement took rank 1's place
+        done = recovered[0]
+        recover = f"{done['time'] - relaunch.fault_time:.2f} s after kill\n(in-process, survivors kept)"
+        kept = f"{done['step']}\n(in memory)"
+        lost = str(done["details"]["steps_lost"])
+        return rows + [("SIGKILL rank 1", str(relaunch.fault_step), kept, lost, recover)]
     resume = events_after(faults, "resume", relaunch.fault_time)
     start = events_after(faults, "start", relaunch.fault_time)
-    recover = f"{start[0]['time'] - relaunch.fault_time:.1f} s after kill" if start else "-"
+    recover = f"{start[0]['time'] - relaunch.fault_time:.1f} s after kill\n(group restart)" if start else "-"
     rows.append(("SIGKILL rank 1", str(relaunch.fault_step), *_resumed(resume, relaunch.fault_step), recover))
     return rows
 
@@ -249,7 +261,7 @@ def report(run_dir: Path, term: Launch, relaunch: Launch) -> int:
         "steps\nlost",
         "time to recover",
         title="injected faults",
-        caption="lost: fault step − checkpoint step resumed from;\nrecovery: until the resumed group's first step",
+        caption="lost: completed steps trained again;\nrecovery: until the group trains again",
     )
     for row in fault_rows(run_dir / "faults", term, relaunch):
         table.add_row(*row)
@@ -281,7 +293,7 @@ def run_demo(run_dir: Path, overrides: list[str]) -> int:
         ConfigError: the example is missing, an override is bad, or the run is too short.
     """
     script = example_script()
-    cfg = load_example_config(script, overrides)
+    cfg = load_example_config(script, [*DEMO_SETTINGS, *overrides])
     total = cfg.train.max_steps
     term_at, kill_at = fault_steps(total, cfg.train.log_interval, cfg.checkpoint.interval)
     run_dir = Path(run_dir).resolve()
@@ -300,7 +312,7 @@ def run_demo(run_dir: Path, overrides: list[str]) -> int:
             "--run-dir",
             str(run_dir / sub),
             str(script),
-            *[a for o in overrides for a in ("--set", o)],
+            *[a for o in (*DEMO_SETTINGS, *overrides) for a in ("--set", o)],
         ]
 
     console.print(f"trainguard demo: {total} steps of {script.name} on 2 ranks, twice; output in {run_dir}")

@@ -36,6 +36,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
 from ..events import EventLog
 from ..exitcodes import ExitCode
+from ..launch_env import RECOVERY_STORE
 from ..supervisor.monitor import HangMonitor
 from .elastic import ElasticAdapter
 from .record import LaunchRecord
@@ -124,6 +125,14 @@ class TrainguardAgent(ElasticAdapter):
         self.shutdown_workers(timeout=max(1, math.ceil(self.kill_grace)))
         if self.monitor is not None:
             self.monitor.group_stopped()
+
+    def after_rendezvous(self) -> None:
+        """In-process recovery: every node's workers and replacers share node 0's recovery store
+        (its address goes from node 0's agent to the others through the rendezvous store); the
+        workers find it in their environment."""
+        if self.replacer is not None:
+            group = self.worker_group
+            os.environ[RECOVERY_STORE] = self.replacer.share(group.store, group.group_rank)
 
     def _start_group(self) -> None:
         self._forwarded_to = set()

@@ -24,10 +24,13 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 #   _stop_workers: what torch's own code calls to stop the group (overridden: runs stop_group())
 #   _initialize_workers: rendezvous + start of the group; _monitor_workers: one poll of the group
 #   _exit_barrier: wait for the other nodes at the end; _shutdown: SIGTERM, wait, SIGKILL the workers
+#   _rendezvous: the rendezvous part of _initialize_workers (extended: runs after_rendezvous() before
+#   the workers start)
 AGENT_METHODS = (
     "_invoke_run",
     "_stop_workers",
     "_initialize_workers",
+    "_rendezvous",
     "_monitor_workers",
     "_exit_barrier",
     "_shutdown",
@@ -93,9 +96,18 @@ class ElasticAdapter(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self.stop_group()
 
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        self.after_rendezvous()
+
     def monitor_loop(self) -> RunResult:
         """Start the group and supervise it until the launch ends (subclasses implement it)."""
         raise NotImplementedError
+
+    def after_rendezvous(self) -> None:
+        """Runs after each rendezvous, before the workers start (``worker_group.store`` is the
+        rendezvous round's store, shared by every node's agent; ``worker_group.group_rank`` this
+        node's rank). Does nothing unless a subclass overrides it."""
 
     def stop_group(self) -> None:
         """Stop the running group (subclasses implement it; see :meth:`shutdown_workers`)."""

@@ -10,7 +10,9 @@ environment plus:
   own store with ``TORCHELASTIC_USE_AGENT_STORE=True``, so the script's ``init_process_group`` joins
   the group the survivors form;
 
-then publishes the generation. A warm spare (``[launcher] spares``, started with the group and
+then publishes the generation. On several nodes every agent and rank uses node 0's recovery store
+(:meth:`Replacer.share`); generation numbers are drawn from it, and the agent of the node that lost
+a rank starts its replacement and the generation's store on its own node. A warm spare (``[launcher] spares``, started with the group and
 waiting in the script's ``init_process_group``) is assigned the lost rank's environment instead of
 starting a new process; a new spare is then started in the background. :meth:`poll` tells the agent when the replacements have joined, or
 that recovery did not finish within its bound (the agent then restarts the group).
@@ -26,11 +28,12 @@ from pathlib import Path
 from typing import Optional
 
 from ..events import EventLog
-from ..launch_env import JOIN
-from ..rejoin.protocol import Generation, RecoveryStore, assign_spare, serve
+from ..launch_env import JOIN, RECOVERY_STORE
+from ..rejoin.protocol import Generation, RecoveryStore, assign_spare, connect, parse_address, serve
 from ..sections import RecoverySection
 
 REPLACEMENT_MODULE = "trainguard.rejoin.replacement"
+SHARED_KEY = "trainguard/recovery_store"  # in the rendezvous store: node 0's recovery store address
 
 
 class Replacer:
@@ -41,8 +44,11 @@ class Replacer:
         events: the launcher's event log.
         script: the training script's path as it appears in the workers' command line.
         boundary_dir: the node-local directory of the ranks' step-boundary files (removed by :meth:`close`).
-        host: this node's address for the stores (loopback on one node).
+        host: this node's address for the stores, as the other nodes reach it (loopback on one node).
         spares: warm spares to keep (``[launcher] spares``).
+
+    Stores: :attr:`server` (this agent's, on a free port of ``host``) holds the spares' assignments;
+    the recovery keys of the group (generations, joins) are in node 0's (:meth:`share`).
     """
 
     def __init__(
@@ -56,7 +62,9 @@ class Replacer:
     ):
         self.cfg, self.events, self.script, self.boundary_dir, self.host = cfg, events, script, boundary_dir, host
         self.server = serve(host)
-        self.address = f"{host}:{self.server.port}"
+        self.local_address = f"{host}:{self.server.port}"
+        self.address = self.local_address  # of the recovery store the group shares (see share())
+        self.shared = self.server
         self.replacements = 0
         self.attempt = 0
         self.generation = 0
@@ -68,6 +76,23 @@ class Replacer:
         self.spares: dict[int, subprocess.Popen] = {}  # spare id -> waiting process
         self._spare_ids = 0
         self._template: Optional[tuple[list[str], dict[str, str]]] = None
+
+    def share(self, rdzv_store, group_rank: int) -> str:
+        """After a rendezvous: node 0 (``group_rank`` 0) offers its recovery store to the others
+        through the rendezvous round's store ``rdzv_store``; the others connect to it. Returns the
+        shared store's address (``HOST:PORT``, for the workers' ``TRAINGUARD_RECOVERY_STORE``).
+
+        Raises:
+            torch.distributed.DistStoreError: node 0's address did not come within the store's timeout.
+        """
+        if group_rank == 0:
+            rdzv_store.set(SHARED_KEY, self.local_address)
+            self.address, self.shared = self.local_address, self.server
+        else:
+            address = rdzv_store.get(SHARED_KEY).decode()
+            if address != self.address:
+                self.address, self.shared = address, connect(*parse_address(address), self.cfg.timeout)
+        return self.address
 
     def group_started(self, attempt: int) -> None:
         """A (re)started group: generations count from 0 again, under the new attempt's keys."""
@@ -84,7 +109,8 @@ class Replacer:
         while len(self.spares) < self.want_spares:
             self._spare_ids += 1
             cmd = replacement_command(argv, self.script, ["--spare", str(self._spare_ids)])
-            self.spares[self._spare_ids] = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
+            spare_env = {**os.environ, **env, RECOVERY_STORE: self.local_address}  # assigned here, by this agent
+            self.spares[self._spare_ids] = subprocess.Popen(cmd, env=spare_env, start_new_session=True)
 
     def can_replace(self) -> Optional[str]:
         """``None`` when a replacement may start now, else why not (the agent restarts the group)."""
@@ -105,7 +131,8 @@ class Replacer:
         Returns:
             ``{global_rank: Popen}`` of the replacements.
         """
-        self.generation += 1
+        recovery = RecoveryStore(self.shared, self.attempt)
+        self.generation = recovery.next_number()
         store = serve(self.host)
         self._stores.append(store)
         gen = Generation(self.generation, self.host, store.port, tuple(sorted(lost)), world_size)
@@ -126,7 +153,7 @@ class Replacer:
                 warm.append(rank)
             else:  # cold: its own session, as torch starts workers (torch's stop signals the process group)
                 procs[rank] = subprocess.Popen(replacement_command(argv, self.script), env=env, start_new_session=True)
-        RecoveryStore(self.server, self.attempt).publish(gen)
+        recovery.publish(gen)
         self.replacements += len(lost)
         self.pending = gen
         self._started = time.monotonic()
@@ -148,7 +175,7 @@ class Replacer:
         event), else why recovery failed (not finished within ``[recovery] timeout`` + 5 s)."""
         if self.pending is None:
             return None
-        if RecoveryStore(self.server, self.attempt).all_joined(self.pending):
+        if RecoveryStore(self.shared, self.attempt).all_joined(self.pending):
             self.events.emit(
                 "generation_joined",
                 generation=self.pending.number,

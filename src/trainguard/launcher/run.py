@@ -258,11 +258,17 @@ def _run_agent(
     hb_root = _node_local_dir("trainguard-hb-")
     monitor = HangMonitor(cfg, run_dir, hb_root, events) if cfg.supervisor.enabled else None
     replacer = None
-    if cfg.recovery.in_process and max_nodes == 1:  # multi-node: the group restart (not yet in-process)
+    if cfg.recovery.in_process:
         from .replace import Replacer
 
+        host = "127.0.0.1" if max_nodes == 1 else (opts.local_addr or socket.getfqdn())  # as torch's rendezvous
         replacer = Replacer(
-            cfg.recovery, events, opts.script, _node_local_dir("trainguard-rejoin-"), spares=cfg.launcher.spares
+            cfg.recovery,
+            events,
+            opts.script,
+            _node_local_dir("trainguard-rejoin-"),
+            host=host,
+            spares=cfg.launcher.spares,
         )
     to_ranks = LaunchEnv(
         run_dir=run_dir,

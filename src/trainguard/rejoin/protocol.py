@@ -2,6 +2,7 @@
 
 Keys (all under ``attempt{N}/``, ``N`` the worker group's restart count):
 
+* ``generations``: a counter; the launcher draws each generation's number from it.
 * ``gen/{g}``: the JSON of :class:`Generation` ``g`` (``g`` = 1, 2, ...), written by the launcher
   once it has started the replacements; the survivors of generation ``g - 1`` wait for it.
 * ``gen/{g}/joined/{rank}``: written by a replacement once it holds the transferred state; the
@@ -105,6 +106,11 @@ class RecoveryStore:
 
     def __init__(self, store: dist.Store, attempt: int):
         self.store = dist.PrefixStore(f"attempt{attempt}", store)
+
+    def next_number(self) -> int:
+        """Launcher: draw the next generation number (1, 2, ... per group attempt; atomic, so two
+        nodes' agents never publish the same one)."""
+        return int(self.store.add("generations", 1))
 
     def publish(self, gen: Generation) -> None:
         """Launcher: announce generation ``gen`` (after its replacements were started)."""
