@@ -3,16 +3,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
+import random
 import signal
 from collections import OrderedDict
 from pathlib import Path
+from typing import Optional
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import events, final_hash, finish, launch
+from conftest import events, final_hash, finish, launch, logged_step, wait_for
 from trainguard.launcher.replace import REPLACEMENT_MODULE, replacement_command
 from trainguard.rejoin import regroup
 from trainguard.rejoin.boundary import PLAIN, TORCH, BoundaryState, decode, encode, read
@@ -130,21 +135,36 @@ def _pids(run: Path, kind: str) -> dict[int, int]:
     return {e["rank"]: e["pid"] for e in events(run, kind)}
 
 
-@pytest.mark.parametrize(("section", "spares"), [("step", 1), ("checkpointing", 0)])
-def test_sigkilled_rank_is_replaced_in_process_and_run_matches_clean(tmp_path, clean_hash, section, spares):
-    """Rank 1 SIGKILLs itself at step 77 (inside the step; a warm spare takes its place) or inside
-    the checkpoint save of step 70 (no spare: a replacement is started cold): rank 0 keeps its
-    process, the replacement joins with the state from rank 0's memory and rank 1's boundary
-    file, no step is trained twice beyond the interrupted one, and the final weights equal an
-    uninterrupted run's."""
+# (section the fault fires in, step it follows, spares, extra settings, where rank 0 notices it)
+KILLS = {
+    # rank 1 dies at the end of step 77: rank 0 notices in the next step's backward (or in the stop
+    # check of step 77, when one is due then)
+    "step": ("step", 77, 1, (), ("run_step", "stop_check")),
+    # inside the save of step 70, no spare (cold replacement): the save breaks before its commit
+    "checkpointing": ("checkpointing", 70, 0, (), ("checkpointing",)),
+    # in should_step of step 81, right after the asynchronous save of step 80 was handed to its
+    # writer thread (that save commits or fails whole; the next one commits)
+    "should_step, async save": ("should_step", 80, 1, ("checkpoint.async_save=true",), ("should_step",)),
+    # in the stop check after step 64 (a check at every step): the step is complete, nothing is redone
+    "stop_check": ("stop_check", 64, 1, ("stop.check_interval=1",), ("stop_check",)),
+}
+
+
+@pytest.mark.parametrize("case", list(KILLS))
+def test_sigkilled_rank_is_replaced_in_process_and_run_matches_clean(tmp_path, clean_hash, case):
+    """Rank 1 SIGKILLs itself at a chosen place (see ``KILLS``): rank 0 keeps its process, notices
+    the lost peer where expected, a replacement (warm spare, or cold) joins with the state from rank
+    0's memory and rank 1's boundary file, no completed step is trained again, and the final
+    weights equal an uninterrupted run's."""
+    section, step, spares, extra, noticed = KILLS[case]
     run = tmp_path / "run"
-    step = 77 if section == "step" else 70
     proc = launch(
         run,
         f"train.max_steps={STEPS}",
         "checkpoint.interval=10",
         "recovery.in_process=true",
         f"launcher.spares={spares}",
+        *extra,
         extra=("--inject", f"rank_killed:rank=1,step={step},section={section}"),
     )
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
@@ -155,18 +175,78 @@ def test_sigkilled_rank_is_replaced_in_process_and_run_matches_clean(tmp_path, c
     assert _pids(run, "start")[0] == _pids(run, "end")[0]
     started = [e for e in events(run, "recovery_started") if e["rank"] is None]
     assert [e["details"]["warm"] for e in started] == [[1] if spares else []]
+    seen = [e["details"]["during"] for e in events(run, "recovery_started") if e["rank"] == 0]
+    assert len(seen) == 1 and seen[0] in noticed, seen
     replaced = events(run, "rank_replaced")
-    assert [(e["rank"], e["details"]["generation"]) for e in replaced] == [(1, 1)]
+    assert [(e["rank"], e["details"]["generation"], e["step"]) for e in replaced] == [(1, 1, step)]
     done = events(run, "recovery_finished")
     assert len(done) == 1 and done[0]["details"]["steps_lost"] == 0
-    # rank 1 dies at the end of step 77 (or in the save of step 70): rank 0 notices in that step's
-    # stop check or save (nothing to redo) or in the next step's backward (that step is done again)
-    assert replaced[0]["step"] == step
-    assert done[0]["details"]["redo_step"] in (None, step + 1)
+    # an interrupted step (noticed in run_step or should_step) is done again; after a complete
+    # step (the stop check, a save) nothing is
+    redo = step + 1 if seen[0] in ("run_step", "should_step") else None
+    assert done[0]["details"]["redo_step"] == redo
+    committed = [e["step"] for e in events(run, "checkpoint_committed")]
     if section == "checkpointing":  # the save broke before its commit: step 70 never committed
-        assert 70 not in [e["step"] for e in events(run, "checkpoint_committed")]
+        assert 70 not in committed
+    assert {90, 100, 110} <= set(committed), committed
     sent = events(run, "state_transferred")[0]["details"]
     assert sent["rank"] == 0 and sent["to_ranks"] == [1] and sent["bytes"] > 0
+    assert final_hash(run) == clean_hash(STEPS)
+
+
+def _spare_pid(launcher_pid: int) -> Optional[int]:
+    """The pid of the launcher's warm spare (``-m trainguard.rejoin.replacement --spare ID``), if any."""
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "--spare" in child.cmdline():
+                return child.pid
+    return None
+
+
+def test_spare_killed_first_then_rank_killed_at_a_random_step(tmp_path, clean_hash):
+    """The warm spare is SIGKILLed as soon as it exists, then rank 1 at a seeded random step, from
+    outside (wherever in the step it is): the launcher finds no live spare and starts the
+    replacement cold; still no restart of rank 0 and the clean result."""
+    run = tmp_path / "run"
+    proc = launch(run, f"train.max_steps={STEPS}", "checkpoint.interval=10", "recovery.in_process=true")
+    spare = wait_for(lambda: _spare_pid(proc.pid), what="the warm spare")
+    os.kill(spare, signal.SIGKILL)
+    kill_at = random.Random(1123).randint(30, 110)
+    wait_for(lambda: logged_step(run) >= kill_at, what=f"step {kill_at}")
+    os.kill(int(events(run, "workers_started")[0]["details"]["pids"]["1"]), signal.SIGKILL)
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert not events(run, "group_restart") and not events(run, "recovery_fallback")
+    started = [e for e in events(run, "recovery_started") if e["rank"] is None]
+    assert [e["details"]["warm"] for e in started] == [[]]  # the spare was dead: a cold replacement
+    assert _pids(run, "start")[0] == _pids(run, "end")[0]
+    done = events(run, "recovery_finished")
+    assert len(done) == 1 and done[0]["details"]["steps_lost"] == 0 and done[0]["step"] >= kill_at
+    assert final_hash(run) == clean_hash(STEPS)
+
+
+def test_second_kill_during_recovery_falls_back_to_group_restart(tmp_path, clean_hash):
+    """Rank 1 SIGKILLs itself at step 77 (no spare); its cold replacement is SIGKILLed while it
+    starts, before the generation forms: the launcher falls back to today's group restart from the
+    newest checkpoint (``recovery_fallback``), which still ends with the clean result."""
+    run = tmp_path / "run"
+    proc = launch(
+        run,
+        f"train.max_steps={STEPS}",
+        "checkpoint.interval=10",
+        "recovery.in_process=true",
+        "launcher.spares=0",
+        extra=("--inject", "rank_killed:rank=1,step=77"),
+    )
+    started = wait_for(
+        lambda: [e for e in events(run, "recovery_started") if e["rank"] is None], what="the replacement"
+    )
+    os.kill(int(started[0]["details"]["pids"]["1"]), signal.SIGKILL)  # it is importing torch: seconds
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    fallback = events(run, "recovery_fallback")
+    assert len(fallback) == 1 and "still forming" in fallback[0]["details"]["reason"], fallback
+    assert len(events(run, "group_restart")) == 1 and not events(run, "generation_joined")
+    resumed = events(run, "resume")
+    assert [e["details"]["from_step"] for e in resumed] == [70]
     assert final_hash(run) == clean_hash(STEPS)
 
 

@@ -19,8 +19,10 @@ Kinds (see :class:`~trainguard.config.FaultSpec`):
   CUDA, the CPU allocator's ``RuntimeError`` on CPU), not an imitation. Once per step, or in
   every retry of the step with ``persistent``.
 
-A fault fires when the rank has completed ``step`` steps (in the step, or with
-``section = "checkpointing"`` inside the next checkpoint save), or ``after_seconds`` after the
+A fault fires when the rank has completed ``step`` steps (at the end of the step; with ``section``
+``"checkpointing"`` inside the next checkpoint save, ``"should_step"`` in the next step's
+``should_step`` before its all-reduce, ``"stop_check"`` in the stop check after the step, when one
+is due then), or ``after_seconds`` after the
 Guard started (then from a timer thread: ``collective`` is not possible and SIGSTOP is used).
 By default it fires only in the first attempt (restart count 0); ``every_attempt`` makes it recur.
 Each firing first writes a ``fault_injected`` event, so reports can tell injected from real faults.
@@ -144,7 +146,8 @@ class FaultInjector:
                 self.pending.append(s)
 
     def at(self, step: int, section: str) -> None:
-        """Called by the Guard: in the step boundary (``"step"``) or inside a save (``"checkpointing"``)."""
+        """Called by the Guard at ``section`` (``"step"``, ``"checkpointing"``, ``"should_step"``,
+        ``"stop_check"``) once ``step`` steps are complete."""
         for s in self.pending:
             if s.step == step and s.section == section:
                 self.fire(s, step)

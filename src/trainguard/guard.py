@@ -314,6 +314,8 @@ class Guard:
             if self.rejoin.failure is not None:  # a peer was lost in this step: it is done again
                 self.recovery.refuse()
                 return False
+            if self.faults.pending:
+                self.faults.at(self.step, "should_step")
             if self.faults.numeric_pending:
                 loss, grad_norm = self.faults.numeric(step, loss, grad_norm, self.model)
             try:
@@ -423,6 +425,8 @@ class Guard:
         """The stop check: one all-reduce (max) of every rank's stop flags, its proposed next check
         step and, on report checks, its straggler timings; returns the agreed flags (``None``: a
         peer was lost and replaced in-process instead)."""
+        if self.faults.pending:
+            self.faults.at(self.step, "stop_check")
         report = self.straggler.due(self.step)
         ahead = self.stop.next_interval(self._step_seconds)
         mine = self.stop.local_flags(self._step_seconds, self.ckpt.estimated_save_seconds(), ahead, self.step)

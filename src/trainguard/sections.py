@@ -318,8 +318,10 @@ class FaultSpec(Section):
         "sigstop",
         description="rank_hung: stop the process (SIGSTOP), or block it before the next collective so the others wait inside it",
     )
-    section: Literal["step", "checkpointing"] = Field(
-        "step", description="rank_hung at a step: hang in the step, or inside the next checkpoint save"
+    section: Literal["step", "checkpointing", "should_step", "stop_check"] = Field(
+        "step",
+        description="where a fault at a step fires: at the end of the step, inside the next checkpoint save, "
+        "in should_step of the next step (before its all-reduce), or in the stop check after the step (if one is due)",
     )
     every_attempt: bool = Field(
         False, description="fire again after each restart (a recurring fault); default only in the first attempt"
