@@ -74,6 +74,9 @@ def _parse() -> tuple[argparse.Namespace, list[str]]:
         "(what in-process recovery needs to redo an interrupted step)",
     )
     p.add_argument("--pause-step", type=int, default=0)
+    p.add_argument(
+        "--mark-step", type=int, default=-1, help="trainguard mode: rank 0 emits a 'mark' event after this step"
+    )
     p.add_argument("--pause-s", type=float, default=0.0)
     return p.parse_known_args()  # --set/--config are trainguard's
 
@@ -168,6 +171,8 @@ def main() -> None:
             guard.step_end(loss=loss)
             if first and rank == 0:
                 ev.emit("first_step_done", guard.step)
+            if rank == 0 and guard.step == args.mark_step:  # steady-state timing starts here
+                ev.emit("mark", guard.step)
             if rank == args.pause_rank and guard.step == args.pause_step:
                 with guard.section("eval"):  # a named section: the supervisor gives it its own timeout
                     _pause(ev, guard.step, args.pause_s)

@@ -38,10 +38,11 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "hang_detection.py": (["--modes", "sigstop"], ["hang detection of `trainguard run`", "hang steps"]),
     # ft_launcher has a test of its own below (skipped where it is not installed)
     "recovery_compare.py": (
-        ["--launchers", "trainguard", "--skip", "trainguard:hang"],
-        ["fault on rank 1 at step", "phases of the recovery"],
+        ["--launchers", "inprocess,trainguard", "--faults", "kill"],
+        ["fault on rank 1 at step", "phases of the recovery", "in-process"],
     ),
-    "inprocess_recovery.py": ([], ["kill of rank 1 at step", "| in-process, warm", "steady state, no fault"]),
+    "goodput_faults.py": ([], ["goodput of the example GPT", "| in-process", "| restart"]),
+    "inprocess_overhead.py": ([], ["steady-state step time with in-process recovery", "| on, warm spare", "overhead"]),
 }
 NVRX = Path("/tmp/nvrx")  # recovery_compare.py's default --nvrx
 

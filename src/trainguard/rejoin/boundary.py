@@ -10,12 +10,12 @@ back to a group restart.
 
 Encoding: ``torch.save`` costs about 0.8 ms of CPU per step for the 16 kB of a typical rank state
 (most of it the zip container), 3 % of a 30 ms step. The state is made of plain values and a few
-small CPU tensors (the RNG states), so it is pickled with every tensor turned into its raw bytes
-(``(dtype, shape, bytes)``) and read back with an unpickler that refuses every class: nothing but
-built-in values can come out of a boundary file, as with ``weights_only=True``. About 0.1 ms per
-step. A state holding anything else (a user's ``extra`` entry of another type) falls back to
-``torch.save``/``torch.load(weights_only=True)``. Measured by ``benchmarks/inprocess_recovery.py``
-(steady-state rows).
+small CPU tensors (the RNG states), so it is pickled (in C, one pass) with every tensor turned into a call of
+:func:`tensor_from_bytes` on its raw bytes, and read back with an unpickler that refuses every other
+class or callable: nothing but built-in values and tensors can come out of a boundary file, as with
+``weights_only=True``. About 0.1 ms per step. A state holding anything else (a user's ``extra`` entry of another type) falls back to
+``torch.save``/``torch.load(weights_only=True)``. The whole steady-state cost is measured by
+``benchmarks/inprocess_overhead.py``.
 """
 
 from __future__ import annotations
@@ -32,64 +32,48 @@ from ..checkpoint.local import deserialize, serialize
 
 PLAIN = b"P"  # first byte of a blob: pickled plain values (tensors as raw bytes)
 TORCH = b"T"  # first byte of a blob: torch.save
-_TENSOR = "__trainguard_tensor__"
-_ATOMS = (str, int, float, bool, bytes, type(None))
 
 
 class _Unsupported(Exception):
     """A value the plain encoding does not carry (the blob falls back to ``torch.save``)."""
 
 
-def _plain(obj: Any) -> Any:
-    """``obj`` with every CPU tensor replaced by ``{_TENSOR: (dtype, shape, bytes)}``.
-
-    Raises:
-        _Unsupported: a value other than a dict, list, tuple, built-in scalar or CPU tensor.
-    """
-    if type(obj) in _ATOMS:  # exact types: a subclass (numpy.float64, an IntEnum) pickles by its class
-        return obj
-    if type(obj) is dict:
-        if not all(type(k) in _ATOMS for k in obj):
-            raise _Unsupported("a dict key of another type")
-        return {k: _plain(v) for k, v in obj.items()}
-    if type(obj) in (list, tuple):  # most are flat (Python's RNG state: 625 ints): kept as they are
-        return obj if all(type(v) in _ATOMS for v in obj) else type(obj)(_plain(v) for v in obj)
-    if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.requires_grad:
-        t = obj.detach().contiguous()
-        return {
-            _TENSOR: (
-                str(t.dtype).removeprefix("torch."),
-                tuple(t.shape),
-                t.reshape(-1).view(torch.uint8).numpy().tobytes(),
-            )
-        }
-    raise _Unsupported(type(obj).__name__)
+def tensor_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
+    """A CPU tensor of ``dtype`` (``"int64"``, ...) and ``shape`` from its raw bytes (C order): the
+    only callable a plain boundary blob may name."""
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(shape)
 
 
-def _unplain(obj: Any) -> Any:
-    """Inverse of :func:`_plain`."""
-    if type(obj) is dict:
-        if _TENSOR in obj and len(obj) == 1:
-            dtype, shape, data = obj[_TENSOR]
-            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-            return flat.view(getattr(torch, dtype)).reshape(shape)
-        return {k: _unplain(v) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(_unplain(v) for v in obj)
-    return obj
+class _Pickler(pickle.Pickler):
+    """Pickles built-in values as pickle does (in C, without calling back here) and CPU tensors as
+    :func:`tensor_from_bytes` calls; anything else raises :class:`_Unsupported`."""
+
+    def reducer_override(self, obj: Any) -> Any:  # pickle's hook, for every non-built-in value
+        if obj is tensor_from_bytes:
+            return NotImplemented  # pickled by reference, as pickle does for a function
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad:
+            data = obj.reshape(-1).view(torch.uint8).numpy().tobytes()
+            return tensor_from_bytes, (str(obj.dtype).removeprefix("torch."), tuple(obj.shape), data)
+        raise _Unsupported(type(obj).__name__)  # numpy.float64, an IntEnum, OrderedDict, a Parameter...
 
 
-class _NoClasses(pickle.Unpickler):
+class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):  # noqa: D102 (pickle's hook)
+        if (module, name) == (__name__, "tensor_from_bytes"):
+            return tensor_from_bytes
         raise pickle.UnpicklingError(f"a step-boundary blob may hold only built-in values, not {module}.{name}")
 
 
 def encode(state: dict[str, Any]) -> bytes:
     """``state`` as bytes for :func:`decode` (plain pickle where it can, else ``torch.save``)."""
+    buf = io.BytesIO()
+    buf.write(PLAIN)
     try:
-        return PLAIN + pickle.dumps(_plain(state), protocol=5)
+        _Pickler(buf, protocol=5).dump(state)
     except _Unsupported:
         return TORCH + serialize(state)
+    return buf.getvalue()
 
 
 def decode(blob: bytes) -> dict[str, Any]:
@@ -101,7 +85,7 @@ def decode(blob: bytes) -> dict[str, Any]:
     """
     kind, body = blob[:1], blob[1:]
     if kind == PLAIN:
-        return _unplain(_NoClasses(io.BytesIO(body)).load())
+        return _Unpickler(io.BytesIO(body)).load()
     if kind == TORCH:
         return deserialize(body)
     raise ValueError(f"not a step-boundary blob (first byte {kind!r})")
