@@ -114,6 +114,7 @@ def main() -> int:
     )
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of in-process,restart")
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    p.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
     args = p.parse_args()
     args.minutes = args.minutes or (0.75 if args.smoke else 10.0)
     args.every = args.every or (20.0 if args.smoke else 60.0)
@@ -130,7 +131,10 @@ def main() -> int:
         for arm in arms:
             results[arm] = run_arm(args, arm, base / arm, faults)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        if args.keep:
+            print(f"run directories kept in {base}")
+        else:
+            shutil.rmtree(base, ignore_errors=True)
     print(
         f"\ngoodput of the example GPT on 2 CPU ranks, {args.minutes:g} min per arm, a fault every {args.every:g} s "
         f"({', '.join(args.faults)}, random rank, seed {args.seed})"
@@ -145,7 +149,8 @@ def main() -> int:
         parts = rep.get("time_breakdown", {})
         n = len(r["injected"])
         lost = (parts.get("restart_overhead", 0.0) + parts.get("redone_work", 0.0)) / n if n else 0.0
-        redone = rep.get("steps_lost", "—")
+        recovered = rep.get("failure_recovery", {})  # the faults only (not the final time-limit stop)
+        redone = sum(v.get("steps_lost") or 0 for v in recovered.values()) if recovered else "—"
         ratio = f"{goodput / base_goodput:.3f}" if goodput and base_goodput else "—"
         gp = f"{goodput:.3f}" if goodput is not None else "—"
         print(f"| {arm:<10} | {r['code']!s:>4} | {n:>6} | {gp:>7} | {lost:>18.2f} | {redone:>19} | {ratio:>9} |")

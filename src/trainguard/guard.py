@@ -69,7 +69,7 @@ from .outcomes import BadInput, Outcome, Requeue
 from .rejoin import boundary as rejoin_boundary
 from .rejoin import regroup
 from .rejoin.protocol import Generation
-from .rejoin.rank import Rejoin
+from .rejoin.rank import LOCAL_PARTS, Rejoin
 from .rundir import prepare_run_dir
 from .signals import ShutdownHandler
 from .state import state_hash
@@ -314,6 +314,8 @@ class Guard:
             if self.rejoin.failure is not None:  # a peer was lost in this step: it is done again
                 self.recovery.refuse()
                 return False
+            if self.rejoin.active:  # this step's boundary, before its last collective (see rejoin.boundary)
+                self._keep_boundary(step)
             if self.faults.pending:
                 self.faults.at(self.step, "should_step")
             if self.faults.numeric_pending:
@@ -395,8 +397,8 @@ class Guard:
         self.straggler.record_step(now - self._t_last)
         self._t_last = now
         self.last_loss = loss
-        if self.rejoin.active:  # what a replacement of this rank starts from (off: no per-step cost)
-            self.rejoin.keep(self.rank_state())
+        if self.rejoin.active and self.rejoin.boundary.step != self.step:  # a loop without should_step
+            self._keep_boundary(self.step)
         if self.faults.pending:  # inside the step section: an injected hang is a hang mid-step
             self.faults.at(self.step, "step")
         if self.heartbeat is not None:
@@ -471,7 +473,7 @@ class Guard:
         self.straggler.set_hosts(hosts)
         self._resume()
         if self.rejoin.active:
-            self.rejoin.keep(self.rank_state())
+            self._keep_boundary(self.step)
         self.ping = health.start(
             self.cfg.health,
             self.store,
@@ -524,7 +526,7 @@ class Guard:
             self.ckpt.regroup()
             self._meet(gen)
             if redo:
-                self.train_state.load_state_dict(self.rejoin.boundary.restore())
+                self.train_state.load_state_dict(self.rejoin.boundary.restore(self.step))
         self.shutdown.deadline_timer.cancel()  # armed by the ping's failure
         self.events.emit(
             "recovery_finished",
@@ -542,12 +544,10 @@ class Guard:
         """A replacement of a lost rank starts here instead of resuming: its own state at the last
         step boundary from the lost rank's file, the model and optimizer from the survivors."""
         t0 = time.monotonic()
-        state = rejoin_boundary.read(self.rejoin.dir, self.rank)
-        self.step = int(state["step"])
+        kept = rejoin_boundary.read(self.rejoin.dir, self.rank)
         gen = self.rejoin.joined_generation()
-        self._meet(gen)
-        self.train_state.load_state_dict(state)
-        self.rejoin.keep(self.rank_state())
+        self._meet(gen, kept)
+        self._keep_boundary(self.step)
         self.rejoin.store.joined(gen.number, self.rank)
         self.events.emit(
             "rank_replaced",
@@ -559,16 +559,36 @@ class Guard:
         )
         self._t_last = time.perf_counter()
 
-    def _meet(self, gen: Generation) -> None:
-        """Both sides of a recovery, in the same order: agree on the step boundary, move the model
-        and optimizer from the lowest surviving rank, start the liveness ping on the new group."""
-        agreed = tgdist.all_reduce_max([self.step, -self.step])
+    def _meet(self, gen: Generation, kept: Optional[dict[int, dict]] = None) -> None:
+        """Both sides of a recovery, in the same order: agree on the survivors' step boundary (a
+        replacement, with the lost rank's ``kept`` boundaries, takes the one of that step), move the
+        model, optimizer and the state every rank holds alike from the lowest surviving rank, start
+        the liveness ping on the new group.
+
+        Raises:
+            RegroupError: the survivors are at different boundaries, or the lost rank kept none of theirs.
+        """
+        joining = kept is not None
+        agreed = tgdist.all_reduce_max([-1, -(1 << 62)] if joining else [self.step, -self.step])
         if agreed[0] != -agreed[1]:
             raise regroup.RegroupError(f"the ranks are at different step boundaries ({-agreed[1]} to {agreed[0]})")
+        step = agreed[0]
+        if tgdist.all_reduce_max([int(joining and step not in kept)])[0]:
+            raise regroup.RegroupError(
+                f"a replacement has no state of step {step} (its rank kept {sorted(kept or ())})"
+            )
         src = min(set(range(gen.world_size)) - set(gen.replaced))
         t0 = time.perf_counter()
-        schedule = {"hosts": self.hosts, "next_check": self.step + 1, "next_report": self.straggler.next_report}
-        packet, moved = regroup.transfer_state(self.model, self.optimizer, src, schedule)
+        shared = {
+            "hosts": self.hosts,
+            "next_check": step + 1,
+            "next_report": self.straggler.next_report,
+            "state": self.train_state.state_dict(n for n in self.train_state.parts if n not in LOCAL_PARTS),
+        }
+        packet, moved = regroup.transfer_state(self.model, self.optimizer, src, shared)
+        if joining:
+            self.step = step
+            self.train_state.load_state_dict({**packet["state"], **kept[step]})
         if self.rank == src:
             self.events.emit(
                 "state_transferred",
@@ -644,6 +664,10 @@ class Guard:
 
     # ------------------------------------------------------------------------------------------
     # saving and stopping
+
+    def _keep_boundary(self, step: int) -> None:
+        """Keep this rank's own state as the boundary of step ``step`` (in-process recovery)."""
+        self.rejoin.keep({"step": step, **self.train_state.state_dict(LOCAL_PARTS)})
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's non-tensor training state: ``{"step": ..., **train_state}`` (scheduler, data

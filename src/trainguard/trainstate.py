@@ -16,7 +16,7 @@ checkpoint written before that part existed) is left as it is on load.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Protocol, runtime_checkable
+from typing import Any, Iterable, Mapping, Optional, Protocol, runtime_checkable
 
 from .state import capture_rng, restore_rng
 
@@ -60,9 +60,11 @@ class TrainState:
                 )
             self.parts[name] = part
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{name: part.state_dict()}`` for every part."""
-        return {name: part.state_dict() for name, part in self.parts.items()}
+    def state_dict(self, names: Optional[Iterable[str]] = None) -> dict[str, Any]:
+        """``{name: part.state_dict()}`` for every part (``names``: only those of them that exist)."""
+        if names is None:
+            return {name: part.state_dict() for name, part in self.parts.items()}
+        return {name: self.parts[name].state_dict() for name in names if name in self.parts}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load every part whose name is in ``state`` (others are left as they are)."""

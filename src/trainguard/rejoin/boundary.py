@@ -1,9 +1,10 @@
-"""A rank's own state at the last step boundary, kept where it outlives the rank.
+"""A rank's own state at the last step boundaries, kept where it outlives the rank.
 
-What only one rank holds (its data position, its RNG streams, its micro-batch size, its instability
-statistics; ``Guard.rank_state()``) is serialized at every step boundary, kept in memory (the
-survivors restore it to redo an interrupted step) and written to a node-local file (a replacement
-of the rank reads it there). The file is replaced atomically (write, then rename) but not
+What only one rank holds (its data position, its RNG streams, the user's extra state;
+``Guard.local_state()``) is serialized at every step boundary, kept in memory (the survivors
+restore it to redo an interrupted step) and written to a node-local file (a replacement of the
+rank reads it there). What every rank holds alike (scheduler, instability statistics, micro-batch
+size) comes from a survivor instead. The file is replaced atomically (write, then rename) but not
 fsynced: it must outlive the process, not the machine; the launcher puts it on a memory-backed
 file system where there is one (``/dev/shm``). A lost node loses it, and the launcher then falls
 back to a group restart.
@@ -97,7 +98,12 @@ def path_of(directory: Path, rank: int) -> Path:
 
 
 class BoundaryState:
-    """This rank's state at its last step boundary.
+    """This rank's own state at its last two step boundaries.
+
+    Two, because a rank can die in the moment between keeping the state of step ``N`` (just
+    before the last collective of step ``N``) and that collective's completion: its peers then
+    redo step ``N`` from boundary ``N - 1``; once the collective completed they are at ``N``. The
+    replacement takes whichever of the two its peers agree on (see ``Guard._meet``).
 
     Args:
         directory: the node-local directory of the boundary files (``None``: memory only).
@@ -106,33 +112,39 @@ class BoundaryState:
 
     def __init__(self, directory: Optional[Path], rank: int):
         self.path = path_of(directory, rank) if directory is not None else None
-        self.blob: Optional[bytes] = None
-        self.step: Optional[int] = None
+        self.kept: dict[int, bytes] = {}  # step -> encoded state, the newest two
+
+    @property
+    def step(self) -> Optional[int]:
+        """The newest boundary kept (``None`` before the first)."""
+        return max(self.kept, default=None)
 
     def keep(self, state: dict[str, Any]) -> None:
         """Keep ``state`` (``{"step": N, ...}``, tensors and plain values loadable with
-        ``weights_only=True``) as the boundary of step ``N``.
+        ``weights_only=True``) as the boundary of step ``N``; the one before stays, older go.
 
         Raises:
             OSError: the file could not be written.
         """
-        self.blob = encode(state)
-        self.step = int(state["step"])
+        step = int(state["step"])
+        older = [s for s in sorted(self.kept) if s < step][-1:]  # the boundary before this one
+        self.kept = {s: self.kept[s] for s in older}
+        self.kept[step] = encode(state)
         if self.path is not None:
             tmp = self.path.with_suffix(".tmp")
             with open(tmp, "wb") as f:
-                f.write(self.blob)
+                f.write(encode({"boundaries": self.kept}))
             os.replace(tmp, self.path)
 
-    def restore(self) -> dict[str, Any]:
-        """The state last kept (a fresh copy).
+    def restore(self, step: int) -> dict[str, Any]:
+        """The state kept for step ``step`` (a fresh copy).
 
         Raises:
-            RuntimeError: nothing was kept yet.
+            KeyError: no state of that step is kept (names the steps that are).
         """
-        if self.blob is None:
-            raise RuntimeError("no step boundary state was kept yet")
-        return decode(self.blob)
+        if step not in self.kept:
+            raise KeyError(f"no step boundary state of step {step} (kept: {sorted(self.kept)})")
+        return decode(self.kept[step])
 
     def close(self) -> None:
         """Remove this rank's file (a finished or stopped rank leaves none behind)."""
@@ -140,10 +152,11 @@ class BoundaryState:
             self.path.unlink(missing_ok=True)
 
 
-def read(directory: Path, rank: int) -> dict[str, Any]:
-    """A lost rank's last boundary state, for its replacement.
+def read(directory: Path, rank: int) -> dict[int, dict[str, Any]]:
+    """A lost rank's last boundary states, ``{step: state}``, for its replacement.
 
     Raises:
         FileNotFoundError: the rank kept none (it died before its first step boundary).
     """
-    return decode(path_of(directory, rank).read_bytes())
+    boundaries = decode(path_of(directory, rank).read_bytes())["boundaries"]
+    return {int(step): decode(blob) for step, blob in boundaries.items()}

@@ -16,6 +16,12 @@ from ..sections import RecoverySection
 from .boundary import BoundaryState
 from .protocol import Generation, RecoveryStore, connect, is_peer_failure, parse_address
 
+# The parts of the training state (Guard.train_state) that only their rank holds: its data position,
+# the user's extra state and its RNG streams. A replacement takes them from the lost rank's boundary
+# file; the other parts (scheduler, instability statistics, micro-batch size) are the same on every
+# rank and come from a survivor.
+LOCAL_PARTS = ("sampler", "extra", "rng")
+
 
 @dataclass
 class PeerFailure:

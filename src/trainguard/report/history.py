@@ -242,10 +242,13 @@ class RunHistory:
             seg.end, seg.how = None, "running"
 
     def _on_recovery_finished(self, e: dict, d: dict) -> None:
-        """A survivor trains again: the in-process incident's recovery (the first survivor's event)."""
+        """A survivor trains again: the in-process incident's recovery (the first survivor's event).
+        Its step is the survivors' last completed step when the peer was lost (exact, where the
+        failure's own step was estimated from the time): nothing completed is trained again."""
         for inc in reversed(self.incidents):
             if inc.in_process and inc.recovered_at is None and inc.kind in ("rank_killed", "rank_crashed", "hang"):
                 inc.recovered_at, inc.resumed_step = e["time"], float(e["step"])
+                inc.step, inc.step_estimated = float(e["step"]), False
                 self._add_point(e, e["time"], e["step"])
                 return
 
