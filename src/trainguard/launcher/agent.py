@@ -209,11 +209,13 @@ class TrainguardAgent(ElasticAdapter):
         lost = [r for r, c in codes.items() if c is not None and c not in (0, *DECISION_CODES)]
         if not lost or self.stop_signal is not None or any(c in DECISION_CODES for c in codes.values()):
             return None
+        workers = {w.local_rank: w for w in self.workers()}
         why = self.replacer.can_replace()
+        if why is None and len(lost) == len(codes) == workers[lost[0]].world_size:
+            why = "no rank survived to send the state"
         if why is not None:  # the normal failure path below restarts the group
             self.events.emit("recovery_fallback", reason=why, exit_codes={r: codes[r] for r in lost})
             return None
-        workers = {w.local_rank: w for w in self.workers()}
         self.events.emit("workers_failed", exit_codes={r: codes[r] for r in lost}, pids={r: procs[r].pid for r in lost})
         started = self.replacer.replace(
             {workers[r].global_rank: self.worker_command(r) for r in lost}, workers[lost[0]].world_size

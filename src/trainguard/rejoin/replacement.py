@@ -71,7 +71,11 @@ def main(argv: list[str]) -> None:
         print("usage: python -m trainguard.rejoin.replacement [--spare ID] SCRIPT [ARG...]", file=sys.stderr)
         raise BadInput("no script given")
     skip_initial_broadcast()
-    import trainguard.guard  # noqa: F401  (the rank-side stack, imported lazily by the script otherwise)
+    # imported lazily otherwise, after the spare was assigned: the rank-side stack, and torch._dynamo,
+    # which DistributedDataParallel's constructor imports (0.7 s on this machine)
+    import torch._dynamo  # noqa: F401
+
+    import trainguard.guard  # noqa: F401
 
     sys.argv = list(argv)
     sys.path.insert(0, str(Path(argv[0]).resolve().parent))

@@ -225,6 +225,11 @@ class HangMonitor:
                 q != h.worker.local_rank and q not in over and st.step <= h.step for q, st in self._last_states.items()
             )
         ]
+        # Of ranks over their timeouts at different steps, those ahead completed steps the laggards
+        # did not: they wait for them inside a collective. Only the laggards are hung (in-process
+        # recovery replaces just them; a group restart stops every rank anyway).
+        low = min((h.step for h in hung if h.step is not None), default=None)
+        hung = [h for h in hung if h.step is None or h.step == low]
         hung.sort(key=lambda h: (h.step if h.step is not None else -1, -h.silent))  # the laggard first
         if now - self._last_learn > 1.0:
             self._learn()
