@@ -218,3 +218,18 @@ def test_a_rank_waiting_for_a_peer_that_is_not_ahead_is_not_hung(node):
     b.open("eval")  # rank 1 is now ahead: rank 0 is not waiting for it
     reason = monitor.poll(agent)
     assert reason is not None and "rank 10" in reason and "rank 11" not in reason
+
+
+def test_of_two_silent_ranks_only_the_one_behind_is_hung(node):
+    """Rank 1 stops after step 4; rank 0 finished step 5 and waits for it in step 6's collective.
+    Both are over their timeouts, but only rank 1 is hung: in-process recovery must keep rank 0."""
+    monitor, (a, b), run_dir, hb_root = node
+    agent = Agent(2)
+    b.beat(4)
+    b.open("step")  # stopped inside step 5
+    a.beat(5)
+    a.open("step")  # inside step 6, waiting for rank 1 in its all-reduce
+    wait_until(lambda: silent_for(hb_root, 0, 0.35) and silent_for(hb_root, 1, 0.35))
+    reason = monitor.poll(agent)
+    assert reason is not None and "rank 11" in reason and "rank 10" not in reason
+    assert [e["details"]["local_rank"] for e in read_events(run_dir, "hang_detected")] == [1]
