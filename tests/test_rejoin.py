@@ -284,3 +284,24 @@ def test_hung_rank_is_killed_by_the_supervisor_and_replaced_in_process(tmp_path,
     # training again soon after the detection: the recovery itself, not a restart from a checkpoint
     assert done[0]["time"] - hang[0]["details"]["detected_at"] < 30
     assert final_hash(run) == clean_hash(STEPS)
+
+
+def test_models_that_cannot_be_rebound_are_refused_before_recovery(tmp_path):
+    """A DTensor (FSDP2) model or a DDP communication hook: RegroupError before any rank waits for
+    a generation (the rank exits and the launcher restarts the group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        regroup.check_rebindable(torch.nn.Linear(4, 2))  # a plain module: fine
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        regroup.check_rebindable(ddp)
+        ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())
+        with pytest.raises(regroup.RegroupError, match="communication hook"):
+            regroup.check_rebindable(ddp)
+        sharded = fully_shard(torch.nn.Linear(4, 2), mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(regroup.RegroupError, match="DTensors"):
+            regroup.check_rebindable(sharded)
+    finally:
+        dist.destroy_process_group()

@@ -516,6 +516,7 @@ class Guard:
             self.events.emit(
                 "recovery_started", failure.step, rank=self.rank, during=failure.during, error=str(failure.error)[:300]
             )
+            regroup.check_rebindable(self.model)
             if self.ping is not None:  # its group lost the peer too
                 self.ping.abandon()
                 self.ping = None

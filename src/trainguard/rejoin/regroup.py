@@ -61,6 +61,24 @@ def rebuild_default_group(gen: Generation, backend: str, timeout: float) -> None
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
 
 
+def check_rebindable(model: torch.nn.Module) -> None:
+    """Raise before a recovery starts if ``model`` cannot be moved to a new group in-process.
+
+    Raises:
+        RegroupError: parameters are ``DTensor`` (FSDP2, tensor parallelism: their device mesh
+            holds the old group), or a DDP communication hook is registered.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise RegroupError(
+            "the model's parameters are DTensors (FSDP2 or tensor parallelism): in-process recovery "
+            "re-binds DDP and plain modules only"
+        )
+    if isinstance(model, DDP) and getattr(model, "_comm_hooks", None):
+        raise RegroupError("a DDP communication hook is registered: in-process recovery cannot carry it over")
+
+
 def rebind_ddp(model: torch.nn.Module) -> None:
     """Give a DDP-wrapped ``model`` a fresh reducer on the (new) default group; other models: nothing.
 
