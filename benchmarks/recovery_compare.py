@@ -440,9 +440,9 @@ def _analyse_inprocess(out: dict, ev: list[dict], t_f: float) -> dict:
         fell = next((e for e in ev if e["kind"] == "recovery_fallback"), None)
         out["error"] = f"fell back: {fell['details']['reason']}" if fell else f"no recovery (exit code {out['code']})"
         return out
-    out.update(
-        total=done["time"] - t_f, step_done=None, restarts=0, start_step=done["step"], lost=inj["step"] - done["step"]
-    )
+    # a hang's stack dump lets the stopped rank run on for a moment: rank 0 may be past the fault step
+    lost = max(0, inj["step"] - done["step"])
+    out.update(total=done["time"] - t_f, step_done=None, restarts=0, start_step=done["step"], lost=lost)
     det = next((e for e in ev if e["kind"] in ("hang_detected", "workers_failed") and e["time"] >= t_f), None)
     ph: dict[str, Optional[float]] = {}
     if det is not None:
