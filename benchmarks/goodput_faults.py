@@ -69,6 +69,9 @@ def run_arm(args: argparse.Namespace, arm: str, run_dir: Path, faults: list[tupl
     sets = [
         f"stop.max_duration={args.minutes * 60:.0f}",
         "train.max_steps=100000000",
+        "checkpoint.interval=50",  # about 20 s of the default GPT here: what a group restart falls back to
+        "launcher.max_restarts=1000",  # a fault a minute is the schedule, not a reason to give up
+        "supervisor.max_no_progress_restarts=1000",
         *(TINY if args.smoke else []),
         *ARMS[arm],
     ]

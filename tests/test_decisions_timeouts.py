@@ -15,10 +15,14 @@ signalled or killed). Hang cases wait until the silence has passed the timeout, 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import pytest
 from torch.distributed.elastic.agent.server.api import Worker
 
@@ -34,7 +38,7 @@ from trainguard.supervisor.heartbeat import (
     bucket_upper,
     heartbeat_path,
 )
-from trainguard.supervisor.monitor import HangMonitor, attempt_dir
+from trainguard.supervisor.monitor import HangHit, HangMonitor, attempt_dir, stuck_first
 from trainguard.supervisor.timeouts import FILENAME, INITIAL, TEARDOWN, TimeoutBook, percentile_of
 
 
@@ -233,3 +237,22 @@ def test_of_two_silent_ranks_only_the_one_behind_is_hung(node):
     reason = monitor.poll(agent)
     assert reason is not None and "rank 11" in reason and "rank 10" not in reason
     assert [e["details"]["local_rank"] for e in read_events(run_dir, "hang_detected")] == [1]
+
+
+def test_of_ranks_silent_in_the_same_step_the_stopped_one_is_hung():
+    """Two ranks silent in the same step: the one that is stopped (SIGSTOP) is the hung one; the
+    other sleeps in a collective waiting for it. Neither stopped: both stay hung."""
+    agent = Agent(2)
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        pids = {r: p.pid for r, p in enumerate(procs)}
+        hits = [HangHit(w, "step", 2.1, 2.0, 99) for w in agent.workers()]
+        assert stuck_first(hits, pids) == hits  # both asleep: no way to tell
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        wait_until(lambda: psutil.Process(procs[1].pid).status() == psutil.STATUS_STOPPED)
+        assert [h.worker.local_rank for h in stuck_first(hits, pids)] == [1]
+        assert stuck_first(hits, {}) == hits  # pids unknown
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

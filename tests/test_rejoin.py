@@ -211,21 +211,24 @@ def _spare_pid(launcher_pid: int) -> Optional[int]:
     return None
 
 
-def test_spare_killed_first_then_rank_killed_at_a_random_step(tmp_path, clean_hash):
-    """The warm spare is SIGKILLed as soon as it exists, then rank 1 at a seeded random step, from
-    outside (wherever in the step it is): the launcher finds no live spare and starts the
-    replacement cold; still no restart of rank 0 and the clean result."""
+@pytest.mark.parametrize(("seed", "kill_spare"), [(1123, True), (7, False)])
+def test_rank_killed_from_outside_at_a_random_step(tmp_path, clean_hash, seed, kill_spare):
+    """Rank 1 is SIGKILLed from outside at a seeded random step, wherever in the step it is; with
+    ``kill_spare`` the warm spare is SIGKILLed first, as soon as it exists, so the launcher finds no
+    live spare and starts the replacement cold. Rank 0 is never restarted, no completed step is
+    lost, and the result is the clean one."""
     run = tmp_path / "run"
     proc = launch(run, f"train.max_steps={STEPS}", "checkpoint.interval=10", "recovery.in_process=true")
     spare = wait_for(lambda: _spare_pid(proc.pid), what="the warm spare")
-    os.kill(spare, signal.SIGKILL)
-    kill_at = random.Random(1123).randint(30, 110)
+    if kill_spare:
+        os.kill(spare, signal.SIGKILL)
+    kill_at = random.Random(seed).randint(30, 110)
     wait_for(lambda: logged_step(run) >= kill_at, what=f"step {kill_at}")
     os.kill(int(events(run, "workers_started")[0]["details"]["pids"]["1"]), signal.SIGKILL)
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
     assert not events(run, "group_restart") and not events(run, "recovery_fallback")
     started = [e for e in events(run, "recovery_started") if e["rank"] is None]
-    assert [e["details"]["warm"] for e in started] == [[]]  # the spare was dead: a cold replacement
+    assert [e["details"]["warm"] for e in started] == [[] if kill_spare else [1]]
     assert _pids(run, "start")[0] == _pids(run, "end")[0]
     done = events(run, "recovery_finished")
     assert len(done) == 1 and done[0]["details"]["steps_lost"] == 0 and done[0]["step"] >= kill_at

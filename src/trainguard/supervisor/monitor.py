@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
+import psutil
+
 from ..checkpoint.store import CheckpointStore
 from ..config import Config
 from ..events import EventLog
@@ -120,6 +122,26 @@ class RestartPolicy:
         if self._no_progress >= self.max_no_progress:
             return f"{self._no_progress} consecutive failures without checkpoint progress (newest checkpoint: step {newest_ckpt})"
         return None
+
+
+def stuck_first(hung: list[HangHit], pids: dict[int, int]) -> list[HangHit]:
+    """Of ranks silent in the same step, the stopped ones (SIGSTOP, a debugger) or those in
+    uninterruptible I/O, when there are such and others: the others sleep in a collective,
+    waiting for them. Without such a difference every rank in ``hung`` stays hung.
+
+    Args:
+        pids: ``{local_rank: pid}`` of the workers.
+    """
+    frozen = {psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_DISK_SLEEP}
+
+    def status(h: HangHit) -> Optional[str]:
+        try:
+            return psutil.Process(pids[h.worker.local_rank]).status()
+        except (KeyError, psutil.Error):
+            return None
+
+    stuck = [h for h in hung if status(h) in frozen]
+    return stuck if stuck and len(stuck) < len(hung) else hung
 
 
 class HangMonitor:
@@ -230,6 +252,7 @@ class HangMonitor:
         # recovery replaces just them; a group restart stops every rank anyway).
         low = min((h.step for h in hung if h.step is not None), default=None)
         hung = [h for h in hung if h.step is None or h.step == low]
+        hung = stuck_first(hung, agent.worker_pids())
         hung.sort(key=lambda h: (h.step if h.step is not None else -1, -h.silent))  # the laggard first
         if now - self._last_learn > 1.0:
             self._learn()
