@@ -356,6 +356,11 @@ class MyConfig(trainguard.Config):
 cfg = trainguard.config_from_argv(MyConfig)
 ```
 
+A script whose command line is its own (argparse, a configurator) uses
+`trainguard.config_from_env(MyConfig)` instead: it reads only what the launcher passed
+(`trainguard run --config train.toml --set k=v train.py --its --own --args`) and leaves `sys.argv`
+to the script (`examples/own_cli.py`).
+
 **Types.** `"a" | "b"`: one of these strings. *duration*: seconds as a number, or text such as
 `"90s"`, `"30m"`, `"4h"`, `"1d2h"` or `"01:30:00"`. *size*: bytes as a number, or text such as
 `"512MiB"`, `"20GiB"` or `"2GB"` (`GiB` = 2³⁰, `GB` = 10⁹). *unset*: the key is off (or chosen

@@ -37,10 +37,17 @@ def sets(*items: str) -> list[str]:
 
 
 def launch(
-    run_dir: Path, *overrides: str, nproc: int = 2, script: Path = GPT, extra: tuple[str, ...] = (), tiny: bool = True
+    run_dir: Path,
+    *overrides: str,
+    nproc: int = 2,
+    script: Path = GPT,
+    extra: tuple[str, ...] = (),
+    tiny: bool = True,
+    script_args: tuple[str, ...] = (),
 ) -> subprocess.Popen:
     """Start ``trainguard run`` on the tiny GPT (``tiny=False``: without the GPT's TINY overrides,
-    for other scripts); stdout+stderr go to ``run_dir.log``."""
+    for other scripts); ``extra`` goes before the script (launcher options), ``script_args`` and
+    the overrides (as ``--set``) after it; stdout+stderr go to ``run_dir.log``."""
     log = open(f"{run_dir}.log", "ab")
     cmd = [
         sys.executable,
@@ -53,6 +60,7 @@ def launch(
         str(run_dir),
         *extra,
         str(script),
+        *script_args,
         *sets(*(TINY if tiny else ()), *overrides),
     ]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)

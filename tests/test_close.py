@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import trainguard
-from trainguard.supervisor.monitor import STACK_SIGNAL
+from trainguard.supervisor.stacks import STACK_SIGNAL
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 

@@ -83,6 +83,7 @@ class Rig:
         rb: Optional[dict] = None,
         hooks: tuple[Callable[[dict], Optional[str]], ...] = (),
         verify: str = "full",
+        loss_scaler: bool = False,
     ):
         torch.manual_seed(0)
         self.run_dir = run_dir
@@ -107,6 +108,7 @@ class Rig:
             lambda: self.step,
             self._ask,
             verify,
+            loss_scaler=loss_scaler,
         )
 
     def _ask(self, event: dict) -> list[Optional[str]]:
@@ -178,6 +180,18 @@ def test_healthy_step_is_applied_and_a_nonfinite_one_is_skipped_zeroed_and_refus
     assert r.check(3) is True and r.rec.consecutive == 0
     r.opt.step()  # the next healthy step is applied again
     assert not torch.equal(before[0], r.params()[0])
+
+
+def test_a_grad_scalers_overflow_is_not_an_instability_but_a_nan_loss_still_is(rig):
+    """With an enabled GradScaler (fp16), inf gradients under a finite loss are the scaler's routine
+    overflow: applied as far as the Guard is concerned (``scaler.step`` skips it), no event, no skip
+    counted. A non-finite loss is still an instability."""
+    r = rig(loss_scaler=True)
+    assert r.check(1, bad="grad_inf") is True
+    r.opt.step()  # not refused by the Guard
+    assert not events(r.run_dir, "instability") and r.rec.skipped == 0 and r.rec.consecutive == 0
+    assert r.check(2, bad="nan") is False
+    assert [e["step"] for e in events(r.run_dir, "step_skipped")] == [2]
 
 
 def test_warn_on_nonfinite_gradients_becomes_skip_but_warn_on_a_spike_applies(rig):

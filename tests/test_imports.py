@@ -253,3 +253,21 @@ def test_optional_dependencies_are_extras():
         assert package not in core
         assert any(req.startswith(package) for req in extras[extra]), extra
     assert extras["all"] == ["trainguard[report,watch,gpu]"]
+
+
+def test_run_help_names_where_faults_are_described_and_the_console_flags():
+    proc = run(cli("run", "--help"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(see )" not in proc.stdout and "docs/launcher.md" in proc.stdout
+    assert "--quiet" in proc.stdout and "--verbose" in proc.stdout
+
+
+def test_checkpoints_lists_whole_paths(run_dir):
+    """``trainguard checkpoints`` prints each checkpoint's whole path, however long (it was cut at
+    80 columns when not on a terminal)."""
+    deep = run_dir / "checkpoints" / ("a-long-directory-name-" * 3)
+    (run_dir / "config.toml").write_text(f'[checkpoint]\ndir = "{deep}"\n')
+    (deep / "step-00000010").mkdir(parents=True)
+    proc = run(cli("checkpoints", str(run_dir), "--verify", "size"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert str(deep / "step-00000010") in proc.stdout, proc.stdout

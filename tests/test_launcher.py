@@ -13,6 +13,7 @@ import psutil
 
 from conftest import REPO, events, final_hash, finish, launch, logged_step, wait_for
 from trainguard.exitcodes import ExitCode
+from trainguard.report import build_report
 
 STEPS = 150
 
@@ -29,10 +30,23 @@ def test_sigterm_saves_requeues_and_relaunch_is_bitwise_identical(tmp_path, clea
     committed = [e["step"] for e in events(run, "checkpoint_committed")]
     assert stop["step"] in committed, "no checkpoint committed at the stop step"
     assert events(run, "launch_exit")[-1]["details"]["code"] == ExitCode.REQUEUE
+    # the console tells the story in trainguard's own lines; torch elastic's error line for 75 is gone
+    first = Path(f"{run}.log").read_text(errors="replace")
+    for line in (
+        "OMP_NUM_THREADS=1 for the 2 ranks",
+        f"run {run}: fresh start (no checkpoint), 2 rank(s)",
+        f"stop requested at step {stop['step']} (signal SIGTERM): saving, then exit 75",
+        f"checkpoint at step {stop['step']} committed (signal)",
+        "trainguard: exit 75: stopped and saved; relaunch the same command to resume",
+    ):
+        assert line in first, (line, first[-3000:])
+    assert "exitcode: 75" not in first
 
     assert finish(launch(run, f"train.max_steps={STEPS}", "checkpoint.interval=10")) == 0
     assert events(run, "resume")[-1]["details"]["from_step"] == stop["step"]
     assert final_hash(run) == clean_hash(STEPS)
+    second = Path(f"{run}.log").read_text(errors="replace")[len(first) :]
+    assert f"run {run}: resumed at step {stop['step']} from " in second and "trainguard: exit 0: finished" in second
 
 
 def test_sigkill_of_one_rank_restarts_group_and_matches_clean_run(tmp_path, clean_hash):
@@ -46,6 +60,10 @@ def test_sigkill_of_one_rank_restarts_group_and_matches_clean_run(tmp_path, clea
     assert len(events(run, "group_restart")) == 1
     failed = events(run, "workers_failed")[0]["details"]["exit_codes"]
     assert -signal.SIGKILL in failed.values()
+    assert "trainguard: restarting the group (rank failure" in Path(f"{run}.log").read_text(errors="replace")
+    # the report names the killed rank, not the peer the launcher stopped because of it
+    killed = [i for i in build_report(events(run))["incidents"] if i["kind"] == "rank_killed"]
+    assert [i["ranks"] for i in killed] == [[1]], killed
     resumed = events(run, "resume")[-1]
     assert resumed["attempt"] == 1 and resumed["details"]["from_step"] >= 40
     assert final_hash(run) == clean_hash(STEPS)

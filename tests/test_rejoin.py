@@ -202,6 +202,33 @@ def test_sigkilled_rank_is_replaced_in_process_and_run_matches_clean(tmp_path, c
     assert final_hash(run) == clean_hash(STEPS)
 
 
+def test_rank_0_is_replaced_in_process_and_keeps_the_known_good_bookkeeping(tmp_path, clean_hash):
+    """Rank 0 SIGKILLs itself at the end of step 77: rank 1 keeps its process, a warm spare becomes
+    rank 0, and it carries on what only rank 0 kept in memory: checkpoints committed before the kill
+    (70 at the latest) still get their known-good verdict (``known_good_after`` = 50 steps later),
+    which only rank 0 writes."""
+    run = tmp_path / "run"
+    proc = launch(
+        run,
+        f"train.max_steps={STEPS}",
+        "checkpoint.interval=10",
+        "recovery.in_process=true",
+        extra=("--inject", "rank_killed:rank=0,step=77,section=step"),
+    )
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert [e["details"]["exit_codes"] for e in events(run, "workers_failed")] == [{"0": -signal.SIGKILL}]
+    assert not events(run, "group_restart") and not events(run, "recovery_fallback")
+    rank1 = int(events(run, "workers_started")[0]["details"]["pids"]["1"])
+    assert [e["pid"] for e in events(run, "recovery_finished") if e["rank"] == 1] == [rank1]
+    assert [(e["rank"], e["step"]) for e in events(run, "rank_replaced")] == [(0, 77)]
+    replaced_at = events(run, "rank_replaced")[0]["time"]
+    verdicts = [
+        e["details"]["checkpoint_step"] for e in events(run, "checkpoint_known_good") if e["time"] > replaced_at
+    ]
+    assert any(s <= 70 for s in verdicts), verdicts
+    assert final_hash(run) == clean_hash(STEPS)
+
+
 def _spare_pid(launcher_pid: int) -> Optional[int]:
     """The pid of the launcher's warm spare (``-m trainguard.rejoin.replacement --spare ID``), if any."""
     for child in psutil.Process(launcher_pid).children(recursive=True):

@@ -224,6 +224,30 @@ def ev(t: float, kind: str, step=None, rank=0, attempt=0, **details) -> dict:
     }
 
 
+@pytest.mark.parametrize(
+    ("codes", "stopped", "ranks"),
+    [
+        ({"0": -9, "1": -9}, [0], [1]),  # the launcher SIGKILLed rank 0 because rank 1 had died
+        ({"0": 1, "1": -9}, [], [1]),  # rank 0 failed in its next collective: a reaction to the kill
+        ({"0": 1, "1": 1}, [], [0, 1]),  # a crash on both: both named
+    ],
+)
+def test_a_failure_names_the_rank_that_failed_not_its_peers(codes, stopped, ranks):
+    log = [
+        ev(0, "launch", rank=None),
+        ev(1, "workers_started", rank=None, restart=0),
+        ev(10, "start", 0, first_step=0, resumed_from=None),
+        ev(35, "workers_failed", rank=None, exit_codes=codes, stopped_by_launcher=stopped),
+        ev(35, "group_restart", rank=None, reason="rank failure"),
+        ev(35.5, "workers_started", rank=None, restart=1),
+        ev(40, "start", 0, attempt=1, first_step=0, resumed_from=None),
+        ev(60, "end", 20, attempt=1, state_sha256="x"),
+        ev(62, "launch_exit", rank=None, code=0, reason="finished", seconds=62),
+    ]
+    (inc,) = build_report(log)["incidents"]
+    assert inc["ranks"] == ranks and inc["kind"] == ("rank_killed" if ranks == [1] else "rank_crashed")
+
+
 def test_goodput_breakdown_of_a_known_timeline():
     """A crash no fault injection announced: its step comes from the step rate (1 s a step)."""
     log = [

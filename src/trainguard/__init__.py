@@ -30,6 +30,7 @@ _LAZY_NAMES: dict[str, str] = {
     "ConfigError": ".config",
     "Section": ".config",
     "config_from_argv": ".config",
+    "config_from_env": ".config",
     "load_config": ".config",
     "EventLog": ".events",
     "Hook": ".events",
@@ -53,7 +54,7 @@ __all__ = sorted(_LAZY_NAMES) + list(_LAZY_MODULES)
 if TYPE_CHECKING:  # what static tools see; at run time these resolve lazily through __getattr__
     from . import dist
     from .checkpoint import Checkpoint, CheckpointMismatchError, CheckpointStore
-    from .config import Config, ConfigError, Section, config_from_argv, load_config
+    from .config import Config, ConfigError, Section, config_from_argv, config_from_env, load_config
     from .events import EventLog, Hook, read_events
     from .exitcodes import ExitCode, exit_bad_input
     from .guard import Guard

@@ -7,6 +7,7 @@ starting with ``trainguard: error:`` and exits with 2.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -53,11 +54,21 @@ def run(
     monitor_interval: Optional[float] = typer.Option(None, "--monitor-interval", help="seconds between worker checks"),
     local_addr: Optional[str] = typer.Option(None, "--local-addr", help="address of this node"),
     inject: list[str] = typer.Option(
-        [], "--inject", help="inject a fault: KIND[:key=value,...], e.g. rank_hung:rank=1,step=30 (see [faults])"
+        [],
+        "--inject",
+        help="inject a fault: KIND:key=value,..., e.g. rank_hung:rank=1,step=30 (kinds and keys: docs/launcher.md, Fault injection)",
     ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="console: warnings and errors only"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="console: also torch elastic's own log lines"),
 ) -> None:
     """Launch SCRIPT on this node's ranks; restart them when one dies; forward stop signals."""
     from .config import ConfigError
+    from .console import LEVEL_ENV
+
+    if quiet and verbose:
+        _fail("--quiet and --verbose exclude each other")
+    if quiet or verbose:  # the ranks inherit it
+        os.environ[LEVEL_ENV] = "quiet" if quiet else "verbose"
     from .faults import parse_inject
     from .launcher import LaunchOptions, RunDirLocked, launch
 
@@ -137,7 +148,7 @@ def checkpoints(
         reason = mf.verify(c.path, verify)
         size = sum(p.stat().st_size for p in c.path.iterdir() if p.is_file())
         table.add_row(str(c.step), str(c.path), f"{size:,}", "ok" if reason is None else f"[red]{reason}[/red]")
-    Console().print(table)
+    Console(width=10_000).print(table)  # the table is as wide as its cells: never cut a path to the terminal
 
 
 @app.command()

@@ -283,8 +283,10 @@ def config_from_argv(schema: type[Config] = Config, argv: list[str] | None = Non
     path, sets, rest = split_cli_args(list(sys.argv[1:] if argv is None else argv))
     if rest:
         raise ConfigError(
-            f"unexpected arguments {rest}: a trainguard script takes --config PATH and --set KEY=VALUE "
-            "(launcher options such as --inject go before the script name)"
+            f"unexpected arguments {rest}: config_from_argv() reads only --config PATH and --set KEY=VALUE "
+            "(launcher options such as --inject go before the script name); a script with a command line of "
+            "its own uses trainguard.config_from_env() and takes trainguard's settings from the launcher "
+            "(trainguard run --config F --set K=V SCRIPT ARGS...)"
         )
     try:
         launch = LaunchEnv.from_environ()
@@ -298,6 +300,20 @@ def config_from_argv(schema: type[Config] = Config, argv: list[str] | None = Non
         extra = [FaultSpec.model_validate(d) for d in launch.inject]
         cfg.faults.inject = list(cfg.faults.inject) + extra
     return cfg
+
+
+def config_from_env(schema: type[Config] = Config) -> Config:
+    """The config ``trainguard run`` passed to this rank, for a script whose command line is its
+    own (argparse, a configurator): ``sys.argv`` is not read. Settings come from the launcher's
+    options before the script name, ``trainguard run --config train.toml --set checkpoint.interval=50
+    train.py --lr 3e-4``, which reach the ranks in the environment (``TRAINGUARD_CONFIG``,
+    ``TRAINGUARD_SET``, see :class:`~trainguard.launch_env.LaunchEnv`); outside the launcher, the
+    schema's defaults (plus those variables if set by hand).
+
+    Raises:
+        ConfigError: as :func:`config_from_argv`.
+    """
+    return config_from_argv(schema, argv=[])
 
 
 def _plain(value: Any) -> Any:

@@ -53,14 +53,15 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from . import console, health
 from . import dist as tgdist
-from . import health
 from .checkpoint.store import Checkpoint
 from .checkpointer import Checkpointer, ResumePoint, SaveResult
 from .config import Config, ConfigError, config_from_argv, dump_config, load_config
 from .events import EventLog, Hook
 from .exitcodes import ExitCode, exit_bad_input
 from .faults import FaultInjector
+from .fidelity import DrawWatch, ResumeFidelity
 from .instability.recovery import Recovery, Rollback
 from .launch_env import LaunchEnv
 from .memory import MemoryWatchdog
@@ -147,6 +148,7 @@ class Guard:
         self._rolled_back = False  # should_step() rolled back: the next step_end() does not count
         self._next_check = 0  # step at which the stop flags are next exchanged (agreed by all ranks)
         self._last_progress = time.monotonic()
+        self._last_ckpt_line = -console.CHECKPOINT_LINE_SECONDS  # monotonic time of the last checkpoint line
         self._left = False  # an outcome was carried out
         self._closed = False
         with self._edge():
@@ -196,6 +198,7 @@ class Guard:
             lambda: self.step + 1,
             self._ask_hooks,
             cfg.checkpoint.verify,
+            loss_scaler=any(isinstance(v, torch.amp.GradScaler) and v.is_enabled() for v in self.extra_state.values()),
         )
         self.straggler = StragglerDetector(
             cfg.straggler,
@@ -208,6 +211,7 @@ class Guard:
         self.micro = MicroBatcher(
             cfg.oom, self.model, self.events, self.faults, self.straggler, self.rank, self.world_size
         )
+        self.fidelity, self.draws = ResumeFidelity(self.world_size), DrawWatch()
         # what a checkpoint holds per rank besides the tensors (the order is the load order: RNG last)
         self.train_state = TrainState(
             {
@@ -216,6 +220,7 @@ class Guard:
                 "extra": TrainState(self.extra_state),
                 "instability": self.recovery,
                 "oom": self.micro,
+                "fidelity": self.fidelity,
                 "rng": RNGState(),
             }
         )
@@ -283,6 +288,11 @@ class Guard:
             yield self.step
             if self._awaiting_step_end:
                 raise RuntimeError(f"guard.step_end() was not called in step {self.step}")
+            if self.draws.next_step():
+                self._not_bitwise(
+                    "random numbers were drawn between guard.step_end() and the next step (a batch fetched "
+                    "after step_end?): the checkpoint's generator state does not cover them; draw them inside the step"
+                )
         with self._edge():
             self._finish()
 
@@ -377,6 +387,7 @@ class Guard:
         """
         with self._edge():
             self._step_end(loss)
+        self.draws.boundary()
 
     def _step_end(self, loss: Any) -> None:
         self._awaiting_step_end = False
@@ -494,6 +505,16 @@ class Guard:
             first_step=self.step,
             resumed_from=str(self.resumed_from.path) if self.resumed_from else None,
         )
+        if self.rank == 0:
+            console.say(
+                f"run {self.run_dir}: "
+                + (
+                    f"resumed at step {self.step} from {self.resumed_from.path}"
+                    if self.resumed_from
+                    else "fresh start (no checkpoint)"
+                )
+                + f", {self.world_size} rank(s)"
+            )
         self._t_last = time.perf_counter()
         for h in self.hooks:
             h.on_train_begin(self)
@@ -548,6 +569,7 @@ class Guard:
         kept = rejoin_boundary.read(self.rejoin.dir, self.rank)
         gen = self.rejoin.joined_generation()
         self._meet(gen, kept)
+        self.recovery.rejoined()
         self._keep_boundary(self.step)
         self.rejoin.store.joined(gen.number, self.rank)
         self.events.emit(
@@ -609,6 +631,7 @@ class Guard:
 
     def _resume(self) -> None:
         t0 = time.perf_counter()
+        drawn = self.draws.before_loop()
         point = self.ckpt.find_resume()
         self.recovery.on_start()
         if point is None:
@@ -619,6 +642,14 @@ class Guard:
         self._emit0(
             "resume", path=str(path), from_step=point.step, tier=point.tier, seconds=round(time.perf_counter() - t0, 4)
         )
+        if self.fidelity.changed:
+            self._not_bitwise(f"changed since the checkpoint was saved: {', '.join(self.fidelity.changed)}")
+        if drawn:
+            self._not_bitwise(
+                "random numbers were drawn between creating the Guard and guard.steps() (a first batch fetched "
+                "before the loop?): this resume drew them from the fresh seed, not the checkpoint's generators; "
+                "draw batches inside the step"
+            )
         if point.checkpoint is not None:
             self.recovery.on_resume(point.checkpoint)
 
@@ -714,6 +745,9 @@ class Guard:
             return
         protect: set[int] = set()
         if self.rank == 0:
+            if r.reason != "interval" or time.monotonic() - self._last_ckpt_line >= console.CHECKPOINT_LINE_SECONDS:
+                self._last_ckpt_line = time.monotonic()
+                console.say(f"checkpoint at step {r.step} committed ({r.reason}): {r.checkpoint.path}")
             self.recovery.on_commit(r.checkpoint)
             self.recovery.after_step(self.step)  # a background commit may land after the steps that make it known-good
             protect = self.recovery.protected()
@@ -732,6 +766,9 @@ class Guard:
         elif reason == "memory":
             details.update(limits=self.cfg.memory.model_dump(exclude_none=True))
         self._emit0("stop_requested", **details)
+        if self.rank == 0:
+            why = f"{reason} {details['signal']}" if reason == "signal" else reason
+            console.say(f"stop requested at step {self.step} ({why}): saving, then exit 75 to be relaunched")
         self.save(reason)
         raise Requeue(reason, f"stopped at step {self.step} ({reason}), checkpoint saved: relaunch to resume")
 
@@ -831,6 +868,13 @@ class Guard:
         self.events.emit(
             "deadline_exit", self.step, deadline=self.cfg.preemption.save_deadline, signal=self.shutdown.received
         )
+
+    def _not_bitwise(self, cause: str) -> None:
+        """Warn that a resume cannot be bitwise identical (see :mod:`trainguard.fidelity`): an event
+        from this rank, one console line from rank 0."""
+        self.events.emit("resume_not_bitwise", self.step, rank=self.rank, cause=cause)
+        if self.rank == 0:
+            console.warn(f"a resume cannot be bitwise identical: {cause}")
 
     def _emit0(self, kind: str, **details: Any) -> None:
         """Emit an event from rank 0 only (for decisions all ranks share)."""

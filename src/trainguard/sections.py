@@ -274,6 +274,15 @@ class SupervisorSection(Section):
         ge=0,
         description="seconds to wait at most for a hung rank's stack dump (it usually ends in milliseconds: its main thread's outermost frame marks the end)",
     )
+    busy_evidence: bool = Field(
+        True,
+        description="a rank silent past its timeout whose main thread keeps using CPU is slow, not hung: report it (slow_section) and let it and the ranks waiting for it go on (see trainguard.supervisor.evidence)",
+    )
+    busy_timeout: float = Field(
+        1800.0,
+        gt=0,
+        description="seconds of silence after which even a busy rank is hung (a loop that never ends; a host thread spinning in a CUDA synchronize behind a hung NCCL collective)",
+    )
     max_no_progress_restarts: int = Field(
         3, ge=1, description="give up after this many consecutive restarts with no new checkpoint"
     )

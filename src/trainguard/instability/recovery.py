@@ -68,6 +68,14 @@ def append_ledger(run_dir: Path, record: dict) -> None:
     write_atomic(run_dir / LEDGER, json.dumps({"rollbacks": read_ledger(run_dir) + [record]}, indent=1))
 
 
+def _manifest_or_empty(ckpt: Checkpoint) -> dict:
+    """``ckpt``'s manifest, or ``{}`` when it is gone or unreadable (retention may delete it meanwhile)."""
+    try:
+        return mf.read_manifest(ckpt.path)
+    except (OSError, ValueError):
+        return {}
+
+
 def checkpoint_id(ckpt: Checkpoint) -> str:
     """``step@created``: tells a checkpoint from a later one saved at the same step."""
     return f"{ckpt.step}@{mf.read_manifest(ckpt.path)['meta'].get('created')}"
@@ -97,6 +105,9 @@ class Recovery:
         current_step: returns the step number in progress (1-based), for the learning-rate ramp.
         ask_hooks: given the ``instability`` event, returns each hook's answer (``[]`` without hooks).
         verify: ``[checkpoint] verify``: how a rollback target is checked (``full`` or ``size``).
+        loss_scaler: an enabled ``torch.amp.GradScaler`` is in use (fp16): non-finite gradients
+            under a finite loss are its routine overflow, which ``scaler.step`` skips and answers
+            by lowering the scale; they are not an instability (no event, no skip counted).
     """
 
     def __init__(
@@ -114,8 +125,9 @@ class Recovery:
         current_step: Callable[[], int],
         ask_hooks: Callable[[dict], list[Optional[str]]] = lambda event: [],
         verify: str = "full",
+        loss_scaler: bool = False,
     ):
-        self.cfg, self.rb, self.verify = cfg, rb, verify
+        self.cfg, self.rb, self.verify, self.loss_scaler = cfg, rb, verify, loss_scaler
         self.model, self.optimizer, self.sampler, self.store, self.events = model, optimizer, sampler, store, events
         self.run_dir, self.rank, self.current_step, self.ask_hooks = run_dir, rank, current_step, ask_hooks
         self.detector = Detector(cfg, rank, world_size)
@@ -147,6 +159,8 @@ class Recovery:
             grad_norm = total_grad_norm(self.model.parameters())
         verdict = self.detector.observe(step, loss, grad_norm)
         self.rejected = False
+        if self.loss_scaler and verdict.fired == ["nonfinite_grad"]:
+            return True  # the GradScaler's overflow: scaler.step() skips the step itself
         if verdict.healthy:
             self.consecutive = 0
             self.detector.record_applied(verdict)
@@ -363,6 +377,21 @@ class Recovery:
     # ------------------------------------------------------------------------------------------
     # known-good checkpoints (rank 0)
 
+    def rejoined(self) -> None:
+        """This process replaced a lost rank in-process (see :mod:`trainguard.rejoin`); on rank 0,
+        rebuild from the store what the lost rank 0 held in memory: the newest known-good checkpoint
+        and the committed ones after it still awaiting their verdict (their manifests lack
+        ``known_good``). Local: no collective."""
+        if self.rank != 0:
+            return
+        kg = self.store.known_good("size")
+        self.newest_known_good = kg.step if kg is not None else None
+        self.pending = [
+            c
+            for c in self.store.committed()
+            if (kg is None or c.step > kg.step) and "known_good" not in _manifest_or_empty(c)
+        ]
+
     def on_commit(self, ckpt: Checkpoint) -> None:
         """A checkpoint was committed: it awaits its known-good verdict."""
         self.pending.append(ckpt)
@@ -402,6 +431,7 @@ class Recovery:
             "ramp": self.ramp.state_dict() if self.ramp else None,
             "consecutive": self.consecutive,
             "skipped": self.skipped,
+            "last_bad": self.last_bad,  # what a replacement of rank 0 needs for the known-good verdicts
         }
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
@@ -411,3 +441,4 @@ class Recovery:
             self.ramp.load_state_dict(state.get("ramp") or {})
         self.consecutive = int(state.get("consecutive", 0))
         self.skipped = int(state.get("skipped", 0))
+        self.last_bad = int(state.get("last_bad", 0))

@@ -34,13 +34,16 @@ from typing import Callable, Optional
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
+from .. import console
 from ..events import EventLog
 from ..exitcodes import ExitCode
 from ..launch_env import RECOVERY_STORE
 from ..supervisor.monitor import HangMonitor
+from . import script_error
 from .elastic import ElasticAdapter
 from .record import LaunchRecord
 from .replace import Replacer
+from .script_error import ScriptError
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # exit codes with which a rank tells the launcher "do not restart, end the launch with this code"
@@ -87,8 +90,10 @@ class TrainguardAgent(ElasticAdapter):
         self.exit_code = int(ExitCode.GIVE_UP)
         self.exit_reason = "not started"
         self.stop_signal: Optional[str] = None
+        self.script_error: Optional[ScriptError] = None  # the launch ended on an error of the script
         self._stop_deadline: Optional[float] = None
         self._forwarded_to: set[int] = set()
+        self._stopped_by_us: set[int] = set()  # local ranks SIGKILLed because a peer failed
         self.poll_hooks: list[Callable[[TrainguardAgent], Optional[str]]] = [monitor.poll] if monitor else []
 
     # ---- signals -------------------------------------------------------------------------------
@@ -203,6 +208,7 @@ class TrainguardAgent(ElasticAdapter):
         why = self.replacer.poll()
         if why is not None:
             self.events.emit("recovery_fallback", reason=why)
+            console.say(f"in-process recovery failed ({why}): restarting the group")
             return why
         procs = self.worker_processes()
         codes = {r: p.poll() for r, p in procs.items()}
@@ -217,6 +223,10 @@ class TrainguardAgent(ElasticAdapter):
             self.events.emit("recovery_fallback", reason=why, exit_codes={r: codes[r] for r in lost})
             return None
         self.events.emit("workers_failed", exit_codes={r: codes[r] for r in lost}, pids={r: procs[r].pid for r in lost})
+        console.say(
+            f"rank(s) {[workers[r].global_rank for r in lost]} lost (exit codes {[codes[r] for r in lost]}): "
+            "replacing in-process, the other ranks keep running"
+        )
         started = self.replacer.replace(
             {workers[r].global_rank: self.worker_command(r) for r in lost}, workers[lost[0]].world_size
         )
@@ -237,6 +247,7 @@ class TrainguardAgent(ElasticAdapter):
             return
         for r, p in procs.items():
             if codes[r] is None:
+                self._stopped_by_us.add(r)
                 for sig in (signal.SIGCONT, signal.SIGKILL):
                     try:
                         os.kill(p.pid, sig)
@@ -246,14 +257,42 @@ class TrainguardAgent(ElasticAdapter):
     def _handle_failure(self, result: RunResult) -> bool:
         """Record the failure and restart the group if that is the right move; True if restarted."""
         codes = {r: f.exitcode for r, f in result.failures.items()}
-        self.events.emit("workers_failed", exit_codes=codes, pids={r: f.pid for r, f in result.failures.items()})
+        stopped = sorted(r for r, f in result.failures.items() if f.local_rank in self._stopped_by_us)
+        self._stopped_by_us.clear()
+        self.events.emit(
+            "workers_failed",
+            exit_codes=codes,
+            pids={r: f.pid for r, f in result.failures.items()},
+            stopped_by_launcher=stopped,
+        )
         decision = next((c for c in DECISION_CODES if c in codes.values()), None)
         if decision is not None or self.stop_signal is not None:
             self.stop_group()
             self.exit_code = decision if decision is not None else int(ExitCode.REQUEUE)
             self.exit_reason = {75: "ranks stopped for requeue", 2: "bad input", 76: "a rank gave up"}[self.exit_code]
             return False
+        error = self._script_error(result)
+        if error is not None:
+            self.stop_group()
+            self.events.emit("script_error", rank=error.rank, exit_code=error.exit_code, traceback=list(error.lines))
+            self.exit_code, self.exit_reason = error.exit_code, error.reason
+            self.script_error = error
+            return False
         return self._restart_or_give_up(f"rank failure (exit codes {codes})")
+
+    def _script_error(self, result: RunResult) -> Optional[ScriptError]:
+        """The failure is an error of the script before its first step (see :mod:`.script_error`)."""
+        if self.monitor is None:  # without heartbeat records "before the first step" is unknown
+            return None
+        workers = {w.local_rank: w.global_rank for w in self.workers()}
+        done = self.monitor.steps_done()
+        failed = {r: f for r, f in result.failures.items() if f.exitcode != 0}
+        return script_error.decide(
+            self.restart_count == 0,
+            {r: f.exitcode for r, f in failed.items()},
+            {workers.get(lr, lr): n for lr, n in done.items()},
+            {r: script_error.read_tail(self.worker_stderr(f.local_rank)) for r, f in failed.items()},
+        )
 
     def _restart_or_give_up(self, reason: str) -> bool:
         spec = self.worker_group.spec
@@ -277,6 +316,12 @@ class TrainguardAgent(ElasticAdapter):
             return False
         self.use_restart()
         self.events.emit("group_restart", reason=reason, remaining_restarts=self.remaining_restarts)
+        newest = self.monitor.newest_checkpoint() if self.monitor else None
+        console.say(
+            f"restarting the group ({reason}) from "
+            + (f"the checkpoint of step {newest}" if newest is not None else "the newest checkpoint")
+            + f"; {self.remaining_restarts} restart(s) left"
+        )
         self.stop_group()
         self.worker_group.state = WorkerState.STOPPED
         self._start_group()

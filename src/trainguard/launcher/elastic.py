@@ -39,8 +39,9 @@ AGENT_METHODS = (
 AGENT_ATTRIBUTES = ("_worker_group", "_remaining_restarts", "_pcontext")
 # of the process context of workers started from a binary (SubprocessContext): {local_rank: handler}
 # whose handler.proc is the worker's subprocess.Popen; the program, {local_rank: args} and
-# {local_rank: env} each worker was started with (in-process recovery starts a replacement alike)
-PCONTEXT_ATTRIBUTES = ("subprocess_handlers", "entrypoint", "args", "envs")
+# {local_rank: env} each worker was started with (in-process recovery starts a replacement alike);
+# {local_rank: path} of each worker's stderr file (teed there by the logs spec)
+PCONTEXT_ATTRIBUTES = ("subprocess_handlers", "entrypoint", "args", "envs", "stderrs")
 
 
 class ElasticIncompatible(RuntimeError):
@@ -174,6 +175,13 @@ class ElasticAdapter(LocalElasticAgent):
         """The command line and environment the worker of ``local_rank`` was started with."""
         pc = self._pcontext
         return [pc.entrypoint, *map(str, pc.args[local_rank])], dict(pc.envs[local_rank])
+
+    def worker_stderr(self, local_rank: int) -> Optional[str]:
+        """Path of the file the current group's worker of ``local_rank`` writes its stderr to
+        (teed: it also reaches the console), or ``None`` (not teed, no group)."""
+        if self._pcontext is None:
+            return None
+        return self._pcontext.stderrs.get(local_rank) or None
 
     def replace_process(self, local_rank: int, proc: subprocess.Popen) -> None:
         """Make ``proc`` the worker of ``local_rank`` (a replacement of a lost one): torch's poll,

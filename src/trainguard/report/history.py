@@ -218,10 +218,14 @@ class RunHistory:
             return  # ranks killed after a stop's grace period: part of that stop
         if any(c in DECISION_CODES[1:] for c in codes.values()):
             return  # a rank decided (bad input, requeue, give up); the launcher stopped the others
+        stopped = {str(r) for r in d.get("stopped_by_launcher") or []}  # killed because of the others
         bad = {r: c for r, c in codes.items() if isinstance(c, int) and c not in DECISION_CODES}
+        bad = {r: c for r, c in bad.items() if str(r) not in stopped} or bad
         if not bad:
             return
         killed = any(c < 0 for c in bad.values())
+        if killed:  # the peers of a killed rank fail in their next collective: a reaction, not the cause
+            bad = {r: c for r, c in bad.items() if c < 0}
         inc = self._new(
             "rank_killed" if killed else "rank_crashed",
             e,

@@ -113,7 +113,8 @@ def render_png(events: Iterable[dict], report: dict, path: str | os.PathLike) ->
             )
     goodput = report.get("goodput")
     title = "goodput " + ("-" if goodput is None else f"{100 * goodput:.1f} %")
-    title += f"  ·  {len(report.get('incidents', []))} incidents  ·  {report.get('status', '')}"
+    n = len(report.get("incidents", []))
+    title += f"  ·  {n} incident{'' if n == 1 else 's'}  ·  {report.get('status', '')}"
     ax.set_title(title)
     ax.set_xlabel("minutes since the run began")
     ax.set_ylabel("step")

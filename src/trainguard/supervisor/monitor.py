@@ -4,7 +4,9 @@ Every poll (``[launcher] monitor_interval``, 0.1 s) the monitor reads each local
 record (a memory read, no system call) and compares how long the rank has been in its current
 section (or out of any section, or, before its first heartbeat, since the group started) with the
 timeout in force for it (:class:`~trainguard.supervisor.timeouts.TimeoutBook`). A rank over its
-timeout is hung:
+timeout whose main thread keeps computing is *busy*, not hung (:mod:`.evidence`): a
+``slow_section`` event and one console line, and neither it nor the ranks waiting for it are
+touched. Any other rank over its timeout is hung:
 
 1. its Python stacks (all threads) are dumped: SIGUSR2 makes the rank's ``faulthandler`` write
    them (SIGCONT first wakes a stopped process) and the file is copied to
@@ -21,8 +23,6 @@ same step (a deterministic fault that a restart cannot cure).
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import os
 import shutil
 import signal
@@ -32,56 +32,19 @@ from typing import Any, NamedTuple, Optional
 
 import psutil
 
+from .. import console
 from ..checkpoint.store import CheckpointStore
 from ..config import Config
 from ..events import EventLog
+from .evidence import CpuMeter
 from .heartbeat import OUT_OF_SECTION, HeartbeatReader, RankState, heartbeat_path
+from .stacks import dump_stacks, stack_path
 from .timeouts import INITIAL, TimeoutBook
-
-STACK_SIGNAL = signal.SIGUSR2
-STACK_QUIET = 0.5  # seconds without growth that end a stack dump whose end was not seen
-# faulthandler dumps the threads newest first, so the main thread comes last and its outermost frame
-# (a script's ``<module>``, ``python -m``'s ``_run_module_as_main``) is the dump's last line
-MAIN_BOTTOM = ("in <module>", "in _run_module_as_main")
-
-
-# tgkill(2) by machine: a signal to one thread (the main thread's id is the process id)
-TGKILL = {"x86_64": 234, "aarch64": 131}
-
-
-def signal_main_thread(pid: int, sig: int) -> None:
-    """Send ``sig`` to the main thread of process ``pid`` (``tgkill``), so that faulthandler's handler
-    runs *in* the main thread and its stack is read while it stands still; a process-directed
-    signal may be handled by any thread while the main thread runs on, and a dump of a running
-    thread comes out cut short. Falls back to ``os.kill`` where ``tgkill`` is not known.
-
-    Raises:
-        ProcessLookupError: no such process.
-    """
-    number = TGKILL.get(os.uname().machine)
-    if number is None:
-        os.kill(pid, sig)
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(number, pid, pid, sig) != 0:
-        err = ctypes.get_errno()
-        raise ProcessLookupError(err, os.strerror(err)) if err == errno.ESRCH else OSError(err, os.strerror(err))
-
-
-def dump_complete(text: str) -> bool:
-    """True when a faulthandler dump of all threads has reached the main thread's outermost frame."""
-    lines = text.rstrip().splitlines()
-    return bool(lines) and lines[-1].rstrip().endswith(MAIN_BOTTOM)
 
 
 def attempt_dir(root: str | os.PathLike, attempt: int) -> Path:
     """Heartbeat directory of one worker-group attempt (restart count)."""
     return Path(root) / f"attempt-{attempt}"
-
-
-def stack_path(directory: str | os.PathLike, local_rank: int) -> Path:
-    """Where a rank's faulthandler writes its stacks (next to its heartbeat record)."""
-    return Path(directory) / f"rank-{local_rank}.stack"
 
 
 class HangHit(NamedTuple):
@@ -173,6 +136,8 @@ class HangMonitor:
         self._last_learn = self._last_save = 0.0
         self._frozen = False  # set on a hang: the attempt's observations stop at the detection
         self._replaced_at: dict[int, float] = {}  # local rank -> when a replacement was started
+        self.cpu = CpuMeter()
+        self._slow: dict[int, float] = {}  # local rank -> start of the silence last reported as slow_section
 
     # ---- group lifecycle (called by the agent) ------------------------------------------------
 
@@ -186,6 +151,7 @@ class HangMonitor:
         self._started = time.monotonic()
         self._frozen = False
         self._replaced_at = {}
+        self.cpu, self._slow = CpuMeter(), {}
 
     def rank_replaced(self, local_rank: int) -> None:
         """A lost rank was replaced in-process (:mod:`trainguard.launcher.replace`): forget its
@@ -216,6 +182,16 @@ class HangMonitor:
         steps = [s.step for s in self._last_states.values()]
         return min(steps) + 1 if steps else None
 
+    def steps_done(self) -> dict[int, Optional[int]]:
+        """``{local_rank: steps its current process completed}`` (heartbeats since it started;
+        ``None``: no record, it never created its Guard), read now."""
+        done: dict[int, Optional[int]] = {}
+        for local_rank in set(self._readers) | set(self._last_states):
+            reader = self._readers.get(local_rank)
+            state = (reader.state() if reader is not None else None) or self._last_states.get(local_rank)
+            done[local_rank] = state.beats - 1 if state is not None else None  # the record starts with one beat
+        return done
+
     def newest_checkpoint(self) -> Optional[int]:
         """Step of the newest committed checkpoint directory (by name)."""
         committed = self.store.committed()
@@ -235,6 +211,9 @@ class HangMonitor:
         if not self.cfg.enabled:
             return None
         now = time.monotonic()
+        pids = agent.worker_pids()
+        for pid in pids.values():
+            self.cpu.sample(pid, now)
         hung = [hit for worker in agent.workers() if (hit := self._check(worker, now)) is not None]
         # A rank over its timeout while a local peer that is not ahead of it is still within its own
         # timeout is waiting for that peer (rank-local work such as an evaluation): not hung.
@@ -252,7 +231,7 @@ class HangMonitor:
         # recovery replaces just them; a group restart stops every rank anyway).
         low = min((h.step for h in hung if h.step is not None), default=None)
         hung = [h for h in hung if h.step is None or h.step == low]
-        hung = stuck_first(hung, agent.worker_pids())
+        hung = stuck_first(hung, pids)
         hung.sort(key=lambda h: (h.step if h.step is not None else -1, -h.silent))  # the laggard first
         if now - self._last_learn > 1.0:
             self._learn()
@@ -260,10 +239,14 @@ class HangMonitor:
             self.save_timeouts()
         if not hung:
             return None
+        # a silent rank whose main thread computes is slow, not hung; the others wait for it
+        busy = [h for h in hung if h.silent < self.cfg.busy_timeout and self.cpu.busy(pids.get(h.worker.local_rank))]
+        if busy and self.cfg.busy_evidence:
+            self._report_slow(busy, [h for h in hung if h not in busy], pids, now)
+            return None
         # learn from what the ranks recorded up to now, not from steps stalled by this hang
         self._learn()
         self._frozen = True
-        pids = agent.worker_pids()
         detected_at = time.time()  # the events come after the stack dumps: they carry this poll's time
         for h in hung:
             pid = pids.get(h.worker.local_rank)
@@ -285,10 +268,47 @@ class HangMonitor:
                 stacks=str(stacks) if stacks else None,
                 detected_at=round(detected_at, 3),
             )
+            console.say(
+                f"hang: rank {h.worker.global_rank} silent {h.silent:.1f} s in '{h.section}' at step {h.step} "
+                f"(timeout {h.limit:.1f} s); killed" + (f"; stacks in {stacks}" if stacks else "")
+            )
         return "; ".join(
             f"hang: rank {h.worker.global_rank} silent {h.silent:.1f} s in '{h.section}' (timeout {h.limit:.1f} s)"
             for h in hung
+        ) + (
+            " (work that takes longer than a step, such as an evaluation, belongs in "
+            'guard.section("eval"), whose timeout is learned apart)'
         )
+
+    def _report_slow(self, busy: list[HangHit], waiting: list[HangHit], pids: dict[int, int], now: float) -> None:
+        """A ``slow_section`` event (with the busy rank's stacks) and one console line, once per
+        silence of each busy rank."""
+        for h in busy:
+            started = now - h.silent
+            if abs(self._slow.get(h.worker.local_rank, -1.0) - started) < 1.0:
+                continue  # this silence was reported
+            self._slow[h.worker.local_rank] = started
+            pid = pids.get(h.worker.local_rank)
+            stacks = self._dump_stacks(h.worker.local_rank, h.worker.global_rank, pid, "slow")
+            share = self.cpu.share(pid) if pid is not None else None
+            self.events.emit(
+                "slow_section",
+                h.step,
+                rank=h.worker.global_rank,
+                local_rank=h.worker.local_rank,
+                section=h.section,
+                silent_seconds=round(h.silent, 3),
+                timeout=round(h.limit, 3),
+                cpu_share=round(share, 3) if share is not None else None,
+                waiting_ranks=[w.worker.global_rank for w in waiting],
+                stacks=str(stacks) if stacks else None,
+            )
+            console.say(
+                f"rank {h.worker.global_rank} is busy {h.silent:.1f} s in '{h.section}' past its "
+                f"timeout {h.limit:.1f} s (main thread at {100 * (share or 0):.0f} % of a core): slow, not hung; "
+                'put such work in guard.section("eval") so its time is learned apart'
+                + (f"; stacks in {stacks}" if stacks else "")
+            )
 
     def _check(self, worker: Any, now: float) -> Optional[HangHit]:
         local_rank = worker.local_rank
@@ -324,37 +344,11 @@ class HangMonitor:
             return
         self.book.set_live([r.histograms() for r in self._readers.values()])
 
-    def _dump_stacks(self, local_rank: int, global_rank: int, pid: Optional[int]) -> Optional[Path]:
+    def _dump_stacks(self, local_rank: int, global_rank: int, pid: Optional[int], tag: str = "") -> Optional[Path]:
+        """Dump ``pid``'s stacks (see :func:`~.stacks.dump_stacks`) into ``RUN_DIR/stacks/``."""
+        dest = self.run_dir / "stacks" / f"attempt{self.attempt}-rank{global_rank}{'-' + tag if tag else ''}.txt"
         src = stack_path(attempt_dir(self.hb_root, self.attempt), local_rank)
-        if pid is None or not src.exists():
-            return None
-        before = src.stat().st_size
-        try:
-            signal_main_thread(pid, STACK_SIGNAL)
-            os.kill(pid, signal.SIGCONT)  # a stopped process handles the dump signal once continued
-        except ProcessLookupError:
-            return None
-        # faulthandler writes frame by frame from the signal handler and marks no end: wait until the
-        # main thread's outermost frame is written (it comes last), or, for a main thread without
-        # one, until the file has stopped growing for STACK_QUIET seconds; all within stacks_wait
-        # (a loaded machine may deschedule the rank mid-dump).
-        deadline = time.monotonic() + self.cfg.stacks_wait
-        size, quiet_since = before, None
-        while time.monotonic() < deadline:
-            time.sleep(0.005)
-            now_size = src.stat().st_size
-            if now_size != size:
-                size, quiet_since = now_size, time.monotonic()
-                with open(src, "rb") as f:
-                    f.seek(before)
-                    if dump_complete(f.read().decode(errors="replace")):
-                        break
-            elif quiet_since is not None and time.monotonic() - quiet_since >= STACK_QUIET:
-                break
-        dest = self.run_dir / "stacks" / f"attempt{self.attempt}-rank{global_rank}.txt"
-        dest.parent.mkdir(exist_ok=True)
-        shutil.copyfile(src, dest)
-        return dest if dest.stat().st_size > 0 else None
+        return dump_stacks(src, dest, pid, self.cfg.stacks_wait)
 
     def _close_readers(self) -> None:
         for r in self._readers.values():

@@ -7,7 +7,8 @@ from typing import Optional
 
 from ..launch_env import LaunchEnv
 from .heartbeat import HeartbeatWriter, heartbeat_path
-from .monitor import STACK_SIGNAL, attempt_dir, stack_path
+from .monitor import attempt_dir
+from .stacks import STACK_SIGNAL, stack_path
 
 
 def attach(attempt: int) -> Optional[HeartbeatWriter]:

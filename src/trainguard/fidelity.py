@@ -1,0 +1,102 @@
+"""Resume fidelity: what a bitwise-identical resume depends on that a checkpoint cannot restore.
+
+A checkpoint restores the tensors, the data position and the random number generators. The result
+of a resumed run is still only bitwise identical to an uninterrupted one when the arithmetic is
+the same, and when no random numbers the checkpoint does not cover were drawn. Two checks, each
+reported as a ``resume_not_bitwise`` event and one console line (rank 0), never an error:
+
+* **The environment at save vs. at resume** (:class:`ResumeFidelity`, a part of every rank's
+  saved state): torch's version, its intra-op thread count (``torch.get_num_threads()``: CPU
+  reductions are split by thread, so their rounding depends on it; ``OMP_NUM_THREADS`` sets it),
+  the deterministic-algorithm flags (``torch.use_deterministic_algorithms``, cuDNN's
+  ``deterministic`` and ``benchmark``) and the world size.
+* **Random numbers drawn between** ``step_end()`` **and the next step** (:class:`DrawWatch`): a
+  loop that fetches the next batch after ``step_end()`` (``X, Y = get_batch()`` at the end of the
+  body) draws it after the state the checkpoint holds, so a resumed run draws a different batch.
+  For the first :data:`WATCHED_STEPS` steps the Guard keeps torch's CPU generator state at each
+  ``step_end()`` and compares it when the next step begins.
+* **Random numbers drawn between creating the Guard and** ``guard.steps()`` (:class:`DrawWatch`
+  too): a loop that fetches its first batch before the loop and the next one inside the step
+  (``X, Y = get_batch()`` before ``for step in guard.steps(...)``) draws that first batch, on a
+  resume, from the fresh seed, before ``steps()`` restores the checkpoint's generators: the first
+  resumed step trains on another batch. Reported on a resume only (a fresh run is not affected).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+WATCHED_STEPS = 3  # step boundaries at which DrawWatch looks (the pattern is the same every step)
+
+
+def environment(world_size: int) -> dict[str, Any]:
+    """The facts of this process that a bitwise resume depends on (plain values)."""
+    cudnn = torch.backends.cudnn
+    return {
+        "torch": str(torch.__version__),  # a TorchVersion (a str subclass) would not load with weights_only
+        "threads": torch.get_num_threads(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": bool(cudnn.deterministic),
+        "cudnn_benchmark": bool(cudnn.benchmark),
+        "world_size": world_size,
+    }
+
+
+def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``["threads 4 → 1", ...]``: the facts that differ (a fact missing on either side is skipped)."""
+    return [f"{k} {saved[k]} → {now[k]}" for k in now if k in saved and saved[k] != now[k]]
+
+
+class ResumeFidelity:
+    """A Stateful part of the training state: saves :func:`environment`; on load, keeps what
+    differs in :attr:`changed` (empty: the resume can be bitwise identical).
+
+    Args:
+        world_size: the number of ranks now.
+    """
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.changed: list[str] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return environment(self.world_size)
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        self.changed = differences(state or {}, environment(self.world_size))
+
+
+class DrawWatch:
+    """Finds random numbers drawn from torch's CPU generator between ``step_end()`` and the next
+    step, during the first :data:`WATCHED_STEPS` steps of a process.
+
+    :meth:`boundary` at the end of ``step_end()``, :meth:`next_step` when the loop asks for the
+    next step; :meth:`next_step` returns ``True`` once, at the first boundary where the state moved.
+    """
+
+    def __init__(self) -> None:
+        self._left = WATCHED_STEPS
+        self._state: Optional[torch.Tensor] = torch.get_rng_state()  # at the Guard's creation
+
+    def before_loop(self) -> bool:
+        """At ``steps()`` start, before a resume restores the generators: whether random numbers
+        were drawn since the Guard was created."""
+        moved = self._state is not None and not torch.equal(self._state, torch.get_rng_state())
+        self._state = None
+        return moved
+
+    def boundary(self) -> None:
+        """Keep the generator state at this step boundary (a 5 KB copy; only while watching)."""
+        if self._left > 0:
+            self._state = torch.get_rng_state()
+
+    def next_step(self) -> bool:
+        """Whether random numbers were drawn since :meth:`boundary` (reported once)."""
+        if self._state is None:
+            return False
+        moved = not torch.equal(self._state, torch.get_rng_state())
+        self._state = None
+        self._left = 0 if moved else self._left - 1
+        return moved

@@ -1,0 +1,194 @@
+"""Decisions about real training scripts, each in one process: is a silent rank busy (its main
+thread's CPU time, real processes), is a failure a script error not worth a restart, can a resume be
+bitwise identical, where a script with its own command line gets its config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import trainguard
+from trainguard.fidelity import WATCHED_STEPS, DrawWatch, ResumeFidelity, differences, environment
+from trainguard.launcher.script_error import decide, read_tail, traceback_tail
+from trainguard.supervisor.evidence import BUSY_SHARE, WINDOW, CpuMeter, main_thread_cpu
+
+TRACEBACK = """step 0 setting up
+Traceback (most recent call last):
+  File "train.py", line 12, in <module>
+    main()
+  File "train.py", line 8, in main
+    data = open(args.data).read()
+FileNotFoundError: [Errno 2] No such file or directory: 'missing.bin'
+"""
+CONNECTION = TRACEBACK.replace(
+    "FileNotFoundError: [Errno 2] No such file or directory: 'missing.bin'",
+    "torch.distributed.DistNetworkError: The client socket has timed out while trying to connect to (node0, 29500).",
+)
+
+
+def _meter_verdict(code: str) -> tuple[float, bool]:
+    """Run ``code`` in a child whose *main thread* does it, sample it over a window, return
+    (share of a core, busy)."""
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        meter = CpuMeter()
+        time.sleep(0.3)  # past the interpreter's start
+        end = time.monotonic() + WINDOW * 1.5
+        while time.monotonic() < end:
+            meter.sample(child.pid, time.monotonic())
+            time.sleep(0.05)
+        return meter.share(child.pid), meter.busy(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_computing_main_thread_is_busy_a_waiting_one_is_not():
+    """A main thread in a Python loop (an evaluation) uses a core; one that waits on a lock while
+    another thread of the same process spins (a rank stuck in a collective while its background
+    threads run) uses none: only the main thread counts."""
+    share, busy = _meter_verdict("while True: sum(range(1000))")
+    assert busy and share >= BUSY_SHARE, share
+    waiting = (
+        "import threading\n"
+        "threading.Thread(target=lambda: [sum(range(1000)) for _ in iter(int, 1)], daemon=True).start()\n"
+        "threading.Lock().acquire(); threading.Lock().acquire(); threading.Event().wait()\n"
+    )
+    share, busy = _meter_verdict(waiting)
+    assert not busy and share < BUSY_SHARE, share
+
+
+def test_cpu_of_a_gone_process_is_unknown_and_never_busy():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert main_thread_cpu(child.pid) is None
+    meter = CpuMeter()
+    meter.sample(child.pid, time.monotonic())
+    assert meter.share(child.pid) is None and not meter.busy(child.pid) and not meter.busy(None)
+
+
+def test_script_error_before_the_first_step_is_not_restarted():
+    stderr = {0: TRACEBACK, 1: TRACEBACK}
+    error = decide(True, {0: 1, 1: 1}, {0: None, 1: 0}, stderr)
+    assert error is not None and error.rank == 0 and error.exit_code == 1
+    assert error.lines[0].startswith("Traceback") and error.lines[-1].startswith("FileNotFoundError")
+    assert "missing.bin" in error.reason and "not restarted" in error.reason
+    # the peer killed by the launcher (SIGKILL) is not looked at
+    assert decide(True, {0: 1, 1: -9}, {0: 0, 1: 0}, {0: TRACEBACK, 1: ""}) is not None
+
+
+@pytest.mark.parametrize(
+    ("first", "codes", "done", "stderr", "why"),
+    [
+        (False, {0: 1}, {0: 0}, {0: TRACEBACK}, "a later group: the first one trained"),
+        (True, {0: 1}, {0: 0, 1: 3}, {0: TRACEBACK}, "a rank completed steps"),
+        (True, {0: -9}, {0: 0}, {0: ""}, "killed by a signal only"),
+        (True, {0: 1}, {0: 0}, {0: "Segmentation fault\n"}, "no traceback"),
+        (True, {0: 1}, {0: 0}, {0: CONNECTION}, "a connection failure: retried"),
+        (True, {0: 1, 1: 1}, {0: 0, 1: 0}, {0: TRACEBACK, 1: CONNECTION}, "one rank's failure is transient"),
+    ],
+)
+def test_failures_a_restart_can_cure_are_restarted(first, codes, done, stderr, why):
+    assert decide(first, codes, done, stderr) is None, why
+
+
+def test_traceback_tail_takes_the_last_traceback_and_caps_it(tmp_path):
+    text = TRACEBACK + "\nDuring handling...\n" + TRACEBACK.replace("missing.bin", "other.bin")
+    tail = traceback_tail(text)
+    assert "other.bin" in tail[-1]
+    long = (
+        "Traceback (most recent call last):\n"
+        + '  File "x.py", line 1, in f\n    f()\n' * 50
+        + "RecursionError: deep\n"
+    )
+    assert len(traceback_tail(long)) == 12 and traceback_tail(long)[-1] == "RecursionError: deep"
+    assert traceback_tail("no error here\n") is None
+    path = tmp_path / "stderr.log"
+    path.write_text("x" * 20000 + "\n" + TRACEBACK)
+    assert read_tail(path).endswith(TRACEBACK) and read_tail(tmp_path / "absent") == "" and read_tail(None) == ""
+
+
+def test_resume_fidelity_names_what_changed():
+    saved = environment(2)
+    fid = ResumeFidelity(2)
+    fid.load_state_dict(saved)
+    assert fid.changed == []
+    fid.load_state_dict({**saved, "threads": saved["threads"] + 3, "world_size": 4, "unknown_key": 1})
+    assert fid.changed == [f"threads {saved['threads'] + 3} → {saved['threads']}", "world_size 4 → 2"]
+    fid.load_state_dict(None)  # a checkpoint written before this part existed
+    assert fid.changed == []
+    assert differences({"torch": "2.0"}, {"torch": torch.__version__}) == [f"torch 2.0 → {torch.__version__}"]
+
+
+def test_draw_watch_finds_draws_between_step_end_and_the_next_step():
+    watch = DrawWatch()
+    assert not watch.before_loop()  # nothing drawn since the Guard was created
+    for _ in range(2):  # draws inside the step only
+        torch.rand(1)
+        watch.boundary()
+        assert not watch.next_step()
+    watch.boundary()
+    torch.randint(10, (4,))  # the next batch, fetched after step_end()
+    assert watch.next_step()
+    watch.boundary()  # reported once, then no more looking
+    torch.rand(1)
+    assert not watch.next_step()
+
+
+def test_draw_watch_finds_a_first_batch_drawn_before_the_loop():
+    watch = DrawWatch()
+    torch.randint(10, (4,))
+    assert watch.before_loop()
+
+
+def test_draw_watch_stops_looking_after_a_few_clean_steps():
+    watch = DrawWatch()
+    watch.before_loop()
+    for _ in range(WATCHED_STEPS):
+        watch.boundary()
+        assert not watch.next_step()
+    watch.boundary()
+    torch.rand(1)
+    assert not watch.next_step()
+
+
+def test_config_from_env_ignores_the_scripts_arguments(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py", "config/tiny.py", "--eval_interval=50", "--set", "x"])
+    monkeypatch.setenv("TRAINGUARD_SET", "checkpoint.interval=7\nstop.check_interval=3")
+    cfg = trainguard.config_from_env()
+    assert cfg.checkpoint.interval == 7 and cfg.stop.check_interval == 3
+    with pytest.raises(trainguard.ConfigError, match="config_from_env"):
+        trainguard.config_from_argv()
+
+
+def test_torch_elastic_error_lines_for_decision_codes_are_dropped(monkeypatch, capsys):
+    """Torch elastic's "failed (exitcode: 75)" for a requeue is not an error: dropped; a real
+    failure's line stays. ``quiet`` silences trainguard's story lines but not its warnings."""
+    import logging
+
+    from trainguard import console
+
+    monkeypatch.setenv(console.LEVEL_ENV, "normal")
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    console.quiet_torch_elastic((2, 75, 76))
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        msg = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+        logger.error(msg, 75, 0, 123, "python")
+        logger.error(msg, 1, 0, 124, "python")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["failed (exitcode: 1) local_rank: 0 (pid: 124) of binary: python"]
+    console.say("story")
+    monkeypatch.setenv(console.LEVEL_ENV, "quiet")
+    console.say("hidden")
+    console.warn("careful")
+    err = capsys.readouterr().err
+    assert "trainguard: story" in err and "hidden" not in err and "trainguard: warning: careful" in err
