@@ -685,6 +685,8 @@ class Guard:
             else None
         )
         self._emit0("end", state_sha256=digest, last_loss=loss)
+        if self.rank == 0:
+            console.say(f"finished at step {self.step}; state sha256 {digest}")
         # leave together: a rank that tears its group down while a peer still finishes rank-0
         # work (the final commit) can make gloo abort in the peer at exit
         self._stop_ping()
