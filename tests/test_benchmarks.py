@@ -43,6 +43,7 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     ),
     "goodput_faults.py": ([], ["goodput of the example GPT", "| in-process", "| restart"]),
     "inprocess_overhead.py": ([], ["steady-state step time with in-process recovery", "| on, warm spare", "overhead"]),
+    "sdc_overhead.py": ([], ["SDC replica check vs a training step", "default interval (100)"]),
 }
 NVRX = Path("/tmp/nvrx")  # recovery_compare.py's default --nvrx
 

@@ -47,6 +47,7 @@ from .sections import (  # noqa: F401  (re-exported: trainguard.config.Section e
     RecoverySection,
     RollbackSection,
     RunSection,
+    SDCSection,
     Section,
     StopSection,
     StragglerSection,
@@ -80,6 +81,7 @@ class Config(BaseModel):
     straggler: StragglerSection = StragglerSection()
     health: HealthSection = HealthSection()
     recovery: RecoverySection = RecoverySection()
+    sdc: SDCSection = SDCSection()
     slurm: SlurmSection = SlurmSection()
 
 

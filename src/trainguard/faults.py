@@ -11,6 +11,9 @@ Kinds (see :class:`~trainguard.config.FaultSpec`):
   ``step`` (and the ``repeat - 1`` after it): ``nan_loss`` (loss and gradients NaN),
   ``loss_spike`` (loss × ``factor``), ``grad_explosion`` (gradients and their norm × ``factor``).
   Each step fires once; ``persistent`` makes it fire again when a rollback re-runs the step.
+* ``sdc``: at the end of step ``step`` (``step`` steps complete, after the optimizer step), one
+  bit of the rank's first parameter flips in place (:func:`trainguard.sdc.flip_bit`): a silent
+  data corruption of that replica, once.
 * ``slow_rank``: from step ``step`` for ``repeat`` steps, ``guard.run_step()`` on this rank
   sleeps ``factor`` × its compute time after the micro-batches (a straggler, for the detector).
 * ``oom``: in ``guard.run_step()`` of step number ``step`` (and the ``repeat - 1`` after it), one
@@ -42,6 +45,7 @@ import torch
 from .config import ConfigError, FaultSpec, parse_key_values
 from .events import EventLog
 from .launch_env import LaunchEnv
+from .sdc import flip_bit
 
 
 def parse_inject(text: str) -> FaultSpec:
@@ -80,7 +84,7 @@ def validate(specs: list[FaultSpec], world_size: Optional[int]) -> None:
 
 
 NUMERIC = ("nan_loss", "loss_spike", "grad_explosion")
-STEP_BOUND = NUMERIC + ("oom", "slow_rank")
+STEP_BOUND = NUMERIC + ("oom", "slow_rank", "sdc")
 # more bytes than any machine has: the allocator refuses at once, with its own error
 IMPOSSIBLE_BYTES = 1 << 62
 
@@ -118,6 +122,7 @@ class FaultInjector:
         self.numeric_pending: list[FaultSpec] = []
         self.oom_pending: list[FaultSpec] = []
         self.slow_pending: list[FaultSpec] = []
+        self.sdc_pending: list[FaultSpec] = []
         self._fired: set[tuple[str, int, int]] = set()  # (kind, spec index, step) of step-bound faults already fired
 
     def arm(self, max_steps: int) -> None:
@@ -140,6 +145,8 @@ class FaultInjector:
                 self.oom_pending.append(s)
             elif s.kind == "slow_rank":
                 self.slow_pending.append(s)
+            elif s.kind == "sdc":
+                self.sdc_pending.append(s)
             elif s.after_seconds is not None and s.step is None:
                 threading.Thread(target=self._fire_later, args=(s,), daemon=True, name="trainguard-fault").start()
             else:
@@ -184,6 +191,17 @@ class FaultInjector:
             self.events.emit("fault_injected", step, fault="oom", rank=self.rank, phase=s.phase, injected=True)
             return s
         return None
+
+    def corrupt(self, step: int, model: torch.nn.Module) -> None:
+        """Called by ``step_end()`` once ``step`` steps are complete: an ``sdc`` fault due now flips
+        one bit of the first parameter of ``model`` (its ``fault_injected`` event first); once, or
+        each time the step is re-run after a rollback with ``persistent`` (a bad GPU)."""
+        for i, s in enumerate(self.sdc_pending):
+            if s.step != step or (not s.persistent and ("sdc", i, step) in self._fired):
+                continue
+            self._fired.add(("sdc", i, step))
+            self.events.emit("fault_injected", step, fault="sdc", rank=self.rank, target="param", injected=True)
+            flip_bit(next(model.parameters()))
 
     def slow_factor(self, step: int) -> float:
         """Called by ``run_step()`` in step number ``step``: the extra compute fraction of a

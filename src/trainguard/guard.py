@@ -66,12 +66,13 @@ from .instability.recovery import Recovery, Rollback
 from .launch_env import LaunchEnv
 from .memory import MemoryWatchdog
 from .oom import MicroBatcher
-from .outcomes import BadInput, Outcome, Requeue
+from .outcomes import BadInput, GiveUp, Outcome, Requeue
 from .rejoin import boundary as rejoin_boundary
 from .rejoin import regroup
 from .rejoin.protocol import Generation
 from .rejoin.rank import LOCAL_PARTS, Rejoin
 from .rundir import prepare_run_dir
+from .sdc import Mismatch, ReplicaCheck
 from .signals import ShutdownHandler
 from .state import state_hash
 from .stop import StopConditions, StopFlags
@@ -200,6 +201,7 @@ class Guard:
             cfg.checkpoint.verify,
             loss_scaler=any(isinstance(v, torch.amp.GradScaler) and v.is_enabled() for v in self.extra_state.values()),
         )
+        self.sdc = ReplicaCheck(cfg.sdc, self.model, self.rank, self.world_size, self.events)
         self.straggler = StragglerDetector(
             cfg.straggler,
             self.rank,
@@ -402,6 +404,8 @@ class Guard:
                 self.heartbeat.beat(self.step)
             return
         self.step += 1
+        if self.faults.sdc_pending:  # a bit flips in a parameter, after the optimizer step
+            self.faults.corrupt(self.step, self.model)
         now = time.perf_counter()
         # a decaying maximum: a slow step is remembered for a while (for the time limit)
         self._step_seconds = max(now - self._t_last, 0.98 * self._step_seconds)
@@ -419,6 +423,8 @@ class Guard:
             raise health.PeerLostError(self.ping.failed)
         for h in self.hooks:
             h.on_step_end(self, self.step, loss)
+        if self.sdc.due(self.step) and self._replicas_differ():
+            return  # rolled back: steps() yields the checkpoint's step next
         self._saved(self.ckpt.poll())  # finalize a background save that has finished (before its known-good verdict)
         if self.rank == 0:
             self.recovery.after_step(self.step)
@@ -483,6 +489,7 @@ class Guard:
         hosts = self.hosts = tgdist.gather_objects(socket.gethostname())
         self.straggler.set_hosts(hosts)
         self._resume()
+        self.sdc.last_good = self.step  # every replica loaded the same state
         if self.rejoin.active:
             self._keep_boundary(self.step)
         self.ping = health.start(
@@ -660,6 +667,13 @@ class Guard:
         self.train_state.load_state_dict(state)
         self.ckpt.loaded(point.tier, self.step)
 
+    def _reload(self, target: Checkpoint, why: str) -> None:
+        """Load ``target`` into this process (a rollback; a collective) and set aside the local
+        copies newer than it; every replica holds the same state again."""
+        self._load(ResumePoint("persistent", target.step, target))
+        self.ckpt.discard_local_after(target.step, why)
+        self.sdc.last_good = self.step
+
     def _roll_back(self, rb: Rollback) -> None:
         """Carry out a rollback decision: reload the known-good checkpoint in this process."""
         with self.section("rollback"):
@@ -667,12 +681,95 @@ class Guard:
             target = self.recovery.rollback_target(rb)
             lr_before = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None
             position = self.sampler.state_dict() if self.sampler is not None else None  # after the bad step's batch
-            self._load(ResumePoint("persistent", target.step, target))
-            self.ckpt.discard_local_after(target.step, f"rolled back from step {rb.from_step} to {target.step}")
+            self._reload(target, f"rolled back from step {rb.from_step} to {target.step}")
             self.recovery.rolled_back(rb, target, position, lr_before)
+            if self.rejoin.active:  # the state a replacement of a lost rank starts from: after the data skip
+                self._keep_boundary(self.step)
             self._rolled_back = True
         for h in self.hooks:
             h.on_rollback(self, rb.from_step, target.step)
+
+    def _replicas_differ(self) -> bool:
+        """The silent-data-corruption check of this step (a collective, see :mod:`trainguard.sdc`);
+        ``True`` when the rest of the step boundary is skipped: it rolled back (the step counter
+        is the checkpoint's), or a peer was lost in it and replaced in-process."""
+        try:
+            m = self.sdc.check(self.step)
+        except Exception as e:
+            if not self.rejoin.caught(e, "sdc_check", self.step):
+                raise
+            self._recover(redo=False)  # the step is complete: the next check compares the replicas
+            return True
+        suspect = self.sdc.suspect
+        verdict = self.sdc.verdict(self.step, m)
+        if verdict is not None:
+            self._emit0(
+                "sdc_rerun",
+                verdict=verdict,
+                ranks=suspect.ranks,
+                hosts=[self.hosts[r] for r in suspect.ranks] if self.hosts else [],
+                first_seen=suspect.step,
+                fingerprints=self.sdc.values,
+            )
+        if m is None:
+            return False
+        persistent = verdict == "persistent"
+        policy = self.cfg.sdc.on_persistent if persistent else self.cfg.sdc.on_mismatch
+        hosts = [self.hosts[r] for r in m.ranks] if self.hosts else []
+        self._emit0(
+            "sdc_mismatch",
+            ranks=m.ranks,
+            hosts=hosts,
+            last_good=m.last_good,
+            fingerprints=m.fingerprints,
+            action=policy,
+        )
+        if self.rank == 0:
+            console.warn(
+                f"silent data corruption: the replicas of ranks {m.ranks} differ at step {self.step} "
+                f"(they agreed at step {m.last_good})"
+                + (", again after a re-run: persistent" if persistent else "")
+                + f"; {policy}"
+            )
+        if policy == "warn":
+            return False
+        if policy == "raise":
+            raise GiveUp("sdc", f"the replicas of ranks {m.ranks} differ at step {self.step} ([sdc] raise)")
+        self._sdc_roll_back(m)
+        if persistent:  # back at a clean state; the stop's save finds that step already committed
+            if self.rank == 0:
+                path = self.straggler.write_exclude(m.ranks)
+                self.events.emit("sdc_exclude", self.step, ranks=m.ranks, hosts=hosts, exclude_nodes=str(path))
+            self._stop("sdc", ranks=m.ranks, hosts=hosts, exclude_nodes=str(self.run_dir / "exclude_nodes"))
+        return True
+
+    def _sdc_roll_back(self, m: Mismatch) -> None:
+        """Reload the newest checkpoint at or before the last agreeing check on every rank and set
+        the newer ones aside (a save after the corruption may hold the bad replica's tensors).
+
+        Raises:
+            GiveUp: no valid checkpoint at or before that step.
+        """
+        with self.section("rollback"):
+            self._saved(self.ckpt.wait())
+            target = (
+                self.store.latest_valid(self.cfg.checkpoint.verify, before=m.last_good + 1) if self.rank == 0 else None
+            )
+            target = tgdist.broadcast_object(target)
+            if target is None:
+                raise GiveUp(
+                    "sdc",
+                    f"the replicas differ at step {self.step} and no checkpoint is at or before step {m.last_good}, where they last agreed",
+                )
+            from_step, why = self.step, f"silent data corruption found at step {self.step}"
+            if self.rank == 0:
+                self.store.set_aside_after(target.step, why)
+            self._reload(target, why)
+            if self.rejoin.active:
+                self._keep_boundary(self.step)
+            self._emit0("sdc_rollback", from_step=from_step, to_step=target.step, path=str(target.path))
+        if self.heartbeat is not None:  # the step section was closed at this boundary already
+            self.heartbeat.beat(self.step)
 
     def _finish(self) -> None:
         if self.cfg.checkpoint.save_final:

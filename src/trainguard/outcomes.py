@@ -58,7 +58,7 @@ class Requeue(Outcome):
 class GiveUp(Outcome):
     """Recovery is past its budget or impossible; a relaunch would fail the same way (exit code 76).
 
-    Reasons: ``instability``, ``out_of_memory``, ``checkpoint_failures``.
+    Reasons: ``instability``, ``out_of_memory``, ``checkpoint_failures``, ``sdc``.
     """
 
     exit_code = ExitCode.GIVE_UP

@@ -311,11 +311,15 @@ class FaultSpec(Section):
     step that, once complete, makes ``step`` steps) and the ``repeat - 1`` steps after it:
     ``nan_loss`` (the rank's loss and gradients become NaN), ``loss_spike`` (its loss × ``factor``),
     ``grad_explosion`` (its gradients and gradient norm × ``factor``).
+    ``sdc``: once ``step`` steps are complete, one bit of one parameter element of the rank flips
+    (bit 20 of the first element of the first parameter: a silent data corruption, for ``[sdc]``).
     """
 
     kind: Literal[
-        "rank_killed", "rank_hung", "random", "nan_loss", "loss_spike", "grad_explosion", "oom", "slow_rank"
-    ] = Field(..., description="rank_killed, rank_hung, random, nan_loss, loss_spike, grad_explosion, oom or slow_rank")
+        "rank_killed", "rank_hung", "random", "nan_loss", "loss_spike", "grad_explosion", "oom", "slow_rank", "sdc"
+    ] = Field(
+        ..., description="rank_killed, rank_hung, random, nan_loss, loss_spike, grad_explosion, oom, slow_rank or sdc"
+    )
     rank: Optional[int] = Field(None, ge=0, description="global rank (random: drawn)")
     step: Optional[int] = Field(
         None, ge=1, description="fire when this many steps are complete (numeric faults: in this step)"
@@ -344,10 +348,35 @@ class FaultSpec(Section):
     repeat: int = Field(1, ge=1, description="numeric faults: in this many consecutive steps from 'step'")
     persistent: bool = Field(
         False,
-        description="numeric faults: fire again when a rollback re-runs the step; oom: in every retry of the step too (a fault recovery cannot outrun)",
+        description="numeric faults and sdc: fire again when a rollback re-runs the step; oom: in every retry of the step too (a fault recovery cannot outrun)",
     )
     phase: Literal["forward", "backward"] = Field(
         "forward", description="oom: fail a real allocation inside the model's forward, or during backward"
+    )
+
+
+class SDCSection(Section):
+    """``[sdc]``: silent data corruption: the data-parallel replicas' parameters compared by exact
+    fingerprints every ``check_interval`` steps (see :mod:`trainguard.sdc`).
+
+    On a mismatch: ``warn`` (event and console line; the replicas stay different), ``rerun``
+    (every rank reloads the newest checkpoint taken at or before the last check where the replicas
+    agreed, in-process; the checkpoints after it are set aside, since a save after the corruption
+    may hold the bad replica's tensors, and re-runs the steps up to the failed check), ``raise``
+    (stop with the give-up code 76). The re-run classifies the fault: if the replicas then agree, the fault was transient;
+    if the same ranks differ again at the same check, it is persistent (``on_persistent``).
+    """
+
+    check_interval: int = Field(
+        100,
+        ge=0,
+        description="steps between fingerprint checks (0: off); one read of the parameters and one small all-reduce each",
+    )
+    on_mismatch: Literal["warn", "rerun", "raise"] = Field("rerun", description="what a mismatch does")
+    on_persistent: Literal["exclude", "raise"] = Field(
+        "exclude",
+        description="after a rollback, the same ranks differ again at the same check (a persistent fault): "
+        "exclude (roll back, write their hosts to RUN_DIR/exclude_nodes, stop with the requeue code 75) or raise (76)",
     )
 
 

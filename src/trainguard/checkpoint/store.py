@@ -122,6 +122,14 @@ class CheckpointStore:
         log.warning("set checkpoint %s aside as %s: %s", ckpt.path, aside.name, reason)
         return aside
 
+    def set_aside_after(self, step: int, reason: str) -> list[Checkpoint]:
+        """Set aside (``rolledback``) every committed checkpoint newer than ``step``: a rollback
+        to ``step`` abandoned the trajectory they belong to. Returns them."""
+        newer = [c for c in self.committed() if c.step > step]
+        for c in newer:
+            self.set_aside(c, reason, kind="rolledback")
+        return newer
+
     def mark_known_good(self, ckpt: Checkpoint, healthy_steps: int) -> None:
         """Record in ``ckpt``'s manifest that ``healthy_steps`` steps after it were healthy.
 

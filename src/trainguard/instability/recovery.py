@@ -299,9 +299,7 @@ class Recovery:
                 self.ramp.multiplier(target.step + 1) if self.ramp else 1.0
             )
         if self.rank == 0:
-            newer = [c for c in self.store.committed() if c.step > target.step]
-            for c in newer:
-                self.store.set_aside(c, f"rolled back from step {bad} to {target.step}", kind="rolledback")
+            newer = self.store.set_aside_after(target.step, f"rolled back from step {bad} to {target.step}")
             self.pending = [c for c in self.pending if c.step <= target.step]
             record = {
                 "time": round(time.time(), 3),

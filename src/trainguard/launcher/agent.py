@@ -207,7 +207,8 @@ class TrainguardAgent(ElasticAdapter):
         (nothing lost, replaced, or left to the group restart of the normal failure path)."""
         why = self.replacer.poll()
         if why is not None:
-            self.events.emit("recovery_fallback", reason=why)
+            stacks = self._dump_survivors("recovery")
+            self.events.emit("recovery_fallback", reason=why, stacks=stacks)
             console.say(f"in-process recovery failed ({why}): restarting the group")
             return why
         procs = self.worker_processes()
@@ -237,6 +238,17 @@ class TrainguardAgent(ElasticAdapter):
         if self.record is not None:
             self.record.write_ranks(self.worker_pids())
         return None
+
+    def _dump_survivors(self, tag: str) -> list[str]:
+        """The Python stacks of every live rank of this node (why did a recovery not complete?),
+        as paths under ``RUN_DIR/stacks``; none without the hang supervisor."""
+        if self.monitor is None:
+            return []
+        pids = self.worker_pids()
+        paths = [
+            self.monitor.dump_stacks(w.local_rank, w.global_rank, pids.get(w.local_rank), tag) for w in self.workers()
+        ]
+        return [str(p) for p in paths if p is not None]
 
     def _kill_survivors_of_failure(self) -> None:
         """If a rank has exited with a failure (not 0 or a decision code), SIGCONT and SIGKILL the

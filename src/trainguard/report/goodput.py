@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from .incidents import FAILURE_KINDS, Incident
+from .incidents import FAILURE_KINDS, IN_PROCESS_ROLLBACKS, Incident
 from .timeline import Segment
 
 Intervals = list[tuple[float, float]]
@@ -94,7 +94,7 @@ def kept_step(inc: Incident, checkpoints: list[dict]) -> Optional[float]:
 
 def redone_windows(inc: Incident, segments: list[Segment], checkpoints: list[dict]) -> Intervals:
     """The time spent on the steps ``inc`` threw away (see the module docstring, rule 3)."""
-    if inc.kind not in FAILURE_KINDS + ("instability_rollback",) or inc.segment is None or inc.step is None:
+    if inc.kind not in FAILURE_KINDS + IN_PROCESS_ROLLBACKS or inc.segment is None or inc.step is None:
         return []
     keep = kept_step(inc, checkpoints)
     if keep is None or inc.step <= keep:

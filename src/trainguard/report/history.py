@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .incidents import DECISION_CODES, FAULTS_FOR, NOTICE_KINDS, STOP_KINDS, Incident
+from .incidents import DECISION_CODES, FAULTS_FOR, IN_PROCESS_ROLLBACKS, NOTICE_KINDS, STOP_KINDS, Incident
 from .load import number
 from .timeline import Segment, extrapolate, step_seconds
 
@@ -30,6 +30,7 @@ class RunHistory:
         self._pending: list[Incident] = []  # waiting for the next start
         self._open: Optional[Incident] = None  # hang/ping incident the launcher has not acted on yet
         self._instability: dict[tuple, float] = {}
+        self._sdc: dict[tuple, float] = {}  # (launch, attempt) -> time of the latest sdc_mismatch
         self._oom: dict[tuple, float] = {}
 
     # -- helpers -------------------------------------------------------------------------------
@@ -63,7 +64,7 @@ class RunHistory:
             inc.latency = round(inc.detected_at - fault["time"], 6)
             if not inc.in_process:
                 inc.failed_at = min(inc.failed_at, fault["time"])
-            if fault["step"] is not None and inc.kind != "instability_rollback":
+            if fault["step"] is not None and inc.kind not in IN_PROCESS_ROLLBACKS:
                 inc.step, inc.step_estimated = float(fault["step"]), False
             if fault["details"].get("rank") is not None:
                 inc.ranks = [fault["details"]["rank"]]
@@ -314,6 +315,25 @@ class RunHistory:
         if inc.injected and inc.fault_at is not None:
             inc.latency = round(seen - inc.fault_at, 6)
         if inc.step is not None and to is not None:  # the loop was at the bad step, then at the checkpoint's
+            self._add_point(e, seen, inc.step)
+            self._add_point(e, e["time"], to)
+
+    def _on_sdc_mismatch(self, e: dict, d: dict) -> None:
+        self._sdc[self._here(e)] = e["time"]
+
+    def _on_sdc_rollback(self, e: dict, d: dict) -> None:
+        bad, to = number(d.get("from_step")), number(d.get("to_step"))
+        seen = self._sdc.get(self._here(e), e["time"])
+        inc = self._new(
+            "sdc_rerun",
+            e,
+            failed_at=seen,
+            step=bad if bad is not None else e["step"],
+            in_process=True,
+            reason=f"replicas differ at step {d.get('from_step')}: back to step {d.get('to_step')} and re-run",
+        )
+        inc.detected_at, inc.recovered_at, inc.resumed_step = seen, e["time"], to
+        if inc.step is not None and to is not None:
             self._add_point(e, seen, inc.step)
             self._add_point(e, e["time"], to)
 

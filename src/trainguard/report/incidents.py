@@ -10,7 +10,9 @@ the steps it cost (failure step − the step training went on from). Sources:
   code); exit codes 0, 2, 75 and 76 are decisions, reported by the events that made them;
 * ``hang_detected`` (all ranks of one poll are one incident) → ``hang``; ``ping_timeout`` → ``ping_timeout``;
 * ``stop_requested`` → ``preemption_signal``, ``time_limit``, ``kill_switch``, ``memory``, ``straggler``;
-* ``rollback`` → ``instability_rollback``; ``micro_batch_split`` → ``oom_split`` (both in-process);
+* ``rollback`` → ``instability_rollback``; ``micro_batch_split`` → ``oom_split``; ``sdc_rollback``
+  → ``sdc_rerun`` (a silent data corruption, rolled back and re-run; all three in-process); a
+  ``stop_requested`` with reason ``sdc`` → ``sdc_exclude``;
 * ``give_up``, ``restart_budget_spent``, ``instability_give_up``, ``oom_give_up`` → ``give_up``;
   ``bad_input`` → ``bad_input``; a launch without ``launch_exit`` → ``launch_lost``.
 
@@ -34,7 +36,9 @@ STOP_KINDS = {
     "kill_switch": "kill_switch",
     "memory": "memory",
     "straggler": "straggler",
+    "sdc": "sdc_exclude",
 }
+IN_PROCESS_ROLLBACKS = ("instability_rollback", "sdc_rerun")  # reload a checkpoint in the same processes
 NUMERIC_FAULTS = ("nan_loss", "loss_spike", "grad_explosion")
 FAULTS_FOR = {
     "rank_killed": ("rank_killed",),
@@ -44,6 +48,8 @@ FAULTS_FOR = {
     "instability_rollback": NUMERIC_FAULTS,
     "oom_split": ("oom",),
     "straggler": ("slow_rank",),
+    "sdc_rerun": ("sdc",),
+    "sdc_exclude": ("sdc",),
 }
 DECISION_CODES = (0, 2, 75, 76)  # exit codes that are decisions, not crashes (0 first)
 # events counted in the report's notices (no incident of their own)

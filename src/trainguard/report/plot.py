@@ -32,6 +32,8 @@ COLOURS = {
     "memory": "tab:purple",
     "straggler": "tab:olive",
     "instability_rollback": "tab:pink",
+    "sdc_rerun": "magenta",
+    "sdc_exclude": "darkmagenta",
     "oom_split": "gold",
     "give_up": "black",
     "bad_input": "black",

@@ -250,7 +250,7 @@ class HangMonitor:
         detected_at = time.time()  # the events come after the stack dumps: they carry this poll's time
         for h in hung:
             pid = pids.get(h.worker.local_rank)
-            stacks = self._dump_stacks(h.worker.local_rank, h.worker.global_rank, pid)
+            stacks = self.dump_stacks(h.worker.local_rank, h.worker.global_rank, pid)
             if pid is not None:  # unresponsive by definition: SIGTERM cannot reach a stuck main thread
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -289,7 +289,7 @@ class HangMonitor:
                 continue  # this silence was reported
             self._slow[h.worker.local_rank] = started
             pid = pids.get(h.worker.local_rank)
-            stacks = self._dump_stacks(h.worker.local_rank, h.worker.global_rank, pid, "slow")
+            stacks = self.dump_stacks(h.worker.local_rank, h.worker.global_rank, pid, "slow")
             share = self.cpu.share(pid) if pid is not None else None
             self.events.emit(
                 "slow_section",
@@ -344,8 +344,9 @@ class HangMonitor:
             return
         self.book.set_live([r.histograms() for r in self._readers.values()])
 
-    def _dump_stacks(self, local_rank: int, global_rank: int, pid: Optional[int], tag: str = "") -> Optional[Path]:
-        """Dump ``pid``'s stacks (see :func:`~.stacks.dump_stacks`) into ``RUN_DIR/stacks/``."""
+    def dump_stacks(self, local_rank: int, global_rank: int, pid: Optional[int], tag: str = "") -> Optional[Path]:
+        """Dump ``pid``'s stacks (see :func:`~.stacks.dump_stacks`) into
+        ``RUN_DIR/stacks/attempt<A>-rank<R>[-tag].txt``; ``None`` if none could be taken."""
         dest = self.run_dir / "stacks" / f"attempt{self.attempt}-rank{global_rank}{'-' + tag if tag else ''}.txt"
         src = stack_path(attempt_dir(self.hb_root, self.attempt), local_rank)
         return dump_stacks(src, dest, pid, self.cfg.stacks_wait)
