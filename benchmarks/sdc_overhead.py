@@ -8,6 +8,11 @@ the all-reduce that compares it: exactly what the Guard runs at a check step). R
 slowest rank's medians and the step-time ratio with one check every N steps:
 ``(N × step + check) / (N × step)``, for N = 10, 100 (the default ``check_interval``) and 1000.
 
+The step re-run (``[sdc] on_instability = "rerun"``, :mod:`trainguard.rerun`) in the same
+processes: what it costs every step (keeping the step-boundary state: data position and RNG
+streams, encoded in memory) and what one re-run costs (restoring that state, the step again, the
+two results' fingerprints and their all-reduce), each against the training step.
+
     .venv/bin/python benchmarks/sdc_overhead.py [--world 2] [--batch 8] [--repeat 20] [--smoke]
 
 ``--smoke``: a one-layer GPT of width 32, 3 repeats: it only checks that the script runs.
@@ -34,8 +39,12 @@ def _rank(rank: int, world: int, tmp: str, batch: int, repeat: int, out, model_o
     import torch
     import torch.distributed as dist
 
+    from trainguard.rejoin.boundary import BoundaryState
+    from trainguard.rerun import StepRerun, step_result
+    from trainguard.sampler import ResumableSampler
     from trainguard.sdc import ReplicaCheck
     from trainguard.sections import SDCSection
+    from trainguard.trainstate import RNGState, TrainState
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
@@ -57,21 +66,36 @@ def _rank(rank: int, world: int, tmp: str, batch: int, repeat: int, out, model_o
         ddp(idx, torch.roll(idx, -1, 1)).backward()
         opt.step()
 
-    step()  # warm-up: buckets built, optimizer state allocated
-    steps, checks = [], []
-    for _ in range(repeat):  # alternated, so that load on the machine hits both alike
-        dist.barrier()
-        t0 = time.perf_counter()
+    # what the Guard keeps at each step boundary for a re-run (as in-process recovery does)
+    local = TrainState({"sampler": ResumableSampler(100_000, rank, world), "rng": RNGState()})
+    boundary, rerun = BoundaryState(None, rank), StepRerun(True, rank, world)
+
+    def keep(i: int) -> None:
+        boundary.keep({"step": i, **local.state_dict()})
+
+    def rerun_step(i: int) -> None:  # the first run's result, the state put back, the step again, the verdict
+        rerun.begin(i, step_result(torch.tensor(1.0), ddp))
+        local.load_state_dict(boundary.restore(i))
         step()
-        steps.append(time.perf_counter() - t0)
+        rerun.classify(step_result(torch.tensor(1.0), ddp))
+
+    step()  # warm-up: buckets built, optimizer state allocated
+    keep(0)
+    steps, checks, keeps, reruns = [], [], [], []
+    for i in range(repeat):  # alternated, so that load on the machine hits all alike
+        for fn, times in ((step, steps), (lambda: check.check(1), checks), (lambda i=i: keep(i), keeps)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            assert fn() is None, "the replicas differ"
+            times.append(time.perf_counter() - t0)
         dist.barrier()
         t0 = time.perf_counter()
-        assert check.check(1) is None, "the replicas differ"
-        checks.append(time.perf_counter() - t0)
-    t = torch.tensor([steps, checks], dtype=torch.float64)
+        rerun_step(i)
+        reruns.append(time.perf_counter() - t0)
+    t = torch.tensor([steps, checks, keeps, reruns], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank of each
     if rank == 0:
-        step_s, check_s = (statistics.median(row) for row in t.tolist())
+        step_s, check_s, keep_s, rerun_s = (statistics.median(row) for row in t.tolist())
         n = sum(p.numel() for p in model.parameters())
         lines = [
             f"SDC replica check vs a training step: GPT {n / 1e6:.2f} M parameters, DDP on {world} CPU ranks, "
@@ -88,6 +112,13 @@ def _rank(rank: int, world: int, tmp: str, batch: int, repeat: int, out, model_o
             lines.append(f"| {every} | {(every * step_s + check_s) / (every * step_s):.5f}× |")
         ratio = (100 * step_s + check_s) / (100 * step_s)
         lines.append(f"default interval (100): {ratio:.5f}× — goal ≤ {GOAL}×: {'met' if ratio <= GOAL else 'MISSED'}")
+        lines += [
+            "",
+            "| step re-run (on_instability = rerun) | ms | vs the step |",
+            "|---|---|---|",
+            f"| keep the boundary state, every step | {keep_s * 1e3:.3f} | {(step_s + keep_s) / step_s:.5f}× |",
+            f"| one re-run of an unstable step | {rerun_s * 1e3:.2f} | {rerun_s / step_s:.3f}× |",
+        ]
         out.put("\n".join(lines))
     dist.destroy_process_group()
     out.close()

@@ -9,6 +9,10 @@ import pytest
 import torch
 
 from conftest import events, final_hash, finish, launch
+from trainguard.events import EventLog, read_events
+from trainguard.faults import FaultInjector, grow_bit, parse_inject
+from trainguard.report import build_report, load_events
+from trainguard.rerun import StepRerun, step_result
 from trainguard.sdc import fingerprint, flip_bit, odd_ones_out
 
 STEPS = 100
@@ -37,6 +41,96 @@ def test_the_odd_ranks_out_are_named_by_majority():
     assert odd_ones_out([5, 7, 5, 9]) == [1, 3]
     assert odd_ones_out([5, 7]) == [0, 1]  # two replicas that differ: no majority, both named
     assert odd_ones_out([5, 5, 7, 7]) == [0, 1, 2, 3]
+
+
+def test_a_step_rerun_tells_a_changed_result_from_the_same_one():
+    """One rank (the collective is an identity): the same result again is ``data``; a changed
+    loss is ``transient`` naming the rank, changed gradients alone name none; a step is re-run once."""
+    rerun = StepRerun(True, 0, 1)
+    assert rerun.wants(7) and not rerun.pending(7)
+    rerun.begin(7, (11, 22))
+    assert rerun.pending(7) and not rerun.wants(7)  # the re-run itself is not re-run
+    v = rerun.classify((11, 22))
+    assert (v.step, v.verdict, v.ranks, v.first, v.again) == (7, "data", [], [[11, 22]], [[11, 22]])
+    assert not rerun.pending(7) and rerun.wants(7)
+    rerun.begin(8, (11, 22))
+    assert rerun.classify((12, 22)).ranks == [0]
+    rerun.begin(9, (11, 22))
+    v = rerun.classify((11, 23))
+    assert v.verdict == "transient" and v.ranks == []
+    rerun.begin(10, (1, 2))
+    rerun.forget()  # a rollback or a lost peer abandons it
+    assert not rerun.pending(10) and not StepRerun(False, 0, 1).wants(10)
+    with pytest.raises(RuntimeError, match="without a re-run"):
+        rerun.classify((1, 2))
+
+
+def test_step_result_sees_one_flipped_bit_in_the_loss_or_a_gradient():
+    model = torch.nn.Linear(4, 3)
+    model(torch.ones(2, 4)).sum().backward()
+    loss = torch.tensor(0.75)
+    clean = step_result(loss, model)
+    flip_bit(loss.view(1))
+    assert step_result(loss, model)[0] != clean[0]
+    flip_bit(model.bias.grad, 2, 3)
+    assert step_result(torch.tensor(0.75), model) == (clean[0], step_result(torch.tensor(0.75), model)[1])
+    assert step_result(torch.tensor(0.75), model)[1] != clean[1]
+
+
+def test_sdc_faults_flip_one_bit_of_a_gradient_or_of_the_models_output(tmp_path):
+    """``target=grad``: one bit of the first gradient in ``should_step``'s numeric faults, once.
+    ``target=activation``: the highest 0 exponent bit of the model output's first element in the
+    first forward of the step, once; with ``persistent`` in the first forward of each run of it."""
+    log = EventLog(tmp_path, 0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    specs = [
+        parse_inject(f"sdc:rank=0,step={s},target={t}{p}")
+        for s, t, p in [(3, "grad", ""), (5, "activation", ""), (6, "activation", ",persistent=true")]
+    ]
+    faults = FaultInjector(specs, 0, 1, 0, log)
+    faults.arm(10)
+    step = [1]
+    faults.watch_activations(model, lambda: step[0])
+    x = torch.full((1, 4), 0.25)
+    model(x).sum().backward()
+    before = model[0].weight.grad.clone()
+    faults.numeric(2, torch.tensor(1.0), None, model)
+    assert torch.equal(model[0].weight.grad, before)
+    faults.numeric(3, torch.tensor(1.0), None, model)
+    changed = (model[0].weight.grad.view(-1).view(torch.int32) ^ before.view(-1).view(torch.int32)).tolist()
+    assert changed[0] == 1 << 20 and not any(changed[1:])
+    faults.numeric(3, torch.tensor(1.0), None, model)  # done again (a re-run): once only, not flipped back
+    assert (model[0].weight.grad.view(-1).view(torch.int32) ^ before.view(-1).view(torch.int32)).tolist() == changed
+
+    with torch.no_grad():
+        clean = model(x)
+        outputs = {}
+        for step[0] in (4, 5, 6):
+            for run in range(2):
+                faults.step_started()
+                outputs[step[0], run] = [model(x), model(x)]  # two forwards in the step
+
+    def flipped(out: torch.Tensor) -> bool:
+        return not torch.equal(out, clean)
+
+    assert not any(flipped(o) for o in outputs[4, 0] + outputs[4, 1])
+    assert [flipped(o) for o in outputs[5, 0] + outputs[5, 1]] == [True, False, False, False]
+    assert [flipped(o) for o in outputs[6, 0] + outputs[6, 1]] == [True, False, True, False]
+    bits = int(outputs[5, 0][0].view(-1).view(torch.int32)[0] ^ clean.view(-1).view(torch.int32)[0])
+    assert bin(bits).count("1") == 1 and abs(outputs[5, 0][0].item()) >= abs(clean.item()) * 2.0**32
+    faults.close()
+    assert not flipped(model(x))
+    log.close()
+    fired = [(e["step"], e["details"]["target"]) for e in read_events(tmp_path) if e["kind"] == "fault_injected"]
+    assert fired == [(3, "grad"), (5, "activation"), (6, "activation"), (6, "activation")]
+
+
+@pytest.mark.parametrize("value", [4.2, 0.3, -1e-3, 1.5e30])
+def test_the_grown_bit_makes_the_value_much_larger(value):
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        t = torch.tensor([value], dtype=dtype)
+        flip_bit(t, 0, grow_bit(t[0]))
+        assert abs(t.item()) > abs(value) * 1e4, (dtype, t.item())
 
 
 def _launch3(run: Path, *settings: str, inject: str = ""):
@@ -113,11 +207,45 @@ def test_a_persistent_flip_excludes_the_host_and_the_relaunch_ends_clean(tmp_pat
 
 
 def test_a_bad_batch_on_every_rank_is_data_not_a_corruption(tmp_path):
-    """NaN loss and gradients in step 30 on both ranks (a bad batch): every replica sees it alike,
-    so the replicas never differ; the instability detectors skip the step, no SDC event."""
+    """NaN loss and gradients in step 30 on both ranks, again when the step is done again (a bad
+    batch: ``persistent``): the re-run of step 30 computes the same on every rank, so it is data;
+    the instability policy skips the step. The replicas never differ: no mismatch."""
     run = tmp_path / "run"
-    inject = ("--inject", "nan_loss:rank=0,step=30", "--inject", "nan_loss:rank=1,step=30")
-    code = finish(launch(run, "train.max_steps=60", "checkpoint.interval=20", "sdc.check_interval=10", extra=inject))
+    nan = "nan_loss:step=30,persistent=true"
+    inject = ("--inject", f"{nan},rank=0", "--inject", f"{nan},rank=1")
+    settings = ("train.max_steps=60", "checkpoint.interval=20", "sdc.check_interval=10", "sdc.on_instability=rerun")
+    code = finish(launch(run, *settings, extra=inject))
     assert code == 0, Path(f"{run}.log").read_text()[-3000:]
+    (started,) = events(run, "step_rerun")
+    assert started["step"] == 30 and "nonfinite_loss" in started["details"]["detectors"]
+    (verdict,) = events(run, "sdc_rerun")
+    d = verdict["details"]
+    assert verdict["step"] == 30 and d["trigger"] == "instability" and d["verdict"] == "data", d
+    assert d["first_run"] == d["re_run"] and d["ranks"] == []
     assert [e["step"] for e in events(run, "step_skipped")] == [30]
-    assert not events(run, "sdc_mismatch") and not events(run, "sdc_rerun")
+    assert not events(run, "sdc_mismatch")
+
+
+def test_a_flipped_bit_in_an_activation_is_transient_and_the_rerun_is_used(tmp_path, clean3):
+    """An exponent bit of rank 1's model output (its loss) flips in the first forward of step 65:
+    the loss spikes (× 2^64). Re-run from its inputs, the step computes what a clean run does:
+    transient, rank 1 named, the re-run's result applied (no skip, no rollback) and the run ends
+    bitwise equal to the clean one."""
+    run = tmp_path / "run"
+    settings = ("sdc.check_interval=20", "sdc.on_instability=rerun")
+    code = finish(_launch3(run, *settings, inject="sdc:rank=1,step=65,target=activation"))
+    assert code == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert [e["step"] for e in events(run, "step_rerun")] == [65]
+    (verdict,) = events(run, "sdc_rerun")
+    d = verdict["details"]
+    assert d["trigger"] == "instability" and d["verdict"] == "transient" and d["ranks"] == [1], d
+    assert d["first_run"][0] == d["re_run"][0] and d["first_run"][1] != d["re_run"][1]
+    assert (
+        "step 65 gave a different result when run again (the loss of ranks [1] changed)"
+        in Path(f"{run}.log").read_text()
+    )
+    assert not events(run, "step_skipped") and not events(run, "rollback") and not events(run, "instability")
+    assert final_hash(run) == clean3
+    report = build_report(load_events(run)[0])
+    (inc,) = report["incidents"]
+    assert (inc["kind"], inc["step"], inc["in_process"], inc["injected"]) == ("sdc_transient", 65, True, True), inc

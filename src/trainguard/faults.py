@@ -11,9 +11,11 @@ Kinds (see :class:`~trainguard.config.FaultSpec`):
   ``step`` (and the ``repeat - 1`` after it): ``nan_loss`` (loss and gradients NaN),
   ``loss_spike`` (loss × ``factor``), ``grad_explosion`` (gradients and their norm × ``factor``).
   Each step fires once; ``persistent`` makes it fire again when a rollback re-runs the step.
-* ``sdc``: at the end of step ``step`` (``step`` steps complete, after the optimizer step), one
-  bit of the rank's first parameter flips in place (:func:`trainguard.sdc.flip_bit`): a silent
-  data corruption of that replica, once.
+* ``sdc``: one bit flips in place (:func:`trainguard.sdc.flip_bit`), once (or each time the step
+  is done again, with ``persistent``): with ``target = "param"`` in the rank's first parameter at
+  the end of step ``step`` (after the optimizer step: a silent corruption of that replica); with
+  ``"grad"`` in its first gradient in ``should_step()`` of step number ``step``; with
+  ``"activation"`` in the model's output in the step's first forward (:func:`grow_bit`).
 * ``slow_rank``: from step ``step`` for ``repeat`` steps, ``guard.run_step()`` on this rank
   sleeps ``factor`` × its compute time after the micro-batches (a straggler, for the detector).
 * ``oom``: in ``guard.run_step()`` of step number ``step`` (and the ``repeat - 1`` after it), one
@@ -33,19 +35,20 @@ Each firing first writes a ``fault_injected`` event, so reports can tell injecte
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .config import ConfigError, FaultSpec, parse_key_values
 from .events import EventLog
 from .launch_env import LaunchEnv
-from .sdc import flip_bit
+from .sdc import INT_VIEW, flip_bit
 
 
 def parse_inject(text: str) -> FaultSpec:
@@ -81,6 +84,15 @@ def validate(specs: list[FaultSpec], world_size: Optional[int]) -> None:
             raise ConfigError(
                 f"{where}: rank {s.rank} does not exist (world size {world_size}, ranks 0..{world_size - 1})"
             )
+
+
+def grow_bit(value: torch.Tensor) -> int:
+    """The highest exponent bit of the floating-point scalar ``value`` that is 0: flipping it
+    makes the largest increase of magnitude one bit flip can make (× 2^64 for a float32 loss of 4)."""
+    size = 8 * value.element_size()
+    mantissa = round(-math.log2(torch.finfo(value.dtype).eps))
+    bits = int(value.reshape(1).view(INT_VIEW[value.element_size()])[0])
+    return next((b for b in range(size - 2, mantissa - 1, -1) if not (bits >> b) & 1), size - 2)
 
 
 NUMERIC = ("nan_loss", "loss_spike", "grad_explosion")
@@ -122,7 +134,10 @@ class FaultInjector:
         self.numeric_pending: list[FaultSpec] = []
         self.oom_pending: list[FaultSpec] = []
         self.slow_pending: list[FaultSpec] = []
-        self.sdc_pending: list[FaultSpec] = []
+        self.sdc_pending: list[FaultSpec] = []  # target param
+        self.activation_pending: list[FaultSpec] = []  # sdc, target activation
+        self._hook: Any = None  # the forward hook of activation faults
+        self._runs = 0  # how often the current step has started (a re-run or a rollback does it again)
         self._fired: set[tuple[str, int, int]] = set()  # (kind, spec index, step) of step-bound faults already fired
 
     def arm(self, max_steps: int) -> None:
@@ -145,6 +160,10 @@ class FaultInjector:
                 self.oom_pending.append(s)
             elif s.kind == "slow_rank":
                 self.slow_pending.append(s)
+            elif s.kind == "sdc" and s.target == "grad":
+                self.numeric_pending.append(s)
+            elif s.kind == "sdc" and s.target == "activation":
+                self.activation_pending.append(s)
             elif s.kind == "sdc":
                 self.sdc_pending.append(s)
             elif s.after_seconds is not None and s.step is None:
@@ -166,8 +185,12 @@ class FaultInjector:
             if not (s.step <= step < s.step + s.repeat) or (not s.persistent and ("numeric", i, step) in self._fired):
                 continue
             self._fired.add(("numeric", i, step))
-            self.events.emit("fault_injected", step, fault=s.kind, rank=self.rank, factor=s.factor, injected=True)
             grads = [p.grad for p in model.parameters() if p.grad is not None]
+            if s.kind == "sdc":  # target grad: a flipped bit, no other sign of it
+                self.events.emit("fault_injected", step, fault="sdc", rank=self.rank, target="grad", injected=True)
+                flip_bit(grads[0])
+                continue
+            self.events.emit("fault_injected", step, fault=s.kind, rank=self.rank, factor=s.factor, injected=True)
             if s.kind == "nan_loss":
                 loss = loss * float("nan")
                 for gr in grads:
@@ -202,6 +225,42 @@ class FaultInjector:
             self._fired.add(("sdc", i, step))
             self.events.emit("fault_injected", step, fault="sdc", rank=self.rank, target="param", injected=True)
             flip_bit(next(model.parameters()))
+
+    def watch_activations(self, model: torch.nn.Module, current_step: Callable[[], int]) -> None:
+        """Install the forward hook of ``activation`` faults on ``model`` (it flips one bit of the
+        model's output in the first forward of a run of step number ``current_step()`` that a
+        fault names, see :func:`grow_bit`). Nothing without such faults."""
+        if not self.activation_pending:
+            return
+
+        def flip(module: torch.nn.Module, args: Any, output: Any) -> None:
+            step = current_step()
+            for i, s in enumerate(self.activation_pending):
+                key = ("activation", i, step, self._runs if s.persistent else 0)
+                if (
+                    s.step != step
+                    or key in self._fired
+                    or not torch.is_tensor(output)
+                    or not output.is_floating_point()
+                ):
+                    continue
+                self._fired.add(key)
+                self.events.emit(
+                    "fault_injected", step, fault="sdc", rank=self.rank, target="activation", injected=True
+                )
+                flip_bit(output, 0, grow_bit(output.detach().reshape(-1)[0]))
+
+        self._hook = model.register_forward_hook(flip)
+
+    def step_started(self) -> None:
+        """A step (or a run of it again) starts: a ``persistent`` activation fault may fire again."""
+        self._runs += 1
+
+    def close(self) -> None:
+        """Remove the forward hook of activation faults."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def slow_factor(self, step: int) -> float:
         """Called by ``run_step()`` in step number ``step``: the extra compute fraction of a

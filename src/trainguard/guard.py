@@ -42,11 +42,9 @@ is released by :meth:`Guard.close` (or leaving ``with Guard(...)``); closing twi
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -59,26 +57,26 @@ from .checkpoint.store import Checkpoint
 from .checkpointer import Checkpointer, ResumePoint, SaveResult
 from .config import Config, ConfigError, config_from_argv, dump_config, load_config
 from .events import EventLog, Hook
-from .exitcodes import ExitCode, exit_bad_input
+from .exitcodes import exit_bad_input
 from .faults import FaultInjector
 from .fidelity import DrawWatch, ResumeFidelity
+from .guard_edge import Edge
+from .guard_rejoin import InProcessRecovery
+from .guard_sdc import SDCResponse
 from .instability.recovery import Recovery, Rollback
 from .launch_env import LaunchEnv
 from .memory import MemoryWatchdog
 from .oom import MicroBatcher
-from .outcomes import BadInput, GiveUp, Outcome, Requeue
-from .rejoin import boundary as rejoin_boundary
-from .rejoin import regroup
-from .rejoin.protocol import Generation
-from .rejoin.rank import LOCAL_PARTS, Rejoin
+from .outcomes import BadInput, Requeue
+from .rejoin.rank import Rejoin
+from .rerun import StepRerun
 from .rundir import prepare_run_dir
-from .sdc import Mismatch, ReplicaCheck
+from .sdc import ReplicaCheck
 from .signals import ShutdownHandler
 from .state import state_hash
 from .stop import StopConditions, StopFlags
 from .straggler import StragglerDetector
 from .supervisor.rank import attach as attach_supervisor
-from .supervisor.rank import detach as detach_supervisor
 from .supervisor.rank import enter_teardown
 from .trainstate import RNGState, TrainState
 
@@ -93,7 +91,7 @@ PROGRESS_SECONDS = 10.0
 PING_FAILURE_GRACE = 1.0
 
 
-class Guard:
+class Guard(InProcessRecovery, SDCResponse, Edge):
     """Fault tolerance for one training process (one rank).
 
     Args:
@@ -139,6 +137,7 @@ class Guard:
         self.ckpt: Optional[Checkpointer] = None
         self.recovery: Optional[Recovery] = None
         self.micro: Optional[MicroBatcher] = None
+        self.faults: Optional[FaultInjector] = None
         self.heartbeat = None
         self.ping: Optional[health.LivenessPing] = None
         self.rejoin: Optional[Rejoin] = None
@@ -163,7 +162,8 @@ class Guard:
             raise BadInput(str(e)) from None
         self.events = EventLog(self.run_dir, self.rank)
         launch = LaunchEnv.from_environ()
-        self.rejoin = Rejoin(cfg.recovery, launch, self.rank)
+        self.rejoin = Rejoin(cfg.recovery, launch, self.rank, keep_in_memory=cfg.sdc.on_instability == "rerun")
+        self.reruns = StepRerun(cfg.sdc.on_instability == "rerun", self.rank, self.world_size)
         self._backend = tgdist.backend()
         self.ckpt = Checkpointer(
             cfg.checkpoint,
@@ -283,10 +283,12 @@ class Guard:
                 )
             self._begin()
             self.faults.arm(max_steps)
+            self.faults.watch_activations(self.model, lambda: self.step + 1)
         while self.step < max_steps:
             self._awaiting_step_end = True
             if self.heartbeat is not None and self.heartbeat.current is None:
                 self.heartbeat.open("step")  # the first step stays in "setup" (warm-up, compile)
+            self.faults.step_started()
             yield self.step
             if self._awaiting_step_end:
                 raise RuntimeError(f"guard.step_end() was not called in step {self.step}")
@@ -311,7 +313,10 @@ class Guard:
         Runs the ``[instability]`` detectors (non-finite loss or gradients, loss and gradient-norm
         spikes) with one all-reduce and one device→host sync, and acts on every rank alike: ``False``
         after a skip (gradients zeroed) or a rollback (state reloaded from a known-good checkpoint;
-        the next yielded step is the checkpoint's). A collective: call it on every rank.
+        the next yielded step is the checkpoint's). With ``[sdc] on_instability = "rerun"`` an
+        unstable step is first done again: ``False``, and ``steps()`` yields the same step, whose
+        batch and random numbers come back (see :mod:`trainguard.rerun`). A collective: call it
+        on every rank.
 
         Args:
             loss: this rank's loss (0-dim tensor or float).
@@ -326,14 +331,20 @@ class Guard:
             if self.rejoin.failure is not None:  # a peer was lost in this step: it is done again
                 self.recovery.refuse()
                 return False
-            if self.rejoin.active:  # this step's boundary, before its last collective (see rejoin.boundary)
+            if self.rejoin.keeping:  # this step's boundary, before its last collective (see rejoin.boundary)
                 self._keep_boundary(step)
             if self.faults.pending:
                 self.faults.at(self.step, "should_step")
             if self.faults.numeric_pending:
                 loss, grad_norm = self.faults.numeric(step, loss, grad_norm, self.model)
             try:
-                decision = self.recovery.check(step, loss, grad_norm)
+                verdict = self.recovery.observe(step, loss, grad_norm)
+                if self.reruns.pending(step):  # this is the re-run of an unstable step
+                    self._rerun_verdict(loss)
+                elif self.recovery.unstable(verdict) and self.reruns.wants(step):
+                    self._rerun_step(verdict, loss)  # before any policy: the hardware or the data?
+                    return False
+                decision = self.recovery.decide(verdict)
             except Exception as e:
                 if not self.rejoin.caught(e, "should_step", step):
                     raise
@@ -412,7 +423,7 @@ class Guard:
         self.straggler.record_step(now - self._t_last)
         self._t_last = now
         self.last_loss = loss
-        if self.rejoin.active and self.rejoin.boundary.step != self.step:  # a loop without should_step
+        if self.rejoin.keeping and self.rejoin.boundary.step != self.step:  # a loop without should_step
             self._keep_boundary(self.step)
         if self.faults.pending:  # inside the step section: an injected hang is a hang mid-step
             self.faults.at(self.step, "step")
@@ -490,7 +501,7 @@ class Guard:
         self.straggler.set_hosts(hosts)
         self._resume()
         self.sdc.last_good = self.step  # every replica loaded the same state
-        if self.rejoin.active:
+        if self.rejoin.keeping:
             self._keep_boundary(self.step)
         self.ping = health.start(
             self.cfg.health,
@@ -525,116 +536,6 @@ class Guard:
         self._t_last = time.perf_counter()
         for h in self.hooks:
             h.on_train_begin(self)
-
-    # ------------------------------------------------------------------------------------------
-    # in-process recovery (trainguard.rejoin)
-
-    def _recover(self, redo: bool) -> None:
-        """A peer was lost in this step: meet its replacement in the launcher's next generation and
-        send it the state; with ``redo`` restore this rank's step-boundary state so that the step
-        runs again from the same batch and random numbers.
-
-        Raises:
-            the collective's error: no new generation within ``[recovery] timeout`` (this rank
-            exits and the launcher restarts the group).
-            RegroupError: the ranks cannot be recovered in-process (same).
-        """
-        failure = self.rejoin.failure
-        with self.section("recovery"):
-            self.events.emit(
-                "recovery_started", failure.step, rank=self.rank, during=failure.during, error=str(failure.error)[:300]
-            )
-            regroup.check_rebindable(self.model)
-            if self.ping is not None:  # its group lost the peer too
-                self.ping.abandon()
-                self.ping = None
-            self._saved(self.ckpt.wait())  # a save in flight fails on its broken group; nothing commits
-            gen = self.rejoin.wait_generation()
-            regroup.rebuild_default_group(gen, self._backend, self.cfg.recovery.timeout)
-            regroup.rebind_ddp(self.model)
-            self.ckpt.regroup()
-            self._meet(gen)
-            if redo:
-                self.train_state.load_state_dict(self.rejoin.boundary.restore(self.step))
-        self.shutdown.deadline_timer.cancel()  # armed by the ping's failure
-        self.events.emit(
-            "recovery_finished",
-            self.step,
-            rank=self.rank,
-            generation=gen.number,
-            replaced=list(gen.replaced),
-            seconds=round(time.time() - failure.at, 4),
-            steps_lost=0,
-            redo_step=failure.step if redo else None,
-        )
-        self.rejoin.done()
-
-    def _join(self) -> None:
-        """A replacement of a lost rank starts here instead of resuming: its own state at the last
-        step boundary from the lost rank's file, the model and optimizer from the survivors."""
-        t0 = time.monotonic()
-        kept = rejoin_boundary.read(self.rejoin.dir, self.rank)
-        gen = self.rejoin.joined_generation()
-        self._meet(gen, kept)
-        self.recovery.rejoined()
-        self._keep_boundary(self.step)
-        self.rejoin.store.joined(gen.number, self.rank)
-        self.events.emit(
-            "rank_replaced",
-            self.step,
-            rank=self.rank,
-            generation=gen.number,
-            pid=os.getpid(),
-            seconds=round(time.monotonic() - t0, 4),
-        )
-        self._t_last = time.perf_counter()
-
-    def _meet(self, gen: Generation, kept: Optional[dict[int, dict]] = None) -> None:
-        """Both sides of a recovery, in the same order: agree on the survivors' step boundary (a
-        replacement, with the lost rank's ``kept`` boundaries, takes the one of that step), move the
-        model, optimizer and the state every rank holds alike from the lowest surviving rank, start
-        the liveness ping on the new group.
-
-        Raises:
-            RegroupError: the survivors are at different boundaries, or the lost rank kept none of theirs.
-        """
-        joining = kept is not None
-        agreed = tgdist.all_reduce_max([-1, -(1 << 62)] if joining else [self.step, -self.step])
-        if agreed[0] != -agreed[1]:
-            raise regroup.RegroupError(f"the ranks are at different step boundaries ({-agreed[1]} to {agreed[0]})")
-        step = agreed[0]
-        if tgdist.all_reduce_max([int(joining and step not in kept)])[0]:
-            raise regroup.RegroupError(
-                f"a replacement has no state of step {step} (its rank kept {sorted(kept or ())})"
-            )
-        src = min(set(range(gen.world_size)) - set(gen.replaced))
-        t0 = time.perf_counter()
-        shared = {
-            "hosts": self.hosts,
-            "next_check": step + 1,
-            "next_report": self.straggler.next_report,
-            "state": self.train_state.state_dict(n for n in self.train_state.parts if n not in LOCAL_PARTS),
-        }
-        packet, moved = regroup.transfer_state(self.model, self.optimizer, src, shared)
-        if joining:
-            self.step = step
-            self.train_state.load_state_dict({**packet["state"], **kept[step]})
-        if self.rank == src:
-            self.events.emit(
-                "state_transferred",
-                self.step,
-                rank=src,
-                to_ranks=list(gen.replaced),
-                bytes=moved,
-                seconds=round(time.perf_counter() - t0, 4),
-            )
-        self.hosts = packet["hosts"]
-        self.straggler.set_hosts(self.hosts)
-        self._next_check, self.straggler.next_report = packet["next_check"], packet["next_report"]
-        device = next(self.model.parameters()).device
-        self.ping = health.start_ping(
-            self.cfg.health, self.hosts, self.events, device, self.world_size, self._on_ping_failure
-        )
 
     def _resume(self) -> None:
         t0 = time.perf_counter()
@@ -673,6 +574,7 @@ class Guard:
         self._load(ResumePoint("persistent", target.step, target))
         self.ckpt.discard_local_after(target.step, why)
         self.sdc.last_good = self.step
+        self.reruns.forget()
 
     def _roll_back(self, rb: Rollback) -> None:
         """Carry out a rollback decision: reload the known-good checkpoint in this process."""
@@ -683,93 +585,11 @@ class Guard:
             position = self.sampler.state_dict() if self.sampler is not None else None  # after the bad step's batch
             self._reload(target, f"rolled back from step {rb.from_step} to {target.step}")
             self.recovery.rolled_back(rb, target, position, lr_before)
-            if self.rejoin.active:  # the state a replacement of a lost rank starts from: after the data skip
+            if self.rejoin.keeping:  # the state a replacement of a lost rank starts from: after the data skip
                 self._keep_boundary(self.step)
             self._rolled_back = True
         for h in self.hooks:
             h.on_rollback(self, rb.from_step, target.step)
-
-    def _replicas_differ(self) -> bool:
-        """The silent-data-corruption check of this step (a collective, see :mod:`trainguard.sdc`);
-        ``True`` when the rest of the step boundary is skipped: it rolled back (the step counter
-        is the checkpoint's), or a peer was lost in it and replaced in-process."""
-        try:
-            m = self.sdc.check(self.step)
-        except Exception as e:
-            if not self.rejoin.caught(e, "sdc_check", self.step):
-                raise
-            self._recover(redo=False)  # the step is complete: the next check compares the replicas
-            return True
-        suspect = self.sdc.suspect
-        verdict = self.sdc.verdict(self.step, m)
-        if verdict is not None:
-            self._emit0(
-                "sdc_rerun",
-                verdict=verdict,
-                ranks=suspect.ranks,
-                hosts=[self.hosts[r] for r in suspect.ranks] if self.hosts else [],
-                first_seen=suspect.step,
-                fingerprints=self.sdc.values,
-            )
-        if m is None:
-            return False
-        persistent = verdict == "persistent"
-        policy = self.cfg.sdc.on_persistent if persistent else self.cfg.sdc.on_mismatch
-        hosts = [self.hosts[r] for r in m.ranks] if self.hosts else []
-        self._emit0(
-            "sdc_mismatch",
-            ranks=m.ranks,
-            hosts=hosts,
-            last_good=m.last_good,
-            fingerprints=m.fingerprints,
-            action=policy,
-        )
-        if self.rank == 0:
-            console.warn(
-                f"silent data corruption: the replicas of ranks {m.ranks} differ at step {self.step} "
-                f"(they agreed at step {m.last_good})"
-                + (", again after a re-run: persistent" if persistent else "")
-                + f"; {policy}"
-            )
-        if policy == "warn":
-            return False
-        if policy == "raise":
-            raise GiveUp("sdc", f"the replicas of ranks {m.ranks} differ at step {self.step} ([sdc] raise)")
-        self._sdc_roll_back(m)
-        if persistent:  # back at a clean state; the stop's save finds that step already committed
-            if self.rank == 0:
-                path = self.straggler.write_exclude(m.ranks)
-                self.events.emit("sdc_exclude", self.step, ranks=m.ranks, hosts=hosts, exclude_nodes=str(path))
-            self._stop("sdc", ranks=m.ranks, hosts=hosts, exclude_nodes=str(self.run_dir / "exclude_nodes"))
-        return True
-
-    def _sdc_roll_back(self, m: Mismatch) -> None:
-        """Reload the newest checkpoint at or before the last agreeing check on every rank and set
-        the newer ones aside (a save after the corruption may hold the bad replica's tensors).
-
-        Raises:
-            GiveUp: no valid checkpoint at or before that step.
-        """
-        with self.section("rollback"):
-            self._saved(self.ckpt.wait())
-            target = (
-                self.store.latest_valid(self.cfg.checkpoint.verify, before=m.last_good + 1) if self.rank == 0 else None
-            )
-            target = tgdist.broadcast_object(target)
-            if target is None:
-                raise GiveUp(
-                    "sdc",
-                    f"the replicas differ at step {self.step} and no checkpoint is at or before step {m.last_good}, where they last agreed",
-                )
-            from_step, why = self.step, f"silent data corruption found at step {self.step}"
-            if self.rank == 0:
-                self.store.set_aside_after(target.step, why)
-            self._reload(target, why)
-            if self.rejoin.active:
-                self._keep_boundary(self.step)
-            self._emit0("sdc_rollback", from_step=from_step, to_step=target.step, path=str(target.path))
-        if self.heartbeat is not None:  # the step section was closed at this boundary already
-            self.heartbeat.beat(self.step)
 
     def _finish(self) -> None:
         if self.cfg.checkpoint.save_final:
@@ -795,10 +615,6 @@ class Guard:
 
     # ------------------------------------------------------------------------------------------
     # saving and stopping
-
-    def _keep_boundary(self, step: int) -> None:
-        """Keep this rank's own state as the boundary of step ``step`` (in-process recovery)."""
-        self.rejoin.keep({"step": step, **self.train_state.state_dict(LOCAL_PARTS)})
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's non-tensor training state: ``{"step": ..., **train_state}`` (scheduler, data
@@ -871,90 +687,6 @@ class Guard:
         self.save(reason)
         raise Requeue(reason, f"stopped at step {self.step} ({reason}), checkpoint saved: relaunch to resume")
 
-    # ------------------------------------------------------------------------------------------
-    # the edge: outcomes, closing
-
-    @contextlib.contextmanager
-    def _edge(self) -> Iterator[None]:
-        """Carry out an outcome raised inside (once), then let it propagate."""
-        try:
-            yield
-        except Outcome as o:
-            self._leave(o)
-            raise
-
-    def _leave(self, o: Outcome) -> None:
-        if self._left:
-            return
-        self._left = True
-        if isinstance(o, BadInput):  # found on this rank only: no collective, no waiting for peers
-            print(f"trainguard: error: {o.message}", file=sys.stderr, flush=True)
-            if self.events is not None:
-                self.events.emit("bad_input", self.step, message=o.message)
-            self._release(collective=False)
-            return
-        if o.exit_code == ExitCode.GIVE_UP and self.rank == 0:
-            print(f"trainguard: giving up: {o.message}", file=sys.stderr, flush=True)
-        if self.ckpt is not None:
-            self._saved(self.ckpt.wait())
-        for h in self.hooks:
-            h.on_train_end(self, o.reason)
-        self._emit0("exit", code=int(o.exit_code), reason=o.reason, message=o.message)
-        enter_teardown(self.heartbeat)
-        gc.freeze()  # skip the final collection over torch objects at exit (measured: 0.6 s → 0.1 s)
-        self._stop_ping()
-        tgdist.barrier()  # leave together, then tear the default group down before the interpreter exits
-        self.close()
-        tgdist.destroy()
-
-    def close(self) -> None:
-        """Release everything the Guard installed: finish a save in flight, stop the liveness ping
-        (agreeing with the other ranks: call ``close`` on every rank, as the loop does) and the
-        checkpoint threads, destroy their process groups, remove optimizer and gradient hooks,
-        restore the previous signal handlers, unmap the heartbeat record, close the event log.
-        Safe to call twice; ``with Guard(...) as guard:`` calls it."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.ckpt is not None:
-            self._saved(self.ckpt.close())
-        self._stop_ping()
-        self._release(collective=True)
-
-    def _release(self, collective: bool) -> None:
-        """The local part of closing (no collective): hooks, signal handlers, threads that need no
-        peer, heartbeat, event log. ``collective=False`` (a failure on this rank alone) does not
-        wait for a background save, which may be waiting for peers."""
-        self._closed = True
-        if self.ckpt is not None:
-            self.ckpt.close(wait=collective)
-        for part in (self.recovery, self.micro):
-            if part is not None:
-                part.close()
-        if self.shutdown is not None:
-            self.shutdown.close()
-        detach_supervisor(self.heartbeat)
-        self.heartbeat = None
-        if self.rejoin is not None:
-            self.rejoin.close()
-        if self.events is not None:
-            self.events.close()
-
-    def __enter__(self) -> Guard:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc is None or (isinstance(exc, Outcome) and exc.collective):
-            self.close()
-        else:  # a crash: the peers may not come to a collective
-            self._release(collective=False)
-
-    def _stop_ping(self) -> None:
-        if self.ping is not None:
-            self.ping.stop()
-            self.ping.close()
-            self.ping = None
-
     def _on_ping_failure(self, why: str) -> None:
         # with in-process recovery the main thread may be waiting for the replacement: give it that long
         grace = PING_FAILURE_GRACE + (self.cfg.recovery.timeout if self.rejoin.active else 0.0)
@@ -975,7 +707,8 @@ class Guard:
         if self.rank == 0:
             console.warn(f"a resume cannot be bitwise identical: {cause}")
 
-    def _emit0(self, kind: str, **details: Any) -> None:
-        """Emit an event from rank 0 only (for decisions all ranks share)."""
+    def _emit0(self, kind: str, step: Optional[int] = None, **details: Any) -> None:
+        """Emit an event from rank 0 only (for decisions all ranks share), at ``step`` (default:
+        the completed steps)."""
         if self.rank == 0:
-            self.events.emit(kind, self.step, **details)
+            self.events.emit(kind, self.step if step is None else step, **details)

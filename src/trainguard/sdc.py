@@ -45,7 +45,7 @@ from . import dist as tgdist
 from .events import EventLog
 from .sections import SDCSection
 
-_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _WRAP = 1 << 64
 
 
@@ -57,7 +57,7 @@ def fingerprint(params: Iterable[torch.Tensor]) -> int:
         t = p.detach()
         if t.numel() == 0:
             continue
-        ints = t.contiguous().view(-1).view(_INT_VIEW[t.element_size()])
+        ints = t.contiguous().view(-1).view(INT_VIEW[t.element_size()])
         total = (total + int(ints.sum(dtype=torch.int64))) % _WRAP
     return total - _WRAP if total >= 1 << 63 else total
 
@@ -65,7 +65,7 @@ def fingerprint(params: Iterable[torch.Tensor]) -> int:
 def flip_bit(t: torch.Tensor, index: int = 0, bit: int = 20) -> None:
     """Flip bit ``bit`` of element ``index`` (of the flattened tensor) in place: a real bit flip in
     a real tensor, as a bad GPU would make (fault injection ``sdc``)."""
-    flat = t.detach().view(-1).view(_INT_VIEW[t.element_size()])
+    flat = t.detach().view(-1).view(INT_VIEW[t.element_size()])
     flat[index : index + 1].bitwise_xor_(1 << bit)
 
 

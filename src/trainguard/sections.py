@@ -311,8 +311,14 @@ class FaultSpec(Section):
     step that, once complete, makes ``step`` steps) and the ``repeat - 1`` steps after it:
     ``nan_loss`` (the rank's loss and gradients become NaN), ``loss_spike`` (its loss × ``factor``),
     ``grad_explosion`` (its gradients and gradient norm × ``factor``).
-    ``sdc``: once ``step`` steps are complete, one bit of one parameter element of the rank flips
-    (bit 20 of the first element of the first parameter: a silent data corruption, for ``[sdc]``).
+    ``sdc``: one bit of one element of one tensor of the rank flips, a silent data corruption for
+    ``[sdc]`` (``target``): ``param``, once ``step`` steps are complete, bit 20 of the first
+    element of the first parameter; ``grad``, in ``should_step()`` of step number ``step``, bit 20
+    of the first element of the first parameter's gradient (after the all-reduce: the rank's
+    optimizer step then diverges); ``activation``, in the first forward of step number ``step``,
+    the highest 0 exponent bit of the first element of the model's output (its logits, or the loss
+    where the forward returns it): a value 2^64 times larger or more, for the instability
+    detectors (``[sdc] on_instability``).
     """
 
     kind: Literal[
@@ -348,7 +354,10 @@ class FaultSpec(Section):
     repeat: int = Field(1, ge=1, description="numeric faults: in this many consecutive steps from 'step'")
     persistent: bool = Field(
         False,
-        description="numeric faults and sdc: fire again when a rollback re-runs the step; oom: in every retry of the step too (a fault recovery cannot outrun)",
+        description="numeric faults and sdc: fire again when a rollback or a step re-run does the step again; oom: in every retry of the step too (a fault recovery cannot outrun)",
+    )
+    target: Literal["param", "grad", "activation"] = Field(
+        "param", description="sdc: the tensor whose bit flips (a parameter, a gradient, the model's output)"
     )
     phase: Literal["forward", "backward"] = Field(
         "forward", description="oom: fail a real allocation inside the model's forward, or during backward"
@@ -365,6 +374,12 @@ class SDCSection(Section):
     may hold the bad replica's tensors, and re-runs the steps up to the failed check), ``raise``
     (stop with the give-up code 76). The re-run classifies the fault: if the replicas then agree, the fault was transient;
     if the same ranks differ again at the same check, it is persistent (``on_persistent``).
+
+    ``on_instability = "rerun"``: a step the ``[instability]`` detectors find non-finite or spiking
+    is first done again from its inputs (same batch, same random numbers; see
+    :mod:`trainguard.rerun`): the same result on every rank means the data or the model (the
+    instability policy acts), a different one a transient hardware fault (the re-run's result is
+    used). Off by default: the step-boundary state is then kept in memory at every step.
     """
 
     check_interval: int = Field(
@@ -377,6 +392,11 @@ class SDCSection(Section):
         "exclude",
         description="after a rollback, the same ranks differ again at the same check (a persistent fault): "
         "exclude (roll back, write their hosts to RUN_DIR/exclude_nodes, stop with the requeue code 75) or raise (76)",
+    )
+    on_instability: Literal["off", "rerun"] = Field(
+        "off",
+        description="rerun: an unstable step (non-finite, spike) is done once more from its inputs before the "
+        "[instability] policy acts, to tell a transient hardware fault (a different result) from the data (the same)",
     )
 
 

@@ -155,16 +155,29 @@ class Recovery:
             GiveUp: policy ``raise``, or the rollback budget is spent.
             ValueError: a hook answered an unknown action.
         """
+        return self.decide(self.observe(step, loss, grad_norm))
+
+    def observe(self, step: int, loss: Any, grad_norm: Any = None) -> Verdict:
+        """Run the detectors on step number ``step`` (a collective) and return their verdict,
+        without acting on it (:meth:`decide` does; :meth:`check` is both)."""
         if grad_norm is None:
             grad_norm = total_grad_norm(self.model.parameters())
-        verdict = self.detector.observe(step, loss, grad_norm)
         self.rejected = False
-        if self.loss_scaler and verdict.fired == ["nonfinite_grad"]:
-            return True  # the GradScaler's overflow: scaler.step() skips the step itself
-        if verdict.healthy:
-            self.consecutive = 0
-            self.detector.record_applied(verdict)
-            return True
+        return self.detector.observe(step, loss, grad_norm)
+
+    def unstable(self, verdict: Verdict) -> bool:
+        """Whether ``verdict`` is an instability that :meth:`decide` acts on (an enabled
+        GradScaler's routine overflow is not)."""
+        return not verdict.healthy and not (self.loss_scaler and verdict.fired == ["nonfinite_grad"])
+
+    def decide(self, verdict: Verdict) -> Union[bool, Rollback]:
+        """Act on ``verdict`` (see :meth:`check`; identical on every rank, hooks aside)."""
+        if not self.unstable(verdict):
+            if verdict.healthy:
+                self.consecutive = 0
+                self.detector.record_applied(verdict)
+            return True  # healthy, or the GradScaler's overflow: scaler.step() skips the step itself
+        step = verdict.step
         self.last_bad = step
         action, why = self._decide(verdict)
         event = self._event(verdict, action, why)

@@ -48,11 +48,14 @@ class Rejoin:
         cfg: the ``[recovery]`` section.
         launch: the launcher's contract (recovery store, boundary directory, ``join``).
         rank: global rank.
+        keep_in_memory: keep the step-boundary state in memory even when inactive (a step re-run,
+            :mod:`trainguard.rerun`, restores it).
     """
 
-    def __init__(self, cfg: RecoverySection, launch: LaunchEnv, rank: int):
+    def __init__(self, cfg: RecoverySection, launch: LaunchEnv, rank: int, keep_in_memory: bool = False):
         self.cfg, self.rank = cfg, rank
         self.active = bool(cfg.in_process and launch.recovery_store)
+        self.keeping = self.active or keep_in_memory  # whether keep() keeps the step-boundary state
         self.store: Optional[RecoveryStore] = None
         if self.active:
             host, port = parse_address(launch.recovery_store)  # type: ignore[arg-type]
@@ -73,8 +76,9 @@ class Rejoin:
         return True
 
     def keep(self, state: dict[str, Any]) -> None:
-        """Keep the step-boundary state (see :class:`~trainguard.rejoin.boundary.BoundaryState`)."""
-        if self.active:
+        """Keep the step-boundary state (see :class:`~trainguard.rejoin.boundary.BoundaryState`;
+        in its file only when active)."""
+        if self.keeping:
             self.boundary.keep(state)
 
     def wait_generation(self) -> Generation:

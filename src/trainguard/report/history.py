@@ -337,6 +337,25 @@ class RunHistory:
             self._add_point(e, seen, inc.step)
             self._add_point(e, e["time"], to)
 
+    def _on_step_rerun(self, e: dict, d: dict) -> None:
+        self._sdc[self._here(e)] = e["time"]
+
+    def _on_sdc_rerun(self, e: dict, d: dict) -> None:
+        if d.get("trigger") != "instability" or d.get("verdict") != "transient":
+            return  # a replica re-run is reported by its rollback; a data verdict by the instability policy
+        seen = self._sdc.get(self._here(e), e["time"])
+        step = number(e["step"])
+        inc = self._new(
+            "sdc_transient",
+            e,
+            failed_at=seen,
+            step=step,
+            in_process=True,
+            reason=f"step {e['step']} computed differently when run again (ranks {d.get('ranks')}): the re-run was used",
+        )
+        inc.detected_at, inc.recovered_at = seen, e["time"]
+        inc.resumed_step = step - 1 if step is not None else None  # the step was done again
+
     def _on_oom(self, e: dict, d: dict) -> None:
         self._oom.setdefault(self._here(e) + (e["step"],), e["time"])
 

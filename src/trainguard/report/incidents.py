@@ -12,7 +12,8 @@ the steps it cost (failure step − the step training went on from). Sources:
 * ``stop_requested`` → ``preemption_signal``, ``time_limit``, ``kill_switch``, ``memory``, ``straggler``;
 * ``rollback`` → ``instability_rollback``; ``micro_batch_split`` → ``oom_split``; ``sdc_rollback``
   → ``sdc_rerun`` (a silent data corruption, rolled back and re-run; all three in-process); a
-  ``stop_requested`` with reason ``sdc`` → ``sdc_exclude``;
+  ``stop_requested`` with reason ``sdc`` → ``sdc_exclude``; an ``sdc_rerun`` of an unstable step
+  with the verdict ``transient`` → ``sdc_transient`` (the step done again, in-process);
 * ``give_up``, ``restart_budget_spent``, ``instability_give_up``, ``oom_give_up`` → ``give_up``;
   ``bad_input`` → ``bad_input``; a launch without ``launch_exit`` → ``launch_lost``.
 
@@ -50,11 +51,13 @@ FAULTS_FOR = {
     "straggler": ("slow_rank",),
     "sdc_rerun": ("sdc",),
     "sdc_exclude": ("sdc",),
+    "sdc_transient": ("sdc",),
 }
 DECISION_CODES = (0, 2, 75, 76)  # exit codes that are decisions, not crashes (0 first)
 # events counted in the report's notices (no incident of their own)
 NOTICE_KINDS = (
     "step_skipped",
+    "step_rerun",
     "instability",
     "straggler_detected",
     "memory_watchdog",

@@ -34,6 +34,7 @@ COLOURS = {
     "instability_rollback": "tab:pink",
     "sdc_rerun": "magenta",
     "sdc_exclude": "darkmagenta",
+    "sdc_transient": "orchid",
     "oom_split": "gold",
     "give_up": "black",
     "bad_input": "black",

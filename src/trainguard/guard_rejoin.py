@@ -1,0 +1,135 @@
+"""The Guard's in-process recovery (see :mod:`trainguard.rejoin`): a survivor meets the replacement
+of a lost rank, a replacement joins the survivors.
+
+A mixin of :class:`~trainguard.guard.Guard`, kept apart so that the loop in ``guard.py`` reads top
+to bottom; it works on the Guard's own components (``rejoin``, ``ckpt``, ``train_state``, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+from . import dist as tgdist
+from . import health
+from .rejoin import boundary as rejoin_boundary
+from .rejoin import regroup
+from .rejoin.protocol import Generation
+from .rejoin.rank import LOCAL_PARTS
+
+
+class InProcessRecovery:
+    """``_recover`` (a survivor), ``_join`` (a replacement), ``_meet`` (both), ``_keep_boundary``."""
+
+    def _recover(self, redo: bool) -> None:
+        """A peer was lost in this step: meet its replacement in the launcher's next generation and
+        send it the state; with ``redo`` restore this rank's step-boundary state so that the step
+        runs again from the same batch and random numbers.
+
+        Raises:
+            the collective's error: no new generation within ``[recovery] timeout`` (this rank
+            exits and the launcher restarts the group).
+            RegroupError: the ranks cannot be recovered in-process (same).
+        """
+        failure = self.rejoin.failure
+        with self.section("recovery"):
+            self.events.emit(
+                "recovery_started", failure.step, rank=self.rank, during=failure.during, error=str(failure.error)[:300]
+            )
+            regroup.check_rebindable(self.model)
+            if self.ping is not None:  # its group lost the peer too
+                self.ping.abandon()
+                self.ping = None
+            self._saved(self.ckpt.wait())  # a save in flight fails on its broken group; nothing commits
+            gen = self.rejoin.wait_generation()
+            regroup.rebuild_default_group(gen, self._backend, self.cfg.recovery.timeout)
+            regroup.rebind_ddp(self.model)
+            self.ckpt.regroup()
+            self._meet(gen)
+            if redo:
+                self.train_state.load_state_dict(self.rejoin.boundary.restore(self.step))
+            self.reruns.forget()  # a replacement knows of no re-run in progress
+        self.shutdown.deadline_timer.cancel()  # armed by the ping's failure
+        self.events.emit(
+            "recovery_finished",
+            self.step,
+            rank=self.rank,
+            generation=gen.number,
+            replaced=list(gen.replaced),
+            seconds=round(time.time() - failure.at, 4),
+            steps_lost=0,
+            redo_step=failure.step if redo else None,
+        )
+        self.rejoin.done()
+
+    def _join(self) -> None:
+        """A replacement of a lost rank starts here instead of resuming: its own state at the last
+        step boundary from the lost rank's file, the model and optimizer from the survivors."""
+        t0 = time.monotonic()
+        kept = rejoin_boundary.read(self.rejoin.dir, self.rank)
+        gen = self.rejoin.joined_generation()
+        self._meet(gen, kept)
+        self.recovery.rejoined()
+        self._keep_boundary(self.step)
+        self.rejoin.store.joined(gen.number, self.rank)
+        self.events.emit(
+            "rank_replaced",
+            self.step,
+            rank=self.rank,
+            generation=gen.number,
+            pid=os.getpid(),
+            seconds=round(time.monotonic() - t0, 4),
+        )
+        self._t_last = time.perf_counter()
+
+    def _meet(self, gen: Generation, kept: Optional[dict[int, dict]] = None) -> None:
+        """Both sides of a recovery, in the same order: agree on the survivors' step boundary (a
+        replacement, with the lost rank's ``kept`` boundaries, takes the one of that step), move the
+        model, optimizer and the state every rank holds alike from the lowest surviving rank, start
+        the liveness ping on the new group.
+
+        Raises:
+            RegroupError: the survivors are at different boundaries, or the lost rank kept none of theirs.
+        """
+        joining = kept is not None
+        agreed = tgdist.all_reduce_max([-1, -(1 << 62)] if joining else [self.step, -self.step])
+        if agreed[0] != -agreed[1]:
+            raise regroup.RegroupError(f"the ranks are at different step boundaries ({-agreed[1]} to {agreed[0]})")
+        step = agreed[0]
+        if tgdist.all_reduce_max([int(joining and step not in kept)])[0]:
+            raise regroup.RegroupError(
+                f"a replacement has no state of step {step} (its rank kept {sorted(kept or ())})"
+            )
+        src = min(set(range(gen.world_size)) - set(gen.replaced))
+        t0 = time.perf_counter()
+        shared = {
+            "hosts": self.hosts,
+            "next_check": step + 1,
+            "next_report": self.straggler.next_report,
+            "state": self.train_state.state_dict(n for n in self.train_state.parts if n not in LOCAL_PARTS),
+        }
+        packet, moved = regroup.transfer_state(self.model, self.optimizer, src, shared)
+        if joining:
+            self.step = step
+            self.train_state.load_state_dict({**packet["state"], **kept[step]})
+        if self.rank == src:
+            self.events.emit(
+                "state_transferred",
+                self.step,
+                rank=src,
+                to_ranks=list(gen.replaced),
+                bytes=moved,
+                seconds=round(time.perf_counter() - t0, 4),
+            )
+        self.hosts = packet["hosts"]
+        self.straggler.set_hosts(self.hosts)
+        self._next_check, self.straggler.next_report = packet["next_check"], packet["next_report"]
+        device = next(self.model.parameters()).device
+        self.ping = health.start_ping(
+            self.cfg.health, self.hosts, self.events, device, self.world_size, self._on_ping_failure
+        )
+
+    def _keep_boundary(self, step: int) -> None:
+        """Keep this rank's own state as the boundary of step ``step`` (in-process recovery)."""
+        self.rejoin.keep({"step": step, **self.train_state.state_dict(LOCAL_PARTS)})
