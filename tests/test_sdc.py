@@ -206,6 +206,34 @@ def test_a_persistent_flip_excludes_the_host_and_the_relaunch_ends_clean(tmp_pat
     assert final_hash(run) == clean3
 
 
+def test_a_persistent_flip_with_replace_hands_the_rank_to_a_spare(tmp_path, clean3):
+    """``on_persistent = "replace"`` with in-process recovery: after the persistent verdict every
+    rank rolls back to step 40, rank 1 leaves with exit code 77 (its host written to
+    exclude_nodes), ranks 0 and 2 keep their processes and a warm spare takes rank 1 with the
+    state from them; no stop, no group restart, and the run ends bitwise equal to the clean one."""
+    run = tmp_path / "run"
+    settings = ("sdc.check_interval=20", "sdc.on_persistent=replace", "recovery.in_process=true", "launcher.spares=1")
+    code = finish(_launch3(run, *settings, inject="sdc:rank=1,step=55,persistent=true"))
+    assert code == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert [e["details"]["action"] for e in events(run, "sdc_mismatch")] == ["rerun", "replace"]
+    (excl,) = events(run, "sdc_exclude")
+    assert excl["details"]["action"] == "replace" and excl["details"]["ranks"] == [1]
+    assert (run / "exclude_nodes").read_text().split() == excl["details"]["hosts"]
+    (left,) = [e for e in events(run, "exit") if e["details"].get("code") == 77]
+    assert left["rank"] == 1 and left["details"]["reason"] == "sdc"
+    (failed,) = events(run, "workers_failed")
+    assert list(failed["details"]["exit_codes"].values()) == [77]
+    (replaced,) = events(run, "rank_replaced")
+    assert replaced["rank"] == 1 and replaced["step"] == 40
+    assert not events(run, "group_restart") and not events(run, "stop_requested")
+    starts = {e["rank"]: e["pid"] for e in events(run, "start")}
+    assert all(e["pid"] == starts[e["rank"]] for e in events(run, "end") if e["rank"] in (0, 2))  # survivors kept
+    report = build_report(load_events(run)[0])
+    kinds = [i["kind"] for i in report["incidents"]]
+    assert "rank_withdrawn" in kinds and "rank_crashed" not in kinds, kinds
+    assert final_hash(run) == clean3
+
+
 def test_a_bad_batch_on_every_rank_is_data_not_a_corruption(tmp_path):
     """NaN loss and gradients in step 30 on both ranks, again when the step is done again (a bad
     batch: ``persistent``): the re-run of step 30 computes the same on every rank, so it is data;

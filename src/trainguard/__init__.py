@@ -42,6 +42,7 @@ _LAZY_NAMES: dict[str, str] = {
     "Requeue": ".outcomes",
     "GiveUp": ".outcomes",
     "BadInput": ".outcomes",
+    "Withdraw": ".outcomes",
     "ResumableSampler": ".sampler",
     "seed_everything": ".state",
     "state_hash": ".state",
@@ -58,7 +59,7 @@ if TYPE_CHECKING:  # what static tools see; at run time these resolve lazily thr
     from .events import EventLog, Hook, read_events
     from .exitcodes import ExitCode, exit_bad_input
     from .guard import Guard
-    from .outcomes import BadInput, GiveUp, Outcome, Requeue
+    from .outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw
     from .sampler import ResumableSampler
     from .state import seed_everything, state_hash
 

@@ -39,6 +39,15 @@ class Edge:
                 self.events.emit("bad_input", self.step, message=o.message)
             self._release(collective=False)
             return
+        if not o.collective:  # this rank leaves alone (Withdraw): the others carry on without it
+            print(f"trainguard: rank {self.rank} leaves the group: {o.message}", file=sys.stderr, flush=True)
+            self.events.emit(
+                "exit", self.step, rank=self.rank, code=int(o.exit_code), reason=o.reason, message=o.message
+            )
+            enter_teardown(self.heartbeat)
+            self._release(collective=False)
+            tgdist.destroy()  # a gloo group torn down during interpreter exit can abort the process
+            return
         if o.exit_code == ExitCode.GIVE_UP and self.rank == 0:
             print(f"trainguard: giving up: {o.message}", file=sys.stderr, flush=True)
         if self.ckpt is not None:
@@ -81,7 +90,7 @@ class Edge:
             self.shutdown.close()
         detach_supervisor(self.heartbeat)
         self.heartbeat = None
-        if self.rejoin is not None:
+        if self.rejoin is not None and collective:  # a rank that fails alone leaves its state to its replacement
             self.rejoin.close()
         if self.events is not None:
             self.events.close()

@@ -14,13 +14,14 @@ from typing import Any
 from . import console
 from . import dist as tgdist
 from .instability.detect import Verdict
-from .outcomes import GiveUp
+from .outcomes import GiveUp, Withdraw
 from .rerun import step_result
 from .sdc import Mismatch
 
 
 class SDCResponse:
-    """``_replicas_differ`` (the check at a step boundary), ``_sdc_roll_back``, ``_rerun_step``
+    """``_replicas_differ`` (the check at a step boundary; a persistent fault's ranks withdraw or
+    every rank stops), ``_sdc_roll_back``, ``_rerun_step``
     and ``_rerun_verdict`` (an unstable step done again)."""
 
     def _rerun_step(self, verdict: Verdict, loss: Any) -> None:
@@ -89,6 +90,8 @@ class SDCResponse:
             return False
         persistent = verdict == "persistent"
         policy = self.cfg.sdc.on_persistent if persistent else self.cfg.sdc.on_mismatch
+        if policy == "replace" and (not self.rejoin.active or len(m.ranks) == self.world_size):
+            policy = "exclude"  # no in-process recovery, or no rank left to trust: stop and requeue instead
         hosts = [self.hosts[r] for r in m.ranks] if self.hosts else []
         self._emit0(
             "sdc_mismatch",
@@ -110,11 +113,19 @@ class SDCResponse:
         if policy == "raise":
             raise GiveUp("sdc", f"the replicas of ranks {m.ranks} differ at step {self.step} ([sdc] raise)")
         self._sdc_roll_back(m)
-        if persistent:  # back at a clean state; the stop's save finds that step already committed
-            if self.rank == 0:
-                path = self.straggler.write_exclude(m.ranks)
-                self.events.emit("sdc_exclude", self.step, ranks=m.ranks, hosts=hosts, exclude_nodes=str(path))
-            self._stop("sdc", ranks=m.ranks, hosts=hosts, exclude_nodes=str(self.run_dir / "exclude_nodes"))
+        if not persistent:
+            return True
+        # back at a clean state; the hosts are left out of the next allocation either way
+        if self.rank == 0:
+            path = self.straggler.write_exclude(m.ranks)
+            self.events.emit(
+                "sdc_exclude", self.step, ranks=m.ranks, hosts=hosts, exclude_nodes=str(path), action=policy
+            )
+        if policy == "replace":  # the bad ranks leave; the others meet their spares at the next collective
+            if self.rank in m.ranks:
+                raise Withdraw("sdc", f"its replica differs again after a re-run at step {m.step}: a persistent fault")
+            return True
+        self._stop("sdc", ranks=m.ranks, hosts=hosts, exclude_nodes=str(self.run_dir / "exclude_nodes"))
         return True
 
     def _sdc_roll_back(self, m: Mismatch) -> None:

@@ -64,6 +64,17 @@ class GiveUp(Outcome):
     exit_code = ExitCode.GIVE_UP
 
 
+class Withdraw(Outcome):
+    """This rank leaves the group and the others carry on (exit code 77): its hardware computed
+    wrong numbers again (a persistent silent data corruption, ``[sdc] on_persistent = "replace"``).
+    Raised on the withdrawn ranks only (``collective`` is False); under in-process recovery the
+    launcher gives the rank to a warm spare, which takes the state from the others.
+    """
+
+    exit_code = ExitCode.WITHDRAWN
+    collective = False
+
+
 class BadInput(Outcome):
     """Input a human must fix: config, arguments, run dir, a checkpoint of another model (exit code 2).
 

@@ -388,10 +388,12 @@ class SDCSection(Section):
         description="steps between fingerprint checks (0: off); one read of the parameters and one small all-reduce each",
     )
     on_mismatch: Literal["warn", "rerun", "raise"] = Field("rerun", description="what a mismatch does")
-    on_persistent: Literal["exclude", "raise"] = Field(
+    on_persistent: Literal["exclude", "replace", "raise"] = Field(
         "exclude",
         description="after a rollback, the same ranks differ again at the same check (a persistent fault): "
-        "exclude (roll back, write their hosts to RUN_DIR/exclude_nodes, stop with the requeue code 75) or raise (76)",
+        "exclude (roll back, write their hosts to RUN_DIR/exclude_nodes, stop with the requeue code 75), "
+        "replace (roll back, write the hosts, the bad ranks exit with 77 and warm spares take their ranks in-process; "
+        "exclude without [recovery] in_process or when every rank differs) or raise (76)",
     )
     on_instability: Literal["off", "rerun"] = Field(
         "off",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ..exitcodes import ExitCode
 from .incidents import DECISION_CODES, FAULTS_FOR, IN_PROCESS_ROLLBACKS, NOTICE_KINDS, STOP_KINDS, Incident
 from .load import number
 from .timeline import Segment, extrapolate, step_seconds
@@ -227,8 +228,9 @@ class RunHistory:
         killed = any(c < 0 for c in bad.values())
         if killed:  # the peers of a killed rank fail in their next collective: a reaction, not the cause
             bad = {r: c for r, c in bad.items() if c < 0}
+        withdrawn = all(c == int(ExitCode.WITHDRAWN) for c in bad.values())
         inc = self._new(
-            "rank_killed" if killed else "rank_crashed",
+            "rank_killed" if killed else "rank_withdrawn" if withdrawn else "rank_crashed",
             e,
             ranks=sorted(int(r) for r in bad if str(r).isdigit()),
             reason="exit codes " + ", ".join(f"rank {r}: {c}" for r, c in sorted(bad.items())),
@@ -251,7 +253,11 @@ class RunHistory:
         Its step is the survivors' last completed step when the peer was lost (exact, where the
         failure's own step was estimated from the time): nothing completed is trained again."""
         for inc in reversed(self.incidents):
-            if inc.in_process and inc.recovered_at is None and inc.kind in ("rank_killed", "rank_crashed", "hang"):
+            if (
+                inc.in_process
+                and inc.recovered_at is None
+                and inc.kind in ("rank_killed", "rank_crashed", "rank_withdrawn", "hang")
+            ):
                 inc.recovered_at, inc.resumed_step = e["time"], float(e["step"])
                 inc.step, inc.step_estimated = float(e["step"]), False
                 self._add_point(e, e["time"], e["step"])

@@ -6,8 +6,10 @@ next ``start``, or for in-process recoveries the ``rollback`` / ``micro_batch_sp
 survivor's ``recovery_finished`` after a lost rank was replaced in-process) and
 the steps it cost (failure step − the step training went on from). Sources:
 
-* ``workers_failed`` with a crash code → ``rank_killed`` (a signal) or ``rank_crashed`` (an exit
-  code); exit codes 0, 2, 75 and 76 are decisions, reported by the events that made them;
+* ``workers_failed`` with a crash code → ``rank_killed`` (a signal), ``rank_withdrawn`` (77: a
+  rank left the group with a persistent silent data corruption, ``[sdc] on_persistent = "replace"``)
+  or ``rank_crashed`` (another exit code); exit codes 0, 2, 75 and 76 are decisions, reported by the
+  events that made them;
 * ``hang_detected`` (all ranks of one poll are one incident) → ``hang``; ``ping_timeout`` → ``ping_timeout``;
 * ``stop_requested`` → ``preemption_signal``, ``time_limit``, ``kill_switch``, ``memory``, ``straggler``;
 * ``rollback`` → ``instability_rollback``; ``micro_batch_split`` → ``oom_split``; ``sdc_rollback``
@@ -30,7 +32,7 @@ from typing import Optional
 from .timeline import Segment
 
 # failures that cost the work since the newest checkpoint: the "M" of Young/Daly
-FAILURE_KINDS = ("rank_killed", "rank_crashed", "hang", "ping_timeout", "launch_lost")
+FAILURE_KINDS = ("rank_killed", "rank_crashed", "rank_withdrawn", "hang", "ping_timeout", "launch_lost")
 STOP_KINDS = {
     "signal": "preemption_signal",
     "time_limit": "time_limit",
@@ -52,6 +54,7 @@ FAULTS_FOR = {
     "sdc_rerun": ("sdc",),
     "sdc_exclude": ("sdc",),
     "sdc_transient": ("sdc",),
+    "rank_withdrawn": ("sdc",),
 }
 DECISION_CODES = (0, 2, 75, 76)  # exit codes that are decisions, not crashes (0 first)
 # events counted in the report's notices (no incident of their own)

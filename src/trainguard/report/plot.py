@@ -35,6 +35,7 @@ COLOURS = {
     "sdc_rerun": "magenta",
     "sdc_exclude": "darkmagenta",
     "sdc_transient": "orchid",
+    "rank_withdrawn": "purple",
     "oom_split": "gold",
     "give_up": "black",
     "bad_input": "black",
