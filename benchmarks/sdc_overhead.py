@@ -10,8 +10,10 @@ slowest rank's medians and the step-time ratio with one check every N steps:
 
 The step re-run (``[sdc] on_instability = "rerun"``, :mod:`trainguard.rerun`) in the same
 processes: what it costs every step (keeping the step-boundary state: data position and RNG
-streams, encoded in memory) and what one re-run costs (restoring that state, the step again, the
-two results' fingerprints and their all-reduce), each against the training step.
+streams, encoded in memory; and the RNG state the forward pre-hook keeps with the references to
+the step's inputs), what one re-run costs (restoring that state, the step again, the two results'
+fingerprints and their all-gather) and one cross-check (the suspect's inputs sent, its forward
+replayed on it and its partner, :mod:`trainguard.crosscheck`), each against the training step.
 
     .venv/bin/python benchmarks/sdc_overhead.py [--world 2] [--batch 8] [--repeat 20] [--smoke]
 
@@ -39,6 +41,7 @@ def _rank(rank: int, world: int, tmp: str, batch: int, repeat: int, out, model_o
     import torch
     import torch.distributed as dist
 
+    from trainguard.crosscheck import StepInputs, cross_check
     from trainguard.rejoin.boundary import BoundaryState
     from trainguard.rerun import StepRerun, step_result
     from trainguard.sampler import ResumableSampler
@@ -70,19 +73,23 @@ def _rank(rank: int, world: int, tmp: str, batch: int, repeat: int, out, model_o
     local = TrainState({"sampler": ResumableSampler(100_000, rank, world), "rng": RNGState()})
     boundary, rerun = BoundaryState(None, rank), StepRerun(True, rank, world)
 
+    inputs = StepInputs(ddp)
+
     def keep(i: int) -> None:
         boundary.keep({"step": i, **local.state_dict()})
+        torch.get_rng_state()  # what StepInputs' forward pre-hook keeps besides references
 
     def rerun_step(i: int) -> None:  # the first run's result, the state put back, the step again, the verdict
         rerun.begin(i, step_result(torch.tensor(1.0), ddp))
         local.load_state_dict(boundary.restore(i))
         step()
-        rerun.classify(step_result(torch.tensor(1.0), ddp))
+        rerun.classify(step_result(torch.tensor(1.0), ddp), 1.0)
 
     step()  # warm-up: buckets built, optimizer state allocated
     keep(0)
-    steps, checks, keeps, reruns = [], [], [], []
+    steps, checks, keeps, reruns, crosses = [], [], [], [], []
     for i in range(repeat):  # alternated, so that load on the machine hits all alike
+        inputs.step_started()  # the timed step's forward is recorded, as in a guarded loop
         for fn, times in ((step, steps), (lambda: check.check(1), checks), (lambda i=i: keep(i), keeps)):
             dist.barrier()
             t0 = time.perf_counter()
@@ -90,12 +97,17 @@ def _rank(rank: int, world: int, tmp: str, batch: int, repeat: int, out, model_o
             times.append(time.perf_counter() - t0)
         dist.barrier()
         t0 = time.perf_counter()
+        fps = cross_check(inputs, 0, rank, world)
+        crosses.append(time.perf_counter() - t0)
+        assert fps is not None and fps[0] == fps[1], "a healthy cross-check differs"
+        dist.barrier()
+        t0 = time.perf_counter()
         rerun_step(i)
         reruns.append(time.perf_counter() - t0)
-    t = torch.tensor([steps, checks, keeps, reruns], dtype=torch.float64)
+    t = torch.tensor([steps, checks, keeps, reruns, crosses], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank of each
     if rank == 0:
-        step_s, check_s, keep_s, rerun_s = (statistics.median(row) for row in t.tolist())
+        step_s, check_s, keep_s, rerun_s, cross_s = (statistics.median(row) for row in t.tolist())
         n = sum(p.numel() for p in model.parameters())
         lines = [
             f"SDC replica check vs a training step: GPT {n / 1e6:.2f} M parameters, DDP on {world} CPU ranks, "
@@ -118,6 +130,7 @@ def _rank(rank: int, world: int, tmp: str, batch: int, repeat: int, out, model_o
             "|---|---|---|",
             f"| keep the boundary state, every step | {keep_s * 1e3:.3f} | {(step_s + keep_s) / step_s:.5f}× |",
             f"| one re-run of an unstable step | {rerun_s * 1e3:.2f} | {rerun_s / step_s:.3f}× |",
+            f"| one cross-check of a suspect rank (inputs sent, forward on 2 ranks) | {cross_s * 1e3:.2f} | {cross_s / step_s:.3f}× |",
         ]
         out.put("\n".join(lines))
     dist.destroy_process_group()

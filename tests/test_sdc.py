@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from conftest import events, final_hash, finish, launch
+from trainguard.crosscheck import StepInputs
 from trainguard.events import EventLog, read_events
 from trainguard.faults import FaultInjector, grow_bit, parse_inject
 from trainguard.report import build_report, load_events
-from trainguard.rerun import StepRerun, step_result
-from trainguard.sdc import fingerprint, flip_bit, odd_ones_out
+from trainguard.rerun import StepRerun, step_result, suspect_of
+from trainguard.sdc import ReplicaCheck, fingerprint, flip_bit, odd_ones_out
+from trainguard.sections import SDCSection
 
 STEPS = 100
 # the two 3-rank corruption tests share one clean run: on the same xdist worker, one module fixture
@@ -50,19 +52,53 @@ def test_a_step_rerun_tells_a_changed_result_from_the_same_one():
     assert rerun.wants(7) and not rerun.pending(7)
     rerun.begin(7, (11, 22))
     assert rerun.pending(7) and not rerun.wants(7)  # the re-run itself is not re-run
-    v = rerun.classify((11, 22))
-    assert (v.step, v.verdict, v.ranks, v.first, v.again) == (7, "data", [], [[11, 22]], [[11, 22]])
+    v = rerun.classify((11, 22), 4.5)
+    assert (v.step, v.verdict, v.ranks, v.first, v.again, v.losses) == (7, "data", [], [[11, 22]], [[11, 22]], [4.5])
+    assert v.suspect is None  # one rank: no other to compare with
     assert not rerun.pending(7) and rerun.wants(7)
     rerun.begin(8, (11, 22))
-    assert rerun.classify((12, 22)).ranks == [0]
+    assert rerun.classify((12, 22), 4.5).ranks == [0]
     rerun.begin(9, (11, 22))
-    v = rerun.classify((11, 23))
+    v = rerun.classify((11, 23), 4.5)
     assert v.verdict == "transient" and v.ranks == []
     rerun.begin(10, (1, 2))
     rerun.forget()  # a rollback or a lost peer abandons it
     assert not rerun.pending(10) and not StepRerun(False, 0, 1).wants(10)
     with pytest.raises(RuntimeError, match="without a re-run"):
-        rerun.classify((1, 2))
+        rerun.classify((1, 2), 4.5)
+
+
+def test_the_suspect_is_the_one_rank_whose_loss_alone_is_wrong():
+    nan, inf = float("nan"), float("inf")
+    assert suspect_of([4.2, 4.3, 4.1]) is None
+    assert suspect_of([4.2, 7e19, 4.1]) == 1
+    assert suspect_of([4.2, 7e19]) == 1  # two ranks: the lower median is the reference
+    assert suspect_of([nan, 4.2, 4.3]) == 0 and suspect_of([4.2, inf]) == 1
+    assert suspect_of([nan, nan, 4.0]) is None  # two wrong ranks: no single suspect
+    assert suspect_of([7e19, 7e19]) is None  # a spike of every rank: the data
+    assert suspect_of([4.2]) is None
+
+
+def test_a_replayed_forward_matches_the_recorded_one_unless_the_device_flips_a_bit(tmp_path):
+    """The inputs and RNG state of the step's first forward are recorded; replaying them (dropout
+    included) gives the same output bit for bit; a persistent activation fault makes the replay
+    differ, as a bad device would."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    inputs = StepInputs(model)
+    inputs.step_started()
+    out = model(torch.randn(4, 8))
+    model(torch.randn(4, 8))  # a second forward in the step is not the recorded one
+    recorded = inputs.portable()
+    assert inputs.replay(recorded) == fingerprint([out]) == inputs.replay(recorded)
+    log = EventLog(tmp_path, 0)
+    faults = FaultInjector([parse_inject("sdc:rank=0,step=3,target=activation,persistent=true")], 0, 1, 0, log)
+    faults.arm(10)
+    faults.watch_activations(model, lambda: 3)
+    assert inputs.replay(recorded) != fingerprint([out])
+    faults.close()
+    inputs.close()
+    log.close()
 
 
 def test_step_result_sees_one_flipped_bit_in_the_loss_or_a_gradient():
@@ -80,7 +116,7 @@ def test_step_result_sees_one_flipped_bit_in_the_loss_or_a_gradient():
 def test_sdc_faults_flip_one_bit_of_a_gradient_or_of_the_models_output(tmp_path):
     """``target=grad``: one bit of the first gradient in ``should_step``'s numeric faults, once.
     ``target=activation``: the highest 0 exponent bit of the model output's first element in the
-    first forward of the step, once; with ``persistent`` in the first forward of each run of it."""
+    first forward of the step, once; with ``persistent`` in every forward of the step."""
     log = EventLog(tmp_path, 0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
     specs = [
@@ -107,7 +143,6 @@ def test_sdc_faults_flip_one_bit_of_a_gradient_or_of_the_models_output(tmp_path)
         outputs = {}
         for step[0] in (4, 5, 6):
             for run in range(2):
-                faults.step_started()
                 outputs[step[0], run] = [model(x), model(x)]  # two forwards in the step
 
     def flipped(out: torch.Tensor) -> bool:
@@ -115,14 +150,14 @@ def test_sdc_faults_flip_one_bit_of_a_gradient_or_of_the_models_output(tmp_path)
 
     assert not any(flipped(o) for o in outputs[4, 0] + outputs[4, 1])
     assert [flipped(o) for o in outputs[5, 0] + outputs[5, 1]] == [True, False, False, False]
-    assert [flipped(o) for o in outputs[6, 0] + outputs[6, 1]] == [True, False, True, False]
+    assert [flipped(o) for o in outputs[6, 0] + outputs[6, 1]] == [True, True, True, True]  # persistent: every forward
     bits = int(outputs[5, 0][0].view(-1).view(torch.int32)[0] ^ clean.view(-1).view(torch.int32)[0])
     assert bin(bits).count("1") == 1 and abs(outputs[5, 0][0].item()) >= abs(clean.item()) * 2.0**32
     faults.close()
     assert not flipped(model(x))
     log.close()
     fired = [(e["step"], e["details"]["target"]) for e in read_events(tmp_path) if e["kind"] == "fault_injected"]
-    assert fired == [(3, "grad"), (5, "activation"), (6, "activation"), (6, "activation")]
+    assert fired == [(3, "grad"), (5, "activation")] + [(6, "activation")] * 4
 
 
 @pytest.mark.parametrize("value", [4.2, 0.3, -1e-3, 1.5e30])
@@ -172,10 +207,20 @@ def test_a_flipped_bit_in_one_replica_is_found_and_rolled_back_to_a_clean_result
 
 
 def test_one_rank_has_no_replica_to_compare(tmp_path):
-    run = tmp_path / "run"
-    assert finish(launch(run, "train.max_steps=20", "sdc.check_interval=5", nproc=1)) == 0
-    (off,) = events(run, "sdc_check_off")
-    assert "one rank" in off["details"]["reason"] and not events(run, "sdc_mismatch")
+    """One rank: the check is off, and an ``sdc_check_off`` event says why (no step is ever due)."""
+    log = EventLog(tmp_path, 0)
+    check = ReplicaCheck(SDCSection(check_interval=5), torch.nn.Linear(2, 2), 0, 1, log)
+    log.close()
+    assert not check.active and not any(check.due(s) for s in range(1, 21))
+    (off,) = [e for e in read_events(tmp_path) if e["kind"] == "sdc_check_off"]
+    assert "one rank" in off["details"]["reason"]
+    (tmp_path / "off").mkdir()
+    log = EventLog(tmp_path / "off", 0)
+    assert not ReplicaCheck(
+        SDCSection(check_interval=0), torch.nn.Linear(2, 2), 0, 2, log
+    ).active  # by choice: no event
+    log.close()
+    assert not list(read_events(tmp_path / "off"))
 
 
 def test_a_clean_1000_step_run_finds_no_mismatch(tmp_path):
@@ -277,3 +322,29 @@ def test_a_flipped_bit_in_an_activation_is_transient_and_the_rerun_is_used(tmp_p
     report = build_report(load_events(run)[0])
     (inc,) = report["incidents"]
     assert (inc["kind"], inc["step"], inc["in_process"], inc["injected"]) == ("sdc_transient", 65, True, True), inc
+
+
+def test_a_device_that_computes_a_step_wrong_every_time_is_persistent_and_excluded(tmp_path, clean3):
+    """Rank 1's device flips an exponent bit of its output in every forward of step 65 (a bad GPU).
+    The re-run gives the same result again, but rank 1's loss alone is wrong, so rank 2 computes rank
+    1's forward on the same inputs: a different output, a persistent fault of rank 1. The step is
+    not applied, rank 1's host goes to exclude_nodes and the launch exits 75; the relaunch (good
+    hardware) does step 65 again and ends bitwise equal to the clean run."""
+    run = tmp_path / "run"
+    settings = ("sdc.check_interval=20", "sdc.on_instability=rerun")
+    code = finish(_launch3(run, *settings, inject="sdc:rank=1,step=65,target=activation,persistent=true"))
+    assert code == 75, Path(f"{run}.log").read_text()[-3000:]
+    (verdict,) = events(run, "sdc_rerun")
+    d = verdict["details"]
+    assert (d["trigger"], d["verdict"], d["ranks"], d["suspect"]) == ("instability", "persistent", [1], 1), d
+    assert d["first_run"] == d["re_run"] and d["cross_check"][0] != d["cross_check"][1]
+    assert d["losses"][1] > 1e6 * max(d["losses"][0], d["losses"][2])
+    (excl,) = events(run, "sdc_exclude")
+    assert excl["step"] == 65 and excl["details"]["action"] == "exclude"
+    stop = events(run, "stop_requested")[-1]
+    assert stop["step"] == 64 and stop["details"]["reason"] == "sdc" and stop["details"]["ranks"] == [1]
+    assert (run / "exclude_nodes").read_text().split() == stop["details"]["hosts"]
+    assert not events(run, "step_skipped") and not events(run, "instability")
+    assert finish(_launch3(run, *settings)) == 0
+    assert events(run, "resume")[-1]["details"]["from_step"] == 64
+    assert final_hash(run) == clean3

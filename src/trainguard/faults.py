@@ -44,6 +44,7 @@ import time
 from typing import Any, Callable, Optional
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from .config import ConfigError, FaultSpec, parse_key_values
 from .events import EventLog
@@ -137,7 +138,6 @@ class FaultInjector:
         self.sdc_pending: list[FaultSpec] = []  # target param
         self.activation_pending: list[FaultSpec] = []  # sdc, target activation
         self._hook: Any = None  # the forward hook of activation faults
-        self._runs = 0  # how often the current step has started (a re-run or a rollback does it again)
         self._fired: set[tuple[str, int, int]] = set()  # (kind, spec index, step) of step-bound faults already fired
 
     def arm(self, max_steps: int) -> None:
@@ -227,22 +227,20 @@ class FaultInjector:
             flip_bit(next(model.parameters()))
 
     def watch_activations(self, model: torch.nn.Module, current_step: Callable[[], int]) -> None:
-        """Install the forward hook of ``activation`` faults on ``model`` (it flips one bit of the
-        model's output in the first forward of a run of step number ``current_step()`` that a
-        fault names, see :func:`grow_bit`). Nothing without such faults."""
+        """Install the forward hook of ``activation`` faults on ``model`` (on the module inside DDP:
+        what a device computes). It flips one bit of the model's output (see :func:`grow_bit`) in
+        the first forward of step number ``current_step()`` that a fault names, once; with
+        ``persistent`` in every forward of that step on this rank (a bad device computes wrong
+        every time, a re-run and a cross-check included). Nothing without such faults."""
         if not self.activation_pending:
             return
 
         def flip(module: torch.nn.Module, args: Any, output: Any) -> None:
             step = current_step()
             for i, s in enumerate(self.activation_pending):
-                key = ("activation", i, step, self._runs if s.persistent else 0)
-                if (
-                    s.step != step
-                    or key in self._fired
-                    or not torch.is_tensor(output)
-                    or not output.is_floating_point()
-                ):
+                key = ("activation", i, step)
+                fire = s.step == step and (s.persistent or key not in self._fired)
+                if not fire or not torch.is_tensor(output) or not output.is_floating_point():
                     continue
                 self._fired.add(key)
                 self.events.emit(
@@ -250,11 +248,8 @@ class FaultInjector:
                 )
                 flip_bit(output, 0, grow_bit(output.detach().reshape(-1)[0]))
 
-        self._hook = model.register_forward_hook(flip)
-
-    def step_started(self) -> None:
-        """A step (or a run of it again) starts: a ``persistent`` activation fault may fire again."""
-        self._runs += 1
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        self._hook = inner.register_forward_hook(flip)
 
     def close(self) -> None:
         """Remove the forward hook of activation faults."""

@@ -56,6 +56,7 @@ from . import dist as tgdist
 from .checkpoint.store import Checkpoint
 from .checkpointer import Checkpointer, ResumePoint, SaveResult
 from .config import Config, ConfigError, config_from_argv, dump_config, load_config
+from .crosscheck import StepInputs
 from .events import EventLog, Hook
 from .exitcodes import exit_bad_input
 from .faults import FaultInjector
@@ -138,6 +139,7 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         self.recovery: Optional[Recovery] = None
         self.micro: Optional[MicroBatcher] = None
         self.faults: Optional[FaultInjector] = None
+        self.step_inputs: Optional[StepInputs] = None
         self.heartbeat = None
         self.ping: Optional[health.LivenessPing] = None
         self.rejoin: Optional[Rejoin] = None
@@ -164,6 +166,7 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         launch = LaunchEnv.from_environ()
         self.rejoin = Rejoin(cfg.recovery, launch, self.rank, keep_in_memory=cfg.sdc.on_instability == "rerun")
         self.reruns = StepRerun(cfg.sdc.on_instability == "rerun", self.rank, self.world_size)
+        self.step_inputs = StepInputs(self.model) if self.reruns.enabled and self.world_size > 1 else None
         self._backend = tgdist.backend()
         self.ckpt = Checkpointer(
             cfg.checkpoint,
@@ -288,7 +291,8 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             self._awaiting_step_end = True
             if self.heartbeat is not None and self.heartbeat.current is None:
                 self.heartbeat.open("step")  # the first step stays in "setup" (warm-up, compile)
-            self.faults.step_started()
+            if self.step_inputs is not None:
+                self.step_inputs.step_started()
             yield self.step
             if self._awaiting_step_end:
                 raise RuntimeError(f"guard.step_end() was not called in step {self.step}")
@@ -339,8 +343,9 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
                 loss, grad_norm = self.faults.numeric(step, loss, grad_norm, self.model)
             try:
                 verdict = self.recovery.observe(step, loss, grad_norm)
-                if self.reruns.pending(step):  # this is the re-run of an unstable step
-                    self._rerun_verdict(loss)
+                if self.reruns.pending(step):  # the re-run of an unstable step
+                    if self._rerun_verdict(loss):
+                        return False  # a persistent fault, acted on
                 elif self.recovery.unstable(verdict) and self.reruns.wants(step):
                     self._rerun_step(verdict, loss)  # before any policy: the hardware or the data?
                     return False

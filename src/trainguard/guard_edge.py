@@ -83,7 +83,7 @@ class Edge:
         self._closed = True
         if self.ckpt is not None:
             self.ckpt.close(wait=collective)
-        for part in (self.recovery, self.micro, self.faults):
+        for part in (self.recovery, self.micro, self.faults, self.step_inputs):
             if part is not None:
                 part.close()
         if self.shutdown is not None:

@@ -9,10 +9,14 @@ to bottom.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+import torch
 
 from . import console
 from . import dist as tgdist
+from .crosscheck import cross_check
 from .instability.detect import Verdict
 from .outcomes import GiveUp, Withdraw
 from .rerun import step_result
@@ -41,20 +45,32 @@ class SDCResponse:
             nonfinite_ranks=verdict.nonfinite_ranks,
         )
 
-    def _rerun_verdict(self, loss: Any) -> None:
-        """This run is the re-run: compare it with the first (a collective), say the verdict; the
-        caller then applies the re-run's own detector verdict as usual."""
-        v = self.reruns.classify(step_result(loss, self.model))
+    def _rerun_verdict(self, loss: Any) -> bool:
+        """This run is the re-run: compare it with the first (a collective), cross-check a single
+        suspect rank on its partner, say the verdict. ``True``: a persistent fault was acted on
+        (the step is not applied); ``False``: the caller applies the re-run's detector verdict."""
+        value = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
+        v = self.reruns.classify(step_result(loss, self.model), value)
+        if v.suspect is not None and self.step_inputs is not None and not self.step_inputs.sharded:
+            fps = cross_check(self.step_inputs, v.suspect, self.rank, self.world_size)
+            if fps is not None and fps[0] != fps[1]:
+                v = dataclasses.replace(v, verdict="persistent", ranks=[v.suspect], cross_check=fps)
+            elif fps is not None:
+                v = dataclasses.replace(v, cross_check=fps)
+        hosts = [self.hosts[r] for r in v.ranks] if self.hosts else []
         self._emit0(
             "sdc_rerun",
             step=v.step,
             trigger="instability",
             verdict=v.verdict,
             ranks=v.ranks,
-            hosts=[self.hosts[r] for r in v.ranks] if self.hosts else [],
+            hosts=hosts,
             first_seen=v.step,
             first_run=v.first,
             re_run=v.again,
+            losses=v.losses,
+            suspect=v.suspect,
+            cross_check=v.cross_check,
         )
         if self.rank == 0 and v.verdict == "transient":
             console.warn(
@@ -62,6 +78,40 @@ class SDCResponse:
                 + (f"(the loss of ranks {v.ranks} changed)" if v.ranks else "(only the gradients changed)")
                 + ": a transient hardware fault; the re-run's result is used"
             )
+        if v.verdict != "persistent":
+            return False
+        self._persistent_step_fault(v.step, v.ranks, hosts)
+        return True
+
+    def _persistent_step_fault(self, step: int, ranks: list[int], hosts: list[str]) -> None:
+        """Rank(s) ``ranks`` compute step ``step`` wrongly every time: the step is not applied, its
+        batch and random numbers are put back to be done again on good hardware, then
+        ``[sdc] on_persistent``: raise, exclude (a stop, exit 75) or replace (the ranks withdraw).
+
+        Raises:
+            GiveUp: ``raise``. Requeue: ``exclude``. Withdraw: ``replace``, on the faulty ranks.
+        """
+        policy = self.cfg.sdc.on_persistent
+        if policy == "replace" and not self.rejoin.active:
+            policy = "exclude"
+        if self.rank == 0:
+            console.warn(
+                f"silent data corruption: rank(s) {ranks} compute step {step} differently from their partner "
+                f"on the same inputs: a persistent fault; {policy}"
+            )
+        self.recovery.refuse()
+        self.train_state.load_state_dict(self.rejoin.boundary.restore(self.step))
+        self._rolled_back = True  # steps() yields the step again
+        if policy == "raise":
+            raise GiveUp("sdc", f"rank(s) {ranks} compute step {step} wrongly every time ([sdc] on_persistent = raise)")
+        if self.rank == 0:
+            path = self.straggler.write_exclude(ranks)
+            self.events.emit("sdc_exclude", step, ranks=ranks, hosts=hosts, exclude_nodes=str(path), action=policy)
+        if policy == "replace":
+            if self.rank in ranks:
+                raise Withdraw("sdc", f"it computes step {step} differently from its partner: a persistent fault")
+            return
+        self._stop("sdc", ranks=ranks, hosts=hosts, exclude_nodes=str(self.run_dir / "exclude_nodes"))
 
     def _replicas_differ(self) -> bool:
         """The silent-data-corruption check of this step (a collective, see :mod:`trainguard.sdc`);

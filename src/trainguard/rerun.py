@@ -14,28 +14,30 @@ more before any instability policy acts:
 * each rank's **result** of the step is an exact fingerprint (:func:`trainguard.sdc.fingerprint`)
   of its own loss and of its gradients after the all-reduce, for the first run and the re-run.
 
-The verdict (:meth:`StepRerun.classify`, the same on every rank):
+The verdict (:meth:`StepRerun.classify` and, for one suspect rank, :mod:`trainguard.crosscheck`;
+the same on every rank):
 
-* **data**: the re-run gave every rank the same result, bit for bit: the computation is
-  reproducible, so its inputs are to blame (the data or the model). The ``[instability]`` policy
-  acts on the step as it would have without the re-run.
 * **transient**: some result changed: a fault in a computation (a flipped bit in an activation, a
   gradient, the reduction), not in stored state. The ranks whose own loss changed are named (none
   when only the gradients changed: the fault was in a backward or the reduction, which every
   rank's gradients share). The re-run's result stands: a healthy re-run is applied; an unhealthy
   one meets the instability policy.
+* the same result on every rank, bit for bit: the computation is reproducible. If one rank's loss
+  alone is wrong (non-finite, or more than :data:`SUSPECT_FACTOR` times the median of the ranks'
+  absolute losses) its partner computes that rank's forward on the same inputs
+  (:func:`~trainguard.crosscheck.cross_check`): a different output makes it **persistent**, that
+  rank's hardware (``[sdc] on_persistent`` acts: exclude, replace or raise); otherwise, and when
+  every rank is alike, **data** (or the model): the ``[instability]`` policy acts on the step as
+  it would have without the re-run.
 
-A fault that repeats the same wrong result on the same rank looks like data to a re-run on that
-rank (telling them apart needs the rank's batch computed on another rank: not done). Corrupted
-*stored* state (parameters) is what the replica fingerprints find (:mod:`trainguard.sdc`).
-
-Cost: nothing per step beyond keeping the boundary state (RNG streams and data position: the
-``rerun_keep`` row of ``benchmarks/sdc_overhead.py``); one step and two gradient reads per
-re-run (its ``rerun`` row).
+Cost: nothing per step beyond keeping the boundary state (RNG streams and data position) and the
+references to the step's forward inputs (``benchmarks/sdc_overhead.py``); one step and two
+gradient reads per re-run, and one forward on two ranks per cross-check.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -44,7 +46,9 @@ import torch
 from . import dist as tgdist
 from .sdc import fingerprint
 
-_UNSET = -(1 << 63)
+# a rank whose loss is this many times the median of the ranks' absolute losses (or non-finite)
+# is the suspect of a reproducible instability; a spike of a whole batch moves the median with it
+SUSPECT_FACTOR = 100.0
 
 
 def step_result(loss: Any, model: torch.nn.Module) -> tuple[int, int]:
@@ -55,16 +59,30 @@ def step_result(loss: Any, model: torch.nn.Module) -> tuple[int, int]:
     return fingerprint([loss_t.reshape(1)]), fingerprint(grads)
 
 
+def suspect_of(losses: list[float]) -> Optional[int]:
+    """The one rank whose loss is wrong while the others' are not (non-finite, or more than
+    :data:`SUSPECT_FACTOR` × the median of the finite absolute losses), else ``None``."""
+    finite = sorted(abs(x) for x in losses if math.isfinite(x))
+    median = finite[(len(finite) - 1) // 2] if finite else math.nan  # the lower median: 2 ranks, the smaller
+    odd = [r for r, x in enumerate(losses) if not math.isfinite(x) or abs(x) > SUSPECT_FACTOR * median > 0]
+    return odd[0] if len(odd) == 1 and len(losses) > 1 else None
+
+
 @dataclass(frozen=True)
 class RerunVerdict:
     """The verdict of a step re-run (identical on every rank).
 
     Attributes:
         step: the step number (1-based) that was re-run.
-        verdict: ``"data"`` (the same result again) or ``"transient"`` (a changed result).
-        ranks: the ranks whose own loss changed (``transient`` only; may be empty).
+        verdict: ``"data"`` (the same result again), ``"transient"`` (a changed result) or, after
+            a cross-check, ``"persistent"``.
+        ranks: the ranks whose own loss changed (``transient``), the faulty rank (``persistent``).
         first, again: every rank's ``(loss, gradients)`` fingerprints of the first run and the
             re-run, by rank.
+        losses: every rank's loss in the re-run.
+        suspect: with ``data``, the one rank whose loss alone is wrong (see :func:`suspect_of`),
+            for a cross-check; else ``None``.
+        cross_check: the suspect's and its partner's fingerprints of the suspect's forward.
     """
 
     step: int
@@ -72,6 +90,9 @@ class RerunVerdict:
     ranks: list[int]
     first: list[list[int]]
     again: list[list[int]]
+    losses: list[float]
+    suspect: Optional[int] = None
+    cross_check: Optional[list[int]] = None
 
 
 class StepRerun:
@@ -103,22 +124,19 @@ class StepRerun:
         """Drop a re-run in progress (the step is abandoned: a rollback, a lost peer)."""
         self.step = None
 
-    def classify(self, result: tuple[int, int]) -> RerunVerdict:
-        """Compare the re-run's ``result`` with the first run's on every rank (one all-reduce of
-        ``4 × world_size`` integers) and return the verdict.
+    def classify(self, result: tuple[int, int], loss: float) -> RerunVerdict:
+        """Compare the re-run's ``result`` with the first run's on every rank (one all-gather of
+        each rank's fingerprints and ``loss``) and return the verdict.
 
         Raises:
             RuntimeError: no re-run is pending.
         """
         if self.step is None:
             raise RuntimeError("StepRerun.classify() without a re-run in progress")
-        slots = [_UNSET] * (4 * self.world_size)
-        slots[4 * self.rank : 4 * self.rank + 4] = [*self.first, *result]
-        values = [int(v) for v in tgdist.all_reduce_max(slots)]
-        first = [values[4 * r : 4 * r + 2] for r in range(self.world_size)]
-        again = [values[4 * r + 2 : 4 * r + 4] for r in range(self.world_size)]
+        every = tgdist.gather_objects((list(self.first), list(result), float(loss)))
+        first, again, losses = [e[0] for e in every], [e[1] for e in every], [e[2] for e in every]
         step, self.step = self.step, None
         if first == again:
-            return RerunVerdict(step, "data", [], first, again)
+            return RerunVerdict(step, "data", [], first, again, losses, suspect_of(losses))
         ranks = [r for r in range(self.world_size) if first[r][0] != again[r][0]]
-        return RerunVerdict(step, "transient", ranks, first, again)
+        return RerunVerdict(step, "transient", ranks, first, again, losses)

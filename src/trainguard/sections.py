@@ -317,8 +317,9 @@ class FaultSpec(Section):
     of the first element of the first parameter's gradient (after the all-reduce: the rank's
     optimizer step then diverges); ``activation``, in the first forward of step number ``step``,
     the highest 0 exponent bit of the first element of the model's output (its logits, or the loss
-    where the forward returns it): a value 2^64 times larger or more, for the instability
-    detectors (``[sdc] on_instability``).
+    where the forward returns it; the module inside DDP): a value 2^64 times larger or more, for the
+    instability detectors (``[sdc] on_instability``); with ``persistent`` in every forward of that
+    step on the rank (a bad device: the re-run and a cross-check's replay too).
     """
 
     kind: Literal[
@@ -377,9 +378,11 @@ class SDCSection(Section):
 
     ``on_instability = "rerun"``: a step the ``[instability]`` detectors find non-finite or spiking
     is first done again from its inputs (same batch, same random numbers; see
-    :mod:`trainguard.rerun`): the same result on every rank means the data or the model (the
-    instability policy acts), a different one a transient hardware fault (the re-run's result is
-    used). Off by default: the step-boundary state is then kept in memory at every step.
+    :mod:`trainguard.rerun`): a different result is a transient hardware fault (the re-run's
+    result is used); the same result on every rank is the data or the model (the instability
+    policy acts), unless one rank's loss alone is wrong and its partner computes that rank's forward
+    differently on the same inputs: a persistent fault of that rank (``on_persistent``). Off by
+    default: the step-boundary state and the step's forward inputs are then kept in memory.
     """
 
     check_interval: int = Field(
@@ -390,7 +393,8 @@ class SDCSection(Section):
     on_mismatch: Literal["warn", "rerun", "raise"] = Field("rerun", description="what a mismatch does")
     on_persistent: Literal["exclude", "replace", "raise"] = Field(
         "exclude",
-        description="after a rollback, the same ranks differ again at the same check (a persistent fault): "
+        description="a persistent fault (after a rollback the same ranks differ again at the same check; or a "
+        "step re-run's cross-check): "
         "exclude (roll back, write their hosts to RUN_DIR/exclude_nodes, stop with the requeue code 75), "
         "replace (roll back, write the hosts, the bad ranks exit with 77 and warm spares take their ranks in-process; "
         "exclude without [recovery] in_process or when every rank differs) or raise (76)",
@@ -398,7 +402,8 @@ class SDCSection(Section):
     on_instability: Literal["off", "rerun"] = Field(
         "off",
         description="rerun: an unstable step (non-finite, spike) is done once more from its inputs before the "
-        "[instability] policy acts, to tell a transient hardware fault (a different result) from the data (the same)",
+        "[instability] policy acts, to tell a transient hardware fault (a different result) from the data (the same; "
+        "a single wrong rank is cross-checked on its partner: persistent if the partner computes otherwise)",
     )
 
 
