@@ -17,7 +17,7 @@ GPUs; torchft 82 % step efficiency with a failure every 60 s).
 
     .venv/bin/python benchmarks/goodput_faults.py [--minutes 10] [--every 60] [--seed 0] [--faults kill,hang] [--smoke]
 
-``--smoke``: 45 s per arm, one kill after 20 s, the tiny GPT: it only checks that the script runs.
+``--smoke``: 24 s per arm, one kill after 10 s, the tiny GPT: it only checks that the script runs.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def schedule(args: argparse.Namespace) -> list[tuple[float, str, int]]:
     """``[(seconds after the launch, "kill" | "hang", rank)]``, the same for every arm."""
     rng = random.Random(args.seed)
     times = [args.every * k for k in range(1, int(args.minutes * 60 // args.every) + 1)]
-    return [(t, rng.choice(args.faults), rng.randrange(2)) for t in times if t < args.minutes * 60 - 20]
+    margin = min(20.0, args.minutes * 20)  # the last fault leaves time to recover before the time limit
+    return [(t, rng.choice(args.faults), rng.randrange(2)) for t in times if t < args.minutes * 60 - margin]
 
 
 def rank_pid(run_dir: Path, rank: int) -> Optional[int]:
@@ -109,8 +110,8 @@ def run_arm(args: argparse.Namespace, arm: str, run_dir: Path, faults: list[tupl
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--minutes", type=float, default=None, help="training time per arm (default 10, smoke 0.75)")
-    p.add_argument("--every", type=float, default=None, help="seconds between faults (default 60, smoke 20)")
+    p.add_argument("--minutes", type=float, default=None, help="training time per arm (default 10, smoke 0.4)")
+    p.add_argument("--every", type=float, default=None, help="seconds between faults (default 60, smoke 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--faults", default=None, help="comma-separated kinds drawn from: kill,hang (default both, smoke kill)"
@@ -119,8 +120,8 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
     args = p.parse_args()
-    args.minutes = args.minutes or (0.75 if args.smoke else 10.0)
-    args.every = args.every or (20.0 if args.smoke else 60.0)
+    args.minutes = args.minutes or (0.4 if args.smoke else 10.0)
+    args.every = args.every or (10.0 if args.smoke else 60.0)
     args.faults = (args.faults or ("kill" if args.smoke else "kill,hang")).split(",")
     arms = [a for a in args.arms.split(",") if a]
     for a in arms:

@@ -55,7 +55,9 @@ class TrainSection(trainguard.Section):
     """``[train]``: optimization."""
 
     max_steps: int = Field(150, ge=1)
-    batch_size: int = Field(8, ge=1, description="sequences per rank per step")
+    batch_size: int = Field(
+        8, ge=1, description="sequences per rank per step, on the world size the run started with ([elastic] keep)"
+    )
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(20, ge=0)
     weight_decay: float = Field(0.1, ge=0)
@@ -219,7 +221,7 @@ def main() -> None:
         print(f"gpt: {n_params / 1e6:.2f} M parameters, {len(data) / 1e6:.1f} MB of text, {world} rank(s)", flush=True)
     t0 = time.perf_counter()
     for step in guard.steps(cfg.train.max_steps):  # trainguard
-        x, y = train.batch(sampler.take(cfg.train.batch_size))
+        x, y = train.batch(sampler.take(guard.rank_batch(cfg.train.batch_size)))  # trainguard: [elastic] keep
         opt.zero_grad(set_to_none=True)
         loss = guard.run_step(
             lambda mb: ddp(*mb), (x, y)

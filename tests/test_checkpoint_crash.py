@@ -133,7 +133,7 @@ def parse_summary(output: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", lines[-1])}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def clean_sha(tmp_path_factory) -> dict[int, str]:
     """state_sha256 of uninterrupted in-process runs, by length."""
     cache: dict[int, str] = {}

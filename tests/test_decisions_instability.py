@@ -406,11 +406,11 @@ def test_rolled_back_skips_the_data_starts_the_ramp_sets_newer_aside_and_a_resum
         r.sampler.take(4)
     position = r.sampler.state_dict()
     target = r.rec.rollback_target(Rollback(35, 34, ["nonfinite_loss"]))
-    r.sampler.load_state_dict({"epoch": 0, "offset": 20 * 4})  # what loading checkpoint 20 restores
+    r.sampler.load_state_dict({"epoch": 0, "consumed": 20 * 4})  # what loading checkpoint 20 restores
     r.rec.rolled_back(Rollback(35, 34, ["nonfinite_loss"]), target, position, lr_before=0.1)
 
     # batches 21..35 were the window between checkpoint and bad step; skip_batches=20 skips 36..40 too
-    assert r.sampler.state_dict() == {"epoch": 0, "offset": 40 * 4}
+    assert r.sampler.state_dict() == {"epoch": 0, "consumed": 40 * 4}
     order = ResumableSampler(1000, seed=0)
     assert r.sampler.take(4) == [order.take(4) for _ in range(41)][-1]
     assert [r.rec.ramp.multiplier(s) for s in (21, 25, 29, 30)] == [0.25, 0.25 + 0.75 * 4 / 8, 1.0, 1.0]
@@ -423,7 +423,7 @@ def test_rolled_back_skips_the_data_starts_the_ramp_sets_newer_aside_and_a_resum
     (record,) = read_ledger(r.run_dir)
     assert record["from_step"] == 35 and record["to_step"] == 20 and record["checkpoint"] == f"20@{1_000_020}"
     assert record["skipped_batches"] == 20 and record["skipped_window"] == [21, 40]
-    assert record["sampler_states"] == [{"epoch": 0, "offset": 160}]
+    assert record["sampler_states"] == [{"epoch": 0, "consumed": 160}]
     (ev,) = events(r.run_dir, "rollback")
     d = ev["details"]
     assert ev["step"] == 35 and d["set_aside"] == [30, 34] and d["skipped_window"] == [21, 40]
@@ -435,17 +435,17 @@ def test_rolled_back_skips_the_data_starts_the_ramp_sets_newer_aside_and_a_resum
     later = rig(run_dir=r.run_dir, rb={"skip_batches": 20, "lr_factor": 0.25, "lr_ramp_steps": 8})
     later.rec.on_start()
     assert later.rec.rollbacks == 1 and later.rec.newest_known_good == 20
-    later.sampler.load_state_dict({"epoch": 0, "offset": 80})
+    later.sampler.load_state_dict({"epoch": 0, "consumed": 80})
     later.rec.on_resume(target)
-    assert later.sampler.state_dict() == {"epoch": 0, "offset": 160}
+    assert later.sampler.state_dict() == {"epoch": 0, "consumed": 160}
     assert later.rec.ramp.multiplier(21) == 0.25 and later.rec.ramp.multiplier(29) == 1.0
     (resumed,) = events(r.run_dir, "rollback_resumed")
     assert resumed["details"]["skipped_window"] == [21, 40]
     # one that resumes from another checkpoint: the record is not applied
     other = rig(run_dir=r.run_dir)
-    other.sampler.load_state_dict({"epoch": 0, "offset": 40})
+    other.sampler.load_state_dict({"epoch": 0, "consumed": 40})
     other.rec.on_resume(r.store.committed()[0])
-    assert other.sampler.state_dict() == {"epoch": 0, "offset": 40} and other.rec.ramp.multiplier(11) == 1.0
+    assert other.sampler.state_dict() == {"epoch": 0, "consumed": 40} and other.rec.ramp.multiplier(11) == 1.0
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, events, finish, launch, logged_step, wait_for
 from trainguard.report import ReportError, build_report, daly_interval, load_events, main, render_text, young_interval
 
-# one worker under pytest-xdist runs this module, so that the chaos run (a module fixture) runs once
+# one worker under pytest-xdist runs this module, so that the chaos run (a session fixture) runs once
 pytestmark = pytest.mark.xdist_group("report")
 
 # the relaunch injects its hang a little after the step the SIGTERM stopped at: max_steps leaves room
@@ -28,7 +28,7 @@ def log_of(run: Path) -> str:
     return Path(f"{run}.log").read_text(errors="replace")[-4000:]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: xdist may interleave modules, which tears a module fixture down
 def chaos(tmp_path_factory) -> Path:
     """Launch 1: rank 1 SIGKILLs itself at step 25 (the group restarts from step 20), then SIGTERM
     to the launcher (save, exit 75). Launch 2: rank 0 SIGSTOPs itself 15 to 25 steps after the stop step

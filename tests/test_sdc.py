@@ -18,7 +18,7 @@ from trainguard.sdc import ReplicaCheck, fingerprint, flip_bit, odd_ones_out
 from trainguard.sections import SDCSection
 
 STEPS = 100
-# the two 3-rank corruption tests share one clean run: on the same xdist worker, one module fixture
+# the 3-rank corruption tests share one clean run: on the same xdist worker, one session fixture
 pytestmark = pytest.mark.xdist_group("sdc")
 
 
@@ -173,7 +173,7 @@ def _launch3(run: Path, *settings: str, inject: str = ""):
     return launch(run, f"train.max_steps={STEPS}", "checkpoint.interval=10", *settings, nproc=3, extra=extra)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: xdist may interleave modules, which tears a module fixture down
 def clean3(tmp_path_factory) -> str:
     """The final hash of a clean 3-rank run with the check every 20 steps (which finds nothing)."""
     clean = tmp_path_factory.mktemp("sdc") / "clean"

@@ -18,7 +18,7 @@ def test_sampler_resumes_mid_epoch_and_across_epochs():
     first = a.take(7)  # crosses into epoch 1 (5 indices per rank per epoch)
     b = ResumableSampler(10, rank=1, world_size=2, seed=3)
     b.load_state_dict(a.state_dict())
-    assert a.state_dict() == {"epoch": 1, "offset": 2}
+    assert a.state_dict() == {"epoch": 1, "consumed": 4}
     assert a.take(9) == b.take(9)
     c = ResumableSampler(10, rank=0, world_size=2, seed=3)
     assert not set(c.take(5)) & set(first[:5]), "ranks must see disjoint shards of one epoch"

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import dist as tgdist
 from .atomic import write_atomic
 from .checkpoint import CheckpointMismatchError, CheckpointStore, check_compatible, load_state
-from .checkpoint.io import apply_state, model_optim_state, write_checkpoint
+from .checkpoint.io import apply_state, model_optim_state, saved_world_size, write_checkpoint
 from .checkpoint.local import LocalTier, choose, deserialize, expand_dir
 from .checkpoint.snapshot import Snapshot, copy_pairs
 from .checkpoint.store import Checkpoint
@@ -453,18 +453,25 @@ class Checkpointer:
                 point = ResumePoint("local", step, plan=plan)
         return point
 
-    def load(self, point: ResumePoint) -> dict[str, Any]:
-        """Load ``point`` into the model and optimizer (a collective); returns this rank's rank state.
+    def written_by(self, point: ResumePoint) -> int:
+        """How many ranks wrote ``point`` (a local copy: always this world size, others are skipped)."""
+        if point.tier == "persistent":
+            return saved_world_size(point.checkpoint.path) or self.world_size  # type: ignore[union-attr]
+        return self.world_size
+
+    def load(self, point: ResumePoint, rank_state_of: Optional[int] = None) -> dict[str, Any]:
+        """Load ``point`` into the model and optimizer (a collective); returns this rank's rank state
+        (``rank_state_of``: that rank's, e.g. rank 0's after a world-size change).
 
         Raises:
-            BadInput: the checkpoint does not fit the model, optimizer or world size.
+            BadInput: the checkpoint does not fit the model or optimizer.
         """
         if point.tier == "persistent":
             try:
-                check_compatible(point.checkpoint.path, self.model, self.optimizer, self.world_size)  # type: ignore[union-attr]
+                check_compatible(point.checkpoint.path, self.model, self.optimizer)  # type: ignore[union-attr]
             except CheckpointMismatchError as e:
                 raise BadInput(str(e)) from None
-            return load_state(point.checkpoint.path, self.model, self.optimizer)  # type: ignore[union-attr]
+            return load_state(point.checkpoint.path, self.model, self.optimizer, rank_state_of)  # type: ignore[union-attr]
         state = deserialize(self.local.fetch(point.step, point.plan, self.group))  # type: ignore[union-attr,arg-type]
         try:
             apply_state(self.model, self.optimizer, state)

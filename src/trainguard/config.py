@@ -35,6 +35,7 @@ from .launch_env import LaunchEnv, LaunchEnvError
 from .sections import (  # noqa: F401  (re-exported: trainguard.config.Section etc.)
     Bytes,
     CheckpointSection,
+    ElasticSection,
     FaultSpec,
     FaultsSection,
     HealthSection,
@@ -82,6 +83,7 @@ class Config(BaseModel):
     health: HealthSection = HealthSection()
     recovery: RecoverySection = RecoverySection()
     sdc: SDCSection = SDCSection()
+    elastic: ElasticSection = ElasticSection()
     slurm: SlurmSection = SlurmSection()
 
 

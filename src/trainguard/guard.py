@@ -57,6 +57,7 @@ from .checkpoint.store import Checkpoint
 from .checkpointer import Checkpointer, ResumePoint, SaveResult
 from .config import Config, ConfigError, config_from_argv, dump_config, load_config
 from .crosscheck import StepInputs
+from .elastic import ElasticState, check_reshardable, rank_batch, resharded_rank_state
 from .events import EventLog, Hook
 from .exitcodes import exit_bad_input
 from .faults import FaultInjector
@@ -217,6 +218,7 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             cfg.oom, self.model, self.events, self.faults, self.straggler, self.rank, self.world_size
         )
         self.fidelity, self.draws = ResumeFidelity(self.world_size), DrawWatch()
+        self.elastic = ElasticState(self.world_size)
         # what a checkpoint holds per rank besides the tensors (the order is the load order: RNG last)
         self.train_state = TrainState(
             {
@@ -226,6 +228,7 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
                 "instability": self.recovery,
                 "oom": self.micro,
                 "fidelity": self.fidelity,
+                "elastic": self.elastic,
                 "rng": RNGState(),
             }
         )
@@ -259,6 +262,17 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         except ConfigError as e:
             exit_bad_input(str(e))
         return cls(cfg, **kwargs)
+
+    def rank_batch(self, batch: int) -> int:
+        """The batch this rank trains per step, given the per-rank ``batch`` the script configures
+        for the world size the run started with (``[elastic] keep``, see :mod:`trainguard.elastic`);
+        ``batch`` itself until the world size changes. Call it inside the loop.
+
+        Raises:
+            BadInput: ``keep = "global_batch"`` and the global batch does not divide by the world size.
+        """
+        with self._edge():
+            return rank_batch(batch, self.cfg.elastic.keep, self.elastic.base_world_size, self.world_size)
 
     def add_hook(self, hook: Hook) -> None:
         """Append a hook (see :class:`~trainguard.events.Hook`)."""
@@ -567,11 +581,35 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             self.recovery.on_resume(point.checkpoint)
 
     def _load(self, point: ResumePoint) -> None:
-        """Load the whole training state from ``point`` (a collective)."""
-        state = self.ckpt.load(point)
+        """Load the whole training state from ``point`` (a collective); written by another number
+        of ranks, it is resharded (see :mod:`trainguard.elastic`).
+
+        Raises:
+            BadInput: the checkpoint does not fit the model, or the sampler cannot reshard.
+        """
+        saved = self.ckpt.written_by(point)
+        if saved != self.world_size:
+            check_reshardable(self.sampler, point.checkpoint.path, saved, self.world_size)
+            state = resharded_rank_state(self.ckpt.load(point, rank_state_of=0), self.rank)
+        else:
+            state = self.ckpt.load(point)
         self.step = int(state["step"])
         self.train_state.load_state_dict(state)
         self.ckpt.loaded(point.tier, self.step)
+        if saved != self.world_size:
+            self._emit0(
+                "world_size_changed",
+                from_world_size=saved,
+                to_world_size=self.world_size,
+                base_world_size=self.elastic.base_world_size,
+                keep=self.cfg.elastic.keep,
+                path=str(point.checkpoint.path),
+            )
+            if self.rank == 0:
+                console.say(
+                    f"resuming on {self.world_size} rank(s) from a checkpoint of {saved}: data position carried "
+                    f"over, random number streams derived per rank, keep {self.cfg.elastic.keep.replace('_', ' ')}"
+                )
 
     def _reload(self, target: Checkpoint, why: str) -> None:
         """Load ``target`` into this process (a rollback; a collective) and set aside the local

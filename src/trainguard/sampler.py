@@ -8,15 +8,25 @@ import torch
 
 
 class ResumableSampler:
-    """Yields dataset indices for one rank, epoch after epoch, and can resume mid-epoch.
+    """Yields dataset indices for one rank, epoch after epoch, and can resume mid-epoch, on the same
+    or another number of ranks.
 
-    Each epoch is a permutation of ``range(num_samples)`` drawn from ``seed + epoch`` (so every
-    rank draws the same one), cut to a multiple of ``world_size`` and strided by rank, like
-    ``torch.utils.data.DistributedSampler`` with ``drop_last=True``. Iteration never ends: after the
-    last index of an epoch the next epoch starts. ``state_dict()`` is ``{"epoch", "offset"}``:
-    the epoch and how many of this rank's indices were already yielded in it.
+    Each epoch is a permutation ``perm`` of ``range(num_samples)`` drawn from ``seed + epoch`` (so
+    every rank draws the same one). The ranks read it in lockstep, interleaved: from a position
+    ``base`` of the epoch, rank ``r``'s ``k``-th index is ``perm[base + k·world_size + r]``, like
+    ``torch.utils.data.DistributedSampler`` with ``drop_last=True`` (the same order when
+    ``base = 0``). An epoch ends for every rank when fewer than ``world_size`` indices are left
+    (at most ``world_size - 1`` samples of an epoch are dropped). Iteration never ends: after an
+    epoch the next one starts.
 
-    Use it without DataLoader worker prefetch (or with ``num_workers=0``): the offset counts the
+    ``state_dict()`` is ``{"epoch", "consumed"}``: the epoch and how many of its permutation's
+    indices all ranks together have taken. It is the same on every rank and does not depend on the
+    number of ranks, so a checkpoint resumes on any world size from the same point of the same
+    permutation: every sample of an epoch is seen once, none twice (the **resharding contract**;
+    ``reshardable = True`` says a sampler keeps it, and a sampler of your own that does should say
+    so too; see ``docs/elastic.md``). The ranks must take the same number of indices per step.
+
+    Use it without DataLoader worker prefetch (or with ``num_workers=0``): the position counts the
     indices handed out, which is the data actually consumed only when nothing is prefetched.
 
     Args:
@@ -28,34 +38,39 @@ class ResumableSampler:
         ValueError: ``num_samples`` smaller than ``world_size``.
     """
 
+    reshardable = True  # state_dict() is world-size independent (see the class doc)
+
     def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True):
         if num_samples < world_size:
             raise ValueError(f"num_samples={num_samples} is smaller than world_size={world_size}")
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
         self.seed, self.shuffle = seed, shuffle
-        self.per_rank = num_samples // world_size
         self.epoch = 0
-        self.offset = 0
+        self.base = 0  # position in the epoch's permutation where this rank's ``offset`` counts from
+        self.offset = 0  # indices this rank took since ``base``
         self._batch: Optional[int] = None  # size of the last take()
-        self._indices = self._epoch_indices(0)
+        self._perm = self._permutation(0)
 
-    def _epoch_indices(self, epoch: int) -> torch.Tensor:
+    def _permutation(self, epoch: int) -> torch.Tensor:
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + epoch)
-            perm = torch.randperm(self.num_samples, generator=g)
-        else:
-            perm = torch.arange(self.num_samples)
-        return perm[: self.per_rank * self.world_size][self.rank :: self.world_size]
+            return torch.randperm(self.num_samples, generator=g)
+        return torch.arange(self.num_samples)
+
+    @property
+    def consumed(self) -> int:
+        """Indices of this epoch's permutation that all ranks together have taken."""
+        return self.base + self.offset * self.world_size
 
     def __iter__(self) -> Iterator[int]:
         return self
 
     def __next__(self) -> int:
-        if self.offset >= self.per_rank:
+        if self.consumed + self.world_size > self.num_samples:  # fewer than one per rank left
             self.epoch += 1
-            self.offset = 0
-            self._indices = self._epoch_indices(self.epoch)
-        idx = int(self._indices[self.offset])
+            self.base = self.offset = 0
+            self._perm = self._permutation(self.epoch)
+        idx = int(self._perm[self.consumed + self.rank])
         self.offset += 1
         return idx
 
@@ -76,10 +91,13 @@ class ResumableSampler:
             next(self)
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch": int, "offset": int}``."""
-        return {"epoch": self.epoch, "offset": self.offset}
+        """``{"epoch": int, "consumed": int}`` (see the class doc; the same on every rank)."""
+        return {"epoch": self.epoch, "consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a :meth:`state_dict`."""
-        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
-        self._indices = self._epoch_indices(self.epoch)
+        """Continue from a :meth:`state_dict`, on this sampler's world size. The older form
+        ``{"epoch", "offset"}`` (this rank's count, before the position was global) is read as
+        written on the same world size."""
+        consumed = state["consumed"] if "consumed" in state else int(state["offset"]) * self.world_size
+        self.epoch, self.base, self.offset = int(state["epoch"]), int(consumed), 0
+        self._perm = self._permutation(self.epoch)

@@ -407,6 +407,23 @@ class SDCSection(Section):
     )
 
 
+class ElasticSection(Section):
+    """``[elastic]``: resuming on another number of ranks (see :mod:`trainguard.elastic`).
+
+    A checkpoint written by N ranks resumes on M: the model and optimizer are resharded by
+    ``torch.distributed.checkpoint``, the data position is global (a ``reshardable`` sampler), each
+    rank's random number generators are derived by a documented rule, and ``guard.rank_batch()``
+    gives the batch per rank under ``keep``.
+    """
+
+    keep: Literal["global_batch", "rank_batch"] = Field(
+        "global_batch",
+        description="on another world size, keep the global batch (each rank's batch × the world size the run "
+        "started with / the current one; the learning-rate schedule still fits) or each rank's batch (the global "
+        "batch changes with the world size; scale the learning rate yourself if you want)",
+    )
+
+
 class FaultsSection(Section):
     """``[faults]``: faults to inject, to test and rehearse recovery. Each injection is an event."""
 

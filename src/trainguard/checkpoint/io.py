@@ -168,24 +168,20 @@ def apply_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     )
 
 
-def check_compatible(
-    path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], world_size: int
-) -> None:
-    """Refuse a checkpoint written for another model or world size.
+def saved_world_size(path: Path) -> Optional[int]:
+    """The number of ranks that wrote the committed checkpoint ``path`` (``None``: not recorded)."""
+    return mf.read_manifest(path).get("meta", {}).get("world_size")
+
+
+def check_compatible(path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+    """Refuse a checkpoint written for another model (any world size fits: DCP reshards the model
+    and optimizer, see :mod:`trainguard.elastic` for the rest).
 
     Compares the model's keys and tensor shapes with the DCP metadata, in sorted key order.
 
     Raises:
-        CheckpointMismatchError: naming the first key that is missing, unexpected, or of another
-            shape, or the world-size difference.
+        CheckpointMismatchError: naming the first key that is missing, unexpected, or of another shape.
     """
-    body = mf.read_manifest(path)
-    saved_world = body.get("meta", {}).get("world_size", world_size)
-    if saved_world != world_size:
-        raise CheckpointMismatchError(
-            f"checkpoint {path} was written by {saved_world} ranks, this run has {world_size}; "
-            "resume needs the same world size for a bitwise-identical data order"
-        )
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
     ours = model_optim_state(model, None)["model"]
     want = {f"model.{k}": list(v.shape) for k, v in ours.items() if isinstance(v, torch.Tensor)}
@@ -207,8 +203,11 @@ def check_compatible(
             )
 
 
-def load_state(path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
-    """Load a committed checkpoint into ``model``/``optimizer`` and return this rank's ``rank_state``.
+def load_state(
+    path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], rank: Optional[int] = None
+) -> dict[str, Any]:
+    """Load a committed checkpoint into ``model``/``optimizer`` and return the ``rank_state`` of
+    ``rank`` (default this rank; rank 0's after a world-size change).
 
     Call :func:`check_compatible` first for a clear error on a mismatching model.
 
@@ -218,5 +217,5 @@ def load_state(path: Path, model: torch.nn.Module, optimizer: Optional[torch.opt
     state = model_optim_state(model, optimizer)
     dcp.load(state, storage_reader=FileSystemReader(path))
     apply_state(model, optimizer, state)
-    with open(path / rank_file(tgdist.rank()), "rb") as f:
+    with open(path / rank_file(tgdist.rank() if rank is None else rank), "rb") as f:
         return torch.load(f, weights_only=True)

@@ -130,6 +130,7 @@ class Recovery:
         self.cfg, self.rb, self.verify, self.loss_scaler = cfg, rb, verify, loss_scaler
         self.model, self.optimizer, self.sampler, self.store, self.events = model, optimizer, sampler, store, events
         self.run_dir, self.rank, self.current_step, self.ask_hooks = run_dir, rank, current_step, ask_hooks
+        self.world_size = world_size
         self.detector = Detector(cfg, rank, world_size)
         # the refusal runs before the ramp's pre-hook: a refused step must not leave the rate scaled
         self._hook = optimizer.register_step_pre_hook(self._refuse_rejected_step) if optimizer is not None else None
@@ -359,8 +360,11 @@ class Recovery:
         last = next((r for r in reversed(records) if r["checkpoint"] == cid), None)
         if last is None:
             return
-        if self.sampler is not None and last["sampler_states"][self.rank] is not None:
-            self.sampler.load_state_dict(last["sampler_states"][self.rank])
+        states = last["sampler_states"]
+        # recorded by every rank of the world then; a global (reshardable) state is the same on every rank
+        mine = states[self.rank] if len(states) == self.world_size else states[0]
+        if self.sampler is not None and mine is not None:
+            self.sampler.load_state_dict(mine)
         if self.ramp is not None:
             self.ramp.begin(ckpt.step, last["lr_factor"], last["lr_ramp_steps"])
         self._emit(

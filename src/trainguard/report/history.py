@@ -143,7 +143,14 @@ class RunHistory:
         first = d.get("first_step")
         first = first if isinstance(first, int) else (e["step"] or 0)
         launch, attempt = self._here(e)
-        self.seg = Segment(launch=launch, attempt=attempt, start=e["time"], first_step=first)
+        world = d.get("world_size")
+        self.seg = Segment(
+            launch=launch,
+            attempt=attempt,
+            start=e["time"],
+            first_step=first,
+            world_size=world if isinstance(world, int) else None,
+        )
         self.segments.append(self.seg)
         for inc in self._pending:
             inc.recovered_at, inc.resumed_step = e["time"], float(first)

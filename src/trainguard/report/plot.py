@@ -76,6 +76,9 @@ def render_png(events: Iterable[dict], report: dict, path: str | os.PathLike) ->
             linewidth=1.6,
             label="training (one line per worker group)" if n == 0 else None,
         )
+        changed = n == 0 or history.segments[n - 1].world_size != seg.world_size
+        if seg.world_size is not None and changed and len({s.world_size for s in history.segments}) > 1:
+            ax.annotate(f"{seg.world_size} ranks", (minutes(seg.start), seg.first_step), fontsize=8, color="tab:green")
     ckpts = history.checkpoints
     if ckpts:
         ax.scatter(

@@ -186,8 +186,19 @@ def render_text(report: dict) -> str:
         f"{plural(report['attempts'], 'worker-group start')}, final step {_steps(report['final_step'])}, "
         f"{plural(_steps(report['steps_lost']), 'step')} lost"
         + (f", {duration(report['seconds_per_step'])} per step (median)" if report["seconds_per_step"] else ""),
-        "",
     ]
+    sizes = report.get("world_sizes") or []
+    if len(sizes) > 1:  # the world size changed: when, and over which steps
+        lines.append(
+            "  world size: "
+            + ", then ".join(
+                f"{plural(w['world_size'], 'rank')} from {duration(w['from'])} (steps {w['first_step']}–{_steps(w['last_step'])})"
+                for w in sizes
+            )
+        )
+    elif sizes:
+        lines.append(f"  world size: {plural(sizes[0]['world_size'], 'rank')}")
+    lines.append("")
     goodput = report["goodput"]
     lines.append(
         "Goodput: " + ("-" if goodput is None else f"{100 * goodput:.1f} %") + " (productive step time / wall time)"

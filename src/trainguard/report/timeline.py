@@ -31,6 +31,7 @@ class Segment:
     points: list[tuple[float, float]] = field(default_factory=list)
     end: Optional[float] = None
     how: str = "running"
+    world_size: Optional[int] = None  # ranks of the loop (its ``start`` event)
 
     def __post_init__(self) -> None:
         if not self.points:
