@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,13 @@ from trainguard.sections import SDCSection
 STEPS = 100
 # the 3-rank corruption tests share one clean run: on the same xdist worker, one session fixture
 pytestmark = pytest.mark.xdist_group("sdc")
+
+
+def test_the_module_runs_in_its_xdist_group(request):
+    """Under ``--dist loadgroup`` this module's tests share one worker (its clean run is made once);
+    a pytest / pytest-xdist pair that drops the group (pytest 9.2 with xdist 3.8) fails here."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and request.config.getoption("dist") == "loadgroup":
+        assert request.node.nodeid.endswith("@sdc"), request.node.nodeid
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
