@@ -349,6 +349,33 @@ def test_time_limit_kill_without_signal_is_requeued(tmp_path, jobs):
     )
 
 
+def test_a_persistent_corruption_is_requeued_without_its_node(tmp_path, jobs):
+    """A bit of rank 1's replica flips after step 15 every time (a bad device): the check at step
+    20 finds it twice, the ranks stop with 75 (reason sdc), the launcher requeues the job and sets
+    the node in RUN_DIR/exclude_nodes as the pending job's ExcNodeList. The one-node test cluster
+    then has nowhere to run it: it stays pending (the test cancels it)."""
+    run = tmp_path / "sdc"
+    job = submit(
+        jobs,
+        run,
+        "--time",
+        "5",
+        overrides=(
+            "train.max_steps=100",
+            "checkpoint.interval=10",
+            "sdc.check_interval=10",
+            'faults.inject=[{kind="sdc", rank=1, step=15, persistent=true}]',
+        ),
+    )
+    wait_for(lambda: events(run, "slurm_requeue"), timeout=TIMEOUT, what="the requeue after the sdc stop")
+    [requeue] = events(run, "slurm_requeue")
+    node = (run / "exclude_nodes").read_text().split()
+    assert requeue["details"]["ok"] and requeue["details"]["reason"] == "sdc", requeue
+    assert requeue["details"]["exclude_nodes"] == node and requeue["details"]["exclude_ok"], requeue
+    [task] = wait_for(lambda: [t for t in job_tasks(job) if t.get("JobState") == "PENDING"], what="the job pending")
+    assert task["ExcNodeList"] == node[0], task
+
+
 def test_generated_script_passes_sbatch_test_only(tmp_path):
     run = tmp_path / "t"
     proc = tg_slurm(
@@ -361,6 +388,8 @@ def test_generated_script_passes_sbatch_test_only(tmp_path):
     assert test.returncode == 0 and "to start at" in test.stderr, test.stderr
     via_cli = tg_slurm("submit", run, "--time", "10", "--test-only")
     assert via_cli.returncode == 0 and "to start at" in via_cli.stdout, via_cli.stderr
+    fewer = tg_slurm("submit", run, "--time", "10", "--nodes", "2", "--min-nodes", "1", "--test-only")
+    assert fewer.returncode == 0 and "to start at" in fewer.stdout, fewer.stderr  # 1 of 2 nodes on this cluster
 
 
 @pytest.mark.parametrize(

@@ -145,6 +145,19 @@ def test_script_text_has_signal_requeue_and_srun_and_is_valid_bash(tmp_path):
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 
+def test_script_with_min_nodes_runs_on_what_slurm_allocates(tmp_path):
+    text = sbatch.render(_opts(tmp_path, nodes=4, min_nodes=2))
+    assert "#SBATCH --nodes=2-4" in text.splitlines()
+    assert 'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES"' in text
+    assert '--nnodes "$SLURM_JOB_NUM_NODES"' in text and '--rdzv-endpoint "$head_node:29500"' in text
+    path = tmp_path / "job.sh"
+    path.write_text(text)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    assert "#SBATCH --nodes=4" in sbatch.render(_opts(tmp_path, nodes=4, min_nodes=4)).splitlines()
+    with pytest.raises(ConfigError, match="--min-nodes must be between 1 and --nodes \\(4\\), got 5"):
+        sbatch.validate(_opts(tmp_path, nodes=4, min_nodes=5), check_cluster=False)
+
+
 def test_script_for_several_nodes_array_and_dependency(tmp_path):
     text = sbatch.render(_opts(tmp_path, nodes=4, gres="gpu:8", cpus_per_task=32, array=5, partition="p"))
     assert '--rdzv-endpoint "$head_node:29500"' in text and "--nnodes 4" in text

@@ -199,6 +199,12 @@ def _slurm(
         [], "--set", help="section.key=value override for the config and the run (repeatable)"
     ),
     nodes: int = typer.Option(1, "--nodes", help="nodes; one 'trainguard run' per node"),
+    min_nodes: Optional[int] = typer.Option(
+        None,
+        "--min-nodes",
+        help="sbatch --nodes=MIN-MAX: the job may start on as few as MIN nodes (after a node was excluded, say); "
+        "the run resumes on the world size it gets (docs/elastic.md)",
+    ),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", "--nproc_per_node", help="ranks per node"),
     time_limit: Optional[str] = typer.Option(
         None, "--time", help="sbatch --time: minutes, HH:MM:SS, D-HH:MM:SS (default slurm.time)"
@@ -276,6 +282,7 @@ def _slurm(
         config=config,
         launcher_sets=sets,
         nodes=nodes,
+        min_nodes=min_nodes,
         nproc_per_node=nproc_per_node,
         time=time_limit or cfg.time,
         partition=partition or cfg.partition,

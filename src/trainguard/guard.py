@@ -516,7 +516,8 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             raise Requeue("kill_switch", f"the kill switch {self.stop.kill_path} is set: not training")
         if self.rank == 0:
             dump_config(self.cfg, self.run_dir / "config.toml")
-        hosts = self.hosts = tgdist.gather_objects(socket.gethostname())
+        # a host is its SLURM node name under SLURM (what --exclude and ExcNodeList take), else its hostname
+        hosts = self.hosts = tgdist.gather_objects(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
         self.straggler.set_hosts(hosts)
         self._resume()
         self.sdc.last_good = self.step  # every replica loaded the same state

@@ -6,8 +6,8 @@ job's first node runs ``scontrol requeue <job>`` itself when the launch ended wi
 that a later run can continue from:
 
 * requeued: a stop signal (preemption, ``--signal``, ``scancel --signal``), the time limit
-  (``[stop] max_duration`` or the job's EndTime), the memory watchdog, a straggler exclusion, or a
-  75 whose reason was not recorded;
+  (``[stop] max_duration`` or the job's EndTime), the memory watchdog, a straggler or silent data
+  corruption exclusion, or a 75 whose reason was not recorded;
 * not requeued: the kill switch (the run was stopped on purpose; a requeued job would only burn
   through), any other exit code, a job already requeued by someone else (its ``Restarts`` grew or
   it is pending again), a job this launcher already requeued at this restart count, and a job that
@@ -16,7 +16,13 @@ that a later run can continue from:
   killed at its time limit alike (``JobState=COMPLETING``, EndTime = now); they differ in run time:
   ``EndTime - StartTime`` below ``TimeLimit`` means it was cancelled.
 
-Each attempt is one ``slurm_requeue`` event: command, return code, output, seconds, and the reason.
+After a successful requeue, the hosts listed in ``RUN_DIR/exclude_nodes`` (a straggler or a
+persistent silent data corruption) become the pending job's excluded nodes
+(``scontrol update JobId=<job> ExcNodeList=...``, :func:`exclude_on_requeue`), so the next
+allocation leaves them out; a host is the SLURM node name the ranks ran on (``SLURMD_NODENAME``).
+
+Each attempt is one ``slurm_requeue`` event: command, return code, output, seconds, the reason,
+and the excluded nodes.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from ..events import EventLog, read_events
 from .info import SlurmError, SLURMInfo, parse_slurm_time, parse_slurm_timestamp, show_job
 
 # stop reasons (the ranks' ``exit``/``stop_requested`` events) after which the job should run again
-REQUEUE_WORTHY = ("signal", "time_limit", "memory", "straggler")
+REQUEUE_WORTHY = ("signal", "time_limit", "memory", "straggler", "sdc")
 NOT_RUNNING = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD")
 REQUEUE_TIMEOUT = 60.0  # seconds for 'scontrol requeue'
 LIMIT_TOLERANCE = 5.0  # seconds: a job that ends this close to its time limit ended at the limit
@@ -125,6 +131,28 @@ def requeue(info: SLURMInfo, scontrol: str = "scontrol") -> dict:
     return details
 
 
+def exclude_on_requeue(run_dir: Path, info: SLURMInfo, scontrol: str = "scontrol") -> Optional[dict]:
+    """Make the requeued (pending) job leave out the hosts in ``RUN_DIR/exclude_nodes``:
+    ``scontrol update JobId=<requeue id> ExcNodeList=h1,h2`` (SLURM keeps the list for later
+    requeues too).
+
+    Returns:
+        ``exclude_nodes`` (the hosts), ``exclude_ok``, ``exclude_output`` for the ``slurm_requeue``
+        event; ``None`` when the file lists no host.
+    """
+    path = run_dir / "exclude_nodes"
+    hosts = sorted(set(path.read_text().split())) if path.exists() else []
+    if not hosts:
+        return None
+    cmd = [scontrol, "update", f"JobId={info.requeue_id}", f"ExcNodeList={','.join(hosts)}"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=REQUEUE_TIMEOUT)
+        ok, out = proc.returncode == 0, " ".join((proc.stdout + proc.stderr).split())[:2000]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        ok, out = False, str(e)
+    return {"exclude_nodes": hosts, "exclude_ok": ok, "exclude_output": out}
+
+
 def ended_early(job: dict[str, str]) -> Optional[str]:
     """Why a job that is no longer RUNNING ended before its time limit (cancelled, or preempted
     without requeue), or ``None`` when it is running or ended at its limit (or this is unknown).
@@ -185,5 +213,7 @@ def after_launch(
         }
     else:
         details = {**requeue(info, scontrol), "reason": why}
+        if details.get("ok"):
+            details.update(exclude_on_requeue(run_dir, info, scontrol) or {})
     events.emit("slurm_requeue", **details)
     return details

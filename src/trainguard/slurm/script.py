@@ -4,7 +4,9 @@ What the script does:
 
 * ``#SBATCH`` lines: ``--signal=B:USR1@N`` (N from the run's measured step and save times, see
   :func:`signal_lead`), ``--requeue``, ``--open-mode=append`` (a requeued job appends to its
-  output), ``--time``, ``--partition``, ``--nodes`` with one task per node, ``--gres``,
+  output), ``--time``, ``--partition``, ``--nodes`` (``MIN-MAX`` with ``--min-nodes``: the job
+  starts on what SLURM gives, and the run resumes on that many, see :mod:`trainguard.elastic`)
+  with one task per node, ``--gres``,
   ``--cpus-per-task``, optionally ``--array=1-K%1`` (K tasks, one at a time) or
   ``--dependency=afterany:JOB``, and extra lines from ``[slurm] sbatch_args``;
 * ``srun`` starts one ``trainguard run`` per node (``--nproc-per-node`` ranks each; with several
@@ -92,6 +94,7 @@ class ScriptOptions:
     config: Optional[str] = None
     launcher_sets: list[str] = field(default_factory=list)
     nodes: int = 1
+    min_nodes: Optional[int] = None  # with it, ``--nodes=MIN-MAX``: the job may start on fewer nodes
     nproc_per_node: int = 1
     time: Optional[str] = None
     partition: Optional[str] = None
@@ -164,6 +167,8 @@ def validate(opts: ScriptOptions, check_cluster: bool = True) -> list[str]:
     for name, value in (("--nodes", opts.nodes), ("--nproc-per-node", opts.nproc_per_node)):
         if value < 1:
             raise ConfigError(f"{name} must be ≥ 1, got {value}")
+    if opts.min_nodes is not None and not 1 <= opts.min_nodes <= opts.nodes:
+        raise ConfigError(f"--min-nodes must be between 1 and --nodes ({opts.nodes}), got {opts.min_nodes}")
     if opts.array is not None and opts.array < 1:
         raise ConfigError(f"--array must be ≥ 1 (the number of tasks), got {opts.array}")
     if opts.array is not None and opts.after:
@@ -203,6 +208,11 @@ def validate(opts: ScriptOptions, check_cluster: bool = True) -> list[str]:
     return notes
 
 
+def _elastic(opts: ScriptOptions) -> bool:
+    """Whether the job may run on fewer nodes than ``opts.nodes`` (``--min-nodes``)."""
+    return opts.min_nodes is not None and opts.min_nodes < opts.nodes
+
+
 def _q(value: object) -> str:
     return shlex.quote(str(value))
 
@@ -218,7 +228,7 @@ def render(opts: ScriptOptions) -> str:
         "--open-mode=append",
         f"--output={out}",
         f"--chdir={Path(opts.workdir).resolve()}",
-        f"--nodes={opts.nodes}",
+        f"--nodes={opts.min_nodes}-{opts.nodes}" if _elastic(opts) else f"--nodes={opts.nodes}",
         "--ntasks-per-node=1",
     ]
     sb += [f"--time={opts.time}"] if opts.time else []
@@ -237,7 +247,7 @@ def render(opts: ScriptOptions) -> str:
         "--run-dir",
         _q(run_dir),
         "--nnodes",
-        str(opts.nodes),
+        '"$SLURM_JOB_NUM_NODES"' if _elastic(opts) else str(opts.nodes),
         "--nproc-per-node",
         str(opts.nproc_per_node),
     ]
@@ -254,7 +264,8 @@ def render(opts: ScriptOptions) -> str:
     for item in opts.launcher_sets:
         run += ["--set", _q(item)]
     run += [_q(Path(opts.script).resolve())] + [_q(a) for a in opts.script_args]
-    srun = ["srun", f"--nodes={opts.nodes}", f"--ntasks={opts.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
+    n = '"$SLURM_JOB_NUM_NODES"' if _elastic(opts) else str(opts.nodes)  # what SLURM allocated
+    srun = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
     srun += [f"--cpus-per-task={opts.cpus_per_task}"] if opts.cpus_per_task else []  # srun ≥ 22.05 does not inherit it
 
     lines = [
