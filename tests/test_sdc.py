@@ -92,13 +92,19 @@ def test_a_replayed_forward_matches_the_recorded_one_unless_the_device_flips_a_b
     included) gives the same output bit for bit; a persistent activation fault makes the replay
     differ, as a bad device would."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)
+    )
     inputs = StepInputs(model)
     inputs.step_started()
+    assert inputs.portable() is None  # no forward yet in this step: nothing to replay
     out = model(torch.randn(4, 8))
     model(torch.randn(4, 8))  # a second forward in the step is not the recorded one
     recorded = inputs.portable()
+    stats, rng = [b.clone() for b in model.buffers()], torch.get_rng_state()
     assert inputs.replay(recorded) == fingerprint([out]) == inputs.replay(recorded)
+    assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers()))  # running statistics untouched
+    assert torch.equal(rng, torch.get_rng_state())
     log = EventLog(tmp_path, 0)
     faults = FaultInjector([parse_inject("sdc:rank=0,step=3,target=activation,persistent=true")], 0, 1, 0, log)
     faults.arm(10)

@@ -67,8 +67,9 @@ class StepInputs:
         self._hook = self.module.register_forward_pre_hook(self._record, with_kwargs=True)
 
     def step_started(self) -> None:
-        """A step (or a run of it again) starts: the next forward's inputs are recorded."""
-        self._fresh = True
+        """A step (or a run of it again) starts: the next forward's inputs are recorded (none
+        until then: a step without a forward has nothing to replay)."""
+        self._fresh, self.recorded = True, None
 
     def _record(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if self._fresh:
@@ -86,16 +87,22 @@ class StepInputs:
 
     def replay(self, recorded: tuple[Any, Any, dict[str, torch.Tensor]]) -> int:
         """Run the module's forward on ``recorded`` inputs with its RNG states, without gradients,
-        and return the fingerprint of the output's floating-point tensors."""
+        and return the fingerprint of the output's floating-point tensors. The module's buffers
+        (batch-norm running statistics) and the RNG states are as before afterwards: the replicas
+        stay equal."""
         args, kwargs, rng = recorded
         args, kwargs = _map_tensors((args, kwargs), lambda t: t.to(self.device))
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"], self.device)
             with torch.no_grad():
                 out = self.module(*args, **kwargs)
-        return fingerprint(_float_tensors(out))
+                value = fingerprint(_float_tensors(out))
+                for b, kept in buffers:
+                    b.copy_(kept)
+        return value
 
     def close(self) -> None:
         """Remove the forward pre-hook."""
