@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import subprocess
 import time
 from typing import Callable, Optional
 
@@ -167,13 +168,19 @@ class TrainguardAgent(ElasticAdapter):
         self._start_group()
         while True:
             time.sleep(spec.monitor_interval)
-            why = self._replace_lost() if self.replacer is not None else None
+            procs = self.worker_processes()
+            codes = {r: p.poll() for r, p in procs.items()}  # one look per poll, for every check below
+            why = self._replace_lost(procs, codes) if self.replacer is not None else None
             if why is not None:
                 if self._restart_or_give_up(f"in-process recovery failed: {why}"):
                     continue
                 return RunResult(state=WorkerState.FAILED)
-            self._kill_survivors_of_failure()
+            now = self.worker_processes()  # a rank replaced just now counts as running in this poll
+            codes = {r: None if now[r] is not procs[r] else c for r, c in codes.items()}
+            self._kill_survivors_of_failure(now, codes)
             result = self.poll_workers()
+            if self.replacer is not None and _failed_since(result, codes):
+                continue  # a rank died after this poll's look: the next poll's recovery check sees it first
             self.worker_group.state = result.state
             if result.state == WorkerState.SUCCEEDED:
                 self.exit_barrier()
@@ -201,9 +208,10 @@ class TrainguardAgent(ElasticAdapter):
                 self.worker_group.state = WorkerState.STOPPED
                 self._start_group()
 
-    def _replace_lost(self) -> Optional[str]:
+    def _replace_lost(self, procs: dict[int, subprocess.Popen], codes: dict[int, Optional[int]]) -> Optional[str]:
         """In-process recovery: replace the ranks that exited with a failure while the others run
-        (see :mod:`.replace`). Returns why recovery failed (the group must restart), else ``None``
+        (see :mod:`.replace`). ``procs``/``codes``: this poll's ``{local_rank: Popen}`` and exit codes
+        (``None`` while running). Returns why recovery failed (the group must restart), else ``None``
         (nothing lost, replaced, or left to the group restart of the normal failure path)."""
         why = self.replacer.poll()
         if why is not None:
@@ -211,9 +219,7 @@ class TrainguardAgent(ElasticAdapter):
             self.events.emit("recovery_fallback", reason=why, stacks=stacks)
             console.say(f"in-process recovery failed ({why}): restarting the group")
             return why
-        procs = self.worker_processes()
-        codes = {r: p.poll() for r, p in procs.items()}
-        lost = [r for r, c in codes.items() if c is not None and c not in (0, *DECISION_CODES)]
+        lost = [r for r, c in codes.items() if _failed(c)]
         if not lost or self.stop_signal is not None or any(c in DECISION_CODES for c in codes.values()):
             return None
         workers = {w.local_rank: w for w in self.workers()}
@@ -250,12 +256,10 @@ class TrainguardAgent(ElasticAdapter):
         ]
         return [str(p) for p in paths if p is not None]
 
-    def _kill_survivors_of_failure(self) -> None:
-        """If a rank has exited with a failure (not 0 or a decision code), SIGCONT and SIGKILL the
-        ranks still running; torch then collects the group at once."""
-        procs = self.worker_processes()
-        codes = {r: p.poll() for r, p in procs.items()}
-        if not any(c is not None and c not in (0, *DECISION_CODES) for c in codes.values()):
+    def _kill_survivors_of_failure(self, procs: dict[int, subprocess.Popen], codes: dict[int, Optional[int]]) -> None:
+        """If a rank has exited with a failure (not 0 or a decision code) in this poll's ``codes``,
+        SIGCONT and SIGKILL the ranks still running in it (``procs``); torch then collects the group."""
+        if not any(_failed(c) for c in codes.values()):
             return
         for r, p in procs.items():
             if codes[r] is None:
@@ -338,3 +342,16 @@ class TrainguardAgent(ElasticAdapter):
         self.worker_group.state = WorkerState.STOPPED
         self._start_group()
         return True
+
+
+def _failed_since(result: RunResult, codes: dict[int, Optional[int]]) -> bool:
+    """Whether torch's poll (``result``) reports a failure while the poll's earlier look (``codes``,
+    ``{local_rank: exit code or None}``) saw none: a rank died between the two looks."""
+    if result.state not in (WorkerState.UNHEALTHY, WorkerState.FAILED):
+        return False
+    return not any(_failed(c) for c in codes.values())
+
+
+def _failed(code: Optional[int]) -> bool:
+    """A worker's exit code is a failure: it has exited, neither with 0 nor with a decision code."""
+    return code is not None and code not in (0, *DECISION_CODES)
