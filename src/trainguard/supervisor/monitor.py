@@ -259,13 +259,8 @@ class HangMonitor:
             self.events.emit(
                 "hang_detected",
                 h.step,
-                rank=h.worker.global_rank,
-                local_rank=h.worker.local_rank,
-                section=h.section,
-                silent_seconds=round(h.silent, 3),
-                timeout=round(h.limit, 3),
+                **_hit_details(h, stacks),
                 learned=self.book.learned(h.section) is not None,
-                stacks=str(stacks) if stacks else None,
                 detected_at=round(detected_at, 3),
             )
             console.say(
@@ -294,14 +289,9 @@ class HangMonitor:
             self.events.emit(
                 "slow_section",
                 h.step,
-                rank=h.worker.global_rank,
-                local_rank=h.worker.local_rank,
-                section=h.section,
-                silent_seconds=round(h.silent, 3),
-                timeout=round(h.limit, 3),
+                **_hit_details(h, stacks),
                 cpu_share=round(share, 3) if share is not None else None,
                 waiting_ranks=[w.worker.global_rank for w in waiting],
-                stacks=str(stacks) if stacks else None,
             )
             console.say(
                 f"rank {h.worker.global_rank} is busy {h.silent:.1f} s in '{h.section}' past its "
@@ -356,3 +346,16 @@ class HangMonitor:
             r.close()
         self._readers = {}
         self._last_states = {}
+
+
+def _hit_details(h: HangHit, stacks: Optional[Path]) -> dict[str, Any]:
+    """The event fields of a silent rank (``hang_detected``, ``slow_section``): its ranks, section,
+    silence and timeout (seconds) and the path of its stack dump."""
+    return {
+        "rank": h.worker.global_rank,
+        "local_rank": h.worker.local_rank,
+        "section": h.section,
+        "silent_seconds": round(h.silent, 3),
+        "timeout": round(h.limit, 3),
+        "stacks": str(stacks) if stacks else None,
+    }
