@@ -13,6 +13,8 @@ from trainguard import ResumableSampler
 from trainguard.checkpoint.io import rank_file
 from trainguard.elastic import check_reshardable, derived_seed, rank_batch, resharded_rank_state
 from trainguard.outcomes import BadInput
+from trainguard.rejoin.protocol import Generation, new_rank
+from trainguard.rejoin.shrink import check_shrinkable, reshard
 from trainguard.report import build_report, load_events, render_text
 from trainguard.state import capture_rng
 
@@ -149,3 +151,79 @@ def test_resuming_a_per_rank_sampler_on_another_world_size_is_refused_untouched(
     log = Path(f"{run}.log").read_text()
     assert "was written by 2 ranks and this run has 1: the sampler PerRankSampler" in log, log[-2000:]
     assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in (run / "checkpoints").rglob("*")) == before
+
+
+def test_a_3_rank_run_that_loses_a_rank_goes_on_as_2_in_place(tmp_path):
+    """3 ranks (4 sequences each), ``elastic.min_ranks = 2``, no spare: rank 1 dies after step 25.
+    Ranks 0 and 2 keep their processes, become ranks 0 and 1 of 2, redo step 26 with 6 sequences
+    each and finish at 60: no group restart, no completed step lost, 12 sequences per step
+    throughout (one pass over one permutation), and the report shows 3 ranks, then 2."""
+    run = tmp_path / "run"
+    settings = (
+        f"train.max_steps={STEPS}",
+        "train.batch_size=4",
+        "checkpoint.interval=10",
+        "recovery.in_process=true",
+        "launcher.spares=0",
+        "elastic.min_ranks=2",
+    )
+    proc = launch(run, *settings, nproc=3, extra=("--inject", "rank_killed:rank=1,step=25"))
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert not events(run, "group_restart") and len(events(run, "workers_started")) == 1
+    changed = events(run, "world_size_changed")
+    assert sorted((e["details"]["from_rank"], e["rank"]) for e in changed) == [(0, 0), (2, 1)], changed
+    assert {(e["step"], e["details"]["to_world_size"], tuple(e["details"]["left"])) for e in changed} == {(25, 2, (1,))}
+    started = {int(r): pid for r, pid in events(run, "workers_started")[0]["details"]["pids"].items()}
+    assert {e["details"]["from_rank"]: e["pid"] for e in changed} == {0: started[0], 2: started[2]}  # same processes
+    done = [e for e in events(run, "recovery_finished") if e["rank"] is not None]
+    assert len(done) == 2 and all(e["details"]["steps_lost"] == 0 for e in done), done
+    joined = events(run, "generation_joined")
+    assert len(joined) == 1 and not events(run, "recovery_fallback")
+    final = run / "checkpoints" / f"step-{STEPS:08d}"
+    states = [torch.load(final / rank_file(r), weights_only=True) for r in range(2)]
+    assert not (final / rank_file(2)).exists()
+    assert [s["sampler"] for s in states] == [{"epoch": 0, "consumed": GLOBAL * STEPS}] * 2
+    sizes = build_report(load_events(run)[0])["world_sizes"]
+    assert [(w["world_size"], w["first_step"], w["last_step"]) for w in sizes] == [(3, 0, 25), (2, 25, 60)], sizes
+    assert "going on as 2 rank(s) without rank(s) [1]" in Path(f"{run}.log").read_text()
+
+
+def test_a_shrink_renumbers_the_survivors_in_order_and_keeps_the_data_position():
+    """Ranks 0, 2, 3 of 4 after rank 1 left become 0, 1, 2; the samplers of the survivors go on
+    from the global position on 3 ranks: the epoch is still one permutation, nothing twice."""
+    assert [new_rank(r, (1,)) for r in (0, 2, 3)] == [0, 1, 2]
+    assert [new_rank(r, (0, 2)) for r in (1, 3)] == [0, 1]
+    samplers = _world(4, None)
+    seen = _take(samplers, 3, 4)  # 4 steps of 12
+    survivors = [s for r, s in enumerate(samplers) if r != 1]
+    for s in survivors:
+        reshard(s, new_rank(s.rank, (1,)), 3)
+    seen += _take(survivors, 4, 7)  # 7 steps of 12: 132 > 120, the epoch ends inside the last step
+    first = [i for e, i in seen if e == 0]
+    assert sorted(first) == list(range(120)) and len(seen) - len(first) == 12
+
+
+def test_a_generation_without_left_ranks_reads_as_before_and_a_shrink_waits_for_every_member():
+    old = '{"number": 2, "host": "h", "port": 5, "replaced": [1], "world_size": 3}'
+    assert Generation.from_json(old) == Generation(2, "h", 5, (1,), 3, ())
+    shrunk = Generation(3, "h", 5, (), 2, (1,))
+    assert Generation.from_json(shrunk.to_json()) == shrunk
+    assert shrunk.members == (0, 1) and Generation(2, "h", 5, (1,), 3).members == (1,)
+
+
+def test_a_run_that_cannot_shrink_in_place_is_refused_at_start():
+    check_shrinkable(0, 2, object(), True)  # off: nothing to check
+    with pytest.raises(BadInput, match="elastic.min_ranks = 3 is larger than the world size 2"):
+        check_shrinkable(3, 2, None, False)
+    with pytest.raises(BadInput, match="sampler object has no reshard"):
+        check_shrinkable(1, 2, object(), False)
+    with pytest.raises(BadInput, match="checkpoint.local.dir"):
+        check_shrinkable(1, 2, ResumableSampler(10, 0, 2), True)
+
+
+def test_min_ranks_above_the_world_size_exits_2_before_anything_is_written(tmp_path):
+    run = tmp_path / "run"
+    proc = launch(run, "elastic.min_ranks=3", "recovery.in_process=true")
+    assert finish(proc) == 2
+    assert "elastic.min_ranks = 3 is larger than the world size 2" in Path(f"{run}.log").read_text()
+    assert not run.exists()

@@ -397,6 +397,11 @@ class Checkpointer:
                 if c.step > step:
                     store.set_aside(c, why, kind="rolledback")
 
+    def renumber(self, rank: int, world_size: int) -> None:
+        """This rank is ``rank`` of ``world_size`` from now on (the group shrank in place, see
+        :mod:`trainguard.rejoin.shrink`)."""
+        self.rank, self.world_size = rank, world_size
+
     def regroup(self) -> None:
         """After in-process recovery replaced the default group (which took the writer's group
         with it): create the writer's group again, at the point in the order where a starting

@@ -38,6 +38,10 @@ class EventLog:
         self.attempt = LaunchEnv.from_environ().restart_count
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
+    def renumber(self, rank: int) -> None:
+        """Events of this process carry ``rank`` from now on (the group shrank in place)."""
+        self.rank = rank
+
     def emit(self, kind: str, step: Optional[int] = None, /, **details: Any) -> dict:
         """Write one event and return it. ``details`` must be JSON-serializable (``str()`` otherwise)."""
         event = {

@@ -61,6 +61,10 @@ class ResumeFidelity:
         self.world_size = world_size
         self.changed: list[str] = []
 
+    def renumber(self, world_size: int) -> None:
+        """The group has ``world_size`` ranks from now on (it shrank in place)."""
+        self.world_size = world_size
+
     def state_dict(self) -> dict[str, Any]:
         return environment(self.world_size)
 

@@ -71,6 +71,7 @@ from .memory import MemoryWatchdog
 from .oom import MicroBatcher
 from .outcomes import BadInput, Requeue
 from .rejoin.rank import Rejoin
+from .rejoin.shrink import check_shrinkable
 from .rerun import StepRerun
 from .rundir import prepare_run_dir
 from .sdc import ReplicaCheck
@@ -232,6 +233,8 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
                 "rng": RNGState(),
             }
         )
+        if self.rejoin.active:
+            check_shrinkable(cfg.elastic.min_ranks, self.world_size, self.sampler, self.ckpt.local is not None)
         if cfg.rollback.skip_batches and self.sampler is not None and not hasattr(self.sampler, "skip_batches"):
             raise BadInput(
                 f"rollback.skip_batches={cfg.rollback.skip_batches} needs a sampler with a skip_batches(n) "

@@ -11,11 +11,11 @@ import os
 import time
 from typing import Optional
 
+from . import console, health
 from . import dist as tgdist
-from . import health
 from .rejoin import boundary as rejoin_boundary
-from .rejoin import regroup
-from .rejoin.protocol import Generation
+from .rejoin import regroup, shrink
+from .rejoin.protocol import Generation, new_rank
 from .rejoin.rank import LOCAL_PARTS
 
 
@@ -43,6 +43,8 @@ class InProcessRecovery:
                 self.ping = None
             self._saved(self.ckpt.wait())  # a save in flight fails on its broken group; nothing commits
             gen = self.rejoin.wait_generation()
+            if gen.left:
+                self._renumber(gen)
             regroup.rebuild_default_group(gen, self._backend, self.cfg.recovery.timeout)
             regroup.rebind_ddp(self.model)
             self.ckpt.regroup()
@@ -50,6 +52,8 @@ class InProcessRecovery:
             if redo:
                 self.train_state.load_state_dict(self.rejoin.boundary.restore(self.step))
             self.reruns.forget()  # a replacement knows of no re-run in progress
+            if gen.left:
+                self.rejoin.store.joined(gen.number, self.rank)
         self.shutdown.deadline_timer.cancel()  # armed by the ping's failure
         self.events.emit(
             "recovery_finished",
@@ -57,11 +61,45 @@ class InProcessRecovery:
             rank=self.rank,
             generation=gen.number,
             replaced=list(gen.replaced),
+            left=list(gen.left),
+            world_size=self.world_size,
             seconds=round(time.time() - failure.at, 4),
             steps_lost=0,
             redo_step=failure.step if redo else None,
         )
         self.rejoin.done()
+
+    def _renumber(self, gen: Generation) -> None:
+        """The group goes on without the ranks ``gen.left`` (a shrink, see :mod:`~trainguard.rejoin.shrink`):
+        take this rank's new number and the smaller world size everywhere, before the new group
+        is created with them."""
+        old, rank = self.rank, new_rank(self.rank, gen.left)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
+        self.hosts = [h for r, h in enumerate(self.hosts) if r not in gen.left]
+        self.events.renumber(rank)
+        for part in (self.ckpt, self.recovery, self.sdc, self.micro, self.reruns):
+            part.renumber(rank, gen.world_size)
+        self.straggler.renumber(rank, gen.world_size, self.hosts)
+        self.fidelity.renumber(gen.world_size)
+        self.rejoin.renumber(rank)
+        shrink.reshard(self.sampler, rank, gen.world_size)
+        self.events.emit(
+            "world_size_changed",
+            self.step,
+            from_world_size=self.world_size,
+            to_world_size=gen.world_size,
+            base_world_size=self.elastic.base_world_size,
+            keep=self.cfg.elastic.keep,
+            left=list(gen.left),
+            from_rank=old,
+            in_process=True,
+        )
+        if rank == 0:
+            console.say(
+                f"going on as {gen.world_size} rank(s) without rank(s) {list(gen.left)} from step {self.step}: "
+                f"data position carried over, keep {self.cfg.elastic.keep.replace('_', ' ')}"
+            )
+        self.rank, self.world_size = rank, gen.world_size
 
     def _join(self) -> None:
         """A replacement of a lost rank starts here instead of resuming: its own state at the last
@@ -86,8 +124,9 @@ class InProcessRecovery:
     def _meet(self, gen: Generation, kept: Optional[dict[int, dict]] = None) -> None:
         """Both sides of a recovery, in the same order: agree on the survivors' step boundary (a
         replacement, with the lost rank's ``kept`` boundaries, takes the one of that step), move the
-        model, optimizer and the state every rank holds alike from the lowest surviving rank, start
-        the liveness ping on the new group.
+        model, optimizer and the state every rank holds alike from the lowest surviving rank to
+        the replacements (none after a shrink: the survivors hold the same), start the liveness
+        ping on the new group.
 
         Raises:
             RegroupError: the survivors are at different boundaries, or the lost rank kept none of theirs.
@@ -101,6 +140,17 @@ class InProcessRecovery:
             raise regroup.RegroupError(
                 f"a replacement has no state of step {step} (its rank kept {sorted(kept or ())})"
             )
+        if gen.replaced:
+            self._transfer(gen, step, kept)
+        device = next(self.model.parameters()).device
+        self.ping = health.start_ping(
+            self.cfg.health, self.hosts, self.events, device, self.world_size, self._on_ping_failure
+        )
+
+    def _transfer(self, gen: Generation, step: int, kept: Optional[dict[int, dict]]) -> None:
+        """Move the model, optimizer and shared state from the lowest surviving rank to the
+        replacements of ``gen`` (``kept``: a replacement's boundaries, ``None`` on a survivor)."""
+        joining = kept is not None
         src = min(set(range(gen.world_size)) - set(gen.replaced))
         t0 = time.perf_counter()
         shared = {
@@ -125,10 +175,6 @@ class InProcessRecovery:
         self.hosts = packet["hosts"]
         self.straggler.set_hosts(self.hosts)
         self._next_check, self.straggler.next_report = packet["next_check"], packet["next_report"]
-        device = next(self.model.parameters()).device
-        self.ping = health.start_ping(
-            self.cfg.health, self.hosts, self.events, device, self.world_size, self._on_ping_failure
-        )
 
     def _keep_boundary(self, step: int) -> None:
         """Keep this rank's own state as the boundary of step ``step`` (in-process recovery)."""

@@ -108,6 +108,11 @@ class StepRerun:
         self.step: Optional[int] = None  # the step number being re-run
         self.first: tuple[int, int] = (0, 0)  # this rank's result of its first run
 
+    def renumber(self, rank: int, world_size: int) -> None:
+        """This rank is ``rank`` of ``world_size`` from now on (the group shrank in place, see
+        :mod:`trainguard.rejoin.shrink`)."""
+        self.rank, self.world_size = rank, world_size
+
     def wants(self, step: int) -> bool:
         """Whether an unstable step number ``step`` is re-run now (a step is re-run once)."""
         return self.enabled and self.step != step

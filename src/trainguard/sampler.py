@@ -90,6 +90,19 @@ class ResumableSampler:
         for _ in range(n * self._batch):
             next(self)
 
+    def reshard(self, rank: int, world_size: int) -> None:
+        """Go on as rank ``rank`` of ``world_size`` from the current global position (the group
+        changed size in place, :mod:`trainguard.rejoin.shrink`).
+
+        Raises:
+            ValueError: ``num_samples`` smaller than ``world_size``.
+        """
+        if self.num_samples < world_size:
+            raise ValueError(f"num_samples={self.num_samples} is smaller than world_size={world_size}")
+        state = self.state_dict()
+        self.rank, self.world_size = rank, world_size
+        self.load_state_dict(state)
+
     def state_dict(self) -> dict[str, int]:
         """``{"epoch": int, "consumed": int}`` (see the class doc; the same on every rank)."""
         return {"epoch": self.epoch, "consumed": self.consumed}

@@ -116,6 +116,13 @@ class ReplicaCheck:
         why = self._why_off(events)
         self.active = why is None
 
+    def renumber(self, rank: int, world_size: int) -> None:
+        """This rank is ``rank`` of ``world_size`` from now on (the group shrank in place, see
+        :mod:`trainguard.rejoin.shrink`)."""
+        self.rank, self.world_size = rank, world_size
+        self.active = self.active and world_size > 1  # one rank left: no replica to compare with
+        self.values = []
+
     def _why_off(self, events: EventLog) -> Optional[str]:
         if self.cfg.check_interval == 0:
             return "off"  # by choice: no event

@@ -413,7 +413,8 @@ class ElasticSection(Section):
     A checkpoint written by N ranks resumes on M: the model and optimizer are resharded by
     ``torch.distributed.checkpoint``, the data position is global (a ``reshardable`` sampler), each
     rank's random number generators are derived by a documented rule, and ``guard.rank_batch()``
-    gives the batch per rank under ``keep``.
+    gives the batch per rank under ``keep``. With ``min_ranks`` the group also shrinks in place
+    when it loses a rank (see :mod:`trainguard.rejoin.shrink`).
     """
 
     keep: Literal["global_batch", "rank_batch"] = Field(
@@ -421,6 +422,13 @@ class ElasticSection(Section):
         description="on another world size, keep the global batch (each rank's batch × the world size the run "
         "started with / the current one; the learning-rate schedule still fits) or each rank's batch (the global "
         "batch changes with the world size; scale the learning rate yourself if you want)",
+    )
+    min_ranks: int = Field(
+        0,
+        ge=0,
+        description="with in-process recovery on one node: a lost rank with no warm spare ready makes the others go on "
+        "as a smaller group (renumbered ranks, the data position and global batch kept) while this many or more "
+        "remain; 0: never shrink (the lost rank is started cold)",
     )
 
 

@@ -102,6 +102,12 @@ class StragglerDetector:
         self.timer: Optional[ComputeTimer] = None
         self.measure = "step"  # what the last window timed: "compute" (run_step) or "step"
 
+    def renumber(self, rank: int, world_size: int, hosts: list[str]) -> None:
+        """This rank is ``rank`` of ``world_size`` on ``hosts`` (index = rank) from now on (the
+        group shrank in place); the current window's timings are kept."""
+        self.rank, self.world, self.hosts = rank, world_size, list(hosts)
+        self.active = self.active and world_size > 1
+
     def set_hosts(self, hosts: list[str]) -> None:
         """Every rank's host name (index = rank), once gathered at start."""
         self.hosts = list(hosts)

@@ -132,6 +132,11 @@ class Detector:
         self.loss_stats = RunningStats(cfg.window)
         self.grad_stats = RunningStats(cfg.window)
 
+    def renumber(self, rank: int, world_size: int) -> None:
+        """This rank is ``rank`` of ``world_size`` from now on (the group shrank in place, see
+        :mod:`trainguard.rejoin.shrink`)."""
+        self.rank, self.world_size = rank, world_size
+
     def observe(self, step: int, loss: Any, grad_norm: Any) -> Verdict:
         """Combine this rank's ``loss`` and ``grad_norm`` (tensors or floats; ``grad_norm`` may be
         ``None``) with the other ranks' and return the verdict. A collective: call on every rank."""

@@ -146,6 +146,12 @@ class Recovery:
     # ------------------------------------------------------------------------------------------
     # the per-step check
 
+    def renumber(self, rank: int, world_size: int) -> None:
+        """This rank is ``rank`` of ``world_size`` from now on (the group shrank in place, see
+        :mod:`trainguard.rejoin.shrink`)."""
+        self.rank, self.world_size = rank, world_size
+        self.detector.renumber(rank, world_size)
+
     def check(self, step: int, loss: Any, grad_norm: Any = None) -> Union[bool, Rollback]:
         """Run the detectors on step number ``step`` and decide (a collective).
 

@@ -31,7 +31,7 @@ import os
 import signal
 import subprocess
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
@@ -39,6 +39,7 @@ from .. import console
 from ..events import EventLog
 from ..exitcodes import ExitCode
 from ..launch_env import RECOVERY_STORE
+from ..rejoin.protocol import new_rank
 from ..supervisor.monitor import HangMonitor
 from . import script_error
 from .elastic import ElasticAdapter
@@ -230,6 +231,10 @@ class TrainguardAgent(ElasticAdapter):
             self.events.emit("recovery_fallback", reason=why, exit_codes={r: codes[r] for r in lost})
             return None
         self.events.emit("workers_failed", exit_codes={r: codes[r] for r in lost}, pids={r: procs[r].pid for r in lost})
+        world_size = workers[lost[0]].world_size
+        if self.replacer.can_shrink(len(lost), world_size):
+            self._shrink(lost, workers, world_size, [codes[r] for r in lost])
+            return None
         console.say(
             f"rank(s) {[workers[r].global_rank for r in lost]} lost (exit codes {[codes[r] for r in lost]}): "
             "replacing in-process, the other ranks keep running"
@@ -244,6 +249,24 @@ class TrainguardAgent(ElasticAdapter):
         if self.record is not None:
             self.record.write_ranks(self.worker_pids())
         return None
+
+    def _shrink(self, lost: list[int], workers: dict[int, Any], world_size: int, codes: list[Optional[int]]) -> None:
+        """The group goes on without the ranks of ``lost`` (local ranks, exit ``codes``; ``workers``:
+        this node's workers by local rank, ``world_size``: the group's size before); see
+        :mod:`trainguard.rejoin.shrink`."""
+        left = sorted(workers[r].global_rank for r in lost)
+        gen = self.replacer.shrink(left, world_size)
+        self.withdraw(lost, {r: new_rank(w.global_rank, left) for r, w in workers.items()}, gen.world_size)
+        for r in lost:
+            if self.monitor is not None:
+                self.monitor.rank_withdrawn(r)
+        if self.record is not None:
+            self.record.write_ranks(self.worker_pids())
+        console.say(
+            f"rank(s) {left} lost (exit codes {codes}): "
+            f"the other {gen.world_size} rank(s) go on as a smaller group, renumbered ([elastic] min_ranks = "
+            f"{self.replacer.min_ranks})"
+        )
 
     def _dump_survivors(self, tag: str) -> list[str]:
         """The Python stacks of every live rank of this node (why did a recovery not complete?),

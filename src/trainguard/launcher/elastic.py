@@ -13,6 +13,7 @@ installed torch, and ``pyproject.toml`` admits only the torch releases CI has ru
 from __future__ import annotations
 
 import subprocess
+import sys
 from typing import Any, Optional
 
 import torch
@@ -188,6 +189,25 @@ class ElasticAdapter(LocalElasticAgent):
         stop and shutdown then handle it as the worker."""
         self._pcontext.subprocess_handlers[local_rank].proc = proc
         next(w for w in self._worker_group.workers if w.local_rank == local_rank).id = proc.pid
+
+    def withdraw(self, local_ranks: list[int], new_ranks: dict[int, int], world_size: int) -> None:
+        """The group went on without the workers of ``local_ranks`` (a shrink, see
+        :mod:`trainguard.rejoin.shrink`): each of their slots holds a finished process that exited
+        0, so torch's poll counts it as done; the other workers take their new global ranks
+        ``new_ranks`` (``{local_rank: global rank}``) and ``world_size``, in the worker objects and in
+        the environment a later replacement of them starts with. A withdrawn worker's global rank
+        is moved past the group (torch keys its results by global rank)."""
+        for i, local_rank in enumerate(sorted(local_ranks)):
+            done = subprocess.Popen([sys.executable, "-S", "-c", ""])
+            done.wait()
+            self.replace_process(local_rank, done)
+            new_ranks = {**new_ranks, local_rank: world_size + i}
+        for w in self._worker_group.workers:
+            w.global_rank = w.role_rank = new_ranks[w.local_rank]
+            w.world_size = w.role_world_size = world_size
+            env = self._pcontext.envs[w.local_rank]
+            env.update(RANK=str(w.global_rank), ROLE_RANK=str(w.global_rank))
+            env.update(WORLD_SIZE=str(world_size), ROLE_WORLD_SIZE=str(world_size))
 
     def worker_pids(self) -> dict[int, int]:
         """``{local_rank: pid}`` of the current group's processes (empty before the first start)."""

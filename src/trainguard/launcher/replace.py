@@ -46,6 +46,7 @@ class Replacer:
         boundary_dir: the node-local directory of the ranks' step-boundary files (removed by :meth:`close`).
         host: this node's address for the stores, as the other nodes reach it (loopback on one node).
         spares: warm spares to keep (``[launcher] spares``).
+        min_ranks: ``[elastic] min_ranks`` (0: never shrink; see :meth:`can_shrink`).
 
     Stores: :attr:`server` (this agent's, on a free port of ``host``) holds the spares' assignments;
     the recovery keys of the group (generations, joins) are in node 0's (:meth:`share`).
@@ -59,8 +60,10 @@ class Replacer:
         boundary_dir: Path,
         host: str = "127.0.0.1",
         spares: int = 0,
+        min_ranks: int = 0,
     ):
         self.cfg, self.events, self.script, self.boundary_dir, self.host = cfg, events, script, boundary_dir, host
+        self.min_ranks = min_ranks
         self.server = serve(host)
         self.local_address = f"{host}:{self.server.port}"
         self.address = self.local_address  # of the recovery store the group shares (see share())
@@ -120,6 +123,45 @@ class Replacer:
             return f"in-process replacement budget spent ({self.cfg.max_replacements})"
         return None
 
+    def can_shrink(self, lost: int, world_size: int) -> bool:
+        """Whether ``lost`` lost ranks of a ``world_size`` group leave a smaller group instead of
+        being replaced: ``[elastic] min_ranks`` is set, no warm spare is waiting, and at least
+        ``min_ranks`` ranks remain (a cold start would hold every rank for seconds)."""
+        waiting = any(p.poll() is None for p in self.spares.values())
+        return bool(self.min_ranks) and not waiting and world_size - lost >= self.min_ranks
+
+    def shrink(self, left: list[int], world_size: int) -> Generation:
+        """Publish the generation in which the others go on without the global ranks ``left``
+        (renumbered in order, :func:`~trainguard.rejoin.protocol.new_rank`); ``world_size``: the
+        group's size before. Returns the generation (its ``world_size`` is the smaller one)."""
+        gen = self._next_generation((), world_size - len(left), tuple(sorted(left)))
+        self._publish(gen)
+        self.events.emit(
+            "recovery_started",
+            generation=gen.number,
+            ranks=[],
+            left=list(gen.left),
+            world_size=gen.world_size,
+            pids={},
+            warm=[],
+            replacements=self.replacements,
+        )
+        return gen
+
+    def _next_generation(self, replaced: tuple[int, ...], world_size: int, left: tuple[int, ...] = ()) -> Generation:
+        """The next generation: its number drawn from the shared store, a fresh store of its own."""
+        self.generation = RecoveryStore(self.shared, self.attempt).next_number()
+        store = serve(self.host)
+        self._stores.append(store)
+        return Generation(self.generation, self.host, store.port, replaced, world_size, left)
+
+    def _publish(self, gen: Generation) -> None:
+        """Announce ``gen`` to the ranks and follow it in :meth:`poll`."""
+        RecoveryStore(self.shared, self.attempt).publish(gen)
+        self.pending = gen
+        self._started = time.monotonic()
+        self._deadline = self._started + self.cfg.timeout + 5.0
+
     def replace(
         self, lost: dict[int, tuple[list[str], dict[str, str]]], world_size: int
     ) -> dict[int, subprocess.Popen]:
@@ -131,11 +173,7 @@ class Replacer:
         Returns:
             ``{global_rank: Popen}`` of the replacements.
         """
-        recovery = RecoveryStore(self.shared, self.attempt)
-        self.generation = recovery.next_number()
-        store = serve(self.host)
-        self._stores.append(store)
-        gen = Generation(self.generation, self.host, store.port, tuple(sorted(lost)), world_size)
+        gen = self._next_generation(tuple(sorted(lost)), world_size)
         procs, warm = {}, []
         for rank, (argv, env) in lost.items():
             env = {
@@ -153,11 +191,8 @@ class Replacer:
                 warm.append(rank)
             else:  # cold: its own session, as torch starts workers (torch's stop signals the process group)
                 procs[rank] = subprocess.Popen(replacement_command(argv, self.script), env=env, start_new_session=True)
-        recovery.publish(gen)
+        self._publish(gen)
         self.replacements += len(lost)
-        self.pending = gen
-        self._started = time.monotonic()
-        self._deadline = self._started + self.cfg.timeout + 5.0
         self.events.emit(
             "recovery_started",
             generation=gen.number,

@@ -125,6 +125,12 @@ def launch(opts: LaunchOptions) -> int:
         raise ConfigError(f"--nproc-per-node must be ≥ 1, got {opts.nproc_per_node}")
     min_nodes, max_nodes = parse_nnodes(opts.nnodes)
     faults.validate(list(cfg.faults.inject) + list(opts.inject), max_nodes * opts.nproc_per_node)
+    if cfg.elastic.min_ranks > max_nodes * opts.nproc_per_node:
+        raise ConfigError(
+            f"elastic.min_ranks = {cfg.elastic.min_ranks} is larger than the world size "
+            f"{max_nodes * opts.nproc_per_node} ({max_nodes} node(s) × {opts.nproc_per_node} rank(s)): "
+            "expected at most the world size (0: never shrink)"
+        )
     run_dir = Path(opts.run_dir).resolve()
     prepare_run_dir(run_dir)
 
@@ -271,6 +277,7 @@ def _run_agent(
             _node_local_dir("trainguard-rejoin-"),
             host=host,
             spares=cfg.launcher.spares,
+            min_ranks=cfg.elastic.min_ranks if max_nodes == 1 else 0,  # a shrink renumbers ranks: one node only
         )
     to_ranks = LaunchEnv(
         run_dir=run_dir,

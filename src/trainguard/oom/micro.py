@@ -153,6 +153,14 @@ class MicroBatcher:
     # ------------------------------------------------------------------------------------------
     # the step
 
+    def renumber(self, rank: int, world_size: int) -> None:
+        """This rank is ``rank`` of ``world_size`` from now on (the group shrank in place, see
+        :mod:`trainguard.rejoin.shrink`)."""
+        self.rank, self.world_size = rank, world_size
+        if self.sync is not None:  # its buckets hold a slot per rank: built again for the new size
+            self.sync.close()
+            self.sync = None
+
     def run(
         self,
         step: int,

@@ -114,6 +114,13 @@ class BoundaryState:
         self.path = path_of(directory, rank) if directory is not None else None
         self.kept: dict[int, bytes] = {}  # step -> encoded state, the newest two
 
+    def renumber(self, rank: int) -> None:
+        """Keep this rank's file under the number ``rank`` from now on (the group shrank in place;
+        the old file is removed now, before any rank keeps a boundary under its new number)."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = path_of(self.path.parent, rank)
+
     @property
     def step(self) -> Optional[int]:
         """The newest boundary kept (``None`` before the first)."""

@@ -5,8 +5,9 @@ Keys (all under ``attempt{N}/``, ``N`` the worker group's restart count):
 * ``generations``: a counter; the launcher draws each generation's number from it.
 * ``gen/{g}``: the JSON of :class:`Generation` ``g`` (``g`` = 1, 2, ...), written by the launcher
   once it has started the replacements; the survivors of generation ``g - 1`` wait for it.
-* ``gen/{g}/joined/{rank}``: written by a replacement once it holds the transferred state; the
-  launcher counts a recovery as finished when every replaced rank has written it.
+* ``gen/{g}/joined/{rank}``: written by a replacement once it holds the transferred state (after
+  a shrink: by every rank of the smaller group); the launcher counts a recovery as finished when
+  every member has written it.
 
 and, for warm spares (not tied to a group attempt): ``spares/{id}``, the JSON environment of the
 rank spare ``id`` becomes (:func:`assign_spare`, :func:`wait_for_assignment`).
@@ -56,7 +57,9 @@ class Generation:
         number: 1 for the first recovery of a group start, then 2, 3, ...
         host, port: the store the generation's process groups are created on.
         replaced: global ranks that are new processes in this generation.
-        world_size: ranks in the generation (unchanged by a replacement).
+        world_size: ranks in the generation (unchanged by a replacement, smaller after a shrink).
+        left: global ranks of the previous generation that left it without a replacement (a
+            shrink): the others are renumbered in order (:func:`new_rank`).
     """
 
     number: int
@@ -64,6 +67,13 @@ class Generation:
     port: int
     replaced: tuple[int, ...]
     world_size: int
+    left: tuple[int, ...] = ()
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks that say they joined before the launcher counts the generation as formed: the
+        replacements, or after a shrink every rank of the smaller group."""
+        return self.replaced if self.replaced else tuple(range(self.world_size))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -71,7 +81,20 @@ class Generation:
     @classmethod
     def from_json(cls, text: str | bytes) -> Generation:
         d = json.loads(text)
-        return cls(int(d["number"]), str(d["host"]), int(d["port"]), tuple(d["replaced"]), int(d["world_size"]))
+        return cls(
+            int(d["number"]),
+            str(d["host"]),
+            int(d["port"]),
+            tuple(d["replaced"]),
+            int(d["world_size"]),
+            tuple(d.get("left", ())),
+        )
+
+
+def new_rank(rank: int, left: tuple[int, ...] | list[int]) -> int:
+    """The rank that ``rank`` becomes when the ranks ``left`` leave the group: the survivors keep
+    their order and close the gaps (ranks 0, 2 of 3 after rank 1 left: 0, 1)."""
+    return rank - sum(1 for r in left if r < rank)
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -130,8 +153,8 @@ class RecoveryStore:
         self.store.set(f"gen/{number}/joined/{rank}", "1")
 
     def all_joined(self, gen: Generation) -> bool:
-        """Launcher: every replaced rank of ``gen`` has said so."""
-        return self.store.check([f"gen/{gen.number}/joined/{r}" for r in gen.replaced])
+        """Launcher: every member of ``gen`` (:attr:`Generation.members`) has said so."""
+        return self.store.check([f"gen/{gen.number}/joined/{r}" for r in gen.members])
 
 
 def assign_spare(store: dist.Store, spare_id: int, env: dict[str, str]) -> None:

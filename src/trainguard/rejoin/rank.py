@@ -66,6 +66,12 @@ class Rejoin:
         self.generation = launch.join if self.joining else 0
         self.failure: Optional[PeerFailure] = None
 
+    def renumber(self, rank: int) -> None:
+        """This process is rank ``rank`` from now on (the group shrank in place): its boundary
+        file takes the new number."""
+        self.rank = rank
+        self.boundary.renumber(rank)
+
     def caught(self, exc: BaseException, during: str, step: int) -> bool:
         """Whether ``exc`` is a lost peer that recovery handles (then it is recorded for
         :meth:`wait_generation`); ``False``: the caller re-raises it."""

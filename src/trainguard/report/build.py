@@ -152,21 +152,16 @@ def build_report(events: Iterable[dict]) -> dict:
 
 
 def _world_sizes(segments: list, t0: float) -> list[dict]:
-    """The world size over time: one entry per stretch of training loops with the same number of
-    ranks (``from``: seconds after the first event, ``steps``: first and last step)."""
+    """The world size over time: one entry per stretch of training with the same number of ranks,
+    across loops and shrinks in place (``from``: seconds after the first event, ``steps``: first
+    and last step)."""
     out: list[dict] = []
     for seg in segments:
-        if seg.world_size is None:
-            continue
-        if out and out[-1]["world_size"] == seg.world_size:
-            out[-1]["last_step"] = _step(seg.last_step())
-            continue
-        out.append(
-            {
-                "world_size": seg.world_size,
-                "from": _r(seg.start - t0),
-                "first_step": seg.first_step,
-                "last_step": _step(seg.last_step()),
-            }
-        )
+        for start, first, world, last in seg.sizes():
+            if world is None:
+                continue
+            if out and out[-1]["world_size"] == world:
+                out[-1]["last_step"] = _step(last)
+                continue
+            out.append({"world_size": world, "from": _r(start - t0), "first_step": first, "last_step": _step(last)})
     return out

@@ -156,6 +156,11 @@ class RunHistory:
             inc.recovered_at, inc.resumed_step = e["time"], float(first)
         self._pending = []
 
+    def _on_world_size_changed(self, e: dict, d: dict) -> None:
+        seg = self._segment_of(*self._here(e))
+        if d.get("in_process") and e["rank"] == 0 and seg is not None and isinstance(d.get("to_world_size"), int):
+            seg.resized.append((e["time"], int(e["step"] or 0), d["to_world_size"]))
+
     def _add_point(self, e: dict, t: float, step: Optional[float]) -> None:
         seg = self._segment_of(*self._here(e))
         if seg is not None:

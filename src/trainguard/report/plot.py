@@ -76,9 +76,11 @@ def render_png(events: Iterable[dict], report: dict, path: str | os.PathLike) ->
             linewidth=1.6,
             label="training (one line per worker group)" if n == 0 else None,
         )
-        changed = n == 0 or history.segments[n - 1].world_size != seg.world_size
-        if seg.world_size is not None and changed and len({s.world_size for s in history.segments}) > 1:
-            ax.annotate(f"{seg.world_size} ranks", (minutes(seg.start), seg.first_step), fontsize=8, color="tab:green")
+        sizes = {w for s in history.segments for _, _, w, _ in s.sizes()}
+        for i, (start, first, world, _) in enumerate(seg.sizes()):
+            before = seg.sizes()[i - 1][2] if i else (history.segments[n - 1].sizes()[-1][2] if n else None)
+            if world is not None and world != before and len(sizes) > 1:
+                ax.annotate(f"{world} ranks", (minutes(start), first), fontsize=8, color="tab:green")
     ckpts = history.checkpoints
     if ckpts:
         ax.scatter(

@@ -32,6 +32,14 @@ class Segment:
     end: Optional[float] = None
     how: str = "running"
     world_size: Optional[int] = None  # ranks of the loop (its ``start`` event)
+    # the loop went on with another number of ranks (a shrink in place): (time, step, world size)
+    resized: list[tuple[float, int, int]] = field(default_factory=list)
+
+    def sizes(self) -> list[tuple[float, int, Optional[int], float]]:
+        """The loop's stretches of one world size: ``(start time, first step, world size, last step)``."""
+        marks = [(self.start, self.first_step, self.world_size), *self.resized]
+        ends = [float(step) for _, step, _ in self.resized] + [self.last_step()]
+        return [(t, step, world, end) for (t, step, world), end in zip(marks, ends)]
 
     def __post_init__(self) -> None:
         if not self.points:

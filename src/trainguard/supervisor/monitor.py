@@ -136,6 +136,7 @@ class HangMonitor:
         self._last_learn = self._last_save = 0.0
         self._frozen = False  # set on a hang: the attempt's observations stop at the detection
         self._replaced_at: dict[int, float] = {}  # local rank -> when a replacement was started
+        self._withdrawn: set[int] = set()  # local ranks the group went on without (a shrink)
         self.cpu = CpuMeter()
         self._slow: dict[int, float] = {}  # local rank -> start of the silence last reported as slow_section
 
@@ -150,7 +151,7 @@ class HangMonitor:
         shutil.rmtree(attempt_dir(self.hb_root, attempt), ignore_errors=True)
         self._started = time.monotonic()
         self._frozen = False
-        self._replaced_at = {}
+        self._replaced_at, self._withdrawn = {}, set()
         self.cpu, self._slow = CpuMeter(), {}
 
     def rank_replaced(self, local_rank: int) -> None:
@@ -163,6 +164,12 @@ class HangMonitor:
         self._last_states.pop(local_rank, None)
         heartbeat_path(attempt_dir(self.hb_root, self.attempt), local_rank).unlink(missing_ok=True)
         self._replaced_at[local_rank] = time.monotonic()
+
+    def rank_withdrawn(self, local_rank: int) -> None:
+        """The group went on without the rank of ``local_rank`` (a shrink): it is not watched any
+        more until the next group start."""
+        self.rank_replaced(local_rank)
+        self._withdrawn.add(local_rank)
 
     def group_stopped(self) -> None:
         """The group ended or is being restarted: fold its observations in, save timeouts.json."""
@@ -214,7 +221,8 @@ class HangMonitor:
         pids = agent.worker_pids()
         for pid in pids.values():
             self.cpu.sample(pid, now)
-        hung = [hit for worker in agent.workers() if (hit := self._check(worker, now)) is not None]
+        watched = [w for w in agent.workers() if w.local_rank not in self._withdrawn]
+        hung = [hit for worker in watched if (hit := self._check(worker, now)) is not None]
         # A rank over its timeout while a local peer that is not ahead of it is still within its own
         # timeout is waiting for that peer (rank-local work such as an evaluation): not hung.
         over = {h.worker.local_rank for h in hung}
