@@ -248,3 +248,24 @@ def test_relaunch_is_refused_while_a_rank_of_the_previous_launch_lives(tmp_path)
     finally:
         if survivor is not None and running(survivor):
             survivor.kill()
+
+
+def test_a_rank_that_died_between_the_polls_two_looks_waits_for_the_next_poll():
+    """The agent's poll looks at the exit codes once (for in-process recovery), then asks torch: a
+    failure torch sees that the first look did not is left to the next poll, unless it is a
+    decision code (ranks that stopped with 75 are handled now) or the first look saw a failure."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from trainguard.launcher.agent import _failed_since
+
+    def failed(**codes: int) -> RunResult:
+        failures = {int(r[1:]): ProcessFailure(int(r[1:]), 100 + int(r[1:]), c, "") for r, c in codes.items()}
+        return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    assert _failed_since(failed(r1=-9), {0: None, 1: None})
+    assert not _failed_since(failed(r1=-9), {0: None, 1: -9})  # seen by the first look
+    assert not _failed_since(failed(r0=-9, r1=-9), {0: None, 1: -9})  # its survivor, killed by the agent
+    assert not _failed_since(failed(r0=75, r1=75), {0: None, 1: None})  # a decision: stop now
+    assert not _failed_since(failed(r0=75, r1=75), {0: 75, 1: 75})
+    assert not _failed_since(RunResult(state=WorkerState.HEALTHY), {0: None, 1: None})

@@ -16,8 +16,10 @@ from typing import Iterator, Optional
 
 import psutil
 import pytest
+import torch
 
-from conftest import GPT, REPO, TINY, events, sets
+from conftest import GPT, REPO, TINY, events, sets, wait_for
+from trainguard.checkpoint.io import rank_file
 
 STEPS = 150  # as test_launcher.py: the clean_hash fixture's run is shared
 INTERVAL = "checkpoint.interval=10"  # the clean_hash fixture's interval
@@ -87,40 +89,54 @@ def _kill_tree(agent: subprocess.Popen) -> None:
     agent.wait(timeout=30)
 
 
+def start_agent(
+    run: Path, node: int, endpoint: str, rdzv_id: str, *overrides: str, nnodes: str = "2", extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """One agent of a job on loopback (``--nproc-per-node 1``, c10d rendezvous at ``endpoint``),
+    its output in ``node_log(run, node)``."""
+    with open(node_log(run, node), "ab") as log:
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainguard.cli",
+            "run",
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            rdzv_id,
+            # a lone agent gives up on the rendezvous after 1 min, not torch's 10; with MIN:MAX nodes
+            # the rendezvous closes 1 s after MIN joined (torch: 30 s)
+            "--rdzv-conf",
+            "join_timeout=60,last_call_timeout=1",
+            "--run-dir",
+            str(run),
+            *extra,
+            str(GPT),
+            *sets(*TINY, *overrides),
+        ]
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def job_address() -> tuple[str, str]:
+    """A fresh rendezvous endpoint and job id."""
+    return f"127.0.0.1:{free_port()}", f"tg-{uuid.uuid4().hex[:8]}"
+
+
 @contextlib.contextmanager
 def two_nodes(run: Path, *overrides: str, extra: tuple[str, ...] = ()) -> Iterator[list[subprocess.Popen]]:
     """Start two agents of one job (``--nnodes 2 --nproc-per-node 1``) on the run dir ``run``;
     on exit, kill whatever is left of them."""
-    endpoint, rdzv_id = f"127.0.0.1:{free_port()}", f"tg-{uuid.uuid4().hex[:8]}"
+    endpoint, rdzv_id = job_address()
     agents: list[subprocess.Popen] = []
     try:
         for node in range(2):
-            with open(node_log(run, node), "ab") as log:
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "trainguard.cli",
-                    "run",
-                    "--nnodes",
-                    "2",
-                    "--nproc-per-node",
-                    "1",
-                    "--rdzv-backend",
-                    "c10d",
-                    "--rdzv-endpoint",
-                    endpoint,
-                    "--rdzv-id",
-                    rdzv_id,
-                    # a lone agent gives up on the rendezvous after 1 min, not torch's 10
-                    "--rdzv-conf",
-                    "join_timeout=60",
-                    "--run-dir",
-                    str(run),
-                    *extra,
-                    str(GPT),
-                    *sets(*TINY, *overrides),
-                ]
-                agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+            agents.append(start_agent(run, node, endpoint, rdzv_id, *overrides, extra=extra))
         yield agents
     finally:
         for agent in agents:
@@ -277,3 +293,40 @@ def test_rank_killed_on_either_node_is_replaced_in_process_across_nodes(tmp_path
     assert [e["pid"] for e in joined] == [agents[lost_node].pid], joined
     for pid, exit_ in exits_by_agent(run, agents).items():
         assert exit_["code"] == 0 and exit_["state_sha256"] == clean_hash(STEPS), (pid, exit_)
+
+
+def test_a_node_that_joins_a_running_job_grows_it_at_a_checkpointed_step_boundary(tmp_path):
+    """``--nnodes 1:2``: the first node trains alone (1 rank, 4 sequences per step); a second node
+    joins while it runs: the rank checkpoints at the next step boundary and exits 75, the group
+    restarts with both nodes and resumes from that checkpoint on 2 ranks (2 sequences each, the
+    global batch kept): no completed step is trained again. The job is then stopped (SIGTERM to
+    both launchers, exit 75): 4 sequences per step throughout."""
+    run = tmp_path / "run"
+    endpoint, rdzv_id = job_address()
+    settings = ("train.max_steps=1000000", "checkpoint.interval=40")  # runs until stopped
+    agents = [start_agent(run, 0, endpoint, rdzv_id, *settings, nnodes="1:2")]
+    try:
+        wait_for(lambda: events(run, "checkpoint_committed"), what="step 40 on one node")
+        agents.append(start_agent(run, 1, endpoint, rdzv_id, *settings, nnodes="1:2"))
+        wait_for(lambda: events(run, "world_size_changed"), what="the resume on 2 ranks")
+        grown = events(run, "world_size_changed")[0]["time"]
+        wait_for(lambda: [e for e in events(run, "checkpoint_committed") if e["time"] > grown], what="a step on 2")
+        for agent in agents:
+            agent.send_signal(signal.SIGTERM)
+        codes = finish_both(run, agents)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                _kill_tree(agent)
+    assert codes == [75, 75], logs(run)
+    assert events(run, "membership_change") and events(run, "membership_restart"), logs(run)
+    assert not events(run, "group_restart"), logs(run)
+    saved = events(run, "checkpoint_committed")
+    resumed = events(run, "resume")
+    boundary = [e["step"] for e in saved if e["time"] < resumed[0]["time"]][-1]
+    assert len(resumed) == 1 and resumed[0]["details"]["from_step"] == boundary, (saved, resumed)
+    changed = events(run, "world_size_changed")
+    assert [(e["details"]["from_world_size"], e["details"]["to_world_size"]) for e in changed] == [(1, 2)]
+    final = Path(saved[-1]["details"]["path"])
+    states = [torch.load(final / rank_file(r), weights_only=True) for r in range(2)]
+    assert [s["sampler"]["consumed"] for s in states] == [4 * saved[-1]["step"]] * 2

@@ -95,6 +95,7 @@ class TrainguardAgent(ElasticAdapter):
         self.script_error: Optional[ScriptError] = None  # the launch ended on an error of the script
         self._stop_deadline: Optional[float] = None
         self._forwarded_to: set[int] = set()
+        self._regrowing = False  # the ranks were asked to checkpoint and stop for a membership change
         self._stopped_by_us: set[int] = set()  # local ranks SIGKILLed because a peer failed
         self.poll_hooks: list[Callable[[TrainguardAgent], Optional[str]]] = [monitor.poll] if monitor else []
 
@@ -142,7 +143,7 @@ class TrainguardAgent(ElasticAdapter):
             os.environ[RECOVERY_STORE] = self.replacer.share(group.store, group.group_rank)
 
     def _start_group(self) -> None:
-        self._forwarded_to = set()
+        self._forwarded_to, self._regrowing = set(), False
         if self.monitor is not None:
             self.monitor.group_started(self.restart_count)
         self.start_workers()
@@ -203,11 +204,22 @@ class TrainguardAgent(ElasticAdapter):
                     continue  # the supervisor SIGKILLed the hung ranks: the next poll replaces them in-process
                 if not self._restart_or_give_up(reason):
                     return RunResult(state=WorkerState.FAILED)
-            elif spec.rdzv_handler.num_nodes_waiting() > 0:  # membership change: not a failure
-                self.events.emit("membership_change", nodes_waiting=spec.rdzv_handler.num_nodes_waiting())
-                self.stop_group()
-                self.worker_group.state = WorkerState.STOPPED
-                self._start_group()
+            elif not self._regrowing and spec.rdzv_handler.num_nodes_waiting() > 0:  # not a failure
+                self._checkpoint_for_membership(spec.rdzv_handler.num_nodes_waiting())
+
+    def _checkpoint_for_membership(self, waiting: int) -> None:
+        """``waiting`` nodes wait in the rendezvous to join (a node came back, or a new one): ask
+        the ranks to stop at the next step boundary they agree on, with a checkpoint (SIGTERM, as a
+        preemption); when they have exited with 75, :meth:`_handle_failure` restarts the group with
+        the new membership, which resumes from that checkpoint on the new world size (no completed
+        step lost; see ``docs/elastic.md``). Not counted against the restart budget."""
+        self.events.emit("membership_change", nodes_waiting=waiting, checkpoint_first=True)
+        console.say(
+            f"{waiting} node(s) waiting to join: the ranks checkpoint at the next step boundary, then the "
+            "group restarts with them"
+        )
+        self._regrowing = True
+        self._forward(signal.SIGTERM)
 
     def _replace_lost(self, procs: dict[int, subprocess.Popen], codes: dict[int, Optional[int]]) -> Optional[str]:
         """In-process recovery: replace the ranks that exited with a failure while the others run
@@ -305,6 +317,15 @@ class TrainguardAgent(ElasticAdapter):
             stopped_by_launcher=stopped,
         )
         decision = next((c for c in DECISION_CODES if c in codes.values()), None)
+        if self._regrowing and decision == int(ExitCode.REQUEUE) and self.stop_signal is None:
+            self.events.emit(
+                "membership_restart", nodes_waiting=self.worker_group.spec.rdzv_handler.num_nodes_waiting()
+            )
+            console.say("the ranks stopped with a checkpoint: restarting the group with the new membership")
+            self.stop_group()
+            self.worker_group.state = WorkerState.STOPPED
+            self._start_group()
+            return True
         if decision is not None or self.stop_signal is not None:
             self.stop_group()
             self.exit_code = decision if decision is not None else int(ExitCode.REQUEUE)
@@ -368,11 +389,12 @@ class TrainguardAgent(ElasticAdapter):
 
 
 def _failed_since(result: RunResult, codes: dict[int, Optional[int]]) -> bool:
-    """Whether torch's poll (``result``) reports a failure while the poll's earlier look (``codes``,
-    ``{local_rank: exit code or None}``) saw none: a rank died between the two looks."""
-    if result.state not in (WorkerState.UNHEALTHY, WorkerState.FAILED):
+    """Whether torch's poll (``result``) reports a rank failed (not with a decision code) that was
+    still running in the poll's earlier look (``codes``, ``{local_rank: exit code or None}``), while
+    that look saw no failure: a rank died between the two looks."""
+    if result.state not in (WorkerState.UNHEALTHY, WorkerState.FAILED) or any(_failed(c) for c in codes.values()):
         return False
-    return not any(_failed(c) for c in codes.values())
+    return any(_failed(f.exitcode) and codes.get(f.local_rank, 0) is None for f in result.failures.values())
 
 
 def _failed(code: Optional[int]) -> bool:

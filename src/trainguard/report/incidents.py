@@ -70,6 +70,7 @@ NOTICE_KINDS = (
     "deadline_exit",
     "stop_grace_expired",
     "membership_change",
+    "membership_restart",
 )
 
 
