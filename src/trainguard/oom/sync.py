@@ -113,6 +113,10 @@ class GradSync:
             last.buffer[last.numel + self.rank] = code
         while self.launched < len(self.buckets):
             self._launch()
-        for b in self.buckets:
-            b.work.wait()
+        try:
+            for b in self.buckets:
+                b.work.wait()
+        finally:  # a failed collective's work holds its group's connections: let them go with the group
+            for b in self.buckets:
+                b.work = None
         return [int(round(c)) for c in last.buffer[last.numel :].tolist()]

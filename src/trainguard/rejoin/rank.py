@@ -78,7 +78,10 @@ class Rejoin:
         if not self.active or not is_peer_failure(exc):
             return False
         if self.failure is None:
-            self.failure = PeerFailure(exc, during, step, time.time())
+            # without its traceback: the frames would keep the failed collective's work, and with it
+            # the group's connections, alive after the group is destroyed, and a surviving peer
+            # still waiting in that collective for this rank would never see it end
+            self.failure = PeerFailure(exc.with_traceback(None), during, step, time.time())
         return True
 
     def keep(self, state: dict[str, Any]) -> None:
