@@ -269,8 +269,8 @@ class TrainguardAgent(ElasticAdapter):
         left = sorted(workers[r].global_rank for r in lost)
         gen = self.replacer.shrink(left, world_size)
         self.withdraw(lost, {r: new_rank(w.global_rank, left) for r, w in workers.items()}, gen.world_size)
-        for r in lost:
-            if self.monitor is not None:
+        if self.monitor is not None:
+            for r in lost:
                 self.monitor.rank_withdrawn(r)
         if self.record is not None:
             self.record.write_ranks(self.worker_pids())

@@ -46,6 +46,7 @@ from ..config import Config, ConfigError, load_config, parse_key_values, split_c
 from ..events import EventLog, read_events
 from ..exitcodes import ExitCode
 from ..launch_env import READY_DIR, LaunchEnv
+from ..rejoin.shrink import min_ranks_error
 from ..rundir import prepare_run_dir
 from ..slurm import finished
 from ..slurm.endtime import EndTimeRefresher, end_time_file, remove_stale, write_end_time
@@ -125,12 +126,9 @@ def launch(opts: LaunchOptions) -> int:
         raise ConfigError(f"--nproc-per-node must be ≥ 1, got {opts.nproc_per_node}")
     min_nodes, max_nodes = parse_nnodes(opts.nnodes)
     faults.validate(list(cfg.faults.inject) + list(opts.inject), max_nodes * opts.nproc_per_node)
-    if cfg.elastic.min_ranks > max_nodes * opts.nproc_per_node:
-        raise ConfigError(
-            f"elastic.min_ranks = {cfg.elastic.min_ranks} is larger than the world size "
-            f"{max_nodes * opts.nproc_per_node} ({max_nodes} node(s) × {opts.nproc_per_node} rank(s)): "
-            "expected at most the world size (0: never shrink)"
-        )
+    too_large = min_ranks_error(cfg.elastic.min_ranks, max_nodes * opts.nproc_per_node)
+    if too_large:
+        raise ConfigError(too_large)
     run_dir = Path(opts.run_dir).resolve()
     prepare_run_dir(run_dir)
 

@@ -33,9 +33,19 @@ and a sampler without :func:`reshard` support (refused at start, exit 2).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from ..outcomes import BadInput
+
+
+def min_ranks_error(min_ranks: int, world_size: int) -> Optional[str]:
+    """Why ``[elastic] min_ranks`` does not fit a ``world_size`` group (larger than it), else ``None``."""
+    if min_ranks <= world_size:
+        return None
+    return (
+        f"elastic.min_ranks = {min_ranks} is larger than the world size {world_size}: expected at most "
+        f"{world_size} (0: never shrink)"
+    )
 
 
 def check_shrinkable(min_ranks: int, world_size: int, sampler: Any, local_tier: bool) -> None:
@@ -52,11 +62,9 @@ def check_shrinkable(min_ranks: int, world_size: int, sampler: Any, local_tier: 
     """
     if not min_ranks:
         return
-    if min_ranks > world_size:
-        raise BadInput(
-            f"elastic.min_ranks = {min_ranks} is larger than the world size {world_size}: expected at most "
-            f"{world_size} (0: never shrink)"
-        )
+    too_large = min_ranks_error(min_ranks, world_size)
+    if too_large:
+        raise BadInput(too_large)
     if sampler is not None and not callable(getattr(sampler, "reshard", None)):
         raise BadInput(
             f"elastic.min_ranks = {min_ranks}: the sampler {type(sampler).__name__} has no reshard(rank, world_size) "

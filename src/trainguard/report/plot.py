@@ -67,6 +67,8 @@ def render_png(events: Iterable[dict], report: dict, path: str | os.PathLike) ->
     fig = Figure(figsize=(11, 5.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
+    sizes = {w for seg in history.segments for _, _, w, _ in seg.sizes()}  # world sizes seen
+    before = None  # the world size of the stretch before: a change is labelled
     for n, seg in enumerate(history.segments):
         pts = [p for p in seg.points if seg.end is None or p[0] <= seg.end + 1e-9]
         ax.plot(
@@ -76,11 +78,10 @@ def render_png(events: Iterable[dict], report: dict, path: str | os.PathLike) ->
             linewidth=1.6,
             label="training (one line per worker group)" if n == 0 else None,
         )
-        sizes = {w for s in history.segments for _, _, w, _ in s.sizes()}
-        for i, (start, first, world, _) in enumerate(seg.sizes()):
-            before = seg.sizes()[i - 1][2] if i else (history.segments[n - 1].sizes()[-1][2] if n else None)
+        for start, first, world, _ in seg.sizes():
             if world is not None and world != before and len(sizes) > 1:
                 ax.annotate(f"{world} ranks", (minutes(start), first), fontsize=8, color="tab:green")
+            before = world
     ckpts = history.checkpoints
     if ckpts:
         ax.scatter(
