@@ -51,8 +51,15 @@ def test_a_computing_main_thread_is_busy_a_waiting_one_is_not():
     """A main thread in a Python loop (an evaluation) uses a core; one that waits on a lock while
     another thread of the same process spins (a rank stuck in a collective while its background
     threads run) uses none: only the main thread counts."""
-    share, busy = _meter_verdict("while True: sum(range(1000))")
-    assert busy and share >= BUSY_SHARE, share
+    # busy in one of three windows: with other tests' ranks on the two cores a spinning process may
+    # get less than a quarter of one for a whole window (0.2455 once in a clean-clone CI run)
+    shares = []
+    for _ in range(3):
+        share, busy = _meter_verdict("while True: sum(range(1000))")
+        shares.append(share)
+        if busy:
+            break
+    assert busy and share >= BUSY_SHARE, shares
     waiting = (
         "import threading\n"
         "threading.Thread(target=lambda: [sum(range(1000)) for _ in iter(int, 1)], daemon=True).start()\n"
