@@ -60,10 +60,11 @@ def events(run_dir: Path, kind: str) -> list[dict]:
 
 
 def test_flags_pack_in_declaration_order_and_unpack_ignores_the_straggler_tail():
-    f = StopFlags(signal=0, kill_switch=1, time_limit=0, memory=1, save_switch=1, next_interval=37)
-    assert StopFlags.size() == 6 and f.pack() == [0, 1, 0, 1, 1, 37]
+    f = StopFlags(signal=0, kill_switch=1, time_limit=0, memory=1, save_switch=1, next_interval=37, grow=4)
+    assert StopFlags.size() == 7 and f.pack() == [0, 1, 0, 1, 1, 37, 4]
     assert StopFlags.unpack(f.pack() + [123456, 7, 8]) == f
-    assert StopFlags().pack() == [0, 0, 0, 0, 0, 1] and StopFlags().reason is None
+    assert StopFlags().pack() == [0, 0, 0, 0, 0, 1, 0] and StopFlags().reason is None
+    assert StopFlags(grow=3).reason is None  # growing back is not a stop
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,7 @@ is released by :meth:`Guard.close` (or leaving ``with Guard(...)``); closing twi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -482,6 +483,8 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         report = self.straggler.due(self.step)
         ahead = self.stop.next_interval(self._step_seconds)
         mine = self.stop.local_flags(self._step_seconds, self.ckpt.estimated_save_seconds(), ahead, self.step)
+        if self.rank == 0 and self.cfg.elastic.min_ranks and self.cfg.elastic.regrow:
+            mine = dataclasses.replace(mine, grow=self.rejoin.growth_pending())
         try:
             agreed = tgdist.all_reduce_max(mine.pack() + (self.straggler.pack() if report else []))
         except Exception as e:
@@ -504,6 +507,8 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
                 hosts=self.straggler.hosts_of(slow),
                 exclude_nodes=str(self.run_dir / "exclude_nodes"),
             )
+        if flags.grow and flags.reason is None:  # a stop wins: that generation is left to form
+            self._grow(flags.grow)
         return flags
 
     # ------------------------------------------------------------------------------------------

@@ -8,11 +8,13 @@ to bottom; it works on the Guard's own components (``rejoin``, ``ckpt``, ``train
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Optional
 
 from . import console, health
 from . import dist as tgdist
+from .elastic import resharded_rank_state
 from .rejoin import boundary as rejoin_boundary
 from .rejoin import regroup, shrink
 from .rejoin.protocol import Generation, new_rank
@@ -20,7 +22,8 @@ from .rejoin.rank import LOCAL_PARTS
 
 
 class InProcessRecovery:
-    """``_recover`` (a survivor), ``_join`` (a replacement), ``_meet`` (both), ``_keep_boundary``."""
+    """``_recover`` (a survivor), ``_grow`` (the group grows back), ``_join`` (a replacement or a
+    newcomer), ``_meet`` (all of them), ``_keep_boundary``."""
 
     def _recover(self, redo: bool) -> None:
         """A peer was lost in this step: meet its replacement in the launcher's next generation and
@@ -44,7 +47,7 @@ class InProcessRecovery:
             self._saved(self.ckpt.wait())  # a save in flight fails on its broken group; nothing commits
             gen = self.rejoin.wait_generation()
             if gen.left:
-                self._renumber(gen)
+                self._resize(gen)
             regroup.rebuild_default_group(gen, self._backend, self.cfg.recovery.timeout)
             regroup.rebind_ddp(self.model)
             self.ckpt.regroup()
@@ -69,13 +72,47 @@ class InProcessRecovery:
         )
         self.rejoin.done()
 
-    def _renumber(self, gen: Generation) -> None:
-        """The group goes on without the ranks ``gen.left`` (a shrink, see :mod:`~trainguard.rejoin.shrink`):
-        take this rank's new number and the smaller world size everywhere, before the new group
-        is created with them."""
+    def _grow(self, number: int) -> None:
+        """The ranks agreed at this step boundary that the group grows back in place into
+        generation ``number`` (see :mod:`~trainguard.rejoin.shrink`): stop the liveness ping, finish
+        a save in flight, take the larger world size, meet the newcomers in the new group and send
+        them the state. Nothing is redone: the step is complete.
+
+        Raises:
+            RuntimeError, torch.distributed.DistError: the new group could not be formed (this rank
+                exits and the launcher restarts the group).
+        """
+        t0 = time.time()
+        with self.section("recovery"):
+            gen = self.rejoin.grown_generation(number)
+            if self.ping is not None:  # a collective on the old group, at the same point on every rank
+                self.ping.stop()
+                self.ping.close()
+                self.ping = None
+            self._saved(self.ckpt.wait())
+            self._resize(gen)
+            regroup.rebuild_default_group(gen, self._backend, self.cfg.recovery.timeout)
+            regroup.rebind_ddp(self.model)
+            self.ckpt.regroup()
+            self._meet(gen)
+        if self.rank == 0:
+            self.events.emit(
+                "group_grown",
+                self.step,
+                generation=gen.number,
+                joined=list(gen.grown),
+                world_size=self.world_size,
+                seconds=round(time.time() - t0, 4),
+            )
+
+    def _resize(self, gen: Generation) -> None:
+        """The group goes on without the ranks ``gen.left`` (a shrink) or with the newcomers
+        ``gen.grown`` (it grows back; see :mod:`~trainguard.rejoin.shrink`): take this rank's
+        number and the world size everywhere, before the new group is created with them."""
         old, rank = self.rank, new_rank(self.rank, gen.left)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
         self.hosts = [h for r, h in enumerate(self.hosts) if r not in gen.left]
+        self.hosts += [socket.gethostname()] * len(gen.grown)  # one node: the newcomers run beside us
         self.events.renumber(rank)
         for part in (self.ckpt, self.recovery, self.sdc, self.micro, self.reruns):
             part.renumber(rank, gen.world_size)
@@ -91,34 +128,36 @@ class InProcessRecovery:
             base_world_size=self.elastic.base_world_size,
             keep=self.cfg.elastic.keep,
             left=list(gen.left),
+            joined=list(gen.grown),
             from_rank=old,
             in_process=True,
         )
         if rank == 0:
+            change = f"without rank(s) {list(gen.left)}" if gen.left else f"with rank(s) {list(gen.grown)} back"
             console.say(
-                f"going on as {gen.world_size} rank(s) without rank(s) {list(gen.left)} from step {self.step}: "
+                f"going on as {gen.world_size} rank(s) {change} from step {self.step}: "
                 f"data position carried over, keep {self.cfg.elastic.keep.replace('_', ' ')}"
             )
         self.rank, self.world_size = rank, gen.world_size
 
     def _join(self) -> None:
         """A replacement of a lost rank starts here instead of resuming: its own state at the last
-        step boundary from the lost rank's file, the model and optimizer from the survivors."""
+        step boundary from the lost rank's file, the model and optimizer from the survivors. A
+        newcomer of a group that grows back (``gen.grown``) has no such file: it derives its own
+        state from the lowest surviving rank's (see :meth:`_transfer`)."""
         t0 = time.monotonic()
-        kept = rejoin_boundary.read(self.rejoin.dir, self.rank)
         gen = self.rejoin.joined_generation()
+        grown = self.rank in gen.grown
+        kept = {} if grown else rejoin_boundary.read(self.rejoin.dir, self.rank)
         self._meet(gen, kept)
         self.recovery.rejoined()
         self._keep_boundary(self.step)
         self.rejoin.store.joined(gen.number, self.rank)
-        self.events.emit(
-            "rank_replaced",
-            self.step,
-            rank=self.rank,
-            generation=gen.number,
-            pid=os.getpid(),
-            seconds=round(time.monotonic() - t0, 4),
-        )
+        said = dict(rank=self.rank, generation=gen.number, pid=os.getpid(), seconds=round(time.monotonic() - t0, 4))
+        if grown:
+            self.events.emit("rank_joined", self.step, **said)
+        else:
+            self.events.emit("rank_replaced", self.step, **said)
         self._t_last = time.perf_counter()
 
     def _meet(self, gen: Generation, kept: Optional[dict[int, dict]] = None) -> None:
@@ -136,7 +175,7 @@ class InProcessRecovery:
         if agreed[0] != -agreed[1]:
             raise regroup.RegroupError(f"the ranks are at different step boundaries ({-agreed[1]} to {agreed[0]})")
         step = agreed[0]
-        if tgdist.all_reduce_max([int(joining and step not in kept)])[0]:
+        if tgdist.all_reduce_max([int(joining and step not in kept and self.rank not in gen.grown)])[0]:
             raise regroup.RegroupError(
                 f"a replacement has no state of step {step} (its rank kept {sorted(kept or ())})"
             )
@@ -149,20 +188,28 @@ class InProcessRecovery:
 
     def _transfer(self, gen: Generation, step: int, kept: Optional[dict[int, dict]]) -> None:
         """Move the model, optimizer and shared state from the lowest surviving rank to the
-        replacements of ``gen`` (``kept``: a replacement's boundaries, ``None`` on a survivor)."""
+        replacements of ``gen`` (``kept``: a replacement's boundaries, ``None`` on a survivor). A
+        newcomer (``gen.grown``) takes that rank's own state too, with the data position and RNG
+        streams derived for its rank as on a resume on another world size
+        (:func:`~trainguard.elastic.resharded_rank_state`)."""
         joining = kept is not None
         src = min(set(range(gen.world_size)) - set(gen.replaced))
         t0 = time.perf_counter()
+        parts = [n for n in self.train_state.parts if gen.grown or n not in LOCAL_PARTS]
         shared = {
             "hosts": self.hosts,
             "next_check": step + 1,
             "next_report": self.straggler.next_report,
-            "state": self.train_state.state_dict(n for n in self.train_state.parts if n not in LOCAL_PARTS),
+            "state": self.train_state.state_dict(parts) if self.rank == src else None,
         }
         packet, moved = regroup.transfer_state(self.model, self.optimizer, src, shared)
         if joining:
             self.step = step
-            self.train_state.load_state_dict({**packet["state"], **kept[step]})
+            if self.rank in gen.grown:
+                own = resharded_rank_state({**packet["state"], "step": step}, self.rank)
+            else:
+                own = kept[step]
+            self.train_state.load_state_dict({**packet["state"], **own})
         if self.rank == src:
             self.events.emit(
                 "state_transferred",

@@ -430,6 +430,12 @@ class ElasticSection(Section):
         "as a smaller group (renumbered ranks, the data position and global batch kept) while this many or more "
         "remain; 0: never shrink (the lost rank is started cold)",
     )
+    regrow: bool = Field(
+        True,
+        description="after a shrink in place, start a spare for each rank that left and grow back to the launched "
+        "world size when it is ready: at the ranks' next stop check, the newcomers taking the model, optimizer and "
+        "data position from the others (no restart); false: stay smaller until the group restarts",
+    )
 
 
 class FaultsSection(Section):

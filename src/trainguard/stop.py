@@ -28,7 +28,9 @@ class StopFlags:
     reasons come first, in priority order (a signal wins, then the kill switch, the time limit, the
     memory watchdog). ``next_interval`` is the steps until the next check this rank proposes: the
     maximum over ranks is taken, so every rank schedules the next check at the same step without
-    another collective.
+    another collective. ``grow`` is not a stop reason: the number of a generation in which the group
+    grows back in place (rank 0 finds it published, :meth:`~trainguard.rejoin.rank.Rejoin.growth_pending`;
+    0: none), so every rank meets the newcomers after the same step.
     """
 
     signal: int = 0
@@ -37,6 +39,7 @@ class StopFlags:
     memory: int = 0
     save_switch: int = 0
     next_interval: int = 1
+    grow: int = 0
 
     REASONS = ("signal", "kill_switch", "time_limit", "memory")
 

@@ -96,6 +96,7 @@ class TrainguardAgent(ElasticAdapter):
         self._stop_deadline: Optional[float] = None
         self._forwarded_to: set[int] = set()
         self._regrowing = False  # the ranks were asked to checkpoint and stop for a membership change
+        self._withdrawn: list[int] = []  # local ranks the group went on without (a shrink), until it grows back
         self._stopped_by_us: set[int] = set()  # local ranks SIGKILLed because a peer failed
         self.poll_hooks: list[Callable[[TrainguardAgent], Optional[str]]] = [monitor.poll] if monitor else []
 
@@ -143,7 +144,7 @@ class TrainguardAgent(ElasticAdapter):
             os.environ[RECOVERY_STORE] = self.replacer.share(group.store, group.group_rank)
 
     def _start_group(self) -> None:
-        self._forwarded_to, self._regrowing = set(), False
+        self._forwarded_to, self._regrowing, self._withdrawn = set(), False, []
         if self.monitor is not None:
             self.monitor.group_started(self.restart_count)
         self.start_workers()
@@ -206,6 +207,8 @@ class TrainguardAgent(ElasticAdapter):
                     return RunResult(state=WorkerState.FAILED)
             elif not self._regrowing and spec.rdzv_handler.num_nodes_waiting() > 0:  # not a failure
                 self._checkpoint_for_membership(spec.rdzv_handler.num_nodes_waiting())
+            elif self._withdrawn and self.stop_signal is None and self.replacer.can_grow():
+                self._grow_back()
 
     def _checkpoint_for_membership(self, waiting: int) -> None:
         """``waiting`` nodes wait in the rendezvous to join (a node came back, or a new one): ask
@@ -268,7 +271,9 @@ class TrainguardAgent(ElasticAdapter):
         :mod:`trainguard.rejoin.shrink`."""
         left = sorted(workers[r].global_rank for r in lost)
         gen = self.replacer.shrink(left, world_size)
-        self.withdraw(lost, {r: new_rank(w.global_rank, left) for r, w in workers.items()}, gen.world_size)
+        self._withdrawn += lost
+        live = {r: new_rank(w.global_rank, left) for r, w in workers.items() if r not in self._withdrawn}
+        self.withdraw(lost, {**live, **self._past(gen.world_size)}, gen.world_size)
         if self.monitor is not None:
             for r in lost:
                 self.monitor.rank_withdrawn(r)
@@ -278,6 +283,35 @@ class TrainguardAgent(ElasticAdapter):
             f"rank(s) {left} lost (exit codes {codes}): "
             f"the other {gen.world_size} rank(s) go on as a smaller group, renumbered ([elastic] min_ranks = "
             f"{self.replacer.min_ranks})"
+        )
+
+    def _past(self, world_size: int) -> dict[int, int]:
+        """``{local_rank: global rank}`` of the withdrawn workers: numbered past a group of
+        ``world_size`` ranks, in the order of their local ranks."""
+        return {r: world_size + i for i, r in enumerate(sorted(self._withdrawn))}
+
+    def _grow_back(self) -> None:
+        """Ready spares take withdrawn slots back: they become ranks ``world_size``, ``world_size +
+        1``, ... of a larger group that the ranks meet at their next stop check (see
+        :mod:`trainguard.rejoin.shrink`)."""
+        workers = {w.local_rank: w for w in self.workers()}
+        world_size = next(w.world_size for r, w in workers.items() if r not in self._withdrawn)
+        slots = sorted(self._withdrawn)[: len(self.replacer.ready_spares())]
+        joining = {world_size + i: self.worker_command(r) for i, r in enumerate(slots)}
+        started = self.replacer.grow(joining, world_size)
+        self._withdrawn = [r for r in self._withdrawn if r not in slots]
+        size = world_size + len(slots)
+        live = {r: w.global_rank for r, w in workers.items() if r not in self._withdrawn and r not in slots}
+        ranks = {**live, **{r: world_size + i for i, r in enumerate(slots)}, **self._past(size)}
+        self.readmit({r: started[world_size + i] for i, r in enumerate(slots)}, ranks, size)
+        if self.monitor is not None:
+            for r in slots:
+                self.monitor.rank_returned(r)
+        if self.record is not None:
+            self.record.write_ranks(self.worker_pids())
+        console.say(
+            f"a spare is ready: the group grows back to {size} rank(s) at the ranks' next stop check, "
+            f"rank(s) {sorted(joining)} taking their state from the others"
         )
 
     def _dump_survivors(self, tag: str) -> list[str]:

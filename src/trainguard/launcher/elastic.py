@@ -190,20 +190,32 @@ class ElasticAdapter(LocalElasticAgent):
         self._pcontext.subprocess_handlers[local_rank].proc = proc
         next(w for w in self._worker_group.workers if w.local_rank == local_rank).id = proc.pid
 
-    def withdraw(self, local_ranks: list[int], new_ranks: dict[int, int], world_size: int) -> None:
+    def withdraw(self, local_ranks: list[int], ranks: dict[int, int], world_size: int) -> None:
         """The group went on without the workers of ``local_ranks`` (a shrink, see
         :mod:`trainguard.rejoin.shrink`): each of their slots holds a finished process that exited
-        0, so torch's poll counts it as done; the other workers take their new global ranks
-        ``new_ranks`` (``{local_rank: global rank}``) and ``world_size``, in the worker objects and in
-        the environment a later replacement of them starts with. A withdrawn worker's global rank
-        is moved past the group (torch keys its results by global rank)."""
-        for i, local_rank in enumerate(sorted(local_ranks)):
+        0, so torch's poll counts it as done; every worker takes its global rank from ``ranks``
+        (``{local_rank: global rank}``: a withdrawn one is numbered past the group, as torch keys
+        its results by global rank) and the group's ``world_size`` (:meth:`renumber`)."""
+        for local_rank in local_ranks:
             done = subprocess.Popen([sys.executable, "-S", "-c", ""])
             done.wait()
             self.replace_process(local_rank, done)
-            new_ranks = {**new_ranks, local_rank: world_size + i}
+        self.renumber(ranks, world_size)
+
+    def readmit(self, procs: dict[int, subprocess.Popen], ranks: dict[int, int], world_size: int) -> None:
+        """Withdrawn slots take part again (the group grew back in place): ``procs`` (``{local_rank:
+        process}``) become their workers, and every worker takes its rank from ``ranks`` and the
+        group's ``world_size`` (:meth:`renumber`)."""
+        for local_rank, proc in procs.items():
+            self.replace_process(local_rank, proc)
+        self.renumber(ranks, world_size)
+
+    def renumber(self, ranks: dict[int, int], world_size: int) -> None:
+        """Every worker takes its global rank from ``ranks`` (``{local_rank: global rank}``) and
+        ``world_size``, in the worker objects and in the environment a later replacement of it
+        starts with."""
         for w in self._worker_group.workers:
-            w.global_rank = w.role_rank = new_ranks[w.local_rank]
+            w.global_rank = w.role_rank = ranks[w.local_rank]
             w.world_size = w.role_world_size = world_size
             env = self._pcontext.envs[w.local_rank]
             env.update(RANK=str(w.global_rank), ROLE_RANK=str(w.global_rank))

@@ -16,6 +16,10 @@ a rank starts its replacement and the generation's store on its own node. A warm
 waiting in the script's ``init_process_group``) is assigned the lost rank's environment instead of
 starting a new process; a new spare is then started in the background. :meth:`poll` tells the agent when the replacements have joined, or
 that recovery did not finish within its bound (the agent then restarts the group).
+
+With ``[elastic] min_ranks`` a lost rank with no spare ready leaves a smaller group instead
+(:meth:`shrink`); with ``[elastic] regrow`` a spare is started for each withdrawn rank, and once one
+is ready the group grows back in place (:meth:`grow`; see :mod:`trainguard.rejoin.shrink`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Optional
 
 from ..events import EventLog
 from ..launch_env import JOIN, RECOVERY_STORE
-from ..rejoin.protocol import Generation, RecoveryStore, assign_spare, connect, parse_address, serve
+from ..rejoin.protocol import Generation, RecoveryStore, assign_spare, connect, parse_address, serve, spare_ready
 from ..sections import RecoverySection
 
 REPLACEMENT_MODULE = "trainguard.rejoin.replacement"
@@ -47,6 +51,8 @@ class Replacer:
         host: this node's address for the stores, as the other nodes reach it (loopback on one node).
         spares: warm spares to keep (``[launcher] spares``).
         min_ranks: ``[elastic] min_ranks`` (0: never shrink; see :meth:`can_shrink`).
+        regrow: ``[elastic] regrow``: after a shrink, start a spare for each rank that left and grow
+            back when it is ready (:meth:`grow`).
 
     Stores: :attr:`server` (this agent's, on a free port of ``host``) holds the spares' assignments;
     the recovery keys of the group (generations, joins) are in node 0's (:meth:`share`).
@@ -61,9 +67,11 @@ class Replacer:
         host: str = "127.0.0.1",
         spares: int = 0,
         min_ranks: int = 0,
+        regrow: bool = False,
     ):
         self.cfg, self.events, self.script, self.boundary_dir, self.host = cfg, events, script, boundary_dir, host
-        self.min_ranks = min_ranks
+        self.min_ranks, self.regrow = min_ranks, regrow
+        self.owed = 0  # spares started to grow back after a shrink, beyond [launcher] spares
         self.server = serve(host)
         self.local_address = f"{host}:{self.server.port}"
         self.address = self.local_address  # of the recovery store the group shares (see share())
@@ -99,7 +107,7 @@ class Replacer:
 
     def group_started(self, attempt: int) -> None:
         """A (re)started group: generations count from 0 again, under the new attempt's keys."""
-        self.attempt, self.generation, self.pending = attempt, 0, None
+        self.attempt, self.generation, self.pending, self.owed = attempt, 0, None, 0
         self._stores.clear()
 
     def fill_spares(self, argv: list[str], env: dict[str, str]) -> None:
@@ -109,7 +117,7 @@ class Replacer:
         for sid, proc in list(self.spares.items()):
             if proc.poll() is not None:  # a spare that died (its script failed early): forget it
                 del self.spares[sid]
-        while len(self.spares) < self.want_spares:
+        while len(self.spares) < self.want_spares + self.owed:
             self._spare_ids += 1
             cmd = replacement_command(argv, self.script, ["--spare", str(self._spare_ids)])
             spare_env = {**os.environ, **env, RECOVERY_STORE: self.local_address}  # assigned here, by this agent
@@ -123,19 +131,28 @@ class Replacer:
             return f"in-process replacement budget spent ({self.cfg.max_replacements})"
         return None
 
+    def ready_spares(self) -> list[int]:
+        """Ids of the spares that are alive and wait for an assignment (their start-up done)."""
+        return [sid for sid, p in self.spares.items() if p.poll() is None and spare_ready(self.server, sid)]
+
     def can_shrink(self, lost: int, world_size: int) -> bool:
         """Whether ``lost`` lost ranks of a ``world_size`` group leave a smaller group instead of
-        being replaced: ``[elastic] min_ranks`` is set, no warm spare is waiting, and at least
-        ``min_ranks`` ranks remain (a cold start would hold every rank for seconds)."""
-        waiting = any(p.poll() is None for p in self.spares.values())
-        return bool(self.min_ranks) and not waiting and world_size - lost >= self.min_ranks
+        being replaced: ``[elastic] min_ranks`` is set, no warm spare is ready, and at least
+        ``min_ranks`` ranks remain (a cold start, or a spare still starting, would hold every rank
+        for seconds)."""
+        return bool(self.min_ranks) and not self.ready_spares() and world_size - lost >= self.min_ranks
 
     def shrink(self, left: list[int], world_size: int) -> Generation:
         """Publish the generation in which the others go on without the global ranks ``left``
         (renumbered in order, :func:`~trainguard.rejoin.protocol.new_rank`); ``world_size``: the
-        group's size before. Returns the generation (its ``world_size`` is the smaller one)."""
+        group's size before. With ``regrow``, start a spare for each of them. Returns the
+        generation (its ``world_size`` is the smaller one)."""
         gen = self._next_generation((), world_size - len(left), tuple(sorted(left)))
         self._publish(gen)
+        if self.regrow:
+            self.owed += len(left)
+            if self._template is not None:
+                self.fill_spares(*self._template)
         self.events.emit(
             "recovery_started",
             generation=gen.number,
@@ -148,12 +165,68 @@ class Replacer:
         )
         return gen
 
-    def _next_generation(self, replaced: tuple[int, ...], world_size: int, left: tuple[int, ...] = ()) -> Generation:
+    def can_grow(self) -> bool:
+        """Whether the group may grow back now: spares are owed to a shrink, one is ready, and no
+        generation is forming."""
+        return self.owed > 0 and self.pending is None and bool(self.ready_spares())
+
+    def grow(
+        self, joining: dict[int, tuple[list[str], dict[str, str]]], world_size: int
+    ) -> dict[int, subprocess.Popen]:
+        """Assign ready spares to the ranks ``joining`` and publish the generation in which the group
+        grows by them (:attr:`~trainguard.rejoin.protocol.Generation.grown`): the survivors learn of
+        it at their next stop check and send the state.
+
+        Args:
+            joining: ``{global rank: (command line, environment)}`` of withdrawn workers, numbered
+                ``world_size``, ``world_size + 1``, ...; as many as :meth:`ready_spares` at most.
+            world_size: the group's size before.
+        Returns:
+            ``{global rank: Popen}`` of the spares that became those ranks.
+        """
+        size = world_size + len(joining)
+        ranks = tuple(sorted(joining))
+        gen = self._next_generation(ranks, size, grown=ranks)
+        procs = {}
+        for rank, sid in zip(ranks, self.ready_spares()):
+            env = {**self._rank_env(joining[rank][1], gen), "RANK": str(rank), "ROLE_RANK": str(rank)}
+            env.update(WORLD_SIZE=str(size), ROLE_WORLD_SIZE=str(size))
+            assign_spare(self.server, sid, env)
+            procs[rank] = self.spares.pop(sid)
+        self._publish(gen)
+        self.owed -= len(ranks)
+        if self._template is not None:  # [launcher] spares, if any, waiting again
+            self.fill_spares(*self._template)
+        self.events.emit(
+            "grow_started",
+            generation=gen.number,
+            ranks=list(ranks),
+            world_size=size,
+            pids={r: p.pid for r, p in procs.items()},
+        )
+        return procs
+
+    def _next_generation(
+        self, replaced: tuple[int, ...], world_size: int, left: tuple[int, ...] = (), grown: tuple[int, ...] = ()
+    ) -> Generation:
         """The next generation: its number drawn from the shared store, a fresh store of its own."""
         self.generation = RecoveryStore(self.shared, self.attempt).next_number()
         store = serve(self.host)
         self._stores.append(store)
-        return Generation(self.generation, self.host, store.port, replaced, world_size, left)
+        return Generation(self.generation, self.host, store.port, replaced, world_size, left, grown)
+
+    @staticmethod
+    def _rank_env(env: dict[str, str], gen: Generation) -> dict[str, str]:
+        """A new process's environment as a rank of ``gen``: as torch starts a worker (the
+        launcher's environment, then the worker's ``env``), joining ``gen`` on its store."""
+        return {
+            **os.environ,
+            **env,
+            JOIN: str(gen.number),
+            "MASTER_ADDR": gen.host,
+            "MASTER_PORT": str(gen.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
 
     def _publish(self, gen: Generation) -> None:
         """Announce ``gen`` to the ranks and follow it in :meth:`poll`."""
@@ -176,14 +249,7 @@ class Replacer:
         gen = self._next_generation(tuple(sorted(lost)), world_size)
         procs, warm = {}, []
         for rank, (argv, env) in lost.items():
-            env = {
-                **os.environ,  # as torch starts a worker: the launcher's environment, then the worker's
-                **env,
-                JOIN: str(gen.number),
-                "MASTER_ADDR": gen.host,
-                "MASTER_PORT": str(gen.port),
-                "TORCHELASTIC_USE_AGENT_STORE": "True",
-            }
+            env = self._rank_env(env, gen)
             spare = next((sid for sid, p in self.spares.items() if p.poll() is None), None)
             if spare is not None:
                 assign_spare(self.server, spare, env)

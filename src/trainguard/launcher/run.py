@@ -276,6 +276,7 @@ def _run_agent(
             host=host,
             spares=cfg.launcher.spares,
             min_ranks=cfg.elastic.min_ranks if max_nodes == 1 else 0,  # a shrink renumbers ranks: one node only
+            regrow=cfg.elastic.regrow,
         )
     to_ranks = LaunchEnv(
         run_dir=run_dir,

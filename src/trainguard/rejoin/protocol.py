@@ -9,8 +9,14 @@ Keys (all under ``attempt{N}/``, ``N`` the worker group's restart count):
   a shrink: by every rank of the smaller group); the launcher counts a recovery as finished when
   every member has written it.
 
-and, for warm spares (not tied to a group attempt): ``spares/{id}``, the JSON environment of the
-rank spare ``id`` becomes (:func:`assign_spare`, :func:`wait_for_assignment`).
+and, for warm spares (not tied to a group attempt): ``spares/{id}/ready``, written by spare ``id``
+once it waits in the script's ``init_process_group`` (its imports and set-up done), and
+``spares/{id}``, the JSON environment of the rank it becomes (:func:`assign_spare`,
+:func:`wait_for_assignment`, :func:`spare_ready`).
+
+A generation is published either because ranks were lost (the survivors notice it in a collective
+and wait for it) or because the group grows back in place after a shrink (:attr:`Generation.grown`:
+the survivors learn of it at their next stop check, :meth:`RecoveryStore.peek`).
 
 Each generation's process groups live on a store of their own (a fresh TCPStore server the
 launcher starts per generation, :attr:`Generation.port`), so no key of an earlier generation can
@@ -60,6 +66,9 @@ class Generation:
         world_size: ranks in the generation (unchanged by a replacement, smaller after a shrink).
         left: global ranks of the previous generation that left it without a replacement (a
             shrink): the others are renumbered in order (:func:`new_rank`).
+        grown: global ranks new to the group, numbered after the others (it grows back in place,
+            see :mod:`.shrink`); also in ``replaced``. They take their own state from the lowest
+            surviving rank by the rule of a resume on another world size.
     """
 
     number: int
@@ -68,6 +77,7 @@ class Generation:
     replaced: tuple[int, ...]
     world_size: int
     left: tuple[int, ...] = ()
+    grown: tuple[int, ...] = ()
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -88,6 +98,7 @@ class Generation:
             tuple(d["replaced"]),
             int(d["world_size"]),
             tuple(d.get("left", ())),
+            tuple(d.get("grown", ())),
         )
 
 
@@ -148,6 +159,11 @@ class RecoveryStore:
             return None
         return Generation.from_json(self.store.get(key))
 
+    def peek(self, number: int) -> Optional[Generation]:
+        """Rank: generation ``number`` if it is published now, else ``None`` (no waiting)."""
+        key = f"gen/{number}"
+        return Generation.from_json(self.store.get(key)) if self.store.check([key]) else None
+
     def joined(self, number: int, rank: int) -> None:
         """Replacement: say that rank ``rank`` holds its state in generation ``number``."""
         self.store.set(f"gen/{number}/joined/{rank}", "1")
@@ -162,10 +178,17 @@ def assign_spare(store: dist.Store, spare_id: int, env: dict[str, str]) -> None:
     store.set(f"spares/{spare_id}", json.dumps(env))
 
 
+def spare_ready(store: dist.Store, spare_id: int) -> bool:
+    """Launcher: whether spare ``spare_id`` waits for its assignment (its start-up is done)."""
+    return store.check([f"spares/{spare_id}/ready"])
+
+
 def wait_for_assignment(store: dist.Store, spare_id: int, poll: float = 60.0) -> dict[str, str]:
-    """Spare: block until the launcher assigns this spare a rank; returns that rank's environment.
-    (A spare whose launcher dies is killed by its parent-death signal, so this need not time out.)"""
+    """Spare: say it is ready, then block until the launcher assigns this spare a rank; returns that
+    rank's environment. (A spare whose launcher dies is killed by its parent-death signal, so this
+    need not time out.)"""
     key = f"spares/{spare_id}"
+    store.set(f"{key}/ready", "1")
     while True:
         try:
             store.wait([key], timedelta(seconds=poll))

@@ -104,6 +104,27 @@ class Rejoin:
         self.generation = gen.number
         return gen
 
+    def growth_pending(self) -> int:
+        """The number of the next generation if it is published and grows the group in place (see
+        :mod:`.shrink`), else 0. One store round trip; rank 0 asks at each stop check."""
+        if not self.active:
+            return 0
+        gen = self.store.peek(self.generation + 1)
+        return gen.number if gen is not None and gen.grown else 0
+
+    def grown_generation(self, number: int) -> Generation:
+        """Generation ``number``, which the ranks agreed to grow into (rank 0 found it published).
+
+        Raises:
+            RuntimeError: it cannot be read within ``[recovery] timeout`` (the launcher is gone).
+        """
+        assert self.store is not None
+        gen = self.store.wait(number, self.cfg.timeout)
+        if gen is None:
+            raise RuntimeError(f"generation {number} was not published in the recovery store")
+        self.generation = gen.number
+        return gen
+
     def joined_generation(self) -> Generation:
         """A replacement's generation (already published when it was started).
 

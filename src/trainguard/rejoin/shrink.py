@@ -1,7 +1,7 @@
 """Shrink in place: the group goes on without a lost rank, as a smaller group.
 
 With ``[elastic] min_ranks`` set (one node, in-process recovery on), a rank lost while no warm
-spare is waiting is not started again cold (seconds during which every rank waits). Instead:
+spare is ready is not started again cold (seconds during which every rank waits). Instead:
 
 1. **The launcher publishes a generation with ``left``** (:meth:`~trainguard.launcher.replace.Replacer.shrink`):
    the lost global ranks, the smaller world size, a fresh store. It puts a finished process in
@@ -25,6 +25,14 @@ Each survivor writes ``world_size_changed`` (``in_process: true``, ``left``) and
 generation; the launcher counts the recovery finished when all have. The result is not bitwise
 identical to a run without the loss (the summation order and the batch split change). A later
 group restart starts the whole launched world again and resumes on it from a checkpoint.
+
+**Growing back** (``[elastic] regrow``): the launcher starts a spare for each rank that left; once
+one is ready it publishes a generation with :attr:`~.protocol.Generation.grown` (the newcomers
+numbered after the others). Rank 0 finds it at its next stop check and the check's all-reduce
+tells every rank, so all of them, at the same step boundary, take the larger world size, meet
+the newcomers in a new group and send them the model, optimizer and shared state; a newcomer
+derives its own data position and RNG streams from the lowest surviving rank's by the rule of a
+resume on another world size (:func:`~trainguard.elastic.resharded_rank_state`). Nothing is redone.
 
 Not covered: several nodes (the other node's launcher would have to renumber its workers: a lost
 rank there is replaced instead), the node-local checkpoint tier (its files are placed by rank),

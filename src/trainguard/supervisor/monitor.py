@@ -171,6 +171,12 @@ class HangMonitor:
         self.rank_replaced(local_rank)
         self._withdrawn.add(local_rank)
 
+    def rank_returned(self, local_rank: int) -> None:
+        """A withdrawn slot takes part again (the group grew back in place): it is watched as a
+        starting rank, as a replacement is."""
+        self._withdrawn.discard(local_rank)
+        self.rank_replaced(local_rank)
+
     def group_stopped(self) -> None:
         """The group ended or is being restarted: fold its observations in, save timeouts.json."""
         self._learn()
