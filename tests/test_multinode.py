@@ -90,9 +90,16 @@ def _kill_tree(agent: subprocess.Popen) -> None:
 
 
 def start_agent(
-    run: Path, node: int, endpoint: str, rdzv_id: str, *overrides: str, nnodes: str = "2", extra: tuple[str, ...] = ()
+    run: Path,
+    node: int,
+    endpoint: str,
+    rdzv_id: str,
+    *overrides: str,
+    nnodes: str = "2",
+    extra: tuple[str, ...] = (),
+    nproc: int = 1,
 ) -> subprocess.Popen:
-    """One agent of a job on loopback (``--nproc-per-node 1``, c10d rendezvous at ``endpoint``),
+    """One agent of a job on loopback (``--nproc-per-node nproc``, c10d rendezvous at ``endpoint``),
     its output in ``node_log(run, node)``."""
     with open(node_log(run, node), "ab") as log:
         cmd = [
@@ -103,7 +110,7 @@ def start_agent(
             "--nnodes",
             nnodes,
             "--nproc-per-node",
-            "1",
+            str(nproc),
             "--rdzv-backend",
             "c10d",
             "--rdzv-endpoint",
@@ -295,22 +302,35 @@ def test_rank_killed_on_either_node_is_replaced_in_process_across_nodes(tmp_path
         assert exit_["code"] == 0 and exit_["state_sha256"] == clean_hash(STEPS), (pid, exit_)
 
 
-def test_a_node_that_joins_a_running_job_grows_it_at_a_checkpointed_step_boundary(tmp_path):
-    """``--nnodes 1:2``: the first node trains alone (1 rank, 4 sequences per step); a second node
-    joins while it runs: the rank checkpoints at the next step boundary and exits 75, the group
-    restarts with both nodes and resumes from that checkpoint on 2 ranks (2 sequences each, the
-    global batch kept): no completed step is trained again. The job is then stopped (SIGTERM to
-    both launchers, exit 75): 4 sequences per step throughout."""
+def test_a_job_that_shrank_in_place_grows_when_a_node_joins_at_a_checkpointed_step_boundary(tmp_path):
+    """``--nnodes 1:2``: the first node trains alone with 3 ranks (4 sequences each). Rank 1 dies:
+    ``elastic.min_ranks = 2``, no spare, no regrow, so ranks 0 and 2 go on in place as 2 ranks of 6
+    (no restart). A second node (1 rank) joins while they run: the ranks checkpoint at the next
+    step boundary and exit 75, the group restarts with both nodes and resumes from that checkpoint
+    on 4 ranks (3 sequences each, the global batch kept): no completed step is trained again. The
+    job is then stopped (SIGTERM to both launchers, exit 75): 12 sequences per step throughout."""
     run = tmp_path / "run"
     endpoint, rdzv_id = job_address()
-    settings = ("train.max_steps=1000000", "checkpoint.interval=40")  # runs until stopped
-    agents = [start_agent(run, 0, endpoint, rdzv_id, *settings, nnodes="1:2")]
+    settings = (
+        "train.max_steps=1000000",  # runs until stopped
+        "train.batch_size=4",
+        "data.max_bytes=2000000",  # 57,000 sequences: the epoch does not end however fast the steps are
+        "checkpoint.interval=20",
+        "recovery.in_process=true",
+        "launcher.spares=0",
+        "elastic.min_ranks=2",
+        "elastic.regrow=false",
+    )
+    kill = ("--inject", "rank_killed:rank=1,step=15")
+    agents = [start_agent(run, 0, endpoint, rdzv_id, *settings, nnodes="1:2", extra=kill, nproc=3)]
     try:
-        wait_for(lambda: events(run, "checkpoint_committed"), what="step 40 on one node")
+        wait_for(lambda: events(run, "world_size_changed"), what="the shrink to 2 ranks")
+        shrunk = events(run, "world_size_changed")[0]["time"]
+        wait_for(lambda: [e for e in events(run, "checkpoint_committed") if e["time"] > shrunk], what="a step on 2")
         agents.append(start_agent(run, 1, endpoint, rdzv_id, *settings, nnodes="1:2"))
-        wait_for(lambda: events(run, "world_size_changed"), what="the resume on 2 ranks")
-        grown = events(run, "world_size_changed")[0]["time"]
-        wait_for(lambda: [e for e in events(run, "checkpoint_committed") if e["time"] > grown], what="a step on 2")
+        wait_for(lambda: events(run, "resume"), what="the resume on 4 ranks")
+        grown = events(run, "resume")[0]["time"]
+        wait_for(lambda: [e for e in events(run, "checkpoint_committed") if e["time"] > grown], what="a step on 4")
         for agent in agents:
             agent.send_signal(signal.SIGTERM)
         codes = finish_both(run, agents)
@@ -326,7 +346,9 @@ def test_a_node_that_joins_a_running_job_grows_it_at_a_checkpointed_step_boundar
     boundary = [e["step"] for e in saved if e["time"] < resumed[0]["time"]][-1]
     assert len(resumed) == 1 and resumed[0]["details"]["from_step"] == boundary, (saved, resumed)
     changed = events(run, "world_size_changed")
-    assert [(e["details"]["from_world_size"], e["details"]["to_world_size"]) for e in changed] == [(1, 2)]
+    sizes = [(e["details"]["from_world_size"], e["details"]["to_world_size"], e["rank"]) for e in changed]
+    assert sizes == [(3, 2, 0), (3, 2, 1), (2, 4, 0)] or sizes == [(3, 2, 1), (3, 2, 0), (2, 4, 0)], sizes
+    assert [e["step"] for e in changed][:2] == [15, 15] and changed[2]["step"] == boundary
     final = Path(saved[-1]["details"]["path"])
-    states = [torch.load(final / rank_file(r), weights_only=True) for r in range(2)]
-    assert [s["sampler"]["consumed"] for s in states] == [4 * saved[-1]["step"]] * 2
+    states = [torch.load(final / rank_file(r), weights_only=True) for r in range(4)]
+    assert [s["sampler"]["consumed"] for s in states] == [12 * saved[-1]["step"]] * 4

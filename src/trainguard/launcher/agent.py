@@ -247,7 +247,7 @@ class TrainguardAgent(ElasticAdapter):
             return None
         self.events.emit("workers_failed", exit_codes={r: codes[r] for r in lost}, pids={r: procs[r].pid for r in lost})
         world_size = workers[lost[0]].world_size
-        if self.replacer.can_shrink(len(lost), world_size):
+        if self.worker_group.group_world_size == 1 and self.replacer.can_shrink(len(lost), world_size):
             self._shrink(lost, workers, world_size, [codes[r] for r in lost])
             return None
         console.say(

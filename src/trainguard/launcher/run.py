@@ -275,7 +275,7 @@ def _run_agent(
             _node_local_dir("trainguard-rejoin-"),
             host=host,
             spares=cfg.launcher.spares,
-            min_ranks=cfg.elastic.min_ranks if max_nodes == 1 else 0,  # a shrink renumbers ranks: one node only
+            min_ranks=cfg.elastic.min_ranks,  # the agent shrinks only a group on one node (it renumbers ranks)
             regrow=cfg.elastic.regrow,
         )
     to_ranks = LaunchEnv(
