@@ -34,6 +34,9 @@ FULL = LaunchEnv(
     heartbeat_dir=Path("/dev/shm/trainguard-hb-x"),
     end_time=1763903600.5,
     end_time_file=Path("/runs/gpt/.slurm_end_time.7.0"),
+    recovery_store="10.0.0.1:29600",
+    recovery_dir=Path("/dev/shm/trainguard-rejoin-x"),
+    recovery_group=3,
 )
 
 

@@ -18,10 +18,12 @@ import torch
 import torch.distributed as dist
 
 from conftest import events, final_hash, finish, launch, logged_step, wait_for
-from trainguard.launcher.replace import REPLACEMENT_MODULE, replacement_command
+from trainguard.events import EventLog
+from trainguard.launcher.replace import REPLACEMENT_MODULE, Replacer, replacement_command
 from trainguard.rejoin import regroup
 from trainguard.rejoin.boundary import PLAIN, TORCH, BoundaryState, decode, encode, read
 from trainguard.rejoin.protocol import Generation, RecoveryStore, connect, is_peer_failure, parse_address, serve
+from trainguard.sections import RecoverySection
 from trainguard.state import capture_rng
 
 STEPS = 150  # as test_launcher.py: the clean_hash fixture's run is shared
@@ -53,6 +55,27 @@ def test_generation_round_trip_and_store_protocol():
     assert not launcher.all_joined(gen)
     rank.joined(2, 3)
     assert launcher.all_joined(gen)
+    assert launcher.peek(2) == gen and launcher.peek(3) is None
+
+
+def test_every_group_start_gets_its_own_keys_on_every_node(tmp_path):
+    """Node 0's launcher numbers each start of the group (a restart for a node that joined too,
+    which keeps torch's restart count) and passes the number to the other nodes' launchers through
+    the rendezvous store: a generation published before the restart is not seen after it."""
+    rdzv = serve()
+    node0 = Replacer(RecoverySection(), EventLog(tmp_path), "train.py", tmp_path / "b0")
+    node1 = Replacer(RecoverySection(), EventLog(tmp_path), "train.py", tmp_path / "b1", spares=0)
+    try:
+        first = node0.share(rdzv, 0)
+        assert node1.share(connect("127.0.0.1", rdzv.port), 1) == first == (node0.local_address, 1)
+        node1.shrink([1], 3)  # generation 1 of start 1, published by node 1 in node 0's store
+        assert RecoveryStore(node0.server, 1).peek(1) is not None
+        assert node0.share(rdzv, 0)[1] == node1.share(connect("127.0.0.1", rdzv.port), 1)[1] == 2
+        assert RecoveryStore(connect(*parse_address(first[0])), 2).peek(1) is None
+        assert node1.generation == 0 and node1.pending is None
+    finally:
+        node0.close()
+        node1.close()
 
 
 def test_boundary_state_keeps_the_last_two_boundaries_beyond_the_process(tmp_path):

@@ -32,6 +32,7 @@ END_TIME = "TRAINGUARD_END_TIME"
 END_TIME_FILE = "TRAINGUARD_END_TIME_FILE"
 RECOVERY_STORE = "TRAINGUARD_RECOVERY_STORE"
 RECOVERY_DIR = "TRAINGUARD_RECOVERY_DIR"
+RECOVERY_GROUP = "TRAINGUARD_RECOVERY_GROUP"
 # set by the launcher for one process only: a replacement of a lost rank (not in to_environ)
 JOIN = "TRAINGUARD_JOIN"
 # ---- torch elastic's per-worker variables (read only) --------------------------------------------
@@ -53,6 +54,7 @@ WRITTEN = (
     END_TIME_FILE,
     RECOVERY_STORE,
     RECOVERY_DIR,
+    RECOVERY_GROUP,
 )
 
 
@@ -84,6 +86,9 @@ class LaunchEnv:
             (``TRAINGUARD_RECOVERY_STORE``; :mod:`trainguard.rejoin.protocol`); ``None``: in-process
             recovery is off.
         recovery_dir: node-local directory of the ranks' step-boundary files (``TRAINGUARD_RECOVERY_DIR``).
+        recovery_group: the number of the group start whose keys the recovery store holds
+            (``TRAINGUARD_RECOVERY_GROUP``, from node 0's launcher; every start of a group counts,
+            a restart for a node that joined too, which torch's restart count does not).
         join: the generation this process joins as the replacement of a lost rank (``TRAINGUARD_JOIN``,
             set for that process only); ``None`` for a rank of a starting group.
         restart_count: worker-group restart count (torch's ``TORCHELASTIC_RESTART_COUNT``, default 0).
@@ -102,6 +107,7 @@ class LaunchEnv:
     end_time_file: Optional[Path] = None
     recovery_store: Optional[str] = None
     recovery_dir: Optional[Path] = None
+    recovery_group: int = 0
     join: Optional[int] = None
     restart_count: int = 0
     local_rank: int = 0
@@ -130,6 +136,7 @@ class LaunchEnv:
             end_time_file=_path(env, END_TIME_FILE),
             recovery_store=env.get(RECOVERY_STORE) or None,
             recovery_dir=_path(env, RECOVERY_DIR),
+            recovery_group=_count(env, RECOVERY_GROUP, 0),
             join=_count(env, JOIN, None),
             restart_count=_count(env, RESTART_COUNT, 0),
             local_rank=_count(env, LOCAL_RANK, 0),
@@ -162,6 +169,7 @@ class LaunchEnv:
             END_TIME_FILE: _text(self.end_time_file),
             RECOVERY_STORE: self.recovery_store or "",
             RECOVERY_DIR: _text(self.recovery_dir),
+            RECOVERY_GROUP: str(self.recovery_group) if self.recovery_group else "",
         }
 
 

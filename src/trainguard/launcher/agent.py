@@ -38,7 +38,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from .. import console
 from ..events import EventLog
 from ..exitcodes import ExitCode
-from ..launch_env import RECOVERY_STORE
+from ..launch_env import RECOVERY_GROUP, RECOVERY_STORE
 from ..rejoin.protocol import new_rank
 from ..supervisor.monitor import HangMonitor
 from . import script_error
@@ -137,11 +137,12 @@ class TrainguardAgent(ElasticAdapter):
 
     def after_rendezvous(self) -> None:
         """In-process recovery: every node's workers and replacers share node 0's recovery store
-        (its address goes from node 0's agent to the others through the rendezvous store); the
-        workers find it in their environment."""
+        and the number of this group start (they go from node 0's agent to the others through the
+        rendezvous store); the workers find them in their environment."""
         if self.replacer is not None:
             group = self.worker_group
-            os.environ[RECOVERY_STORE] = self.replacer.share(group.store, group.group_rank)
+            address, number = self.replacer.share(group.store, group.group_rank)
+            os.environ.update({RECOVERY_STORE: address, RECOVERY_GROUP: str(number)})
 
     def _start_group(self) -> None:
         self._forwarded_to, self._regrowing, self._withdrawn = set(), False, []
@@ -149,7 +150,6 @@ class TrainguardAgent(ElasticAdapter):
             self.monitor.group_started(self.restart_count)
         self.start_workers()
         if self.replacer is not None:
-            self.replacer.group_started(self.restart_count)
             self.replacer.fill_spares(*self.worker_command(0))
         group = self.worker_group
         if self.monitor is not None:

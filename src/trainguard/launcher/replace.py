@@ -33,11 +33,21 @@ from typing import Optional
 
 from ..events import EventLog
 from ..launch_env import JOIN, RECOVERY_STORE
-from ..rejoin.protocol import Generation, RecoveryStore, assign_spare, connect, parse_address, serve, spare_ready
+from ..rejoin.protocol import (
+    Generation,
+    RecoveryStore,
+    assign_spare,
+    connect,
+    next_group,
+    parse_address,
+    serve,
+    spare_ready,
+)
 from ..sections import RecoverySection
 
 REPLACEMENT_MODULE = "trainguard.rejoin.replacement"
 SHARED_KEY = "trainguard/recovery_store"  # in the rendezvous store: node 0's recovery store address
+GROUP_KEY = "trainguard/recovery_group"  # and the number of this group start, under which its keys go
 
 
 class Replacer:
@@ -88,27 +98,30 @@ class Replacer:
         self._spare_ids = 0
         self._template: Optional[tuple[list[str], dict[str, str]]] = None
 
-    def share(self, rdzv_store, group_rank: int) -> str:
-        """After a rendezvous: node 0 (``group_rank`` 0) offers its recovery store to the others
-        through the rendezvous round's store ``rdzv_store``; the others connect to it. Returns the
-        shared store's address (``HOST:PORT``, for the workers' ``TRAINGUARD_RECOVERY_STORE``).
+    def share(self, rdzv_store, group_rank: int) -> tuple[str, int]:
+        """After a rendezvous: node 0 (``group_rank`` 0) offers its recovery store and the number of
+        this group start (the keys' prefix; it counts every start, also a restart for a node that
+        joined, which torch's restart count does not) to the others through the rendezvous round's
+        store ``rdzv_store``; the others connect to it. Generations count from 0 again. Returns the
+        shared store's address (``HOST:PORT``) and the start's number, for the workers'
+        ``TRAINGUARD_RECOVERY_STORE`` and ``TRAINGUARD_RECOVERY_GROUP``.
 
         Raises:
-            torch.distributed.DistStoreError: node 0's address did not come within the store's timeout.
+            torch.distributed.DistStoreError: node 0's values did not come within the store's timeout.
         """
         if group_rank == 0:
+            number = next_group(self.server)
             rdzv_store.set(SHARED_KEY, self.local_address)
+            rdzv_store.set(GROUP_KEY, str(number))
             self.address, self.shared = self.local_address, self.server
         else:
             address = rdzv_store.get(SHARED_KEY).decode()
+            number = int(rdzv_store.get(GROUP_KEY).decode())
             if address != self.address:
                 self.address, self.shared = address, connect(*parse_address(address), self.cfg.timeout)
-        return self.address
-
-    def group_started(self, attempt: int) -> None:
-        """A (re)started group: generations count from 0 again, under the new attempt's keys."""
-        self.attempt, self.generation, self.pending, self.owed = attempt, 0, None, 0
+        self.attempt, self.generation, self.pending, self.owed = number, 0, None, 0
         self._stores.clear()
+        return self.address, number
 
     def fill_spares(self, argv: list[str], env: dict[str, str]) -> None:
         """Keep ``[launcher] spares`` spares waiting; ``argv``/``env``: a worker's command line and

@@ -1,6 +1,7 @@
 """The launcher ↔ rank protocol of in-process recovery, over one TCPStore the launcher hosts.
 
-Keys (all under ``attempt{N}/``, ``N`` the worker group's restart count):
+Keys (all under ``attempt{N}/``, ``N`` the number of the worker group's start, counted by node 0's
+launcher: a restart for a node that joined is a new start though torch's restart count stays):
 
 * ``generations``: a counter; the launcher draws each generation's number from it.
 * ``gen/{g}``: the JSON of :class:`Generation` ``g`` (``g`` = 1, 2, ...), written by the launcher
@@ -135,7 +136,7 @@ class RecoveryStore:
 
     Args:
         store: a TCPStore (server in the launcher, client in a rank).
-        attempt: the worker group's restart count.
+        attempt: the number of the worker group's start (``TRAINGUARD_RECOVERY_GROUP``).
     """
 
     def __init__(self, store: dist.Store, attempt: int):
@@ -171,6 +172,12 @@ class RecoveryStore:
     def all_joined(self, gen: Generation) -> bool:
         """Launcher: every member of ``gen`` (:attr:`Generation.members`) has said so."""
         return self.store.check([f"gen/{gen.number}/joined/{r}" for r in gen.members])
+
+
+def next_group(store: dist.Store) -> int:
+    """Node 0's launcher: draw the number of a new start of the worker group (1, 2, ...), under which
+    that start's keys go (``RecoveryStore(store, number)``)."""
+    return int(store.add("groups", 1))
 
 
 def assign_spare(store: dist.Store, spare_id: int, env: dict[str, str]) -> None:

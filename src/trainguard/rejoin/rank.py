@@ -59,7 +59,7 @@ class Rejoin:
         self.store: Optional[RecoveryStore] = None
         if self.active:
             host, port = parse_address(launch.recovery_store)  # type: ignore[arg-type]
-            self.store = RecoveryStore(connect(host, port, cfg.timeout), launch.restart_count)
+            self.store = RecoveryStore(connect(host, port, cfg.timeout), launch.recovery_group)
         self.dir = launch.recovery_dir
         self.boundary = BoundaryState(self.dir if self.active else None, rank)
         self.joining = self.active and launch.join is not None
