@@ -307,6 +307,36 @@ def test_in_process_recovery_is_counted_apart_from_group_restarts():
     assert "failures recovered: in process 1 (median 0.800 s to recover, 0 steps lost)" in render_text(report)
 
 
+def test_a_node_that_joins_is_part_of_the_launch_and_its_stop_is_a_membership_change():
+    """Two nodes' launchers (pids 1 and 2) write one launch; node 1 joins later, node 0's launcher
+    asks for a checkpointed stop (membership_change), and both nodes start the next group: one
+    launch, two group starts, and the stop is a membership change, not a preemption."""
+    log = [
+        ev(0, "launch", rank=None, nnodes="1:2"),
+        ev(1, "workers_started", rank=None, restart=0, node=0, nodes=1, world_size=2),
+        ev(10, "start", 0, first_step=0, world_size=2),
+        ev(20, "checkpoint_committed", 10, bytes=100, seconds=0.1, reason="interval"),
+        dict(ev(21, "launch", rank=None, nnodes="1:2"), pid=2),
+        ev(22, "membership_change", rank=None, nodes_waiting=1),
+        ev(22.1, "stop_requested", 12, reason="signal", signal="SIGTERM"),
+        ev(22.2, "checkpoint_committed", 12, bytes=100, seconds=0.1, reason="signal"),
+        ev(22.3, "exit", 12, code=75, reason="signal"),
+        ev(22.5, "membership_restart", rank=None, nodes_waiting=1),
+        dict(ev(23, "workers_started", rank=None, restart=0, node=1, nodes=2, world_size=3), pid=2),
+        ev(23, "workers_started", rank=None, restart=0, node=0, nodes=2, world_size=3),
+        ev(28, "start", 12, first_step=12, world_size=3, resumed_from="step-12"),
+        ev(40, "end", 30, state_sha256="x"),
+        dict(ev(41, "launch_exit", rank=None, code=0, reason="finished", seconds=20), pid=2),
+        ev(41, "launch_exit", rank=None, code=0, reason="finished", seconds=41),
+    ]
+    report = build_report(log)
+    assert report["launches"] == 1 and report["attempts"] == 2 and report["status"].startswith("finished")
+    (inc,) = report["incidents"]
+    assert inc["kind"] == "membership_change" and inc["steps_lost"] == 0 and inc["resumed_from_step"] == 12
+    sizes = [(w["world_size"], w["first_step"]) for w in report["world_sizes"]]
+    assert sizes == [(2, 0), (3, 12)], sizes
+
+
 def test_copy_of_a_live_run_reports_running(chaos, tmp_path):
     """A log cut in the middle of the second launch (as while it runs): the launch is open."""
     lines = (chaos / "events.jsonl").read_text().splitlines()

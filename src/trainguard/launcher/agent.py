@@ -158,7 +158,12 @@ class TrainguardAgent(ElasticAdapter):
         if self.record is not None:
             self.record.write_ranks(pids)
         self.events.emit(
-            "workers_started", restart=self.restart_count, pids=pids, world_size=group.workers[0].world_size
+            "workers_started",
+            restart=self.restart_count,
+            pids=pids,
+            world_size=group.workers[0].world_size,
+            node=group.group_rank,
+            nodes=group.group_world_size,
         )
         if self.stop_signal is not None:  # a signal that arrived during rendezvous
             self._forward(getattr(signal, self.stop_signal))

@@ -33,6 +33,9 @@ class RunHistory:
         self._instability: dict[tuple, float] = {}
         self._sdc: dict[tuple, float] = {}  # (launch, attempt) -> time of the latest sdc_mismatch
         self._oom: dict[tuple, float] = {}
+        self._launchers: set = set()  # process ids of the open launch's launchers (one per node)
+        self._membership = False  # a node waits to join: the ranks were asked to stop with a checkpoint
+        self._launch_key: Optional[tuple] = None  # what the open launch's nodes share (multi-node only)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -117,6 +120,11 @@ class RunHistory:
         self._last_time = e["time"]
 
     def _on_launch(self, e: dict, d: dict) -> None:
+        # several nodes of one launch each write a launch event (a node may join later: --nnodes MIN:MAX)
+        key = (str(d.get("nnodes")), d.get("slurm_job_id"), d.get("slurm_restart_count"))
+        if self.launch_open and self._launch_key == key and e.get("pid") not in self._launchers:
+            self._launchers.add(e.get("pid"))
+            return
         if self.launch_open:  # the previous launch never wrote launch_exit: its launcher died
             seg = self.seg
             ev = dict(e, time=self._last_time, rank=None)
@@ -130,8 +138,12 @@ class RunHistory:
         self.launches += 1
         self._launch, self._attempt, self.launch_open = self.launches - 1, 0, True
         self.seg, self._open = None, None
+        self._launchers = {e.get("pid")}
+        self._launch_key = key if str(d.get("nnodes", "1")) not in ("1", "1:1", "None") else None
 
     def _on_workers_started(self, e: dict, d: dict) -> None:
+        if d.get("node", 0) != 0:
+            return  # another node's part of the group node 0 started
         self.attempts += 1
         restart = d.get("restart")
         self._attempt = restart if isinstance(restart, int) else self._attempt + 1
@@ -275,9 +287,14 @@ class RunHistory:
                 self._add_point(e, e["time"], e["step"])
                 return
 
+    def _on_membership_change(self, e: dict, d: dict) -> None:
+        self._membership = True  # the launcher's SIGTERM: the next agreed stop is for the new membership
+
     def _on_stop_requested(self, e: dict, d: dict) -> None:
         reason = str(d.get("reason"))
         kind = STOP_KINDS.get(reason, reason)
+        if reason == "signal" and self._membership:
+            kind, self._membership = "membership_change", False
         inc = self._new(
             kind,
             e,
@@ -398,6 +415,10 @@ class RunHistory:
             seg.close(e["time"], "finished")
 
     def _on_launch_exit(self, e: dict, d: dict) -> None:
+        self._launchers.discard(e.get("pid"))
+        if self._launchers:  # another node's launcher of this launch is still running
+            self.launch_exits.append(dict(e, launch=self._launch))
+            return
         code = d.get("code")
         if self.seg is not None and self.seg.end is None:
             self.seg.close(self.seg.points[-1][0], "lost")

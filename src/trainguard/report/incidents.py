@@ -11,7 +11,8 @@ the steps it cost (failure step − the step training went on from). Sources:
   or ``rank_crashed`` (another exit code); exit codes 0, 2, 75 and 76 are decisions, reported by the
   events that made them;
 * ``hang_detected`` (all ranks of one poll are one incident) → ``hang``; ``ping_timeout`` → ``ping_timeout``;
-* ``stop_requested`` → ``preemption_signal``, ``time_limit``, ``kill_switch``, ``memory``, ``straggler``;
+* ``stop_requested`` → ``preemption_signal``, ``time_limit``, ``kill_switch``, ``memory``, ``straggler``
+  (a ``signal`` stop after the launcher's ``membership_change`` → ``membership_change``: a node joins);
 * ``rollback`` → ``instability_rollback``; ``micro_batch_split`` → ``oom_split``; ``sdc_rollback``
   → ``sdc_rerun`` (a silent data corruption, rolled back and re-run; all three in-process); a
   ``stop_requested`` with reason ``sdc`` → ``sdc_exclude``; an ``sdc_rerun`` of an unstable step

@@ -27,6 +27,7 @@ COLOURS = {
     "hang": "tab:orange",
     "ping_timeout": "tab:brown",
     "preemption_signal": "tab:blue",
+    "membership_change": "tab:green",
     "time_limit": "tab:cyan",
     "kill_switch": "tab:gray",
     "memory": "tab:purple",
