@@ -337,6 +337,28 @@ def test_a_node_that_joins_is_part_of_the_launch_and_its_stop_is_a_membership_ch
     assert sizes == [(2, 0), (3, 12)], sizes
 
 
+def test_a_relaunch_of_a_multi_node_job_whose_launchers_died_is_a_new_launch():
+    """The same --nnodes job launched again 5 min after its launchers went silent (killed, no
+    launch_exit): not a node joining the dead launch but a new launch, and the old one was lost."""
+    log = [
+        ev(0, "launch", rank=None, nnodes="2", host="a"),
+        dict(ev(0.5, "launch", rank=None, nnodes="2", host="b"), pid=2),
+        ev(1, "workers_started", rank=None, restart=0, node=0, nodes=2, world_size=2),
+        ev(10, "start", 0, first_step=0, world_size=2),
+        ev(20, "checkpoint_committed", 10, bytes=100, seconds=0.1, reason="interval"),
+        dict(ev(320, "launch", rank=None, nnodes="2", host="a"), pid=3),
+        dict(ev(320.5, "launch", rank=None, nnodes="2", host="b"), pid=4),
+        dict(ev(321, "workers_started", rank=None, restart=0, node=0, nodes=2, world_size=2), pid=3),
+        ev(330, "start", 10, first_step=10, world_size=2, resumed_from="step-10"),
+        ev(340, "end", 20, state_sha256="x"),
+        dict(ev(341, "launch_exit", rank=None, code=0, reason="finished", seconds=21), pid=4),
+        dict(ev(341, "launch_exit", rank=None, code=0, reason="finished", seconds=21), pid=3),
+    ]
+    report = build_report(log)
+    assert report["launches"] == 2 and report["attempts"] == 2 and report["status"].startswith("finished")
+    assert [i["kind"] for i in report["incidents"]] == ["launch_lost"]
+
+
 def test_copy_of_a_live_run_reports_running(chaos, tmp_path):
     """A log cut in the middle of the second launch (as while it runs): the launch is open."""
     lines = (chaos / "events.jsonl").read_text().splitlines()

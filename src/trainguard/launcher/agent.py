@@ -115,6 +115,8 @@ class TrainguardAgent(ElasticAdapter):
 
     def _forward(self, signum: int) -> None:
         pids = set(self.worker_pids().values())
+        if self.replacer is not None:
+            pids -= self.replacer.forming()
         for pid in pids - self._forwarded_to:
             try:
                 os.kill(pid, signum)
@@ -212,7 +214,7 @@ class TrainguardAgent(ElasticAdapter):
                     return RunResult(state=WorkerState.FAILED)
             elif not self._regrowing and spec.rdzv_handler.num_nodes_waiting() > 0:  # not a failure
                 self._checkpoint_for_membership(spec.rdzv_handler.num_nodes_waiting())
-            elif self._withdrawn and self.stop_signal is None and self.replacer.can_grow():
+            elif self._withdrawn and self.stop_signal is None and not self._regrowing and self.replacer.can_grow():
                 self._grow_back()
 
     def _checkpoint_for_membership(self, waiting: int) -> None:
@@ -301,9 +303,10 @@ class TrainguardAgent(ElasticAdapter):
         :mod:`trainguard.rejoin.shrink`)."""
         workers = {w.local_rank: w for w in self.workers()}
         world_size = next(w.world_size for r, w in workers.items() if r not in self._withdrawn)
-        slots = sorted(self._withdrawn)[: len(self.replacer.ready_spares())]
+        spares = self.replacer.ready_spares()
+        slots = sorted(self._withdrawn)[: len(spares)]
         joining = {world_size + i: self.worker_command(r) for i, r in enumerate(slots)}
-        started = self.replacer.grow(joining, world_size)
+        started = self.replacer.grow(joining, world_size, spares[: len(slots)])
         self._withdrawn = [r for r in self._withdrawn if r not in slots]
         size = world_size + len(slots)
         live = {r: w.global_rank for r, w in workers.items() if r not in self._withdrawn and r not in slots}

@@ -41,8 +41,9 @@ AGENT_ATTRIBUTES = ("_worker_group", "_remaining_restarts", "_pcontext")
 # of the process context of workers started from a binary (SubprocessContext): {local_rank: handler}
 # whose handler.proc is the worker's subprocess.Popen; the program, {local_rank: args} and
 # {local_rank: env} each worker was started with (in-process recovery starts a replacement alike);
-# {local_rank: path} of each worker's stderr file (teed there by the logs spec)
-PCONTEXT_ATTRIBUTES = ("subprocess_handlers", "entrypoint", "args", "envs", "stderrs")
+# {local_rank: path} of each worker's stderr file (teed there by the logs spec); the set of local
+# ranks its poll still watches (a slot readmitted after a shrink is added back)
+PCONTEXT_ATTRIBUTES = ("subprocess_handlers", "entrypoint", "args", "envs", "stderrs", "_running_local_ranks")
 
 
 class ElasticIncompatible(RuntimeError):
@@ -208,6 +209,7 @@ class ElasticAdapter(LocalElasticAgent):
         group's ``world_size`` (:meth:`renumber`)."""
         for local_rank, proc in procs.items():
             self.replace_process(local_rank, proc)
+            self._pcontext._running_local_ranks.add(local_rank)  # torch dropped it when its placeholder ended
         self.renumber(ranks, world_size)
 
     def renumber(self, ranks: dict[int, int], world_size: int) -> None:

@@ -96,6 +96,7 @@ class Replacer:
         self.want_spares = spares
         self.spares: dict[int, subprocess.Popen] = {}  # spare id -> waiting process
         self._spare_ids = 0
+        self._newcomers: list[int] = []  # pids of the spares of the last grow
         self._template: Optional[tuple[list[str], dict[str, str]]] = None
 
     def share(self, rdzv_store, group_rank: int) -> tuple[str, int]:
@@ -121,7 +122,14 @@ class Replacer:
                 self.address, self.shared = address, connect(*parse_address(address), self.cfg.timeout)
         self.attempt, self.generation, self.pending, self.owed = number, 0, None, 0
         self._stores.clear()
+        for sid in list(self.spares)[self.want_spares :]:  # started to grow back the previous group
+            self.spares.pop(sid).kill()
         return self.address, number
+
+    def forming(self) -> set[int]:
+        """Process ids of the newcomers of a grow that has not formed yet (they take no stop signal:
+        they have no handler until their Guard exists, and the others' agreed stop covers them)."""
+        return set(self._newcomers) if self.pending is not None and self.pending.grown else set()
 
     def fill_spares(self, argv: list[str], env: dict[str, str]) -> None:
         """Keep ``[launcher] spares`` spares waiting; ``argv``/``env``: a worker's command line and
@@ -179,20 +187,29 @@ class Replacer:
         return gen
 
     def can_grow(self) -> bool:
-        """Whether the group may grow back now: spares are owed to a shrink, one is ready, and no
-        generation is forming."""
-        return self.owed > 0 and self.pending is None and bool(self.ready_spares())
+        """Whether the group may grow back now: spares are owed to a shrink, one is ready, no
+        generation is forming, and the replacement budget (``[recovery] max_replacements``, which
+        a grow counts against: a slot whose device keeps failing must not shrink and grow forever)
+        is not spent."""
+        return (
+            self.owed > 0
+            and self.pending is None
+            and self.replacements < self.cfg.max_replacements
+            and bool(self.ready_spares())
+        )
 
     def grow(
-        self, joining: dict[int, tuple[list[str], dict[str, str]]], world_size: int
+        self, joining: dict[int, tuple[list[str], dict[str, str]]], world_size: int, spares: list[int]
     ) -> dict[int, subprocess.Popen]:
-        """Assign ready spares to the ranks ``joining`` and publish the generation in which the group
-        grows by them (:attr:`~trainguard.rejoin.protocol.Generation.grown`): the survivors learn of
-        it at their next stop check and send the state.
+        """Assign the ready ``spares`` (ids from :meth:`ready_spares`, one per rank) to the ranks
+        ``joining`` and publish the generation in which the group grows by them
+        (:attr:`~trainguard.rejoin.protocol.Generation.grown`): the ranks learn of it at their next
+        stop check and send the state. :meth:`poll` times the generation from the moment rank 0
+        says the ranks agreed on it (their next stop check may be a long step away).
 
         Args:
             joining: ``{global rank: (command line, environment)}`` of withdrawn workers, numbered
-                ``world_size``, ``world_size + 1``, ...; as many as :meth:`ready_spares` at most.
+                ``world_size``, ``world_size + 1``, ...
             world_size: the group's size before.
         Returns:
             ``{global rank: Popen}`` of the spares that became those ranks.
@@ -201,13 +218,16 @@ class Replacer:
         ranks = tuple(sorted(joining))
         gen = self._next_generation(ranks, size, grown=ranks)
         procs = {}
-        for rank, sid in zip(ranks, self.ready_spares()):
+        for rank, sid in zip(ranks, spares, strict=True):
             env = {**self._rank_env(joining[rank][1], gen), "RANK": str(rank), "ROLE_RANK": str(rank)}
             env.update(WORLD_SIZE=str(size), ROLE_WORLD_SIZE=str(size))
             assign_spare(self.server, sid, env)
             procs[rank] = self.spares.pop(sid)
         self._publish(gen)
+        self._newcomers = [p.pid for p in procs.values()]
+        self._deadline = float("inf")  # until the ranks accept it
         self.owed -= len(ranks)
+        self.replacements += len(ranks)
         if self._template is not None:  # [launcher] spares, if any, waiting again
             self.fill_spares(*self._template)
         self.events.emit(
@@ -286,10 +306,12 @@ class Replacer:
 
     def poll(self) -> Optional[str]:
         """Follow a forming generation: ``None`` while it forms or once joined (a ``generation_joined``
-        event), else why recovery failed (not finished within ``[recovery] timeout`` + 5 s)."""
+        event), else why recovery failed (not finished within ``[recovery] timeout`` + 5 s; for a
+        grow, from the ranks' agreement on it)."""
         if self.pending is None:
             return None
-        if RecoveryStore(self.shared, self.attempt).all_joined(self.pending):
+        store = RecoveryStore(self.shared, self.attempt)
+        if store.all_joined(self.pending):
             self.events.emit(
                 "generation_joined",
                 generation=self.pending.number,
@@ -298,6 +320,8 @@ class Replacer:
             )
             self.pending = None
             return None
+        if self.pending.grown and self._deadline == float("inf") and store.accepted(self.pending.number):
+            self._deadline = time.monotonic() + self.cfg.timeout + 5.0
         if time.monotonic() > self._deadline:
             why = f"generation {self.pending.number} did not form within {self.cfg.timeout + 5.0:.0f} s"
             self.pending = None

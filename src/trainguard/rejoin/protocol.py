@@ -6,6 +6,7 @@ launcher: a restart for a node that joined is a new start though torch's restart
 * ``generations``: a counter; the launcher draws each generation's number from it.
 * ``gen/{g}``: the JSON of :class:`Generation` ``g`` (``g`` = 1, 2, ...), written by the launcher
   once it has started the replacements; the survivors of generation ``g - 1`` wait for it.
+* ``gen/{g}/accepted``: written by rank 0 when the ranks agreed to grow into generation ``g``.
 * ``gen/{g}/joined/{rank}``: written by a replacement once it holds the transferred state (after
   a shrink: by every rank of the smaller group); the launcher counts a recovery as finished when
   every member has written it.
@@ -164,6 +165,14 @@ class RecoveryStore:
         """Rank: generation ``number`` if it is published now, else ``None`` (no waiting)."""
         key = f"gen/{number}"
         return Generation.from_json(self.store.get(key)) if self.store.check([key]) else None
+
+    def accept(self, number: int) -> None:
+        """Rank 0: the ranks agreed to grow into generation ``number`` (the launcher times it from now)."""
+        self.store.set(f"gen/{number}/accepted", "1")
+
+    def accepted(self, number: int) -> bool:
+        """Launcher: whether the ranks agreed to grow into generation ``number``."""
+        return self.store.check([f"gen/{number}/accepted"])
 
     def joined(self, number: int, rank: int) -> None:
         """Replacement: say that rank ``rank`` holds its state in generation ``number``."""

@@ -122,6 +122,8 @@ class Rejoin:
         gen = self.store.wait(number, self.cfg.timeout)
         if gen is None:
             raise RuntimeError(f"generation {number} was not published in the recovery store")
+        if self.rank == 0:
+            self.store.accept(number)
         self.generation = gen.number
         return gen
 

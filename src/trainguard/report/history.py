@@ -10,6 +10,10 @@ from .incidents import DECISION_CODES, FAULTS_FOR, IN_PROCESS_ROLLBACKS, NOTICE_
 from .load import number
 from .timeline import Segment, extrapolate, step_seconds
 
+# a launch event of the same multi-node job joins the open launch (a node joining) only if the open
+# launch wrote an event within this many seconds: else its launchers were lost and this is a relaunch
+JOIN_WINDOW = 120.0
+
 
 class RunHistory:
     """Feed it every event (time order), then read ``segments``, ``incidents``, ``checkpoints``,
@@ -33,7 +37,7 @@ class RunHistory:
         self._instability: dict[tuple, float] = {}
         self._sdc: dict[tuple, float] = {}  # (launch, attempt) -> time of the latest sdc_mismatch
         self._oom: dict[tuple, float] = {}
-        self._launchers: set = set()  # process ids of the open launch's launchers (one per node)
+        self._launchers: list[tuple] = []  # (host, pid) of the open launch's launchers (one per node)
         self._membership = False  # a node waits to join: the ranks were asked to stop with a checkpoint
         self._launch_key: Optional[tuple] = None  # what the open launch's nodes share (multi-node only)
 
@@ -120,10 +124,13 @@ class RunHistory:
         self._last_time = e["time"]
 
     def _on_launch(self, e: dict, d: dict) -> None:
-        # several nodes of one launch each write a launch event (a node may join later: --nnodes MIN:MAX)
+        # several nodes of one launch each write a launch event (a node may join later: --nnodes MIN:MAX):
+        # another launcher of the same job while the open launch is alive (it wrote an event lately)
         key = (str(d.get("nnodes")), d.get("slurm_job_id"), d.get("slurm_restart_count"))
-        if self.launch_open and self._launch_key == key and e.get("pid") not in self._launchers:
-            self._launchers.add(e.get("pid"))
+        who = (d.get("host"), e.get("pid"))
+        alive = self._last_time is not None and e["time"] - self._last_time < JOIN_WINDOW
+        if self.launch_open and self._launch_key == key and who not in self._launchers and alive:
+            self._launchers.append(who)
             return
         if self.launch_open:  # the previous launch never wrote launch_exit: its launcher died
             seg = self.seg
@@ -138,12 +145,13 @@ class RunHistory:
         self.launches += 1
         self._launch, self._attempt, self.launch_open = self.launches - 1, 0, True
         self.seg, self._open = None, None
-        self._launchers = {e.get("pid")}
+        self._launchers, self._membership = [who], False
         self._launch_key = key if str(d.get("nnodes", "1")) not in ("1", "1:1", "None") else None
 
     def _on_workers_started(self, e: dict, d: dict) -> None:
         if d.get("node", 0) != 0:
             return  # another node's part of the group node 0 started
+        self._membership = False  # a membership stop that never came (a failure restarted the group first)
         self.attempts += 1
         restart = d.get("restart")
         self._attempt = restart if isinstance(restart, int) else self._attempt + 1
@@ -415,13 +423,10 @@ class RunHistory:
             seg.close(e["time"], "finished")
 
     def _on_launch_exit(self, e: dict, d: dict) -> None:
-        self._launchers.discard(e.get("pid"))
-        if self._launchers:  # another node's launcher of this launch is still running
-            self.launch_exits.append(dict(e, launch=self._launch))
-            return
+        mine = next((w for w in self._launchers if w[1] == e.get("pid")), None)
+        if mine is not None:
+            self._launchers.remove(mine)
         code = d.get("code")
-        if self.seg is not None and self.seg.end is None:
-            self.seg.close(self.seg.points[-1][0], "lost")
         if code == 76:
             self._terminal("give_up", e, str(d.get("reason")))
         elif code == 2:
@@ -429,6 +434,10 @@ class RunHistory:
         elif code not in (0, 75):
             self._terminal("launch_failed", e, f"launch exit code {code}: {d.get('reason')}")
         self.launch_exits.append(dict(e, launch=self._launch))
+        if self._launchers:  # another node's launcher of this launch is still running
+            return
+        if self.seg is not None and self.seg.end is None:
+            self.seg.close(self.seg.points[-1][0], "lost")
         self.launch_open, self.seg, self._open = False, None, None
 
 
