@@ -163,10 +163,11 @@ def ckpt_set(tmp_path) -> Path:
 
 @pytest.mark.timeout(240)
 def test_torture_kills_during_saves(tmp_path):
-    """50 SIGKILLs (5 per trial dir, 2 dirs at a time): the store stays valid, resumes end bit-identical."""
+    """30 SIGKILLs (5 per trial dir, 2 dirs at a time): the store stays valid, resumes end bit-identical.
+    (30, not 50: the suite's time; ``scripts/ckpt_torture.py`` runs as many as you ask.)"""
     r = run_script(
         "--trials",
-        "50",
+        "30",
         "--kills-per-dir",
         "5",
         "--max-steps",
@@ -184,11 +185,11 @@ def test_torture_kills_during_saves(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
     s = parse_summary(r.stdout)
-    assert s["trials"] == 50 and s["kills"] == 50, out[-2000:]
+    assert s["trials"] == 30 and s["kills"] == 30, out[-2000:]
     assert s["failures"] == 0
-    assert s["trial_dirs"] >= 10 and s["dirs_ok"] == s["trial_dirs"], out[-2000:]
-    # the point of the exercise: most kills land while a checkpoint is being written
-    assert s["during_save"] >= 15, f"only {s['during_save']} of 50 kills landed during a save:\n{out[-2000:]}"
+    assert s["trial_dirs"] >= 6 and s["dirs_ok"] == s["trial_dirs"], out[-2000:]
+    # the point of the exercise: many kills land while a checkpoint is being written
+    assert s["during_save"] >= 9, f"only {s['during_save']} of 30 kills landed during a save:\n{out[-2000:]}"
     assert not list((tmp_path / "w").glob("trial-*")), "passed trial directories are removed"
 
 
