@@ -288,12 +288,39 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
     def steps(self, max_steps: int) -> Iterator[int]:
         """Yield step indices from the resumed step up to ``max_steps - 1`` (see "Step numbers").
 
-        Call :meth:`step_end` once per yielded step.
+        Call :meth:`step_end` once per yielded step. (A framework's loop, which calls back rather
+        than iterating, uses :meth:`begin`, :meth:`step_begin` and :meth:`finish` instead.)
 
         Raises:
             Requeue: the kill switch was set before training (exit code 75).
             BadInput: ``checkpoint.interval`` > ``max_steps`` without ``save_final``, a checkpoint
                 that does not fit, a failed preflight check (exit code 2).
+        """
+        self.begin(max_steps)
+        while self.step < max_steps:
+            self.step_begin()
+            yield self.step
+            if self._awaiting_step_end:
+                raise RuntimeError(f"guard.step_end() was not called in step {self.step}")
+            if self.draws.next_step():
+                self._not_bitwise(
+                    "random numbers were drawn between guard.step_end() and the next step (a batch fetched "
+                    "after step_end?): the checkpoint's generator state does not cover them; draw them inside the step"
+                )
+        self.finish()
+
+    def begin(self, max_steps: int) -> int:
+        """Start training (what ``steps()`` does before its first step): resume from the newest
+        valid checkpoint, start the liveness ping, write the ``start`` event. For loops driven by a
+        framework's callbacks (:mod:`trainguard.lightning`, :mod:`trainguard.hf`); a collective.
+
+        Args:
+            max_steps: the step count the run trains to (fault injection and the save-interval
+                check read it).
+        Returns:
+            The index of the first step to run (the resumed step; 0 on a fresh start).
+        Raises:
+            as :meth:`steps`.
         """
         with self._edge():
             c = self.cfg.checkpoint
@@ -305,20 +332,26 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             self._begin()
             self.faults.arm(max_steps)
             self.faults.watch_activations(self.model, lambda: self.step + 1)
-        while self.step < max_steps:
-            self._awaiting_step_end = True
-            if self.heartbeat is not None and self.heartbeat.current is None:
-                self.heartbeat.open("step")  # the first step stays in "setup" (warm-up, compile)
-            if self.step_inputs is not None:
-                self.step_inputs.step_started()
-            yield self.step
-            if self._awaiting_step_end:
-                raise RuntimeError(f"guard.step_end() was not called in step {self.step}")
-            if self.draws.next_step():
-                self._not_bitwise(
-                    "random numbers were drawn between guard.step_end() and the next step (a batch fetched "
-                    "after step_end?): the checkpoint's generator state does not cover them; draw them inside the step"
-                )
+        return self.step
+
+    def step_begin(self) -> None:
+        """Open the step about to run (what ``steps()`` does before each yield): the hang
+        supervisor times it in the ``step`` section (the first step stays in ``setup``). Call
+        :meth:`step_end` to close it."""
+        self._awaiting_step_end = True
+        if self.heartbeat is not None and self.heartbeat.current is None:
+            self.heartbeat.open("step")  # the first step stays in "setup" (warm-up, compile)
+        if self.step_inputs is not None:
+            self.step_inputs.step_started()
+
+    def finish(self) -> None:
+        """End training (what ``steps()`` does after its last step): the final save (``[checkpoint]
+        save_final``), the ``end`` event with the state's SHA-256 (``guard.state_sha256``), and all
+        ranks leave together; a collective.
+
+        Raises:
+            GiveUp: ``[checkpoint] max_failures`` saves in a row failed.
+        """
         with self._edge():
             self._finish()
 

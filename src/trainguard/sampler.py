@@ -62,6 +62,14 @@ class ResumableSampler:
         """Indices of this epoch's permutation that all ranks together have taken."""
         return self.base + self.offset * self.world_size
 
+    def __len__(self) -> int:
+        """Indices one rank takes in a whole epoch (``num_samples // world_size``). Iteration does
+        not stop there (see the class doc); the length makes a ``DataLoader`` over this sampler
+        sized, so a framework's epoch is that many batches and its loop does not fetch ahead
+        (Lightning prefetches a batch from a loader without a length, which would move the data
+        position past the step being saved)."""
+        return self.num_samples // self.world_size
+
     def __iter__(self) -> Iterator[int]:
         return self
 

@@ -90,6 +90,13 @@ class ShutdownHandler:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
+    def take_back(self) -> None:
+        """Install the handlers again over those a framework put in place after :meth:`install`
+        (Lightning registers its own at the start of ``fit``); :meth:`uninstall` still restores
+        the handlers found by the first :meth:`install`. Main thread only."""
+        for sig in self.signals:
+            signal.signal(sig, self._handle)
+
     def uninstall(self) -> None:
         """Restore the previous handlers."""
         for sig, prev in self._previous.items():

@@ -1,0 +1,238 @@
+"""trainguard for PyTorch Lightning: one callback gives a ``Trainer`` trainguard's guarantees.
+
+::
+
+    sampler = trainguard.ResumableSampler(len(dataset), rank, world_size, seed=0)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=1000,
+                      use_distributed_sampler=False, enable_checkpointing=False,
+                      callbacks=[TrainguardCallback(sampler=sampler)])
+    trainer.fit(module, DataLoader(dataset, batch_size=8, sampler=sampler))
+
+launched by ``trainguard run --nproc-per-node 2 train.py``. One trainguard step is one optimizer step
+(one ``training_step``). What the callback does, hook by hook:
+
+* ``on_fit_start`` (after Lightning's strategy set up DDP and the optimizer): builds the
+  :class:`~trainguard.guard.Guard` over ``trainer.strategy.model``, the optimizer, the step
+  scheduler, the sampler and Lightning's loop progress (:class:`LoopState`), and resumes from the
+  newest valid checkpoint (:meth:`Guard.begin`). Lightning's own ``ckpt_path`` is not used.
+* ``on_train_start``: takes SIGTERM/SIGUSR1/SIGINT back from Lightning's handlers (registered
+  just before; Lightning's SIGTERM handler runs a collective inside the handler).
+* ``on_train_batch_start``: opens the ``step`` section (:meth:`Guard.step_begin`); at the first
+  batch, restores the random number generators to the state the resume left (undoing the draws
+  of Lightning's set-up between, such as the DataLoader iterator's base seed), so that a resumed
+  run draws what the uninterrupted one drew.
+* ``on_before_optimizer_step``: the NaN/spike check (:meth:`Guard.should_step`) on the loss
+  Lightning passed to ``on_before_backward``; a skipped step sets every gradient to ``None`` so
+  the optimizer step leaves the parameters alone (torch's optimizers skip parameters without a
+  gradient; Lightning still counts the step, as trainguard does). A rollback reloads the
+  known-good checkpoint in the process; Lightning's ``global_step`` keeps counting the steps run,
+  and its ``max_steps`` is raised by the steps undone so that the model still trains
+  ``max_steps`` steps.
+* ``on_train_batch_end``: :meth:`Guard.step_end` — the agreed stop check, scheduled and
+  emergency saves on every rank; a stop raises :class:`~trainguard.outcomes.Requeue` out of
+  ``fit`` (exit code 75).
+* ``on_validation_start``/``end``: the ``validation`` section of the hang supervisor.
+* ``on_train_end``: :meth:`Guard.finish` (final save, ``end`` event); ``on_exception`` and
+  ``teardown`` release what the Guard installed.
+
+Supported: ``strategy="ddp"`` (gloo or NCCL) and a single device, one optimizer, at most one
+scheduler stepping per step, ``accumulate_grad_batches=1``, ``max_steps`` set. Not supported (a
+clear error, exit code 2): other strategies, several optimizers, gradient accumulation by Lightning
+(trainguard's micro-batches, ``Guard.run_step``, or accumulation inside ``training_step`` keep one
+step per batch), ``[recovery] in_process`` (Lightning owns the process group; a lost rank restarts
+the group). See ``docs/lightning.md``.
+
+Imports ``lightning.pytorch`` if installed, else ``pytorch_lightning`` (the ``[lightning]`` extra);
+the callback is an instance of that package's ``Callback``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+from .config import Config, config_from_env
+from .events import Hook
+from .guard import Guard
+from .outcomes import BadInput, Outcome
+from .trainstate import RNGState
+
+try:
+    import lightning.pytorch as pl
+except ImportError:
+    try:
+        import pytorch_lightning as pl
+    except ImportError:
+        raise ImportError(
+            "trainguard.lightning needs PyTorch Lightning 2.x: pip install 'trainguard[lightning]'"
+        ) from None
+
+
+class LoopState:
+    """Lightning's fit-loop progress (epoch, batch and optimizer-step counters) plus the steps a
+    rollback added to ``max_steps``, as one Stateful saved in trainguard's checkpoints.
+
+    Loading it before the fit loop runs is what Lightning's own resume does
+    (``fit_loop.load_state_dict``): the loop restarts mid-epoch from those counters.
+    """
+
+    def __init__(self, trainer: pl.Trainer, callback: TrainguardCallback):
+        self.trainer, self.callback = trainer, callback
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fit_loop": self.trainer.fit_loop.state_dict(), "extra_steps": self.callback.extra_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.fit_loop.load_state_dict(state["fit_loop"])
+        self.callback.extra_steps = int(state["extra_steps"])
+
+
+def _check_trainer(trainer: pl.Trainer, config: Config) -> None:
+    """Refuse what the callback cannot guard (see the module doc).
+
+    Raises:
+        BadInput: names the setting and what to use instead.
+    """
+    strategy = type(trainer.strategy).__name__
+    if strategy not in ("DDPStrategy", "SingleDeviceStrategy"):
+        raise BadInput(
+            f"trainguard.lightning supports strategy='ddp' and a single device; this Trainer uses {strategy}"
+        )
+    if trainer.max_steps is None or trainer.max_steps < 1:
+        raise BadInput("trainguard.lightning needs Trainer(max_steps=N): trainguard counts optimizer steps")
+    if trainer.accumulate_grad_batches != 1:
+        raise BadInput(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): trainguard.lightning needs one "
+            "optimizer step per batch (accumulate inside training_step, or use [oom] micro-batches)"
+        )
+    if len(trainer.optimizers) != 1:
+        raise BadInput(
+            f"trainguard.lightning supports one optimizer; configure_optimizers gave {len(trainer.optimizers)}"
+        )
+    configs = trainer.lr_scheduler_configs
+    if len(configs) > 1 or (configs and (configs[0].interval != "step" or configs[0].frequency != 1)):
+        raise BadInput(
+            "trainguard.lightning supports at most one LR scheduler, with interval='step' and frequency=1 "
+            "(its state is saved with each step's checkpoint)"
+        )
+    if config.recovery.in_process:
+        raise BadInput(
+            "[recovery] in_process is not supported under Lightning (Lightning owns the process group): "
+            "a lost rank restarts the group from the newest checkpoint; set recovery.in_process = false"
+        )
+
+
+class TrainguardCallback(pl.Callback):
+    """The Lightning callback (see the module doc for what each hook does).
+
+    Args:
+        config: trainguard's :class:`~trainguard.config.Config`; default: the one ``trainguard run``
+            passed (:func:`~trainguard.config.config_from_env`).
+        sampler: the training DataLoader's sampler, saved and restored (the data position); a
+            :class:`~trainguard.sampler.ResumableSampler` makes a resume continue exactly where
+            the run stopped, on any world size. Pass the same object to the DataLoader with
+            ``Trainer(use_distributed_sampler=False)``.
+        extra_state: more ``{name: stateful}`` to save (as :class:`~trainguard.guard.Guard`).
+        hooks: :class:`~trainguard.events.Hook` instances.
+
+    Attributes:
+        guard: the :class:`~trainguard.guard.Guard` (from ``on_fit_start``).
+        extra_steps: steps Lightning has run beyond trainguard's step count (rollbacks, re-runs).
+    """
+
+    def __init__(
+        self,
+        config: Optional[Config] = None,
+        *,
+        sampler: Any = None,
+        extra_state: Optional[dict[str, Any]] = None,
+        hooks: tuple[Hook, ...] | list[Hook] = (),
+    ):
+        self.config, self.sampler = config, sampler
+        self.extra_state, self.hooks = dict(extra_state or {}), list(hooks)
+        self.guard: Optional[Guard] = None
+        self.extra_steps = 0
+        self._max_steps = 0
+        self._rng: Optional[dict] = None
+        self._loss: Any = None
+        self._sections = contextlib.ExitStack()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        config = self.config if self.config is not None else config_from_env()
+        with _bad_input_leaves():
+            _check_trainer(trainer, config)
+        configs = trainer.lr_scheduler_configs
+        self.guard = Guard(
+            config,
+            model=trainer.strategy.model,
+            optimizer=trainer.optimizers[0],
+            scheduler=configs[0].scheduler if configs else None,
+            sampler=self.sampler,
+            extra_state={"lightning": LoopState(trainer, self), **self.extra_state},
+            hooks=self.hooks,
+        )
+        self._max_steps = trainer.max_steps
+        self.guard.begin(trainer.max_steps)
+        self._follow(trainer)
+        self._rng = RNGState().state_dict()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.guard.shutdown.take_back()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        if self._rng is not None:
+            RNGState().load_state_dict(self._rng)
+            self._rng = None
+        self.guard.step_begin()
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self._loss = loss.detach()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if not self.guard.should_step(self._loss):
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.guard.step_end(loss=loss.detach() if loss is not None else None)
+        self._follow(trainer)
+
+    def _follow(self, trainer: pl.Trainer) -> None:
+        """Keep Lightning's ``max_steps`` ahead of its ``global_step`` by the steps trainguard undid."""
+        self.extra_steps = trainer.global_step - self.guard.step
+        trainer.fit_loop.epoch_loop.max_steps = self._max_steps + self.extra_steps
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.guard is not None and trainer.training:
+            self._sections.enter_context(self.guard.section("validation"))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sections.close()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.guard.finish()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._sections.close()
+        if self.guard is not None and not isinstance(exception, Outcome):
+            self.guard.__exit__(type(exception), exception, None)  # a crash: release without waiting for peers
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.guard is not None:
+            self.guard.close()
+
+
+@contextlib.contextmanager
+def _bad_input_leaves():
+    """Print a :class:`BadInput` found before the Guard exists the way the Guard would (one line)."""
+    try:
+        yield
+    except BadInput as e:
+        import sys
+
+        print(f"trainguard: error: {e.message}", file=sys.stderr, flush=True)
+        raise

@@ -1,0 +1,76 @@
+"""A small Lightning job under trainguard (tests/test_lightning.py), launched by ``trainguard run``.
+
+``python lightning_worker.py MAX_STEPS [--set key=value ...]``: a two-layer regression model with
+dropout, AdamW and a warm-up scheduler, trained by ``pytorch_lightning.Trainer`` with DDP on the CPU
+(gloo), guarded by :class:`trainguard.lightning.TrainguardCallback`. The data position is a
+:class:`trainguard.ResumableSampler`. A validation loop runs every 20 steps.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import trainguard
+from trainguard.lightning import TrainguardCallback, pl
+
+warnings.filterwarnings("ignore")  # Lightning's advice about workers and logging intervals
+
+
+class Regression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def main() -> None:
+    max_steps = int(sys.argv[1])
+    cfg = trainguard.config_from_argv(argv=sys.argv[2:])
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 16, generator=g)
+    data = TensorDataset(x, x.sum(1, keepdim=True).sin())
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    trainguard.seed_everything(cfg.run.seed)
+    sampler = trainguard.ResumableSampler(len(data), rank, world, seed=cfg.run.seed)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
+        max_steps=max_steps,
+        use_distributed_sampler=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        val_check_interval=20,
+        num_sanity_val_steps=0,
+        callbacks=[TrainguardCallback(cfg, sampler=sampler)],
+    )
+    trainer.fit(
+        Regression(),
+        DataLoader(data, batch_size=8, sampler=sampler),
+        DataLoader(TensorDataset(x[:64], x[:64].sum(1, keepdim=True).sin()), batch_size=32),
+    )
+
+
+if __name__ == "__main__":
+    main()
