@@ -20,10 +20,9 @@ WORKER = REPO / "tests" / "lightning_worker.py"
 STEPS = 600
 
 
-def lightning(run: Path, *overrides: str, extra: tuple[str, ...] = ()):
-    return launch(
-        run, "checkpoint.interval=50", *overrides, script=WORKER, tiny=False, extra=extra, script_args=(str(STEPS),)
-    )
+def lightning(run: Path, *overrides: str, extra: tuple[str, ...] = (), steps: int = STEPS):
+    args = (str(steps),)
+    return launch(run, "checkpoint.interval=50", *overrides, script=WORKER, tiny=False, extra=extra, script_args=args)
 
 
 def test_sigterm_stops_at_an_agreed_step_and_a_killed_rank_restarts_the_group_bitwise(tmp_path):
@@ -52,17 +51,22 @@ def test_a_nan_step_is_skipped_and_a_loss_spike_rolls_back_and_the_report_reads_
     run = tmp_path / "run"
     faults = ("--inject", "nan_loss:rank=1,step=30", "--inject", "loss_spike:rank=0,step=70,factor=1000")
     proc = lightning(
-        run, "checkpoint.interval=20", "instability.loss_spike=rollback", "instability.known_good_after=5", extra=faults
+        run,
+        "checkpoint.interval=20",
+        "instability.loss_spike=rollback",
+        "instability.known_good_after=5",
+        extra=faults,
+        steps=120,
     )
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
     assert [e["step"] for e in events(run, "step_skipped")] == [30]
     rollback = events(run, "rollback")[0]["details"]
     assert rollback["from_step"] == 70 and rollback["to_step"] <= 60
-    # the model still trained STEPS steps: Lightning's max_steps grew by the steps undone
-    assert events(run, "end")[-1]["step"] == STEPS
+    # the model still trained 120 steps: Lightning's max_steps grew by the steps undone
+    assert events(run, "end")[-1]["step"] == 120
     report = build_report(events(run))
     assert [(i["kind"], i["step"]) for i in report["incidents"]] == [("instability_rollback", 70)]
-    assert report["notices"]["step_skipped"] == 1 and report["final_step"] == STEPS
+    assert report["notices"]["step_skipped"] == 1 and report["final_step"] == 120
 
 
 def test_gradient_accumulation_by_lightning_is_refused_before_anything_is_written(tmp_path):

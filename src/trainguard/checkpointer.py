@@ -163,6 +163,9 @@ class Checkpointer:
         self.saved: dict[str, int] = {}  # tier -> last step saved (or being saved)
         self.save_seconds: Optional[float] = None  # last measured synchronous write time
         self.state_bytes_guess = state_bytes(model, optimizer)  # for the save-time guess
+        # more files for each persistent checkpoint, written on every rank into its temporary
+        # directory before the commit (see write_checkpoint); blocking saves only
+        self.write_files: Optional[Callable[[Path], None]] = None
 
     # ------------------------------------------------------------------------------------------
     # saving
@@ -257,7 +260,9 @@ class Checkpointer:
             errors += [err] if err else []
         if "persistent" in tiers:
             try:
-                r.checkpoint, r.bytes = write_checkpoint(self.store, step, state, rank_state, meta, self.group)
+                r.checkpoint, r.bytes = write_checkpoint(
+                    self.store, step, state, rank_state, meta, self.group, self.write_files
+                )
             except OSError as e:
                 errors.append(str(e))
         r.error = "; ".join(errors) or None

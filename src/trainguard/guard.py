@@ -107,6 +107,10 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         extra_state: more ``{name: stateful}`` objects to save (a GradScaler, say; their state
             must load with ``weights_only=True``).
         hooks: :class:`~trainguard.events.Hook` instances.
+        checkpoint_files: ``write(directory)``, called on every rank inside each persistent save
+            before the commit: the files it writes there are checksummed and committed with the
+            checkpoint (a framework's own checkpoint files: :mod:`trainguard.hf`). Needs blocking
+            saves (``[checkpoint] async_save = false``).
 
     Create it after ``torch.distributed.init_process_group`` (if distributed).
 
@@ -125,8 +129,10 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         sampler: Any = None,
         extra_state: Optional[dict[str, Any]] = None,
         hooks: tuple[Hook, ...] | list[Hook] = (),
+        checkpoint_files: Optional[Callable[[Path], None]] = None,
     ):
         self.cfg = config
+        self._checkpoint_files = checkpoint_files
         self.model, self.optimizer, self.scheduler, self.sampler = model, optimizer, scheduler, sampler
         self.extra_state = dict(extra_state or {})
         self.hooks: list[Hook] = list(hooks)
@@ -183,6 +189,13 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             launch.local_world_size,
         )
         self.store = self.ckpt.store
+        if self._checkpoint_files is not None:
+            if cfg.checkpoint.async_save:
+                raise BadInput(
+                    "checkpoint.async_save = true cannot write this framework's own checkpoint files (they are "
+                    "written from the live state during the save); set checkpoint.async_save = false"
+                )
+            self.ckpt.write_files = self._checkpoint_files
         self.shutdown = ShutdownHandler(
             cfg.preemption.signals, cfg.preemption.save_deadline, self._on_deadline
         ).install()

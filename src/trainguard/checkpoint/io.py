@@ -22,7 +22,7 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -77,6 +77,7 @@ def write_checkpoint(
     rank_state: dict[str, Any],
     meta: Optional[dict] = None,
     group: Any = None,
+    write_files: Optional[Callable[[Path], None]] = None,
 ) -> tuple[Checkpoint, int]:
     """Write and commit a checkpoint at ``step``; a collective: every rank must call it.
 
@@ -85,6 +86,9 @@ def write_checkpoint(
         rank_state: this rank's non-tensor state (must load with ``weights_only=True``).
         meta: extra manifest fields (rank 0's value is used).
         group: the process group for the protocol's collectives (the background writer's own).
+        write_files: called on every rank with the temporary directory after the state is written
+            (no collective inside): the files it adds there are checksummed into the manifest and
+            committed with the checkpoint (the Hugging Face Trainer's own files, :mod:`trainguard.hf`).
     Returns:
         (the committed checkpoint, its total size in bytes).
     Raises:
@@ -103,6 +107,8 @@ def write_checkpoint(
             torch.save(rank_state, f)
             f.flush()
             os.fsync(f.fileno())
+        if write_files is not None:
+            write_files(tmp)
     except (
         OSError,
         RuntimeError,

@@ -1,0 +1,224 @@
+"""trainguard for the Hugging Face ``Trainer``: one callback, one argument to ``train``.
+
+::
+
+    args = TrainingArguments(output_dir, max_steps=1000, save_strategy="no", ...)
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[TrainguardCallback()])
+    trainer.train(resume_from_checkpoint=last_checkpoint())
+
+launched by ``trainguard run --nproc-per-node 2 train.py`` (on CPUs: ``use_cpu=True,
+ddp_backend="gloo"``). One trainguard step is one optimizer step (with gradient accumulation, one
+``on_step_begin`` … ``on_step_end``).
+
+**Checkpoints.** trainguard decides when to save (``[checkpoint] interval``, a stop, the save
+switch) and commits each checkpoint through its store (``RUN_DIR/checkpoints/step-N``: written in a
+temporary directory, every file checksummed into the manifest, then renamed; ``latest_valid``;
+retention). A checkpoint holds trainguard's state (model and optimizer through
+``torch.distributed.checkpoint``, each rank's state) *and* the Trainer's own files, written through
+public APIs into the same directory before the commit: ``config.json`` and ``model.safetensors``
+(``save_pretrained``), ``optimizer.pt``, ``scheduler.pt``, ``trainer_state.json``,
+``training_args.bin`` and ``rng_state_{rank}.pth``. So ``from_pretrained(step-N)`` loads it and
+``Trainer.train(resume_from_checkpoint=step-N)`` resumes from it the Trainer's way: its loop
+position, its data position (it skips the batches already trained in the epoch) and its random
+number generators. :func:`last_checkpoint` names the newest valid one; the callback checks that
+the Trainer resumed at the step trainguard resumed at, and says how to fix it when not.
+
+**Hooks.** ``on_train_begin``: the :class:`~trainguard.guard.Guard` over the model, the optimizer and
+the scheduler; it resumes its own state from the same checkpoint (:meth:`Guard.begin`) and starts
+the liveness ping and the hang supervisor's sections. ``on_step_begin``: the ``step`` section.
+``on_pre_optimizer_step``: the NaN/spike check (:meth:`Guard.should_step`) on the step's loss (the
+mean of the model outputs' ``loss`` over the step's micro-batches, taken by a forward hook) and
+the gradient norm after the Trainer's clipping; a skipped step sets every gradient to ``None``.
+``on_step_end``: :meth:`Guard.step_end`, the agreed stop check and saves; a stop raises
+:class:`~trainguard.outcomes.Requeue` out of ``train`` (exit code 75). ``on_train_end``:
+:meth:`Guard.finish`.
+
+Not supported (a clear error, exit code 2): ``save_strategy`` other than ``"no"`` (the Trainer
+would write uncommitted checkpoints beside trainguard's), ``[checkpoint] async_save`` and the
+node-local tier (the Trainer's files are written from the live state, into the persistent tier),
+``[recovery] in_process``. A rollback restores the model, optimizer and scheduler from the
+known-good checkpoint; the Trainer's ``global_step`` and data position go on (the batches between
+are skipped), so the run ends at ``max_steps`` steps *run*. See ``docs/hf.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from . import dist as tgdist
+from .checkpoint.store import CheckpointStore
+from .config import Config, config_from_env
+from .events import Hook
+from .guard import Guard
+from .outcomes import BadInput
+
+try:
+    from transformers import TrainerCallback
+except ImportError:
+    raise ImportError("trainguard.hf needs transformers and accelerate: pip install 'trainguard[hf]'") from None
+
+
+def _store_root(config: Config) -> Path:
+    root = Path(config.checkpoint.dir)
+    return root if root.is_absolute() else Path(config.run.dir) / root
+
+
+def last_checkpoint(config: Optional[Config] = None) -> Optional[str]:
+    """The newest valid checkpoint of the run (verified as ``[checkpoint] verify`` says), for
+    ``Trainer.train(resume_from_checkpoint=...)``; ``None`` on a fresh start.
+
+    Args:
+        config: trainguard's config; default: the one ``trainguard run`` passed.
+    """
+    config = config if config is not None else config_from_env()
+    found = CheckpointStore(_store_root(config), config.checkpoint.keep_last).latest_valid(config.checkpoint.verify)
+    return str(found.path) if found is not None else None
+
+
+def _check(args: Any, config: Config) -> None:
+    """Refuse what the callback cannot guard (see the module doc).
+
+    Raises:
+        BadInput: names the setting and the value to use.
+    """
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if strategy != "no":
+        raise BadInput(
+            f"TrainingArguments(save_strategy={strategy!r}): under trainguard.hf trainguard decides when to save "
+            "([checkpoint] interval); set save_strategy='no'"
+        )
+    if args.max_steps is None or args.max_steps < 1:
+        raise BadInput("trainguard.hf needs TrainingArguments(max_steps=N): trainguard counts optimizer steps")
+    if config.checkpoint.local.dir is not None:
+        raise BadInput("trainguard.hf saves to the persistent tier only; unset checkpoint.local.dir")
+    if config.recovery.in_process:
+        raise BadInput(
+            "[recovery] in_process is not supported under the Hugging Face Trainer (accelerate owns the process "
+            "group): a lost rank restarts the group from the newest checkpoint; set recovery.in_process = false"
+        )
+
+
+def _hf_rng_state() -> dict[str, Any]:
+    """The generators in the layout of the Trainer's ``rng_state_{rank}.pth``."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.random.get_rng_state_all()
+    return state
+
+
+def _save_synced(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_tree(directory: Path) -> None:
+    for p in directory.iterdir():
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+class TrainguardCallback(TrainerCallback):
+    """The Trainer callback (see the module doc for what each hook does).
+
+    Args:
+        config: trainguard's :class:`~trainguard.config.Config`; default: the one ``trainguard run``
+            passed (:func:`~trainguard.config.config_from_env`).
+        extra_state: more ``{name: stateful}`` to save (as :class:`~trainguard.guard.Guard`).
+        hooks: :class:`~trainguard.events.Hook` instances.
+
+    Attributes:
+        guard: the :class:`~trainguard.guard.Guard` (from ``on_train_begin``).
+    """
+
+    def __init__(
+        self,
+        config: Optional[Config] = None,
+        *,
+        extra_state: Optional[dict[str, Any]] = None,
+        hooks: tuple[Hook, ...] | list[Hook] = (),
+    ):
+        self.config, self.extra_state, self.hooks = config, dict(extra_state or {}), list(hooks)
+        self.guard: Optional[Guard] = None
+        self._losses: list[torch.Tensor] = []
+        self._handle: Any = None
+        self._trainer: dict[str, Any] = {}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        config = self.config if self.config is not None else config_from_env()
+        try:
+            _check(args, config)
+        except BadInput as e:
+            print(f"trainguard: error: {e.message}", flush=True)
+            raise
+        model, optimizer = kw["model"], getattr(kw["optimizer"], "optimizer", kw["optimizer"])
+        self._trainer = {"args": args, "state": state, "model": model, "optimizer": optimizer, **kw}
+        self.guard = Guard(
+            config,
+            model=model,
+            optimizer=optimizer,
+            scheduler=kw.get("lr_scheduler"),
+            extra_state=self.extra_state,
+            hooks=self.hooks,
+            checkpoint_files=self._write_trainer_files,
+        )
+        step = self.guard.begin(state.max_steps)
+        if step != state.global_step:
+            raise BadInput(
+                f"trainguard resumed at step {step} but the Trainer at step {state.global_step}: pass "
+                "resume_from_checkpoint=trainguard.hf.last_checkpoint() to Trainer.train"
+            )
+        self._handle = model.register_forward_hook(self._take_loss)
+
+    def _take_loss(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if module.training and loss is not None:
+            self._losses.append(loss.detach())
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._losses = []
+        self.guard.step_begin()
+
+    def _step_loss(self) -> torch.Tensor:
+        return torch.stack(self._losses).mean() if self._losses else torch.zeros(())
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if not self.guard.should_step(self._step_loss()):
+            for group in self._trainer["optimizer"].param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.guard.step_end(loss=self._step_loss())
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+        self.guard.finish()
+        self.guard.close()
+
+    def _write_trainer_files(self, directory: Path) -> None:
+        """The Trainer's checkpoint files of this step, into ``directory`` (every rank; the model,
+        optimizer, scheduler, trainer state and arguments from rank 0, the generators from each)."""
+        t = self._trainer
+        rank = tgdist.rank()
+        if rank == 0:
+            t["model"].save_pretrained(directory, safe_serialization=True)
+            if t.get("processing_class") is not None:
+                t["processing_class"].save_pretrained(directory)
+            _save_synced(t["optimizer"].state_dict(), directory / "optimizer.pt")
+            if t.get("lr_scheduler") is not None:
+                _save_synced(t["lr_scheduler"].state_dict(), directory / "scheduler.pt")
+            _save_synced(t["args"], directory / "training_args.bin")
+            t["state"].save_to_json(str(directory / "trainer_state.json"))
+        name = f"rng_state_{rank}.pth" if tgdist.world_size() > 1 else "rng_state.pth"
+        _save_synced(_hf_rng_state(), directory / name)
+        _fsync_tree(directory)

@@ -1,0 +1,66 @@
+"""A small Hugging Face Trainer job under trainguard (tests/test_hf.py), launched by ``trainguard run``.
+
+``python hf_worker.py MAX_STEPS OUTPUT_DIR [--set key=value ...]``: a one-layer GPT-2 built from a
+tiny config (nothing downloaded), trained on random token sequences by ``transformers.Trainer``
+with DDP on the CPU (gloo) and gradient accumulation 2, guarded by
+:class:`trainguard.hf.TrainguardCallback`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+import trainguard  # noqa: E402
+from trainguard.hf import TrainguardCallback, last_checkpoint  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 256, length: int = 16):
+        self.ids = torch.randint(0, 64, (n, length), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def main() -> None:
+    max_steps, output_dir = int(sys.argv[1]), sys.argv[2]
+    cfg = trainguard.config_from_argv(argv=sys.argv[3:])
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    args = TrainingArguments(
+        output_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        warmup_steps=10,
+        save_strategy="no",
+        logging_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        ddp_backend="gloo",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(model, args, train_dataset=Tokens(), callbacks=[TrainguardCallback(cfg)])
+    trainer.train(resume_from_checkpoint=last_checkpoint(cfg))
+
+
+if __name__ == "__main__":
+    main()
