@@ -25,7 +25,8 @@ moves the bytes (a ``send``/``recv`` from the holding peer when needed).
 
 The file is loaded with ``torch.load(weights_only=True)`` (no arbitrary pickle, unlike NVIDIA's
 local checkpoints). The format holds each rank's tensors as they are (replicated states such as
-DDP's hold the full model on every rank); DTensor (FSDP) states are for the persistent tier.
+DDP's hold the full model on every rank; a DTensor of FSDP2 is this rank's shard, which loads on the
+same world size, tests/test_fsdp2.py); resharding to another world size goes through the persistent tier.
 """
 
 from __future__ import annotations

@@ -138,10 +138,12 @@ class Detector:
         self.rank, self.world_size = rank, world_size
 
     def observe(self, step: int, loss: Any, grad_norm: Any) -> Verdict:
-        """Combine this rank's ``loss`` and ``grad_norm`` (tensors or floats; ``grad_norm`` may be
-        ``None``) with the other ranks' and return the verdict. A collective: call on every rank."""
+        """Combine this rank's ``loss`` and ``grad_norm`` (tensors, DTensors or floats; ``grad_norm``
+        may be ``None``) with the other ranks' and return the verdict. A collective: call on every rank."""
         loss_t = loss.detach().reshape(()).float() if torch.is_tensor(loss) else torch.tensor(float(loss))
         has_grad = grad_norm is not None
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP2's clip_grad_norm_): its value, as a plain tensor
+            grad_norm = grad_norm.full_tensor()
         if torch.is_tensor(grad_norm):
             grad_t = grad_norm.detach().reshape(()).float().to(loss_t.device)
         else:
