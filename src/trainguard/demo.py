@@ -58,10 +58,11 @@ class Launch:
 
 
 def example_script() -> Path:
-    """``examples/gpt.py`` of the source tree trainguard is installed from."""
-    script = Path(trainguard.__file__).resolve().parents[2] / "examples" / "gpt.py"
+    """The example GPT: ``examples/gpt.py``, shipped in the package as ``trainguard/examples/gpt.py``
+    (a link to it in a source checkout, a copy in a wheel)."""
+    script = Path(trainguard.__file__).resolve().parent / "examples" / "gpt.py"
     if not script.is_file():
-        raise ConfigError(f"the demo needs the example {script}; it exists only in a source checkout of trainguard")
+        raise ConfigError(f"the demo needs the example {script}, which is missing from this installation")
     return script
 
 
