@@ -4,12 +4,18 @@
 tiny config (nothing downloaded), trained on random token sequences by ``transformers.Trainer``
 with DDP on the CPU (gloo) and gradient accumulation 2, guarded by
 :class:`trainguard.hf.TrainguardCallback`.
+
+For ``benchmarks/framework_overhead.py``: ``WORKER_HIDDEN`` sets the embedding width (default 32),
+``WORKER_PLAIN=1`` leaves the callback out, ``WORKER_TIMES=PATH`` makes rank 0 write each step's
+seconds (step end to step end) to PATH as JSON.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,7 +23,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import trainguard  # noqa: E402
 from trainguard.hf import TrainguardCallback, last_checkpoint  # noqa: E402
@@ -36,12 +42,29 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+class StepTimes(TrainerCallback):
+    """Rank 0 writes the seconds between consecutive step ends to ``path`` at the end of training."""
+
+    def __init__(self, path: str):
+        self.path, self.ends = path, []
+
+    def on_step_end(self, args, state, control, **kw):
+        self.ends.append(time.perf_counter())
+
+    def on_train_end(self, args, state, control, **kw):
+        if args.process_index == 0:
+            with open(self.path, "w") as f:
+                json.dump([b - a for a, b in zip(self.ends, self.ends[1:])], f)
+
+
 def main() -> None:
     max_steps, output_dir = int(sys.argv[1]), sys.argv[2]
     cfg = trainguard.config_from_argv(argv=sys.argv[3:])
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_positions=16, n_embd=int(os.environ.get("WORKER_HIDDEN", 32)), n_layer=1, n_head=2)
+    )
     args = TrainingArguments(
         output_dir,
         max_steps=max_steps,
@@ -58,8 +81,11 @@ def main() -> None:
         seed=0,
         dataloader_num_workers=0,
     )
-    trainer = Trainer(model, args, train_dataset=Tokens(), callbacks=[TrainguardCallback(cfg)])
-    trainer.train(resume_from_checkpoint=last_checkpoint(cfg))
+    callbacks = [StepTimes(os.environ["WORKER_TIMES"])] if "WORKER_TIMES" in os.environ else []
+    if not os.environ.get("WORKER_PLAIN"):
+        callbacks.append(TrainguardCallback(cfg))
+    trainer = Trainer(model, args, train_dataset=Tokens(), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=last_checkpoint(cfg) if not os.environ.get("WORKER_PLAIN") else None)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,18 @@
 dropout, AdamW and a warm-up scheduler, trained by ``pytorch_lightning.Trainer`` with DDP on the CPU
 (gloo), guarded by :class:`trainguard.lightning.TrainguardCallback`. The data position is a
 :class:`trainguard.ResumableSampler`. A validation loop runs every 20 steps.
+
+For ``benchmarks/framework_overhead.py``: ``WORKER_HIDDEN`` sets the hidden width (default 64),
+``WORKER_PLAIN=1`` leaves the callback out, ``WORKER_TIMES=PATH`` makes rank 0 write each step's
+seconds (batch end to batch end) to PATH as JSON.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -25,7 +31,8 @@ warnings.filterwarnings("ignore")  # Lightning's advice about workers and loggin
 class Regression(pl.LightningModule):
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
+        h = int(os.environ.get("WORKER_HIDDEN", 64))
+        self.net = nn.Sequential(nn.Linear(16, h), nn.ReLU(), nn.Dropout(0.1), nn.Linear(h, 1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -41,6 +48,21 @@ class Regression(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class StepTimes(pl.Callback):
+    """Rank 0 writes the seconds between consecutive batch ends to ``path`` at the end of fit."""
+
+    def __init__(self, path: str):
+        self.path, self.ends = path, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.ends.append(time.perf_counter())
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            with open(self.path, "w") as f:
+                json.dump([b - a for a, b in zip(self.ends, self.ends[1:])], f)
+
+
 def main() -> None:
     max_steps = int(sys.argv[1])
     cfg = trainguard.config_from_argv(argv=sys.argv[2:])
@@ -51,6 +73,9 @@ def main() -> None:
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     trainguard.seed_everything(cfg.run.seed)
     sampler = trainguard.ResumableSampler(len(data), rank, world, seed=cfg.run.seed)
+    callbacks = [StepTimes(os.environ["WORKER_TIMES"])] if "WORKER_TIMES" in os.environ else []
+    if not os.environ.get("WORKER_PLAIN"):
+        callbacks.append(TrainguardCallback(cfg, sampler=sampler))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
@@ -63,7 +88,7 @@ def main() -> None:
         logger=False,
         val_check_interval=20,
         num_sanity_val_steps=0,
-        callbacks=[TrainguardCallback(cfg, sampler=sampler)],
+        callbacks=callbacks,
     )
     trainer.fit(
         Regression(),

@@ -44,6 +44,8 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "goodput_faults.py": ([], ["goodput of the example GPT", "| in-process", "| restart"]),
     "inprocess_overhead.py": ([], ["steady-state step time with in-process recovery", "| on, warm spare", "overhead"]),
     "sdc_overhead.py": ([], ["SDC replica check vs a training step", "default interval (100)"]),
+    # one framework (the Hugging Face path runs in tests/test_hf.py)
+    "framework_overhead.py": (["--frameworks", "lightning"], ["framework callback step overhead", "| lightning |"]),
 }
 NVRX = Path("/tmp/nvrx")  # recovery_compare.py's default --nvrx
 
