@@ -249,10 +249,17 @@ def test_optional_dependencies_are_extras():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     core = " ".join(project["dependencies"])
     extras = project["optional-dependencies"]
-    for extra, package in (("report", "matplotlib"), ("watch", "apprise"), ("gpu", "nvidia-ml-py")):
+    for extra, package in (
+        ("report", "matplotlib"),
+        ("watch", "apprise"),
+        ("gpu", "nvidia-ml-py"),
+        ("lightning", "pytorch-lightning"),
+        ("hf", "transformers"),
+        ("hf", "accelerate"),
+    ):
         assert package not in core
         assert any(req.startswith(package) for req in extras[extra]), extra
-    assert extras["all"] == ["trainguard[report,watch,gpu]"]
+    assert extras["all"] == ["trainguard[report,watch,gpu,lightning,hf]"]
 
 
 def test_run_help_names_where_faults_are_described_and_the_console_flags():
