@@ -67,7 +67,7 @@ def ddp_mlp(rank: int, world: int, tmp: str, hidden: int, batch: int, lr: float)
 NO_SCHEDULED_SAVES = ["checkpoint.interval=1000000000", "checkpoint.save_final=true"]
 
 # --smoke: the smallest sizes that still run every part of a benchmark and print its tables, in
-# a few seconds (tests/test_benchmarks.py runs every benchmark so); its numbers mean nothing.
+# a few seconds (benchmarks/test_smoke.py runs every benchmark so); its numbers mean nothing.
 SMOKE_HELP = "smallest sizes, a few seconds: checks that the benchmark runs to its tables (numbers meaningless)"
 
 

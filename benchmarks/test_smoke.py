@@ -1,12 +1,14 @@
 """Every benchmark still runs: each script in ``benchmarks/`` at its smallest sizes (``--smoke``).
 
+Run by ``scripts/bench_smoke.sh`` (and CI after the test suite), not by ``scripts/test.sh``.
+
 A benchmark reports, it does not assert, so nothing else notices when a change elsewhere breaks
 one (a new config check, a changed script interface): these tests run each script as its own
 process, the way a person would, and check that it exits 0 and prints its tables. ``--smoke``
 numbers mean nothing; only the path is checked. The recovery benchmarks' smoke modes also exit 1
 when a fault was not recovered from or a hang not detected.
 
-A new script in ``benchmarks/`` (not starting with ``_``) needs a ``--smoke`` mode and an entry in
+A new script in ``benchmarks/`` (not starting with ``_`` or ``test_``) needs a ``--smoke`` mode and an entry in
 ``SMOKE`` below; ``test_every_benchmark_has_a_smoke_run`` fails until it has both.
 """
 
@@ -51,7 +53,7 @@ NVRX = Path("/tmp/nvrx")  # recovery_compare.py's default --nvrx
 
 
 def _scripts() -> list[str]:
-    return sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
+    return sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith(("_", "test_")))
 
 
 def _run(script: str, *args: str) -> str:
