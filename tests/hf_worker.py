@@ -8,6 +8,10 @@ with DDP on the CPU (gloo) and gradient accumulation 2, guarded by
 For ``benchmarks/framework_overhead.py``: ``WORKER_HIDDEN`` sets the embedding width (default 32),
 ``WORKER_PLAIN=1`` leaves the callback out, ``WORKER_TIMES=PATH`` makes rank 0 write each step's
 seconds (step end to step end) to PATH as JSON.
+
+For tests: ``WORKER_HOLD=N`` makes every rank wait at the end of step N (after trainguard's step end,
+so the checkpoint of step N is committed) until trainguard has received a stop signal, at most
+120 s: a test signals the run at a known step whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -57,6 +61,20 @@ class StepTimes(TrainerCallback):
                 json.dump([b - a for a, b in zip(self.ends, self.ends[1:])], f)
 
 
+class HoldForSignal(TrainerCallback):
+    """At the end of step ``step``, wait (at most 120 s) until ``guard_of()``'s shutdown handler
+    has received a stop signal."""
+
+    def __init__(self, step: int, guard_of):
+        self.step, self.guard_of = step, guard_of
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            deadline = time.monotonic() + 120
+            while self.guard_of().shutdown.received is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+
 def main() -> None:
     max_steps, output_dir = int(sys.argv[1]), sys.argv[2]
     cfg = trainguard.config_from_argv(argv=sys.argv[3:])
@@ -83,7 +101,9 @@ def main() -> None:
     )
     callbacks = [StepTimes(os.environ["WORKER_TIMES"])] if "WORKER_TIMES" in os.environ else []
     if not os.environ.get("WORKER_PLAIN"):
-        callbacks.append(TrainguardCallback(cfg))
+        callbacks.append(guarded := TrainguardCallback(cfg))
+        if "WORKER_HOLD" in os.environ:
+            callbacks.append(HoldForSignal(int(os.environ["WORKER_HOLD"]), lambda: guarded.guard))
     trainer = Trainer(model, args, train_dataset=Tokens(), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=last_checkpoint(cfg) if not os.environ.get("WORKER_PLAIN") else None)
 

@@ -8,6 +8,10 @@ dropout, AdamW and a warm-up scheduler, trained by ``pytorch_lightning.Trainer``
 For ``benchmarks/framework_overhead.py``: ``WORKER_HIDDEN`` sets the hidden width (default 64),
 ``WORKER_PLAIN=1`` leaves the callback out, ``WORKER_TIMES=PATH`` makes rank 0 write each step's
 seconds (batch end to batch end) to PATH as JSON.
+
+For tests: ``WORKER_HOLD=N`` makes every rank wait at the end of step N (after trainguard's step end,
+so the checkpoint of step N is committed) until trainguard has received a stop signal, at most
+120 s: a test signals the run at a known step whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -63,6 +67,20 @@ class StepTimes(pl.Callback):
                 json.dump([b - a for a, b in zip(self.ends, self.ends[1:])], f)
 
 
+class HoldForSignal(pl.Callback):
+    """At the end of step ``step``, wait (at most 120 s) until ``guard_of()``'s shutdown handler
+    has received a stop signal."""
+
+    def __init__(self, step: int, guard_of):
+        self.step, self.guard_of = step, guard_of
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            deadline = time.monotonic() + 120
+            while self.guard_of().shutdown.received is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+
 def main() -> None:
     max_steps = int(sys.argv[1])
     cfg = trainguard.config_from_argv(argv=sys.argv[2:])
@@ -75,7 +93,9 @@ def main() -> None:
     sampler = trainguard.ResumableSampler(len(data), rank, world, seed=cfg.run.seed)
     callbacks = [StepTimes(os.environ["WORKER_TIMES"])] if "WORKER_TIMES" in os.environ else []
     if not os.environ.get("WORKER_PLAIN"):
-        callbacks.append(TrainguardCallback(cfg, sampler=sampler))
+        callbacks.append(guarded := TrainguardCallback(cfg, sampler=sampler))
+        if "WORKER_HOLD" in os.environ:
+            callbacks.append(HoldForSignal(int(os.environ["WORKER_HOLD"]), lambda: guarded.guard))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,

@@ -17,24 +17,27 @@ from trainguard.outcomes import BadInput
 from trainguard.report import build_report
 
 WORKER = REPO / "tests" / "hf_worker.py"
-STEPS = 600
+STEPS = 160
+HOLD = 60  # the run waits there for the SIGTERM (the workers' WORKER_HOLD)
 
 
 def hf(run: Path, *overrides: str, extra: tuple[str, ...] = (), steps: int = STEPS):
     args = (str(steps), str(run.parent / f"{run.name}-out"))
-    return launch(run, "checkpoint.interval=50", *overrides, script=WORKER, tiny=False, extra=extra, script_args=args)
+    return launch(run, "checkpoint.interval=30", *overrides, script=WORKER, tiny=False, extra=extra, script_args=args)
 
 
-def test_sigterm_stops_at_an_agreed_step_and_a_killed_rank_restarts_the_group_bitwise(tmp_path):
+def test_sigterm_stops_at_an_agreed_step_and_a_killed_rank_restarts_the_group_bitwise(tmp_path, monkeypatch):
     clean = tmp_path / "clean"
     assert finish(hf(clean)) == 0, Path(f"{clean}.log").read_text()[-3000:]
     run = tmp_path / "run"
-    proc = hf(run)
-    wait_for(lambda: any(e["step"] >= 100 for e in events(run, "checkpoint_committed")), what="step 100")
+    monkeypatch.setenv("WORKER_HOLD", str(HOLD))  # every rank waits at step HOLD until the signal came
+    proc = hf(run, "stop.check_interval=1")
+    monkeypatch.delenv("WORKER_HOLD")
+    wait_for(lambda: HOLD in [e["step"] for e in events(run, "checkpoint_committed")], what=f"step {HOLD}")
     proc.send_signal(signal.SIGTERM)
     assert finish(proc) == ExitCode.REQUEUE, Path(f"{run}.log").read_text()[-3000:]
     stop = events(run, "stop_requested")[-1]
-    assert stop["details"]["reason"] == "signal" and stop["step"] < STEPS
+    assert stop["details"]["reason"] == "signal" and stop["step"] == HOLD + 1
     # the checkpoint is the Trainer's own format too: from_pretrained loads it
     saved = Path(events(run, "checkpoint_committed")[-1]["details"]["path"])
     assert saved.name == f"step-{stop['step']:08d}" and (saved / "trainer_state.json").is_file()
