@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Run the test suite (sets up .venv first). Extra arguments go to pytest.
+# Run the test suite (sets up .venv first). Extra arguments go to pytest. The tests against a real
+# SLURM cluster (marked slurm) are left out: scripts/test_slurm.sh runs them (CI runs both); a later
+# -m in the arguments replaces this one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=10 "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=10 -m "not slurm" "$@"

@@ -9,9 +9,9 @@ For ``benchmarks/framework_overhead.py``: ``WORKER_HIDDEN`` sets the embedding w
 ``WORKER_PLAIN=1`` leaves the callback out, ``WORKER_TIMES=PATH`` makes rank 0 write each step's
 seconds (step end to step end) to PATH as JSON.
 
-For tests: ``WORKER_HOLD=N`` makes every rank wait at the end of step N (after trainguard's step end,
-so the checkpoint of step N is committed) until trainguard has received a stop signal, at most
-120 s: a test signals the run at a known step whatever the machine's speed.
+For tests: ``WORKER_HOLD=N`` makes every rank wait at the end of the Trainer's step N (after
+trainguard's step end, so a checkpoint of that step is committed; rank 0 first writes
+``OUTPUT_DIR/held``) until trainguard has received a stop signal, at most 120 s: a test signals the run at a known step whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ class HoldForSignal(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         if state.global_step == self.step:
+            if args.process_index == 0:
+                open(os.path.join(args.output_dir, "held"), "w").close()
             deadline = time.monotonic() + 120
             while self.guard_of().shutdown.received is None and time.monotonic() < deadline:
                 time.sleep(0.01)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import REPO, events, finish, launch
 from trainguard.exitcodes import ExitCode
-from trainguard.health.preflight import PreflightError, check_devices, check_free_space
+from trainguard.health.preflight import PreflightError, check_devices, check_free_space, check_writable
 
 WORKER = REPO / "tests" / "oom_worker.py"
 REPORTS = (
@@ -61,6 +61,12 @@ def test_free_space_and_device_checks_name_the_problem(tmp_path):
         raise AssertionError("no error")
     except PreflightError as e:
         assert str(tmp_path) in str(e) and "keep_last + 1" in str(e)
+    check_writable(tmp_path / "new" / "dir")
+    try:
+        check_writable(Path("/proc/trainguard-cannot-write"))
+        raise AssertionError("no error")
+    except PreflightError as e:
+        assert "checkpoint dir /proc/trainguard-cannot-write is not writable" in str(e)
     cpu = {"host": "a", "type": "cpu", "cuda_devices": 0}
     check_devices([cpu, dict(cpu, host="b")])
     try:
@@ -138,10 +144,8 @@ def test_stopped_rank_fails_the_ping_within_its_timeout_and_the_group_restarts(t
     assert len(events(run, "group_restart")) == 1 and details(run, "resume")[-1]["from_step"] == 10
 
 
-def test_preflight_refuses_an_unwritable_checkpoint_dir_and_missing_space(tmp_path):
-    run = tmp_path / "ro"
-    assert run_worker(run, "checkpoint.dir=/proc/trainguard-cannot-write") == ExitCode.BAD_INPUT
-    assert "preflight: checkpoint dir /proc/trainguard-cannot-write is not writable" in log(run)
+def test_preflight_refuses_missing_space_with_exit_2_before_anything_is_written(tmp_path):
+    # (an unwritable directory takes the same path to exit 2: unit-tested above)
     full = tmp_path / "full"
     assert run_worker(full, "checkpoint.keep_last=1000000000") == ExitCode.BAD_INPUT
     assert "preflight: not enough free space for checkpoints" in log(full)

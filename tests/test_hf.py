@@ -26,16 +26,21 @@ def hf(run: Path, *overrides: str, extra: tuple[str, ...] = (), steps: int = STE
     return launch(run, "checkpoint.interval=30", *overrides, script=WORKER, tiny=False, extra=extra, script_args=args)
 
 
-def test_sigterm_stops_at_an_agreed_step_and_a_killed_rank_restarts_the_group_bitwise(tmp_path, monkeypatch):
+def test_sigterm_stops_at_an_agreed_step_a_killed_rank_restarts_the_group_bitwise_and_a_nan_is_skipped(
+    tmp_path, monkeypatch
+):
+    # both runs skip step 30 (a NaN loss on rank 1; faults fire in a launch's first group only)
+    nan = ("--inject", "nan_loss:rank=1,step=30")
     clean = tmp_path / "clean"
-    assert finish(hf(clean)) == 0, Path(f"{clean}.log").read_text()[-3000:]
+    assert finish(hf(clean, extra=nan)) == 0, Path(f"{clean}.log").read_text()[-3000:]
     run = tmp_path / "run"
     monkeypatch.setenv("WORKER_HOLD", str(HOLD))  # every rank waits at step HOLD until the signal came
-    proc = hf(run, "stop.check_interval=1")
+    proc = hf(run, "stop.check_interval=1", extra=nan)
     monkeypatch.delenv("WORKER_HOLD")
     wait_for(lambda: HOLD in [e["step"] for e in events(run, "checkpoint_committed")], what=f"step {HOLD}")
     proc.send_signal(signal.SIGTERM)
     assert finish(proc) == ExitCode.REQUEUE, Path(f"{run}.log").read_text()[-3000:]
+    assert [e["step"] for e in events(run, "step_skipped")] == [30]
     stop = events(run, "stop_requested")[-1]
     assert stop["details"]["reason"] == "signal" and stop["step"] == HOLD + 1
     # the checkpoint is the Trainer's own format too: from_pretrained loads it
@@ -51,15 +56,29 @@ def test_sigterm_stops_at_an_agreed_step_and_a_killed_rank_restarts_the_group_bi
     assert resumes[0] == stop["step"] and len(resumes) == 2 and resumes[1] >= stop["step"]
     assert len(events(run, "group_restart")) == 1
     assert final_hash(run) == final_hash(clean)
-
-
-def test_a_nan_step_is_skipped_and_the_report_reads_the_run(tmp_path):
-    run = tmp_path / "run"
-    proc = hf(run, "checkpoint.interval=20", extra=("--inject", "nan_loss:rank=1,step=30"), steps=60)
-    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
-    assert [e["step"] for e in events(run, "step_skipped")] == [30]
     report = build_report(events(run))
-    assert report["notices"]["step_skipped"] == 1 and report["final_step"] == 60 and report["status"] == "finished"
+    assert report["notices"]["step_skipped"] == 1 and report["final_step"] == STEPS and report["status"] == "finished"
+
+
+def test_a_loss_spike_rolls_back_and_a_relaunch_resumes_the_trainer_steps_ahead(tmp_path, monkeypatch):
+    """After a rollback the Trainer counts on while trainguard's step went back: the stop and the
+    relaunch keep both where they were (the checkpoint records how far the Trainer is ahead)."""
+    run = tmp_path / "run"
+    spike = ("--inject", "loss_spike:rank=0,step=40,factor=1000")
+    settings = ("checkpoint.interval=10", "instability.loss_spike=rollback", "instability.min_history=10")
+    monkeypatch.setenv("WORKER_HOLD", "50")  # the Trainer's step 50: trainguard's 40 (10 undone)
+    proc = hf(run, *settings, "instability.known_good_after=5", "stop.check_interval=1", extra=spike, steps=60)
+    monkeypatch.delenv("WORKER_HOLD")
+    wait_for(lambda: (run.parent / f"{run.name}-out" / "held").exists(), what="the hold at the Trainer's step 50")
+    proc.send_signal(signal.SIGTERM)
+    assert finish(proc) == ExitCode.REQUEUE, Path(f"{run}.log").read_text()[-3000:]
+    rollback = events(run, "rollback")[0]["details"]
+    assert rollback["from_step"] == 40 and rollback["to_step"] == 30
+    assert events(run, "stop_requested")[-1]["step"] == 41
+    assert finish(hf(run, *settings, steps=60)) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert events(run, "resume")[-1]["details"]["from_step"] == 41 and not events(run, "group_restart")
+    # the Trainer ran its 60 steps; trainguard kept 50 of them
+    assert events(run, "end")[-1]["step"] == 50
 
 
 @pytest.mark.parametrize(

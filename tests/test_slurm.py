@@ -2,7 +2,9 @@
 with ``trainguard slurm submit``, stopped by the job's time limit, by ``scancel --signal=USR1`` and
 by ``scontrol requeue``; job arrays; ``sbatch --test-only``; bad input.
 
-Without a reachable cluster these tests skip; with ``TRAINGUARD_REQUIRE_SLURM=1`` (CI) they fail.
+Run by ``bash scripts/test_slurm.sh`` (CI runs it after the suite; ``scripts/test.sh`` leaves these out,
+marked ``slurm``). Without a reachable cluster they skip; with ``TRAINGUARD_REQUIRE_SLURM=1`` (CI)
+they fail.
 
 What each test exercises, honestly:
 
@@ -40,8 +42,9 @@ import pytest
 from conftest import GPT, REPO, TINY, events, final_hash, sets, wait_for
 from trainguard.slurm.info import parse_show_job
 
-# one local cluster of one node: its tests run one after another (on one worker under pytest-xdist)
-pytestmark = pytest.mark.xdist_group("slurm")
+# one local cluster of one node: its tests run one after another (on one worker under pytest-xdist);
+# marked slurm: scripts/test.sh leaves them out (its 15 minutes), scripts/test_slurm.sh runs them
+pytestmark = [pytest.mark.xdist_group("slurm"), pytest.mark.slurm]
 
 STEPS = 500  # the tiny GPT: ~15-40 ms a step on 2 CPU ranks (shared with the clean run of conftest)
 TIMEOUT = 240  # seconds for any one job to finish, requeues included

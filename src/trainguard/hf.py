@@ -28,7 +28,9 @@ the scheduler; it resumes its own state from the same checkpoint (:meth:`Guard.b
 the liveness ping and the hang supervisor's sections. ``on_step_begin``: the ``step`` section.
 ``on_pre_optimizer_step``: the NaN/spike check (:meth:`Guard.should_step`) on the step's loss (the
 mean of the model outputs' ``loss`` over the step's micro-batches, taken by a forward hook) and
-the gradient norm after the Trainer's clipping; a skipped step sets every gradient to ``None``.
+the gradient norm after the Trainer's clipping; a skipped step sets every gradient to ``None``,
+so the ``optimizer.step()`` the Trainer still calls changes nothing (its scheduler still steps:
+the Trainer counts the step, as trainguard does).
 ``on_step_end``: :meth:`Guard.step_end`, the agreed stop check and saves; a stop raises
 :class:`~trainguard.outcomes.Requeue` out of ``train`` (exit code 75). ``on_train_end``:
 :meth:`Guard.finish`.
@@ -38,7 +40,9 @@ would write uncommitted checkpoints beside trainguard's), ``[checkpoint] async_s
 node-local tier (the Trainer's files are written from the live state, into the persistent tier),
 ``[recovery] in_process``. A rollback restores the model, optimizer and scheduler from the
 known-good checkpoint; the Trainer's ``global_step`` and data position go on (the batches between
-are skipped), so the run ends at ``max_steps`` steps *run*. See ``docs/hf.md``.
+are skipped), so the run ends at ``max_steps`` steps *run*, fewer of them kept. The steps the
+Trainer is ahead are saved with each checkpoint (:class:`TrainerSteps`), so a resume after a
+rollback is checked against them. See ``docs/hf.md``.
 """
 
 from __future__ import annotations
@@ -126,6 +130,21 @@ def _fsync_tree(directory: Path) -> None:
                 os.fsync(f.fileno())
 
 
+class TrainerSteps:
+    """The steps by which the Trainer's ``global_step`` is ahead of trainguard's step (a rollback
+    undoes trainguard's steps, the Trainer counts on), as a Stateful saved in trainguard's
+    checkpoints: a resume checks the Trainer's step against it."""
+
+    def __init__(self) -> None:
+        self.extra_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"extra_steps": self.extra_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.extra_steps = int(state["extra_steps"])
+
+
 class TrainguardCallback(TrainerCallback):
     """The Trainer callback (see the module doc for what each hook does).
 
@@ -148,6 +167,7 @@ class TrainguardCallback(TrainerCallback):
     ):
         self.config, self.extra_state, self.hooks = config, dict(extra_state or {}), list(hooks)
         self.guard: Optional[Guard] = None
+        self.steps = TrainerSteps()
         self._losses: list[torch.Tensor] = []
         self._handle: Any = None
         self._trainer: dict[str, Any] = {}
@@ -166,15 +186,16 @@ class TrainguardCallback(TrainerCallback):
             model=model,
             optimizer=optimizer,
             scheduler=kw.get("lr_scheduler"),
-            extra_state=self.extra_state,
+            extra_state={"hf_trainer": self.steps, **self.extra_state},
             hooks=self.hooks,
             checkpoint_files=self._write_trainer_files,
         )
         step = self.guard.begin(state.max_steps)
-        if step != state.global_step:
+        if step + self.steps.extra_steps != state.global_step:
             raise BadInput(
-                f"trainguard resumed at step {step} but the Trainer at step {state.global_step}: pass "
-                "resume_from_checkpoint=trainguard.hf.last_checkpoint() to Trainer.train"
+                f"trainguard resumed at step {step} (the Trainer's {step + self.steps.extra_steps}) but the Trainer "
+                f"at step {state.global_step}: pass resume_from_checkpoint=trainguard.hf.last_checkpoint() to "
+                "Trainer.train"
             )
         self._handle = model.register_forward_hook(self._take_loss)
 
@@ -195,9 +216,11 @@ class TrainguardCallback(TrainerCallback):
             for group in self._trainer["optimizer"].param_groups:
                 for p in group["params"]:
                     p.grad = None
+            self.guard.recovery.release()  # the Trainer calls optimizer.step() next: a no-op without gradients
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.guard.step_end(loss=self._step_loss())
+        self.steps.extra_steps = state.global_step - self.guard.step
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self._handle is not None:

@@ -264,6 +264,12 @@ class Recovery:
         detection: in-process recovery abandons a step whose collective lost a peer."""
         self._reject()
 
+    def release(self) -> None:
+        """Let ``optimizer.step()`` run in this refused step, for a framework that calls it whatever
+        a callback decided (the Hugging Face Trainer). The refusal zeroed the gradients to ``None``,
+        so torch's optimizers leave every parameter and its optimizer state alone."""
+        self.rejected = False
+
     def step_closed(self) -> None:
         """The step ended (``guard.step_end()``): the next step may be applied again."""
         self.rejected = False
