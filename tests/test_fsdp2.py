@@ -39,4 +39,4 @@ def test_a_loss_spike_rolls_back_to_the_known_good_shards(tmp_path):
     assert finish(fsdp2(run, *rules, extra=spike)) == 0, Path(f"{run}.log").read_text()[-3000:]
     rollback = events(run, "rollback")[0]["details"]
     assert rollback["from_step"] == 45 and rollback["to_step"] in (30, 40), rollback
-    assert events(run, "end")[-1]["step"] == STEPS
+    assert events(run, "end")[-1]["step"] == STEPS and not events(run, "group_restart")  # in-process
