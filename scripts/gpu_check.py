@@ -1,0 +1,101 @@
+"""The CUDA paths, once, on a machine with an NVIDIA GPU: NVML health, a real CUDA out-of-memory
+recovered by the Guard's micro-batch split, pinned host staging for async saves, and a Guard run
+on the GPU with async checkpoints. Prints one line per check; exit 0 when every check held.
+
+    python scripts/gpu_check.py RUN_DIR      # (PYTHONPATH=src from a checkout)
+
+Not a test: CI has no GPU. Where the GPU is absent it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import trainguard
+from trainguard.checkpoint.snapshot import Snapshot
+from trainguard.events import read_events
+from trainguard.faults import provoke_oom
+from trainguard.health.gpu import compute_check, gpu_report
+from trainguard.oom.micro import is_oom
+from trainguard.sections import FaultSpec
+
+
+def nccl_rebuild() -> bool:
+    """One NCCL rank (one GPU here): an all-reduce, the group destroyed and created again on the
+    same store, as in-process recovery does (``trainguard.rejoin.regroup``), an all-reduce again."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "WORLD_SIZE": "1"})
+    t = torch.ones(1, device="cuda")
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    dist.all_reduce(t)
+    t0 = time.perf_counter()
+    dist.destroy_process_group()
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    print(f"nccl: destroy + init + all-reduce {time.perf_counter() - t0:.3f} s, value {t.item()} (2.0 expected)")
+    dist.destroy_process_group()
+    for key in ("RANK", "WORLD_SIZE"):
+        os.environ.pop(key)
+    return t.item() == 2.0
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; nothing to check")
+        return 0
+    ok = True
+    print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+    report = gpu_report()
+    print(f"nvml: {report}")
+    print(f"compute_check: {compute_check('cuda', mb=64)}")
+
+    try:
+        provoke_oom("cuda")
+        print("oom: provoke_oom returned without an error")
+        ok = False
+    except BaseException as e:  # noqa: BLE001 - what CUDA raises is the point
+        print(f"oom: {type(e).__name__}, is_oom={is_oom(e)}, allocated after {torch.cuda.memory_allocated()} B")
+        ok &= is_oom(e)
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(4)]).cuda()  # 256 MiB of fp32
+    snap = Snapshot()
+    for i in range(2):
+        t0 = time.perf_counter()
+        copy, _ = snap.take(model.state_dict())
+        seconds = time.perf_counter() - t0
+        first = next(iter(copy.values()))
+        print(
+            f"snapshot {i}: {seconds * 1000:.1f} ms for 256 MiB, host pinned={first.is_pinned()}, device={first.device}"
+        )
+        ok &= first.is_pinned()
+
+    ok &= nccl_rebuild()
+
+    cfg = trainguard.Config()
+    cfg.run.dir = sys.argv[1]
+    cfg.checkpoint.interval = 10
+    cfg.checkpoint.async_save = True
+    cfg.faults.inject = [FaultSpec(kind="oom", rank=0, step=5)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    guard = trainguard.Guard(cfg, model=model, optimizer=opt)
+    x = torch.randn(64, 4096, device="cuda")
+    for _ in guard.steps(30):
+        opt.zero_grad(set_to_none=True)
+        loss = guard.run_step(lambda mb: model(mb).pow(2).mean(), x)
+        if guard.should_step(loss):
+            opt.step()
+        guard.step_end(loss=loss)
+    kinds = [e["kind"] for e in read_events(cfg.run.dir)]
+    print(f"guard: finished at step {guard.step}, sha256 {guard.state_sha256}; events {sorted(set(kinds))}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
