@@ -9,9 +9,9 @@ For ``benchmarks/framework_overhead.py``: ``WORKER_HIDDEN`` sets the hidden widt
 ``WORKER_PLAIN=1`` leaves the callback out, ``WORKER_TIMES=PATH`` makes rank 0 write each step's
 seconds (batch end to batch end) to PATH as JSON.
 
-For tests: ``WORKER_HOLD=N`` makes every rank wait at the end of step N (after trainguard's step end,
-so the checkpoint of step N is committed) until trainguard has received a stop signal, at most
-120 s: a test signals the run at a known step whatever the machine's speed.
+For tests: ``WORKER_HOLD=N`` makes every rank wait at the end of Lightning's step N (after
+trainguard's step end; rank 0 first writes ``RUN_DIR/held``) until trainguard has received a stop
+signal, at most 120 s: a test signals the run at a known step whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ class HoldForSignal(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
+            if trainer.global_rank == 0:
+                open(os.path.join(self.guard_of().cfg.run.dir, "held"), "w").close()
             deadline = time.monotonic() + 120
             while self.guard_of().shutdown.received is None and time.monotonic() < deadline:
                 time.sleep(0.01)

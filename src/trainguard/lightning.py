@@ -25,9 +25,11 @@ launched by ``trainguard run --nproc-per-node 2 train.py``. One trainguard step 
   Lightning passed to ``on_before_backward``; a skipped step sets every gradient to ``None`` so
   the optimizer step leaves the parameters alone (torch's optimizers skip parameters without a
   gradient; Lightning still counts the step, as trainguard does). A rollback reloads the
-  known-good checkpoint in the process; Lightning's ``global_step`` keeps counting the steps run,
-  and its ``max_steps`` is raised by the steps undone so that the model still trains
-  ``max_steps`` steps.
+  known-good checkpoint in the process, the fit loop's counters included; Lightning then finishes
+  the rolled-back step (its counters, a scheduler step), so ``on_train_batch_end`` puts the
+  checkpoint's counters and scheduler back: the run goes on exactly as a resume from that
+  checkpoint would (``max_steps`` follows any difference between Lightning's ``global_step`` and
+  trainguard's step).
 * ``on_train_batch_end``: :meth:`Guard.step_end` — the agreed stop check, scheduled and
   emergency saves on every rank; a stop raises :class:`~trainguard.outcomes.Requeue` out of
   ``fit`` (exit code 75).
@@ -49,6 +51,7 @@ the callback is an instance of that package's ``Callback``.
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Optional
 
 from .config import Config, config_from_env
@@ -155,6 +158,7 @@ class TrainguardCallback(pl.Callback):
         self._max_steps = 0
         self._rng: Optional[dict] = None
         self._loss: Any = None
+        self._rolled_back: Optional[tuple[dict, Optional[dict]]] = None
         self._sections = contextlib.ExitStack()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -189,14 +193,30 @@ class TrainguardCallback(pl.Callback):
         self._loss = loss.detach()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        step = self.guard.step
         if not self.guard.should_step(self._loss):
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None
+            if self.guard.step != step:  # a rollback: the known-good checkpoint's counters and scheduler
+                self._rolled_back = copy.deepcopy(self._restored(trainer))
+
+    @staticmethod
+    def _restored(trainer: pl.Trainer) -> tuple[dict, Optional[dict]]:
+        configs = trainer.lr_scheduler_configs
+        return trainer.fit_loop.state_dict(), configs[0].scheduler.state_dict() if configs else None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._rolled_back is not None:
+            # Lightning went on with the rolled-back step (its step counters, a scheduler step): put
+            # back what the checkpoint holds, as a resume from it would find it
+            fit_loop, scheduler = self._rolled_back
+            trainer.fit_loop.load_state_dict(fit_loop)
+            if scheduler is not None:
+                trainer.lr_scheduler_configs[0].scheduler.load_state_dict(scheduler)
+            self._rolled_back = None
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.guard.step_end(loss=loss.detach() if loss is not None else None)
         self._follow(trainer)
