@@ -9,6 +9,7 @@ import pickle
 import random
 import signal
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from conftest import events, final_hash, finish, launch, logged_step, wait_for
 from trainguard.events import EventLog
+from trainguard.launcher.node_join import NodeRecord, host_of, number_newcomers
 from trainguard.launcher.replace import REPLACEMENT_MODULE, Replacer, replacement_command
 from trainguard.rejoin import regroup
 from trainguard.rejoin.boundary import PLAIN, TORCH, BoundaryState, decode, encode, read
@@ -58,6 +60,17 @@ def test_generation_round_trip_and_store_protocol():
     assert launcher.peek(2) == gen and launcher.peek(3) is None
 
 
+def _round(rdzv: dist.TCPStore, number: int) -> list[dist.Store]:
+    """Two nodes' views of rendezvous round ``number``'s store (torch prefixes each round's keys)."""
+    return [dist.PrefixStore(f"round{number}", s) for s in (rdzv, connect("127.0.0.1", rdzv.port))]
+
+
+def _both(*calls):
+    """Run the nodes' calls at once (each waits for the other's record) and return their results."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(c) for c in calls]]
+
+
 def test_every_group_start_gets_its_own_keys_on_every_node(tmp_path):
     """Node 0's launcher numbers each start of the group (a restart for a node that joined too,
     which keeps torch's restart count) and passes the number to the other nodes' launchers through
@@ -66,16 +79,51 @@ def test_every_group_start_gets_its_own_keys_on_every_node(tmp_path):
     node0 = Replacer(RecoverySection(), EventLog(tmp_path), "train.py", tmp_path / "b0")
     node1 = Replacer(RecoverySection(), EventLog(tmp_path), "train.py", tmp_path / "b1", spares=0)
     try:
-        first = node0.share(rdzv, 0)
-        assert node1.share(connect("127.0.0.1", rdzv.port), 1) == first == (node0.local_address, 1)
+        s0, s1 = _round(rdzv, 1)
+        first, second = _both(lambda: node0.share(s0, 0, 2, 1), lambda: node1.share(s1, 1, 2, 1))
+        assert first == second == (node0.local_address, 1, None)
         node1.shrink([1], 3)  # generation 1 of start 1, published by node 1 in node 0's store
         assert RecoveryStore(node0.server, 1).peek(1) is not None
-        assert node0.share(rdzv, 0)[1] == node1.share(connect("127.0.0.1", rdzv.port), 1)[1] == 2
+        s0, s1 = _round(rdzv, 2)
+        first, second = _both(lambda: node0.share(s0, 0, 2, 1), lambda: node1.share(s1, 1, 2, 1))
+        assert first[1] == second[1] == 2
         assert RecoveryStore(connect(*parse_address(first[0])), 2).peek(1) is None
         assert node1.generation == 0 and node1.pending is None
     finally:
         node0.close()
         node1.close()
+
+
+def test_a_node_that_arrives_joins_the_running_group_as_newcomers_numbered_after_it(tmp_path):
+    """The running node (here node 1 of the new round: torch orders nodes by address and pid) hosts
+    the join: the arriving node's 2 workers become ranks 3 and 4 of a generation that grows a
+    3-rank group to 5, on the host's recovery store and group start; two running groups refuse."""
+    assert number_newcomers([NodeRecord(False, 2), NodeRecord(True, 0), NodeRecord(False, 1)], 1, 3) == {
+        0: (3, 4),
+        2: (5,),
+    }
+    assert host_of([NodeRecord(False, 2), NodeRecord(False, 1)]) == 0
+    with pytest.raises(ValueError, match=r"nodes \[0, 1\] each say their worker group runs"):
+        host_of([NodeRecord(True, 0), NodeRecord(True, 0)])
+    rdzv = serve()
+    host = Replacer(RecoverySection(), EventLog(tmp_path), "train.py", tmp_path / "b0", min_ranks=2)
+    arriving = Replacer(RecoverySection(), EventLog(tmp_path), "train.py", tmp_path / "b1", spares=0)
+    try:
+        s0, s1 = _round(rdzv, 1)
+        _both(lambda: host.share(s0, 0, 1, 3))  # the host's own start, alone
+        assert host.can_admit() and not arriving.can_admit()
+        s0, s1 = _round(rdzv, 2)
+        gen, (address, group, join) = _both(lambda: host.admit(s0, 1, 2, 3), lambda: arriving.share(s1, 0, 2, 2))
+        assert (address, group) == (host.local_address, 1) and join.address == address and join.group == 1
+        assert join.ranks == (3, 4) and join.generation == gen
+        assert (gen.world_size, gen.grown, gen.replaced, gen.number) == (5, (3, 4), (3, 4), 1)
+        assert RecoveryStore(connect(*parse_address(address)), 1).peek(1) == gen  # the running ranks find it
+        assert host.pending == gen and arriving.pending is None
+        [e] = [e for e in events(tmp_path, "grow_started")]
+        assert e["details"]["nodes"] == {"0": [3, 4]} and e["details"]["world_size"] == 5
+    finally:
+        host.close()
+        arriving.close()
 
 
 def test_boundary_state_keeps_the_last_two_boundaries_beyond_the_process(tmp_path):
@@ -137,6 +185,16 @@ def test_replacement_command_runs_the_script_through_the_replacement_module():
     argv = ["/usr/bin/python3", "-I", "-S", "/x/deathsig.py", "77", "/venv/python", "-u", "train.py", "--lr=1"]
     got = replacement_command(argv, "train.py")
     assert got == [*argv[:7], "-m", REPLACEMENT_MODULE, "train.py", "--lr=1"]
+    # a worker that started as a newcomer of a running group already runs through the module
+    assert replacement_command(got, "train.py", ["--spare", "3"]) == [
+        *argv[:7],
+        "-m",
+        REPLACEMENT_MODULE,
+        "--spare",
+        "3",
+        "train.py",
+        "--lr=1",
+    ]
     with pytest.raises(ValueError, match="not in the worker's command line"):
         replacement_command(argv, "other.py")
 

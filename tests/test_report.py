@@ -337,6 +337,34 @@ def test_a_node_that_joins_is_part_of_the_launch_and_its_stop_is_a_membership_ch
     assert sizes == [(2, 0), (3, 12)], sizes
 
 
+def test_a_node_that_joins_in_place_starts_no_group_and_a_later_stop_is_not_a_membership_change():
+    """Node 1's launcher (pid 2) joins the running group in place and is node 0 of the new round:
+    its workers_started (joined_generation) is no new group start, the ranks grow 2 → 3 at step
+    12, and the SIGTERM that ends the launch later is a preemption, not a membership change."""
+    log = [
+        ev(0, "launch", rank=None, nnodes="1:2"),
+        ev(1, "workers_started", rank=None, restart=0, node=0, nodes=1, world_size=2),
+        ev(10, "start", 0, first_step=0, world_size=2),
+        dict(ev(21, "launch", rank=None, nnodes="1:2"), pid=2),
+        ev(22, "membership_change", rank=None, nodes_waiting=1, in_place=True),
+        dict(
+            ev(22.5, "workers_started", rank=None, restart=0, node=0, nodes=2, world_size=3, joined_generation=1), pid=2
+        ),
+        ev(23, "world_size_changed", 12, from_world_size=2, to_world_size=3, in_process=True, joined=[2]),
+        ev(30, "stop_requested", 40, reason="signal", signal="SIGTERM"),
+        ev(30.2, "checkpoint_committed", 40, bytes=100, seconds=0.1, reason="signal"),
+        ev(30.3, "exit", 40, code=75, reason="signal"),
+        dict(ev(31, "launch_exit", rank=None, code=75, reason="ranks stopped for requeue", seconds=10), pid=2),
+        ev(31, "launch_exit", rank=None, code=75, reason="ranks stopped for requeue", seconds=31),
+    ]
+    report = build_report(log)
+    assert report["launches"] == 1 and report["attempts"] == 1, report
+    (inc,) = report["incidents"]
+    assert inc["kind"] != "membership_change", inc
+    sizes = [(w["world_size"], w["first_step"]) for w in report["world_sizes"]]
+    assert sizes == [(2, 0), (3, 12)], sizes
+
+
 def test_a_relaunch_of_a_multi_node_job_whose_launchers_died_is_a_new_launch():
     """The same --nnodes job launched again 5 min after its launchers went silent (killed, no
     launch_exit): not a node joining the dead launch but a new launch, and the old one was lost."""

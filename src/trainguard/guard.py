@@ -529,7 +529,7 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         report = self.straggler.due(self.step)
         ahead = self.stop.next_interval(self._step_seconds)
         mine = self.stop.local_flags(self._step_seconds, self.ckpt.estimated_save_seconds(), ahead, self.step)
-        if self.rank == 0 and self.cfg.elastic.min_ranks and self.cfg.elastic.regrow:
+        if self.rank == 0 and self.cfg.elastic.min_ranks:  # a spare (regrow) or a node may join in place
             mine = dataclasses.replace(mine, grow=self.rejoin.growth_pending())
         try:
             agreed = tgdist.all_reduce_max(mine.pack() + (self.straggler.pack() if report else []))

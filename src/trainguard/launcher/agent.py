@@ -38,13 +38,14 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from .. import console
 from ..events import EventLog
 from ..exitcodes import ExitCode
-from ..launch_env import RECOVERY_GROUP, RECOVERY_STORE
+from ..launch_env import JOIN, RECOVERY_GROUP, RECOVERY_STORE
 from ..rejoin.protocol import new_rank
 from ..supervisor.monitor import HangMonitor
 from . import script_error
 from .elastic import ElasticAdapter
+from .node_join import NodeJoin
 from .record import LaunchRecord
-from .replace import Replacer
+from .replace import Replacer, replacement_command
 from .script_error import ScriptError
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -98,6 +99,7 @@ class TrainguardAgent(ElasticAdapter):
         self._regrowing = False  # the ranks were asked to checkpoint and stop for a membership change
         self._withdrawn: list[int] = []  # local ranks the group went on without (a shrink), until it grows back
         self._stopped_by_us: set[int] = set()  # local ranks SIGKILLed because a peer failed
+        self._join: Optional[NodeJoin] = None  # this start joined another node's running group
         self.poll_hooks: list[Callable[[TrainguardAgent], Optional[str]]] = [monitor.poll] if monitor else []
 
     # ---- signals -------------------------------------------------------------------------------
@@ -140,17 +142,32 @@ class TrainguardAgent(ElasticAdapter):
     def after_rendezvous(self) -> None:
         """In-process recovery: every node's workers and replacers share node 0's recovery store
         and the number of this group start (they go from node 0's agent to the others through the
-        rendezvous store); the workers find them in their environment."""
-        if self.replacer is not None:
-            group = self.worker_group
-            address, number = self.replacer.share(group.store, group.group_rank)
-            os.environ.update({RECOVERY_STORE: address, RECOVERY_GROUP: str(number)})
+        rendezvous store); the workers find them in their environment. When another node's group
+        runs, this node joins it in place (:mod:`.node_join`): its workers start as the newcomers
+        of the generation that node's agent published, with the ranks it gave them."""
+        if self.replacer is None:
+            return
+        group = self.worker_group
+        address, number, join = self.replacer.share(
+            group.store, group.group_rank, group.group_world_size, group.spec.local_world_size
+        )
+        os.environ.update({RECOVERY_STORE: address, RECOVERY_GROUP: str(number)})
+        self._join = join
+        if join is not None:
+            gen = join.generation
+            argv = replacement_command([group.spec.entrypoint, *group.spec.args], self.replacer.script)
+            self.start_as(join.ranks, gen.world_size, (gen.host, gen.port), argv)
+            os.environ[JOIN] = str(gen.number)
 
     def _start_group(self) -> None:
         self._forwarded_to, self._regrowing, self._withdrawn = set(), False, []
         if self.monitor is not None:
             self.monitor.group_started(self.restart_count)
-        self.start_workers()
+        try:
+            self.start_workers()
+        finally:
+            self.restore_args()  # a node that joined a running group: the launch's own command next time
+            os.environ.pop(JOIN, None)
         if self.replacer is not None:
             self.replacer.fill_spares(*self.worker_command(0))
         group = self.worker_group
@@ -159,6 +176,7 @@ class TrainguardAgent(ElasticAdapter):
         pids = self.worker_pids()
         if self.record is not None:
             self.record.write_ranks(pids)
+        joined = {"joined_generation": self._join.generation.number} if self._join is not None else {}
         self.events.emit(
             "workers_started",
             restart=self.restart_count,
@@ -166,6 +184,7 @@ class TrainguardAgent(ElasticAdapter):
             world_size=group.workers[0].world_size,
             node=group.group_rank,
             nodes=group.group_world_size,
+            **joined,
         )
         if self.stop_signal is not None:  # a signal that arrived during rendezvous
             self._forward(getattr(signal, self.stop_signal))
@@ -212,8 +231,11 @@ class TrainguardAgent(ElasticAdapter):
                     continue  # the supervisor SIGKILLed the hung ranks: the next poll replaces them in-process
                 if not self._restart_or_give_up(reason):
                     return RunResult(state=WorkerState.FAILED)
-            elif not self._regrowing and spec.rdzv_handler.num_nodes_waiting() > 0:  # not a failure
-                self._checkpoint_for_membership(spec.rdzv_handler.num_nodes_waiting())
+            elif not self._regrowing and (waiting := spec.rdzv_handler.num_nodes_waiting()) > 0:  # not a failure
+                if self.replacer is None or not self.replacer.can_admit():
+                    self._checkpoint_for_membership(waiting)
+                elif self.replacer.pending is None and self.stop_signal is None:
+                    self._admit_nodes(waiting)
             elif self._withdrawn and self.stop_signal is None and not self._regrowing and self.replacer.can_grow():
                 self._grow_back()
 
@@ -230,6 +252,27 @@ class TrainguardAgent(ElasticAdapter):
         )
         self._regrowing = True
         self._forward(signal.SIGTERM)
+
+    def _admit_nodes(self, waiting: int) -> None:
+        """``waiting`` nodes wait in the rendezvous to join, and this node's ranks may change their
+        world size in place: join the new rendezvous round beside the running workers and make
+        this node the host of the join (:mod:`.node_join`): the other nodes' workers start as
+        newcomers numbered after the group's ranks, which meet them at their next stop check and
+        send them the state from memory. No rank stops, no step is redone."""
+        t0 = time.monotonic()
+        self.events.emit("membership_change", nodes_waiting=waiting, in_place=True)
+        console.say(f"{waiting} node(s) waiting to join: the group grows in place at the ranks' next stop check")
+        self.join_round()
+        group = self.worker_group
+        workers = {w.local_rank: w for w in self.workers()}
+        world_size = next(w.world_size for r, w in workers.items() if r not in self._withdrawn)
+        gen = self.replacer.admit(group.store, group.group_rank, group.group_world_size, world_size)
+        live = {r: w.global_rank for r, w in workers.items() if r not in self._withdrawn}
+        self.renumber({**live, **self._past(gen.world_size)}, gen.world_size)
+        console.say(
+            f"rank(s) {list(gen.grown)} on the joining node(s) take their state from the others: "
+            f"{gen.world_size} rank(s) after the next stop check (rendezvous {time.monotonic() - t0:.2f} s)"
+        )
 
     def _replace_lost(self, procs: dict[int, subprocess.Popen], codes: dict[int, Optional[int]]) -> Optional[str]:
         """In-process recovery: replace the ranks that exited with a failure while the others run

@@ -26,18 +26,21 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 #   _initialize_workers: rendezvous + start of the group; _monitor_workers: one poll of the group
 #   _exit_barrier: wait for the other nodes at the end; _shutdown: SIGTERM, wait, SIGKILL the workers
 #   _rendezvous: the rendezvous part of _initialize_workers (extended: runs after_rendezvous() before
-#   the workers start)
+#   the workers start); _assign_worker_ranks: its exchange of the nodes' worker counts, which a node
+#   that joins the running group in place waits on (join_round() takes part in it)
 AGENT_METHODS = (
     "_invoke_run",
     "_stop_workers",
     "_initialize_workers",
     "_rendezvous",
+    "_assign_worker_ranks",
     "_monitor_workers",
     "_exit_barrier",
     "_shutdown",
 )
-# attributes LocalElasticAgent.__init__ sets: the worker group, the restarts left, the process context
-AGENT_ATTRIBUTES = ("_worker_group", "_remaining_restarts", "_pcontext")
+# attributes LocalElasticAgent.__init__ sets: the worker group, the restarts left, the process context,
+# the rendezvous round's store (the exit barrier's)
+AGENT_ATTRIBUTES = ("_worker_group", "_remaining_restarts", "_pcontext", "_store")
 # of the process context of workers started from a binary (SubprocessContext): {local_rank: handler}
 # whose handler.proc is the worker's subprocess.Popen; the program, {local_rank: args} and
 # {local_rank: env} each worker was started with (in-process recovery starts a replacement alike);
@@ -157,6 +160,41 @@ class ElasticAdapter(LocalElasticAgent):
     def shutdown_workers(self, timeout: int) -> None:
         """SIGTERM the workers' process groups, wait up to ``timeout`` seconds, SIGKILL the rest."""
         self._shutdown(timeout=timeout)
+
+    def join_round(self) -> None:
+        """Join the next rendezvous round while this node's workers keep running (the host of a
+        join in place, see :mod:`trainguard.launcher.node_join`): the round's store, this node's
+        group rank and the number of nodes become the group's (the exit barrier waits for every
+        node of the round); the workers keep their processes and ranks. Takes part in torch's
+        exchange of the nodes' worker counts, which the other nodes wait on.
+
+        Raises:
+            torch.distributed.elastic.rendezvous.RendezvousError: the round did not complete
+                (``--rdzv-conf join_timeout``).
+        """
+        group = self._worker_group
+        info = group.spec.rdzv_handler.next_rendezvous()
+        self._store = info.store
+        self._assign_worker_ranks(info.store, info.rank, info.world_size, group.spec)  # its numbers are not used
+        group.store, group.group_rank, group.group_world_size = info.store, info.rank, info.world_size
+
+    def start_as(self, ranks: tuple[int, ...], world_size: int, master: tuple[str, int], argv: list[str]) -> None:
+        """Before :meth:`start_workers` (from :meth:`after_rendezvous`): this start's workers are the
+        ranks ``ranks`` (local rank 0 first) of ``world_size``, meet on the store ``master``
+        (``(host, port)``) and run the command line ``argv`` (entrypoint first) instead of the
+        launch's. The launch's own command line comes back with :meth:`restore_args`."""
+        group = self._worker_group
+        for w in group.workers:
+            w.global_rank = w.role_rank = ranks[w.local_rank]
+            w.world_size = w.role_world_size = world_size
+        group.master_addr, group.master_port = master
+        self._launch_args = group.spec.args
+        group.spec.args = tuple(argv[1:])
+
+    def restore_args(self) -> None:
+        """The launch's own command line for the next start (after :meth:`start_as`)."""
+        if getattr(self, "_launch_args", None) is not None:
+            self._worker_group.spec.args, self._launch_args = self._launch_args, None
 
     # ---- the worker processes --------------------------------------------------------------------
 

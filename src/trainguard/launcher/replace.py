@@ -44,6 +44,8 @@ from ..rejoin.protocol import (
     spare_ready,
 )
 from ..sections import RecoverySection
+from . import node_join
+from .node_join import NodeJoin
 
 REPLACEMENT_MODULE = "trainguard.rejoin.replacement"
 SHARED_KEY = "trainguard/recovery_store"  # in the rendezvous store: node 0's recovery store address
@@ -99,32 +101,81 @@ class Replacer:
         self._newcomers: list[int] = []  # pids of the spares of the last grow
         self._template: Optional[tuple[list[str], dict[str, str]]] = None
 
-    def share(self, rdzv_store, group_rank: int) -> tuple[str, int]:
-        """After a rendezvous: node 0 (``group_rank`` 0) offers its recovery store and the number of
-        this group start (the keys' prefix; it counts every start, also a restart for a node that
-        joined, which torch's restart count does not) to the others through the rendezvous round's
-        store ``rdzv_store``; the others connect to it. Generations count from 0 again. Returns the
-        shared store's address (``HOST:PORT``) and the start's number, for the workers'
-        ``TRAINGUARD_RECOVERY_STORE`` and ``TRAINGUARD_RECOVERY_GROUP``.
+    def share(self, rdzv_store, group_rank: int, group_world_size: int, nproc: int) -> tuple[str, int, Optional[NodeJoin]]:
+        """After a rendezvous, before this node's workers start: the nodes trade their records
+        (:func:`~.node_join.announce`; ``nproc``: this node's workers). When another node's group
+        runs, this node joins it in place: it takes that node's recovery store and group start and
+        returns the :class:`~.node_join.NodeJoin` the host left for it. Otherwise node 0
+        (``group_rank`` 0) offers its recovery store and the number of this group start (the keys'
+        prefix; it counts every start, also a restart for a node that joined, which torch's restart
+        count does not) to the others through the round's store ``rdzv_store``; the others connect
+        to it, and generations count from 0 again. Returns the shared store's address
+        (``HOST:PORT``), the start's number (the workers' ``TRAINGUARD_RECOVERY_STORE`` and
+        ``TRAINGUARD_RECOVERY_GROUP``) and the join, or ``None``.
 
         Raises:
-            torch.distributed.DistStoreError: node 0's values did not come within the store's timeout.
+            torch.distributed.DistStoreError: the other nodes' values did not come within the store's timeout.
+            ValueError: two nodes say their groups run.
         """
-        if group_rank == 0:
-            number = next_group(self.server)
-            rdzv_store.set(SHARED_KEY, self.local_address)
+        records = node_join.announce(rdzv_store, group_rank, group_world_size, False, nproc)
+        host = node_join.host_of(records)
+        join = node_join.read_offer(rdzv_store, group_rank) if records[host].running else None
+        if join is not None:
+            address, number = join.address, join.group
+        elif group_rank == 0:
+            address, number = self.local_address, next_group(self.server)
+            rdzv_store.set(SHARED_KEY, address)
             rdzv_store.set(GROUP_KEY, str(number))
-            self.address, self.shared = self.local_address, self.server
         else:
             address = rdzv_store.get(SHARED_KEY).decode()
             number = int(rdzv_store.get(GROUP_KEY).decode())
-            if address != self.address:
-                self.address, self.shared = address, connect(*parse_address(address), self.cfg.timeout)
+        if address == self.local_address:
+            self.address, self.shared = address, self.server
+        elif address != self.address:
+            self.address, self.shared = address, connect(*parse_address(address), self.cfg.timeout)
         self.attempt, self.generation, self.pending, self.owed = number, 0, None, 0
         self._stores.clear()
         for sid in list(self.spares)[self.want_spares :]:  # started to grow back the previous group
             self.spares.pop(sid).kill()
-        return self.address, number
+        return self.address, number, join
+
+    def can_admit(self) -> bool:
+        """Whether a node that arrives joins the running group in place (:meth:`admit`) instead of
+        a checkpoint and a restart of every rank: ``[elastic] min_ranks`` is set (the ranks were
+        checked at start for a world size that changes: a sampler with ``reshard``, no node-local
+        tier; see :func:`~trainguard.rejoin.shrink.check_shrinkable`)."""
+        return bool(self.min_ranks)
+
+    def admit(self, rdzv_store, group_rank: int, group_world_size: int, world_size: int) -> Generation:
+        """Host of a join in place (this node's group runs, and it has joined the new rendezvous
+        round beside it, as node ``group_rank`` of ``group_world_size``): number the other nodes'
+        workers after the group's ``world_size`` ranks (:func:`~.node_join.number_newcomers`),
+        publish the generation that grows by them and leave each node its
+        :class:`~.node_join.NodeJoin` in the round's store ``rdzv_store``. The ranks learn of the
+        generation at their next stop check; :meth:`poll` times it from their agreement. Not
+        counted against ``[recovery] max_replacements`` (no slot failed). Returns the generation.
+
+        Raises:
+            torch.distributed.DistStoreError: the other nodes' records did not come within the store's timeout.
+            ValueError: another node says its group runs too.
+        """
+        records = node_join.announce(rdzv_store, group_rank, group_world_size, True, 0)
+        newcomers = node_join.number_newcomers(records, node_join.host_of(records), world_size)
+        ranks = tuple(r for node in sorted(newcomers) for r in newcomers[node])
+        gen = self._next_generation(ranks, world_size + len(ranks), grown=ranks)
+        for node, node_ranks in newcomers.items():
+            node_join.offer(rdzv_store, node, NodeJoin(self.address, self.attempt, gen, node_ranks))
+        self._publish(gen)
+        self._newcomers = []  # on the other nodes: their agents start them
+        self._deadline = float("inf")  # until the ranks accept it
+        self.events.emit(
+            "grow_started",
+            generation=gen.number,
+            ranks=list(ranks),
+            world_size=gen.world_size,
+            nodes={str(node): list(r) for node, r in newcomers.items()},
+        )
+        return gen
 
     def forming(self) -> set[int]:
         """Process ids of the newcomers of a grow that has not formed yet (they take no stop signal:
@@ -338,7 +389,8 @@ class Replacer:
 
 
 def replacement_command(argv: list[str], script: str, options: tuple[str, ...] | list[str] = ()) -> list[str]:
-    """A worker's command line with ``-m trainguard.rejoin.replacement [OPTIONS]`` before the script.
+    """A worker's command line with ``-m trainguard.rejoin.replacement [OPTIONS]`` before the script
+    (once: a worker that started as a newcomer already has the module, without options).
 
     Raises:
         ValueError: ``script`` is not in ``argv``.
@@ -346,4 +398,5 @@ def replacement_command(argv: list[str], script: str, options: tuple[str, ...] |
     if script not in argv:
         raise ValueError(f"the script {script!r} is not in the worker's command line {argv!r}")
     i = argv.index(script)
-    return [*argv[:i], "-m", REPLACEMENT_MODULE, *options, *argv[i:]]
+    head = argv[: i - 2] if argv[i - 2 : i] == ["-m", REPLACEMENT_MODULE] else argv[:i]
+    return [*head, "-m", REPLACEMENT_MODULE, *options, *argv[i:]]

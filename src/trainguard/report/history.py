@@ -149,8 +149,8 @@ class RunHistory:
         self._launch_key = key if str(d.get("nnodes", "1")) not in ("1", "1:1", "None") else None
 
     def _on_workers_started(self, e: dict, d: dict) -> None:
-        if d.get("node", 0) != 0:
-            return  # another node's part of the group node 0 started
+        if d.get("node", 0) != 0 or "joined_generation" in d:
+            return  # another node's part of the group node 0 started, or a node that joined it in place
         self._membership = False  # a membership stop that never came (a failure restarted the group first)
         self.attempts += 1
         restart = d.get("restart")
@@ -296,7 +296,9 @@ class RunHistory:
                 return
 
     def _on_membership_change(self, e: dict, d: dict) -> None:
-        self._membership = True  # the launcher's SIGTERM: the next agreed stop is for the new membership
+        # the launcher's SIGTERM: the next agreed stop is for the new membership (a node that joins
+        # in place stops nothing: the ranks' world_size_changed shows it)
+        self._membership = not d.get("in_place")
 
     def _on_stop_requested(self, e: dict, d: dict) -> None:
         reason = str(d.get("reason"))
