@@ -101,7 +101,9 @@ class Replacer:
         self._newcomers: list[int] = []  # pids of the spares of the last grow
         self._template: Optional[tuple[list[str], dict[str, str]]] = None
 
-    def share(self, rdzv_store, group_rank: int, group_world_size: int, nproc: int) -> tuple[str, int, Optional[NodeJoin]]:
+    def share(
+        self, rdzv_store, group_rank: int, group_world_size: int, nproc: int
+    ) -> tuple[str, int, Optional[NodeJoin]]:
         """After a rendezvous, before this node's workers start: the nodes trade their records
         (:func:`~.node_join.announce`; ``nproc``: this node's workers). When another node's group
         runs, this node joins it in place: it takes that node's recovery store and group start and
