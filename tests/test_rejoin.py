@@ -8,6 +8,7 @@ import os
 import pickle
 import random
 import signal
+import socket
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -119,6 +120,15 @@ def test_a_node_that_arrives_joins_the_running_group_as_newcomers_numbered_after
         assert (gen.world_size, gen.grown, gen.replaced, gen.number) == (5, (3, 4), (3, 4), 1)
         assert RecoveryStore(connect(*parse_address(address)), 1).peek(1) == gen  # the running ranks find it
         assert host.pending == gen and arriving.pending is None
+        assert gen.hosts == (socket.gethostname(),) * 2  # the newcomers' host, for the ranks' per-host reports
+        # the arriving node's agent numbers its workers by what other agents publish, not by its own
+        assert arriving.follow() == [] and host.follow() == []
+        shrunk = host.shrink([1], 5)
+        assert arriving.follow() == [shrunk] and host.follow() == [] and arriving.follow() == []
+        # an agent that restarts its workers gives the start up: no node is taken into it any more
+        assert not host.abandoned()
+        arriving.abandon()
+        assert host.abandoned()
         [e] = [e for e in events(tmp_path, "grow_started")]
         assert e["details"]["nodes"] == {"0": [3, 4]} and e["details"]["world_size"] == 5
     finally:

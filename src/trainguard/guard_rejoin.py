@@ -112,7 +112,7 @@ class InProcessRecovery:
         old, rank = self.rank, new_rank(self.rank, gen.left)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
         self.hosts = [h for r, h in enumerate(self.hosts) if r not in gen.left]
-        self.hosts += [socket.gethostname()] * len(gen.grown)  # one node: the newcomers run beside us
+        self.hosts += list(gen.hosts) or [socket.gethostname()] * len(gen.grown)  # spares run beside us
         self.events.renumber(rank)
         for part in (self.ckpt, self.recovery, self.sdc, self.micro, self.reruns):
             part.renumber(rank, gen.world_size)

@@ -39,7 +39,7 @@ from .. import console
 from ..events import EventLog
 from ..exitcodes import ExitCode
 from ..launch_env import JOIN, RECOVERY_GROUP, RECOVERY_STORE
-from ..rejoin.protocol import new_rank
+from ..rejoin.protocol import Generation, new_rank
 from ..supervisor.monitor import HangMonitor
 from . import script_error
 from .elastic import ElasticAdapter
@@ -197,6 +197,9 @@ class TrainguardAgent(ElasticAdapter):
         self._start_group()
         while True:
             time.sleep(spec.monitor_interval)
+            if self.replacer is not None:
+                for gen in self.replacer.follow():
+                    self._follow(gen)
             procs = self.worker_processes()
             codes = {r: p.poll() for r, p in procs.items()}  # one look per poll, for every check below
             why = self._replace_lost(procs, codes) if self.replacer is not None else None
@@ -234,6 +237,9 @@ class TrainguardAgent(ElasticAdapter):
             elif not self._regrowing and (waiting := spec.rdzv_handler.num_nodes_waiting()) > 0:  # not a failure
                 if self.replacer is None or not self.replacer.can_admit():
                     self._checkpoint_for_membership(waiting)
+                elif self.replacer.abandoned():  # the node that waits restarted its part of this group
+                    if not self._restart_or_give_up("the group restarted on another node"):
+                        return RunResult(state=WorkerState.FAILED)
                 elif self.replacer.pending is None and self.stop_signal is None:
                     self._admit_nodes(waiting)
             elif self._withdrawn and self.stop_signal is None and not self._regrowing and self.replacer.can_grow():
@@ -252,6 +258,14 @@ class TrainguardAgent(ElasticAdapter):
         )
         self._regrowing = True
         self._forward(signal.SIGTERM)
+
+    def _follow(self, gen: Generation) -> None:
+        """Another node's agent published ``gen``: number this node's workers as the ranks now are
+        (the gaps of ``gen.left`` closed, ``gen.world_size``), so that a later replacement, grow or
+        join here starts with the group's numbers."""
+        workers = {w.local_rank: w for w in self.workers()}
+        live = {r: new_rank(w.global_rank, gen.left) for r, w in workers.items() if r not in self._withdrawn}
+        self.renumber({**live, **self._past(gen.world_size)}, gen.world_size)
 
     def _admit_nodes(self, waiting: int) -> None:
         """``waiting`` nodes wait in the rendezvous to join, and this node's ranks may change their
@@ -460,6 +474,8 @@ class TrainguardAgent(ElasticAdapter):
             )
             return False
         self.use_restart()
+        if self.replacer is not None:
+            self.replacer.abandon()
         self.events.emit("group_restart", reason=reason, remaining_restarts=self.remaining_restarts)
         newest = self.monitor.newest_checkpoint() if self.monitor else None
         console.say(

@@ -21,6 +21,7 @@ send them the model, the optimizer and the shared state from memory (see
 from __future__ import annotations
 
 import json
+import socket
 from dataclasses import dataclass
 
 from ..rejoin.protocol import Generation
@@ -32,10 +33,12 @@ JOIN_KEY = "trainguard/join/{}"  # + group rank: the NodeJoin the host leaves fo
 @dataclass(frozen=True)
 class NodeRecord:
     """What one node's agent says in a rendezvous round: whether its worker group runs (it is the
-    host of a join in place) and how many workers it starts (``--nproc-per-node``)."""
+    host of a join in place), how many workers it starts (``--nproc-per-node``) and its host name
+    (the ranks' per-host reports name it)."""
 
     running: bool
     nproc: int
+    host: str = ""
 
 
 @dataclass(frozen=True)
@@ -72,9 +75,10 @@ def announce(store, group_rank: int, group_world_size: int, running: bool, nproc
     Raises:
         torch.distributed.DistStoreError: a node's record did not come within the store's timeout.
     """
-    store.set(NODE_KEY.format(group_rank), json.dumps({"running": running, "nproc": nproc}))
+    mine = {"running": running, "nproc": nproc, "host": socket.gethostname()}
+    store.set(NODE_KEY.format(group_rank), json.dumps(mine))
     records = [json.loads(store.get(NODE_KEY.format(n))) for n in range(group_world_size)]
-    return [NodeRecord(bool(r["running"]), int(r["nproc"])) for r in records]
+    return [NodeRecord(bool(r["running"]), int(r["nproc"]), str(r["host"])) for r in records]
 
 
 def host_of(records: list[NodeRecord]) -> int:

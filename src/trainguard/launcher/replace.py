@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch.distributed as dist
+
 from ..events import EventLog
 from ..launch_env import JOIN, RECOVERY_STORE
 from ..rejoin.protocol import (
@@ -91,6 +93,8 @@ class Replacer:
         self.replacements = 0
         self.attempt = 0
         self.generation = 0
+        self.seen = 0  # the newest generation whose membership this agent has taken (follow())
+        self._mine: set[int] = set()  # numbers of the generations this agent drew
         self.pending: Optional[Generation] = None
         self._deadline = 0.0
         self._started = 0.0
@@ -136,6 +140,7 @@ class Replacer:
         elif address != self.address:
             self.address, self.shared = address, connect(*parse_address(address), self.cfg.timeout)
         self.attempt, self.generation, self.pending, self.owed = number, 0, None, 0
+        self.seen, self._mine = (join.generation.number if join else 0), set()
         self._stores.clear()
         for sid in list(self.spares)[self.want_spares :]:  # started to grow back the previous group
             self.spares.pop(sid).kill()
@@ -147,6 +152,23 @@ class Replacer:
         checked at start for a world size that changes: a sampler with ``reshard``, no node-local
         tier; see :func:`~trainguard.rejoin.shrink.check_shrinkable`)."""
         return bool(self.min_ranks)
+
+    def abandon(self) -> None:
+        """Say in the shared store that this start of the group is given up (this agent restarts its
+        workers), so that no other agent takes an arriving node into it; nothing when the store's
+        node is gone."""
+        try:
+            RecoveryStore(self.shared, self.attempt).abandon()
+        except (RuntimeError, dist.DistError):
+            pass
+
+    def abandoned(self) -> bool:
+        """Whether an agent gave this start of the group up (:meth:`abandon`); ``True`` when the
+        shared store cannot be reached (its node, node 0 of the start, is gone)."""
+        try:
+            return RecoveryStore(self.shared, self.attempt).abandoned()
+        except (RuntimeError, dist.DistError):
+            return True
 
     def admit(self, rdzv_store, group_rank: int, group_world_size: int, world_size: int) -> Generation:
         """Host of a join in place (this node's group runs, and it has joined the new rendezvous
@@ -164,7 +186,8 @@ class Replacer:
         records = node_join.announce(rdzv_store, group_rank, group_world_size, True, 0)
         newcomers = node_join.number_newcomers(records, node_join.host_of(records), world_size)
         ranks = tuple(r for node in sorted(newcomers) for r in newcomers[node])
-        gen = self._next_generation(ranks, world_size + len(ranks), grown=ranks)
+        hosts = tuple(records[node].host for node in sorted(newcomers) for _ in newcomers[node])
+        gen = self._next_generation(ranks, world_size + len(ranks), grown=ranks, hosts=hosts)
         for node, node_ranks in newcomers.items():
             node_join.offer(rdzv_store, node, NodeJoin(self.address, self.attempt, gen, node_ranks))
         self._publish(gen)
@@ -293,13 +316,30 @@ class Replacer:
         return procs
 
     def _next_generation(
-        self, replaced: tuple[int, ...], world_size: int, left: tuple[int, ...] = (), grown: tuple[int, ...] = ()
+        self,
+        replaced: tuple[int, ...],
+        world_size: int,
+        left: tuple[int, ...] = (),
+        grown: tuple[int, ...] = (),
+        hosts: tuple[str, ...] = (),
     ) -> Generation:
         """The next generation: its number drawn from the shared store, a fresh store of its own."""
         self.generation = RecoveryStore(self.shared, self.attempt).next_number()
+        self._mine.add(self.generation)
         store = serve(self.host)
         self._stores.append(store)
-        return Generation(self.generation, self.host, store.port, replaced, world_size, left, grown)
+        return Generation(self.generation, self.host, store.port, replaced, world_size, left, grown, hosts)
+
+    def follow(self) -> list[Generation]:
+        """The generations other nodes' agents published since the last call, in order: this node's
+        workers are numbered by them as the ranks are (a shrink, or a grow another agent hosts).
+        One store look per call when nothing is new."""
+        store, found = RecoveryStore(self.shared, self.attempt), []
+        while (gen := store.peek(self.seen + 1)) is not None:
+            self.seen = gen.number
+            if gen.number not in self._mine:
+                found.append(gen)
+        return found
 
     @staticmethod
     def _rank_env(env: dict[str, str], gen: Generation) -> dict[str, str]:

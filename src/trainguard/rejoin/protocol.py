@@ -7,6 +7,8 @@ launcher: a restart for a node that joined is a new start though torch's restart
 * ``gen/{g}``: the JSON of :class:`Generation` ``g`` (``g`` = 1, 2, ...), written by the launcher
   once it has started the replacements; the survivors of generation ``g - 1`` wait for it.
 * ``gen/{g}/accepted``: written by rank 0 when the ranks agreed to grow into generation ``g``.
+* ``abandoned``: written by an agent that restarts its workers (a group restart): the others'
+  ranks belong to a group that no longer forms, and a node that arrives is not taken into it.
 * ``gen/{g}/joined/{rank}``: written by a replacement once it holds the transferred state (after
   a shrink: by every rank of the smaller group); the launcher counts a recovery as finished when
   every member has written it.
@@ -71,6 +73,8 @@ class Generation:
         grown: global ranks new to the group, numbered after the others (it grows back in place,
             see :mod:`.shrink`); also in ``replaced``. They take their own state from the lowest
             surviving rank by the rule of a resume on another world size.
+        hosts: the host names of the ``grown`` ranks, in order, when they run on other nodes (a
+            node that joined in place); empty: beside the ranks that send them the state.
     """
 
     number: int
@@ -80,6 +84,7 @@ class Generation:
     world_size: int
     left: tuple[int, ...] = ()
     grown: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -101,6 +106,7 @@ class Generation:
             int(d["world_size"]),
             tuple(d.get("left", ())),
             tuple(d.get("grown", ())),
+            tuple(d.get("hosts", ())),
         )
 
 
@@ -173,6 +179,15 @@ class RecoveryStore:
     def accepted(self, number: int) -> bool:
         """Launcher: whether the ranks agreed to grow into generation ``number``."""
         return self.store.check([f"gen/{number}/accepted"])
+
+    def abandon(self) -> None:
+        """Launcher: this start of the group is given up (an agent restarts its workers); an agent
+        whose ranks still run must not take arriving nodes into it (:meth:`abandoned`)."""
+        self.store.set("abandoned", "1")
+
+    def abandoned(self) -> bool:
+        """Launcher: whether an agent gave this start of the group up (:meth:`abandon`)."""
+        return self.store.check(["abandoned"])
 
     def joined(self, number: int, rank: int) -> None:
         """Replacement: say that rank ``rank`` holds its state in generation ``number``."""
