@@ -414,7 +414,7 @@ class ElasticSection(Section):
     ``torch.distributed.checkpoint``, the data position is global (a ``reshardable`` sampler), each
     rank's random number generators are derived by a documented rule, and ``guard.rank_batch()``
     gives the batch per rank under ``keep``. With ``min_ranks`` the group also shrinks in place
-    when it loses a rank (see :mod:`trainguard.rejoin.shrink`).
+    when it loses a rank and takes an arriving node in place (see :mod:`trainguard.rejoin.shrink`).
     """
 
     keep: Literal["global_batch", "rank_batch"] = Field(
@@ -428,7 +428,8 @@ class ElasticSection(Section):
         ge=0,
         description="with in-process recovery on one node: a lost rank with no warm spare ready makes the others go on "
         "as a smaller group (renumbered ranks, the data position and global batch kept) while this many or more "
-        "remain; 0: never shrink (the lost rank is started cold)",
+        "remain; 0: never shrink (the lost rank is started cold). Set, it also lets a node that arrives (--nnodes "
+        "MIN:MAX) join the running group in place instead of through a checkpoint and restart",
     )
     regrow: bool = Field(
         True,

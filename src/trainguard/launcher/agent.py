@@ -241,7 +241,9 @@ class TrainguardAgent(ElasticAdapter):
                     if not self._restart_or_give_up("the group restarted on another node"):
                         return RunResult(state=WorkerState.FAILED)
                 elif self.replacer.pending is None and self.stop_signal is None:
-                    self._admit_nodes(waiting)
+                    why = self._admit_nodes(waiting)
+                    if why is not None and not self._restart_or_give_up(why):
+                        return RunResult(state=WorkerState.FAILED)
             elif self._withdrawn and self.stop_signal is None and not self._regrowing and self.replacer.can_grow():
                 self._grow_back()
 
@@ -267,26 +269,34 @@ class TrainguardAgent(ElasticAdapter):
         live = {r: new_rank(w.global_rank, gen.left) for r, w in workers.items() if r not in self._withdrawn}
         self.renumber({**live, **self._past(gen.world_size)}, gen.world_size)
 
-    def _admit_nodes(self, waiting: int) -> None:
+    def _admit_nodes(self, waiting: int) -> Optional[str]:
         """``waiting`` nodes wait in the rendezvous to join, and this node's ranks may change their
         world size in place: join the new rendezvous round beside the running workers and make
         this node the host of the join (:mod:`.node_join`): the other nodes' workers start as
         newcomers numbered after the group's ranks, which meet them at their next stop check and
-        send them the state from memory. No rank stops, no step is redone."""
+        send them the state from memory. No rank stops, no step is redone. Returns why the join
+        failed (the rendezvous or the exchange in its store: the group must restart), else ``None``
+        (also when the waiting nodes left before the round formed: nothing changes)."""
         t0 = time.monotonic()
         self.events.emit("membership_change", nodes_waiting=waiting, in_place=True)
         console.say(f"{waiting} node(s) waiting to join: the group grows in place at the ranks' next stop check")
-        self.join_round()
-        group = self.worker_group
         workers = {w.local_rank: w for w in self.workers()}
         world_size = next(w.world_size for r, w in workers.items() if r not in self._withdrawn)
-        gen = self.replacer.admit(group.store, group.group_rank, group.group_world_size, world_size)
+        try:
+            self.join_round()
+            group = self.worker_group
+            gen = self.replacer.admit(group.store, group.group_rank, group.group_world_size, world_size)
+        except Exception as e:  # torch's RendezvousError, a store's timeout, two running groups
+            return f"the rendezvous with the arriving node(s) failed: {type(e).__name__}: {e}"
+        if gen is None:
+            return None
         live = {r: w.global_rank for r, w in workers.items() if r not in self._withdrawn}
         self.renumber({**live, **self._past(gen.world_size)}, gen.world_size)
         console.say(
             f"rank(s) {list(gen.grown)} on the joining node(s) take their state from the others: "
             f"{gen.world_size} rank(s) after the next stop check (rendezvous {time.monotonic() - t0:.2f} s)"
         )
+        return None
 
     def _replace_lost(self, procs: dict[int, subprocess.Popen], codes: dict[int, Optional[int]]) -> Optional[str]:
         """In-process recovery: replace the ranks that exited with a failure while the others run

@@ -170,14 +170,15 @@ class Replacer:
         except (RuntimeError, dist.DistError):
             return True
 
-    def admit(self, rdzv_store, group_rank: int, group_world_size: int, world_size: int) -> Generation:
+    def admit(self, rdzv_store, group_rank: int, group_world_size: int, world_size: int) -> Optional[Generation]:
         """Host of a join in place (this node's group runs, and it has joined the new rendezvous
         round beside it, as node ``group_rank`` of ``group_world_size``): number the other nodes'
         workers after the group's ``world_size`` ranks (:func:`~.node_join.number_newcomers`),
         publish the generation that grows by them and leave each node its
         :class:`~.node_join.NodeJoin` in the round's store ``rdzv_store``. The ranks learn of the
         generation at their next stop check; :meth:`poll` times it from their agreement. Not
-        counted against ``[recovery] max_replacements`` (no slot failed). Returns the generation.
+        counted against ``[recovery] max_replacements`` (no slot failed). Returns the generation,
+        or ``None`` when the round has no other node (the arriving ones left before it formed).
 
         Raises:
             torch.distributed.DistStoreError: the other nodes' records did not come within the store's timeout.
@@ -186,6 +187,8 @@ class Replacer:
         records = node_join.announce(rdzv_store, group_rank, group_world_size, True, 0)
         newcomers = node_join.number_newcomers(records, node_join.host_of(records), world_size)
         ranks = tuple(r for node in sorted(newcomers) for r in newcomers[node])
+        if not ranks:
+            return None
         hosts = tuple(records[node].host for node in sorted(newcomers) for _ in newcomers[node])
         gen = self._next_generation(ranks, world_size + len(ranks), grown=ranks, hosts=hosts)
         for node, node_ranks in newcomers.items():

@@ -34,9 +34,12 @@ the newcomers in a new group and send them the model, optimizer and shared state
 derives its own data position and RNG streams from the lowest surviving rank's by the rule of a
 resume on another world size (:func:`~trainguard.elastic.resharded_rank_state`). Nothing is redone.
 
-Not covered: several nodes (the other node's launcher would have to renumber its workers: a lost
-rank there is replaced instead), the node-local checkpoint tier (its files are placed by rank),
-and a sampler without :func:`reshard` support (refused at start, exit 2).
+**A node that arrives** (``--nnodes MIN:MAX``) grows the group the same way, with the newcomers
+started by its own launcher (:mod:`trainguard.launcher.node_join`).
+
+Not covered: shrinking on several nodes (a lost rank there is replaced instead), the node-local
+checkpoint tier (its files are placed by rank), and a sampler without :func:`reshard` support
+(refused at start, exit 2).
 """
 
 from __future__ import annotations
