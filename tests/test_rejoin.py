@@ -59,6 +59,12 @@ def test_generation_round_trip_and_store_protocol():
     rank.joined(2, 3)
     assert launcher.all_joined(gen)
     assert launcher.peek(2) == gen and launcher.peek(3) is None
+    grown = Generation(3, "127.0.0.1", 4243, (4, 5), 6, grown=(4, 5))
+    assert not launcher.all_ready(grown)
+    rank.ready(3, 4)
+    assert not launcher.all_ready(grown)  # rank 5 still starting: the others train on
+    rank.ready(3, 5)
+    assert launcher.all_ready(grown)
 
 
 def _round(rdzv: dist.TCPStore, number: int) -> list[dist.Store]:

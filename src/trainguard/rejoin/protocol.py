@@ -6,6 +6,8 @@ launcher: a restart for a node that joined is a new start though torch's restart
 * ``generations``: a counter; the launcher draws each generation's number from it.
 * ``gen/{g}``: the JSON of :class:`Generation` ``g`` (``g`` = 1, 2, ...), written by the launcher
   once it has started the replacements; the survivors of generation ``g - 1`` wait for it.
+* ``gen/{g}/ready/{rank}``: written by a newcomer of a grown generation once it has started and is
+  about to meet the others; rank 0 lets the ranks grow only when every newcomer has.
 * ``gen/{g}/accepted``: written by rank 0 when the ranks agreed to grow into generation ``g``.
 * ``abandoned``: written by an agent that restarts its workers (a group restart): the others'
   ranks belong to a group that no longer forms, and a node that arrives is not taken into it.
@@ -179,6 +181,16 @@ class RecoveryStore:
     def accepted(self, number: int) -> bool:
         """Launcher: whether the ranks agreed to grow into generation ``number``."""
         return self.store.check([f"gen/{number}/accepted"])
+
+    def ready(self, number: int, rank: int) -> None:
+        """Newcomer: rank ``rank`` of generation ``number`` has started (its imports and the
+        script's set-up done) and is about to meet the others."""
+        self.store.set(f"gen/{number}/ready/{rank}", "1")
+
+    def all_ready(self, gen: Generation) -> bool:
+        """Rank 0: every newcomer of ``gen`` (:attr:`Generation.grown`) said :meth:`ready`, so the
+        ranks can meet them without waiting for their start."""
+        return self.store.check([f"gen/{gen.number}/ready/{r}" for r in gen.grown])
 
     def abandon(self) -> None:
         """Launcher: this start of the group is given up (an agent restarts its workers); an agent

@@ -105,12 +105,13 @@ class Rejoin:
         return gen
 
     def growth_pending(self) -> int:
-        """The number of the next generation if it is published and grows the group in place (see
-        :mod:`.shrink`), else 0. One store round trip; rank 0 asks at each stop check."""
+        """The number of the next generation if it is published, grows the group in place (see
+        :mod:`.shrink`) and its newcomers have started (a cold one takes seconds; the ranks train
+        on meanwhile), else 0. One or two store round trips; rank 0 asks at each stop check."""
         if not self.active:
             return 0
         gen = self.store.peek(self.generation + 1)
-        return gen.number if gen is not None and gen.grown else 0
+        return gen.number if gen is not None and gen.grown and self.store.all_ready(gen) else 0
 
     def grown_generation(self, number: int) -> Generation:
         """Generation ``number``, which the ranks agreed to grow into (rank 0 found it published).

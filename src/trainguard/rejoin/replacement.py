@@ -10,7 +10,9 @@ The script runs as ``python SCRIPT ARG...`` would run it, with these differences
   ``torch.distributed.init_process_group`` call and waits there until the launcher assigns it a
   rank; it then takes that rank's environment (``RANK``, ``LOCAL_RANK``, the generation's store, ...)
   and goes on. Imports and everything the script does before ``init_process_group`` are done in
-  advance, so that code must not depend on the rank.
+  advance, so that code must not depend on the rank;
+* in ``init_process_group`` a process that joins a generation says it is ready first: the ranks
+  of a group that grows (a spare, a node that arrives) meet it only once it has started.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import os
 import runpy
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..launch_env import LaunchEnv
 from ..outcomes import BadInput
-from .protocol import spare_store_from_environ, wait_for_assignment
+from .protocol import RecoveryStore, connect, parse_address, spare_store_from_environ, wait_for_assignment
 
 
 def skip_initial_broadcast() -> None:
@@ -39,15 +43,22 @@ def skip_initial_broadcast() -> None:
     DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
 
 
-def wait_at_init(spare_id: int) -> None:
-    """Make this process's first ``init_process_group`` call wait for the launcher's assignment
-    and take the assigned rank's environment first."""
+def join_at_init(spare_id: Optional[int]) -> None:
+    """Wrap this process's first ``init_process_group`` call: a warm spare (``spare_id``) waits
+    there for the launcher's assignment and takes the assigned rank's environment first; then a
+    process that joins a generation (``TRAINGUARD_JOIN``) says it is ready
+    (:meth:`~.protocol.RecoveryStore.ready`): the ranks of a group that grows meet it only then."""
     original = dist.init_process_group
-    store = spare_store_from_environ()
+    spares = spare_store_from_environ() if spare_id is not None else None
 
     @functools.wraps(original)
     def init(*args, **kwargs):  # type: ignore[no-untyped-def]
-        os.environ.update(wait_for_assignment(store, spare_id))
+        if spares is not None:
+            os.environ.update(wait_for_assignment(spares, spare_id))
+        launch = LaunchEnv.from_environ()
+        if launch.join is not None and launch.recovery_store:
+            store = RecoveryStore(connect(*parse_address(launch.recovery_store)), launch.recovery_group)
+            store.ready(launch.join, int(os.environ["RANK"]))
         dist.init_process_group = original
         return original(*args, **kwargs)
 
@@ -60,13 +71,14 @@ def main(argv: list[str]) -> None:
     Raises:
         BadInput: no script (the usage line is printed first; exit code 2); whatever the script raises.
     """
-    spare = argv[:1] == ["--spare"]
-    if spare:
+    spare: Optional[int] = None
+    if argv[:1] == ["--spare"]:
         if len(argv) < 3 or not argv[1].isdigit():
             argv = []
         else:
-            wait_at_init(int(argv[1]))
-            argv = argv[2:]
+            spare, argv = int(argv[1]), argv[2:]
+    if argv:
+        join_at_init(spare)
     if not argv:
         print("usage: python -m trainguard.rejoin.replacement [--spare ID] SCRIPT [ARG...]", file=sys.stderr)
         raise BadInput("no script given")
