@@ -195,7 +195,6 @@ class Replacer:
             node_join.offer(rdzv_store, node, NodeJoin(self.address, self.attempt, gen, node_ranks))
         self._publish(gen)
         self._newcomers = []  # on the other nodes: their agents start them
-        self._deadline = float("inf")  # until the ranks accept it
         self.events.emit(
             "grow_started",
             generation=gen.number,
@@ -304,7 +303,6 @@ class Replacer:
             procs[rank] = self.spares.pop(sid)
         self._publish(gen)
         self._newcomers = [p.pid for p in procs.values()]
-        self._deadline = float("inf")  # until the ranks accept it
         self.owed -= len(ranks)
         self.replacements += len(ranks)
         if self._template is not None:  # [launcher] spares, if any, waiting again
@@ -362,7 +360,8 @@ class Replacer:
         RecoveryStore(self.shared, self.attempt).publish(gen)
         self.pending = gen
         self._started = time.monotonic()
-        self._deadline = self._started + self.cfg.timeout + 5.0
+        # a grow is timed from the ranks' agreement (poll()): their next stop check may be a long step away
+        self._deadline = float("inf") if gen.grown else self._started + self.cfg.timeout + 5.0
 
     def replace(
         self, lost: dict[int, tuple[list[str], dict[str, str]]], world_size: int
