@@ -51,7 +51,7 @@ def check_hang(run: Path, rank: int, section: str = "step") -> dict:
     event = mine[0]
     d = event["details"]
     assert d["section"] == section, hangs
-    assert d["silent_seconds"] > d["timeout"]
+    assert d["silent_seconds"] >= d["timeout"]  # detected when silent > timeout; the event rounds to 1 ms
     # detected once the section has lasted its timeout: not before (the fault came a little after the
     # section began), and at most 1 s after (polls every 0.1 s). ``detected_at`` is the poll's time;
     # the events themselves follow the stack dumps.
