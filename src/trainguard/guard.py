@@ -72,6 +72,7 @@ from .memory import MemoryWatchdog
 from .oom import MicroBatcher
 from .outcomes import BadInput, Requeue
 from .rejoin.rank import Rejoin
+from .rejoin.stepstart import StepStart
 from .rejoin.shrink import check_shrinkable
 from .rerun import StepRerun
 from .rundir import prepare_run_dir
@@ -152,6 +153,7 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         self.heartbeat = None
         self.ping: Optional[health.LivenessPing] = None
         self.rejoin: Optional[Rejoin] = None
+        self.step_start: Optional[StepStart] = None
         self.hosts: list[str] = []
         self._step_seconds = 0.0
         self._t_last = time.perf_counter()
@@ -248,6 +250,8 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             }
         )
         if self.rejoin.active:
+            self.step_start = StepStart(self.optimizer, self.scheduler, lambda: self.rejoin.failure is not None)
+            self._catch_collectives()
             check_shrinkable(cfg.elastic.min_ranks, self.world_size, self.sampler, self.ckpt.local is not None)
         if cfg.rollback.skip_batches and self.sampler is not None and not hasattr(self.sampler, "skip_batches"):
             raise BadInput(
@@ -352,6 +356,8 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         supervisor times it in the ``step`` section (the first step stays in ``setup``). Call
         :meth:`step_end` to close it."""
         self._awaiting_step_end = True
+        if self.step_start is not None:
+            self.step_start.begin()
         if self.heartbeat is not None and self.heartbeat.current is None:
             self.heartbeat.open("step")  # the first step stays in "setup" (warm-up, compile)
         if self.step_inputs is not None:
@@ -399,8 +405,8 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             if self.rejoin.failure is not None:  # a peer was lost in this step: it is done again
                 self.recovery.refuse()
                 return False
-            if self.rejoin.keeping:  # this step's boundary, before its last collective (see rejoin.boundary)
-                self._keep_boundary(step)
+            if self.rejoin.keeping and self.rejoin.boundary.step != step:  # before the last collective
+                self._keep_boundary(step)  # (see rejoin.boundary; DDP's backward may have kept it: rejoin.catch)
             if self.faults.pending:
                 self.faults.at(self.step, "should_step")
             if self.faults.numeric_pending:
@@ -474,8 +480,8 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
     def _step_end(self, loss: Any) -> None:
         self._awaiting_step_end = False
         self.recovery.step_closed()
-        if self.rejoin.failure is not None:  # a peer was lost in this step: steps() yields it again
-            self._recover(redo=True)
+        if self.rejoin.failure is not None and not (self.step_start and self.step_start.applied):
+            self._recover(redo=True)  # a peer was lost before this step's update: steps() yields it again
             self._rolled_back = True
         if self._rolled_back:  # the step was undone: steps() yields the checkpoint's step next
             self._rolled_back = False
@@ -494,6 +500,9 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         self.last_loss = loss
         if self.rejoin.keeping and self.rejoin.boundary.step != self.step:  # a loop without should_step
             self._keep_boundary(self.step)
+        if self.rejoin.failure is not None:  # the update was applied before the lost peer surfaced
+            self._recover(redo=False)  # (a logging all-reduce after optimizer.step()): the step is complete
+            return
         if self.faults.pending:  # inside the step section: an injected hang is a hang mid-step
             self.faults.at(self.step, "step")
         if self.heartbeat is not None:

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 from . import dist as tgdist
 from .exitcodes import ExitCode
 from .outcomes import BadInput, Outcome
+from .rejoin.catch import CATCH
 from .supervisor.rank import detach as detach_supervisor
 from .supervisor.rank import enter_teardown
 
@@ -83,13 +84,14 @@ class Edge:
         self._closed = True
         if self.ckpt is not None:
             self.ckpt.close(wait=collective)
-        for part in (self.recovery, self.micro, self.faults, self.step_inputs):
+        for part in (self.recovery, self.micro, self.faults, self.step_inputs, self.step_start):
             if part is not None:
                 part.close()
         if self.shutdown is not None:
             self.shutdown.close()
         detach_supervisor(self.heartbeat)
         self.heartbeat = None
+        CATCH.uninstall()
         if self.rejoin is not None and collective:  # a rank that fails alone leaves its state to its replacement
             self.rejoin.close()
         if self.events is not None:

@@ -10,13 +10,16 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Optional
+from typing import Any, Optional
+
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import console, health
 from . import dist as tgdist
 from .elastic import resharded_rank_state
 from .rejoin import boundary as rejoin_boundary
 from .rejoin import regroup, shrink
+from .rejoin.catch import CATCH, ddp_hook
 from .rejoin.protocol import Generation, new_rank
 from .rejoin.rank import LOCAL_PARTS
 
@@ -45,15 +48,20 @@ class InProcessRecovery:
                 self.ping.abandon()
                 self.ping = None
             self._saved(self.ckpt.wait())  # a save in flight fails on its broken group; nothing commits
+            # this rank's own state now: the end of the abandoned step (a peer may have completed it)
+            current = self.train_state.state_dict(LOCAL_PARTS) if redo else None
             gen = self.rejoin.wait_generation()
             if gen.left:
                 self._resize(gen)
             regroup.rebuild_default_group(gen, self._backend, self.cfg.recovery.timeout)
             regroup.rebind_ddp(self.model)
             self.ckpt.regroup()
-            self._meet(gen)
-            if redo:
+            if redo:  # back to the step's start before any state is sent from here
                 self.train_state.load_state_dict(self.rejoin.boundary.restore(self.step))
+                self.step_start.restore()
+            before = self.step
+            self._meet(gen, current=current)
+            redo = redo and self.step == before  # else it took the completed step from a peer
             self.reruns.forget()  # a replacement knows of no re-run in progress
             if gen.left:
                 self.rejoin.store.joined(gen.number, self.rank)
@@ -150,6 +158,7 @@ class InProcessRecovery:
         grown = self.rank in gen.grown
         kept = {} if grown else rejoin_boundary.read(self.rejoin.dir, self.rank)
         self._meet(gen, kept)
+        self._arm_catch()  # the script's collectives before its loop completed here alone (rejoin.catch)
         self.recovery.rejoined()
         self._keep_boundary(self.step)
         self.rejoin.store.joined(gen.number, self.rank)
@@ -160,40 +169,62 @@ class InProcessRecovery:
             self.events.emit("rank_replaced", self.step, **said)
         self._t_last = time.perf_counter()
 
-    def _meet(self, gen: Generation, kept: Optional[dict[int, dict]] = None) -> None:
+    def _meet(
+        self, gen: Generation, kept: Optional[dict[int, dict]] = None, current: Optional[dict[str, Any]] = None
+    ) -> None:
         """Both sides of a recovery, in the same order: agree on the survivors' step boundary (a
         replacement, with the lost rank's ``kept`` boundaries, takes the one of that step), move the
         model, optimizer and the state every rank holds alike from the lowest surviving rank to
         the replacements (none after a shrink: the survivors hold the same), start the liveness
         ping on the new group.
 
+        The survivors may be one step apart: a collective that lost a peer can complete on some
+        ranks and fail on others (gloo's ring). The ranks that abandoned the step (``current``:
+        their own state at its end, :meth:`_recover`) then take the completed step from the
+        lowest rank that has it, as a replacement does: nothing is redone.
+
         Raises:
-            RegroupError: the survivors are at different boundaries, or the lost rank kept none of theirs.
+            RegroupError: the survivors are more than one step apart, or the lost rank kept none of theirs.
         """
         joining = kept is not None
         agreed = tgdist.all_reduce_max([-1, -(1 << 62)] if joining else [self.step, -self.step])
-        if agreed[0] != -agreed[1]:
-            raise regroup.RegroupError(f"the ranks are at different step boundaries ({-agreed[1]} to {agreed[0]})")
-        step = agreed[0]
-        if tgdist.all_reduce_max([int(joining and step not in kept and self.rank not in gen.grown)])[0]:
+        step, lowest = agreed[0], -agreed[1]
+        behind = not joining and self.step < step
+        refused = tgdist.all_reduce_max(
+            [int(joining and step not in kept and self.rank not in gen.grown), int(behind and current is None)]
+        )
+        if step - lowest > 1 or refused[1]:
+            raise regroup.RegroupError(f"the ranks are at different step boundaries ({lowest} to {step})")
+        if refused[0]:
             raise regroup.RegroupError(
                 f"a replacement has no state of step {step} (its rank kept {sorted(kept or ())})"
             )
-        if gen.replaced:
-            self._transfer(gen, step, kept)
+        src = None
+        if step != lowest:  # the lowest rank that completed the step sends it
+            src = -tgdist.all_reduce_max([-self.rank if not joining and not behind else -(1 << 62)])[0]
+        if gen.replaced or src is not None:
+            self._transfer(gen, step, kept, src, current if behind else None)
         device = next(self.model.parameters()).device
         self.ping = health.start_ping(
             self.cfg.health, self.hosts, self.events, device, self.world_size, self._on_ping_failure
         )
 
-    def _transfer(self, gen: Generation, step: int, kept: Optional[dict[int, dict]]) -> None:
-        """Move the model, optimizer and shared state from the lowest surviving rank to the
-        replacements of ``gen`` (``kept``: a replacement's boundaries, ``None`` on a survivor). A
-        newcomer (``gen.grown``) takes that rank's own state too, with the data position and RNG
-        streams derived for its rank as on a resume on another world size
+    def _transfer(
+        self,
+        gen: Generation,
+        step: int,
+        kept: Optional[dict[int, dict]],
+        src: Optional[int] = None,
+        current: Optional[dict[str, Any]] = None,
+    ) -> None:
+        """Move the model, optimizer and shared state from rank ``src`` (default: the lowest
+        surviving rank) to the replacements of ``gen`` (``kept``: a replacement's boundaries,
+        ``None`` on a survivor) and to survivors one step behind (``current``: their own state at
+        ``step``). A newcomer (``gen.grown``) takes that rank's own state too, with the data
+        position and RNG streams derived for its rank as on a resume on another world size
         (:func:`~trainguard.elastic.resharded_rank_state`)."""
         joining = kept is not None
-        src = min(set(range(gen.world_size)) - set(gen.replaced))
+        src = min(set(range(gen.world_size)) - set(gen.replaced)) if src is None else src
         t0 = time.perf_counter()
         parts = [n for n in self.train_state.parts if gen.grown or n not in LOCAL_PARTS]
         shared = {
@@ -210,6 +241,9 @@ class InProcessRecovery:
             else:
                 own = kept[step]
             self.train_state.load_state_dict({**packet["state"], **own})
+        elif current is not None:
+            self.step = step
+            self.train_state.load_state_dict({**packet["state"], **current})
         if self.rank == src:
             self.events.emit(
                 "state_transferred",
@@ -222,6 +256,33 @@ class InProcessRecovery:
         self.hosts = packet["hosts"]
         self.straggler.set_hosts(self.hosts)
         self._next_check, self.straggler.next_report = packet["next_check"], packet["next_report"]
+
+    def _catch_collectives(self) -> None:
+        """Catch a lost peer in the collectives the script runs itself (see
+        :mod:`~trainguard.rejoin.catch`): DDP's gradient all-reduce through trainguard's
+        communication hook (unless the script has its own: then said once), the script's
+        ``torch.distributed`` calls. A replacement catches from the moment it joined."""
+        if isinstance(self.model, DDP):
+            if regroup.script_comm_hook(self.model):
+                if self.rank == 0:
+                    console.say(
+                        "in-process recovery: the model has a DDP communication hook of the script's own, so a rank "
+                        "lost during backward() restarts the group (other collectives are covered)"
+                    )
+            else:
+                self.model.register_comm_hook(None, ddp_hook(CATCH, self._keep_before_last_bucket))
+        if not self.rejoin.joining:
+            self._arm_catch()
+
+    def _arm_catch(self) -> None:
+        CATCH.arm(lambda e, where: self.rejoin.caught(e, where, self.step + 1), lambda: self.rejoin.failure is not None)
+
+    def _keep_before_last_bucket(self) -> None:
+        """DDP is about to send the step's last gradient bucket: keep this rank's own state as the
+        boundary of the step in progress (after the send a peer may complete the step)."""
+        step = self.step + 1
+        if self.rejoin.keeping and self.rejoin.failure is None and self.rejoin.boundary.step != step:
+            self._keep_boundary(step)
 
     def _keep_boundary(self, step: int) -> None:
         """Keep this rank's own state as the boundary of step ``step`` (in-process recovery)."""

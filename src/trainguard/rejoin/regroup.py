@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .catch import is_own_hook
 from .protocol import Generation
 
 # DistributedDataParallel members used to build a fresh reducer on a new group (torch 2.13):
 #   _build_params_for_reducer(): (parameters, expect_sparse_gradient) as the constructor computes
 #   _build_debug_param_to_name_mapping(parameters), _ddp_init_helper(...): the constructor's reducer set-up
-#   _comm_hooks: hooks registered with register_comm_hook (they would be lost: not supported)
+#   _comm_hooks: hooks registered with register_comm_hook: trainguard's own (rejoin.catch) is registered again
+#     on the fresh reducer; one of the script's would be lost (not supported)
 DDP_MEMBERS = ("_build_params_for_reducer", "_build_debug_param_to_name_mapping", "_ddp_init_helper")
 
 
@@ -75,12 +77,18 @@ def check_rebindable(model: torch.nn.Module) -> None:
             "the model's parameters are DTensors (FSDP2 or tensor parallelism): in-process recovery "
             "re-binds DDP and plain modules only"
         )
-    if isinstance(model, DDP) and getattr(model, "_comm_hooks", None):
+    if isinstance(model, DDP) and script_comm_hook(model):
         raise RegroupError("a DDP communication hook is registered: in-process recovery cannot carry it over")
 
 
+def script_comm_hook(model: DDP) -> bool:
+    """Whether the script registered a communication hook of its own on ``model`` (not trainguard's)."""
+    return any(not is_own_hook(hook) for hook, _ in getattr(model, "_comm_hooks", ()))
+
+
 def rebind_ddp(model: torch.nn.Module) -> None:
-    """Give a DDP-wrapped ``model`` a fresh reducer on the (new) default group; other models: nothing.
+    """Give a DDP-wrapped ``model`` a fresh reducer on the (new) default group, with trainguard's
+    communication hook again if it had it; other models: nothing.
 
     Raises:
         RegroupError: the model has communication hooks, or torch lacks a member used here.
@@ -90,11 +98,15 @@ def rebind_ddp(model: torch.nn.Module) -> None:
     missing = missing_ddp_members()
     if missing:
         raise RegroupError(f"torch {torch.__version__} lacks {', '.join(missing)}: in-process recovery of DDP")
-    if getattr(model, "_comm_hooks", None):
+    if script_comm_hook(model):
         raise RegroupError("a DDP communication hook is registered: in-process recovery cannot carry it over")
+    own = list(model._comm_hooks)
     model.process_group = dist.group.WORLD
     params, sparse = model._build_params_for_reducer()
     model._ddp_init_helper(params, sparse, model._build_debug_param_to_name_mapping(params), model.static_graph)
+    model._comm_hooks.clear()
+    for hook, state in own:
+        model.register_comm_hook(state, hook)
 
 
 def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:

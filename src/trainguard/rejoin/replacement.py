@@ -7,10 +7,16 @@ The script runs as ``python SCRIPT ARG...`` would run it, with these differences
   parameter broadcast from rank 0: the survivors do not take part in a constructor's collectives
   (they are past theirs), and the Guard transfers the model from them anyway;
 * ``--spare ID`` (a warm spare, started before any failure): the script runs up to its
-  ``torch.distributed.init_process_group`` call and waits there until the launcher assigns it a
-  rank; it then takes that rank's environment (``RANK``, ``LOCAL_RANK``, the generation's store, ...)
-  and goes on. Imports and everything the script does before ``init_process_group`` are done in
-  advance, so that code must not depend on the rank;
+  ``torch.distributed.init_process_group`` call, or to its first read of a variable that names
+  the rank (:data:`RANK_VARIABLES`: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ... through
+  ``os.environ`` or ``os.getenv``), whichever comes first, and waits there until the launcher
+  assigns it a rank; it then takes that rank's environment (``RANK``, ``LOCAL_RANK``, the
+  generation's store, ...) and goes on. Imports and everything the script does before that point
+  are done in advance; whatever the script reads of its rank is the assigned rank's value (a data
+  shard chosen by ``RANK``, ``torch.cuda.set_device(LOCAL_RANK)``);
+* the script's own collectives complete on this process alone until the Guard has joined the
+  survivors (:mod:`trainguard.rejoin.catch`): a barrier or a broadcast of a seed before the loop,
+  which the survivors passed long ago, cannot pair with their recovery's collectives;
 * in ``init_process_group`` a process that joins a generation says it is ready first: the ranks
   of a group that grows (a spare, a node that arrives) meet it only once it has started.
 """
@@ -29,7 +35,26 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..launch_env import LaunchEnv
 from ..outcomes import BadInput
+from .catch import CATCH, LOCAL
 from .protocol import RecoveryStore, connect, parse_address, spare_store_from_environ, wait_for_assignment
+
+# environment variables that name a worker's place in the group: a warm spare waits for its
+# assignment at the script's first read of one of them
+RANK_VARIABLES = frozenset(
+    (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+    )
+)
 
 
 def skip_initial_broadcast() -> None:
@@ -43,18 +68,53 @@ def skip_initial_broadcast() -> None:
     DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
 
 
+class Assignment:
+    """A warm spare's rank, taken once from the launcher: at the script's first read of a
+    :data:`RANK_VARIABLES` variable (:meth:`watch_environ`) or at ``init_process_group``."""
+
+    def __init__(self, spare_id: int):
+        self.spare_id = spare_id
+        self.store = spare_store_from_environ()
+        self.taken = False
+        self._environ_class = type(os.environ)
+
+    def take(self) -> None:
+        """Block until the launcher assigns this spare a rank, and take that rank's environment
+        (once; later calls return at once)."""
+        if self.taken:
+            return
+        self.taken = True
+        os.environ.__class__ = self._environ_class  # stop watching
+        os.environ.update(wait_for_assignment(self.store, self.spare_id))
+
+    def watch_environ(self) -> None:
+        """Make ``os.environ`` (and so ``os.getenv``) take the assignment before it answers a
+        read of a :data:`RANK_VARIABLES` variable."""
+        original, take = self._environ_class, self.take
+
+        class Watched(original):  # type: ignore[misc, valid-type]
+            def __getitem__(self, key: str) -> str:
+                if key in RANK_VARIABLES:
+                    take()
+                return original.__getitem__(self, key)
+
+        os.environ.__class__ = Watched
+
+
 def join_at_init(spare_id: Optional[int]) -> None:
-    """Wrap this process's first ``init_process_group`` call: a warm spare (``spare_id``) waits
-    there for the launcher's assignment and takes the assigned rank's environment first; then a
+    """Wrap this process's first ``init_process_group`` call: a warm spare (``spare_id``) takes
+    its assignment from the launcher (at the latest there: see :class:`Assignment`); then a
     process that joins a generation (``TRAINGUARD_JOIN``) says it is ready
     (:meth:`~.protocol.RecoveryStore.ready`): the ranks of a group that grows meet it only then."""
     original = dist.init_process_group
-    spares = spare_store_from_environ() if spare_id is not None else None
+    assignment = Assignment(spare_id) if spare_id is not None else None
+    if assignment is not None:
+        assignment.watch_environ()
 
     @functools.wraps(original)
     def init(*args, **kwargs):  # type: ignore[no-untyped-def]
-        if spares is not None:
-            os.environ.update(wait_for_assignment(spares, spare_id))
+        if assignment is not None:
+            assignment.take()
         launch = LaunchEnv.from_environ()
         if launch.join is not None and launch.recovery_store:
             store = RecoveryStore(connect(*parse_address(launch.recovery_store)), launch.recovery_group)
@@ -77,8 +137,6 @@ def main(argv: list[str]) -> None:
             argv = []
         else:
             spare, argv = int(argv[1]), argv[2:]
-    if argv:
-        join_at_init(spare)
     if not argv:
         print("usage: python -m trainguard.rejoin.replacement [--spare ID] SCRIPT [ARG...]", file=sys.stderr)
         raise BadInput("no script given")
@@ -89,6 +147,9 @@ def main(argv: list[str]) -> None:
 
     import trainguard.guard  # noqa: F401
 
+    join_at_init(spare)
+    CATCH.install()
+    CATCH.mode = LOCAL  # until the Guard joined the survivors
     sys.argv = list(argv)
     sys.path.insert(0, str(Path(argv[0]).resolve().parent))
     runpy.run_path(argv[0], run_name="__main__")

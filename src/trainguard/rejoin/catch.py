@@ -1,0 +1,194 @@
+"""A lost peer caught at the collective, wherever a survivor meets it.
+
+A rank that dies closes its connections; a surviving rank sees the loss as the error of whatever
+collective it is in. Most of a step's waiting is in collectives the Guard does not call: DDP's
+gradient all-reduce inside the script's own ``loss.backward()``, and the script's own
+``dist.all_reduce`` of a loss for logging or ``dist.barrier``. This module catches the failure
+there, so that the survivor's loop carries on to ``guard.step_end()`` (where recovery starts)
+instead of raising out of the script:
+
+* **DDP's backward**: the Guard registers :func:`ddp_hook` as the model's communication hook. It
+  all-reduces each gradient bucket as DDP's default hook does (divide by the world size, sum);
+  an all-reduce that fails because a peer is gone is recorded and completes with the bucket as it
+  was (this rank's own gradients). Once a failure is recorded, the next buckets are not sent.
+* **The script's collectives**: :data:`CATCH` wraps the public collectives of
+  ``torch.distributed`` (``all_reduce``, ``barrier``, ``broadcast``, ``all_gather_object``, ...,
+  :data:`COLLECTIVES`) for calls made from the script (not from torch or trainguard, which
+  handle their own errors). A call that fails because a peer is gone is recorded and returns
+  ``None``, its tensors as they were; after a failure in the step, the script's collectives
+  complete at once on this rank alone (:func:`complete_locally`).
+* **A replacement before it joined** (``mode = "local"``): a replacement runs the script from its
+  top, and meets the collectives the script runs before its loop (a barrier, a broadcast of a
+  seed, an ``all_gather_object`` of host names) that the survivors passed long ago. They complete
+  on the replacement alone, so they cannot pair with the survivors' recovery collectives; what a
+  broadcast would have sent comes with the state from the survivors instead (the model, the
+  optimizer, the RNG streams).
+
+The step whose collective failed is not applied (the Guard's optimizer pre-hook drops its
+gradients; see ``Guard._drop_failed_update``) and is done again after the recovery.
+
+Not caught: a collective called with ``async_op=True`` by the script (its ``Work.wait()`` raises),
+DDP's buffer broadcast in ``forward`` (models with buffers and ``broadcast_buffers=True``), and
+collectives of a DDP model that has a communication hook of the script's own (the Guard says so
+once at start).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+# the public collectives of torch.distributed wrapped for the script's calls
+COLLECTIVES = (
+    "all_reduce",
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+)
+PASS, LOCAL, CATCHING = "pass", "local", "catch"
+_OWN = ("torch", "trainguard")  # callers whose collectives are not the script's
+
+
+def complete_locally(name: str, args: tuple, kwargs: dict) -> None:
+    """What a collective ``name`` leaves on a rank that runs it alone: gathers fill every slot
+    with this rank's own value (``all_gather``, ``all_gather_object``); every other collective
+    leaves its tensors and objects as they are."""
+    if name == "all_gather_object":
+        out = args[0] if args else kwargs["object_list"]
+        obj = args[1] if len(args) > 1 else kwargs["obj"]
+        out[:] = [obj] * len(out)
+    elif name == "all_gather":
+        out = args[0] if args else kwargs["tensor_list"]
+        mine = args[1] if len(args) > 1 else kwargs["tensor"]
+        for t in out:
+            t.copy_(mine)
+
+
+def _from_script(frame: Any) -> bool:
+    module = frame.f_globals.get("__name__", "")
+    return not module.startswith(_OWN)
+
+
+class Catch:
+    """The wrapping of ``torch.distributed``'s collectives in this process (one per process:
+    :data:`CATCH`).
+
+    Attributes:
+        mode: ``"pass"`` (call through), ``"local"`` (a replacement before it joined: complete on
+            this rank alone) or ``"catch"`` (a survivor: record a lost peer and go on).
+        on_failure: ``(error, where) -> bool``: records a lost peer; ``False``: not one, re-raise.
+        failed: ``() -> bool``: whether a lost peer was recorded in the current step.
+    """
+
+    def __init__(self) -> None:
+        self.mode = PASS
+        self.on_failure: Callable[[BaseException, str], bool] = lambda e, where: False
+        self.failed: Callable[[], bool] = lambda: False
+        self._originals: dict[str, Callable] = {}
+
+    def install(self) -> None:
+        """Wrap the collectives in ``torch.distributed``'s namespace (idempotent). torch's own
+        modules call them through ``distributed_c10d`` and are not affected."""
+        for name in COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is None or name in self._originals:
+                continue
+            self._originals[name] = fn
+            setattr(dist, name, self._wrap(name, fn))
+
+    def uninstall(self) -> None:
+        """Put the original functions back and stop catching."""
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+        self._originals.clear()
+        self.disarm()
+
+    def arm(self, on_failure: Callable[[BaseException, str], bool], failed: Callable[[], bool]) -> None:
+        """Catch lost peers in the script's collectives from now on (a survivor's mode)."""
+        self.install()
+        self.on_failure, self.failed, self.mode = on_failure, failed, CATCHING
+
+    def disarm(self) -> None:
+        """Call through again."""
+        self.mode = PASS
+        self.on_failure, self.failed = (lambda e, where: False), (lambda: False)
+
+    def _wrap(self, name: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            if self.mode == PASS or not _from_script(sys._getframe(1)):
+                return fn(*args, **kwargs)
+            if self.mode == LOCAL or self.failed():
+                return complete_locally(name, args, kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                if not self.on_failure(e, f"dist.{name}"):
+                    raise
+                return complete_locally(name, args, kwargs)
+
+        return collective
+
+
+CATCH = Catch()
+
+
+def ddp_hook(catch: Catch, before_last: Optional[Callable[[], None]] = None) -> Callable:
+    """A DDP communication hook (``ddp.register_comm_hook(None, hook)``) that all-reduces each
+    gradient bucket as DDP's default does (``buffer / world size``, summed over the ranks) and
+    records a lost peer through ``catch.on_failure`` instead of failing the backward pass.
+
+    Args:
+        catch: where failures are recorded and asked for (``catch.failed()``: send nothing more).
+        before_last: called before the step's last bucket is sent (the Guard keeps this rank's
+            step-boundary state there: after it, a peer may have the step's update).
+    Returns:
+        ``hook(state, bucket) -> torch.futures.Future`` of the bucket's reduced buffer.
+    """
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks annotations: none here)
+        buf = bucket.buffer()
+        if bucket.is_last() and before_last is not None:
+            before_last()
+        if catch.failed():
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(buf)
+            return done
+        buf.div_(c10d.get_world_size())
+        fut = c10d.all_reduce(buf, async_op=True).get_future()
+
+        def reduced(f: torch.futures.Future) -> torch.Tensor:
+            try:
+                return f.value()[0]
+            except Exception as e:
+                if not catch.on_failure(e, "backward"):
+                    raise
+                return buf
+
+        return fut.then(reduced)
+
+    hook.trainguard = True  # type: ignore[attr-defined]
+    return hook
+
+
+def is_own_hook(hook: Any) -> bool:
+    """Whether a registered DDP communication hook is :func:`ddp_hook`'s."""
+    return bool(getattr(hook, "trainguard", False))

@@ -1,0 +1,77 @@
+"""A step abandoned because a peer was lost changes nothing: the update is not applied, and the
+scheduler and the optimizer's hyperparameters come back to the step's start.
+
+A loop without ``guard.should_step`` calls ``optimizer.step()`` and ``scheduler.step()`` whatever
+happened in the step. When a peer was lost in the step's collectives (caught by
+:mod:`trainguard.rejoin.catch`), the gradients are this rank's own, not the group's: the
+optimizer pre-hook drops them (``grad = None``), so that torch's optimizers leave every parameter
+and its optimizer state alone. ``scheduler.step()`` still runs and sets the learning rate in the
+optimizer's parameter groups for the next step; :meth:`StepStart.restore` puts both back as they
+were when the step began, and the step is done again after the recovery.
+
+A step whose update was applied before the failure surfaced (a logging all-reduce after
+``optimizer.step()``) is complete: :attr:`StepStart.applied` tells the Guard so, and nothing is
+redone.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+import torch
+
+
+class StepStart:
+    """The optimizer's and the scheduler's state at the start of the current step, and whether the
+    step's update was applied.
+
+    Args:
+        optimizer: the script's optimizer (``None``: nothing to watch; every failed step is redone).
+        scheduler: its learning-rate scheduler, if any (any object with ``state_dict``).
+        failed: ``() -> bool``, whether a peer was lost in the current step.
+    """
+
+    def __init__(self, optimizer: Optional[torch.optim.Optimizer], scheduler: Any, failed: Callable[[], bool]):
+        self.optimizer, self.scheduler, self.failed = optimizer, scheduler, failed
+        self.applied = False  # optimizer.step() ran in this step with the group's gradients
+        self._groups: list[dict[str, Any]] = []
+        self._scheduler: Optional[dict[str, Any]] = None
+        self._hooks = []
+        if optimizer is not None:
+            self._hooks = [
+                optimizer.register_step_pre_hook(self._drop_failed_update),
+                optimizer.register_step_post_hook(self._after_step),
+            ]
+
+    def begin(self) -> None:
+        """A step begins: keep the hyperparameters (``lr``, ``betas``, ...: every parameter-group
+        entry but the parameters) and the scheduler's state. About 20 µs for one group."""
+        self.applied = False
+        if self.optimizer is not None:
+            self._groups = [{k: copy.copy(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        if self.scheduler is not None:
+            self._scheduler = copy.deepcopy(self.scheduler.state_dict())
+
+    def restore(self) -> None:
+        """Put the hyperparameters and the scheduler back as :meth:`begin` found them."""
+        if self.optimizer is not None:
+            for group, kept in zip(self.optimizer.param_groups, self._groups):
+                group.update(kept)
+        if self.scheduler is not None and self._scheduler is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(self._scheduler))
+
+    def close(self) -> None:
+        """Remove the optimizer hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _drop_failed_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.failed():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.applied = self.applied or not self.failed()
