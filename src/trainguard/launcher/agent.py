@@ -267,6 +267,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             why = "no rank survived to send the state"
         if why is not None:  # the normal failure path below restarts the group
             self.events.emit("recovery_fallback", reason=why, exit_codes={r: codes[r] for r in lost})
+            console.say(f"in-process recovery not possible ({why}): restarting the group")
             return None
         self.events.emit("workers_failed", exit_codes={r: codes[r] for r in lost}, pids={r: procs[r].pid for r in lost})
         world_size = workers[lost[0]].world_size

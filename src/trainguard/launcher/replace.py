@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .. import console
 from ..events import EventLog
 from ..launch_env import JOIN, RECOVERY_STORE
 from ..rejoin.protocol import (
@@ -103,6 +104,7 @@ class Replacer:
         self.spares: dict[int, subprocess.Popen] = {}  # spare id -> waiting process
         self._spare_ids = 0
         self._newcomers: list[int] = []  # pids of the spares of the last grow
+        self._warm: list[int] = []  # ranks of the pending generation that warm spares took
         self._template: Optional[tuple[list[str], dict[str, str]]] = None
 
     def share(
@@ -386,6 +388,7 @@ class Replacer:
             else:  # cold: its own session, as torch starts workers (torch's stop signals the process group)
                 procs[rank] = subprocess.Popen(replacement_command(argv, self.script), env=env, start_new_session=True)
         self._publish(gen)
+        self._warm = warm
         self.replacements += len(lost)
         self.events.emit(
             "recovery_started",
@@ -407,12 +410,19 @@ class Replacer:
             return None
         store = RecoveryStore(self.shared, self.attempt)
         if store.all_joined(self.pending):
+            seconds = time.monotonic() - self._started
             self.events.emit(
                 "generation_joined",
                 generation=self.pending.number,
                 ranks=list(self.pending.replaced),
-                seconds=round(time.monotonic() - self._started, 4),
+                seconds=round(seconds, 4),
             )
+            if not self.pending.grown and not self.pending.left:
+                how = "a warm spare" if self._warm else "a cold start"
+                console.say(
+                    f"rank(s) {list(self.pending.replaced)} replaced in-process by {how} in {seconds:.2f} s: "
+                    "no completed step lost, the other ranks kept their processes"
+                )
             self.pending = None
             return None
         if self.pending.grown and self._deadline == float("inf") and store.accepted(self.pending.number):

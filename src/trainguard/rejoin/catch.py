@@ -64,7 +64,7 @@ COLLECTIVES = (
     "all_to_all_single",
 )
 PASS, LOCAL, CATCHING = "pass", "local", "catch"
-_OWN = ("torch", "trainguard")  # callers whose collectives are not the script's
+_OWN = ("torch", "trainguard")  # packages whose collectives are not the script's (torchmetrics is)
 
 
 def complete_locally(name: str, args: tuple, kwargs: dict) -> None:
@@ -83,8 +83,8 @@ def complete_locally(name: str, args: tuple, kwargs: dict) -> None:
 
 
 def _from_script(frame: Any) -> bool:
-    module = frame.f_globals.get("__name__", "")
-    return not module.startswith(_OWN)
+    package = frame.f_globals.get("__name__", "").partition(".")[0]
+    return package not in _OWN
 
 
 class Catch:

@@ -1,0 +1,177 @@
+"""In-process recovery for a loop written as the README shows (``loss.backward()``,
+``optimizer.step()``, ``scheduler.step()``, no ``run_step`` or ``should_step``): a lost peer is
+caught at the collective it surfaces in (:mod:`trainguard.rejoin.catch`), the abandoned step changes
+nothing (:mod:`trainguard.rejoin.stepstart`), a warm spare takes its rank where the script first
+reads it (:mod:`trainguard.rejoin.replacement`). The pieces in one process, then real launches of
+``tests/plain_worker.py`` with a rank SIGKILLed from outside at seeded random moments."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import events, final_hash, finish, launch, logged_step, wait_for
+from trainguard import dist as tgdist
+from trainguard.launch_env import RECOVERY_STORE
+from trainguard.rejoin import catch, replacement
+from trainguard.rejoin.catch import CATCH, Catch, complete_locally, ddp_hook, is_own_hook
+from trainguard.rejoin.protocol import assign_spare, spare_ready
+from trainguard.rejoin.stepstart import StepStart
+
+WORKER = Path(__file__).with_name("plain_worker.py")
+STEPS = 300
+
+
+def test_gathers_complete_locally_with_this_ranks_value_and_other_collectives_leave_tensors_alone():
+    out = [None, None, None]
+    complete_locally("all_gather_object", (out, {"host": "a"}), {})
+    assert out == [{"host": "a"}] * 3
+    tensors = [torch.zeros(2), torch.zeros(2)]
+    complete_locally("all_gather", (), {"tensor_list": tensors, "tensor": torch.ones(2)})
+    assert all(torch.equal(t, torch.ones(2)) for t in tensors)
+    t = torch.tensor([3.0])
+    complete_locally("all_reduce", (t,), {})
+    assert t.item() == 3.0
+
+
+def test_script_collectives_are_caught_and_completed_locally_but_not_trainguards_or_torchs():
+    """A one-rank group whose all_reduce is made to fail as a lost peer's would: the script's call
+    is recorded and returns; once failed, later calls complete at once; a call from trainguard's
+    own modules still raises."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    c = Catch()
+    seen: list[str] = []
+    real = dist.all_reduce
+    try:
+
+        def broken(*args, **kwargs):
+            raise dist.DistNetworkError("Connection reset by peer")
+
+        dist.all_reduce = broken  # what the wrapper calls through to
+        c.arm(lambda e, where: seen.append(where) or True, lambda: bool(seen))
+        t = torch.tensor([2.0])
+        dist.all_reduce(t)  # this module is the script here
+        assert seen == ["dist.all_reduce"] and t.item() == 2.0
+        out = [None]
+        dist.all_gather_object(out, "me")  # after the failure: locally, without the group
+        assert out == ["me"]
+        with pytest.raises(dist.DistNetworkError):
+            tgdist.all_reduce_max([1])  # trainguard's own collectives handle their errors themselves
+        c.disarm()
+        with pytest.raises(dist.DistNetworkError):
+            dist.all_reduce(t)  # disarmed: calls through
+    finally:
+        c.uninstall()
+        dist.all_reduce = real
+        dist.destroy_process_group()
+    assert dist.all_reduce is real
+
+
+def test_own_hook_is_told_from_a_scripts():
+    assert is_own_hook(ddp_hook(CATCH)) and not is_own_hook(lambda s, b: b.buffer())
+
+
+def test_an_abandoned_step_changes_no_parameter_and_puts_the_scheduler_back():
+    """optimizer.step() after a lost peer leaves parameters and AdamW's state alone; the scheduler
+    and the learning rate it set come back to the step's start; a step applied before the failure
+    surfaced counts as applied."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    failed = [False]
+    start = StepStart(opt, sched, lambda: failed[0])
+    try:
+        start.begin()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        sched.step()
+        assert start.applied
+        before = [p.detach().clone() for p in model.parameters()]
+        adam = {k: v["exp_avg"].clone() for k, v in enumerate(opt.state.values())}
+        start.begin()
+        model(torch.randn(3, 4)).sum().backward()
+        failed[0] = True  # DDP's all-reduce lost a peer
+        opt.step()
+        sched.step()
+        assert not start.applied
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert all(torch.equal(adam[k], v["exp_avg"]) for k, v in enumerate(opt.state.values()))
+        assert opt.param_groups[0]["lr"] == 0.025
+        start.restore()
+        assert opt.param_groups[0]["lr"] == 0.05 and sched.last_epoch == 1
+    finally:
+        start.close()
+
+
+def test_a_spare_takes_its_rank_at_the_scripts_first_read_of_RANK(monkeypatch):
+    """A warm spare's ``os.environ["RANK"]`` (and ``os.getenv("LOCAL_RANK")``) wait for the
+    launcher's assignment and answer with the assigned rank's values; other variables do not wait."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    monkeypatch.setenv(RECOVERY_STORE, f"127.0.0.1:{server.port}")
+    monkeypatch.setenv("RANK", "0")  # the placeholder a spare inherits
+    assignment = replacement.Assignment(7)
+    environ_class = type(os.environ)
+    try:
+        assignment.watch_environ()
+        assert os.environ.get("PATH")  # not a rank variable: no wait
+
+        def assign():
+            wait_for(lambda: spare_ready(server, 7), what="the spare")
+            assign_spare(server, 7, {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"})
+
+        threading.Thread(target=assign, daemon=True).start()
+        assert int(os.environ.get("RANK", 0)) == 3
+        assert os.getenv("LOCAL_RANK") == "1" and assignment.taken
+        assert type(os.environ) is environ_class
+    finally:
+        os.environ.__class__ = environ_class
+
+
+@pytest.fixture(scope="module")
+def plain_clean_hash(tmp_path_factory) -> str:
+    run = tmp_path_factory.mktemp("plain-clean") / "run"
+    proc = launch(run, f"worker.max_steps={STEPS}", "checkpoint.interval=50", script=WORKER, tiny=False)
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    return final_hash(run)
+
+
+@pytest.mark.parametrize(("seed", "victim"), [(1, 1), (7, 1), (10, 0)])
+def test_plain_loop_rank_killed_from_outside_is_replaced_in_process_bitwise(tmp_path, plain_clean_hash, seed, victim):
+    """The README-shaped loop, in-process recovery on, a warm spare: one rank is
+    SIGKILLed from outside at a seeded random moment (a random step, then a random fraction of a
+    step: backward, the optimizer, the logging all-reduce, a save). The other rank keeps its
+    process, the spare takes the victim's rank (its script read RANK before init_process_group and
+    ran a broadcast and a barrier before the loop), no step is lost, and the final state equals an
+    uninterrupted run's."""
+    rng = random.Random(seed)
+    run = tmp_path / "run"
+    proc = launch(
+        run, f"worker.max_steps={STEPS}", "checkpoint.interval=50", "recovery.in_process=true", script=WORKER, tiny=False
+    )
+    kill_at = rng.randint(40, 240)
+    wait_for(lambda: logged_step(run) >= kill_at, what=f"step {kill_at}")
+    time.sleep(rng.random() * 0.02)
+    pids = events(run, "workers_started")[0]["details"]["pids"]
+    os.kill(int(pids[str(victim)]), signal.SIGKILL)
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert not events(run, "group_restart") and not events(run, "recovery_fallback")
+    survivor = 1 - victim
+    kept = [e["pid"] for e in events(run, "recovery_finished") if e["rank"] == survivor]
+    assert kept == [int(pids[str(survivor)])]
+    assert [e["details"]["steps_lost"] for e in events(run, "recovery_finished")] == [0]
+    assert [e["rank"] for e in events(run, "rank_replaced")] == [victim]
+    assert final_hash(run) == plain_clean_hash
+
+
+def test_catch_module_wraps_only_collectives_torch_has():
+    assert all(hasattr(dist, name) for name in catch.COLLECTIVES)
