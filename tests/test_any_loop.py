@@ -156,7 +156,12 @@ def test_plain_loop_rank_killed_from_outside_is_replaced_in_process_bitwise(tmp_
     rng = random.Random(seed)
     run = tmp_path / "run"
     proc = launch(
-        run, f"worker.max_steps={STEPS}", "checkpoint.interval=50", "recovery.in_process=true", script=WORKER, tiny=False
+        run,
+        f"worker.max_steps={STEPS}",
+        "checkpoint.interval=50",
+        "recovery.in_process=true",
+        script=WORKER,
+        tiny=False,
     )
     kill_at = rng.randint(40, 240)
     wait_for(lambda: logged_step(run) >= kill_at, what=f"step {kill_at}")

@@ -72,8 +72,8 @@ from .memory import MemoryWatchdog
 from .oom import MicroBatcher
 from .outcomes import BadInput, Requeue
 from .rejoin.rank import Rejoin
-from .rejoin.stepstart import StepStart
 from .rejoin.shrink import check_shrinkable
+from .rejoin.stepstart import StepStart
 from .rerun import StepRerun
 from .rundir import prepare_run_dir
 from .sdc import ReplicaCheck

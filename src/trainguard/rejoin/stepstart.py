@@ -49,7 +49,9 @@ class StepStart:
         entry but the parameters) and the scheduler's state. About 20 µs for one group."""
         self.applied = False
         if self.optimizer is not None:
-            self._groups = [{k: copy.copy(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            self._groups = [
+                {k: copy.copy(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+            ]
         if self.scheduler is not None:
             self._scheduler = copy.deepcopy(self.scheduler.state_dict())
 
