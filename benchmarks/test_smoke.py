@@ -44,6 +44,7 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
         ["fault on rank 1 at step", "phases of the recovery", "in-process"],
     ),
     "goodput_faults.py": ([], ["goodput of the example GPT", "| in-process", "| restart"]),
+    "plain_loop_kills.py": ([], ["README plain loop", "| in-process | 1 | 1/1 | 1/1", "| restart |"]),
     "inprocess_overhead.py": ([], ["steady-state step time with in-process recovery", "| on, warm spare", "overhead"]),
     "sdc_overhead.py": ([], ["SDC replica check vs a training step", "default interval (100)"]),
     # one framework (the Hugging Face path runs in tests/test_hf.py)

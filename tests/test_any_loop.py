@@ -3,7 +3,7 @@
 caught at the collective it surfaces in (:mod:`trainguard.rejoin.catch`), the abandoned step changes
 nothing (:mod:`trainguard.rejoin.stepstart`), a warm spare takes its rank where the script first
 reads it (:mod:`trainguard.rejoin.replacement`). The pieces in one process, then real launches of
-``tests/plain_worker.py`` with a rank SIGKILLed from outside at seeded random moments."""
+``examples/plain_loop.py`` with a rank SIGKILLed from outside at seeded random moments."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from trainguard.rejoin.catch import CATCH, Catch, complete_locally, ddp_hook, is
 from trainguard.rejoin.protocol import assign_spare, spare_ready
 from trainguard.rejoin.stepstart import StepStart
 
-WORKER = Path(__file__).with_name("plain_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "examples" / "plain_loop.py"
 STEPS = 300
 
 
@@ -119,6 +119,8 @@ def test_a_spare_takes_its_rank_at_the_scripts_first_read_of_RANK(monkeypatch):
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
     monkeypatch.setenv(RECOVERY_STORE, f"127.0.0.1:{server.port}")
     monkeypatch.setenv("RANK", "0")  # the placeholder a spare inherits
+    for name in ("LOCAL_RANK", "WORLD_SIZE"):  # set by the assignment: put back after the test
+        monkeypatch.delenv(name, raising=False)
     assignment = replacement.Assignment(7)
     environ_class = type(os.environ)
     try:

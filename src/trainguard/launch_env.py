@@ -42,6 +42,23 @@ GROUP_RANK = "GROUP_RANK"
 LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 # ---- the batch script → launcher variable (``trainguard slurm script``; the launcher removes it) --
 READY_DIR = "TRAINGUARD_READY_DIR"
+# torch elastic's variables that name a worker's place in the group (and its group's store): a warm
+# spare takes its assignment at the script's first read of one (trainguard.rejoin.replacement)
+RANK_VARIABLES = frozenset(
+    (
+        "RANK",
+        LOCAL_RANK,
+        "WORLD_SIZE",
+        LOCAL_WORLD_SIZE,
+        GROUP_RANK,
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        RESTART_COUNT,
+    )
+)
 
 WRITTEN = (
     RUN_DIR,

@@ -33,28 +33,10 @@ from typing import Optional
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..launch_env import LaunchEnv
+from ..launch_env import RANK_VARIABLES, LaunchEnv
 from ..outcomes import BadInput
 from .catch import CATCH, LOCAL
 from .protocol import RecoveryStore, connect, parse_address, spare_store_from_environ, wait_for_assignment
-
-# environment variables that name a worker's place in the group: a warm spare waits for its
-# assignment at the script's first read of one of them
-RANK_VARIABLES = frozenset(
-    (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "GROUP_WORLD_SIZE",
-        "ROLE_RANK",
-        "ROLE_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RESTART_COUNT",
-    )
-)
 
 
 def skip_initial_broadcast() -> None:

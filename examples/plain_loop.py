@@ -1,8 +1,13 @@
-"""A plain DDP loop guarded as the README shows, written the way scripts are: it reads ``RANK``,
+"""The README's "plain loop, guarded" as a whole script, written the way scripts are: it reads ``RANK``,
 ``LOCAL_RANK`` and ``WORLD_SIZE`` before ``init_process_group`` and picks its data shard by them,
 broadcasts a seed from rank 0 and waits at a barrier before its loop, calls ``loss.backward()``,
 ``optimizer.step()`` and ``scheduler.step()`` itself (no ``run_step``, no ``should_step``) and
-all-reduces its loss for logging. Run under ``trainguard run``; rank 0 prints ``step N/M``.
+all-reduces its loss for logging. Every line of trainguard in it is the README's; it gets
+in-process recovery as it is (tests/test_any_loop.py, benchmarks/plain_loop_kills.py)::
+
+    trainguard run --nproc-per-node 2 --run-dir runs/plain examples/plain_loop.py --set recovery.in_process=true
+
+Rank 0 prints ``step N/M loss L``.
 """
 
 from __future__ import annotations
