@@ -71,6 +71,8 @@ from .launch_env import LaunchEnv
 from .memory import MemoryWatchdog
 from .oom import MicroBatcher
 from .outcomes import BadInput, Requeue
+from .rejoin import sever
+from .rejoin.catch import DDPHook
 from .rejoin.rank import Rejoin
 from .rejoin.shrink import check_shrinkable
 from .rejoin.stepstart import StepStart
@@ -154,6 +156,7 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         self.ping: Optional[health.LivenessPing] = None
         self.rejoin: Optional[Rejoin] = None
         self.step_start: Optional[StepStart] = None
+        self.ddp_hook: Optional[DDPHook] = None  # trainguard's DDP communication hook (in-process recovery)
         self.hosts: list[str] = []
         self._step_seconds = 0.0
         self._t_last = time.perf_counter()
@@ -580,7 +583,11 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         if self.rank == 0:
             dump_config(self.cfg, self.run_dir / "config.toml")
         # a host is its SLURM node name under SLURM (what --exclude and ExcNodeList take), else its hostname
-        hosts = self.hosts = tgdist.gather_objects(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        ports = sever.listening_ports() if self.rejoin.active else []
+        gathered = tgdist.gather_objects((host, ports))
+        hosts = self.hosts = [h for h, _ in gathered]
+        self.rejoin.group_ports = {p for _, ps in gathered for p in ps}  # cut on a lost peer (rejoin.sever)
         self.straggler.set_hosts(hosts)
         self._resume()
         self.sdc.last_good = self.step  # every replica loaded the same state

@@ -18,8 +18,8 @@ from . import console, health
 from . import dist as tgdist
 from .elastic import resharded_rank_state
 from .rejoin import boundary as rejoin_boundary
-from .rejoin import regroup, shrink
-from .rejoin.catch import CATCH, ddp_hook
+from .rejoin import regroup, sever, shrink
+from .rejoin.catch import CATCH, DDPHook
 from .rejoin.protocol import Generation, new_rank
 from .rejoin.rank import LOCAL_PARTS
 
@@ -53,8 +53,9 @@ class InProcessRecovery:
             gen = self.rejoin.wait_generation()
             if gen.left:
                 self._resize(gen)
+            regroup.release_ddp(self.model)
             regroup.rebuild_default_group(gen, self._backend, self.cfg.recovery.timeout)
-            regroup.rebind_ddp(self.model)
+            regroup.rebind_ddp(self.model, self._bucket_layout())
             self.ckpt.regroup()
             if redo:  # back to the step's start before any state is sent from here
                 self.train_state.load_state_dict(self.rejoin.boundary.restore(self.step))
@@ -100,7 +101,7 @@ class InProcessRecovery:
             self._saved(self.ckpt.wait())
             self._resize(gen)
             regroup.rebuild_default_group(gen, self._backend, self.cfg.recovery.timeout)
-            regroup.rebind_ddp(self.model)
+            regroup.rebind_ddp(self.model, self._bucket_layout())
             self.ckpt.regroup()
             self._meet(gen)
         if self.rank == 0:
@@ -204,6 +205,7 @@ class InProcessRecovery:
             src = -tgdist.all_reduce_max([-self.rank if not joining and not behind else -(1 << 62)])[0]
         if gen.replaced or src is not None:
             self._transfer(gen, step, kept, src, current if behind else None)
+        self.rejoin.group_ports = {p for ps in tgdist.gather_objects(sever.listening_ports()) for p in ps}
         device = next(self.model.parameters()).device
         self.ping = health.start_ping(
             self.cfg.health, self.hosts, self.events, device, self.world_size, self._on_ping_failure
@@ -228,6 +230,7 @@ class InProcessRecovery:
         t0 = time.perf_counter()
         parts = [n for n in self.train_state.parts if gen.grown or n not in LOCAL_PARTS]
         shared = {
+            "layout": self._bucket_layout(),
             "hosts": self.hosts,
             "next_check": step + 1,
             "next_report": self.straggler.next_report,
@@ -236,6 +239,8 @@ class InProcessRecovery:
         packet, moved = regroup.transfer_state(self.model, self.optimizer, src, shared)
         if joining:
             self.step = step
+            if packet["layout"]:  # the survivors' buckets, so that the sums round as theirs do
+                regroup.rebind_ddp(self.model, packet["layout"])
             if self.rank in gen.grown:
                 own = resharded_rank_state({**packet["state"], "step": step}, self.rank)
             else:
@@ -270,9 +275,15 @@ class InProcessRecovery:
                         "lost during backward() restarts the group (other collectives are covered)"
                     )
             else:
-                self.model.register_comm_hook(None, ddp_hook(CATCH, self._keep_before_last_bucket))
+                params, _ = self.model._build_params_for_reducer()
+                self.ddp_hook = DDPHook(CATCH, params, self._keep_before_last_bucket)
+                self.model.register_comm_hook(None, self.ddp_hook.hook)
         if not self.rejoin.joining:
             self._arm_catch()
+
+    def _bucket_layout(self) -> Optional[list[list[int]]]:
+        """DDP's current bucket layout, as trainguard's hook last saw it (``None`` without it)."""
+        return self.ddp_hook.layout if self.ddp_hook is not None and self.ddp_hook.layout else None
 
     def _arm_catch(self) -> None:
         CATCH.arm(lambda e, where: self.rejoin.caught(e, where, self.step + 1), lambda: self.rejoin.failure is not None)

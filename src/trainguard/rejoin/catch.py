@@ -7,7 +7,7 @@ gradient all-reduce inside the script's own ``loss.backward()``, and the script'
 there, so that the survivor's loop carries on to ``guard.step_end()`` (where recovery starts)
 instead of raising out of the script:
 
-* **DDP's backward**: the Guard registers :func:`ddp_hook` as the model's communication hook. It
+* **DDP's backward**: the Guard registers a :class:`DDPHook` as the model's communication hook. It
   all-reduces each gradient bucket as DDP's default hook does (divide by the world size, sum);
   an all-reduce that fails because a peer is gone is recorded and completes with the bucket as it
   was (this rank's own gradients). Once a failure is recorded, the next buckets are not sent.
@@ -151,24 +151,49 @@ class Catch:
 CATCH = Catch()
 
 
-def ddp_hook(catch: Catch, before_last: Optional[Callable[[], None]] = None) -> Callable:
-    """A DDP communication hook (``ddp.register_comm_hook(None, hook)``) that all-reduces each
+class DDPHook:
+    """A DDP communication hook (``ddp.register_comm_hook(None, DDPHook(...).hook)``) that all-reduces each
     gradient bucket as DDP's default does (``buffer / world size``, summed over the ranks) and
     records a lost peer through ``catch.on_failure`` instead of failing the backward pass.
 
+    It also notes the reducer's bucket layout (:attr:`layout`): with three or more ranks the sum's
+    rounding depends on where each gradient sits in the buckets, so a reducer built again after a
+    recovery must have the same layout as the one it replaces to stay bitwise equal to a run
+    without the failure (:func:`~trainguard.rejoin.regroup.rebind_ddp`).
+
     Args:
         catch: where failures are recorded and asked for (``catch.failed()``: send nothing more).
+        params: the model's parameters in the reducer's order (``ddp._build_params_for_reducer()``).
         before_last: called before the step's last bucket is sent (the Guard keeps this rank's
             step-boundary state there: after it, a peer may have the step's update).
-    Returns:
-        ``hook(state, bucket) -> torch.futures.Future`` of the bucket's reduced buffer.
+
+    Attributes:
+        layout: ``[[parameter index, ...] per bucket]`` in bucket order, as last seen (empty
+            before the first backward).
     """
 
-    def hook(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks annotations: none here)
+    LAYOUT_CALLS = (
+        3  # backward passes whose layout is noted after a (re)build: DDP rebuilds its buckets once, after the first
+    )
+
+    def __init__(self, catch: Catch, params: list, before_last: Optional[Callable[[], None]] = None):
+        self.catch, self.before_last = catch, before_last
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self.layout: list[list[int]] = []
+        self._noting = self.LAYOUT_CALLS
+
+    def rebuilt(self) -> None:
+        """The reducer was built again: note its layout for the next backward passes."""
+        self._noting = self.LAYOUT_CALLS
+
+    def hook(self, state, bucket):  # type: ignore[no-untyped-def]  (DDP checks annotations: none here)
+        """The hook DDP calls with each gradient bucket; a future of the reduced buffer."""
         buf = bucket.buffer()
-        if bucket.is_last() and before_last is not None:
-            before_last()
-        if catch.failed():
+        if self._noting:
+            self._note(bucket)
+        if bucket.is_last() and self.before_last is not None:
+            self.before_last()
+        if self.catch.failed():
             done: torch.futures.Future = torch.futures.Future()
             done.set_result(buf)
             return done
@@ -179,16 +204,20 @@ def ddp_hook(catch: Catch, before_last: Optional[Callable[[], None]] = None) -> 
             try:
                 return f.value()[0]
             except Exception as e:
-                if not catch.on_failure(e, "backward"):
+                if not self.catch.on_failure(e, "backward"):
                     raise
                 return buf
 
         return fut.then(reduced)
 
-    hook.trainguard = True  # type: ignore[attr-defined]
-    return hook
+    def _note(self, bucket: Any) -> None:
+        i = bucket.index()
+        del self.layout[i:]
+        self.layout.append([self._index[id(p)] for p in bucket.parameters()])
+        if bucket.is_last():
+            self._noting -= 1
 
 
 def is_own_hook(hook: Any) -> bool:
-    """Whether a registered DDP communication hook is :func:`ddp_hook`'s."""
-    return bool(getattr(hook, "trainguard", False))
+    """Whether a registered DDP communication hook is trainguard's (:meth:`DDPHook.hook`)."""
+    return isinstance(getattr(hook, "__self__", None), DDPHook)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from ..launch_env import LaunchEnv
 from ..sections import RecoverySection
+from . import sever
 from .boundary import BoundaryState
 from .protocol import Generation, RecoveryStore, connect, is_peer_failure, parse_address
 
@@ -65,6 +66,7 @@ class Rejoin:
         self.joining = self.active and launch.join is not None
         self.generation = launch.join if self.joining else 0
         self.failure: Optional[PeerFailure] = None
+        self.group_ports: set[int] = set()  # the ports the group's ranks listen on (see :mod:`.sever`)
 
     def renumber(self, rank: int) -> None:
         """This process is rank ``rank`` from now on (the group shrank in place): its boundary
@@ -82,6 +84,7 @@ class Rejoin:
             # the group's connections, alive after the group is destroyed, and a surviving peer
             # still waiting in that collective for this rank would never see it end
             self.failure = PeerFailure(exc.with_traceback(None), during, step, time.time())
+            sever.cut(self.group_ports)  # the peers still waiting on this rank in that collective see it end
         return True
 
     def keep(self, state: dict[str, Any]) -> None:

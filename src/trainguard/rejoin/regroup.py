@@ -24,6 +24,8 @@ from .protocol import Generation
 # DistributedDataParallel members used to build a fresh reducer on a new group (torch 2.13):
 #   _build_params_for_reducer(): (parameters, expect_sparse_gradient) as the constructor computes
 #   _build_debug_param_to_name_mapping(parameters), _ddp_init_helper(...): the constructor's reducer set-up
+#   (which computes its buckets with torch.distributed._compute_bucket_assignment_by_size: replaced for
+#   that call to keep a layout)
 #   _comm_hooks: hooks registered with register_comm_hook: trainguard's own (rejoin.catch) is registered again
 #     on the fresh reducer; one of the script's would be lost (not supported)
 DDP_MEMBERS = ("_build_params_for_reducer", "_build_debug_param_to_name_mapping", "_ddp_init_helper")
@@ -54,13 +56,27 @@ def rebuild_default_group(gen: Generation, backend: str, timeout: float) -> None
     """
     if dist.is_initialized():
         try:
+            import gc
+
             dist.destroy_process_group()
+            gc.collect()
         except RuntimeError:  # a group whose peer is gone may fail to shut down cleanly: drop it anyway
             pass
     os.environ.update(
         {"MASTER_ADDR": gen.host, "MASTER_PORT": str(gen.port), "TORCHELASTIC_USE_AGENT_STORE": str(True)}
     )
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+
+
+def release_ddp(model: torch.nn.Module) -> None:
+    """Drop a DDP model's references to its process group (its reducer and logger), so that the
+    group's connections close once it is destroyed: a survivor still waiting in a collective
+    with this rank then sees it end (gloo keeps a group's connections open while any object holds
+    it). :func:`rebind_ddp` builds them again on the new group."""
+    if isinstance(model, DDP):
+        model.reducer = None
+        model.logger = None
+        model.process_group = None
 
 
 def check_rebindable(model: torch.nn.Module) -> None:
@@ -86,10 +102,15 @@ def script_comm_hook(model: DDP) -> bool:
     return any(not is_own_hook(hook) for hook, _ in getattr(model, "_comm_hooks", ()))
 
 
-def rebind_ddp(model: torch.nn.Module) -> None:
+def rebind_ddp(model: torch.nn.Module, layout: Optional[list[list[int]]] = None) -> None:
     """Give a DDP-wrapped ``model`` a fresh reducer on the (new) default group, with trainguard's
     communication hook again if it had it; other models: nothing.
 
+    Args:
+        layout: the bucket layout the reducer starts with (``[[parameter index, ...] per bucket]``,
+            :attr:`~trainguard.rejoin.catch.DDPHook.layout`): the one the reducer it replaces had,
+            so that the gradients' sums round as before (with three or more ranks, where each
+            gradient sits in a bucket decides the order of the sum). ``None``: DDP's initial layout.
     Raises:
         RegroupError: the model has communication hooks, or torch lacks a member used here.
     """
@@ -103,10 +124,18 @@ def rebind_ddp(model: torch.nn.Module) -> None:
     own = list(model._comm_hooks)
     model.process_group = dist.group.WORLD
     params, sparse = model._build_params_for_reducer()
-    model._ddp_init_helper(params, sparse, model._build_debug_param_to_name_mapping(params), model.static_graph)
+    compute = dist._compute_bucket_assignment_by_size
+    if layout:  # DDP's constructor reverses the list it computes: hand it the layout reversed
+        cap = model.bucket_bytes_cap
+        dist._compute_bucket_assignment_by_size = lambda *a, **k: (list(reversed(layout)), [cap] * len(layout))
+    try:
+        model._ddp_init_helper(params, sparse, model._build_debug_param_to_name_mapping(params), model.static_graph)
+    finally:
+        dist._compute_bucket_assignment_by_size = compute
     model._comm_hooks.clear()
     for hook, state in own:
         model.register_comm_hook(state, hook)
+        hook.__self__.rebuilt()  # trainguard's DDPHook (script_comm_hook refused any other)
 
 
 def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
