@@ -105,26 +105,35 @@ def finish(proc: subprocess.Popen, timeout: float = 180) -> int:
         pytest.fail("launch did not finish in time")
 
 
-@pytest.fixture(scope="session")
-def clean_hash(tmp_path_factory) -> Callable[[int], str]:
-    """Final state hash of an uninterrupted tiny run of ``max_steps`` steps, run once per length for
-    the whole session: under pytest-xdist the workers share it through a file in the session's
-    common temporary directory (the first worker to ask runs it; the others wait on its lock)."""
+def shared_hash(tmp_path_factory, key: str, run: Callable[[Path], subprocess.Popen]) -> str:
+    """The final state hash of the uninterrupted run ``run(run_dir)`` (a launch), run once per
+    ``key`` for the whole session: under pytest-xdist the workers share it through a file in the
+    session's common temporary directory (the first worker to ask runs it; the others wait on its lock)."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # shared by the workers of this session
     cache = root / "clean_hashes.json"
+    with FileLock(str(cache) + ".lock"):
+        known = json.loads(cache.read_text()) if cache.exists() else {}
+        if key not in known:
+            run_dir = root / f"clean-{key}" / "run"
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            code = finish(run(run_dir))
+            assert code == 0, Path(f"{run_dir}.log").read_text()[-3000:]
+            known[key] = final_hash(run_dir)
+            cache.write_text(json.dumps(known))
+        return known[key]
+
+
+@pytest.fixture(scope="session")
+def clean_hash(tmp_path_factory) -> Callable[[int], str]:
+    """Final state hash of an uninterrupted tiny GPT run of ``max_steps`` steps (see :func:`shared_hash`)."""
 
     def get(max_steps: int) -> str:
-        with FileLock(str(cache) + ".lock"):
-            known = json.loads(cache.read_text()) if cache.exists() else {}
-            if str(max_steps) not in known:
-                run_dir = root / f"clean{max_steps}" / "run"
-                run_dir.parent.mkdir(parents=True, exist_ok=True)
-                code = finish(launch(run_dir, f"train.max_steps={max_steps}", "checkpoint.interval=10"))
-                assert code == 0, Path(f"{run_dir}.log").read_text()[-3000:]
-                known[str(max_steps)] = final_hash(run_dir)
-                cache.write_text(json.dumps(known))
-            return known[str(max_steps)]
+        return shared_hash(
+            tmp_path_factory,
+            f"gpt{max_steps}",
+            lambda run_dir: launch(run_dir, f"train.max_steps={max_steps}", "checkpoint.interval=10"),
+        )
 
     return get

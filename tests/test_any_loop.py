@@ -10,16 +10,18 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import events, final_hash, finish, launch, logged_step, wait_for
+from conftest import events, final_hash, finish, launch, logged_step, shared_hash, wait_for
 from trainguard import dist as tgdist
 from trainguard.launch_env import RECOVERY_STORE
 from trainguard.rejoin import catch, replacement
@@ -139,45 +141,58 @@ def test_a_spare_takes_its_rank_at_the_scripts_first_read_of_RANK(monkeypatch):
         os.environ.__class__ = environ_class
 
 
-@pytest.fixture(scope="module")
-def plain_clean_hash(tmp_path_factory) -> str:
-    run = tmp_path_factory.mktemp("plain-clean") / "run"
-    proc = launch(run, f"worker.max_steps={STEPS}", "checkpoint.interval=50", script=WORKER, tiny=False)
-    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
-    return final_hash(run)
-
-
-@pytest.mark.parametrize(("seed", "victim"), [(1, 1), (7, 1), (10, 0)])
-def test_plain_loop_rank_killed_from_outside_is_replaced_in_process_bitwise(tmp_path, plain_clean_hash, seed, victim):
-    """The README-shaped loop, in-process recovery on, a warm spare: one rank is
-    SIGKILLed from outside at a seeded random moment (a random step, then a random fraction of a
-    step: backward, the optimizer, the logging all-reduce, a save). The other rank keeps its
-    process, the spare takes the victim's rank (its script read RANK before init_process_group and
-    ran a broadcast and a barrier before the loop), no step is lost, and the final state equals an
-    uninterrupted run's."""
-    rng = random.Random(seed)
-    run = tmp_path / "run"
-    proc = launch(
-        run,
-        f"worker.max_steps={STEPS}",
-        "checkpoint.interval=50",
-        "recovery.in_process=true",
-        script=WORKER,
-        tiny=False,
+def _plain(run: Path, nproc: int, *settings: str) -> subprocess.Popen:
+    """``examples/plain_loop.py`` under ``trainguard run`` with the default recovery settings."""
+    return launch(
+        run, f"worker.max_steps={STEPS}", "checkpoint.interval=50", *settings, nproc=nproc, script=WORKER, tiny=False
     )
-    kill_at = rng.randint(40, 240)
+
+
+@pytest.fixture(scope="session")
+def plain_clean_hash(tmp_path_factory) -> Callable[[int], str]:
+    """The final state hash of an uninterrupted run of the plain loop on ``nproc`` ranks."""
+    return lambda nproc: shared_hash(tmp_path_factory, f"plain{nproc}", lambda run: _plain(run, nproc))
+
+
+def kill_and_check(run: Path, clean: str, seed: int, nproc: int) -> None:
+    """Launch the plain loop on ``nproc`` ranks with in-process recovery on; SIGKILL a rank drawn
+    from ``seed`` at a random moment (a random step, then a random fraction of a step: forward,
+    backward's all-reduce, the optimizer, the logging all-reduce, a save); check that the other
+    ranks kept their processes, the victim was replaced, no step was lost and the final state is
+    ``clean``."""
+    rng = random.Random(seed)
+    proc = _plain(run, nproc, "recovery.in_process=true")
+    kill_at, victim = rng.randint(40, 240), rng.randrange(nproc)
     wait_for(lambda: logged_step(run) >= kill_at, what=f"step {kill_at}")
     time.sleep(rng.random() * 0.02)
     pids = events(run, "workers_started")[0]["details"]["pids"]
     os.kill(int(pids[str(victim)]), signal.SIGKILL)
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
     assert not events(run, "group_restart") and not events(run, "recovery_fallback")
-    survivor = 1 - victim
-    kept = [e["pid"] for e in events(run, "recovery_finished") if e["rank"] == survivor]
-    assert kept == [int(pids[str(survivor)])]
-    assert [e["details"]["steps_lost"] for e in events(run, "recovery_finished")] == [0]
+    survivors = sorted(int(pids[str(r)]) for r in range(nproc) if r != victim)
+    assert sorted(e["pid"] for e in events(run, "recovery_finished")) == survivors
+    assert {e["details"]["steps_lost"] for e in events(run, "recovery_finished")} == {0}
     assert [e["rank"] for e in events(run, "rank_replaced")] == [victim]
-    assert final_hash(run) == plain_clean_hash
+    assert final_hash(run) == clean
+
+
+@pytest.mark.parametrize(("seed", "nproc"), [(1, 2), (10, 2), (3, 4)])
+def test_plain_loop_rank_killed_from_outside_is_replaced_in_process_bitwise(tmp_path, plain_clean_hash, seed, nproc):
+    """The README-shaped loop (its script reads RANK before ``init_process_group``, runs a
+    broadcast and a barrier before its loop and a logging all-reduce in it) recovers in-process from
+    a rank SIGKILLed from outside, bitwise; with 4 ranks too (a survivor that caught the loss cuts its
+    connections, so none waits for the collective's timeout; DDP's buckets keep their layout)."""
+    kill_and_check(tmp_path / "run", plain_clean_hash(nproc), seed, nproc)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize(("seed", "nproc"), [(s, 2) for s in range(100, 120)] + [(s, 4) for s in (4, 5, 6)])
+def test_campaign_of_kills_at_random_moments_recovers_every_one_in_process_bitwise(
+    tmp_path, plain_clean_hash, seed, nproc
+):
+    """The campaign: 20 kills of 2 ranks and 3 of 4 ranks at seeded random wall-clock moments;
+    every one in-process and bitwise (scripts/test_soak.sh)."""
+    kill_and_check(tmp_path / "run", plain_clean_hash(nproc), seed, nproc)
 
 
 def test_catch_module_wraps_only_collectives_torch_has():

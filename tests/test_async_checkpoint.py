@@ -100,6 +100,7 @@ def test_async_local_tier_kill_resume_matches_sync_run(tmp_path, clean_hash):
 # torture: SIGKILL during async saves to both tiers
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(240)
 def test_torture_async_local(tmp_path):
     r = subprocess.run(

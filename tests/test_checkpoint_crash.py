@@ -161,6 +161,7 @@ def ckpt_set(tmp_path) -> Path:
 # (a) the torture script: SIGKILL mid-save, check, resume, kill again
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(240)
 def test_torture_kills_during_saves(tmp_path):
     """30 SIGKILLs (5 per trial dir, 2 dirs at a time): the store stays valid, resumes end bit-identical.
@@ -193,6 +194,7 @@ def test_torture_kills_during_saves(tmp_path):
     assert not list((tmp_path / "w").glob("trial-*")), "passed trial directories are removed"
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(240)
 def test_torture_exec_mode_and_planted_bugs(tmp_path):
     """Writers as fresh interpreters pass; writers with a planted bug are each caught.
