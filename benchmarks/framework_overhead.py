@@ -47,7 +47,8 @@ def step_time(framework: str, plain: bool, args: argparse.Namespace, tmp: Path) 
         env["WORKER_PLAIN"] = "1"
     script_args = [str(args.steps)] + ([str(tmp / "hf-out")] if framework == "hf" else [])
     cmd = _trainguard() + ["run", "--nproc-per-node", "2", "--run-dir", str(run), str(WORKERS[framework])]
-    cmd += script_args + ["--set", "checkpoint.interval=100"]
+    # the frameworks decline in-process recovery (on by default): no warm spare competing for the cores
+    cmd += script_args + ["--set", "checkpoint.interval=100", "--set", "recovery.in_process=false"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0 or not times.exists():
         print(f"{framework} ({'off' if plain else 'on'}) failed with {proc.returncode}:\n{proc.stdout[-3000:]}")

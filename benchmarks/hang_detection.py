@@ -133,6 +133,8 @@ def launch(
         "supervisor.max_same_step_faults=1000",
         "--set",
         "supervisor.max_no_progress_restarts=1000",
+        "--set",
+        "recovery.in_process=false",  # the group restart after each hang (in-process recovery is the default)
     ]
     cap = args.cap or (300 if args.smoke else 60 + 40 * hangs)
     t0 = time.perf_counter()

@@ -255,6 +255,8 @@ def _command(args: argparse.Namespace, launcher: str, fault: str, run_dir: Path)
                 "--set",
                 f"launcher.spares={INPROCESS[launcher]}",
             ]
+        else:  # the group restart (in-process recovery is the default)
+            cmd += ["--set", "recovery.in_process=false"]
         return cmd, env
     worker = [
         str(WORKER),

@@ -31,6 +31,15 @@ TINY = [
 ]
 
 
+# pinned by launch() for the tests written for the group restart (in-process recovery is the default)
+RESTART = "recovery.in_process=false"
+
+
+def pinned(overrides: tuple[str, ...]) -> tuple[str, ...]:
+    """``overrides`` with :data:`RESTART` added unless one of them sets ``recovery.in_process``."""
+    return overrides if any(o.startswith("recovery.in_process") for o in overrides) else (*overrides, RESTART)
+
+
 def sets(*items: str) -> list[str]:
     """``["--set", a, "--set", b, ...]``"""
     return [x for item in items for x in ("--set", item)]
@@ -44,10 +53,17 @@ def launch(
     extra: tuple[str, ...] = (),
     tiny: bool = True,
     script_args: tuple[str, ...] = (),
+    default_recovery: bool = False,
 ) -> subprocess.Popen:
     """Start ``trainguard run`` on the tiny GPT (``tiny=False``: without the GPT's TINY overrides,
     for other scripts); ``extra`` goes before the script (launcher options), ``script_args`` and
-    the overrides (as ``--set``) after it; stdout+stderr go to ``run_dir.log``."""
+    the overrides (as ``--set``) after it; stdout+stderr go to ``run_dir.log``.
+
+    Unless an override sets ``recovery.in_process`` or ``default_recovery`` is true, the launch
+    pins ``recovery.in_process=false`` (:data:`RESTART`): tests written for the group restart keep
+    it now that in-process recovery is the default; the in-process tests say so."""
+    if not default_recovery:
+        overrides = pinned(overrides)
     log = open(f"{run_dir}.log", "ab")
     cmd = [
         sys.executable,

@@ -144,7 +144,14 @@ def test_a_spare_takes_its_rank_at_the_scripts_first_read_of_RANK(monkeypatch):
 def _plain(run: Path, nproc: int, *settings: str) -> subprocess.Popen:
     """``examples/plain_loop.py`` under ``trainguard run`` with the default recovery settings."""
     return launch(
-        run, f"worker.max_steps={STEPS}", "checkpoint.interval=50", *settings, nproc=nproc, script=WORKER, tiny=False
+        run,
+        f"worker.max_steps={STEPS}",
+        "checkpoint.interval=50",
+        *settings,
+        nproc=nproc,
+        script=WORKER,
+        tiny=False,
+        default_recovery=True,
     )
 
 
@@ -155,13 +162,13 @@ def plain_clean_hash(tmp_path_factory) -> Callable[[int], str]:
 
 
 def kill_and_check(run: Path, clean: str, seed: int, nproc: int) -> None:
-    """Launch the plain loop on ``nproc`` ranks with in-process recovery on; SIGKILL a rank drawn
+    """Launch the plain loop on ``nproc`` ranks with the default settings; SIGKILL a rank drawn
     from ``seed`` at a random moment (a random step, then a random fraction of a step: forward,
     backward's all-reduce, the optimizer, the logging all-reduce, a save); check that the other
     ranks kept their processes, the victim was replaced, no step was lost and the final state is
     ``clean``."""
     rng = random.Random(seed)
-    proc = _plain(run, nproc, "recovery.in_process=true")
+    proc = _plain(run, nproc)  # the default settings: in-process recovery, one warm spare
     kill_at, victim = rng.randint(40, 240), rng.randrange(nproc)
     wait_for(lambda: logged_step(run) >= kill_at, what=f"step {kill_at}")
     time.sleep(rng.random() * 0.02)

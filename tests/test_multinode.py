@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import GPT, REPO, TINY, events, sets, wait_for
+from conftest import GPT, REPO, TINY, events, pinned, sets, wait_for
 from trainguard.checkpoint.io import rank_file
 
 STEPS = 150  # as test_launcher.py: the clean_hash fixture's run is shared
@@ -125,7 +125,7 @@ def start_agent(
             str(run),
             *extra,
             str(GPT),
-            *sets(*TINY, *overrides),
+            *sets(*TINY, *pinned(overrides)),
         ]
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 

@@ -39,7 +39,7 @@ from typing import Optional
 
 import pytest
 
-from conftest import GPT, REPO, TINY, events, final_hash, sets, wait_for
+from conftest import GPT, REPO, TINY, events, final_hash, pinned, sets, wait_for
 from trainguard.slurm.info import parse_show_job
 
 # one local cluster of one node: its tests run one after another (on one worker under pytest-xdist);
@@ -101,7 +101,7 @@ def tg_slurm(
         "2",
         *options,
         str(GPT),
-        *sets(*TINY, *overrides),
+        *sets(*TINY, *pinned(overrides)),
     ]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60)
 

@@ -114,6 +114,8 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             before the commit: the files it writes there are checksummed and committed with the
             checkpoint (a framework's own checkpoint files: :mod:`trainguard.hf`). Needs blocking
             saves (``[checkpoint] async_save = false``).
+        framework: the framework that drives the loop and owns the process group (``"Lightning"``,
+            ...): in-process recovery does not apply under it (a lost rank restarts the group).
 
     Create it after ``torch.distributed.init_process_group`` (if distributed).
 
@@ -133,8 +135,10 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         extra_state: Optional[dict[str, Any]] = None,
         hooks: tuple[Hook, ...] | list[Hook] = (),
         checkpoint_files: Optional[Callable[[Path], None]] = None,
+        framework: Optional[str] = None,
     ):
         self.cfg = config
+        self._framework = framework
         self._checkpoint_files = checkpoint_files
         self.model, self.optimizer, self.scheduler, self.sampler = model, optimizer, scheduler, sampler
         self.extra_state = dict(extra_state or {})
@@ -178,7 +182,12 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             raise BadInput(str(e)) from None
         self.events = EventLog(self.run_dir, self.rank)
         launch = LaunchEnv.from_environ()
-        self.rejoin = Rejoin(cfg.recovery, launch, self.rank, keep_in_memory=cfg.sdc.on_instability == "rerun")
+        declined = self._in_process_declined() if cfg.recovery.in_process else None
+        self.rejoin = Rejoin(
+            cfg.recovery, launch, self.rank, keep_in_memory=cfg.sdc.on_instability == "rerun", declined=declined
+        )
+        if self.rank == 0:
+            self._say_where_in_process_applies(launch)
         self.reruns = StepRerun(cfg.sdc.on_instability == "rerun", self.rank, self.world_size)
         self.step_inputs = StepInputs(self.model) if self.reruns.enabled and self.world_size > 1 else None
         self._backend = tgdist.backend()

@@ -262,22 +262,39 @@ class InProcessRecovery:
         self.straggler.set_hosts(self.hosts)
         self._next_check, self.straggler.next_report = packet["next_check"], packet["next_report"]
 
+    def _in_process_declined(self) -> Optional[str]:
+        """Why in-process recovery does not apply to this loop, ``None`` if it does: a framework
+        drives it, or the model cannot be moved to a new group (:func:`~.rejoin.regroup.check_rebindable`)."""
+        if self._framework is not None:
+            return f"{self._framework} owns the process group and the training loop"
+        try:
+            regroup.check_rebindable(self.model)
+        except regroup.RegroupError as e:
+            return str(e)
+        return None
+
+    def _say_where_in_process_applies(self, launch: Any) -> None:
+        """Rank 0, once at start: why in-process recovery (on by default) does not apply, if it does not."""
+        if self.rejoin.declined is not None:
+            console.say(
+                f"in-process recovery does not apply ({self.rejoin.declined}): "
+                "a lost rank restarts the group from the newest checkpoint"
+            )
+        elif self.cfg.recovery.in_process and not launch.recovery_store and self.world_size > 1:
+            console.say(
+                "in-process recovery needs `trainguard run` (this run was launched otherwise): "
+                "a lost rank ends the run as its launcher decides"
+            )
+
     def _catch_collectives(self) -> None:
         """Catch a lost peer in the collectives the script runs itself (see
         :mod:`~trainguard.rejoin.catch`): DDP's gradient all-reduce through trainguard's
-        communication hook (unless the script has its own: then said once), the script's
-        ``torch.distributed`` calls. A replacement catches from the moment it joined."""
+        communication hook, the script's ``torch.distributed`` calls. A replacement catches from
+        the moment it joined."""
         if isinstance(self.model, DDP):
-            if regroup.script_comm_hook(self.model):
-                if self.rank == 0:
-                    console.say(
-                        "in-process recovery: the model has a DDP communication hook of the script's own, so a rank "
-                        "lost during backward() restarts the group (other collectives are covered)"
-                    )
-            else:
-                params, _ = self.model._build_params_for_reducer()
-                self.ddp_hook = DDPHook(CATCH, params, self._keep_before_last_bucket)
-                self.model.register_comm_hook(None, self.ddp_hook.hook)
+            params, _ = self.model._build_params_for_reducer()
+            self.ddp_hook = DDPHook(CATCH, params, self._keep_before_last_bucket)
+            self.model.register_comm_hook(None, self.ddp_hook.hook)
         if not self.rejoin.joining:
             self._arm_catch()
 

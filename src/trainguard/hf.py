@@ -101,7 +101,7 @@ def _check(args: Any, config: Config) -> None:
         raise BadInput("trainguard.hf needs TrainingArguments(max_steps=N): trainguard counts optimizer steps")
     if config.checkpoint.local.dir is not None:
         raise BadInput("trainguard.hf saves to the persistent tier only; unset checkpoint.local.dir")
-    if config.recovery.in_process:
+    if config.recovery.in_process and "in_process" in config.recovery.model_fields_set:  # on by default: said once
         raise BadInput(
             "[recovery] in_process is not supported under the Hugging Face Trainer (accelerate owns the process "
             "group): a lost rank restarts the group from the newest checkpoint; set recovery.in_process = false"
@@ -189,6 +189,7 @@ class TrainguardCallback(TrainerCallback):
             extra_state={"hf_trainer": self.steps, **self.extra_state},
             hooks=self.hooks,
             checkpoint_files=self._write_trainer_files,
+            framework="the Hugging Face Trainer",
         )
         step = self.guard.begin(state.max_steps)
         if step + self.steps.extra_steps != state.global_step:

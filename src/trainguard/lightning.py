@@ -118,7 +118,7 @@ def _check_trainer(trainer: pl.Trainer, config: Config) -> None:
             "trainguard.lightning supports at most one LR scheduler, with interval='step' and frequency=1 "
             "(its state is saved with each step's checkpoint)"
         )
-    if config.recovery.in_process:
+    if config.recovery.in_process and "in_process" in config.recovery.model_fields_set:  # on by default: said once
         raise BadInput(
             "[recovery] in_process is not supported under Lightning (Lightning owns the process group): "
             "a lost rank restarts the group from the newest checkpoint; set recovery.in_process = false"
@@ -174,6 +174,7 @@ class TrainguardCallback(pl.Callback):
             sampler=self.sampler,
             extra_state={"lightning": LoopState(trainer, self), **self.extra_state},
             hooks=self.hooks,
+            framework="Lightning",
         )
         self._max_steps = trainer.max_steps
         self.guard.begin(trainer.max_steps)

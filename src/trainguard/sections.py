@@ -612,13 +612,14 @@ class HealthSection(Section):
 
 class RecoverySection(Section):
     """``[recovery]``: in-process recovery of a lost rank (:mod:`trainguard.rejoin`). With
-    ``in_process``, ``trainguard run`` (one node or several) replaces a rank that died while the other ranks stay
-    alive, keep their memory, and redo only the interrupted step; without it (or when it cannot
-    complete) the whole group restarts from the newest checkpoint."""
+    ``in_process`` (the default), ``trainguard run`` (one node or several, two ranks or more) replaces a rank that died while the other ranks stay
+    alive, keep their memory, and redo only the interrupted step; without it (or where it does not
+    apply: the Guard says why at start, or when it cannot complete) the whole group restarts from
+    the newest checkpoint."""
 
     in_process: bool = Field(
-        False,
-        description="replace a lost rank without restarting the survivors (trainguard run; a lost whole node still restarts the group)",
+        True,
+        description="replace a lost rank without restarting the survivors (trainguard run, two ranks or more; not under Lightning or the Hugging Face Trainer, nor for FSDP2 models; a lost whole node still restarts the group)",
     )
     timeout: float = Field(
         30.0,

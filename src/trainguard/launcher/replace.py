@@ -230,6 +230,9 @@ class Replacer:
             return f"a rank failed while generation {self.pending.number} was still forming"
         if self.replacements >= self.cfg.max_replacements:
             return f"in-process replacement budget spent ({self.cfg.max_replacements})"
+        declined = RecoveryStore(self.shared, self.attempt).declined()
+        if declined is not None:
+            return f"in-process recovery does not apply: {declined}"
         return None
 
     def ready_spares(self) -> list[int]:

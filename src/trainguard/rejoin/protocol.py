@@ -201,6 +201,15 @@ class RecoveryStore:
         """Launcher: whether an agent gave this start of the group up (:meth:`abandon`)."""
         return self.store.check(["abandoned"])
 
+    def decline(self, reason: str) -> None:
+        """Rank 0: in-process recovery does not apply to this group (``reason`` says why); the
+        launcher restarts the group on a lost rank at once (:meth:`declined`)."""
+        self.store.set("declined", reason)
+
+    def declined(self) -> Optional[str]:
+        """Launcher: why the ranks declined in-process recovery, ``None`` if they did not."""
+        return self.store.get("declined").decode() if self.store.check(["declined"]) else None
+
     def joined(self, number: int, rank: int) -> None:
         """Replacement: say that rank ``rank`` holds its state in generation ``number``."""
         self.store.set(f"gen/{number}/joined/{rank}", "1")

@@ -51,16 +51,31 @@ class Rejoin:
         rank: global rank.
         keep_in_memory: keep the step-boundary state in memory even when inactive (a step re-run,
             :mod:`trainguard.rerun`, restores it).
+        declined: why in-process recovery does not apply to this loop (a framework owns the
+            group, a sharded model); rank 0 tells the launcher (:meth:`RecoveryStore.decline`).
     """
 
-    def __init__(self, cfg: RecoverySection, launch: LaunchEnv, rank: int, keep_in_memory: bool = False):
+    def __init__(
+        self,
+        cfg: RecoverySection,
+        launch: LaunchEnv,
+        rank: int,
+        keep_in_memory: bool = False,
+        declined: Optional[str] = None,
+    ):
         self.cfg, self.rank = cfg, rank
-        self.active = bool(cfg.in_process and launch.recovery_store)
+        offered = bool(cfg.in_process and launch.recovery_store)
+        self.declined = declined if offered else None  # why in-process recovery does not apply here
+        self.active = offered and declined is None
         self.keeping = self.active or keep_in_memory  # whether keep() keeps the step-boundary state
         self.store: Optional[RecoveryStore] = None
-        if self.active:
+        if offered:
             host, port = parse_address(launch.recovery_store)  # type: ignore[arg-type]
-            self.store = RecoveryStore(connect(host, port, cfg.timeout), launch.recovery_group)
+            store = RecoveryStore(connect(host, port, cfg.timeout), launch.recovery_group)
+            if self.active:
+                self.store = store
+            elif rank == 0:  # the launcher restarts the group at once on a lost rank
+                store.decline(declined)
         self.dir = launch.recovery_dir
         self.boundary = BoundaryState(self.dir if self.active else None, rank)
         self.joining = self.active and launch.join is not None
