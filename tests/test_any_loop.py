@@ -121,8 +121,8 @@ def test_a_spare_takes_its_rank_at_the_scripts_first_read_of_RANK(monkeypatch):
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
     monkeypatch.setenv(RECOVERY_STORE, f"127.0.0.1:{server.port}")
     monkeypatch.setenv("RANK", "0")  # the placeholder a spare inherits
-    for name in ("LOCAL_RANK", "WORLD_SIZE"):  # set by the assignment: put back after the test
-        monkeypatch.delenv(name, raising=False)
+    for name in ("LOCAL_RANK", "WORLD_SIZE"):  # set by the assignment: monkeypatch puts them back after the test
+        monkeypatch.setenv(name, "0")
     assignment = replacement.Assignment(7)
     environ_class = type(os.environ)
     try:
@@ -183,22 +183,23 @@ def kill_and_check(run: Path, clean: str, seed: int, nproc: int) -> None:
     assert final_hash(run) == clean
 
 
-@pytest.mark.parametrize(("seed", "nproc"), [(1, 2), (10, 2), (3, 4)])
+@pytest.mark.parametrize(("seed", "nproc"), [(1, 2), (10, 2)])
 def test_plain_loop_rank_killed_from_outside_is_replaced_in_process_bitwise(tmp_path, plain_clean_hash, seed, nproc):
     """The README-shaped loop (its script reads RANK before ``init_process_group``, runs a
     broadcast and a barrier before its loop and a logging all-reduce in it) recovers in-process from
-    a rank SIGKILLed from outside, bitwise; with 4 ranks too (a survivor that caught the loss cuts its
-    connections, so none waits for the collective's timeout; DDP's buckets keep their layout)."""
+    a rank SIGKILLed from outside, bitwise. (4 ranks: the soak campaign below.)"""
     kill_and_check(tmp_path / "run", plain_clean_hash(nproc), seed, nproc)
 
 
 @pytest.mark.soak
-@pytest.mark.parametrize(("seed", "nproc"), [(s, 2) for s in range(100, 120)] + [(s, 4) for s in (4, 5, 6)])
+@pytest.mark.parametrize(("seed", "nproc"), [(s, 2) for s in range(100, 120)] + [(s, 4) for s in (3, 4, 5, 6)])
 def test_campaign_of_kills_at_random_moments_recovers_every_one_in_process_bitwise(
     tmp_path, plain_clean_hash, seed, nproc
 ):
-    """The campaign: 20 kills of 2 ranks and 3 of 4 ranks at seeded random wall-clock moments;
-    every one in-process and bitwise (scripts/test_soak.sh)."""
+    """The campaign: 20 kills of 2 ranks and 4 of 4 ranks at seeded random wall-clock moments;
+    every one in-process and bitwise (scripts/test_soak.sh). With 4 ranks a survivor that caught
+    the loss cuts its connections, so none waits for the collective's timeout, and DDP's buckets
+    keep their layout, so the sums round as in the uninterrupted run."""
     kill_and_check(tmp_path / "run", plain_clean_hash(nproc), seed, nproc)
 
 

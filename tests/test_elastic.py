@@ -101,6 +101,7 @@ def test_a_sampler_without_a_global_position_is_refused_naming_both_world_sizes(
         check_reshardable(PerRank(), tmp_path / "step-00000010", 2, 3)
 
 
+@pytest.mark.soak  # over a minute on 2 cores: scripts/test_soak.sh (CI)
 def test_a_run_that_loses_ranks_resumes_on_1_then_on_3_with_the_same_global_batch(tmp_path):
     """2 ranks (6 sequences each) lose rank 1 in step 25 (no restart allowed: the job ends); the
     relaunch on the 1 rank left (12 sequences) resumes from step 20 and loses it in step 45; 3 ranks

@@ -26,6 +26,7 @@ def hf(run: Path, *overrides: str, extra: tuple[str, ...] = (), steps: int = STE
     return launch(run, "checkpoint.interval=30", *overrides, script=WORKER, tiny=False, extra=extra, script_args=args)
 
 
+@pytest.mark.soak  # over a minute on 2 cores: scripts/test_soak.sh (CI)
 def test_sigterm_stops_at_an_agreed_step_a_killed_rank_restarts_the_group_bitwise_and_a_nan_is_skipped(
     tmp_path, monkeypatch
 ):

@@ -32,6 +32,7 @@ FAULTS = ("--inject", "nan_loss:rank=1,step=30", "--inject", "loss_spike:rank=0,
 RULES = ("instability.loss_spike=rollback", "instability.known_good_after=5", "instability.min_history=10")
 
 
+@pytest.mark.soak  # over a minute on 2 cores: scripts/test_soak.sh (CI)
 def test_sigterm_after_a_skip_and_a_rollback_and_a_killed_rank_end_bitwise_as_an_uninterrupted_run(
     tmp_path, monkeypatch
 ):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from conftest import REPO, events, finish, launch, sets
+from conftest import REPO, events, finish, launch, pinned, sets
 
 SCRIPT = REPO / "examples" / "own_cli.py"
 
@@ -16,8 +16,8 @@ SCRIPT = REPO / "examples" / "own_cli.py"
 def run_script(run: Path, *script_args: str, settings: tuple[str, ...] = (), inject: str = "", quiet: bool = False):
     """``trainguard run --set ... [--inject ...] examples/own_cli.py ARGS``: trainguard's settings go
     to the launcher, the script's arguments are its own."""
-    extra = tuple(sets(*settings)) + (("--inject", inject) if inject else ()) + (("--quiet",) if quiet else ())
-    return launch(run, script=SCRIPT, tiny=False, extra=extra, script_args=script_args)
+    extra = tuple(sets(*pinned(settings))) + (("--inject", inject) if inject else ()) + (("--quiet",) if quiet else ())
+    return launch(run, script=SCRIPT, tiny=False, extra=extra, script_args=script_args, default_recovery=True)
 
 
 def log_of(run: Path) -> str:
