@@ -9,6 +9,7 @@ Not a test: CI has no GPU. Where the GPU is absent it says so and exits 0.
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 
@@ -48,6 +49,42 @@ def nccl_rebuild() -> bool:
     return t.item() == 1.0
 
 
+def ddp_hook_cuda() -> bool:
+    """One NCCL rank: trainguard's DDP communication hook (in-process recovery's catch of a lost peer
+    in backward, :class:`trainguard.rejoin.catch.DDPHook`) on CUDA gradients gives the same gradients
+    as DDP's own all-reduce, and notes the bucket layout; the step-boundary callback runs once per
+    backward (from the autograd engine's device thread)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainguard.rejoin.catch import CATCH, DDPHook
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29534", "RANK": "0", "WORLD_SIZE": "1"})
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    plain, hooked = DDP(net), DDP(copy.deepcopy(net))
+    calls = []
+    hook = DDPHook(CATCH, hooked._build_params_for_reducer()[0], lambda: calls.append(1))
+    hooked.register_comm_hook(None, hook.hook)
+    x = torch.randn(32, 1024, device="cuda")
+    for m in (plain, hooked):
+        for _ in range(3):  # DDP rebuilds its buckets after the first backward
+            m.zero_grad()
+            m(x).square().mean().backward()
+    torch.cuda.synchronize()
+    same = all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), hooked.parameters()))
+    print(
+        f"ddp hook (cuda, nccl): gradients equal to DDP's own: {same}; buckets {len(hook.layout)}; last-bucket calls {len(calls)} (3 expected)"
+    )
+    dist.destroy_process_group()
+    for key in ("RANK", "WORLD_SIZE"):
+        os.environ.pop(key)
+    return same and len(calls) == 3
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device; nothing to check")
@@ -79,6 +116,7 @@ def main() -> int:
         ok &= first.is_pinned()
 
     ok &= nccl_rebuild()
+    ok &= ddp_hook_cuda()
 
     cfg = trainguard.Config()
     cfg.run.dir = sys.argv[1]
