@@ -205,3 +205,30 @@ def test_campaign_of_kills_at_random_moments_recovers_every_one_in_process_bitwi
 
 def test_catch_module_wraps_only_collectives_torch_has():
     assert all(hasattr(dist, name) for name in catch.COLLECTIVES)
+
+
+@pytest.mark.soak
+def test_plain_loop_hung_rank_is_killed_and_replaced_in_process(tmp_path, plain_clean_hash):
+    """Rank 1 of the plain loop SIGSTOPs itself at step 60: the supervisor finds it silent past its
+    learned timeout and kills it; rank 0, blocked until then in a collective of the script's own
+    (its logging all-reduce, or DDP's inside ``loss.backward()``), catches the lost peer there and the
+    run goes on in-process, bitwise."""
+    run = tmp_path / "run"
+    proc = launch(
+        run,
+        f"worker.max_steps={STEPS}",
+        "checkpoint.interval=50",
+        "supervisor.step_timeout=3",
+        nproc=2,
+        script=WORKER,
+        tiny=False,
+        default_recovery=True,
+        extra=("--inject", "rank_hung:rank=1,step=60"),
+    )
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert [e["details"]["rank"] for e in events(run, "hang_detected")] == [1]
+    assert not events(run, "group_restart") and len(events(run, "workers_started")) == 1
+    during = [e["details"]["during"] for e in events(run, "recovery_started") if e["rank"] == 0]
+    assert during in (["backward"], ["dist.all_reduce"]), during  # the script's own collectives both
+    assert [e["details"]["steps_lost"] for e in events(run, "recovery_finished")] == [0]
+    assert final_hash(run) == plain_clean_hash(2)
