@@ -17,6 +17,7 @@ def fsdp2(run: Path, *overrides: str, extra: tuple[str, ...] = ()):
     return launch(run, f"train.max_steps={STEPS}", "model.n_layers=2", *overrides, script=FSDP2, extra=extra)
 
 
+@pytest.mark.soak  # over 40 s on 2 cores: scripts/test_soak.sh (CI)
 @pytest.mark.slow
 def test_a_killed_rank_resumes_from_the_local_shards_bitwise(tmp_path):
     clean = tmp_path / "clean"

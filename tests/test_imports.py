@@ -253,7 +253,7 @@ def test_optional_dependencies_are_extras():
         ("report", "matplotlib"),
         ("watch", "apprise"),
         ("gpu", "nvidia-ml-py"),
-        ("lightning", "pytorch-lightning"),
+        ("lightning", "lightning"),
         ("hf", "transformers"),
         ("hf", "accelerate"),
     ):

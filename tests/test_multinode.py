@@ -302,6 +302,7 @@ def test_rank_killed_on_either_node_is_replaced_in_process_across_nodes(tmp_path
         assert exit_["code"] == 0 and exit_["state_sha256"] == clean_hash(STEPS), (pid, exit_)
 
 
+@pytest.mark.soak  # over 40 s on 2 cores: scripts/test_soak.sh (CI)
 def test_a_3_rank_job_that_lost_a_rank_goes_on_as_2_and_a_returning_node_makes_it_3_in_place(tmp_path):
     """``--nnodes 1:2``: the first node trains alone with 3 ranks (4 sequences each). Rank 1 dies:
     ``elastic.min_ranks = 2``, no spare, no regrow, so ranks 0 and 2 go on in place as 2 ranks of 6
