@@ -262,7 +262,7 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             }
         )
         if self.rejoin.active:
-            self.step_start = StepStart(self.optimizer, self.scheduler, lambda: self.rejoin.failure is not None)
+            self.step_start = StepStart(self.optimizer, self.scheduler, self.rejoin.failed)
             self._catch_collectives()
             check_shrinkable(cfg.elastic.min_ranks, self.world_size, self.sampler, self.ckpt.local is not None)
         if cfg.rollback.skip_batches and self.sampler is not None and not hasattr(self.sampler, "skip_batches"):

@@ -303,7 +303,7 @@ class InProcessRecovery:
         return self.ddp_hook.layout if self.ddp_hook is not None and self.ddp_hook.layout else None
 
     def _arm_catch(self) -> None:
-        CATCH.arm(lambda e, where: self.rejoin.caught(e, where, self.step + 1), lambda: self.rejoin.failure is not None)
+        CATCH.arm(lambda e, where: self.rejoin.caught(e, where, self.step + 1), self.rejoin.failed)
 
     def _keep_before_last_bucket(self) -> None:
         """DDP is about to send the step's last gradient bucket: keep this rank's own state as the

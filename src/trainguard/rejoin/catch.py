@@ -24,13 +24,13 @@ instead of raising out of the script:
   broadcast would have sent comes with the state from the survivors instead (the model, the
   optimizer, the RNG streams).
 
-The step whose collective failed is not applied (the Guard's optimizer pre-hook drops its
-gradients; see ``Guard._drop_failed_update``) and is done again after the recovery.
+The step whose collective failed is not applied (an optimizer pre-hook drops its gradients; see
+:mod:`trainguard.rejoin.stepstart`) and is done again after the recovery.
 
 Not caught: a collective called with ``async_op=True`` by the script (its ``Work.wait()`` raises),
-DDP's buffer broadcast in ``forward`` (models with buffers and ``broadcast_buffers=True``), and
-collectives of a DDP model that has a communication hook of the script's own (the Guard says so
-once at start).
+and DDP's buffer broadcast in ``forward`` (models with buffers and ``broadcast_buffers=True``). A
+DDP model with a communication hook of the script's own gets no hook from here: in-process recovery
+is declined for it at start (``Guard._in_process_declined``).
 """
 
 from __future__ import annotations

@@ -102,6 +102,10 @@ class Rejoin:
             sever.cut(self.group_ports)  # the peers still waiting on this rank in that collective see it end
         return True
 
+    def failed(self) -> bool:
+        """Whether a lost peer was noticed in the current step."""
+        return self.failure is not None
+
     def keep(self, state: dict[str, Any]) -> None:
         """Keep the step-boundary state (see :class:`~trainguard.rejoin.boundary.BoundaryState`;
         in its file only when active)."""

@@ -10,6 +10,7 @@ rebuild their buckets after the first step, as at a start).
 
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 from typing import Any, Optional
@@ -56,8 +57,6 @@ def rebuild_default_group(gen: Generation, backend: str, timeout: float) -> None
     """
     if dist.is_initialized():
         try:
-            import gc
-
             dist.destroy_process_group()
             gc.collect()
         except RuntimeError:  # a group whose peer is gone may fail to shut down cleanly: drop it anyway
