@@ -4,10 +4,13 @@ The same small job runs under each launcher (``benchmarks/_recovery_worker.py``:
 MLP, steps padded to ``--step-ms`` = 30 ms, a checkpoint every ``--ckpt-every`` = 10 steps, 70 steps;
 the fault at step ``--fault-step`` = 45 on rank 1, in the first attempt only):
 
-* **trainguard in-process** (``inprocess``, ``inprocess-cold``): ``trainguard run`` with
-  ``[recovery] in_process`` and one warm spare (or none), the loop through ``guard.run_step`` and
-  ``guard.should_step`` (``--guard-api``): rank 0 stays, a replacement takes rank 1's place; the
-  time to recover ends at rank 0's ``recovery_finished`` event (it trains again);
+* **trainguard in-process** (``inprocess``, ``inprocess-plain``, ``inprocess-cold``): ``trainguard
+  run`` with ``[recovery] in_process`` (the default) and one warm spare (or none); two loop shapes:
+  through ``guard.run_step`` and ``guard.should_step`` (``--guard-api``), and the plain loop
+  (``loss.backward()``, ``optimizer.step()``, ``guard.step_end()``: ``inprocess-plain``, where the
+  survivor notices the loss inside DDP's all-reduce in its own ``backward()``): rank 0 stays, a
+  replacement takes rank 1's place; the time to recover ends at rank 0's ``recovery_finished``
+  event (it trains again);
 * **trainguard restart** (``trainguard``): ``trainguard run --nproc-per-node 2 --inject
   rank_killed|rank_hung:rank=1,step=45``, the loop under ``trainguard.Guard``, the group restarted
   from the newest checkpoint. For all trainguard rows the hang timeout is the *learned* one:
@@ -72,18 +75,20 @@ from _common import trainguard_cmd as _trainguard
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "_recovery_worker.py"
-LAUNCHERS = ("inprocess", "inprocess-cold", "trainguard", "torchrun", "torchrun-fix", "ft")
+LAUNCHERS = ("inprocess", "inprocess-plain", "inprocess-cold", "trainguard", "torchrun", "torchrun-fix", "ft")
 NAMES = {
-    "inprocess": "trainguard\nin-process",
+    "inprocess": "trainguard\nin-process\nrun_step",
+    "inprocess-plain": "trainguard\nin-process\nplain loop",
     "inprocess-cold": "trainguard\nin-process\nno spare",
     "trainguard": "trainguard\nrestart",
     "torchrun": "torchrun",
     "torchrun-fix": "torchrun+fix",
     "ft": "ft_launcher",
 }
-# trainguard's in-process recovery ([recovery] in_process; the loop through guard.run_step and
-# guard.should_step, --guard-api), with one warm spare or none
-INPROCESS = {"inprocess": 1, "inprocess-cold": 0}
+# trainguard's in-process recovery ([recovery] in_process): {arm: warm spares}; the loop through
+# guard.run_step and guard.should_step (--guard-api) but in the arms of GUARD_API
+INPROCESS = {"inprocess": 1, "inprocess-plain": 1, "inprocess-cold": 0}
+GUARD_API = ("inprocess", "inprocess-cold")
 FAULTS = ("kill", "hang")
 # goals of the in-process recovery (the issue): kill → training again ≤ 1 s; hang → ≤ the learned
 # step timeout + 1 s (checked against each trial's timeout); the restart path's own goals were 3 s and 5 s
@@ -107,7 +112,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument(
         "--launchers",
         default=None,
-        help="comma-separated subset of inprocess,inprocess-cold,trainguard,torchrun,torchrun-fix,ft (default all; smoke: all but torchrun)",
+        help="comma-separated subset of " + ",".join(LAUNCHERS) + " (default all; smoke: all but torchrun)",
     )
     p.add_argument(
         "--fix-faults",
@@ -248,13 +253,8 @@ def _command(args: argparse.Namespace, launcher: str, fault: str, run_dir: Path)
             f"checkpoint.interval={args.ckpt_every}",
         ]
         if launcher in INPROCESS:
-            cmd += [
-                "--guard-api",
-                "--set",
-                "recovery.in_process=true",
-                "--set",
-                f"launcher.spares={INPROCESS[launcher]}",
-            ]
+            cmd += ["--guard-api"] if launcher in GUARD_API else []
+            cmd += ["--set", "recovery.in_process=true", "--set", f"launcher.spares={INPROCESS[launcher]}"]
         else:  # the group restart (in-process recovery is the default)
             cmd += ["--set", "recovery.in_process=false"]
         return cmd, env
@@ -624,18 +624,16 @@ def main() -> int:
     table.add_column("fault")
     for launcher in args.launchers:
         table.add_column(NAMES[launcher], justify="right")
-    # the ratios and the goal are those of trainguard's best path in the run
-    ours = next((x for x in ("inprocess", "trainguard") if x in args.launchers), None)
+    # trainguard's arms (each in-process loop shape, else the restart) against every other launcher
+    mine = [x for x in ("inprocess", "inprocess-plain", "trainguard") if x in args.launchers]
+    mine = [x for x in mine if x in INPROCESS] or mine
+    ours = mine[0] if mine else None
     has_tg = ours is not None
-    others = [x for x in args.launchers if x != ours]
-    if has_tg:
-        for o in others:
-            table.add_column(f"{_name(ours)} /\n{_name(o)}", justify="right")
-        table.add_column(f"goal\n({_name(ours)})", justify="right")
+    others = [x for x in args.launchers if x not in mine and x != "inprocess-cold"]
     per_trial: list[str] = []
+    meds: dict[tuple[str, str], float] = {}
     for fault in args.faults:
         cells = []
-        meds = {}
         for launcher in args.launchers:
             if launcher in unavailable:
                 cells.append(f"not run: {unavailable[launcher]}")
@@ -645,7 +643,7 @@ def main() -> int:
             if not v:
                 cells.append("no recovery: " + "; ".join(sorted(set(bad))) if bad else "—")
                 continue
-            meds[launcher] = med(v)
+            meds[launcher, fault] = med(v)
             restarts = vals(launcher, fault, "restarts")
             more = sum(1 for x in restarts if x > 1)
             notes = ([f"{len(bad)} failed"] if bad else []) + ([f"{more}× 2+ restarts"] if more else [])
@@ -660,14 +658,25 @@ def main() -> int:
                 + " ".join(f"{x:.1f}" for x in v)
                 + (f"; failed: {'; '.join(bad)}" if bad else "")
             )
-        if has_tg:
-            for o in others:
-                cells.append(f"{meds[ours] / meds[o]:.2f}" if ours in meds and o in meds else "—")
-            cells.append(_goal(ours, fault, meds.get(ours), vals(ours, fault, "timeout")))
         label = "kill\n(SIGKILL)" if fault == "kill" else "hang\n(SIGSTOP)"
         table.add_row(label, *cells)
     console.print(table)
     console.print("per trial (s): " + " | ".join(per_trial))
+    if has_tg:
+        ratios = Table(title="trainguard / other launcher (ratio of the medians; < 1: trainguard trains again sooner)")
+        ratios.add_column("trainguard arm")
+        ratios.add_column("fault")
+        for o in others:
+            ratios.add_column(_name(o), justify="right")
+        ratios.add_column("goal", justify="right")
+        for arm in mine:
+            for fault in args.faults:
+                mine_med = meds.get((arm, fault))
+                cells = [f"{mine_med / meds[o, fault]:.3f}" if mine_med and (o, fault) in meds else "—" for o in others]
+                goal = _goal(arm, fault, mine_med, vals(arm, fault, "timeout"))
+                lost = vals(arm, fault, "lost")
+                ratios.add_row(_name(arm), fault, *cells, goal + (f"; lost {max(lost):g}" if lost else ""))
+        console.print(ratios)
 
     # per-launcher details
     for fault in args.faults:

@@ -4,6 +4,7 @@ bitwise identical, where a script with its own command line gets its config."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -172,30 +173,76 @@ def test_config_from_env_ignores_the_scripts_arguments(monkeypatch):
         trainguard.config_from_argv()
 
 
-def test_torch_elastic_error_lines_for_decision_codes_are_dropped(monkeypatch, capsys):
-    """Torch elastic's "failed (exitcode: 75)" for a requeue is not an error: dropped; a real
-    failure's line stays. ``quiet`` silences trainguard's story lines but not its warnings."""
+def test_torch_elastic_lines_are_dropped_unless_verbose_and_decision_codes_always(monkeypatch, capsys):
+    """Torch elastic's "failed (exitcode: 75)" for a requeue is not an error: dropped at every level;
+    a real failure's line and "Sending process ... closing signal" only at ``verbose`` (trainguard's
+    own line names the ranks and codes). ``quiet`` silences trainguard's story lines but not its
+    warnings."""
     import logging
 
     from trainguard import console
 
-    monkeypatch.setenv(console.LEVEL_ENV, "normal")
     logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     console.quiet_torch_elastic((2, 75, 76))
     seen: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
     logger.addHandler(handler)
+    msg = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
     try:
-        msg = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
-        logger.error(msg, 75, 0, 123, "python")
-        logger.error(msg, 1, 0, 124, "python")
+        for lvl in ("normal", "verbose"):
+            monkeypatch.setenv(console.LEVEL_ENV, lvl)
+            logger.error(msg, 75, 0, 123, "python")
+            logger.error(msg, 1, 0, 124, "python")
+            logger.warning("Sending process %s closing signal %s", 125, "SIGTERM")
+            logger.warning("something else %s", lvl)
     finally:
         logger.removeHandler(handler)
-    assert seen == ["failed (exitcode: 1) local_rank: 0 (pid: 124) of binary: python"]
+    assert seen == [
+        "something else normal",
+        "failed (exitcode: 1) local_rank: 0 (pid: 124) of binary: python",
+        "Sending process 125 closing signal SIGTERM",
+        "something else verbose",
+    ]
+    monkeypatch.setenv(console.LEVEL_ENV, "normal")
     console.say("story")
     monkeypatch.setenv(console.LEVEL_ENV, "quiet")
     console.say("hidden")
     console.warn("careful")
     err = capsys.readouterr().err
     assert "trainguard: story" in err and "hidden" not in err and "trainguard: warning: careful" in err
+
+
+PEER_LOSS_SCRIPT = """
+import sys
+from trainguard import console
+from trainguard.rejoin.protocol import is_peer_failure
+console.quiet_peer_loss(is_peer_failure, lambda error, text: print("RECORDED", error, "|", "loss_backward" in text))
+def loss_backward():
+    raise RuntimeError(sys.argv[1])
+loss_backward()
+"""
+
+
+@pytest.mark.parametrize(
+    "message,level,quiet",
+    [
+        ("[gloo/pair.cc:537] Read error [127.0.0.1]:3739: Connection reset by peer", "normal", True),
+        ("[gloo/pair.cc:537] Read error [127.0.0.1]:3739: Connection reset by peer", "verbose", False),
+        ("shape mismatch: a bug of the script", "normal", False),
+    ],
+)
+def test_a_rank_that_lost_a_peer_says_so_in_one_line_unless_verbose(tmp_path, message, level, quiet):
+    """A real process dies of an uncaught error: a lost peer's traceback is recorded and told in one
+    line (below ``verbose``); any other error keeps its traceback. The exit code stays 1."""
+    script = tmp_path / "rank.py"
+    script.write_text(PEER_LOSS_SCRIPT)
+    env = {**os.environ, "TRAINGUARD_CONSOLE": level}
+    r = subprocess.run([sys.executable, str(script), message], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1
+    if quiet:
+        assert "Traceback" not in r.stderr, r.stderr
+        assert "RECORDED RuntimeError: [gloo/pair.cc:537] Read error" in r.stdout and "| True" in r.stdout
+        assert "this rank lost a peer in loss_backward() (rank.py:7)" in r.stderr and "restarts the group" in r.stderr
+    else:
+        assert "Traceback" in r.stderr and message in r.stderr and "RECORDED" not in r.stdout, r.stderr

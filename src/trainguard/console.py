@@ -8,16 +8,21 @@ for itself.
 
 Verbosity comes from ``trainguard run --quiet`` / ``--verbose`` through the environment
 (:data:`LEVEL_ENV`, so the ranks follow it): ``quiet`` prints warnings and errors only;
-``normal`` (default) the story above; ``verbose`` also torch elastic's own log lines. Torch
-elastic's error lines for ranks that exit with a decision code (75, 76, 2: not failures) are
-dropped in every mode (:func:`quiet_torch_elastic`): trainguard's own line says what the code means.
+``normal`` (default) the story above; ``verbose`` also torch elastic's own log lines and the
+traceback of a rank that lost a peer. Torch elastic's error lines for ranks that exit with a
+decision code (75, 76, 2: not failures) are dropped in every mode (:func:`quiet_torch_elastic`):
+trainguard's own line says what the code means.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+import traceback
+from pathlib import Path
+from typing import Callable, Optional
 
 LEVEL_ENV = "TRAINGUARD_CONSOLE"
 LEVELS = ("quiet", "normal", "verbose")
@@ -41,24 +46,31 @@ def warn(message: str) -> None:
     print(f"trainguard: warning: {message}", file=sys.stderr, flush=True)
 
 
-class _DecisionExitFilter(logging.Filter):
-    """Drops torch elastic's "failed (exitcode: N)" records for the decision codes."""
+class _ElasticNoiseFilter(logging.Filter):
+    """Drops torch elastic's "failed (exitcode: N)" records for the decision codes (every level),
+    and, below ``verbose``, its other per-process lines that trainguard's own line already tells:
+    "failed (exitcode: N)" for a failure and "Sending process P closing signal S"."""
 
     def __init__(self, codes: tuple[int, ...]):
         super().__init__()
         self.codes = codes
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "failed (exitcode" not in str(record.msg):
-            return True
-        return not any(isinstance(a, int) and a in self.codes for a in (record.args or ())[:1])
+        msg = str(record.msg)
+        if "failed (exitcode" in msg:
+            code = (record.args or (None,))[:1][0] if isinstance(record.args, tuple) else None
+            return level() == "verbose" and not (isinstance(code, int) and code in self.codes)
+        if "closing signal" in msg:
+            return level() == "verbose"
+        return True
 
 
 def quiet_torch_elastic(decision_codes: tuple[int, ...]) -> None:
     """In the launcher: drop torch elastic's error lines for ranks that exit with ``decision_codes``
-    (in every mode); at ``verbose``, show its INFO lines too (``LOGLEVEL=INFO``, which the ranks
-    inherit, and a stderr handler)."""
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DecisionExitFilter(decision_codes))
+    (in every mode) and its per-process failure and "closing signal" lines (below ``verbose``:
+    trainguard's own line names the ranks, their exit codes and what happens next); at ``verbose``,
+    show its INFO lines too (``LOGLEVEL=INFO``, which the ranks inherit, and a stderr handler)."""
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_ElasticNoiseFilter(decision_codes))
     if level() != "verbose":
         return
     os.environ.setdefault("LOGLEVEL", "INFO")
@@ -69,3 +81,36 @@ def quiet_torch_elastic(decision_codes: tuple[int, ...]) -> None:
     root.setLevel(logging.INFO)
     if not root.handlers:
         root.addHandler(logging.StreamHandler(sys.stderr))
+
+
+# (is it a lost peer?, record it) of the newest quiet_peer_loss() call; the hook itself is installed once
+_peer_loss: Optional[tuple[Callable[[BaseException], bool], Callable[[str, str], None]]] = None
+
+
+def _peer_loss_hook(previous: Callable) -> Callable:
+    def hook(kind, exc, tb) -> None:
+        if _peer_loss is None or level() == "verbose" or not _peer_loss[0](exc):
+            return previous(kind, exc, tb)
+        first = (str(exc).strip().splitlines() or [kind.__name__])[0]
+        short = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo: "[.../pair.cc:537] Read error ...: ..."
+        frames = [f for f in traceback.extract_tb(tb) if "site-packages" not in f.filename]
+        where = f" in {frames[-1].name}() ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+        _peer_loss[1](f"{kind.__name__}: {first}", "".join(traceback.format_exception(kind, exc, tb)))
+        say(
+            f"this rank lost a peer{where}: {kind.__name__}: {short[:160]}; the launcher restarts the group "
+            "(traceback: the peer_lost event in events.jsonl, or --verbose)"
+        )
+
+    return hook
+
+
+def quiet_peer_loss(is_peer_loss: Callable[[BaseException], bool], record: Callable[[str, str], None]) -> None:
+    """In a rank: an uncaught error about a lost peer (``is_peer_loss(exc)``; the rank exits with 1 as
+    before and the launcher's own line tells the restart) is told in one line instead of its
+    traceback, below ``verbose``; ``record(error, traceback)`` keeps the traceback (the Guard writes
+    it as a ``peer_lost`` event). Other errors keep Python's (and torch's) traceback. Installed once
+    per process (``sys.excepthook``); a later call replaces the two callables."""
+    global _peer_loss
+    if _peer_loss is None:
+        sys.excepthook = _peer_loss_hook(sys.excepthook)
+    _peer_loss = (is_peer_loss, record)

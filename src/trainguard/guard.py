@@ -73,6 +73,7 @@ from .oom import MicroBatcher
 from .outcomes import BadInput, Requeue
 from .rejoin import sever
 from .rejoin.catch import DDPHook
+from .rejoin.protocol import is_peer_failure
 from .rejoin.rank import Rejoin
 from .rejoin.shrink import check_shrinkable
 from .rejoin.stepstart import StepStart
@@ -181,6 +182,10 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         except ConfigError as e:
             raise BadInput(str(e)) from None
         self.events = EventLog(self.run_dir, self.rank)
+        events = self.events
+        console.quiet_peer_loss(
+            is_peer_failure, lambda error, text: events.emit("peer_lost", error=error, traceback=text)
+        )
         launch = LaunchEnv.from_environ()
         declined = self._in_process_declined() if cfg.recovery.in_process else None
         self.rejoin = Rejoin(

@@ -105,6 +105,7 @@ class Replacer:
         self._spare_ids = 0
         self._newcomers: list[int] = []  # pids of the spares of the last grow
         self._warm: list[int] = []  # ranks of the pending generation that warm spares took
+        self._pids: dict[int, int] = {}  # {global rank: pid} of the pending generation's new processes
         self._template: Optional[tuple[list[str], dict[str, str]]] = None
 
     def share(
@@ -392,6 +393,7 @@ class Replacer:
                 procs[rank] = subprocess.Popen(replacement_command(argv, self.script), env=env, start_new_session=True)
         self._publish(gen)
         self._warm = warm
+        self._pids = {r: p.pid for r, p in procs.items()}
         self.replacements += len(lost)
         self.events.emit(
             "recovery_started",
@@ -421,9 +423,10 @@ class Replacer:
                 seconds=round(seconds, 4),
             )
             if not self.pending.grown and not self.pending.left:
-                how = "a warm spare" if self._warm else "a cold start"
+                how = "warm spare" if self._warm else "cold start"
+                by = ", ".join(f"rank {r} by a {how} (pid {self._pids.get(r)})" for r in self.pending.replaced)
                 console.say(
-                    f"rank(s) {list(self.pending.replaced)} replaced in-process by {how} in {seconds:.2f} s: "
+                    f"replaced in-process: {by} in {seconds:.2f} s; "
                     "no completed step lost, the other ranks kept their processes"
                 )
             self.pending = None
