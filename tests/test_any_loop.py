@@ -7,6 +7,7 @@ reads it (:mod:`trainguard.rejoin.replacement`). The pieces in one process, then
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -17,16 +18,18 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
 from conftest import events, final_hash, finish, launch, logged_step, shared_hash, wait_for
 from trainguard import dist as tgdist
-from trainguard.launch_env import RECOVERY_STORE
+from trainguard.launch_env import RECOVERY_GROUP, RECOVERY_KEY, RECOVERY_STORE
 from trainguard.rejoin import catch, replacement
+from trainguard.rejoin.auth import Seal
 from trainguard.rejoin.catch import CATCH, Catch, DDPHook, complete_locally, is_own_hook
-from trainguard.rejoin.protocol import assign_spare, spare_ready
+from trainguard.rejoin.protocol import Generation, assign_spare, connect, parse_address, spare_ready
 from trainguard.rejoin.stepstart import StepStart
 
 WORKER = Path(__file__).resolve().parents[1] / "examples" / "plain_loop.py"
@@ -120,6 +123,8 @@ def test_a_spare_takes_its_rank_at_the_scripts_first_read_of_RANK(monkeypatch):
     launcher's assignment and answer with the assigned rank's values; other variables do not wait."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
     monkeypatch.setenv(RECOVERY_STORE, f"127.0.0.1:{server.port}")
+    seal = Seal(bytes(range(32)))
+    monkeypatch.setenv(RECOVERY_KEY, seal.key.hex())
     monkeypatch.setenv("RANK", "0")  # the placeholder a spare inherits
     for name in ("LOCAL_RANK", "WORLD_SIZE"):  # set by the assignment: monkeypatch puts them back after the test
         monkeypatch.setenv(name, "0")
@@ -130,8 +135,8 @@ def test_a_spare_takes_its_rank_at_the_scripts_first_read_of_RANK(monkeypatch):
         assert os.environ.get("PATH")  # not a rank variable: no wait
 
         def assign():
-            wait_for(lambda: spare_ready(server, 7), what="the spare")
-            assign_spare(server, 7, {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"})
+            wait_for(lambda: spare_ready(server, 7, seal), what="the spare")
+            assign_spare(server, 7, {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, seal)
 
         threading.Thread(target=assign, daemon=True).start()
         assert int(os.environ.get("RANK", 0)) == 3
@@ -161,18 +166,33 @@ def plain_clean_hash(tmp_path_factory) -> Callable[[int], str]:
     return lambda nproc: shared_hash(tmp_path_factory, f"plain{nproc}", lambda run: _plain(run, nproc))
 
 
-def kill_and_check(run: Path, clean: str, seed: int, nproc: int) -> None:
+def forge_values(pids: dict[str, int], world_size: int) -> set[str]:
+    """As another process on the node would: find the recovery store (from a rank's environment,
+    here) and write a generation that sends the ranks elsewhere and an assignment that makes the
+    warm spare rank 0. Returns the keys written."""
+    env = psutil.Process(int(pids["0"])).environ()
+    store = connect(*parse_address(env[RECOVERY_STORE]))
+    gen_key = f"attempt{env[RECOVERY_GROUP]}/gen/1"
+    store.set(gen_key, Generation(1, "10.6.6.6", 6666, (0, 1), world_size).to_json())
+    store.set("spares/1", json.dumps({"RANK": "0", "MASTER_ADDR": "10.6.6.6"}))
+    return {gen_key, "spares/1"}
+
+
+def kill_and_check(run: Path, clean: str, seed: int, nproc: int, forge: bool = False) -> None:
     """Launch the plain loop on ``nproc`` ranks with the default settings; SIGKILL a rank drawn
     from ``seed`` at a random moment (a random step, then a random fraction of a step: forward,
     backward's all-reduce, the optimizer, the logging all-reduce, a save); check that the other
     ranks kept their processes, the victim was replaced, no step was lost and the final state is
-    ``clean``."""
+    ``clean``. ``forge``: forged values are written to the recovery store before the kill
+    (:func:`forge_values`); each is refused with a ``security`` event and the recovery is as
+    without them."""
     rng = random.Random(seed)
     proc = _plain(run, nproc)  # the default settings: in-process recovery, one warm spare
     kill_at, victim = rng.randint(40, 240), rng.randrange(nproc)
     wait_for(lambda: logged_step(run) >= kill_at, what=f"step {kill_at}")
     time.sleep(rng.random() * 0.02)
     pids = events(run, "workers_started")[0]["details"]["pids"]
+    forged = forge_values(pids, nproc) if forge else set()
     os.kill(int(pids[str(victim)]), signal.SIGKILL)
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
     assert not events(run, "group_restart") and not events(run, "recovery_fallback")
@@ -181,14 +201,19 @@ def kill_and_check(run: Path, clean: str, seed: int, nproc: int) -> None:
     assert {e["details"]["steps_lost"] for e in events(run, "recovery_finished")} == {0}
     assert [e["rank"] for e in events(run, "rank_replaced")] == [victim]
     assert final_hash(run) == clean
+    assert {e["details"]["key"] for e in events(run, "security")} == forged
 
 
 @pytest.mark.parametrize(("seed", "nproc"), [(1, 2)])
-def test_plain_loop_rank_killed_from_outside_is_replaced_in_process_bitwise(tmp_path, plain_clean_hash, seed, nproc):
+def test_plain_loop_rank_killed_from_outside_is_replaced_in_process_bitwise_forged_values_refused(
+    tmp_path, plain_clean_hash, seed, nproc
+):
     """The README-shaped loop (its script reads RANK before ``init_process_group``, runs a
     broadcast and a barrier before its loop and a logging all-reduce in it) recovers in-process from
-    a rank SIGKILLed from outside, bitwise. (4 ranks: the soak campaign below.)"""
-    kill_and_check(tmp_path / "run", plain_clean_hash(nproc), seed, nproc)
+    a rank SIGKILLed from outside, bitwise, though another process wrote a forged generation and a
+    forged spare assignment into the recovery store first: both refused, with ``security`` events.
+    (4 ranks: the soak campaign below.)"""
+    kill_and_check(tmp_path / "run", plain_clean_hash(nproc), seed, nproc, forge=True)
 
 
 @pytest.mark.soak

@@ -24,11 +24,13 @@ from trainguard.events import EventLog
 from trainguard.launcher.node_join import NodeRecord, host_of, number_newcomers
 from trainguard.launcher.replace import REPLACEMENT_MODULE, Replacer, replacement_command
 from trainguard.rejoin import regroup
+from trainguard.rejoin.auth import Seal
 from trainguard.rejoin.boundary import PLAIN, TORCH, BoundaryState, decode, encode, read
 from trainguard.rejoin.protocol import Generation, RecoveryStore, connect, is_peer_failure, parse_address, serve
 from trainguard.sections import RecoverySection
 from trainguard.state import capture_rng
 
+SEAL = Seal(bytes(range(32)))  # the launch's secret of these tests
 STEPS = 150  # as test_launcher.py: the clean_hash fixture's run is shared
 
 
@@ -47,12 +49,12 @@ def test_generation_round_trip_and_store_protocol():
     with pytest.raises(ValueError, match="HOST:PORT"):
         parse_address("29500")
     server = serve()
-    launcher = RecoveryStore(server, attempt=1)
-    rank = RecoveryStore(connect("127.0.0.1", server.port), attempt=1)
+    launcher = RecoveryStore(server, 1, SEAL)
+    rank = RecoveryStore(connect("127.0.0.1", server.port), 1, SEAL)
     assert rank.wait(2, timeout=0.2) is None  # not published: the caller falls back
     launcher.publish(gen)
     assert rank.wait(2, timeout=5) == gen
-    assert RecoveryStore(server, attempt=0).wait(2, timeout=0.2) is None  # another group attempt's keys
+    assert RecoveryStore(server, 0, SEAL).wait(2, timeout=0.2) is None  # another group attempt's keys
     assert not launcher.all_joined(gen)
     rank.joined(2, 1)
     assert not launcher.all_joined(gen)
@@ -83,18 +85,18 @@ def test_every_group_start_gets_its_own_keys_on_every_node(tmp_path):
     which keeps torch's restart count) and passes the number to the other nodes' launchers through
     the rendezvous store: a generation published before the restart is not seen after it."""
     rdzv = serve()
-    node0 = Replacer(RecoverySection(), EventLog(tmp_path), "train.py", tmp_path / "b0")
-    node1 = Replacer(RecoverySection(), EventLog(tmp_path), "train.py", tmp_path / "b1", spares=0)
+    node0 = Replacer(RecoverySection(), EventLog(tmp_path), "train.py", tmp_path / "b0", SEAL)
+    node1 = Replacer(RecoverySection(), EventLog(tmp_path), "train.py", tmp_path / "b1", SEAL, spares=0)
     try:
         s0, s1 = _round(rdzv, 1)
         first, second = _both(lambda: node0.share(s0, 0, 2, 1), lambda: node1.share(s1, 1, 2, 1))
         assert first == second == (node0.local_address, 1, None)
         node1.shrink([1], 3)  # generation 1 of start 1, published by node 1 in node 0's store
-        assert RecoveryStore(node0.server, 1).peek(1) is not None
+        assert RecoveryStore(node0.server, 1, SEAL).peek(1) is not None
         s0, s1 = _round(rdzv, 2)
         first, second = _both(lambda: node0.share(s0, 0, 2, 1), lambda: node1.share(s1, 1, 2, 1))
         assert first[1] == second[1] == 2
-        assert RecoveryStore(connect(*parse_address(first[0])), 2).peek(1) is None
+        assert RecoveryStore(connect(*parse_address(first[0])), 2, SEAL).peek(1) is None
         assert node1.generation == 0 and node1.pending is None
     finally:
         node0.close()
@@ -113,8 +115,8 @@ def test_a_node_that_arrives_joins_the_running_group_as_newcomers_numbered_after
     with pytest.raises(ValueError, match=r"nodes \[0, 1\] each say their worker group runs"):
         host_of([NodeRecord(True, 0), NodeRecord(True, 0)])
     rdzv = serve()
-    host = Replacer(RecoverySection(), EventLog(tmp_path), "train.py", tmp_path / "b0", min_ranks=2)
-    arriving = Replacer(RecoverySection(), EventLog(tmp_path), "train.py", tmp_path / "b1", spares=0)
+    host = Replacer(RecoverySection(), EventLog(tmp_path), "train.py", tmp_path / "b0", SEAL, min_ranks=2)
+    arriving = Replacer(RecoverySection(), EventLog(tmp_path), "train.py", tmp_path / "b1", SEAL, spares=0)
     try:
         s0, s1 = _round(rdzv, 1)
         _both(lambda: host.share(s0, 0, 1, 3))  # the host's own start, alone
@@ -125,7 +127,7 @@ def test_a_node_that_arrives_joins_the_running_group_as_newcomers_numbered_after
         assert (address, group) == (host.local_address, 1) and join.address == address and join.group == 1
         assert join.ranks == (3, 4) and join.generation == gen
         assert (gen.world_size, gen.grown, gen.replaced, gen.number) == (5, (3, 4), (3, 4), 1)
-        assert RecoveryStore(connect(*parse_address(address)), 1).peek(1) == gen  # the running ranks find it
+        assert RecoveryStore(connect(*parse_address(address)), 1, SEAL).peek(1) == gen  # the running ranks find it
         assert host.pending == gen and arriving.pending is None
         assert gen.hosts == (socket.gethostname(),) * 2  # the newcomers' host, for the ranks' per-host reports
         # the arriving node's agent numbers its workers by what other agents publish, not by its own

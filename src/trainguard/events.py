@@ -36,7 +36,7 @@ class EventLog:
         self.path = Path(run_dir) / self.FILENAME
         self.rank = rank
         self.attempt = LaunchEnv.from_environ().restart_count
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     def renumber(self, rank: int) -> None:
         """Events of this process carry ``rank`` from now on (the group shrank in place)."""

@@ -72,6 +72,7 @@ from .memory import MemoryWatchdog
 from .oom import MicroBatcher
 from .outcomes import BadInput, Requeue
 from .rejoin import sever
+from .rejoin.auth import report_forged
 from .rejoin.catch import DDPHook
 from .rejoin.protocol import is_peer_failure
 from .rejoin.rank import Rejoin
@@ -189,7 +190,12 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         launch = LaunchEnv.from_environ()
         declined = self._in_process_declined() if cfg.recovery.in_process else None
         self.rejoin = Rejoin(
-            cfg.recovery, launch, self.rank, keep_in_memory=cfg.sdc.on_instability == "rerun", declined=declined
+            cfg.recovery,
+            launch,
+            self.rank,
+            keep_in_memory=cfg.sdc.on_instability == "rerun",
+            declined=declined,
+            on_forged=lambda key: report_forged(events, key),
         )
         if self.rank == 0:
             self._say_where_in_process_applies(launch)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -33,6 +33,7 @@ END_TIME_FILE = "TRAINGUARD_END_TIME_FILE"
 RECOVERY_STORE = "TRAINGUARD_RECOVERY_STORE"
 RECOVERY_DIR = "TRAINGUARD_RECOVERY_DIR"
 RECOVERY_GROUP = "TRAINGUARD_RECOVERY_GROUP"
+RECOVERY_KEY = "TRAINGUARD_RECOVERY_KEY"  # never copied through a store (assignment() leaves it out)
 # set by the launcher for one process only: a replacement of a lost rank (not in to_environ)
 JOIN = "TRAINGUARD_JOIN"
 # ---- torch elastic's per-worker variables (read only) --------------------------------------------
@@ -72,6 +73,7 @@ WRITTEN = (
     RECOVERY_STORE,
     RECOVERY_DIR,
     RECOVERY_GROUP,
+    RECOVERY_KEY,
 )
 
 
@@ -106,6 +108,8 @@ class LaunchEnv:
         recovery_group: the number of the group start whose keys the recovery store holds
             (``TRAINGUARD_RECOVERY_GROUP``, from node 0's launcher; every start of a group counts,
             a restart for a node that joined too, which torch's restart count does not).
+        recovery_key: the launch's secret that seals the recovery store's values
+            (``TRAINGUARD_RECOVERY_KEY``, hex; :mod:`trainguard.rejoin.auth`); not in ``repr``.
         join: the generation this process joins as the replacement of a lost rank (``TRAINGUARD_JOIN``,
             set for that process only); ``None`` for a rank of a starting group.
         restart_count: worker-group restart count (torch's ``TORCHELASTIC_RESTART_COUNT``, default 0).
@@ -125,6 +129,7 @@ class LaunchEnv:
     recovery_store: Optional[str] = None
     recovery_dir: Optional[Path] = None
     recovery_group: int = 0
+    recovery_key: Optional[bytes] = field(default=None, repr=False)
     join: Optional[int] = None
     restart_count: int = 0
     local_rank: int = 0
@@ -154,6 +159,7 @@ class LaunchEnv:
             recovery_store=env.get(RECOVERY_STORE) or None,
             recovery_dir=_path(env, RECOVERY_DIR),
             recovery_group=_count(env, RECOVERY_GROUP, 0),
+            recovery_key=_hex(env, RECOVERY_KEY),
             join=_count(env, JOIN, None),
             restart_count=_count(env, RESTART_COUNT, 0),
             local_rank=_count(env, LOCAL_RANK, 0),
@@ -187,7 +193,20 @@ class LaunchEnv:
             RECOVERY_STORE: self.recovery_store or "",
             RECOVERY_DIR: _text(self.recovery_dir),
             RECOVERY_GROUP: str(self.recovery_group) if self.recovery_group else "",
+            RECOVERY_KEY: self.recovery_key.hex() if self.recovery_key else "",
         }
+
+
+def assignment(env: Mapping[str, str]) -> dict[str, str]:
+    """What a warm spare is sent of the worker environment ``env`` it takes over: the variables
+    that name its place (:data:`RANK_VARIABLES`, torch elastic's ``TORCHELASTIC_*``, trainguard's
+    own, ``TRAINGUARD_JOIN``), never :data:`RECOVERY_KEY`; everything else it already has, from
+    the environment the launcher started it with."""
+    return {
+        k: v
+        for k, v in env.items()
+        if (k in RANK_VARIABLES or k in WRITTEN or k == JOIN or k.startswith("TORCHELASTIC_")) and k != RECOVERY_KEY
+    }
 
 
 def _text(path: Optional[Path]) -> str:
@@ -197,6 +216,16 @@ def _text(path: Optional[Path]) -> str:
 def _path(env: Mapping[str, str], name: str) -> Optional[Path]:
     value = env.get(name, "")
     return Path(value) if value else None
+
+
+def _hex(env: Mapping[str, str], name: str) -> Optional[bytes]:
+    value = env.get(name, "")
+    if not value:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise LaunchEnvError(f"{name}: expected a hex key (not shown)") from None
 
 
 def _float(env: Mapping[str, str], name: str) -> Optional[float]:

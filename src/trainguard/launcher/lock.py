@@ -42,7 +42,7 @@ class RunDirLock:
         self._fd: Optional[int] = None
 
     def __enter__(self) -> RunDirLock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         deadline = time.monotonic() + (self.wait if self.job_id else 0)
         while True:
             if self._try(fd, fcntl.LOCK_EX):

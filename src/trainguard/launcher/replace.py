@@ -36,6 +36,7 @@ import torch.distributed as dist
 from .. import console
 from ..events import EventLog
 from ..launch_env import JOIN, RECOVERY_STORE
+from ..rejoin.auth import Seal, report_forged
 from ..rejoin.protocol import (
     Generation,
     RecoveryStore,
@@ -63,7 +64,12 @@ class Replacer:
         events: the launcher's event log.
         script: the training script's path as it appears in the workers' command line.
         boundary_dir: the node-local directory of the ranks' step-boundary files (removed by :meth:`close`).
+        seal: the launch's secret (:mod:`trainguard.rejoin.auth`): every value this agent writes to
+            a store is sealed with it, every value it reads must verify (a value that does not is
+            refused with a ``security`` event).
         host: this node's address for the stores, as the other nodes reach it (loopback on one node).
+        bind: the address the stores listen on (default ``host``; see
+            :func:`~trainguard.rejoin.protocol.listen_address`).
         spares: warm spares to keep (``[launcher] spares``).
         min_ranks: ``[elastic] min_ranks`` (0: never shrink; see :meth:`can_shrink`).
         regrow: ``[elastic] regrow``: after a shrink, start a spare for each rank that left and grow
@@ -79,15 +85,19 @@ class Replacer:
         events: EventLog,
         script: str,
         boundary_dir: Path,
+        seal: Seal,
         host: str = "127.0.0.1",
+        bind: Optional[str] = None,
         spares: int = 0,
         min_ranks: int = 0,
         regrow: bool = False,
     ):
         self.cfg, self.events, self.script, self.boundary_dir, self.host = cfg, events, script, boundary_dir, host
         self.min_ranks, self.regrow = min_ranks, regrow
+        self.seal, self.bind = seal, host if bind is None else bind
+        self._refused: set[str] = set()  # keys whose forged values were reported
         self.owed = 0  # spares started to grow back after a shrink, beyond [launcher] spares
-        self.server = serve(host)
+        self.server = serve(self.bind)
         self.local_address = f"{host}:{self.server.port}"
         self.address = self.local_address  # of the recovery store the group shares (see share())
         self.shared = self.server
@@ -107,6 +117,16 @@ class Replacer:
         self._warm: list[int] = []  # ranks of the pending generation that warm spares took
         self._pids: dict[int, int] = {}  # {global rank: pid} of the pending generation's new processes
         self._template: Optional[tuple[list[str], dict[str, str]]] = None
+
+    def _recovery(self) -> RecoveryStore:
+        """The recovery keys of the current group start in the shared store."""
+        return RecoveryStore(self.shared, self.attempt, self.seal, self._forged)
+
+    def _forged(self, key: str) -> None:
+        """A value in a store did not carry this launch's seal: refused; said once per key."""
+        if key not in self._refused:
+            self._refused.add(key)
+            report_forged(self.events, key)
 
     def share(
         self, rdzv_store, group_rank: int, group_world_size: int, nproc: int
@@ -161,7 +181,7 @@ class Replacer:
         workers), so that no other agent takes an arriving node into it; nothing when the store's
         node is gone."""
         try:
-            RecoveryStore(self.shared, self.attempt).abandon()
+            self._recovery().abandon()
         except (RuntimeError, dist.DistError):
             pass
 
@@ -169,7 +189,7 @@ class Replacer:
         """Whether an agent gave this start of the group up (:meth:`abandon`); ``True`` when the
         shared store cannot be reached (its node, node 0 of the start, is gone)."""
         try:
-            return RecoveryStore(self.shared, self.attempt).abandoned()
+            return self._recovery().abandoned()
         except (RuntimeError, dist.DistError):
             return True
 
@@ -231,14 +251,14 @@ class Replacer:
             return f"a rank failed while generation {self.pending.number} was still forming"
         if self.replacements >= self.cfg.max_replacements:
             return f"in-process replacement budget spent ({self.cfg.max_replacements})"
-        declined = RecoveryStore(self.shared, self.attempt).declined()
+        declined = self._recovery().declined()
         if declined is not None:
             return f"in-process recovery does not apply: {declined}"
         return None
 
     def ready_spares(self) -> list[int]:
         """Ids of the spares that are alive and wait for an assignment (their start-up done)."""
-        return [sid for sid, p in self.spares.items() if p.poll() is None and spare_ready(self.server, sid)]
+        return [sid for sid, p in self.spares.items() if p.poll() is None and spare_ready(self.server, sid, self.seal)]
 
     def can_shrink(self, lost: int, world_size: int) -> bool:
         """Whether ``lost`` lost ranks of a ``world_size`` group leave a smaller group instead of
@@ -305,7 +325,7 @@ class Replacer:
         for rank, sid in zip(ranks, spares, strict=True):
             env = {**self._rank_env(joining[rank][1], gen), "RANK": str(rank), "ROLE_RANK": str(rank)}
             env.update(WORLD_SIZE=str(size), ROLE_WORLD_SIZE=str(size))
-            assign_spare(self.server, sid, env)
+            assign_spare(self.server, sid, env, self.seal)
             procs[rank] = self.spares.pop(sid)
         self._publish(gen)
         self._newcomers = [p.pid for p in procs.values()]
@@ -331,9 +351,9 @@ class Replacer:
         hosts: tuple[str, ...] = (),
     ) -> Generation:
         """The next generation: its number drawn from the shared store, a fresh store of its own."""
-        self.generation = RecoveryStore(self.shared, self.attempt).next_number()
+        self.generation = self._recovery().next_number()
         self._mine.add(self.generation)
-        store = serve(self.host)
+        store = serve(self.bind)
         self._stores.append(store)
         return Generation(self.generation, self.host, store.port, replaced, world_size, left, grown, hosts)
 
@@ -341,7 +361,7 @@ class Replacer:
         """The generations other nodes' agents published since the last call, in order: this node's
         workers are numbered by them as the ranks are (a shrink, or a grow another agent hosts).
         One store look per call when nothing is new."""
-        store, found = RecoveryStore(self.shared, self.attempt), []
+        store, found = self._recovery(), []
         while (gen := store.peek(self.seen + 1)) is not None:
             self.seen = gen.number
             if gen.number not in self._mine:
@@ -363,7 +383,7 @@ class Replacer:
 
     def _publish(self, gen: Generation) -> None:
         """Announce ``gen`` to the ranks and follow it in :meth:`poll`."""
-        RecoveryStore(self.shared, self.attempt).publish(gen)
+        self._recovery().publish(gen)
         self.pending = gen
         self._started = time.monotonic()
         # a grow is timed from the ranks' agreement (poll()): their next stop check may be a long step away
@@ -386,7 +406,7 @@ class Replacer:
             env = self._rank_env(env, gen)
             spare = next((sid for sid, p in self.spares.items() if p.poll() is None), None)
             if spare is not None:
-                assign_spare(self.server, spare, env)
+                assign_spare(self.server, spare, env, self.seal)
                 procs[rank] = self.spares.pop(spare)
                 warm.append(rank)
             else:  # cold: its own session, as torch starts workers (torch's stop signals the process group)
@@ -413,7 +433,7 @@ class Replacer:
         grow, from the ranks' agreement on it)."""
         if self.pending is None:
             return None
-        store = RecoveryStore(self.shared, self.attempt)
+        store = self._recovery()
         if store.all_joined(self.pending):
             seconds = time.monotonic() - self._started
             self.events.emit(

@@ -265,15 +265,23 @@ def _run_agent(
     monitor = HangMonitor(cfg, run_dir, hb_root, events) if cfg.supervisor.enabled else None
     replacer = None
     if cfg.recovery.in_process and max_nodes * opts.nproc_per_node > 1:  # one rank: no survivor to send the state
+        from ..rejoin.auth import KeyFileError, Seal, launch_key
+        from ..rejoin.protocol import listen_address
         from .replace import Replacer
 
+        try:
+            key = launch_key(run_dir)
+        except KeyFileError as e:
+            raise ConfigError(str(e)) from None
         host = "127.0.0.1" if max_nodes == 1 else (opts.local_addr or socket.getfqdn())  # as torch's rendezvous
         replacer = Replacer(
             cfg.recovery,
             events,
             opts.script,
             _node_local_dir("trainguard-rejoin-"),
+            Seal(key),
             host=host,
+            bind=host if max_nodes == 1 else listen_address(host),
             spares=cfg.launcher.spares,
             min_ranks=cfg.elastic.min_ranks,  # the agent shrinks only a group on one node (it renumbers ranks)
             regrow=cfg.elastic.regrow,
@@ -289,6 +297,7 @@ def _run_agent(
         end_time_file=end_file,
         recovery_store=replacer.address if replacer else None,
         recovery_dir=replacer.boundary_dir if replacer else None,
+        recovery_key=replacer.seal.key if replacer else None,
     )
     os.environ.update(to_ranks.to_environ())
     omp_threads = _omp_threads(opts.nproc_per_node)

@@ -27,17 +27,27 @@ the survivors learn of it at their next stop check, :meth:`RecoveryStore.peek`).
 Each generation's process groups live on a store of their own (a fresh TCPStore server the
 launcher starts per generation, :attr:`Generation.port`), so no key of an earlier generation can
 be read by a later one (stale peer addresses break gloo's connect, pytorch issue 135712).
+
+Every value above is sealed with the launch's secret (:mod:`.auth`): a value another process
+wrote is refused (treated as absent; ``on_forged`` is told). The stores listen on the launcher's
+address only (:func:`serve`: loopback on one node), not on every interface as a plain
+``TCPStore`` server does.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import socket
+import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
+
+from .auth import Seal
 
 # Substrings of the errors gloo and NCCL raise in a collective whose peer is gone (the process died
 # or its connection broke). An error without one is not treated as a lost peer: it propagates.
@@ -130,14 +140,54 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def listen_address(host: str) -> str:
+    """The address a store that other nodes reach as ``host`` listens on: ``host``'s first
+    address that is not loopback; every interface (``""``) when it resolves to loopback only
+    (a node whose own name maps to ``127.0.1.1`` in ``/etc/hosts``, as Debian's does, while the
+    other nodes resolve it through DNS). The values are sealed either way (:mod:`.auth`).
+
+    Raises:
+        OSError: ``host`` does not resolve.
+    """
+    addresses = [info[4][0] for info in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)]
+    return next((a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_loopback), "")
+
+
 def serve(host: str = "127.0.0.1") -> dist.TCPStore:
-    """A new TCPStore server on a free port of ``host`` (the launcher's; read ``.port``)."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    """A new TCPStore server on a free port of ``host`` (the launcher's; read ``.port``), listening
+    on that address only: a plain ``TCPStore`` server listens on every interface, so the socket is
+    bound here and handed over (``master_listen_fd``). ``""``: every interface.
+
+    Raises:
+        OSError: ``host`` is not an address of this machine.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))  # "": every interface (listen_address)
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the socket from here
+    return dist.TCPStore(
+        host or "0.0.0.0",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=60),
+        master_listen_fd=fd,
+    )
 
 
 def connect(host: str, port: int, timeout: float = 30.0) -> dist.TCPStore:
     """A client of the TCPStore at ``host:port``."""
     return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+
+
+Forged = Callable[[str], None]  # told the name of a key whose value was refused
+
+
+def _ignore(key: str) -> None:
+    pass
 
 
 class RecoveryStore:
@@ -146,77 +196,103 @@ class RecoveryStore:
     Args:
         store: a TCPStore (server in the launcher, client in a rank).
         attempt: the number of the worker group's start (``TRAINGUARD_RECOVERY_GROUP``).
+        seal: the launch's secret (:mod:`.auth`): every value written is sealed, every value read
+            must verify.
+        on_forged: told the key of a value whose seal did not verify (it is treated as absent).
     """
 
-    def __init__(self, store: dist.Store, attempt: int):
-        self.store = dist.PrefixStore(f"attempt{attempt}", store)
+    def __init__(self, store: dist.Store, attempt: int, seal: Seal, on_forged: Forged = _ignore):
+        self.store, self.prefix, self.seal, self.on_forged = store, f"attempt{attempt}/", seal, on_forged
+        self._refused: set[tuple[str, bytes]] = set()  # told once each
+
+    def _set(self, key: str, value: str) -> None:
+        name = self.prefix + key
+        self.store.set(name, self.seal.seal(name, value))
+
+    def _get(self, key: str) -> Optional[bytes]:
+        """The verified value of ``key``; ``None`` when absent or forged."""
+        name = self.prefix + key
+        if not self.store.check([name]):
+            return None
+        blob = self.store.get(name)
+        value = self.seal.open(name, blob)
+        if value is None and (name, blob) not in self._refused:
+            self._refused.add((name, blob))
+            self.on_forged(name)
+        return value
 
     def next_number(self) -> int:
         """Launcher: draw the next generation number (1, 2, ... per group attempt; atomic, so two
         nodes' agents never publish the same one)."""
-        return int(self.store.add("generations", 1))
+        return int(self.store.add(self.prefix + "generations", 1))
 
     def publish(self, gen: Generation) -> None:
         """Launcher: announce generation ``gen`` (after its replacements were started)."""
-        self.store.set(f"gen/{gen.number}", gen.to_json())
+        self._set(f"gen/{gen.number}", gen.to_json())
 
     def wait(self, number: int, timeout: float) -> Optional[Generation]:
-        """Rank: generation ``number`` once published, or ``None`` after ``timeout`` seconds."""
-        key = f"gen/{number}"
-        try:
-            self.store.wait([key], timedelta(seconds=timeout))
-        except (RuntimeError, dist.DistStoreError):  # the store's timeout
-            return None
-        return Generation.from_json(self.store.get(key))
+        """Rank: generation ``number`` once published by the launcher, or ``None`` after
+        ``timeout`` seconds (a forged value is refused and the wait goes on)."""
+        key, deadline = f"gen/{number}", time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                self.store.wait([self.prefix + key], timedelta(seconds=left))
+            except (RuntimeError, dist.DistStoreError):  # the store's timeout
+                return None
+            if (value := self._get(key)) is not None:
+                return Generation.from_json(value)
+            time.sleep(0.05)  # forged: the launcher's own value overwrites it
+        return None
 
     def peek(self, number: int) -> Optional[Generation]:
         """Rank: generation ``number`` if it is published now, else ``None`` (no waiting)."""
-        key = f"gen/{number}"
-        return Generation.from_json(self.store.get(key)) if self.store.check([key]) else None
+        value = self._get(f"gen/{number}")
+        return None if value is None else Generation.from_json(value)
 
     def accept(self, number: int) -> None:
         """Rank 0: the ranks agreed to grow into generation ``number`` (the launcher times it from now)."""
-        self.store.set(f"gen/{number}/accepted", "1")
+        self._set(f"gen/{number}/accepted", "1")
 
     def accepted(self, number: int) -> bool:
         """Launcher: whether the ranks agreed to grow into generation ``number``."""
-        return self.store.check([f"gen/{number}/accepted"])
+        return self._get(f"gen/{number}/accepted") is not None
 
     def ready(self, number: int, rank: int) -> None:
         """Newcomer: rank ``rank`` of generation ``number`` has started (its imports and the
         script's set-up done) and is about to meet the others."""
-        self.store.set(f"gen/{number}/ready/{rank}", "1")
+        self._set(f"gen/{number}/ready/{rank}", "1")
 
     def all_ready(self, gen: Generation) -> bool:
         """Rank 0: every newcomer of ``gen`` (:attr:`Generation.grown`) said :meth:`ready`, so the
         ranks can meet them without waiting for their start."""
-        return self.store.check([f"gen/{gen.number}/ready/{r}" for r in gen.grown])
+        return all(self._get(f"gen/{gen.number}/ready/{r}") is not None for r in gen.grown)
 
     def abandon(self) -> None:
         """Launcher: this start of the group is given up (an agent restarts its workers); an agent
         whose ranks still run must not take arriving nodes into it (:meth:`abandoned`)."""
-        self.store.set("abandoned", "1")
+        self._set("abandoned", "1")
 
     def abandoned(self) -> bool:
         """Launcher: whether an agent gave this start of the group up (:meth:`abandon`)."""
-        return self.store.check(["abandoned"])
+        return self._get("abandoned") is not None
 
     def decline(self, reason: str) -> None:
         """Rank 0: in-process recovery does not apply to this group (``reason`` says why); the
         launcher restarts the group on a lost rank at once (:meth:`declined`)."""
-        self.store.set("declined", reason)
+        self._set("declined", reason)
 
     def declined(self) -> Optional[str]:
         """Launcher: why the ranks declined in-process recovery, ``None`` if they did not."""
-        return self.store.get("declined").decode() if self.store.check(["declined"]) else None
+        value = self._get("declined")
+        return None if value is None else value.decode()
 
     def joined(self, number: int, rank: int) -> None:
         """Replacement: say that rank ``rank`` holds its state in generation ``number``."""
-        self.store.set(f"gen/{number}/joined/{rank}", "1")
+        self._set(f"gen/{number}/joined/{rank}", "1")
 
     def all_joined(self, gen: Generation) -> bool:
         """Launcher: every member of ``gen`` (:attr:`Generation.members`) has said so."""
-        return self.store.check([f"gen/{gen.number}/joined/{r}" for r in gen.members])
+        return all(self._get(f"gen/{gen.number}/joined/{r}") is not None for r in gen.members)
 
 
 def next_group(store: dist.Store) -> int:
@@ -225,28 +301,43 @@ def next_group(store: dist.Store) -> int:
     return int(store.add("groups", 1))
 
 
-def assign_spare(store: dist.Store, spare_id: int, env: dict[str, str]) -> None:
-    """Launcher: make spare ``spare_id`` the rank whose worker environment is ``env``."""
-    store.set(f"spares/{spare_id}", json.dumps(env))
+def assign_spare(store: dist.Store, spare_id: int, env: dict[str, str], seal: Seal) -> None:
+    """Launcher: make spare ``spare_id`` the rank whose worker environment is ``env`` (only the
+    variables :func:`~trainguard.launch_env.assignment` keeps travel: the rank's place, never the
+    launcher's environment)."""
+    from ..launch_env import assignment
 
-
-def spare_ready(store: dist.Store, spare_id: int) -> bool:
-    """Launcher: whether spare ``spare_id`` waits for its assignment (its start-up is done)."""
-    return store.check([f"spares/{spare_id}/ready"])
-
-
-def wait_for_assignment(store: dist.Store, spare_id: int, poll: float = 60.0) -> dict[str, str]:
-    """Spare: say it is ready, then block until the launcher assigns this spare a rank; returns that
-    rank's environment. (A spare whose launcher dies is killed by its parent-death signal, so this
-    need not time out.)"""
     key = f"spares/{spare_id}"
-    store.set(f"{key}/ready", "1")
+    store.set(key, seal.seal(key, json.dumps(assignment(env))))
+
+
+def spare_ready(store: dist.Store, spare_id: int, seal: Seal) -> bool:
+    """Launcher: whether spare ``spare_id`` waits for its assignment (its start-up is done)."""
+    key = f"spares/{spare_id}/ready"
+    return store.check([key]) and seal.open(key, store.get(key)) is not None
+
+
+def wait_for_assignment(
+    store: dist.Store, spare_id: int, seal: Seal, on_forged: Forged = _ignore, poll: float = 60.0
+) -> dict[str, str]:
+    """Spare: say it is ready, then block until the launcher assigns this spare a rank; returns that
+    rank's variables (a forged assignment is refused, ``on_forged`` told, and the wait goes on).
+    (A spare whose launcher dies is killed by its parent-death signal, so this need not time out.)"""
+    key, refused = f"spares/{spare_id}", b""
+    store.set(f"{key}/ready", seal.seal(f"{key}/ready", "1"))
     while True:
         try:
             store.wait([key], timedelta(seconds=poll))
-            return json.loads(store.get(key))
         except (RuntimeError, dist.DistStoreError):  # the wait's own timeout: keep waiting
             continue
+        blob = store.get(key)
+        value = seal.open(key, blob)
+        if value is not None:
+            return json.loads(value)
+        if blob != refused:
+            refused = blob
+            on_forged(key)
+        time.sleep(0.05)
 
 
 def spare_store_from_environ() -> dist.TCPStore:

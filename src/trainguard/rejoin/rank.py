@@ -14,8 +14,9 @@ from typing import Any, Optional
 from ..launch_env import LaunchEnv
 from ..sections import RecoverySection
 from . import sever
+from .auth import Seal
 from .boundary import BoundaryState
-from .protocol import Generation, RecoveryStore, connect, is_peer_failure, parse_address
+from .protocol import Forged, Generation, RecoveryStore, connect, is_peer_failure, parse_address
 
 # The parts of the training state (Guard.train_state) that only their rank holds: its data position,
 # the user's extra state and its RNG streams. A replacement takes them from the lost rank's boundary
@@ -53,6 +54,7 @@ class Rejoin:
             :mod:`trainguard.rerun`, restores it).
         declined: why in-process recovery does not apply to this loop (a framework owns the
             group, a sharded model); rank 0 tells the launcher (:meth:`RecoveryStore.decline`).
+        on_forged: told the key of a store value that did not carry the launch's seal (refused).
     """
 
     def __init__(
@@ -62,16 +64,18 @@ class Rejoin:
         rank: int,
         keep_in_memory: bool = False,
         declined: Optional[str] = None,
+        on_forged: Forged = lambda key: None,
     ):
         self.cfg, self.rank = cfg, rank
-        offered = bool(cfg.in_process and launch.recovery_store)
+        offered = bool(cfg.in_process and launch.recovery_store and launch.recovery_key)
         self.declined = declined if offered else None  # why in-process recovery does not apply here
         self.active = offered and declined is None
         self.keeping = self.active or keep_in_memory  # whether keep() keeps the step-boundary state
         self.store: Optional[RecoveryStore] = None
         if offered:
             host, port = parse_address(launch.recovery_store)  # type: ignore[arg-type]
-            store = RecoveryStore(connect(host, port, cfg.timeout), launch.recovery_group)
+            seal = Seal(launch.recovery_key)  # type: ignore[arg-type]
+            store = RecoveryStore(connect(host, port, cfg.timeout), launch.recovery_group, seal, on_forged)
             if self.active:
                 self.store = store
             elif rank == 0:  # the launcher restarts the group at once on a lost rank

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .boundary import decode, encode
 from .catch import is_own_hook
 from .protocol import Generation
 
@@ -137,11 +138,30 @@ def rebind_ddp(model: torch.nn.Module, layout: Optional[list[list[int]]] = None)
         hook.__self__.rebuilt()  # trainguard's DDPHook (script_comm_hook refused any other)
 
 
+def _broadcast_bytes(blob: Optional[bytes], src: int) -> bytes:
+    """``blob`` of global rank ``src`` on every rank (two broadcasts: its length, its bytes)."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    size = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src)
+    if blob is not None:
+        buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src)
+    return buf.cpu().numpy().tobytes()
+
+
 def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """``obj`` with every tensor replaced by ``("__tensor__", index)`` (the tensor appended to ``tensors``)."""
     if torch.is_tensor(obj):
         tensors.append(obj)
-        return ("__tensor__", len(tensors) - 1, tuple(obj.shape), obj.dtype, str(obj.device))
+        return (
+            "__tensor__",
+            len(tensors) - 1,
+            tuple(obj.shape),
+            str(obj.dtype).removeprefix("torch."),
+            str(obj.device),
+        )
     if isinstance(obj, dict):
         return {k: _split(v, tensors) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -161,7 +181,7 @@ def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _empty_like_meta(meta: Any, out: list[torch.Tensor]) -> None:
     if isinstance(meta, tuple) and len(meta) == 5 and meta[0] == "__tensor__":
-        out.append(torch.empty(meta[2], dtype=meta[3], device=meta[4]))
+        out.append(torch.empty(meta[2], dtype=getattr(torch, meta[3]), device=meta[4]))
     elif isinstance(meta, dict):
         for v in meta.values():
             _empty_like_meta(v, out)
@@ -175,6 +195,11 @@ def transfer_state(
 ) -> tuple[dict, int]:
     """Broadcast the model, the optimizer and a small ``packet`` from global rank ``src`` (a collective).
 
+    Nothing received is unpickled as such: the packet and the optimizer's structure travel as a
+    step-boundary blob (:func:`~.boundary.encode`: built-in values and raw tensor bytes, read back
+    by an unpickler that refuses every class, or ``torch.load(weights_only=True)``), the tensors
+    as tensors.
+
     On ``src`` the tensors are sent from memory; every other rank receives them: the model's
     parameters and buffers in place, the optimizer's state through ``load_state_dict``. Ranks
     that held the same values (surviving data-parallel replicas) end with the same bits.
@@ -186,12 +211,12 @@ def transfer_state(
     """
     rank = dist.get_rank()
     opt_tensors: list[torch.Tensor] = []
-    meta = None
+    blob = None
     if rank == src:
-        meta = {"packet": packet, "optimizer": _split(optimizer.state_dict(), opt_tensors) if optimizer else None}
-    box = [meta]
-    dist.broadcast_object_list(box, src=src)
-    meta = box[0]
+        blob = encode(
+            {"packet": packet, "optimizer": _split(optimizer.state_dict(), opt_tensors) if optimizer else None}
+        )
+    meta = decode(_broadcast_bytes(blob, src))
     if rank != src and meta["optimizer"] is not None:
         _empty_like_meta(meta["optimizer"], opt_tensors)
     moved = 0

@@ -33,8 +33,10 @@ from typing import Optional
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..launch_env import RANK_VARIABLES, LaunchEnv
+from ..events import EventLog
+from ..launch_env import RANK_VARIABLES, RECOVERY_KEY, RUN_DIR, LaunchEnv
 from ..outcomes import BadInput
+from .auth import Seal, report_forged
 from .catch import CATCH, LOCAL
 from .protocol import RecoveryStore, connect, parse_address, spare_store_from_environ, wait_for_assignment
 
@@ -50,6 +52,11 @@ def skip_initial_broadcast() -> None:
     DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
 
 
+def _report_forged(key: str) -> None:
+    """A spare or a replacement refused a forged value: a ``security`` event in the run's log."""
+    report_forged(EventLog(os.environ[RUN_DIR]), key)
+
+
 class Assignment:
     """A warm spare's rank, taken once from the launcher: at the script's first read of a
     :data:`RANK_VARIABLES` variable (:meth:`watch_environ`) or at ``init_process_group``."""
@@ -57,6 +64,7 @@ class Assignment:
     def __init__(self, spare_id: int):
         self.spare_id = spare_id
         self.store = spare_store_from_environ()
+        self.seal = Seal(bytes.fromhex(os.environ.get(RECOVERY_KEY, "")))
         self.taken = False
         self._environ_class = type(os.environ)
 
@@ -67,7 +75,7 @@ class Assignment:
             return
         self.taken = True
         os.environ.__class__ = self._environ_class  # stop watching
-        os.environ.update(wait_for_assignment(self.store, self.spare_id))
+        os.environ.update(wait_for_assignment(self.store, self.spare_id, self.seal, _report_forged))
 
     def watch_environ(self) -> None:
         """Make ``os.environ`` (and so ``os.getenv``) take the assignment before it answers a
@@ -99,7 +107,10 @@ def join_at_init(spare_id: Optional[int]) -> None:
             assignment.take()
         launch = LaunchEnv.from_environ()
         if launch.join is not None and launch.recovery_store:
-            store = RecoveryStore(connect(*parse_address(launch.recovery_store)), launch.recovery_group)
+            seal = Seal(launch.recovery_key or b"")
+            store = RecoveryStore(
+                connect(*parse_address(launch.recovery_store)), launch.recovery_group, seal, _report_forged
+            )
             store.ready(launch.join, int(os.environ["RANK"]))
         dist.init_process_group = original
         return original(*args, **kwargs)

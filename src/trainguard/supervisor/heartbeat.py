@@ -76,7 +76,7 @@ class HeartbeatWriter:
     """
 
     def __init__(self, path: str | os.PathLike):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, SIZE)
             self._mm = mmap.mmap(fd, SIZE)

@@ -73,7 +73,7 @@ class WatchState:
 def locked(run_dir: Path) -> Iterator[None]:
     """Hold ``RUN_DIR/.watch.lock`` exclusively (waits for another pass to finish)."""
     try:
-        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as e:  # a full disk cannot create it: check anyway, unlocked
         print(f"trainguard: warning: running unlocked, cannot open {LOCK_FILE}: {e}", file=sys.stderr)
         yield

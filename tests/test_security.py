@@ -1,0 +1,153 @@
+"""The recovery store trusts nothing unauthenticated (rejoin/auth.py, rejoin/protocol.py): sealed
+values, a private key file, stores that listen on the launcher's address only, no environment
+copied to a spare, no pickle in the state transfer. The end-to-end refusal of forged values by a
+running launch is in tests/test_any_loop.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+
+import psutil
+import pytest
+
+from trainguard.launch_env import RECOVERY_KEY, LaunchEnv, assignment
+from trainguard.rejoin.auth import KEY_FILE, KeyFileError, Seal, launch_key
+from trainguard.rejoin.boundary import decode, encode
+from trainguard.rejoin.protocol import (
+    Generation,
+    RecoveryStore,
+    assign_spare,
+    connect,
+    serve,
+    spare_ready,
+    wait_for_assignment,
+)
+from trainguard.rundir import prepare_run_dir
+
+SEAL = Seal(bytes(range(32)))
+
+
+def test_a_sealed_value_opens_only_under_its_own_key_name_and_secret():
+    blob = SEAL.seal("attempt1/gen/1", '{"number": 1}')
+    assert SEAL.open("attempt1/gen/1", blob) == b'{"number": 1}'
+    assert SEAL.open("attempt2/gen/1", blob) is None  # replayed into another group start
+    assert SEAL.open("attempt1/gen/2", blob) is None  # or under another key
+    assert Seal(bytes(32)).open("attempt1/gen/1", blob) is None  # another launch's secret
+    assert SEAL.open("attempt1/gen/1", b'{"number": 1}') is None  # not sealed at all
+    tampered = blob[:-2] + b"9}"
+    assert SEAL.open("attempt1/gen/1", tampered) is None
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        Seal(b"short")
+
+
+def test_the_launch_key_is_made_once_private_and_shared_by_every_launcher_of_the_run(tmp_path):
+    key = launch_key(tmp_path)
+    path = tmp_path / KEY_FILE
+    assert len(key) == 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert launch_key(tmp_path) == key  # a second launcher (another node) reads the same key
+    assert not [p for p in tmp_path.iterdir() if p.name != KEY_FILE]  # no temporary file left
+    path.chmod(0o644)
+    with pytest.raises(KeyFileError, match="readable by its owner only"):
+        launch_key(tmp_path)
+    path.chmod(0o600)
+    path.write_text("not hex")
+    with pytest.raises(KeyFileError, match="expected 32 bytes as hex"):
+        launch_key(tmp_path)
+
+
+def test_the_run_directory_is_private(tmp_path):
+    run = tmp_path / "run"
+    prepare_run_dir(run)
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+
+
+def test_forged_values_are_refused_told_once_and_the_real_ones_still_read():
+    server = serve()
+    told: list[str] = []
+    launcher = RecoveryStore(server, 1, SEAL)
+    rank = RecoveryStore(connect("127.0.0.1", server.port), 1, SEAL, told.append)
+    gen = Generation(1, "127.0.0.1", 4242, (1,), 2)
+    attacker = connect("127.0.0.1", server.port)
+    forged = Generation(1, "10.6.6.6", 6666, (0, 1), 2)
+    attacker.set("attempt1/gen/1", forged.to_json())  # unsealed
+    attacker.set("attempt1/gen/1/joined/1", Seal(bytes(32)).seal("attempt1/gen/1/joined/1", "1"))  # wrong secret
+    assert rank.peek(1) is None and told == ["attempt1/gen/1"]
+    assert not launcher.all_joined(gen)
+    assert rank.wait(1, timeout=0.3) is None and told == ["attempt1/gen/1"]  # told once per value
+    threading.Timer(0.3, lambda: launcher.publish(gen)).start()  # the launcher's value overwrites it
+    assert rank.wait(1, timeout=10) == gen
+    attacker.set("attempt1/declined", "in-process recovery off")
+    assert launcher.declined() is None
+
+
+def test_a_spare_refuses_a_forged_assignment_and_gets_only_its_ranks_variables():
+    server = serve()
+    told: list[str] = []
+    spare = connect("127.0.0.1", server.port)
+    result: list[dict] = []
+    thread = threading.Thread(target=lambda: result.append(wait_for_assignment(spare, 3, SEAL, told.append)))
+    thread.start()
+    while not spare_ready(server, 3, SEAL):
+        threading.Event().wait(0.01)
+    connect("127.0.0.1", server.port).set("spares/3", json.dumps({"RANK": "0", "MASTER_ADDR": "10.6.6.6"}))
+    while not told:
+        threading.Event().wait(0.01)
+    worker = {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "TORCHELASTIC_ERROR_FILE": "/tmp/e/1/error.json",
+        "TRAINGUARD_JOIN": "2",
+        "AWS_SECRET_ACCESS_KEY": "hunter2",
+        "HOME": "/root",
+        RECOVERY_KEY: SEAL.key.hex(),
+    }
+    assign_spare(server, 3, worker, SEAL)
+    thread.join(30)
+    assert told == ["spares/3"]
+    assert result == [
+        {
+            "RANK": "1",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "TORCHELASTIC_ERROR_FILE": "/tmp/e/1/error.json",
+            "TRAINGUARD_JOIN": "2",
+        }
+    ]
+    assert assignment(worker) == result[0]
+    assert b"hunter2" not in server.get("spares/3") and SEAL.key.hex().encode() not in server.get("spares/3")
+
+
+def test_a_store_listens_on_the_launchers_address_only():
+    store = serve("127.0.0.1")
+    listening = [
+        c.laddr
+        for c in psutil.Process().net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port
+    ]
+    assert listening and all(a.ip == "127.0.0.1" for a in listening), listening
+    assert connect("127.0.0.1", store.port).check(["nothing"]) is False
+
+
+def test_the_launch_key_travels_in_the_environment_never_in_repr():
+    env = LaunchEnv(recovery_key=SEAL.key)
+    assert LaunchEnv.from_environ(env.to_environ()).recovery_key == SEAL.key
+    assert SEAL.key.hex() not in repr(env)
+
+
+def test_the_state_transfer_blob_refuses_classes():
+    """What a rank receives in a state transfer is a boundary blob: values and raw tensors come
+    back; a pickle that names a callable is refused, not run."""
+    import pickle
+
+    assert decode(encode({"step": 3, "layout": [[0, 1]], "hosts": ["n0"]})) == {
+        "step": 3,
+        "layout": [[0, 1]],
+        "hosts": ["n0"],
+    }
+    evil = b"P" + pickle.dumps(os.system)
+    with pytest.raises(pickle.UnpicklingError, match="only built-in values"):
+        decode(evil)
