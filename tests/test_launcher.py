@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from conftest import REPO, events, final_hash, finish, launch, logged_step, wait_for
 from trainguard.exitcodes import ExitCode
@@ -250,22 +251,21 @@ def test_relaunch_is_refused_while_a_rank_of_the_previous_launch_lives(tmp_path)
             survivor.kill()
 
 
-def test_a_rank_that_died_between_the_polls_two_looks_waits_for_the_next_poll():
-    """The agent's poll looks at the exit codes once (for in-process recovery), then asks torch: a
-    failure torch sees that the first look did not is left to the next poll, unless it is a
-    decision code (ranks that stopped with 75 are handled now) or the first look saw a failure."""
-    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+@pytest.mark.parametrize(
+    "codes,needed",
+    [
+        ({0: None, 1: None}, False),  # running
+        ({0: 0, 1: None}, False),  # one finished first: no failure, the other still running
+        ({0: None, 1: -9}, True),  # a failure the look saw (in-process recovery had its turn first)
+        ({0: None, 1: 75}, True),  # a decision code
+        ({0: 0, 1: 0}, True),  # every rank finished: torch collects the result
+        ({0: 1, 1: 1}, True),
+    ],
+)
+def test_torch_poll_runs_only_when_this_polls_one_look_decided(codes, needed):
+    """The agent looks at its workers once per poll. Torch's poll (which closes every survivor when
+    it sees a failure) runs only when that look saw every rank exit or one fail: a rank that dies
+    right after the look is not seen by torch first, so the next poll can replace it in-process."""
+    from trainguard.launcher.agent import needs_torch_poll
 
-    from trainguard.launcher.agent import _failed_since
-
-    def failed(**codes: int) -> RunResult:
-        failures = {int(r[1:]): ProcessFailure(int(r[1:]), 100 + int(r[1:]), c, "") for r, c in codes.items()}
-        return RunResult(state=WorkerState.FAILED, failures=failures)
-
-    assert _failed_since(failed(r1=-9), {0: None, 1: None})
-    assert not _failed_since(failed(r1=-9), {0: None, 1: -9})  # seen by the first look
-    assert not _failed_since(failed(r0=-9, r1=-9), {0: None, 1: -9})  # its survivor, killed by the agent
-    assert not _failed_since(failed(r0=75, r1=75), {0: None, 1: None})  # a decision: stop now
-    assert not _failed_since(failed(r0=75, r1=75), {0: 75, 1: 75})
-    assert not _failed_since(RunResult(state=WorkerState.HEALTHY), {0: None, 1: None})
+    assert needs_torch_poll(codes) is needed

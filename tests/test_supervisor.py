@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import GPT, events, final_hash, finish, launch
 from trainguard.exitcodes import ExitCode
+from trainguard.supervisor import stacks
 
 STEPS = 150  # as test_launcher.py: the clean_hash fixture's run is shared
 INTERVAL = "checkpoint.interval=10"  # the clean_hash fixture's interval
@@ -267,3 +270,57 @@ def test_bad_supervisor_or_fault_input_exits_2_before_any_worker(tmp_path, case)
         assert text in log, (text, log[-3000:])
     assert not events(run, "workers_started") and not events(run, "start")
     assert not (run / "logs").exists(), "a worker was started"
+
+
+STACK_CHILD = """
+import faulthandler, signal, sys, time
+if sys.argv[1] == "handler":
+    faulthandler.register(signal.SIGUSR2, file=open(sys.argv[2], "a"), all_threads=True)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("handler", [True, False])
+def test_a_stack_dump_is_asked_only_of_a_process_that_has_its_handler(tmp_path, handler):
+    """A replacement rank that has not registered faulthandler yet finds the stack file of the rank
+    it replaced beside its heartbeat: the dump signal (SIGUSR2, default action: terminate) is not
+    sent to it; a rank with the handler dumps its stacks."""
+    src = tmp_path / "rank-0.stack"
+    src.write_text("stale dump of the replaced rank\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STACK_CHILD, "handler" if handler else "none", str(src)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert stacks.catches(proc.pid, stacks.STACK_SIGNAL) is handler
+        dest = stacks.dump_stacks(src, tmp_path / "out" / "rank-0.stack", proc.pid, wait=10)
+        assert proc.poll() is None  # alive either way
+        if handler:
+            assert dest is not None and "in <module>" in dest.read_text()
+        else:
+            assert dest is None and src.read_text() == "stale dump of the replaced rank\n"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize(
+    "killed,alive,now,expected",
+    [
+        ({}, {10}, 100.0, []),  # nothing killed
+        ({10: 95.0}, {10}, 100.0, []),  # within the grace: still dying
+        ({10: 90.0}, {10}, 100.0, [10]),  # the grace is over and it is still there
+        ({10: 90.0}, set(), 100.0, []),  # it exited
+        ({11: 80.0, 10: 90.0, 12: 99.0}, {10, 11, 12}, 100.0, [10, 11]),
+    ],
+)
+def test_a_rank_that_outlives_its_sigkill_by_the_kill_grace_is_unkillable(killed, alive, now, expected):
+    """A rank in uninterruptible sleep does not exit on SIGKILL: after ``kill_grace`` (here 10 s)
+    the monitor stops waiting for it and the group restarts instead of waiting for its exit code
+    forever, dumping stacks every poll (issue: bounded everything)."""
+    from trainguard.supervisor.monitor import unkillable
+
+    assert unkillable(killed, alive, now, 10.0) == expected

@@ -210,9 +210,10 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             now = self.worker_processes()  # a rank replaced just now counts as running in this poll
             codes = {r: None if now[r] is not procs[r] else c for r, c in codes.items()}
             self._kill_survivors_of_failure(now, codes)
-            result = self.poll_workers()
-            if self.replacer is not None and _failed_since(result, codes):
-                continue  # a rank died after this poll's look: the next poll's recovery check sees it first
+            # torch's own poll closes every survivor on a failure it sees: it runs only when this
+            # poll's one look has already decided the group's fate (a rank that dies after the look
+            # is the next poll's, and can still be replaced in-process)
+            result = self.poll_workers() if needs_torch_poll(codes) else RunResult(state=WorkerState.HEALTHY)
             self.worker_group.state = result.state
             if result.state == WorkerState.SUCCEEDED:
                 self.exit_barrier()
@@ -230,7 +231,8 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             reason = next((r for hook in self.poll_hooks if (r := hook(self))), None)
             if reason is not None:
                 self.events.emit("group_unhealthy", reason=reason)
-                if self.replacer is not None and self.replacer.can_replace() is None:
+                unkillable = self.monitor is not None and self.monitor.unkillable
+                if self.replacer is not None and self.replacer.can_replace() is None and not unkillable:
                     continue  # the supervisor SIGKILLed the hung ranks: the next poll replaces them in-process
                 if not self._restart_or_give_up(reason):
                     return RunResult(state=WorkerState.FAILED)
@@ -399,13 +401,13 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         return True
 
 
-def _failed_since(result: RunResult, codes: dict[int, Optional[int]]) -> bool:
-    """Whether torch's poll (``result``) reports a rank failed (not with a decision code) that was
-    still running in the poll's earlier look (``codes``, ``{local_rank: exit code or None}``), while
-    that look saw no failure: a rank died between the two looks."""
-    if result.state not in (WorkerState.UNHEALTHY, WorkerState.FAILED) or any(_failed(c) for c in codes.values()):
-        return False
-    return any(_failed(f.exitcode) and codes.get(f.local_rank, 0) is None for f in result.failures.values())
+def needs_torch_poll(codes: dict[int, Optional[int]]) -> bool:
+    """Whether torch's poll (which collects the exit codes, and closes every survivor when it sees
+    a failure) runs after this poll's look ``codes`` (``{local_rank: exit code, None while
+    running}``, a replaced rank counted as running): only once every rank has exited, or one has
+    exited with anything but 0 (a failure the look saw, whose survivors the agent already killed, or
+    a decision code)."""
+    return all(c is not None for c in codes.values()) or any(c not in (None, 0) for c in codes.values())
 
 
 def _failed(code: Optional[int]) -> bool:

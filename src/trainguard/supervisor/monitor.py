@@ -107,6 +107,13 @@ def stuck_first(hung: list[HangHit], pids: dict[int, int]) -> list[HangHit]:
     return stuck if stuck and len(stuck) < len(hung) else hung
 
 
+def unkillable(killed: dict[int, float], alive: set[int], now: float, grace: float) -> list[int]:
+    """The processes SIGKILLed at least ``grace`` seconds ago (``killed``: ``{pid: monotonic time
+    of the SIGKILL}``) that are still ``alive`` at ``now``: in uninterruptible sleep (a hung NFS
+    mount, a wedged driver), beyond any signal. Sorted by pid."""
+    return sorted(pid for pid, at in killed.items() if pid in alive and now - at >= grace)
+
+
 class HangMonitor:
     """Watches one node's ranks for hangs and keeps the learned timeouts.
 
@@ -139,6 +146,8 @@ class HangMonitor:
         self._withdrawn: set[int] = set()  # local ranks the group went on without (a shrink)
         self.cpu = CpuMeter()
         self._slow: dict[int, float] = {}  # local rank -> start of the silence last reported as slow_section
+        self._killed: dict[int, float] = {}  # pid -> monotonic time this monitor SIGKILLed it (a hung rank)
+        self.unkillable: list[int] = []  # pids that outlived their SIGKILL by kill_grace (the group must restart)
 
     # ---- group lifecycle (called by the agent) ------------------------------------------------
 
@@ -153,6 +162,7 @@ class HangMonitor:
         self._frozen = False
         self._replaced_at, self._withdrawn = {}, set()
         self.cpu, self._slow = CpuMeter(), {}
+        self._killed, self.unkillable = {}, []
 
     def rank_replaced(self, local_rank: int) -> None:
         """A lost rank was replaced in-process (:mod:`trainguard.launcher.replace`): forget its
@@ -247,10 +257,15 @@ class HangMonitor:
         hung = [h for h in hung if h.step is None or h.step == low]
         hung = stuck_first(hung, pids)
         hung.sort(key=lambda h: (h.step if h.step is not None else -1, -h.silent))  # the laggard first
+        # a rank killed by an earlier poll is dying, not hung again: no second dump, kill or event
+        dying = [h for h in hung if pids.get(h.worker.local_rank) in self._killed]
+        hung = [h for h in hung if h not in dying]
         if now - self._last_learn > 1.0:
             self._learn()
         if now - self._last_save > self.SAVE_EVERY:
             self.save_timeouts()
+        if dying and (stuck := self._unkillable(dying, pids, now)):
+            return stuck
         if not hung:
             return None
         # a silent rank whose main thread computes is slow, not hung; the others wait for it
@@ -268,6 +283,7 @@ class HangMonitor:
             if pid is not None:  # unresponsive by definition: SIGTERM cannot reach a stuck main thread
                 try:
                     os.kill(pid, signal.SIGKILL)
+                    self._killed[pid] = time.monotonic()
                 except ProcessLookupError:
                     pass
             self.events.emit(
@@ -288,6 +304,30 @@ class HangMonitor:
             " (work that takes longer than a step, such as an evaluation, belongs in "
             'guard.section("eval"), whose timeout is learned apart)'
         )
+
+    def _unkillable(self, dying: list[HangHit], pids: dict[int, int], now: float) -> Optional[str]:
+        """The restart reason when a rank this monitor SIGKILLed is still there ``kill_grace``
+        seconds later (:func:`unkillable`; a ``rank_unkillable`` event, once per process), else
+        ``None`` (still within the grace: the next polls wait for its exit)."""
+        alive = {pids[h.worker.local_rank] for h in dying if psutil.pid_exists(pids[h.worker.local_rank])}
+        stuck = unkillable(self._killed, alive, now, self.cfg.kill_grace)
+        if not stuck:
+            return None
+        parts = []
+        for pid in stuck:
+            hit = next(h for h in dying if pids[h.worker.local_rank] == pid)
+            try:
+                state = psutil.Process(pid).status()
+            except psutil.Error:
+                state = "gone"
+            if pid not in self.unkillable:
+                self.unkillable.append(pid)
+                self.events.emit("rank_unkillable", hit.step, rank=hit.worker.global_rank, pid=pid, state=state)
+            parts.append(
+                f"rank {hit.worker.global_rank} (pid {pid}) did not exit {self.cfg.kill_grace:g} s after SIGKILL "
+                f"(state {state}: uninterruptible sleep, e.g. a hung file system)"
+            )
+        return "; ".join(parts)
 
     def _report_slow(self, busy: list[HangHit], waiting: list[HangHit], pids: dict[int, int], now: float) -> None:
         """A ``slow_section`` event (with the busy rank's stacks) and one console line, once per

@@ -46,6 +46,19 @@ def signal_main_thread(pid: int, sig: int) -> None:
         raise ProcessLookupError(err, os.strerror(err)) if err == errno.ESRCH else OSError(err, os.strerror(err))
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` now (the ``SigCgt`` mask of
+    ``/proc/PID/status``); ``False`` when it cannot be read (no such process). A process without
+    one would die of :data:`STACK_SIGNAL` (its default action), as a replacement rank would before
+    its Guard registered faulthandler."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next((line.split()[1] for line in f if line.startswith("SigCgt:")), "0")
+    except OSError:
+        return False
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
 def dump_complete(text: str) -> bool:
     """True when a faulthandler dump of all threads has reached the main thread's outermost frame."""
     lines = text.rstrip().splitlines()
@@ -67,9 +80,11 @@ def dump_stacks(src: Path, dest: Path, pid: Optional[int], wait: float) -> Optio
     seconds (``[supervisor] stacks_wait``: a loaded machine may deschedule the rank mid-dump).
 
     Returns:
-        ``dest``, or ``None`` when there is no process, no stack file, or an empty copy.
+        ``dest``, or ``None`` when there is no process, no stack file, no handler for the dump
+        signal in the process (:func:`catches`: it is not sent, it would end the process), or an
+        empty copy.
     """
-    if pid is None or not src.exists():
+    if pid is None or not src.exists() or not catches(pid, STACK_SIGNAL):
         return None
     before = src.stat().st_size
     try:
