@@ -223,3 +223,12 @@ def test_readme_exit_codes_match_exitcode():
     assert rows == {str(int(c)) for c in ExitCode}, (
         f"README exit-code table rows {sorted(rows)} != ExitCode {[int(c) for c in ExitCode]}"
     )
+
+
+def test_design_md_has_the_membership_state_machines_current_table():
+    """docs/design.md copies the rules table of trainguard/launcher/membership.py verbatim."""
+    from trainguard.launcher import membership
+
+    doc = membership.__doc__
+    table = doc[doc.index("=====") : doc.index("\n", doc.rindex("====="))]
+    assert table in (DOCS / "design.md").read_text(), "copy the table of launcher/membership.py into docs/design.md"

@@ -27,7 +27,6 @@ from trainguard.supervisor.heartbeat import (
     bucket_of,
     bucket_upper,
 )
-from trainguard.supervisor.monitor import RestartPolicy
 from trainguard.supervisor.timeouts import FILENAME, INITIAL, TimeoutBook, percentile_of
 
 # ---------------------------------------------------------------------------------------------
@@ -375,45 +374,6 @@ def test_missing_or_bad_history_gives_defaults(tmp_path, content):
         (tmp_path / FILENAME).write_text(content)
     book = TimeoutBook.load(SupervisorSection(step_timeout=12), tmp_path)
     assert book.timeout("step") == 12 and book.learned("step") is None
-
-
-# ---------------------------------------------------------------------------------------------
-# give-up rules
-
-
-def test_same_step_rule():
-    policy = RestartPolicy(max_no_progress=10, max_same_step=2, initial_ckpt=None)
-    assert policy.give_up_reason(15, 10) is None
-    why = policy.give_up_reason(15, 10)
-    assert why is not None and "step 15" in why
-
-
-def test_same_step_rule_needs_consecutive_failures_at_that_step():
-    policy = RestartPolicy(max_no_progress=10, max_same_step=3, initial_ckpt=None)
-    for step, ckpt in [(15, 10), (15, 10), (30, 20), (15, 10), (15, 10)]:
-        assert policy.give_up_reason(step, ckpt) is None, step
-    assert "step 15" in policy.give_up_reason(15, 10)
-    unknown = RestartPolicy(max_no_progress=10, max_same_step=2, initial_ckpt=None)
-    assert unknown.give_up_reason(None, None) is None and unknown.give_up_reason(None, None) is None
-
-
-def test_no_progress_rule():
-    policy = RestartPolicy(max_no_progress=3, max_same_step=2, initial_ckpt=10)
-    assert policy.give_up_reason(12, 10) is None
-    assert policy.give_up_reason(14, 10) is None
-    why = policy.give_up_reason(16, 10)
-    assert why is not None and "3 consecutive failures without checkpoint progress" in why and "step 10" in why
-
-
-def test_checkpoint_progress_resets_the_no_progress_count():
-    policy = RestartPolicy(max_no_progress=2, max_same_step=2, initial_ckpt=None)
-    assert policy.give_up_reason(5, None) is None  # no checkpoint yet, none at launch: no progress (1)
-    assert policy.give_up_reason(25, 20) is None  # progress: reset
-    assert policy.give_up_reason(27, 20) is None  # 1
-    assert policy.give_up_reason(45, 40) is None  # reset
-    assert policy.give_up_reason(47, 40) is None  # 1
-    why = policy.give_up_reason(49, 40)  # 2
-    assert why is not None and "2 consecutive failures without checkpoint progress" in why
 
 
 # ---------------------------------------------------------------------------------------------

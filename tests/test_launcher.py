@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import psutil
-import pytest
 
 from conftest import REPO, events, final_hash, finish, launch, logged_step, wait_for
 from trainguard.exitcodes import ExitCode
@@ -249,23 +248,3 @@ def test_relaunch_is_refused_while_a_rank_of_the_previous_launch_lives(tmp_path)
     finally:
         if survivor is not None and running(survivor):
             survivor.kill()
-
-
-@pytest.mark.parametrize(
-    "codes,needed",
-    [
-        ({0: None, 1: None}, False),  # running
-        ({0: 0, 1: None}, False),  # one finished first: no failure, the other still running
-        ({0: None, 1: -9}, True),  # a failure the look saw (in-process recovery had its turn first)
-        ({0: None, 1: 75}, True),  # a decision code
-        ({0: 0, 1: 0}, True),  # every rank finished: torch collects the result
-        ({0: 1, 1: 1}, True),
-    ],
-)
-def test_torch_poll_runs_only_when_this_polls_one_look_decided(codes, needed):
-    """The agent looks at its workers once per poll. Torch's poll (which closes every survivor when
-    it sees a failure) runs only when that look saw every rank exit or one fail: a rank that dies
-    right after the look is not seen by torch first, so the next poll can replace it in-process."""
-    from trainguard.launcher.agent import needs_torch_poll
-
-    assert needs_torch_poll(codes) is needed

@@ -41,16 +41,49 @@ from ..exitcodes import ExitCode
 from ..launch_env import JOIN, RECOVERY_GROUP, RECOVERY_STORE
 from ..supervisor.monitor import HangMonitor
 from . import script_error
+from .changes import MembershipChanges
 from .elastic import ElasticAdapter
-from .membership import MembershipChanges
+from .membership import (
+    DECISION_CODES,
+    Admit,
+    AdmitFailed,
+    CheckpointFirst,
+    Collect,
+    Collected,
+    Decisions,
+    End,
+    Fallback,
+    Finished,
+    Followed,
+    Forward,
+    GiveUpRule,
+    GroupStarted,
+    GrowBack,
+    Hang,
+    Idle,
+    Joined,
+    KillSurvivors,
+    Limits,
+    Look,
+    Machine,
+    MembershipRestart,
+    NodesWaiting,
+    Progress,
+    Replace,
+    Restart,
+    Shrink,
+    StopGraceExpired,
+    StopRequested,
+    TimedOut,
+    failed,
+    initial,
+)
 from .node_join import NodeJoin
 from .record import LaunchRecord
 from .replace import Replacer, replacement_command
 from .script_error import ScriptError
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-# exit codes with which a rank tells the launcher "do not restart, end the launch with this code"
-DECISION_CODES = (int(ExitCode.REQUEUE), int(ExitCode.BAD_INPUT), int(ExitCode.GIVE_UP))
 
 
 class TrainguardAgent(MembershipChanges, ElasticAdapter):
@@ -96,11 +129,23 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         self.script_error: Optional[ScriptError] = None  # the launch ended on an error of the script
         self._stop_deadline: Optional[float] = None
         self._forwarded_to: set[int] = set()
-        self._regrowing = False  # the ranks were asked to checkpoint and stop for a membership change
-        self._withdrawn: list[int] = []  # local ranks the group went on without (a shrink), until it grows back
         self._stopped_by_us: set[int] = set()  # local ranks SIGKILLed because a peer failed
         self._join: Optional[NodeJoin] = None  # this start joined another node's running group
         self.poll_hooks: list[Callable[[TrainguardAgent], Optional[str]]] = [monitor.poll] if monitor else []
+        limits = Limits(
+            in_process=replacer is not None,
+            max_replacements=replacer.cfg.max_replacements if replacer else 0,
+            max_restarts=self.worker_group.spec.max_restarts,
+            min_ranks=replacer.min_ranks if replacer else 0,
+            regrow=bool(replacer and replacer.regrow),
+        )
+        rule = GiveUpRule(
+            monitor is not None,
+            monitor.cfg.max_no_progress_restarts if monitor else 0,
+            monitor.cfg.max_same_step_faults if monitor else 0,
+            last_ckpt=monitor.newest_checkpoint() if monitor else None,
+        )
+        self.machine = Machine(initial(limits, 0, frozenset(), rule))  # who is in the group: the rules' state
 
     # ---- signals -------------------------------------------------------------------------------
 
@@ -160,7 +205,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             os.environ[JOIN] = str(gen.number)
 
     def _start_group(self) -> None:
-        self._forwarded_to, self._regrowing, self._withdrawn = set(), False, []
+        self._forwarded_to = set()
         if self.monitor is not None:
             self.monitor.group_started(self.restart_count)
         try:
@@ -171,6 +216,8 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         if self.replacer is not None:
             self.replacer.fill_spares(*self.worker_command(0))
         group = self.worker_group
+        local = frozenset(w.local_rank for w in self.workers())
+        self.machine.feed(GroupStarted(group.workers[0].world_size, local))
         if self.monitor is not None:
             self.monitor.write_timeouts = group.group_rank == 0
         pids = self.worker_pids()
@@ -190,106 +237,176 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             self._forward(getattr(signal, self.stop_signal))
 
     def monitor_loop(self) -> RunResult:
-        """Start the group, then poll it every ``monitor_interval`` until the launch ends: restart it
-        after a failure or a hang (within the budget and the give-up rules), end on success, on a
-        decision exit code, or when the ranks do not stop within ``stop_grace`` of a signal."""
+        """Start the group, then poll it every ``monitor_interval`` until the launch ends. Each poll
+        turns what the agent sees into events for the membership state machine
+        (:mod:`.membership`, which decides) and carries its decisions out."""
         spec = self.worker_group.spec
         self._start_group()
         while True:
             time.sleep(spec.monitor_interval)
-            if self.replacer is not None:
-                for gen in self.replacer.follow():
-                    self._follow(gen)
-            procs = self.worker_processes()
-            codes = {r: p.poll() for r, p in procs.items()}  # one look per poll, for every check below
-            why = self._replace_lost(procs, codes) if self.replacer is not None else None
-            if why is not None:
-                if self._restart_or_give_up(f"in-process recovery failed: {why}"):
-                    continue
-                return RunResult(state=WorkerState.FAILED)
-            now = self.worker_processes()  # a rank replaced just now counts as running in this poll
-            codes = {r: None if now[r] is not procs[r] else c for r, c in codes.items()}
-            self._kill_survivors_of_failure(now, codes)
-            # torch's own poll closes every survivor on a failure it sees: it runs only when this
-            # poll's one look has already decided the group's fate (a rank that dies after the look
-            # is the next poll's, and can still be replaced in-process)
-            result = self.poll_workers() if needs_torch_poll(codes) else RunResult(state=WorkerState.HEALTHY)
-            self.worker_group.state = result.state
-            if result.state == WorkerState.SUCCEEDED:
-                self.exit_barrier()
-                self.exit_code, self.exit_reason = int(ExitCode.OK), "finished"
+            result = self._poll()
+            if result is not None:
                 return result
-            if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
-                if self._handle_failure(result):
-                    continue
-                return result
-            if self.stop_signal and self._stop_deadline and time.monotonic() > self._stop_deadline:
-                self.events.emit("stop_grace_expired", signal=self.stop_signal, grace=self.stop_grace)
-                self.stop_group()
-                self.exit_code, self.exit_reason = int(ExitCode.REQUEUE), "stop grace expired"
-                return RunResult(state=WorkerState.FAILED)
-            reason = next((r for hook in self.poll_hooks if (r := hook(self))), None)
-            if reason is not None:
-                self.events.emit("group_unhealthy", reason=reason)
-                unkillable = self.monitor is not None and self.monitor.unkillable
-                if self.replacer is not None and self.replacer.can_replace() is None and not unkillable:
-                    continue  # the supervisor SIGKILLed the hung ranks: the next poll replaces them in-process
-                if not self._restart_or_give_up(reason):
-                    return RunResult(state=WorkerState.FAILED)
-            elif not self._regrowing and (waiting := spec.rdzv_handler.num_nodes_waiting()) > 0:  # not a failure
-                if self.replacer is None or not self.replacer.can_admit():
-                    self._checkpoint_for_membership(waiting)
-                elif self.replacer.abandoned():  # the node that waits restarted its part of this group
-                    if not self._restart_or_give_up("the group restarted on another node"):
-                        return RunResult(state=WorkerState.FAILED)
-                elif self.replacer.pending is None and self.stop_signal is None:
-                    why = self._admit_nodes(waiting)
-                    if why is not None and not self._restart_or_give_up(why):
-                        return RunResult(state=WorkerState.FAILED)
-            elif self._withdrawn and self.stop_signal is None and not self._regrowing and self.replacer.can_grow():
-                self._grow_back()
 
-    def _replace_lost(self, procs: dict[int, subprocess.Popen], codes: dict[int, Optional[int]]) -> Optional[str]:
-        """In-process recovery: replace the ranks that exited with a failure while the others run
-        (see :mod:`.replace`). ``procs``/``codes``: this poll's ``{local_rank: Popen}`` and exit codes
-        (``None`` while running). Returns why recovery failed (the group must restart), else ``None``
-        (nothing lost, replaced, or left to the group restart of the normal failure path)."""
-        why = self.replacer.poll()
-        if why is not None:
-            stacks = self._dump_survivors("recovery")
-            self.events.emit("recovery_fallback", reason=why, stacks=stacks)
-            console.say(f"in-process recovery failed ({why}): restarting the group")
-            return why
-        lost = [r for r, c in codes.items() if _failed(c)]
-        if not lost or self.stop_signal is not None or any(c in DECISION_CODES for c in codes.values()):
-            return None
-        workers = {w.local_rank: w for w in self.workers()}
-        why = self.replacer.can_replace()
-        if why is None and len(lost) == len(codes) == workers[lost[0]].world_size:
-            why = "no rank survived to send the state"
-        if why is not None:  # the normal failure path below restarts the group
-            self.events.emit("recovery_fallback", reason=why, exit_codes={r: codes[r] for r in lost})
-            console.say(f"in-process recovery not possible ({why}): restarting the group")
-            return None
+    def _poll(self) -> Optional[RunResult]:
+        """One poll: the events in order, each one's decisions carried out; stops at the first event
+        that decided something. Returns the launch's result once it ends, else ``None``."""
+        if self.stop_signal is not None and self.machine.state.stop is None:
+            self._carry_out(self.machine.feed(StopRequested(self.stop_signal)))
+        if self.replacer is not None:
+            for gen in self.replacer.follow():
+                self._follow(gen)
+                self.machine.feed(Followed(gen.world_size))
+            progress = self.replacer.poll()
+            if isinstance(progress, TimedOut):
+                return self._carry_out(self.machine.feed(TimedOut(progress.why, self._progress())))
+            if isinstance(progress, Joined):
+                self.machine.feed(Joined())
+        procs = self.worker_processes()
+        codes = {r: p.poll() for r, p in procs.items()}  # one look per poll, for every rule
+        failing = self.replacer is not None and any(failed(c) for c in codes.values())
+        look = Look(
+            codes,
+            declined=self.replacer.declined() if failing else None,
+            spares_ready=len(self.replacer.ready_spares()) if failing else 0,
+            single_node=self.worker_group.group_world_size == 1,
+        )
+        decisions = self.machine.feed(look)
+        if decisions:
+            return self._carry_out(decisions, procs, codes)
+        if self.stop_signal and self._stop_deadline and time.monotonic() > self._stop_deadline:
+            self.events.emit("stop_grace_expired", signal=self.stop_signal, grace=self.stop_grace)
+            return self._carry_out(self.machine.feed(StopGraceExpired()))
+        reason = next((r for hook in self.poll_hooks if (r := hook(self))), None)
+        if reason is not None:
+            self.events.emit("group_unhealthy", reason=reason)
+            unkillable = bool(self.monitor is not None and self.monitor.unkillable)
+            return self._carry_out(self.machine.feed(Hang(reason, unkillable, self._progress())))
+        waiting = 0 if self.machine.state.regrowing else self.worker_group.spec.rdzv_handler.num_nodes_waiting()
+        if waiting > 0:
+            abandoned = self.replacer is not None and self.replacer.abandoned()
+            return self._carry_out(self.machine.feed(NodesWaiting(waiting, abandoned, self._progress())))
+        if self.machine.state.withdrawn and self.replacer is not None:
+            return self._carry_out(self.machine.feed(Idle(len(self.replacer.ready_spares()))))
+        return None
+
+    def _progress(self) -> Progress:
+        """The give-up rule's facts now: the failure step and the newest checkpoint (from the hang
+        supervisor; none without it)."""
+        if self.monitor is None:
+            return Progress()
+        return Progress(self.monitor.failure_step(), self.monitor.newest_checkpoint())
+
+    def _carry_out(
+        self,
+        decisions: Decisions,
+        procs: Optional[dict[int, subprocess.Popen]] = None,
+        codes: Optional[dict[int, Optional[int]]] = None,
+        result: Optional[RunResult] = None,
+    ) -> Optional[RunResult]:
+        """Do what the state machine decided, in order (``procs``/``codes``: the poll's look;
+        ``result``: torch's, once collected); the launch's result when it ends, else ``None``."""
+        for d in decisions:
+            if isinstance(d, Fallback) and d.formed:  # why did the survivors not complete it?
+                self.events.emit("recovery_fallback", reason=d.why, stacks=self._dump_survivors("recovery"))
+                console.say(f"in-process recovery failed ({d.why}): restarting the group")
+            elif isinstance(d, Fallback):
+                lost = {r: c for r, c in (codes or {}).items() if failed(c)}
+                self.events.emit("recovery_fallback", reason=d.why, exit_codes=lost)
+                console.say(f"in-process recovery not possible ({d.why}): restarting the group")
+            elif isinstance(d, (Replace, Shrink)):
+                self._replace_lost(d, procs, codes)
+            elif isinstance(d, KillSurvivors):
+                self._kill_survivors_of_failure(procs, codes)
+            elif isinstance(d, Collect):
+                result = self.poll_workers()
+                self.worker_group.state = result.state
+                return self._carry_out(self._collected(result), result=result)
+            elif isinstance(d, Restart):
+                self._restart(d.reason)
+            elif isinstance(d, MembershipRestart):
+                self.events.emit(
+                    "membership_restart", nodes_waiting=self.worker_group.spec.rdzv_handler.num_nodes_waiting()
+                )
+                console.say("the ranks stopped with a checkpoint: restarting the group with the new membership")
+                self.stop_group()
+                self.worker_group.state = WorkerState.STOPPED
+                self._start_group()
+            elif isinstance(d, Forward):
+                self._forward(getattr(signal, d.signal))
+            elif isinstance(d, CheckpointFirst):
+                self._checkpoint_for_membership(d.count)
+            elif isinstance(d, Admit):
+                why = self._admit_nodes(d.count)
+                if why is not None:
+                    return self._carry_out(self.machine.feed(AdmitFailed(why, self._progress())))
+                if self.replacer.pending is None:  # the arriving nodes left before the round formed
+                    self.machine.feed(Joined())
+            elif isinstance(d, GrowBack):
+                self._grow_back(d.ranks)
+            elif isinstance(d, End):
+                return self._end(d, result)
+        return None
+
+    def _collected(self, result: RunResult) -> Decisions:
+        """Torch's result after **Collect**, as the next event's decisions."""
+        if result.state == WorkerState.SUCCEEDED:
+            self.exit_barrier()
+            return self.machine.feed(Finished())
+        if result.state not in (WorkerState.UNHEALTHY, WorkerState.FAILED):
+            return ()
+        codes = {r: f.exitcode for r, f in result.failures.items()}
+        stopped = sorted(r for r, f in result.failures.items() if f.local_rank in self._stopped_by_us)
+        self._stopped_by_us.clear()
+        self.events.emit(
+            "workers_failed",
+            exit_codes=codes,
+            pids={r: f.pid for r, f in result.failures.items()},
+            stopped_by_launcher=stopped,
+        )
+        self.script_error = self._script_error(result) if not any(c in DECISION_CODES for c in codes.values()) else None
+        error = self.script_error
+        return self.machine.feed(Collected(codes, (error.exit_code, error.reason) if error else None, self._progress()))
+
+    def _end(self, d: End, result: Optional[RunResult]) -> RunResult:
+        """End the launch as **End** ``d`` says (the group stopped first unless it finished)."""
+        if d.code != int(ExitCode.OK):
+            self.stop_group()
+        if d.kind == "give_up":
+            self.events.emit("give_up", reason=d.cause, failure=d.reason[len(d.cause) + 2 :])
+        elif d.kind == "restart_budget_spent":
+            self.events.emit("restart_budget_spent", max_restarts=self.worker_group.spec.max_restarts, reason=d.reason)
+        elif d.kind == "script_error" and self.script_error is not None:
+            e = self.script_error
+            self.events.emit("script_error", rank=e.rank, exit_code=e.exit_code, traceback=list(e.lines))
+        else:
+            self.script_error = None
+        self.exit_code, self.exit_reason = d.code, d.reason
+        return result if result is not None else RunResult(state=WorkerState.FAILED)
+
+    def _replace_lost(
+        self, d: Replace | Shrink, procs: dict[int, subprocess.Popen], codes: dict[int, Optional[int]]
+    ) -> None:
+        """In-process recovery: replace the lost ranks of ``d`` while the others run (see
+        :mod:`.replace`), or go on without them (**Shrink**)."""
+        lost = list(d.ranks)
         self.events.emit("workers_failed", exit_codes={r: codes[r] for r in lost}, pids={r: procs[r].pid for r in lost})
+        workers = {w.local_rank: w for w in self.workers()}
         world_size = workers[lost[0]].world_size
-        if self.worker_group.group_world_size == 1 and self.replacer.can_shrink(len(lost), world_size):
+        if isinstance(d, Shrink):
             self._shrink(lost, workers, world_size, [codes[r] for r in lost])
-            return None
+            return
         console.say(
             f"rank(s) {[workers[r].global_rank for r in lost]} lost (exit codes {[codes[r] for r in lost]}): "
             "replacing in-process, the other ranks keep running"
         )
-        started = self.replacer.replace(
-            {workers[r].global_rank: self.worker_command(r) for r in lost}, workers[lost[0]].world_size
-        )
+        started = self.replacer.replace({workers[r].global_rank: self.worker_command(r) for r in lost}, world_size)
         for r in lost:
             self.replace_process(r, started[workers[r].global_rank])
             if self.monitor is not None:
                 self.monitor.rank_replaced(r)
         if self.record is not None:
             self.record.write_ranks(self.worker_pids())
-        return None
 
     def _dump_survivors(self, tag: str) -> list[str]:
         """The Python stacks of every live rank of this node (why did a recovery not complete?),
@@ -305,7 +422,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
     def _kill_survivors_of_failure(self, procs: dict[int, subprocess.Popen], codes: dict[int, Optional[int]]) -> None:
         """If a rank has exited with a failure (not 0 or a decision code) in this poll's ``codes``,
         SIGCONT and SIGKILL the ranks still running in it (``procs``); torch then collects the group."""
-        if not any(_failed(c) for c in codes.values()):
+        if not any(failed(c) for c in codes.values()):
             return
         for r, p in procs.items():
             if codes[r] is None:
@@ -315,41 +432,6 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
                         os.kill(p.pid, sig)
                     except ProcessLookupError:
                         pass
-
-    def _handle_failure(self, result: RunResult) -> bool:
-        """Record the failure and restart the group if that is the right move; True if restarted."""
-        codes = {r: f.exitcode for r, f in result.failures.items()}
-        stopped = sorted(r for r, f in result.failures.items() if f.local_rank in self._stopped_by_us)
-        self._stopped_by_us.clear()
-        self.events.emit(
-            "workers_failed",
-            exit_codes=codes,
-            pids={r: f.pid for r, f in result.failures.items()},
-            stopped_by_launcher=stopped,
-        )
-        decision = next((c for c in DECISION_CODES if c in codes.values()), None)
-        if self._regrowing and decision == int(ExitCode.REQUEUE) and self.stop_signal is None:
-            self.events.emit(
-                "membership_restart", nodes_waiting=self.worker_group.spec.rdzv_handler.num_nodes_waiting()
-            )
-            console.say("the ranks stopped with a checkpoint: restarting the group with the new membership")
-            self.stop_group()
-            self.worker_group.state = WorkerState.STOPPED
-            self._start_group()
-            return True
-        if decision is not None or self.stop_signal is not None:
-            self.stop_group()
-            self.exit_code = decision if decision is not None else int(ExitCode.REQUEUE)
-            self.exit_reason = {75: "ranks stopped for requeue", 2: "bad input", 76: "a rank gave up"}[self.exit_code]
-            return False
-        error = self._script_error(result)
-        if error is not None:
-            self.stop_group()
-            self.events.emit("script_error", rank=error.rank, exit_code=error.exit_code, traceback=list(error.lines))
-            self.exit_code, self.exit_reason = error.exit_code, error.reason
-            self.script_error = error
-            return False
-        return self._restart_or_give_up(f"rank failure (exit codes {codes})")
 
     def _script_error(self, result: RunResult) -> Optional[ScriptError]:
         """The failure is an error of the script before its first step (see :mod:`.script_error`)."""
@@ -365,26 +447,8 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             {r: script_error.read_tail(self.worker_stderr(f.local_rank)) for r, f in failed.items()},
         )
 
-    def _restart_or_give_up(self, reason: str) -> bool:
-        spec = self.worker_group.spec
-        why = (
-            self.monitor.policy.give_up_reason(self.monitor.failure_step(), self.monitor.newest_checkpoint())
-            if self.monitor
-            else None
-        )
-        if why is not None:
-            self.stop_group()
-            self.events.emit("give_up", reason=why, failure=reason)
-            self.exit_code, self.exit_reason = int(ExitCode.GIVE_UP), f"{why}: {reason}"
-            return False
-        if self.remaining_restarts <= 0:
-            self.stop_group()
-            self.events.emit("restart_budget_spent", max_restarts=spec.max_restarts, reason=reason)
-            self.exit_code, self.exit_reason = (
-                int(ExitCode.GIVE_UP),
-                f"restart budget ({spec.max_restarts}) spent: {reason}",
-            )
-            return False
+    def _restart(self, reason: str) -> None:
+        """**Restart**: stop the group and start it again (the state machine counted the restart)."""
         self.use_restart()
         if self.replacer is not None:
             self.replacer.abandon()
@@ -398,18 +462,3 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         self.stop_group()
         self.worker_group.state = WorkerState.STOPPED
         self._start_group()
-        return True
-
-
-def needs_torch_poll(codes: dict[int, Optional[int]]) -> bool:
-    """Whether torch's poll (which collects the exit codes, and closes every survivor when it sees
-    a failure) runs after this poll's look ``codes`` (``{local_rank: exit code, None while
-    running}``, a replaced rank counted as running): only once every rank has exited, or one has
-    exited with anything but 0 (a failure the look saw, whose survivors the agent already killed, or
-    a decision code)."""
-    return all(c is not None for c in codes.values()) or any(c not in (None, 0) for c in codes.values())
-
-
-def _failed(code: Optional[int]) -> bool:
-    """A worker's exit code is a failure: it has exited, neither with 0 nor with a decision code."""
-    return code is not None and code not in (0, *DECISION_CODES)

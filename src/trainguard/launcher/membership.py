@@ -1,129 +1,645 @@
-"""The launcher's changes of its worker group's membership while the ranks run (a part of
-:class:`~trainguard.launcher.agent.TrainguardAgent`, kept apart for its length):
+"""Who is in a node's worker group, and what its launcher does about a change: one pure state machine.
 
-* a node waits in the rendezvous: take it in place (:meth:`MembershipChanges._admit_nodes`,
-  :mod:`.node_join`) or through a checkpoint and a group restart
-  (:meth:`MembershipChanges._checkpoint_for_membership`);
-* a lost rank with no spare ready leaves a smaller group (:meth:`MembershipChanges._shrink`),
-  and a ready spare takes its slot back (:meth:`MembershipChanges._grow_back`);
-* another node's launcher changed the membership: number this node's workers as the ranks are
-  (:meth:`MembershipChanges._follow`).
+:func:`decide` takes the agent's :class:`State` and one event (what the agent saw: its workers'
+exit codes, a hang, a generation that formed or did not, nodes waiting to join, a stop signal) and
+returns the new state and the decisions (replace these ranks, shrink, grow back, admit the
+waiting nodes, restart the group, end the launch with a code, wait). It reads no clock, touches
+no file, store, process or signal: the agent (:mod:`.agent`) gathers the facts into events and
+carries the decisions out. Every membership rule lives here once:
 
-The agent holds the state these methods share: ``replacer``, ``events``, ``monitor``, ``record``,
-``_withdrawn`` (local ranks the group went on without) and ``_regrowing``.
+===================  ==========================================================================
+event                decisions (first rule that applies)
+===================  ==========================================================================
+``Look``             a rank failed, in-process recovery on, no stop, no decision code, and
+                     ``can_replace`` → **Shrink** (one node, ``min_ranks`` allows it, no spare
+                     ready) or **Replace**; a failure in-process recovery cannot take →
+                     **Fallback** (why) + **KillSurvivors** + **Collect**; any other exit that is
+                     not 0 → **KillSurvivors** (on a failure) + **Collect**; every rank exited →
+                     **Collect**; else nothing. ``can_replace``: no generation forming, the
+                     replacement budget not spent, the ranks did not decline, a rank survives.
+``Collected``        (torch's result of a failed group) 75 while regrowing → **MembershipRestart**;
+                     a decision code or a stop → **End** (its code); a script error → **End**
+                     (its code); else **Restart** or **End** 76 (budget, give-up rule).
+``Finished``         → **End** 0.
+``Joined``           the generation formed: nothing forms any more.
+``TimedOut``         the generation did not form → **Fallback** + **Restart** / **End** 76.
+``Hang``             in-process recovery can take it and no rank is unkillable → nothing (the
+                     killed rank's exit is the next ``Look``'s); else **Restart** / **End** 76.
+``StopRequested``    → **Forward** (the ranks save and exit with 75).
+``StopGraceExpired`` → **End** 75.
+``NodesWaiting``     not while regrowing; no in-place join (``min_ranks`` 0) →
+                     **CheckpointFirst**; the start was abandoned elsewhere → **Restart**;
+                     nothing forming and no stop → **Admit**.
+``AdmitFailed``      → **Restart** / **End** 76.
+``Idle``             ``regrow``, withdrawn slots, a ready spare, nothing forming, budget left,
+                     no stop → **GrowBack**.
+``NodeLost``         another node vanished → **Restart** / **End** 76 (no spare node yet).
+``Followed``         another node's agent changed the membership: the world size follows.
+``GroupStarted``     a new start of the group: nothing forms, no slot withdrawn.
+===================  ==========================================================================
+
+**Restart** spends one of ``max_restarts``; when none is left, or the give-up rule (the same step
+failing again, no progress: :class:`GiveUpRule`, from the facts the event carries) says so, the decision is **End** 76 instead. After an **End** every event
+decides nothing. Tested as a protocol in ``tests/test_membership.py`` (a table per rule, and
+``hypothesis`` over random event sequences); ``benchmarks/membership_scale.py`` drives it at
+4,096 ranks.
 """
 
 from __future__ import annotations
 
-import signal
-import time
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Optional, Union
 
-from .. import console
-from ..rejoin.protocol import Generation, new_rank
-from .elastic import ElasticAdapter
+REQUEUE, BAD_INPUT, GIVE_UP = 75, 2, 76  # trainguard.exitcodes (not imported: this module imports nothing of ours)
+DECISION_CODES = (REQUEUE, BAD_INPUT, GIVE_UP)
+END_MEANINGS = {REQUEUE: "ranks stopped for requeue", BAD_INPUT: "bad input", GIVE_UP: "a rank gave up"}
 
 
-class MembershipChanges(ElasticAdapter):
-    """The membership changes of :class:`~trainguard.launcher.agent.TrainguardAgent` (see the module)."""
+def failed(code: Optional[int]) -> bool:
+    """A worker's exit code is a failure: it has exited, neither with 0 nor with a decision code."""
+    return code is not None and code not in (0, *DECISION_CODES)
 
-    def _checkpoint_for_membership(self, waiting: int) -> None:
-        """``waiting`` nodes wait in the rendezvous to join (a node came back, or a new one): ask
-        the ranks to stop at the next step boundary they agree on, with a checkpoint (SIGTERM, as a
-        preemption); when they have exited with 75, :meth:`_handle_failure` restarts the group with
-        the new membership, which resumes from that checkpoint on the new world size (no completed
-        step lost; see ``docs/elastic.md``). Not counted against the restart budget."""
-        self.events.emit("membership_change", nodes_waiting=waiting, checkpoint_first=True)
-        console.say(
-            f"{waiting} node(s) waiting to join: the ranks checkpoint at the next step boundary, then the "
-            "group restarts with them"
+
+# ---- state -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a launch allows (fixed for the launch).
+
+    Attributes:
+        in_process: in-process recovery is on (``[recovery] in_process`` and more than one rank).
+        max_replacements: ``[recovery] max_replacements`` (ranks replaced or grown back, per launch).
+        max_restarts: ``[launcher] max_restarts`` (group restarts, per launch).
+        min_ranks: ``[elastic] min_ranks`` (0: never shrink, never join in place).
+        regrow: ``[elastic] regrow``: a withdrawn slot grows back when a spare is ready.
+    """
+
+    in_process: bool = True
+    max_replacements: int = 8
+    max_restarts: int = 3
+    min_ranks: int = 0
+    regrow: bool = False
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Facts for the give-up rule at a failure that may restart the group.
+
+    Attributes:
+        failure_step: the step the group failed in (one past the fewest steps a local rank
+            completed, from the heartbeats), ``None`` when unknown.
+        newest_ckpt: step of the newest committed checkpoint, ``None`` when there is none.
+    """
+
+    failure_step: Optional[int] = None
+    newest_ckpt: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class GiveUpRule:
+    """The give-up rules besides the restart budget (``[supervisor] max_no_progress_restarts``,
+    ``max_same_step_faults``): a restart cures a lost process, not a fault that recurs at the same
+    step or a run that never reaches a newer checkpoint. Off (``enabled`` false) without the hang
+    supervisor, whose heartbeats give the failure step.
+
+    Attributes:
+        max_no_progress: consecutive failures with no newer checkpoint before giving up.
+        max_same_step: consecutive failures at the same step before giving up.
+        last_ckpt, last_step, no_progress, same_step: what the earlier failures left.
+    """
+
+    enabled: bool = False
+    max_no_progress: int = 3
+    max_same_step: int = 3
+    last_ckpt: Optional[int] = None
+    last_step: Optional[int] = None
+    no_progress: int = 0
+    same_step: int = 0
+
+    def after(self, p: Progress) -> tuple[GiveUpRule, Optional[str]]:
+        """Count one failure; the rule after it, and why to give up (``None``: restart)."""
+        if not self.enabled:
+            return self, None
+        no_progress = self.no_progress + 1 if p.newest_ckpt == self.last_ckpt else 0
+        same = p.failure_step is not None and p.failure_step == self.last_step
+        same_step = self.same_step + 1 if same else 1
+        rule = replace(
+            self, last_ckpt=p.newest_ckpt, last_step=p.failure_step, no_progress=no_progress, same_step=same_step
         )
-        self._regrowing = True
-        self._forward(signal.SIGTERM)
+        if same_step >= self.max_same_step:
+            return rule, f"the fault recurs at step {p.failure_step} ({same_step} failures in a row at that step)"
+        if no_progress >= self.max_no_progress:
+            return rule, (
+                f"{no_progress} consecutive failures without checkpoint progress (newest checkpoint: step {p.newest_ckpt})"
+            )
+        return rule, None
 
-    def _follow(self, gen: Generation) -> None:
-        """Another node's agent published ``gen``: number this node's workers as the ranks now are
-        (the gaps of ``gen.left`` closed, ``gen.world_size``), so that a later replacement, grow or
-        join here starts with the group's numbers."""
-        workers = {w.local_rank: w for w in self.workers()}
-        live = {r: new_rank(w.global_rank, gen.left) for r, w in workers.items() if r not in self._withdrawn}
-        self.renumber({**live, **self._past(gen.world_size)}, gen.world_size)
 
-    def _admit_nodes(self, waiting: int) -> Optional[str]:
-        """``waiting`` nodes wait in the rendezvous to join, and this node's ranks may change their
-        world size in place: join the new rendezvous round beside the running workers and make
-        this node the host of the join (:mod:`.node_join`): the other nodes' workers start as
-        newcomers numbered after the group's ranks, which meet them at their next stop check and
-        send them the state from memory. No rank stops, no step is redone. Returns why the join
-        failed (the rendezvous or the exchange in its store: the group must restart), else ``None``
-        (also when the waiting nodes left before the round formed: nothing changes)."""
-        t0 = time.monotonic()
-        self.events.emit("membership_change", nodes_waiting=waiting, in_place=True)
-        console.say(f"{waiting} node(s) waiting to join: the group grows in place at the ranks' next stop check")
-        workers = {w.local_rank: w for w in self.workers()}
-        world_size = next(w.world_size for r, w in workers.items() if r not in self._withdrawn)
-        try:
-            self.join_round()
-            group = self.worker_group
-            gen = self.replacer.admit(group.store, group.group_rank, group.group_world_size, world_size)
-        except Exception as e:  # torch's RendezvousError, a store's timeout, two running groups
-            return f"the rendezvous with the arriving node(s) failed: {type(e).__name__}: {e}"
-        if gen is None:
-            return None
-        live = {r: w.global_rank for r, w in workers.items() if r not in self._withdrawn}
-        self.renumber({**live, **self._past(gen.world_size)}, gen.world_size)
-        console.say(
-            f"rank(s) {list(gen.grown)} on the joining node(s) take their state from the others: "
-            f"{gen.world_size} rank(s) after the next stop check (rendezvous {time.monotonic() - t0:.2f} s)"
+@dataclass(frozen=True)
+class State:
+    """A node agent's view of its group's membership.
+
+    Attributes:
+        limits: the launch's :class:`Limits`.
+        world_size: ranks in the group now.
+        local: this node's local ranks in the group now (not withdrawn).
+        withdrawn: local ranks the group went on without (a shrink), until they grow back.
+        forming: the kind of the generation this agent published that has not formed yet
+            (``"replace"``, ``"shrink"``, ``"grow"``, ``"admit"``), or ``None``.
+        replacements: ranks replaced or grown back so far in this launch.
+        restarts: group restarts so far.
+        stop: the stop signal forwarded to the ranks (its name), or ``None``.
+        regrowing: the ranks were asked to checkpoint and stop for a membership change.
+        ended: ``(exit code, reason)`` once the launch ends.
+        give_up: the give-up rule and what earlier failures left in it.
+    """
+
+    limits: Limits
+    world_size: int
+    local: frozenset[int]
+    withdrawn: frozenset[int] = frozenset()
+    forming: Optional[str] = None
+    replacements: int = 0
+    restarts: int = 0
+    stop: Optional[str] = None
+    regrowing: bool = False
+    ended: Optional[tuple[int, str]] = None
+    give_up: GiveUpRule = GiveUpRule()
+
+    @property
+    def restarts_left(self) -> int:
+        return self.limits.max_restarts - self.restarts
+
+
+# ---- events ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Look:
+    """The agent's one look at its workers in a poll.
+
+    Attributes:
+        codes: ``{local_rank: exit code, or None while running}``.
+        declined: why the ranks declined in-process recovery (read from the store), or ``None``.
+        spares_ready: warm spares waiting for an assignment.
+        single_node: the group runs on this node only (only such a group shrinks: it renumbers ranks).
+    """
+
+    codes: Mapping[int, Optional[int]]
+    declined: Optional[str] = None
+    spares_ready: int = 0
+    single_node: bool = True
+
+
+@dataclass(frozen=True)
+class Collected:
+    """Torch's result for a group that failed (after **Collect**).
+
+    Attributes:
+        codes: ``{local_rank: exit code}`` of the failed workers.
+        script_error: ``(exit code, reason)`` when the failure is an error of the script before
+            its first step (:mod:`.script_error`), else ``None``.
+        progress: facts for the give-up rule.
+    """
+
+    codes: Mapping[int, int]
+    script_error: Optional[tuple[int, str]] = None
+    progress: Progress = Progress()
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Every worker exited with 0."""
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The generation this agent published formed (every member said so)."""
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    """The generation this agent published did not form (``why``)."""
+
+    why: str
+    progress: Progress = Progress()
+
+
+@dataclass(frozen=True)
+class Hang:
+    """The hang supervisor killed silent ranks (``reason``); ``unkillable``: one of them outlived
+    its SIGKILL by ``kill_grace``."""
+
+    reason: str
+    unkillable: bool = False
+    progress: Progress = Progress()
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    """A stop signal reached the launcher (``signal``: its name)."""
+
+    signal: str
+
+
+@dataclass(frozen=True)
+class StopGraceExpired:
+    """The ranks did not exit within ``stop_grace`` of the forwarded stop signal."""
+
+
+@dataclass(frozen=True)
+class NodesWaiting:
+    """``count`` nodes wait in the rendezvous; ``abandoned``: an agent gave this start of the group up."""
+
+    count: int
+    abandoned: bool = False
+    progress: Progress = Progress()
+
+
+@dataclass(frozen=True)
+class AdmitFailed:
+    """The rendezvous with the waiting nodes failed (``why``)."""
+
+    why: str
+    progress: Progress = Progress()
+
+
+@dataclass(frozen=True)
+class Idle:
+    """A poll in which nothing else happened; ``spares_ready``: warm spares waiting."""
+
+    spares_ready: int = 0
+
+
+@dataclass(frozen=True)
+class NodeLost:
+    """Another node's launcher and ranks vanished (``why``). Without a spare node the group
+    restarts when the rendezvous has its nodes again."""
+
+    why: str
+    progress: Progress = Progress()
+
+
+@dataclass(frozen=True)
+class Followed:
+    """Another node's agent published a generation: the group now has ``world_size`` ranks."""
+
+    world_size: int
+
+
+@dataclass(frozen=True)
+class GroupStarted:
+    """A new start of the group with ``world_size`` ranks, ``local`` of them on this node."""
+
+    world_size: int
+    local: frozenset[int]
+
+
+Event = Union[
+    Look,
+    Collected,
+    Finished,
+    Joined,
+    TimedOut,
+    Hang,
+    StopRequested,
+    StopGraceExpired,
+    NodesWaiting,
+    AdmitFailed,
+    Idle,
+    NodeLost,
+    Followed,
+    GroupStarted,
+]
+
+
+# ---- decisions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Replace:
+    """Start a replacement for each of these local ranks (a warm spare where one waits) and publish
+    the generation they join."""
+
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """Publish the generation in which the group goes on without these local ranks."""
+
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GrowBack:
+    """Ready spares take these withdrawn local slots back."""
+
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Join the waiting nodes' rendezvous round beside the running workers and grow in place."""
+
+    count: int
+
+
+@dataclass(frozen=True)
+class CheckpointFirst:
+    """Ask the ranks to checkpoint and stop (SIGTERM), then restart with the waiting nodes."""
+
+    count: int
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """In-process recovery does not take this failure (``why``): say so (``recovery_fallback``);
+    ``formed``: it had started, and its generation did not form."""
+
+    why: str
+    formed: bool = False
+
+
+@dataclass(frozen=True)
+class KillSurvivors:
+    """SIGCONT and SIGKILL the ranks still running (a peer failed: they cannot finish without it)."""
+
+
+@dataclass(frozen=True)
+class Collect:
+    """Ask torch for the group's result (exit codes); a failed group's comes back as ``Collected``."""
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Stop the group and start it again from the newest checkpoint (one restart spent)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class MembershipRestart:
+    """The ranks stopped with a checkpoint for a membership change: start the group again with the
+    new membership (no restart spent)."""
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Forward the stop signal to the ranks."""
+
+    signal: str
+
+
+@dataclass(frozen=True)
+class End:
+    """End the launch with ``code`` (stop the group first); ``kind`` names the rule that ended it
+    (``give_up``, ``restart_budget_spent``, ``script_error``, ``stop_grace_expired``; ``""``: the
+    ranks' own decision code, a stop, or success)."""
+
+    code: int
+    reason: str
+    kind: str = ""
+    cause: str = ""  # kind give_up: the rule's own reason (``reason`` = cause + ": " + the failure)
+
+
+Decision = Union[
+    Replace,
+    Shrink,
+    GrowBack,
+    Admit,
+    CheckpointFirst,
+    Fallback,
+    KillSurvivors,
+    Collect,
+    Restart,
+    MembershipRestart,
+    Forward,
+    End,
+]
+Decisions = tuple[Decision, ...]
+
+
+# ---- rules -------------------------------------------------------------------------------------
+
+
+def initial(limits: Limits, world_size: int, local: frozenset[int], give_up: GiveUpRule = GiveUpRule()) -> State:
+    """The state at the launch's first start of the group (``give_up``: the rule, its
+    ``last_ckpt`` the newest checkpoint at launch)."""
+    return State(limits, world_size, frozenset(local), give_up=give_up)
+
+
+def decide(state: State, event: Event) -> tuple[State, Decisions]:
+    """The new state and the decisions for ``event`` (see the module's table).
+
+    Raises:
+        TypeError: ``event`` is not one of this module's events.
+    """
+    if state.ended is not None:
+        return state, ()
+    rule = _RULES.get(type(event))
+    if rule is None:
+        raise TypeError(f"not a membership event: {event!r}")
+    return rule(state, event)
+
+
+def why_not_in_process(state: State, lost: list[int], codes: Mapping[int, Optional[int]], declined: Optional[str]):
+    """Why in-process recovery cannot take the failure of the local ranks ``lost``, or ``None``."""
+    if state.forming is not None:
+        return f"a rank failed while the last ({state.forming}) generation was still forming"
+    if state.replacements + len(lost) > state.limits.max_replacements:
+        return f"in-process replacement budget spent ({state.limits.max_replacements})"
+    if declined is not None:
+        return f"in-process recovery does not apply: {declined}"
+    if len(lost) == len(codes) == state.world_size:
+        return "no rank survived to send the state"
+    return None
+
+
+def _look(state: State, event: Look) -> tuple[State, Decisions]:
+    codes = {r: c for r, c in event.codes.items() if r not in state.withdrawn}
+    lost = sorted(r for r, c in codes.items() if failed(c))
+    decided: list[Decision] = []
+    if lost and state.limits.in_process and state.stop is None and not any(c in DECISION_CODES for c in codes.values()):
+        why = why_not_in_process(state, lost, codes, event.declined)
+        if why is None:
+            shrinks = (
+                event.single_node
+                and state.limits.min_ranks > 0
+                and event.spares_ready == 0
+                and state.world_size - len(lost) >= state.limits.min_ranks
+            )
+            if shrinks:
+                new = replace(
+                    state,
+                    forming="shrink",
+                    world_size=state.world_size - len(lost),
+                    local=state.local - set(lost),
+                    withdrawn=state.withdrawn | set(lost),
+                )
+                return new, (Shrink(tuple(lost)),)
+            return replace(state, forming="replace", replacements=state.replacements + len(lost)), (
+                Replace(tuple(lost)),
+            )
+        decided.append(Fallback(why))
+    if lost:
+        return state, (*decided, KillSurvivors(), Collect())
+    if all(c is not None for c in codes.values()) or any(c not in (None, 0) for c in codes.values()):
+        return state, (Collect(),)
+    return state, ()
+
+
+def _restart_or_end(state: State, reason: str, progress: Progress) -> tuple[State, Decisions]:
+    """**Restart** (one spent), or **End** 76 when the give-up rule says so or the budget is spent."""
+    rule, give_up = state.give_up.after(progress)
+    state = replace(state, give_up=rule)
+    if give_up is not None:
+        return _end(state, GIVE_UP, f"{give_up}: {reason}", "give_up", give_up)
+    if state.restarts_left <= 0:
+        return _end(
+            state, GIVE_UP, f"restart budget ({state.limits.max_restarts}) spent: {reason}", "restart_budget_spent"
         )
-        return None
+    new = replace(state, restarts=state.restarts + 1, forming=None, regrowing=False, withdrawn=frozenset())
+    return new, (Restart(reason),)
 
-    def _shrink(self, lost: list[int], workers: dict[int, Any], world_size: int, codes: list[Optional[int]]) -> None:
-        """The group goes on without the ranks of ``lost`` (local ranks, exit ``codes``; ``workers``:
-        this node's workers by local rank, ``world_size``: the group's size before); see
-        :mod:`trainguard.rejoin.shrink`."""
-        left = sorted(workers[r].global_rank for r in lost)
-        gen = self.replacer.shrink(left, world_size)
-        self._withdrawn += lost
-        live = {r: new_rank(w.global_rank, left) for r, w in workers.items() if r not in self._withdrawn}
-        self.withdraw(lost, {**live, **self._past(gen.world_size)}, gen.world_size)
-        if self.monitor is not None:
-            for r in lost:
-                self.monitor.rank_withdrawn(r)
-        if self.record is not None:
-            self.record.write_ranks(self.worker_pids())
-        console.say(
-            f"rank(s) {left} lost (exit codes {codes}): "
-            f"the other {gen.world_size} rank(s) go on as a smaller group, renumbered ([elastic] min_ranks = "
-            f"{self.replacer.min_ranks})"
-        )
 
-    def _past(self, world_size: int) -> dict[int, int]:
-        """``{local_rank: global rank}`` of the withdrawn workers: numbered past a group of
-        ``world_size`` ranks, in the order of their local ranks."""
-        return {r: world_size + i for i, r in enumerate(sorted(self._withdrawn))}
+def _end(state: State, code: int, reason: str, kind: str = "", cause: str = "") -> tuple[State, Decisions]:
+    return replace(state, ended=(code, reason), forming=None), (End(code, reason, kind, cause),)
 
-    def _grow_back(self) -> None:
-        """Ready spares take withdrawn slots back: they become ranks ``world_size``, ``world_size +
-        1``, ... of a larger group that the ranks meet at their next stop check (see
-        :mod:`trainguard.rejoin.shrink`)."""
-        workers = {w.local_rank: w for w in self.workers()}
-        world_size = next(w.world_size for r, w in workers.items() if r not in self._withdrawn)
-        spares = self.replacer.ready_spares()
-        slots = sorted(self._withdrawn)[: len(spares)]
-        joining = {world_size + i: self.worker_command(r) for i, r in enumerate(slots)}
-        started = self.replacer.grow(joining, world_size, spares[: len(slots)])
-        self._withdrawn = [r for r in self._withdrawn if r not in slots]
-        size = world_size + len(slots)
-        live = {r: w.global_rank for r, w in workers.items() if r not in self._withdrawn and r not in slots}
-        ranks = {**live, **{r: world_size + i for i, r in enumerate(slots)}, **self._past(size)}
-        self.readmit({r: started[world_size + i] for i, r in enumerate(slots)}, ranks, size)
-        if self.monitor is not None:
-            for r in slots:
-                self.monitor.rank_returned(r)
-        if self.record is not None:
-            self.record.write_ranks(self.worker_pids())
-        console.say(
-            f"a spare is ready: the group grows back to {size} rank(s) at the ranks' next stop check, "
-            f"rank(s) {sorted(joining)} taking their state from the others"
-        )
+
+def _collected(state: State, event: Collected) -> tuple[State, Decisions]:
+    codes = dict(event.codes)
+    decision = next((c for c in DECISION_CODES if c in codes.values()), None)
+    if state.regrowing and decision == REQUEUE and state.stop is None:
+        return replace(state, regrowing=False, forming=None, withdrawn=frozenset()), (MembershipRestart(),)
+    if decision is not None or state.stop is not None:
+        code = decision if decision is not None else REQUEUE
+        return _end(state, code, END_MEANINGS[code])
+    if event.script_error is not None:
+        return _end(state, *event.script_error, "script_error")
+    return _restart_or_end(state, f"rank failure (exit codes {codes})", event.progress)
+
+
+def _finished(state: State, event: Finished) -> tuple[State, Decisions]:
+    return _end(state, 0, "finished")
+
+
+def _joined(state: State, event: Joined) -> tuple[State, Decisions]:
+    return replace(state, forming=None), ()
+
+
+def _timed_out(state: State, event: TimedOut) -> tuple[State, Decisions]:
+    new, decided = _restart_or_end(
+        replace(state, forming=None), f"in-process recovery failed: {event.why}", event.progress
+    )
+    return new, (Fallback(event.why, formed=True), *decided)
+
+
+def _hang(state: State, event: Hang) -> tuple[State, Decisions]:
+    takes = state.limits.in_process and state.forming is None and state.replacements < state.limits.max_replacements
+    if takes and not event.unkillable:
+        return state, ()  # the killed rank's exit code comes in a later Look: it is replaced then
+    return _restart_or_end(state, event.reason, event.progress)
+
+
+def _stop(state: State, event: StopRequested) -> tuple[State, Decisions]:
+    new = state if state.stop is not None else replace(state, stop=event.signal)
+    return new, (Forward(event.signal),)
+
+
+def _grace(state: State, event: StopGraceExpired) -> tuple[State, Decisions]:
+    return _end(state, REQUEUE, "stop grace expired", "stop_grace_expired")
+
+
+def _nodes(state: State, event: NodesWaiting) -> tuple[State, Decisions]:
+    if state.regrowing or event.count <= 0:
+        return state, ()
+    if not (state.limits.in_process and state.limits.min_ranks > 0):
+        return replace(state, regrowing=True), (CheckpointFirst(event.count),)
+    if event.abandoned:
+        return _restart_or_end(state, "the group restarted on another node", event.progress)
+    if state.forming is None and state.stop is None:
+        return replace(state, forming="admit"), (Admit(event.count),)
+    return state, ()
+
+
+def _admit_failed(state: State, event: AdmitFailed) -> tuple[State, Decisions]:
+    return _restart_or_end(replace(state, forming=None), event.why, event.progress)
+
+
+def _idle(state: State, event: Idle) -> tuple[State, Decisions]:
+    room = state.limits.max_replacements - state.replacements
+    if (
+        not state.limits.regrow
+        or not state.withdrawn
+        or state.stop is not None
+        or state.regrowing
+        or state.forming is not None
+    ):
+        return state, ()
+    slots = tuple(sorted(state.withdrawn)[: min(event.spares_ready, room)])
+    if not slots:
+        return state, ()
+    new = replace(
+        state,
+        forming="grow",
+        replacements=state.replacements + len(slots),
+        world_size=state.world_size + len(slots),
+        local=state.local | set(slots),
+        withdrawn=state.withdrawn - set(slots),
+    )
+    return new, (GrowBack(slots),)
+
+
+def _node_lost(state: State, event: NodeLost) -> tuple[State, Decisions]:
+    return _restart_or_end(replace(state, forming=None), event.why, event.progress)
+
+
+def _followed(state: State, event: Followed) -> tuple[State, Decisions]:
+    return replace(state, world_size=event.world_size), ()
+
+
+def _started(state: State, event: GroupStarted) -> tuple[State, Decisions]:
+    new = replace(
+        state,
+        world_size=event.world_size,
+        local=frozenset(event.local),
+        withdrawn=frozenset(),
+        forming=None,
+        regrowing=False,
+    )
+    return new, ()
+
+
+_RULES = {
+    Look: _look,
+    Collected: _collected,
+    Finished: _finished,
+    Joined: _joined,
+    TimedOut: _timed_out,
+    Hang: _hang,
+    StopRequested: _stop,
+    StopGraceExpired: _grace,
+    NodesWaiting: _nodes,
+    AdmitFailed: _admit_failed,
+    Idle: _idle,
+    NodeLost: _node_lost,
+    Followed: _followed,
+    GroupStarted: _started,
+}
+
+
+@dataclass
+class Machine:
+    """The agent's holder of the state: feeds events, keeps the new state, returns the decisions
+    (and counts them, for the tests and the scale benchmark)."""
+
+    state: State
+    decided: list[Decision] = field(default_factory=list)
+
+    def feed(self, event: Event) -> Decisions:
+        """Apply :func:`decide` to the current state; returns the decisions."""
+        self.state, decisions = decide(self.state, event)
+        self.decided.extend(decisions)
+        return decisions

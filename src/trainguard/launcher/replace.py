@@ -49,6 +49,7 @@ from ..rejoin.protocol import (
 )
 from ..sections import RecoverySection
 from . import node_join
+from .membership import Joined, TimedOut
 from .node_join import NodeJoin
 
 REPLACEMENT_MODULE = "trainguard.rejoin.replacement"
@@ -71,7 +72,7 @@ class Replacer:
         bind: the address the stores listen on (default ``host``; see
             :func:`~trainguard.rejoin.protocol.listen_address`).
         spares: warm spares to keep (``[launcher] spares``).
-        min_ranks: ``[elastic] min_ranks`` (0: never shrink; see :meth:`can_shrink`).
+        min_ranks: ``[elastic] min_ranks`` (0: never shrink; the rule is in :mod:`.membership`).
         regrow: ``[elastic] regrow``: after a shrink, start a spare for each rank that left and grow
             back when it is ready (:meth:`grow`).
 
@@ -101,7 +102,6 @@ class Replacer:
         self.local_address = f"{host}:{self.server.port}"
         self.address = self.local_address  # of the recovery store the group shares (see share())
         self.shared = self.server
-        self.replacements = 0
         self.attempt = 0
         self.generation = 0
         self.seen = 0  # the newest generation whose membership this agent has taken (follow())
@@ -168,13 +168,6 @@ class Replacer:
         for sid in list(self.spares)[self.want_spares :]:  # started to grow back the previous group
             self.spares.pop(sid).kill()
         return self.address, number, join
-
-    def can_admit(self) -> bool:
-        """Whether a node that arrives joins the running group in place (:meth:`admit`) instead of
-        a checkpoint and a restart of every rank: ``[elastic] min_ranks`` is set (the ranks were
-        checked at start for a world size that changes: a sampler with ``reshard``, no node-local
-        tier; see :func:`~trainguard.rejoin.shrink.check_shrinkable`)."""
-        return bool(self.min_ranks)
 
     def abandon(self) -> None:
         """Say in the shared store that this start of the group is given up (this agent restarts its
@@ -245,27 +238,13 @@ class Replacer:
             spare_env = {**os.environ, **env, RECOVERY_STORE: self.local_address}  # assigned here, by this agent
             self.spares[self._spare_ids] = subprocess.Popen(cmd, env=spare_env, start_new_session=True)
 
-    def can_replace(self) -> Optional[str]:
-        """``None`` when a replacement may start now, else why not (the agent restarts the group)."""
-        if self.pending is not None:
-            return f"a rank failed while generation {self.pending.number} was still forming"
-        if self.replacements >= self.cfg.max_replacements:
-            return f"in-process replacement budget spent ({self.cfg.max_replacements})"
-        declined = self._recovery().declined()
-        if declined is not None:
-            return f"in-process recovery does not apply: {declined}"
-        return None
+    def declined(self) -> Optional[str]:
+        """Why the ranks declined in-process recovery (:meth:`RecoveryStore.decline`), or ``None``."""
+        return self._recovery().declined()
 
     def ready_spares(self) -> list[int]:
         """Ids of the spares that are alive and wait for an assignment (their start-up done)."""
         return [sid for sid, p in self.spares.items() if p.poll() is None and spare_ready(self.server, sid, self.seal)]
-
-    def can_shrink(self, lost: int, world_size: int) -> bool:
-        """Whether ``lost`` lost ranks of a ``world_size`` group leave a smaller group instead of
-        being replaced: ``[elastic] min_ranks`` is set, no warm spare is ready, and at least
-        ``min_ranks`` ranks remain (a cold start, or a spare still starting, would hold every rank
-        for seconds)."""
-        return bool(self.min_ranks) and not self.ready_spares() and world_size - lost >= self.min_ranks
 
     def shrink(self, left: list[int], world_size: int) -> Generation:
         """Publish the generation in which the others go on without the global ranks ``left``
@@ -286,21 +265,8 @@ class Replacer:
             world_size=gen.world_size,
             pids={},
             warm=[],
-            replacements=self.replacements,
         )
         return gen
-
-    def can_grow(self) -> bool:
-        """Whether the group may grow back now: spares are owed to a shrink, one is ready, no
-        generation is forming, and the replacement budget (``[recovery] max_replacements``, which
-        a grow counts against: a slot whose device keeps failing must not shrink and grow forever)
-        is not spent."""
-        return (
-            self.owed > 0
-            and self.pending is None
-            and self.replacements < self.cfg.max_replacements
-            and bool(self.ready_spares())
-        )
 
     def grow(
         self, joining: dict[int, tuple[list[str], dict[str, str]]], world_size: int, spares: list[int]
@@ -330,7 +296,6 @@ class Replacer:
         self._publish(gen)
         self._newcomers = [p.pid for p in procs.values()]
         self.owed -= len(ranks)
-        self.replacements += len(ranks)
         if self._template is not None:  # [launcher] spares, if any, waiting again
             self.fill_spares(*self._template)
         self.events.emit(
@@ -414,23 +379,22 @@ class Replacer:
         self._publish(gen)
         self._warm = warm
         self._pids = {r: p.pid for r, p in procs.items()}
-        self.replacements += len(lost)
         self.events.emit(
             "recovery_started",
             generation=gen.number,
             ranks=list(gen.replaced),
             pids={r: p.pid for r, p in procs.items()},
             warm=warm,
-            replacements=self.replacements,
         )
         if self._template is not None:
             self.fill_spares(*self._template)
         return procs
 
-    def poll(self) -> Optional[str]:
-        """Follow a forming generation: ``None`` while it forms or once joined (a ``generation_joined``
-        event), else why recovery failed (not finished within ``[recovery] timeout`` + 5 s; for a
-        grow, from the ranks' agreement on it)."""
+    def poll(self) -> Optional[Joined | TimedOut]:
+        """Follow a forming generation: :class:`~.membership.Joined` once every member joined (a
+        ``generation_joined`` event), :class:`~.membership.TimedOut` with why recovery failed (not
+        finished within ``[recovery] timeout`` + 5 s; for a grow, from the ranks' agreement on it),
+        ``None`` while it forms or when none does."""
         if self.pending is None:
             return None
         store = self._recovery()
@@ -450,13 +414,13 @@ class Replacer:
                     "no completed step lost, the other ranks kept their processes"
                 )
             self.pending = None
-            return None
+            return Joined()
         if self.pending.grown and self._deadline == float("inf") and store.accepted(self.pending.number):
             self._deadline = time.monotonic() + self.cfg.timeout + 5.0
         if time.monotonic() > self._deadline:
             why = f"generation {self.pending.number} did not form within {self.cfg.timeout + 5.0:.0f} s"
             self.pending = None
-            return why
+            return TimedOut(why)
         return None
 
     def close(self) -> None:

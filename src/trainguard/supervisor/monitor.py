@@ -16,7 +16,7 @@ touched. Any other rank over its timeout is hung:
    stops the rest of the group (SIGTERM, ``kill_grace``, SIGKILL: the peers of a killed rank
    usually fail out of their collective at once) and restarts it, within the budget.
 
-:class:`RestartPolicy` adds the give-up rules besides the budget: ``max_no_progress_restarts``
+:class:`~trainguard.launcher.membership.GiveUpRule` adds the give-up rules besides the budget: ``max_no_progress_restarts``
 consecutive restarts without a new checkpoint, or ``max_same_step_faults`` failures in a row at the
 same step (a deterministic fault that a restart cannot cure).
 """
@@ -55,36 +55,6 @@ class HangHit(NamedTuple):
     silent: float  # seconds it has been in that section (or out of any, or since the group started)
     limit: float  # the timeout in force for that section, seconds
     step: Optional[int]  # the last step it reported; None before its first heartbeat
-
-
-class RestartPolicy:
-    """Give-up rules applied before each restart (the budget itself is the agent's).
-
-    Args:
-        max_no_progress: consecutive restarts with no newer checkpoint before giving up.
-        max_same_step: consecutive failures at the same step before giving up.
-        initial_ckpt: step of the newest checkpoint when the launch began (None if none).
-    """
-
-    def __init__(self, max_no_progress: int, max_same_step: int, initial_ckpt: Optional[int]):
-        self.max_no_progress, self.max_same_step = max_no_progress, max_same_step
-        self._last_ckpt = initial_ckpt
-        self._no_progress = 0
-        self._last_step: Optional[int] = None
-        self._same_step = 0
-
-    def give_up_reason(self, failure_step: Optional[int], newest_ckpt: Optional[int]) -> Optional[str]:
-        """Record one failure; return why to give up, or None to restart."""
-        self._no_progress = self._no_progress + 1 if newest_ckpt == self._last_ckpt else 0
-        self._last_ckpt = newest_ckpt
-        same = failure_step is not None and failure_step == self._last_step
-        self._same_step = self._same_step + 1 if same else 1
-        self._last_step = failure_step
-        if self._same_step >= self.max_same_step:
-            return f"the fault recurs at step {failure_step} ({self._same_step} failures in a row at that step)"
-        if self._no_progress >= self.max_no_progress:
-            return f"{self._no_progress} consecutive failures without checkpoint progress (newest checkpoint: step {newest_ckpt})"
-        return None
 
 
 def stuck_first(hung: list[HangHit], pids: dict[int, int]) -> list[HangHit]:
@@ -133,9 +103,6 @@ class HangMonitor:
         self.write_timeouts = write_timeouts
         root = Path(cfg.checkpoint.dir)
         self.store = CheckpointStore(root if root.is_absolute() else run_dir / root)
-        self.policy = RestartPolicy(
-            cfg.supervisor.max_no_progress_restarts, cfg.supervisor.max_same_step_faults, self.newest_checkpoint()
-        )
         self.attempt = 0
         self._readers: dict[int, HeartbeatReader] = {}
         self._last_states: dict[int, RankState] = {}
