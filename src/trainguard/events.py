@@ -28,14 +28,16 @@ class EventLog:
     Args:
         run_dir: the run directory (created if missing).
         rank: global rank of the writer, or ``None`` for the launcher.
+        attempt: the worker-group restart count the events carry (default: torch's
+            ``TORCHELASTIC_RESTART_COUNT``, read now; the Guard passes the one it read).
     """
 
     FILENAME = "events.jsonl"
 
-    def __init__(self, run_dir: str | os.PathLike, rank: Optional[int] = None):
+    def __init__(self, run_dir: str | os.PathLike, rank: Optional[int] = None, attempt: Optional[int] = None):
         self.path = Path(run_dir) / self.FILENAME
         self.rank = rank
-        self.attempt = LaunchEnv.from_environ().restart_count
+        self.attempt = LaunchEnv.from_environ().restart_count if attempt is None else attempt
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     def renumber(self, rank: int) -> None:

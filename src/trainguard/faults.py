@@ -48,7 +48,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .config import ConfigError, FaultSpec, parse_key_values
 from .events import EventLog
-from .launch_env import LaunchEnv
 from .sdc import INT_VIEW, flip_bit
 
 
@@ -106,16 +105,6 @@ def provoke_oom(device: torch.device | str = "cpu") -> None:
     """Ask ``device``'s allocator for :data:`IMPOSSIBLE_BYTES`: raises the allocator's real
     out-of-memory error (``torch.OutOfMemoryError`` on CUDA, ``RuntimeError`` from the CPU allocator)."""
     torch.empty(IMPOSSIBLE_BYTES, dtype=torch.uint8, device=device)
-
-
-def specs_from_env() -> list[FaultSpec]:
-    """Injections passed by the launcher (:attr:`~trainguard.launch_env.LaunchEnv.inject`).
-
-    Raises:
-        LaunchEnvError: the launcher's value is not a JSON list of objects.
-        pydantic.ValidationError: an object is not a valid fault spec.
-    """
-    return [FaultSpec.model_validate(d) for d in LaunchEnv.from_environ().inject]
 
 
 class FaultInjector:

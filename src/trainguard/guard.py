@@ -83,7 +83,7 @@ from .rundir import prepare_run_dir
 from .sdc import ReplicaCheck
 from .signals import ShutdownHandler
 from .state import state_hash
-from .stop import StopConditions, StopFlags
+from .stop import StopConditions, StopFlags, launch_start_time
 from .straggler import StragglerDetector
 from .supervisor.rank import attach as attach_supervisor
 from .supervisor.rank import enter_teardown
@@ -182,12 +182,12 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             prepare_run_dir(self.run_dir)
         except ConfigError as e:
             raise BadInput(str(e)) from None
-        self.events = EventLog(self.run_dir, self.rank)
+        launch = LaunchEnv.from_environ()  # read once: the components get what they need of it
+        self.events = EventLog(self.run_dir, self.rank, attempt=launch.restart_count)
         events = self.events
         console.quiet_peer_loss(
             is_peer_failure, lambda error, text: events.emit("peer_lost", error=error, traceback=text)
         )
-        launch = LaunchEnv.from_environ()
         declined = self._in_process_declined() if cfg.recovery.in_process else None
         self.rejoin = Rejoin(
             cfg.recovery,
@@ -224,8 +224,14 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         self.shutdown = ShutdownHandler(
             cfg.preemption.signals, cfg.preemption.save_deadline, self._on_deadline
         ).install()
-        self.stop = StopConditions(cfg.stop, self.run_dir, self.shutdown, MemoryWatchdog(cfg.memory, self.events))
-        self.heartbeat = attach_supervisor(self.events.attempt)  # under trainguard run: heartbeat + stack dumps
+        self.stop = StopConditions(
+            cfg.stop,
+            self.run_dir,
+            self.shutdown,
+            MemoryWatchdog(cfg.memory, self.events),
+            start_time=launch_start_time(launch),
+        )
+        self.heartbeat = attach_supervisor(launch)  # under trainguard run: heartbeat + stack dumps
         # a replacement of a lost rank counts as a later attempt of it: faults of the first attempt do not fire again
         attempt = max(self.events.attempt, int(self.rejoin.joining))
         self.faults = FaultInjector(cfg.faults.inject, self.rank, self.world_size, attempt, self.events)
@@ -317,10 +323,6 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         """
         with self._edge():
             return rank_batch(batch, self.cfg.elastic.keep, self.elastic.base_world_size, self.world_size)
-
-    def add_hook(self, hook: Hook) -> None:
-        """Append a hook (see :class:`~trainguard.events.Hook`)."""
-        self.hooks.append(hook)
 
     # ------------------------------------------------------------------------------------------
     # the loop

@@ -63,15 +63,16 @@ class StopFlags:
         return next((name for name in self.REASONS if getattr(self, name)), None)
 
 
-def launch_start_time() -> float:
-    """Unix time the launch began: the launcher's (:attr:`~trainguard.launch_env.LaunchEnv.launch_time`), else now.
+def launch_start_time(launch: Optional[LaunchEnv] = None) -> float:
+    """Unix time the launch began: the launcher's (:attr:`~trainguard.launch_env.LaunchEnv.launch_time`
+    of ``launch``, default read from the environment now), else now.
 
     Restarted worker groups of one launch share it, so the time limit counts the whole launch.
 
     Raises:
         LaunchEnvError: the launcher's value is not a number.
     """
-    launched = LaunchEnv.from_environ().launch_time
+    launched = (launch or LaunchEnv.from_environ()).launch_time
     return time.time() if launched is None else launched
 
 

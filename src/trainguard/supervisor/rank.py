@@ -11,19 +11,18 @@ from .monitor import attempt_dir
 from .stacks import STACK_SIGNAL, stack_path
 
 
-def attach(attempt: int) -> Optional[HeartbeatWriter]:
+def attach(launch: LaunchEnv) -> Optional[HeartbeatWriter]:
     """Open this rank's heartbeat record (section ``setup`` starts now) and let SIGUSR2 dump every
     thread's stack next to it, where the supervisor copies it from on a hang.
 
     Args:
-        attempt: the worker-group restart count (records live per attempt).
+        launch: the launcher's contract (the heartbeat directory, the local rank, and the
+            restart count: records live per attempt).
     Returns:
         The writer, or ``None`` when not run by ``trainguard run`` with the supervisor on (no
         :attr:`~trainguard.launch_env.LaunchEnv.heartbeat_dir`).
-    Raises:
-        LaunchEnvError: the launcher's variables are malformed.
     """
-    launch = LaunchEnv.from_environ()
+    attempt = launch.restart_count
     if launch.heartbeat_dir is None:
         return None
     directory = attempt_dir(launch.heartbeat_dir, attempt)
