@@ -153,3 +153,32 @@ def clean_hash(tmp_path_factory) -> Callable[[int], str]:
         )
 
     return get
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real small file system: a 6 MiB tmpfs mounted at ``tmp_path/small`` (root only; skipped
+    where it cannot be mounted), unmounted after the test."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """Fill the file system of ``directory`` to its last byte (a file ``filler`` in it); returns the file."""
+    path = directory / "filler"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for size in (1 << 16, 4096, 512, 64, 1):
+            try:
+                while os.write(fd, b"\0" * size) == size:
+                    pass
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return path

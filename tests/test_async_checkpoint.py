@@ -196,21 +196,11 @@ def test_local_tier_deleted_or_corrupt_falls_back(tmp_path):
 # ENOSPC on a real small filesystem
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 6 MiB tmpfs: room for two checkpoints of the hidden=256 writer (~2.4 MB each), not three."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("max_failures", [2, 0])
 def test_enospc_keeps_older_checkpoints(tmp_path, small_fs, max_failures):
+    """A 6 MiB tmpfs (``small_fs``): room for two checkpoints of the hidden=256 writer (~2.4 MB
+    each), not three."""
     run = tmp_path / "run"
     store = small_fs / "ckpt"
     r = writer(

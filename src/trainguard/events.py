@@ -13,12 +13,14 @@ interleave.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from . import console
 from .launch_env import LaunchEnv
 
 
@@ -39,6 +41,10 @@ class EventLog:
         self.rank = rank
         self.attempt = LaunchEnv.from_environ().restart_count if attempt is None else attempt
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self.lost = 0  # events not written since the last one that was (see _write)
+        self.lost_error: Optional[str] = None  # why the last one was not
+        self.first_lost: Optional[str] = None  # the kind of the first one lost
+        self._torn = False  # a write was cut short: the next one starts with a newline
 
     def renumber(self, rank: int) -> None:
         """Events of this process carry ``rank`` from now on (the group shrank in place)."""
@@ -56,11 +62,48 @@ class EventLog:
             "details": details,
         }
         line = json.dumps(event, default=str, separators=(",", ":")) + "\n"
-        os.write(self._fd, line.encode())
+        self._write(line.encode(), kind)
         return event
 
+    def _write(self, data: bytes, kind: str) -> None:
+        """Append ``data``; a write the file system refuses (a full disk, a quota, an I/O error)
+        is counted, not raised: the run goes on and decides by its own rules (a checkpoint that
+        cannot be saved counts against ``[checkpoint] max_failures``). The first such write prints
+        one warning; the first write that succeeds again is preceded by an ``events_lost`` event
+        with the count. A write cut short leaves a torn line, ended before the next one (readers
+        skip it)."""
+        try:
+            if self.lost:
+                note = {"time": round(time.time(), 6), "rank": self.rank, "kind": "events_lost", "step": None}
+                note |= {"attempt": self.attempt, "pid": os.getpid()}
+                note["details"] = {"count": self.lost, "error": self.lost_error, "first_lost": self.first_lost}
+                data = (json.dumps(note, separators=(",", ":")) + "\n").encode() + data
+            if self._torn:
+                data = b"\n" + data
+            done = os.write(self._fd, data)
+        except OSError as e:
+            if e.errno == errno.EBADF:  # closed: a bug of the caller, not the disk
+                raise
+            done = 0
+            error = f"{e.strerror or e} ({self.path})"
+        else:
+            error = f"short write ({done} of {len(data)} bytes) to {self.path}"
+        if done == len(data):
+            self.lost, self._torn = 0, False
+            return
+        self._torn = self._torn or done > 0
+        if not self.lost:
+            self.first_lost = kind
+        self.lost += 1
+        if self.lost_error is None:
+            console.warn(f"events could not be written: {error}; counting them until the disk has room")
+        self.lost_error = error
+
     def close(self) -> None:
-        """Close the file; further ``emit`` calls fail."""
+        """Close the file (saying how many events were lost, if the last ones were); further
+        ``emit`` calls fail."""
+        if self.lost:
+            console.warn(f"{self.lost} event(s) from {self.first_lost} on were not written: {self.lost_error}")
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from .. import console
 from .. import dist as tgdist
 from ..atomic import write_atomic
 from ..checkpoint import manifest as mf
@@ -141,6 +142,7 @@ class Recovery:
         self.last_bad = 0  # step number of the last step with a detection
         self.rejected = False  # the current step must not be applied
         self.pending: list[Checkpoint] = []  # rank 0: committed, known-good verdict pending
+        self._unmarked: set[int] = set()  # steps whose known-good mark could not be written (warned once)
         self.newest_known_good: Optional[int] = None  # rank 0: protected from retention
 
     # ------------------------------------------------------------------------------------------
@@ -433,9 +435,19 @@ class Recovery:
         """At each step boundary (rank 0), ``done`` steps completed: mark the checkpoints whose
         following ``known_good_after`` steps were all healthy."""
         while self.pending and done - self.pending[0].step >= self.cfg.known_good_after:
-            c = self.pending.pop(0)
+            c = self.pending[0]
             if self.last_bad <= c.step and c.path.exists():
-                self.store.mark_known_good(c, done - c.step)
+                try:
+                    self.store.mark_known_good(c, done - c.step)
+                except OSError as e:  # a full disk: it stays pending, the next step boundary tries again
+                    if c.step not in self._unmarked:
+                        self._unmarked.add(c.step)
+                        console.warn(
+                            f"checkpoint at step {c.step} could not be marked known-good yet: {e.strerror or e}"
+                        )
+                    return
+            self.pending.pop(0)
+            if self.last_bad <= c.step and c.path.exists():
                 self.newest_known_good = c.step
                 self._emit(
                     done, "checkpoint_known_good", checkpoint_step=c.step, path=str(c.path), healthy_steps=done - c.step

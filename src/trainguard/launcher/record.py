@@ -27,6 +27,7 @@ from typing import Optional
 
 import psutil
 
+from .. import console
 from ..atomic import write_atomic
 from .lock import RunDirLocked
 
@@ -84,8 +85,11 @@ class LaunchRecord:
             "heartbeat_dir": str(self.heartbeat_dir) if self.heartbeat_dir else None,
             "ranks": {str(r): {"pid": pid, "started": t} for r, (pid, t) in self._ranks.items()},
         }
-        self.path.parent.mkdir(exist_ok=True)
-        write_atomic(self.path, json.dumps(record))
+        try:
+            self.path.parent.mkdir(exist_ok=True)
+            write_atomic(self.path, json.dumps(record))
+        except OSError as e:  # a full disk: the previous record stays (an older list of pids)
+            console.warn(f"the launch record {self.path} could not be written: {e.strerror or e}")
 
     def close(self) -> list[int]:
         """At the launch's end: delete the record, unless a recorded rank is still alive (one in

@@ -218,7 +218,10 @@ def _launch_locked(
             opts, cfg, run_dir, config_path, overrides, min_nodes, max_nodes, slurm, events, launch_time
         )
         if sha is not None:
-            finished.write(run_dir, signature, sha, slurm_job_id=slurm.requeue_id if slurm else None)
+            try:
+                finished.write(run_dir, signature, sha, slurm_job_id=slurm.requeue_id if slurm else None)
+            except OSError as e:  # a full disk: the run is done all the same; a requeue resumes and ends at once
+                console.warn(f"{run_dir / finished.FILENAME} could not be written: {e.strerror or e}")
     if slurm is not None and cfg.slurm.auto_requeue and slurm.node_id == 0 and code == ExitCode.REQUEUE:
         from ..slurm.requeue import after_launch
 

@@ -72,13 +72,17 @@ class HeartbeatWriter:
     """The rank side. Cost per call: a few ``struct.pack_into`` (≈ 1 µs each, see the benchmark).
 
     Args:
-        path: this rank's record (created, sized and zeroed).
+        path: this rank's record (created, sized, zeroed and allocated).
+    Raises:
+        OSError: the file cannot be created or its pages allocated (a full file system).
     """
 
     def __init__(self, path: str | os.PathLike):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, SIZE)
+            # the pages are allocated now: a sparse file on a full memory file system would end the
+            # rank with SIGBUS at the first write to a new page, mid-run; this raises ENOSPC here
+            os.posix_fallocate(fd, 0, SIZE)
             self._mm = mmap.mmap(fd, SIZE)
         finally:
             os.close(fd)

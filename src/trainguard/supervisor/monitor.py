@@ -113,6 +113,7 @@ class HangMonitor:
         self._withdrawn: set[int] = set()  # local ranks the group went on without (a shrink)
         self.cpu = CpuMeter()
         self._slow: dict[int, float] = {}  # local rank -> start of the silence last reported as slow_section
+        self._save_failed = False  # the last write of timeouts.json failed (warned once)
         self._killed: dict[int, float] = {}  # pid -> monotonic time this monitor SIGKILLed it (a hung rank)
         self.unkillable: list[int] = []  # pids that outlived their SIGKILL by kill_grace (the group must restart)
 
@@ -188,10 +189,22 @@ class HangMonitor:
         return committed[-1].step if committed else None
 
     def save_timeouts(self) -> None:
-        """Write ``timeouts.json`` (only on the node that owns it)."""
-        if self.write_timeouts:
+        """Write ``timeouts.json`` (only on the node that owns it). A write the file system refuses
+        (a full disk) is not raised: one warning, and the next save tries again; the file keeps
+        its previous content (it is replaced atomically)."""
+        if not self.write_timeouts:
+            return
+        try:
             self.book.save(self.run_dir)
-            self._last_save = time.monotonic()
+        except OSError as e:
+            if not self._save_failed:
+                console.warn(
+                    f"timeouts.json could not be written ({e.strerror or e}): the learned timeouts are kept in memory"
+                )
+            self._save_failed = True
+        else:
+            self._save_failed = False
+        self._last_save = time.monotonic()
 
     # ---- polling --------------------------------------------------------------------------------
 

@@ -81,8 +81,8 @@ def dump_stacks(src: Path, dest: Path, pid: Optional[int], wait: float) -> Optio
 
     Returns:
         ``dest``, or ``None`` when there is no process, no stack file, no handler for the dump
-        signal in the process (:func:`catches`: it is not sent, it would end the process), or an
-        empty copy.
+        signal in the process (:func:`catches`: it is not sent, it would end the process), no
+        room for the copy, or an empty copy.
     """
     if pid is None or not src.exists() or not catches(pid, STACK_SIGNAL):
         return None
@@ -105,6 +105,9 @@ def dump_stacks(src: Path, dest: Path, pid: Optional[int], wait: float) -> Optio
                     break
         elif quiet_since is not None and time.monotonic() - quiet_since >= STACK_QUIET:
             break
-    dest.parent.mkdir(exist_ok=True)
-    shutil.copyfile(src, dest)
+    try:
+        dest.parent.mkdir(exist_ok=True)
+        shutil.copyfile(src, dest)
+    except OSError:  # a full run directory: no copy (the hang is handled all the same)
+        return None
     return dest if dest.stat().st_size > 0 else None
