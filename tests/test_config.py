@@ -46,6 +46,17 @@ def test_unknown_section_and_override_source(tmp_path):
         ("[checkpoint]\nkeep_last = 0\n", "checkpoint.keep_last"),
         ("[stop]\nmax_duration = 'soon'\n", "stop.max_duration"),
         ("[preemption]\nsignals = ['SIGFOO']\n", "preemption.signals"),
+        # not finite: inf seconds overflow the timers, a NaN timeout never expires
+        ("[launcher]\nmonitor_interval = inf\n", "launcher.monitor_interval"),
+        ("[supervisor]\nkill_grace = inf\n", "supervisor.kill_grace"),
+        ("[recovery]\ntimeout = inf\n", "recovery.timeout"),
+        ("[supervisor]\nstep_timeout = nan\n", "supervisor.step_timeout"),
+        ("[stop]\nmax_duration = inf\n", "stop.max_duration"),
+        # 0 would stop at every check: one step per launch, requeued forever
+        ("[stop]\nmax_duration = 0\n", "stop.max_duration"),
+        # the launcher deletes a save switch it finds: never outside the run directory
+        ("[stop]\nsave_switch = '/etc/hostname'\n", "stop.save_switch"),
+        ("[stop]\nkill_switch = '../KILL'\n", "stop.kill_switch"),
     ],
 )
 def test_bad_values_name_key_and_file(tmp_path, text, key):
@@ -58,6 +69,13 @@ def test_bad_values_name_key_and_file(tmp_path, text, key):
 def test_malformed_toml_names_file(tmp_path):
     p = write(tmp_path, "[checkpoint\ninterval = 5\n")
     with pytest.raises(ConfigError, match=rf"malformed TOML in {p}"):
+        load_config(p)
+
+
+def test_a_config_file_that_is_not_utf8_is_named_as_such(tmp_path):
+    p = tmp_path / "config.toml"
+    p.write_bytes(b"[run]\n# caf\xe9 (latin-1)\n")
+    with pytest.raises(ConfigError, match=rf"config file {p} is not UTF-8 text"):
         load_config(p)
 
 

@@ -368,7 +368,22 @@ def test_history_from_saved_timeouts_json(tmp_path):
     assert TimeoutBook.load(SupervisorSection(min_timeout=60), tmp_path).timeout("step") == 60
 
 
-@pytest.mark.parametrize("content", [None, "{not json", "[1, 2]", '{"sections": {}}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        None,
+        "{not json",
+        "[1, 2]",
+        '{"sections": {}}',
+        # wrongly shaped: each of these crashed every relaunch before
+        '{"sections": [1, 2]}',
+        '{"sections": {"step": 7}}',
+        '{"sections": {"step": {"count": "many", "longest": 1.0, "buckets": []}}}',
+        '{"sections": {"step": {"count": 500, "longest": NaN, "buckets": [1]}}}',
+        '{"sections": {"step": {"count": 500, "longest": 1.0, "buckets": {"0": 1}}}}',
+        '{"sections": {"step": {"count": 500, "longest": 1.0, "buckets": [-4]}}}',
+    ],
+)
 def test_missing_or_bad_history_gives_defaults(tmp_path, content):
     if content is not None:
         (tmp_path / FILENAME).write_text(content)

@@ -66,7 +66,7 @@ class ConfigError(ValueError):
 class Config(BaseModel):
     """The whole run configuration. Subclass it to add your script's own sections."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     run: RunSection = RunSection()
     checkpoint: CheckpointSection = CheckpointSection()
@@ -165,6 +165,10 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"config file {path} is not readable (permission denied)") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"malformed TOML in {path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason}); TOML files are UTF-8"
+        ) from None
 
 
 def _model_fields(model: type[BaseModel], loc: tuple) -> list[str]:

@@ -7,6 +7,7 @@ out-of-range value fails validation, and :func:`trainguard.config.load_config` t
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
@@ -54,6 +55,8 @@ def parse_duration(value: Any) -> Optional[float]:
         seconds = d * 86400 + h * 3600 + mi * 60 + s
     else:
         raise ValueError(f"expected a duration such as 3600, '1h30m' or '01:30:00', got {value!r}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"expected a finite duration, got {value!r}")
     if seconds < 0:
         raise ValueError(f"expected a non-negative duration, got {value!r}")
     return seconds
@@ -104,9 +107,11 @@ def parse_bytes(value: Any) -> Optional[int]:
 
 
 class Section(BaseModel):
-    """Base class of every config section: unknown keys are errors, assignments are validated."""
+    """Base class of every config section: unknown keys are errors, assignments are validated, and
+    no number may be infinite or NaN (``inf`` seconds overflow the timers that use them; a NaN
+    timeout compares false with every duration, so it would never expire)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunSection(Section):
@@ -209,7 +214,21 @@ class StopSection(Section):
     @field_validator("max_duration", mode="before")
     @classmethod
     def _duration(cls, v: Any) -> Optional[float]:
-        return parse_duration(v)
+        seconds = parse_duration(v)
+        if seconds == 0:  # every stop check would stop: one step per launch, requeued forever
+            raise ValueError("expected a positive duration (leave it unset for no limit), got 0")
+        return seconds
+
+    @field_validator("kill_switch", "save_switch")
+    @classmethod
+    def _inside_run_dir(cls, v: str) -> str:
+        path = Path(v)
+        if not v or path.is_absolute() or ".." in path.parts:
+            raise ValueError(
+                f"expected a file name relative to the run directory (the launcher deletes a save switch it "
+                f"finds), got {v!r}"
+            )
+        return v
 
 
 class LauncherSection(Section):

@@ -17,9 +17,10 @@ good, and ``longest`` makes sure a duration that already happened once never tim
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from ..atomic import write_atomic
 from ..config import SupervisorSection
@@ -45,6 +46,21 @@ def percentile_of(buckets: list[int], q: float) -> Optional[float]:
     return bucket_upper(len(buckets) - 1)
 
 
+def _section_record(rec: Any) -> Optional[list]:
+    """``[count, longest, buckets]`` from one section of ``timeouts.json``, or ``None`` when it is
+    not of that shape (a hand-edited or foreign file: that section starts from the defaults)."""
+    if not isinstance(rec, dict):
+        return None
+    count, longest, buckets = rec.get("count", 0), rec.get("longest", 0.0), rec.get("buckets", [])
+    numbers = isinstance(count, int) and isinstance(longest, (int, float)) and isinstance(buckets, list)
+    if not numbers or not all(isinstance(b, int) and b >= 0 for b in buckets):
+        return None
+    if count < 0 or not math.isfinite(longest) or longest < 0:
+        return None
+    buckets = buckets[:NBUCKETS]
+    return [count, float(longest), buckets + [0] * (NBUCKETS - len(buckets))]
+
+
 class TimeoutBook:
     """Observed durations per section and the timeouts they give.
 
@@ -57,13 +73,11 @@ class TimeoutBook:
         self.cfg = cfg
         # section -> [count, longest, buckets]; "base" = closed attempts + earlier launches
         self.base: dict[str, list] = {}
-        for name, rec in ((history or {}).get("sections") or {}).items():
-            buckets = list(rec.get("buckets", []))[:NBUCKETS]
-            self.base[name] = [
-                int(rec.get("count", 0)),
-                float(rec.get("longest", 0.0)),
-                buckets + [0] * (NBUCKETS - len(buckets)),
-            ]
+        sections = (history or {}).get("sections") or {}
+        for name, rec in sections.items() if isinstance(sections, dict) else ():
+            parsed = _section_record(rec)
+            if parsed is not None:
+                self.base[str(name)] = parsed
         self.live: dict[str, list] = {}
 
     @classmethod
