@@ -169,6 +169,10 @@ def test_checkpointer_retains_after_a_commit_never_the_new_one_nor_the_protected
         ("truncate", "size", 20, "data has 3 bytes, manifest says 130"),
         ("no_manifest", "full", 20, "manifest.json is missing"),
         ("renamed", "full", 20, "manifest is for step 10, directory says 30"),
+        # valid JSON of the wrong shape: invalid (it raised on rank 0 before its broadcast before)
+        ("files_null", "full", 20, "manifest.json is unreadable: manifest.json: 'files' is NoneType"),
+        ("step_text", "full", 20, "manifest.json is unreadable: manifest.json: 'step' is 'thirty'"),
+        ("entry_shape", "size", 20, "manifest.json is unreadable: manifest.json: the entry of 'data' is not"),
     ],
 )
 def test_latest_valid_skips_what_does_not_verify_and_says_why(tmp_path, damage, verify, found, reason):
@@ -183,14 +187,51 @@ def test_latest_valid_skips_what_does_not_verify_and_says_why(tmp_path, damage, 
         os.truncate(newest / "data", 3)
     elif damage == "no_manifest":
         (newest / mf.MANIFEST).unlink()
+    elif damage in ("files_null", "step_text", "entry_shape"):
+        body = json.loads((newest / mf.MANIFEST).read_text())
+        body.update(
+            {"files": None}
+            if damage == "files_null"
+            else {"step": "thirty"}
+            if damage == "step_text"
+            else {"files": {"data": {"size": "130"}}}
+        )
+        (newest / mf.MANIFEST).write_text(json.dumps(body))
     elif damage == "renamed":  # a copy of another step under this name
         for p in newest.iterdir():
             p.unlink()
         for p in store.path_for(10).iterdir():
             (newest / p.name).write_bytes(p.read_bytes())
     assert store.latest_valid(verify).step == found
-    assert skipped == ([] if reason is None else [(30, reason)])
+    assert [(step, why[: len(reason)]) for step, why in skipped] == ([] if reason is None else [(30, reason)])
     assert store.latest_valid(verify, before=found).step == {30: 20, 20: 10}[found]
+
+
+def test_a_read_error_is_retried_and_never_sets_a_good_checkpoint_aside(tmp_path, monkeypatch):
+    """An EIO or ESTALE while reading a checkpoint (a shared file system's hiccup) is tried again
+    (3 tries); one that outlasts the tries makes the checkpoint neither valid nor invalid: it is
+    not reported, not set aside, and no older checkpoint is chosen in its place."""
+    import errno
+
+    skipped: list[tuple[int, str]] = []
+    store = CheckpointStore(tmp_path, on_invalid=lambda c, why: skipped.append((c.step, why)))
+    for step in (10, 20, 30):
+        commit(store, step)
+    real, failures = mf.hash_file, {"left": 2}
+
+    def flaky(path):  # the file system fails the first reads of step 30's file, as NFS might
+        if "step-00000030" in str(path) and failures["left"] > 0:
+            failures["left"] -= 1
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real(path)
+
+    monkeypatch.setattr(mf, "hash_file", flaky)
+    monkeypatch.setattr(mf, "_WAITS", (0.0, 0.0))
+    assert store.latest_valid("full").step == 30 and failures["left"] == 0 and skipped == []
+    failures["left"] = 99  # it does not pass
+    with pytest.raises(mf.ReadError, match=r"Stale file handle \(3 tries\)"):
+        store.latest_valid("full")
+    assert skipped == [] and steps(store) == [10, 20, 30] and not hidden(store)
 
 
 def test_mark_known_good_rewrites_the_manifest_atomically_and_it_still_verifies(tmp_path):

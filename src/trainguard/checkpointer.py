@@ -29,6 +29,7 @@ known-good bookkeeping, retention through :meth:`Checkpointer.retain`, the hooks
 from __future__ import annotations
 
 import copy
+import errno
 import logging
 import shutil
 import sys
@@ -46,6 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import dist as tgdist
 from .atomic import write_atomic
 from .checkpoint import CheckpointMismatchError, CheckpointStore, check_compatible, load_state
+from .checkpoint import manifest as mf
 from .checkpoint.io import apply_state, model_optim_state, saved_world_size, write_checkpoint
 from .checkpoint.local import LocalTier, choose, deserialize, expand_dir
 from .checkpoint.snapshot import Snapshot, copy_pairs
@@ -442,18 +444,29 @@ class Checkpointer:
         """The newest verified checkpoint across both tiers (a collective; same answer on every rank).
 
         Persistent checkpoints newer than the one found do not verify: they are set aside (kept,
-        renamed) so their steps can be saved again. A local step counts only if every rank can load
+        renamed) so their steps can be saved again. A checkpoint that cannot be read (a transient
+        error that outlasted its retries, :class:`~trainguard.checkpoint.manifest.ReadError`) is
+        neither: nothing is set aside and every rank raises.
+
+        Raises:
+            trainguard.checkpoint.manifest.ReadError: on every rank together (the launcher's
+                restart tries again). A local step counts only if every rank can load
         its part (own copy or replica); a local copy that fails verification is reported as a
         ``checkpoint_invalid`` event and the next candidate is used.
         """
-        found = None
+        found, error = None, None
         if self.rank == 0:
-            self.store.clean_stale()
-            found = self.store.latest_valid(self.cfg.verify)
-            for c in self.store.committed():
-                if found is None or c.step > found.step:
-                    self.store.set_aside(c, "does not verify (see the checkpoint_invalid event)")
-        found = tgdist.broadcast_object(found)
+            try:
+                self.store.clean_stale()
+                found = self.store.latest_valid(self.cfg.verify)
+                for c in self.store.committed():
+                    if found is None or c.step > found.step:
+                        self.store.set_aside(c, "does not verify (see the checkpoint_invalid event)")
+            except OSError as e:  # a read that kept failing: every rank stops here together, nothing set aside
+                error = f"{type(e).__name__}: {e}"
+        found, error = tgdist.broadcast_object((found, error))
+        if error is not None:
+            raise mf.ReadError(errno.EIO, f"the checkpoint to resume from could not be chosen (rank 0): {error}")
         point = ResumePoint("persistent", found.step, found) if found is not None else None
         if self.local is not None:
             self.local.clean_stale()

@@ -218,7 +218,7 @@ class CheckpointStore:
         to a background thread to keep the deletion off the training loop; ``clean_stale`` removes
         a ``.trash-`` directory left by a crash). Returns the deleted steps.
         """
-        ckpts = [c for c in self.committed() if mf.verify(c.path, verify) is None]
+        ckpts = [c for c in self.committed() if _verifies(c, verify)]
         keep = {c.step for c in ckpts[-self.keep_last :]} | set(protect)
         deleted = []
         for c in ckpts[:-1]:
@@ -231,3 +231,12 @@ class CheckpointStore:
         if deleted:
             mf.fsync_path(self.root)
         return deleted
+
+
+def _verifies(ckpt: Checkpoint, verify: str) -> bool:
+    """Whether ``ckpt`` verifies now; one that cannot be read (a transient error) does not count
+    (retention neither keeps nor deletes for it)."""
+    try:
+        return mf.verify(ckpt.path, verify) is None
+    except mf.ReadError:
+        return False
