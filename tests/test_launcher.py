@@ -98,28 +98,24 @@ def test_time_limit_saves_and_exits_before_the_limit(tmp_path):
     assert events(run, "exit")[-1]["time"] - launched < limit
 
 
-def test_second_launch_on_locked_run_dir_is_refused(tmp_path):
-    run = tmp_path / "run"
-    first = launch(run, "train.max_steps=100000")
+def test_second_launch_on_locked_run_dir_or_checkpoint_dir_is_refused(tmp_path):
+    """One launch per run directory, and per checkpoint directory outside it (an absolute
+    ``[checkpoint] dir``): two runs sharing one would delete each other's checkpoints."""
+    run, shared = tmp_path / "run", tmp_path / "shared-ckpt"
+    first = launch(run, "train.max_steps=100000", f"checkpoint.dir={shared}")
     wait_for(lambda: events(run, "start"), what="first launch training")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainguard.cli",
-            "run",
-            "--nproc-per-node",
-            "2",
-            "--run-dir",
-            str(run),
-            str(REPO / "examples" / "gpt.py"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+
+    def second(run_dir: Path, *settings: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--run-dir", str(run_dir)]
+        cmd += [str(REPO / "examples" / "gpt.py"), *[x for s in settings for x in ("--set", s)]]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    r = second(run)
     assert r.returncode == ExitCode.BAD_INPUT
-    assert "in use by another launch" in r.stderr and str(first.pid) in r.stderr
+    assert "run dir" in r.stderr and "in use by another launch" in r.stderr and str(first.pid) in r.stderr
+    r = second(tmp_path / "other-run", f"checkpoint.dir={shared}")
+    assert r.returncode == ExitCode.BAD_INPUT, r.stderr[-2000:]
+    assert f"checkpoint dir {shared} is in use by another launch" in r.stderr and str(first.pid) in r.stderr
     first.send_signal(signal.SIGTERM)
     assert finish(first) == ExitCode.REQUEUE
 

@@ -31,14 +31,17 @@ class RunDirLock:
         job_id: ``None`` for a single-node launch (exclusive); the rendezvous id for the agents of a
             multi-node job (shared among agents with the same id).
         wait: seconds to retry while another agent of the same job is between taking and sharing it.
+        what: the directory's name in messages (the same lock guards a checkpoint directory outside
+            the run directory: two runs must not share one, they would delete each other's files).
     Raises:
         RunDirLocked: on enter, when another launch holds it.
     """
 
-    def __init__(self, path: Path, job_id: Optional[str] = None, wait: float = 5.0):
+    def __init__(self, path: Path, job_id: Optional[str] = None, wait: float = 5.0, what: str = "run dir"):
         self.path = Path(path)
         self.job_id = job_id
         self.wait = wait
+        self.what = what  # the directory's name in messages ("run dir", "checkpoint dir")
         self._fd: Optional[int] = None
 
     def __enter__(self) -> RunDirLock:
@@ -51,7 +54,7 @@ class RunDirLock:
                 os.pwrite(fd, json.dumps(info).encode(), 0)
                 if self.job_id and not self._try(fd, fcntl.LOCK_SH):  # let the other agents of this job in
                     os.close(fd)  # (the conversion is not atomic: another launch took it meanwhile)
-                    raise RunDirLocked(f"run dir {self.path.parent} was taken by another launch while locking it")
+                    raise RunDirLocked(f"{self.what} {self.path.parent} was taken by another launch while locking it")
                 self._fd = fd
                 return self
             holder = self._holder(fd)
@@ -64,8 +67,9 @@ class RunDirLock:
                 os.close(fd)
                 shown = {k: holder[k] for k in ("pid", "host", "job") if holder.get(k) is not None} or "unknown"
                 raise RunDirLocked(
-                    f"run dir {self.path.parent} is in use by another launch ({shown}); "
-                    f"wait for it to end or choose another --run-dir (lock file {self.path})"
+                    f"{self.what} {self.path.parent} is in use by another launch ({shown}); "
+                    f"wait for it to end or choose another {'--run-dir' if self.what == 'run dir' else self.what} "
+                    f"(lock file {self.path})"
                 )
             time.sleep(0.05)
 

@@ -30,6 +30,7 @@ What it adds to torchrun's behaviour:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -134,9 +135,28 @@ def launch(opts: LaunchOptions) -> int:
 
     job_id = None if max_nodes == 1 else (opts.rdzv_id or "trainguard")
     slurm = SLURMInfo.from_env()  # None outside SLURM
-    with RunDirLock(run_dir / ".launch.lock", job_id):
+    with RunDirLock(run_dir / ".launch.lock", job_id), _checkpoint_dir_lock(cfg, run_dir, job_id):
         check_previous(run_dir)
         return _launch_locked(opts, cfg, run_dir, config_path, overrides, min_nodes, max_nodes, slurm)
+
+
+def _checkpoint_dir_lock(cfg: Config, run_dir: Path, job_id: Optional[str]) -> contextlib.AbstractContextManager:
+    """The lock of a ``[checkpoint] dir`` outside the run directory (the run directory's lock
+    covers one inside it): two runs that share one would delete each other's checkpoints and
+    temporary directories.
+
+    Raises:
+        ConfigError: the directory cannot be created.
+    """
+    root = Path(cfg.checkpoint.dir)
+    root = root if root.is_absolute() else run_dir / root
+    if root.resolve().is_relative_to(run_dir.resolve()):
+        return contextlib.nullcontext()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"checkpoint.dir {root} cannot be created: {e.strerror or e}") from None
+    return RunDirLock(root / ".launch.lock", job_id, what="checkpoint dir")
 
 
 def _already_finished(events: EventLog, run_dir: Path, signature: str, launch_time: float) -> bool:
