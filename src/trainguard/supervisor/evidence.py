@@ -1,18 +1,23 @@
-"""Evidence that a silent rank is busy, not hung: the CPU time its main thread keeps using.
+"""Evidence that a silent rank is busy, not hung: its main thread keeps wanting the CPU.
 
 A rank can be silent (no heartbeat, no section change) past its timeout for two reasons. It is
 *hung* (stopped, deadlocked on a lock, blocked in a collective whose peer is gone): then its main
-thread uses no CPU. Or it is *busy* in work the supervisor has not learned yet (a rank-0-only
-evaluation, a long first compile, a periodic export): then its main thread runs. The monitor
-samples each rank's main-thread CPU time (``utime + stime`` of ``/proc/PID/task/PID/stat``, in
-clock ticks; one small file read per rank and sample) and calls a rank **busy** when, over the
-last :data:`WINDOW` seconds, its main thread used at least :data:`BUSY_SHARE` of one core.
+thread is not runnable. Or it is *busy* in work the supervisor has not learned yet (a rank-0-only
+evaluation, a long first compile, a periodic export): then its main thread runs, or waits in the
+run queue for a core. The monitor samples each rank's main thread from
+``/proc/PID/task/PID/schedstat`` (nanoseconds on a CPU, nanoseconds runnable but waiting for one;
+one small file read per rank and sample) and calls a rank **busy** when, over the last
+:data:`WINDOW` seconds, its main thread was running or runnable at least :data:`BUSY_SHARE` of the
+time: its *demand*. On an oversubscribed host a spinning thread gets a third of a core and waits
+the rest in the run queue: its demand is still close to 1, where its CPU share alone (0.15 with six
+runnable processes on two cores, measured) fell under any fixed threshold. Where ``schedstat`` is
+missing (a kernel without ``CONFIG_SCHEDSTATS``), the CPU share of ``/proc/PID/task/PID/stat``
+stands in for the demand.
 
 Why the main thread: the background threads of a rank (the liveness ping, the checkpoint writer,
 gloo's and NCCL's own threads, intra-op worker pools) run while the main thread is stuck, so the
-process's total CPU time is no evidence. The threshold is low (a quarter of a core) because on a
-loaded node a busy rank gets a fraction of a core; a main thread that sleeps in a collective, on a
-lock or stopped by a signal uses none.
+process's total CPU time is no evidence. A main thread that sleeps in a collective, on a lock or
+stopped by a signal is neither running nor runnable.
 
 Limit (documented in docs/supervisor.md): a host thread that *spins* while it waits, as CUDA's
 default synchronization does when there are fewer CUDA contexts than cores, looks busy. A rank
@@ -27,7 +32,7 @@ from collections import deque
 from typing import Optional
 
 WINDOW = 1.0  # seconds of history a verdict looks at
-BUSY_SHARE = 0.25  # share of one core the main thread must use over WINDOW to count as busy
+BUSY_SHARE = 0.25  # share of the time the main thread must be running or runnable over WINDOW to count as busy
 SAMPLE_EVERY = 0.2  # seconds between samples of one rank
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -48,39 +53,66 @@ def main_thread_cpu(pid: int) -> Optional[float]:
         return None
 
 
+def main_thread_sched(pid: int) -> Optional[tuple[float, float]]:
+    """``(seconds on a CPU, seconds runnable waiting for one)`` of the main thread of ``pid`` so
+    far (``/proc/PID/task/PID/schedstat``); ``None`` when it cannot be read (no such process, or a
+    kernel without schedstats)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat", "rb") as f:
+            running, waiting = f.read().split()[:2]
+        return int(running) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
 class CpuMeter:
-    """Recent main-thread CPU samples of a set of processes.
+    """Recent main-thread samples of a set of processes.
 
     Call :meth:`sample` on every poll (it reads a process at most every :data:`SAMPLE_EVERY`
-    seconds) and :meth:`share` for a verdict.
+    seconds) and :meth:`busy` for a verdict.
     """
 
     def __init__(self) -> None:
-        self._samples: dict[int, deque[tuple[float, float]]] = {}
+        # pid -> (monotonic time, CPU seconds, CPU + run-queue seconds, or None without schedstat)
+        self._samples: dict[int, deque[tuple[float, float, Optional[float]]]] = {}
 
     def sample(self, pid: int, now: float) -> None:
-        """Record ``pid``'s main-thread CPU time at monotonic time ``now`` (seconds)."""
+        """Record ``pid``'s main-thread CPU and run-queue times at monotonic time ``now`` (seconds)."""
         samples = self._samples.setdefault(pid, deque())
         if samples and now - samples[-1][0] < SAMPLE_EVERY:
             return
-        cpu = main_thread_cpu(pid)
+        sched = main_thread_sched(pid)
+        cpu = sched[0] if sched is not None else main_thread_cpu(pid)
         if cpu is None:
             return
-        samples.append((now, cpu))
+        samples.append((now, cpu, None if sched is None else sched[0] + sched[1]))
         while len(samples) > 2 and now - samples[1][0] >= WINDOW:
             samples.popleft()
 
-    def share(self, pid: int) -> Optional[float]:
-        """Share of one core ``pid``'s main thread used over about the last :data:`WINDOW`
-        seconds (0.0–1.0 and a little over, from clock ticks); ``None`` with under half a window
-        of samples."""
-        samples = self._samples.get(pid)
+    def _window(self, pid: Optional[int]) -> Optional[tuple[tuple, tuple]]:
+        samples = self._samples.get(pid) if pid is not None else None
         if not samples or samples[-1][0] - samples[0][0] < WINDOW / 2:
             return None
-        (t0, c0), (t1, c1) = samples[0], samples[-1]
-        return (c1 - c0) / (t1 - t0)
+        return samples[0], samples[-1]
+
+    def share(self, pid: Optional[int]) -> Optional[float]:
+        """Share of one core ``pid``'s main thread used over about the last :data:`WINDOW`
+        seconds (0.0–1.0 and a little over); ``None`` with under half a window of samples."""
+        w = self._window(pid)
+        return None if w is None else (w[1][1] - w[0][1]) / (w[1][0] - w[0][0])
+
+    def demand(self, pid: Optional[int]) -> Optional[float]:
+        """Share of the last :data:`WINDOW` seconds ``pid``'s main thread was running or runnable
+        (its CPU share where the kernel keeps no run-queue times); ``None`` with under half a
+        window of samples."""
+        w = self._window(pid)
+        if w is None:
+            return None
+        if w[0][2] is None or w[1][2] is None:
+            return self.share(pid)
+        return (w[1][2] - w[0][2]) / (w[1][0] - w[0][0])
 
     def busy(self, pid: Optional[int]) -> bool:
-        """Whether ``pid``'s main thread used at least :data:`BUSY_SHARE` of a core lately."""
-        share = self.share(pid) if pid is not None else None
-        return share is not None and share >= BUSY_SHARE
+        """Whether ``pid``'s main thread wanted the CPU at least :data:`BUSY_SHARE` of the time lately."""
+        demand = self.demand(pid)
+        return demand is not None and demand >= BUSY_SHARE

@@ -319,12 +319,13 @@ class HangMonitor:
             self._slow[h.worker.local_rank] = started
             pid = pids.get(h.worker.local_rank)
             stacks = self.dump_stacks(h.worker.local_rank, h.worker.global_rank, pid, "slow")
-            share = self.cpu.share(pid) if pid is not None else None
+            share, demand = self.cpu.share(pid), self.cpu.demand(pid)
             self.events.emit(
                 "slow_section",
                 h.step,
                 **_hit_details(h, stacks),
                 cpu_share=round(share, 3) if share is not None else None,
+                cpu_demand=round(demand, 3) if demand is not None else None,
                 waiting_ranks=[w.worker.global_rank for w in waiting],
             )
             console.say(
