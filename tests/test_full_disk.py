@@ -54,7 +54,10 @@ def test_a_run_dir_that_fills_up_ends_the_launch_with_76_not_a_crash(tmp_path, s
     out = Path(f"{run}.log").read_text(errors="replace")
     assert code == ExitCode.GIVE_UP, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
-    assert "checkpoint saves in a row failed" in out and "events could not be written" in out
+    # the ranks give up on their failed saves, or a rank ends on the script's own print to its log
+    # file (on the full disk) and the restarts make no checkpoint progress: 76 either way
+    assert "events could not be written" in out
+    assert "checkpoint saves in a row failed" in out or "consecutive failures without checkpoint progress" in out
     filler.unlink()
     committed = sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert committed and mf.verify(committed[-1]) is None

@@ -35,15 +35,24 @@ def level() -> str:
     return value if value in LEVELS else "normal"
 
 
+def line(text: str) -> None:
+    """Write ``text`` as one line to stderr, whatever the level; a stderr that cannot take it (a
+    rank's log file on a full disk) is not an error of the run: the line is dropped."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 def say(message: str) -> None:
-    """Print ``trainguard: message`` on stderr, unless the level is ``quiet``."""
+    """Print ``trainguard: message`` on stderr, unless the level is ``quiet`` (never raises)."""
     if level() != "quiet":
-        print(f"trainguard: {message}", file=sys.stderr, flush=True)
+        line(f"trainguard: {message}")
 
 
 def warn(message: str) -> None:
-    """Print ``trainguard: warning: message`` on stderr (every level)."""
-    print(f"trainguard: warning: {message}", file=sys.stderr, flush=True)
+    """Print ``trainguard: warning: message`` on stderr (every level; never raises)."""
+    line(f"trainguard: warning: {message}")
 
 
 class _ElasticNoiseFilter(logging.Filter):

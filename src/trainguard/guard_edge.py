@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import sys
 from typing import Any, Iterator
 
+from . import console
 from . import dist as tgdist
 from .exitcodes import ExitCode
 from .outcomes import BadInput, Outcome
@@ -35,13 +35,13 @@ class Edge:
             return
         self._left = True
         if isinstance(o, BadInput):  # found on this rank only: no collective, no waiting for peers
-            print(f"trainguard: error: {o.message}", file=sys.stderr, flush=True)
+            console.line(f"trainguard: error: {o.message}")
             if self.events is not None:
                 self.events.emit("bad_input", self.step, message=o.message)
             self._release(collective=False)
             return
         if not o.collective:  # this rank leaves alone (Withdraw): the others carry on without it
-            print(f"trainguard: rank {self.rank} leaves the group: {o.message}", file=sys.stderr, flush=True)
+            console.line(f"trainguard: rank {self.rank} leaves the group: {o.message}")
             self.events.emit(
                 "exit", self.step, rank=self.rank, code=int(o.exit_code), reason=o.reason, message=o.message
             )
@@ -50,7 +50,7 @@ class Edge:
             tgdist.destroy()  # a gloo group torn down during interpreter exit can abort the process
             return
         if o.exit_code == ExitCode.GIVE_UP and self.rank == 0:
-            print(f"trainguard: giving up: {o.message}", file=sys.stderr, flush=True)
+            console.line(f"trainguard: giving up: {o.message}")
         if self.ckpt is not None:
             self._saved(self.ckpt.wait())
         for h in self.hooks:
