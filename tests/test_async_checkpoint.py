@@ -141,6 +141,7 @@ def test_torture_async_local(tmp_path):
 # local tier lost or corrupted
 
 
+@pytest.mark.soak  # 38 s: the README suite stays under 15 min on 2 cores; CI runs it in the soak step
 @pytest.mark.timeout(240)
 def test_local_tier_deleted_or_corrupt_falls_back(tmp_path):
     tiers = ["checkpoint.interval=5", "checkpoint.local.interval=1", "checkpoint.save_final=false"]

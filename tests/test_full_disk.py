@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from conftest import events, fill, finish, launch, wait_for
 from trainguard.checkpoint import manifest as mf
 from trainguard.events import EventLog, read_events
@@ -33,6 +35,7 @@ def test_events_on_a_full_disk_are_counted_and_reported_once_there_is_room(small
     assert got[-2]["details"]["count"] == 3 and got[-2]["details"]["first_lost"] == "progress"
 
 
+@pytest.mark.soak  # 30 s end to end: CI runs it in the soak step (the README suite stays under 15 min)
 def test_a_run_dir_that_fills_up_ends_the_launch_with_76_not_a_crash(tmp_path, small_fs):
     """The run directory's disk fills to the last byte after the first checkpoint: the ranks' saves
     fail until ``[checkpoint] max_failures`` gives up (76); the launcher's own writes (events,

@@ -61,6 +61,7 @@ def test_sigterm_stops_at_an_agreed_step_a_killed_rank_restarts_the_group_bitwis
     assert report["notices"]["step_skipped"] == 1 and report["final_step"] == STEPS and report["status"] == "finished"
 
 
+@pytest.mark.soak  # 37 s: the README suite stays under 15 min on 2 cores; CI runs it in the soak step
 def test_a_loss_spike_rolls_back_and_a_relaunch_resumes_the_trainer_steps_ahead(tmp_path, monkeypatch):
     """After a rollback the Trainer counts on while trainguard's step went back: the stop and the
     relaunch keep both where they were (the checkpoint records how far the Trainer is ahead)."""
