@@ -155,8 +155,8 @@ def validate(opts: ScriptOptions, check_cluster: bool = True) -> list[str]:
 
     Args:
         check_cluster: ask the cluster (``sinfo``/``scontrol``) whether the partition exists and,
-            without ``--time``, what its time limit is. Without SLURM commands on PATH the
-            partition is not checked (a note says so).
+            without ``--time``, what its time limit is. Without SLURM commands on PATH, or when
+            ``sinfo`` cannot reach the controller, the partition is not checked (a note says so).
     Raises:
         ConfigError: a malformed time, a signal lead not below the time limit, an unknown
             partition, a missing script, bad counts or ids.
@@ -187,8 +187,14 @@ def validate(opts: ScriptOptions, check_cluster: bool = True) -> list[str]:
             raise ConfigError(f"--time: {e}") from None
         if limit is not None and limit <= 0:
             raise ConfigError(f"--time {opts.time!r}: the time limit must be positive")
+    asked: Optional[tuple[list[str], Optional[str]]] = None
     if check_cluster and shutil.which("sinfo"):
-        names, default = partitions()
+        try:
+            asked = partitions()
+        except ConfigError as e:  # a login node whose controller is down: the script can still be written
+            notes.append(f"{e}: the partition and its limits were not checked")
+    if asked is not None:
+        names, default = asked
         part = opts.partition or default
         if opts.partition is not None and opts.partition not in names:
             raise ConfigError(
@@ -198,7 +204,7 @@ def validate(opts: ScriptOptions, check_cluster: bool = True) -> list[str]:
             limit = partition_limit(part)
             if limit is not None:
                 notes.append(f"no --time: partition {part}'s limit of {limit:g} s applies")
-    elif check_cluster:
+    elif check_cluster and not shutil.which("sinfo"):
         notes.append("sinfo not found: the partition and its limits were not checked")
     if limit is not None and opts.signal_lead and opts.signal_lead >= limit:
         raise ConfigError(
