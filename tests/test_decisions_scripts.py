@@ -15,7 +15,14 @@ import torch
 import trainguard
 from trainguard.fidelity import WATCHED_STEPS, DrawWatch, ResumeFidelity, differences, environment
 from trainguard.launcher.script_error import decide, read_tail, traceback_tail
-from trainguard.supervisor.evidence import BUSY_SHARE, WINDOW, CpuMeter, main_thread_cpu, main_thread_sched
+from trainguard.supervisor.evidence import (
+    BUSY_SHARE,
+    WINDOW,
+    CpuMeter,
+    main_thread_cpu,
+    main_thread_io,
+    main_thread_sched,
+)
 
 TRACEBACK = """step 0 setting up
 Traceback (most recent call last):
@@ -76,6 +83,33 @@ def test_a_computing_main_thread_is_busy_a_waiting_one_is_not_however_loaded_the
         for hog in hogs:
             hog.kill()
             hog.wait()
+
+
+SLOW_READ = (
+    "import os, time\nfd = os.open('/dev/zero', os.O_RDONLY)\nwhile True:\n    os.read(fd, 4096); time.sleep(0.1)\n"
+)
+
+
+def test_a_main_thread_in_slow_io_that_makes_progress_is_busy_not_hung():
+    """A rank reading from a slow file system: its main thread hardly uses a core (it sleeps in the
+    read) but bytes keep moving through its own system calls: slow, not hung. A main thread asleep
+    on a lock moves none."""
+    meter = CpuMeter()
+    child = subprocess.Popen([sys.executable, "-c", SLOW_READ])
+    try:
+        time.sleep(0.3)
+        end = time.monotonic() + WINDOW * 1.5
+        while time.monotonic() < end:
+            meter.sample(child.pid, time.monotonic())
+            time.sleep(0.05)
+        if main_thread_io(child.pid) is None:
+            pytest.skip("no /proc/PID/task/PID/io on this kernel")
+        assert meter.demand(child.pid) < BUSY_SHARE and meter.io(child.pid) > 0 and meter.busy(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    share, demand, busy = _meter_verdict(WAITING)
+    assert not busy, (share, demand)
 
 
 def test_cpu_of_a_gone_process_is_unknown_and_never_busy():

@@ -8,7 +8,8 @@ run queue for a core. The monitor samples each rank's main thread from
 ``/proc/PID/task/PID/schedstat`` (nanoseconds on a CPU, nanoseconds runnable but waiting for one;
 one small file read per rank and sample) and calls a rank **busy** when, over the last
 :data:`WINDOW` seconds, its main thread was running or runnable at least :data:`BUSY_SHARE` of the
-time: its *demand*. On an oversubscribed host a spinning thread gets a third of a core and waits
+time (its *demand*), or its own system calls moved bytes (``/proc/PID/task/PID/io``: a read from a
+slow shared file system that makes progress is slow, not hung; a read of a hung mount moves none). On an oversubscribed host a spinning thread gets a third of a core and waits
 the rest in the run queue: its demand is still close to 1, where its CPU share alone (0.15 with six
 runnable processes on two cores, measured) fell under any fixed threshold. Where ``schedstat`` is
 missing (a kernel without ``CONFIG_SCHEDSTATS``), the CPU share of ``/proc/PID/task/PID/stat``
@@ -53,6 +54,17 @@ def main_thread_cpu(pid: int) -> Optional[float]:
         return None
 
 
+def main_thread_io(pid: int) -> Optional[int]:
+    """Bytes the main thread of ``pid`` has read and written so far, through any system call
+    (``rchar + wchar`` of ``/proc/PID/task/PID/io``); ``None`` when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/io", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        return int(fields[b"rchar"]) + int(fields[b"wchar"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def main_thread_sched(pid: int) -> Optional[tuple[float, float]]:
     """``(seconds on a CPU, seconds runnable waiting for one)`` of the main thread of ``pid`` so
     far (``/proc/PID/task/PID/schedstat``); ``None`` when it cannot be read (no such process, or a
@@ -73,8 +85,9 @@ class CpuMeter:
     """
 
     def __init__(self) -> None:
-        # pid -> (monotonic time, CPU seconds, CPU + run-queue seconds, or None without schedstat)
-        self._samples: dict[int, deque[tuple[float, float, Optional[float]]]] = {}
+        # pid -> (monotonic time, CPU seconds, CPU + run-queue seconds or None without schedstat,
+        # bytes read and written or None)
+        self._samples: dict[int, deque[tuple[float, float, Optional[float], Optional[int]]]] = {}
 
     def sample(self, pid: int, now: float) -> None:
         """Record ``pid``'s main-thread CPU and run-queue times at monotonic time ``now`` (seconds)."""
@@ -85,7 +98,7 @@ class CpuMeter:
         cpu = sched[0] if sched is not None else main_thread_cpu(pid)
         if cpu is None:
             return
-        samples.append((now, cpu, None if sched is None else sched[0] + sched[1]))
+        samples.append((now, cpu, None if sched is None else sched[0] + sched[1], main_thread_io(pid)))
         while len(samples) > 2 and now - samples[1][0] >= WINDOW:
             samples.popleft()
 
@@ -112,7 +125,17 @@ class CpuMeter:
             return self.share(pid)
         return (w[1][2] - w[0][2]) / (w[1][0] - w[0][0])
 
+    def io(self, pid: Optional[int]) -> Optional[int]:
+        """Bytes ``pid``'s main thread read and wrote over about the last :data:`WINDOW` seconds;
+        ``None`` with under half a window of samples or no I/O counters."""
+        w = self._window(pid)
+        if w is None or w[0][3] is None or w[1][3] is None:
+            return None
+        return w[1][3] - w[0][3]
+
     def busy(self, pid: Optional[int]) -> bool:
-        """Whether ``pid``'s main thread wanted the CPU at least :data:`BUSY_SHARE` of the time lately."""
-        demand = self.demand(pid)
-        return demand is not None and demand >= BUSY_SHARE
+        """Whether ``pid``'s main thread wanted the CPU at least :data:`BUSY_SHARE` of the time
+        lately, or moved bytes through its own system calls (I/O that makes progress, however
+        slowly: a read from a slow shared file system is slow, not hung)."""
+        demand, moved = self.demand(pid), self.io(pid)
+        return (demand is not None and demand >= BUSY_SHARE) or (moved is not None and moved > 0)
