@@ -155,10 +155,13 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        if self.stop_signal is None:
+        first = self.stop_signal is None
+        if first:
             self.stop_signal = signal.Signals(signum).name
             self._stop_deadline = time.monotonic() + self.stop_grace
         self._forward(signum)
+        if first:  # the launch's own record of it: the ranks' stop_requested may never come (they had finished)
+            self.events.emit("signal_received", signal=self.stop_signal, forwarded_to=sorted(self._forwarded_to))
 
     def _forward(self, signum: int) -> None:
         pids = set(self.worker_pids().values())
