@@ -1,5 +1,5 @@
 """torch elastic's private members that the launcher relies on exist on the installed torch, and only
-trainguard/launcher/elastic.py touches them. Real objects: a c10d rendezvous on loopback, an agent,
+trainguard/launcher/torch_agent.py touches them. Real objects: a c10d rendezvous on loopback, an agent,
 and a started worker process; no launch."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from conftest import REPO
-from trainguard.launcher import elastic
+from trainguard.launcher import torch_agent as elastic
 
 SRC = REPO / "src" / "trainguard"
 PRIVATE = set(elastic.AGENT_METHODS + elastic.AGENT_ATTRIBUTES)
@@ -52,7 +52,7 @@ def test_private_members_exist_on_the_installed_torch(agent_and_pcontext):
     agent, pcontext = agent_and_pcontext
     missing = elastic.missing_members(agent, pcontext)
     assert not missing, (
-        f"torch {torch.__version__} lacks {missing}: update trainguard/launcher/elastic.py "
+        f"torch {torch.__version__} lacks {missing}: update trainguard/launcher/torch_agent.py "
         f"and the torch range in pyproject.toml"
     )
     elastic.check(agent, pcontext)  # raises nothing either
@@ -75,4 +75,4 @@ def _private_uses(path) -> set[str]:
 
 def test_only_the_adapter_touches_them():
     users = {str(p.relative_to(SRC)): uses for p in SRC.rglob("*.py") if (uses := _private_uses(p))}
-    assert set(users) == {"launcher/elastic.py"}, users
+    assert set(users) == {"launcher/torch_agent.py"}, users

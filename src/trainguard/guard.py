@@ -58,7 +58,7 @@ from .checkpoint.store import Checkpoint
 from .checkpointer import Checkpointer, ResumePoint, SaveResult
 from .config import Config, ConfigError, config_from_argv, dump_config, load_config
 from .crosscheck import StepInputs
-from .elastic import ElasticState, check_reshardable, rank_batch, resharded_rank_state
+from .determinism import state_hash
 from .events import EventLog, Hook
 from .exitcodes import exit_bad_input
 from .faults import FaultInjector
@@ -79,10 +79,10 @@ from .rejoin.rank import Rejoin
 from .rejoin.shrink import check_shrinkable
 from .rejoin.stepstart import StepStart
 from .rerun import StepRerun
+from .reshard import ElasticState, check_reshardable, rank_batch, resharded_rank_state
 from .rundir import prepare_run_dir
 from .sdc import ReplicaCheck
 from .signals import ShutdownHandler
-from .state import state_hash
 from .stop import StopConditions, StopFlags, launch_start_time
 from .straggler import StragglerDetector
 from .supervisor.rank import attach as attach_supervisor
@@ -315,7 +315,7 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
 
     def rank_batch(self, batch: int) -> int:
         """The batch this rank trains per step, given the per-rank ``batch`` the script configures
-        for the world size the run started with (``[elastic] keep``, see :mod:`trainguard.elastic`);
+        for the world size the run started with (``[elastic] keep``, see :mod:`trainguard.reshard`);
         ``batch`` itself until the world size changes. Call it inside the loop.
 
         Raises:
@@ -675,7 +675,7 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
 
     def _load(self, point: ResumePoint) -> None:
         """Load the whole training state from ``point`` (a collective); written by another number
-        of ranks, it is resharded (see :mod:`trainguard.elastic`).
+        of ranks, it is resharded (see :mod:`trainguard.reshard`).
 
         Raises:
             BadInput: the checkpoint does not fit the model, or the sampler cannot reshard.

@@ -16,12 +16,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import console, health
 from . import dist as tgdist
-from .elastic import resharded_rank_state
 from .rejoin import boundary as rejoin_boundary
 from .rejoin import regroup, sever, shrink
 from .rejoin.catch import CATCH, DDPHook
 from .rejoin.protocol import Generation, new_rank
 from .rejoin.rank import LOCAL_PARTS
+from .reshard import resharded_rank_state
 
 
 class InProcessRecovery:
@@ -224,7 +224,7 @@ class InProcessRecovery:
         ``None`` on a survivor) and to survivors one step behind (``current``: their own state at
         ``step``). A newcomer (``gen.grown``) takes that rank's own state too, with the data
         position and RNG streams derived for its rank as on a resume on another world size
-        (:func:`~trainguard.elastic.resharded_rank_state`)."""
+        (:func:`~trainguard.reshard.resharded_rank_state`)."""
         joining = kept is not None
         src = min(set(range(gen.world_size)) - set(gen.replaced)) if src is None else src
         t0 = time.perf_counter()

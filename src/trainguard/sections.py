@@ -427,7 +427,7 @@ class SDCSection(Section):
 
 
 class ElasticSection(Section):
-    """``[elastic]``: resuming on another number of ranks (see :mod:`trainguard.elastic`).
+    """``[elastic]``: resuming on another number of ranks (see :mod:`trainguard.reshard`).
 
     A checkpoint written by N ranks resumes on M: the model and optimizer are resharded by
     ``torch.distributed.checkpoint``, the data position is global (a ``reshardable`` sampler), each

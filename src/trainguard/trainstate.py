@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional, Protocol, runtime_checkable
 
-from .state import capture_rng, restore_rng
+from .determinism import capture_rng, restore_rng
 
 
 @runtime_checkable

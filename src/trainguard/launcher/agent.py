@@ -20,7 +20,7 @@ monitor loop in place of ``_invoke_run``:
 ``poll_hooks`` is the extension point for the hang supervisor: callables run every monitor
 interval that may return a reason to restart the group (for example a missed heartbeat).
 
-What it needs of torch's agent beyond ``run()`` comes through :mod:`trainguard.launcher.elastic`
+What it needs of torch's agent beyond ``run()`` comes through :mod:`trainguard.launcher.torch_agent`
 (the only module that touches torch elastic's private members).
 """
 
@@ -42,7 +42,6 @@ from ..launch_env import JOIN, RECOVERY_GROUP, RECOVERY_STORE
 from ..supervisor.monitor import HangMonitor
 from . import script_error
 from .changes import MembershipChanges
-from .elastic import ElasticAdapter
 from .membership import (
     DECISION_CODES,
     Admit,
@@ -82,6 +81,7 @@ from .node_join import NodeJoin
 from .record import LaunchRecord
 from .replace import Replacer, replacement_command
 from .script_error import ScriptError
+from .torch_agent import ElasticAdapter
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 

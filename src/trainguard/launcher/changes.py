@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from .. import console
 from ..rejoin.protocol import Generation, new_rank
-from .elastic import ElasticAdapter
+from .torch_agent import ElasticAdapter
 
 
 class MembershipChanges(ElasticAdapter):

@@ -210,7 +210,7 @@ class HangMonitor:
 
     def poll(self, agent: Any) -> Optional[str]:
         """One check of every local rank of ``agent`` (its ``workers()`` and ``worker_pids()``, see
-        :class:`~trainguard.launcher.elastic.ElasticAdapter`); returns a restart reason if some are hung."""
+        :class:`~trainguard.launcher.torch_agent.ElasticAdapter`); returns a restart reason if some are hung."""
         if not self.cfg.enabled:
             return None
         now = time.monotonic()

@@ -30,8 +30,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from .determinism import capture_rng, seed_everything
 from .outcomes import BadInput
-from .state import capture_rng, seed_everything
 
 
 class ElasticState:
