@@ -52,7 +52,12 @@ class EventLog:
 
     def emit(self, kind: str, step: Optional[int] = None, /, **details: Any) -> dict:
         """Write one event and return it. ``details`` must be JSON-serializable (``str()`` otherwise)."""
-        event = {
+        event = self._event(kind, step, details)
+        self._write((json.dumps(event, default=str, separators=(",", ":")) + "\n").encode(), kind)
+        return event
+
+    def _event(self, kind: str, step: Optional[int], details: dict) -> dict:
+        return {
             "time": round(time.time(), 6),
             "rank": self.rank,
             "kind": kind,
@@ -61,9 +66,6 @@ class EventLog:
             "pid": os.getpid(),
             "details": details,
         }
-        line = json.dumps(event, default=str, separators=(",", ":")) + "\n"
-        self._write(line.encode(), kind)
-        return event
 
     def _write(self, data: bytes, kind: str) -> None:
         """Append ``data``; a write the file system refuses (a full disk, a quota, an I/O error)
@@ -74,9 +76,8 @@ class EventLog:
         skip it)."""
         try:
             if self.lost:
-                note = {"time": round(time.time(), 6), "rank": self.rank, "kind": "events_lost", "step": None}
-                note |= {"attempt": self.attempt, "pid": os.getpid()}
-                note["details"] = {"count": self.lost, "error": self.lost_error, "first_lost": self.first_lost}
+                lost = {"count": self.lost, "error": self.lost_error, "first_lost": self.first_lost}
+                note = self._event("events_lost", None, lost)
                 data = (json.dumps(note, separators=(",", ":")) + "\n").encode() + data
             if self._torn:
                 data = b"\n" + data
