@@ -193,6 +193,11 @@ def kill_and_check(run: Path, clean: str, seed: int, nproc: int, forge: bool = F
     time.sleep(rng.random() * 0.02)
     pids = events(run, "workers_started")[0]["details"]["pids"]
     forged = forge_values(pids, nproc) if forge else set()
+    if forge:  # the spare refuses its forged assignment before the real one can overwrite it
+        wait_for(
+            lambda: any(e["details"]["key"] == "spares/1" for e in events(run, "security")),
+            what="the spare's refusal of the forged assignment",
+        )
     os.kill(int(pids[str(victim)]), signal.SIGKILL)
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
     assert not events(run, "group_restart") and not events(run, "recovery_fallback")
