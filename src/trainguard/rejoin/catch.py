@@ -30,7 +30,7 @@ The step whose collective failed is not applied (an optimizer pre-hook drops its
 Not caught: a collective called with ``async_op=True`` by the script (its ``Work.wait()`` raises),
 and DDP's buffer broadcast in ``forward`` (models with buffers and ``broadcast_buffers=True``). A
 DDP model with a communication hook of the script's own gets no hook from here: in-process recovery
-is declined for it at start (``Guard._in_process_declined``).
+is declined for it at start (:func:`trainguard.guard.inprocess.declined`).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import socket
@@ -52,42 +53,44 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import console, health
-from . import dist as tgdist
-from .checkpoint.store import Checkpoint
-from .checkpointer import Checkpointer, ResumePoint, SaveResult
-from .config import Config, ConfigError, config_from_argv, dump_config, load_config
-from .crosscheck import StepInputs
-from .determinism import state_hash
-from .events import EventLog, Hook
-from .exitcodes import exit_bad_input
-from .faults import FaultInjector
-from .fidelity import DrawWatch, ResumeFidelity
-from .guard_edge import Edge
-from .guard_rejoin import InProcessRecovery
-from .guard_sdc import SDCResponse
-from .instability.recovery import Recovery, Rollback
-from .launch_env import LaunchEnv
-from .memory import MemoryWatchdog
-from .oom import MicroBatcher
-from .outcomes import BadInput, Requeue
-from .rejoin import sever
-from .rejoin.auth import report_forged
-from .rejoin.catch import DDPHook
-from .rejoin.protocol import is_peer_failure
-from .rejoin.rank import Rejoin
-from .rejoin.shrink import check_shrinkable
-from .rejoin.stepstart import StepStart
-from .rerun import StepRerun
-from .reshard import ElasticState, check_reshardable, rank_batch, resharded_rank_state
-from .rundir import prepare_run_dir
-from .sdc import ReplicaCheck
-from .signals import ShutdownHandler
-from .stop import StopConditions, StopFlags, launch_start_time
-from .straggler import StragglerDetector
-from .supervisor.rank import attach as attach_supervisor
-from .supervisor.rank import enter_teardown
-from .trainstate import RNGState, TrainState
+from .. import console, health
+from .. import dist as tgdist
+from ..checkpoint.store import Checkpoint
+from ..checkpointer import Checkpointer, SaveResult
+from ..config import Config, ConfigError, config_from_argv, dump_config, load_config
+from ..crosscheck import StepInputs
+from ..determinism import state_hash
+from ..events import EventLog, Hook
+from ..exitcodes import exit_bad_input
+from ..faults import FaultInjector
+from ..fidelity import DrawWatch, ResumeFidelity
+from ..instability.recovery import Recovery, Rollback
+from ..launch_env import LaunchEnv
+from ..memory import MemoryWatchdog
+from ..oom import MicroBatcher
+from ..outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw
+from ..rejoin import sever, shrink
+from ..rejoin.auth import report_forged
+from ..rejoin.catch import CATCH
+from ..rejoin.protocol import is_peer_failure
+from ..rejoin.rank import Rejoin
+from ..rejoin.shrink import check_shrinkable
+from ..rejoin.stepstart import StepStart
+from ..rerun import StepRerun
+from ..reshard import ElasticState, rank_batch
+from ..rundir import prepare_run_dir
+from ..sdc import Mismatch, ReplicaCheck
+from ..signals import ShutdownHandler
+from ..stop import StopConditions, StopFlags, launch_start_time
+from ..straggler import StragglerDetector
+from ..supervisor.rank import attach as attach_supervisor
+from ..supervisor.rank import detach as detach_supervisor
+from ..supervisor.rank import enter_teardown
+from ..trainstate import RNGState, TrainState
+from . import edge, inprocess
+from .inprocess import InProcess, Met, Place
+from .resume import Resume
+from .sdc_response import SDCAction, SDCResponse
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +103,7 @@ PROGRESS_SECONDS = 10.0
 PING_FAILURE_GRACE = 1.0
 
 
-class Guard(InProcessRecovery, SDCResponse, Edge):
+class Guard:
     """Fault tolerance for one training process (one rank).
 
     Args:
@@ -162,7 +165,7 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         self.ping: Optional[health.LivenessPing] = None
         self.rejoin: Optional[Rejoin] = None
         self.step_start: Optional[StepStart] = None
-        self.ddp_hook: Optional[DDPHook] = None  # trainguard's DDP communication hook (in-process recovery)
+        self.inprocess: Optional[InProcess] = None
         self.hosts: list[str] = []
         self._step_seconds = 0.0
         self._t_last = time.perf_counter()
@@ -171,8 +174,8 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         self._next_check = 0  # step at which the stop flags are next exchanged (agreed by all ranks)
         self._last_progress = time.monotonic()
         self._last_ckpt_line = -console.CHECKPOINT_LINE_SECONDS  # monotonic time of the last checkpoint line
-        self._left = False  # an outcome was carried out
         self._closed = False
+        self._edge = edge.Edge(self._leave)  # carries out an outcome once (see "Outcomes")
         with self._edge():
             self._build()
 
@@ -188,7 +191,7 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         console.quiet_peer_loss(
             is_peer_failure, lambda error, text: events.emit("peer_lost", error=error, traceback=text)
         )
-        declined = self._in_process_declined() if cfg.recovery.in_process else None
+        declined = inprocess.declined(self._framework, self.model) if cfg.recovery.in_process else None
         self.rejoin = Rejoin(
             cfg.recovery,
             launch,
@@ -198,10 +201,9 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             on_forged=lambda key: report_forged(events, key),
         )
         if self.rank == 0:
-            self._say_where_in_process_applies(launch)
+            inprocess.say_where_it_applies(self.rejoin, cfg.recovery.in_process, launch.recovery_store, self.world_size)
         self.reruns = StepRerun(cfg.sdc.on_instability == "rerun", self.rank, self.world_size)
         self.step_inputs = StepInputs(self.model) if self.reruns.enabled and self.world_size > 1 else None
-        self._backend = tgdist.backend()
         self.ckpt = Checkpointer(
             cfg.checkpoint,
             self.run_dir,
@@ -252,6 +254,16 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             loss_scaler=any(isinstance(v, torch.amp.GradScaler) and v.is_enabled() for v in self.extra_state.values()),
         )
         self.sdc = ReplicaCheck(cfg.sdc, self.model, self.rank, self.world_size, self.events)
+        self.sdc_response = SDCResponse(
+            cfg.sdc,
+            self.sdc,
+            self.reruns,
+            self.step_inputs,
+            self.events,
+            self.rejoin.active,
+            self.rank,
+            self.world_size,
+        )
         self.straggler = StragglerDetector(
             cfg.straggler,
             self.rank,
@@ -278,9 +290,36 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
                 "rng": RNGState(),
             }
         )
+        self.resumer = Resume(
+            self.ckpt,
+            self.train_state,
+            self.sampler,
+            self.events,
+            self.fidelity,
+            self.draws,
+            self.elastic,
+            cfg.elastic.keep,
+            self.rank,
+            self.world_size,
+        )
         if self.rejoin.active:
             self.step_start = StepStart(self.optimizer, self.scheduler, self.rejoin.failed)
-            self._catch_collectives()
+        self.inprocess = InProcess(
+            cfg,
+            self.rejoin,
+            self.model,
+            self.optimizer,
+            self.train_state,
+            self.events,
+            self.section,
+            self.step_start,
+            self._renumber,
+            self.ckpt.regroup,
+            self._on_ping_failure,
+            lambda: self.elastic.base_world_size,
+        )
+        if self.rejoin.active:
+            self.inprocess.catch_collectives(lambda: self.step + 1)
             check_shrinkable(cfg.elastic.min_ranks, self.world_size, self.sampler, self.ckpt.local is not None)
         if cfg.rollback.skip_batches and self.sampler is not None and not hasattr(self.sampler, "skip_batches"):
             raise BadInput(
@@ -345,9 +384,10 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             if self._awaiting_step_end:
                 raise RuntimeError(f"guard.step_end() was not called in step {self.step}")
             if self.draws.next_step():
-                self._not_bitwise(
+                self.resumer.not_bitwise(
+                    self.step,
                     "random numbers were drawn between guard.step_end() and the next step (a batch fetched "
-                    "after step_end?): the checkpoint's generator state does not cover them; draw them inside the step"
+                    "after step_end?): the checkpoint's generator state does not cover them; draw them inside the step",
                 )
         self.finish()
 
@@ -431,7 +471,9 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
                 self.recovery.refuse()
                 return False
             if self.rejoin.keeping and self.rejoin.boundary.step != step:  # before the last collective
-                self._keep_boundary(step)  # (see rejoin.boundary; DDP's backward may have kept it: rejoin.catch)
+                self.inprocess.keep_boundary(
+                    step
+                )  # (see rejoin.boundary; DDP's backward may have kept it: rejoin.catch)
             if self.faults.pending:
                 self.faults.at(self.step, "should_step")
             if self.faults.numeric_pending:
@@ -439,10 +481,13 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             try:
                 verdict = self.recovery.observe(step, loss, grad_norm)
                 if self.reruns.pending(step):  # the re-run of an unstable step
-                    if self._rerun_verdict(loss):
+                    action = self.sdc_response.rerun_verdict(loss, self.model, self.hosts)
+                    if action is not None:
+                        self._act_on_sdc(action)
                         return False  # a persistent fault, acted on
                 elif self.recovery.unstable(verdict) and self.reruns.wants(step):
-                    self._rerun_step(verdict, loss)  # before any policy: the hardware or the data?
+                    # before any policy: the hardware or the data?
+                    self._act_on_sdc(self.sdc_response.rerun(verdict, loss, self.model))
                     return False
                 decision = self.recovery.decide(verdict)
             except Exception as e:
@@ -524,7 +569,7 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         self._t_last = now
         self.last_loss = loss
         if self.rejoin.keeping and self.rejoin.boundary.step != self.step:  # a loop without should_step
-            self._keep_boundary(self.step)
+            self.inprocess.keep_boundary(self.step)
         if self.rejoin.failure is not None:  # the update was applied before the lost peer surfaced
             self._recover(redo=False)  # (a logging all-reduce after optimizer.step()): the step is complete
             return
@@ -611,10 +656,15 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         hosts = self.hosts = [h for h, _ in gathered]
         self.rejoin.group_ports = {p for _, ps in gathered for p in ps}  # cut on a lost peer (rejoin.sever)
         self.straggler.set_hosts(hosts)
-        self._resume()
+        self.recovery.on_start()
+        resumed = self.resumer.resume()
+        if resumed is not None:
+            self.step, self.resumed_from = resumed.step, resumed.checkpoint
+            if resumed.persistent is not None:
+                self.recovery.on_resume(resumed.persistent)
         self.sdc.last_good = self.step  # every replica loaded the same state
         if self.rejoin.keeping:
-            self._keep_boundary(self.step)
+            self.inprocess.keep_boundary(self.step)
         self.ping = health.start(
             self.cfg.health,
             self.store,
@@ -649,66 +699,9 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         for h in self.hooks:
             h.on_train_begin(self)
 
-    def _resume(self) -> None:
-        t0 = time.perf_counter()
-        drawn = self.draws.before_loop()
-        point = self.ckpt.find_resume()
-        self.recovery.on_start()
-        if point is None:
-            return
-        self._load(point)
-        path = point.checkpoint.path if point.checkpoint is not None else self.ckpt.local_path(point.step)
-        self.resumed_from = Checkpoint(point.step, path)
-        self._emit0(
-            "resume", path=str(path), from_step=point.step, tier=point.tier, seconds=round(time.perf_counter() - t0, 4)
-        )
-        if self.fidelity.changed:
-            self._not_bitwise(f"changed since the checkpoint was saved: {', '.join(self.fidelity.changed)}")
-        if drawn:
-            self._not_bitwise(
-                "random numbers were drawn between creating the Guard and guard.steps() (a first batch fetched "
-                "before the loop?): this resume drew them from the fresh seed, not the checkpoint's generators; "
-                "draw batches inside the step"
-            )
-        if point.checkpoint is not None:
-            self.recovery.on_resume(point.checkpoint)
-
-    def _load(self, point: ResumePoint) -> None:
-        """Load the whole training state from ``point`` (a collective); written by another number
-        of ranks, it is resharded (see :mod:`trainguard.reshard`).
-
-        Raises:
-            BadInput: the checkpoint does not fit the model, or the sampler cannot reshard.
-        """
-        saved = self.ckpt.written_by(point)
-        if saved != self.world_size:
-            check_reshardable(self.sampler, point.checkpoint.path, saved, self.world_size)
-            state = resharded_rank_state(self.ckpt.load(point, rank_state_of=0), self.rank)
-        else:
-            state = self.ckpt.load(point)
-        self.step = int(state["step"])
-        self.train_state.load_state_dict(state)
-        self.ckpt.loaded(point.tier, self.step)
-        if saved != self.world_size:
-            self._emit0(
-                "world_size_changed",
-                from_world_size=saved,
-                to_world_size=self.world_size,
-                base_world_size=self.elastic.base_world_size,
-                keep=self.cfg.elastic.keep,
-                path=str(point.checkpoint.path),
-            )
-            if self.rank == 0:
-                console.say(
-                    f"resuming on {self.world_size} rank(s) from a checkpoint of {saved}: data position carried "
-                    f"over, random number streams derived per rank, keep {self.cfg.elastic.keep.replace('_', ' ')}"
-                )
-
     def _reload(self, target: Checkpoint, why: str) -> None:
-        """Load ``target`` into this process (a rollback; a collective) and set aside the local
-        copies newer than it; every replica holds the same state again."""
-        self._load(ResumePoint("persistent", target.step, target))
-        self.ckpt.discard_local_after(target.step, why)
+        """Load ``target`` into this process (a rollback; a collective): every replica holds the same state again."""
+        self.step = self.resumer.reload(target, why)
         self.sdc.last_good = self.step
         self.reruns.forget()
 
@@ -722,7 +715,7 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
             self._reload(target, f"rolled back from step {rb.from_step} to {target.step}")
             self.recovery.rolled_back(rb, target, position, lr_before)
             if self.rejoin.keeping:  # the state a replacement of a lost rank starts from: after the data skip
-                self._keep_boundary(self.step)
+                self.inprocess.keep_boundary(self.step)
             self._rolled_back = True
         for h in self.hooks:
             h.on_rollback(self, rb.from_step, target.step)
@@ -748,6 +741,217 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         for h in self.hooks:
             h.on_train_end(self, "finished")
         self.state_sha256 = digest
+
+    # ------------------------------------------------------------------------------------------
+    # in-process recovery (carried out by self.inprocess) and silent data corruption (self.sdc_response)
+
+    def _place(self) -> Place:
+        return Place(
+            self.step, self.rank, self.world_size, tuple(self.hosts), self._next_check, self.straggler.next_report
+        )
+
+    def _take(self, met: Met) -> None:
+        """Take the place and the liveness ping a recovery, growth or join ended with."""
+        p = met.place
+        self.step, self.rank, self.world_size, self._next_check = p.step, p.rank, p.world_size, p.next_check
+        self.hosts = list(p.hosts)
+        self.straggler.set_hosts(self.hosts)
+        self.straggler.next_report = p.next_report
+        self.ping = met.ping
+
+    def _renumber(self, rank: int, world_size: int, hosts: list[str]) -> None:
+        """This process is rank ``rank`` of ``world_size`` from now on (a shrink or a growth in place)."""
+        self.events.renumber(rank)
+        for part in (self.ckpt, self.recovery, self.sdc, self.sdc_response, self.micro, self.reruns, self.resumer):
+            part.renumber(rank, world_size)
+        self.straggler.renumber(rank, world_size, hosts)
+        self.fidelity.renumber(world_size)
+        shrink.reshard(self.sampler, rank, world_size)
+        self.rank, self.world_size, self.hosts = rank, world_size, list(hosts)
+
+    def _recover(self, redo: bool) -> None:
+        """A peer was lost in this step: stop the ping and finish a save in flight (it fails on its
+        broken group; nothing commits), then meet the new generation (:meth:`InProcess.recover`).
+        ``redo``: the update of this step was not applied (the caller does not count the step).
+
+        Raises:
+            as :meth:`InProcess.recover` (this rank exits and the launcher restarts the group).
+        """
+        with self.section("recovery"):
+            self.inprocess.started(self._place())
+            if self.ping is not None:  # its group lost the peer too
+                self.ping.abandon()
+                self.ping = None
+            self._saved(self.ckpt.wait())
+            met = self.inprocess.recover(self._place(), redo)
+            self._take(met)
+            self.reruns.forget()  # a replacement knows of no re-run in progress
+        self.shutdown.deadline_timer.cancel()  # armed by the ping's failure
+
+    def _grow(self, number: int) -> None:
+        """The ranks agreed to grow back in place into generation ``number`` (:meth:`InProcess.grow`)."""
+        with self.section("recovery"):
+            self._stop_ping()  # a collective on the old group, at the same point on every rank
+            self._saved(self.ckpt.wait())
+            self._take(self.inprocess.grow(number, self._place()))
+
+    def _join(self) -> None:
+        """A replacement of a lost rank (or a newcomer) starts here instead of resuming (:meth:`InProcess.join`)."""
+        t0 = time.monotonic()
+        met = self.inprocess.join(self._place())
+        self._take(met)
+        self.inprocess.arm_catch(lambda: self.step + 1)  # the script's collectives before its loop completed alone
+        self.recovery.rejoined()
+        self.inprocess.keep_boundary(self.step)
+        self.inprocess.joined(met, time.monotonic() - t0)
+        self._t_last = time.perf_counter()
+
+    def _replicas_differ(self) -> bool:
+        """The silent-data-corruption check of this step (a collective, see :mod:`trainguard.sdc`);
+        ``True`` when the rest of the step boundary is skipped: it rolled back (the step counter
+        is the checkpoint's), or a peer was lost in it and replaced in-process."""
+        try:
+            m = self.sdc.check(self.step)
+        except Exception as e:
+            if not self.rejoin.caught(e, "sdc_check", self.step):
+                raise
+            self._recover(redo=False)  # the step is complete: the next check compares the replicas
+            return True
+        action = self.sdc_response.judge(self.step, m, self.hosts)
+        if action is None:
+            return False
+        self._act_on_sdc(action)
+        return True
+
+    def _act_on_sdc(self, a: SDCAction) -> None:
+        """Carry out a silent-data-corruption action (:class:`~.sdc_response.SDCAction`), in its order.
+
+        Raises:
+            Withdraw: this rank is among the excluded ranks under ``replace``.
+            Requeue: ``exclude`` (after the stop's checkpoint).
+        """
+        if a.redo_step:
+            self.recovery.refuse()
+            self.train_state.load_state_dict(self.rejoin.boundary.restore(self.step))
+            self._rolled_back = True  # steps() yields the step again
+        if a.roll_back is not None:
+            self._roll_back_to_agreement(a.roll_back)
+        if not a.exclude:
+            return
+        ranks, hosts = list(a.exclude), list(a.hosts)
+        if self.rank == 0:
+            path = self.straggler.write_exclude(ranks)
+            step = self.step if a.step is None else a.step
+            self.events.emit("sdc_exclude", step, ranks=ranks, hosts=hosts, exclude_nodes=str(path), action=a.policy)
+        if a.policy == "replace":  # the bad ranks leave; the others meet their spares at the next collective
+            if self.rank in a.exclude:
+                raise Withdraw("sdc", a.message)
+            return
+        self._stop("sdc", ranks=ranks, hosts=hosts, exclude_nodes=str(self.run_dir / "exclude_nodes"))
+
+    def _roll_back_to_agreement(self, m: Mismatch) -> None:
+        """Reload the newest checkpoint at or before the last agreeing replica check on every rank
+        and set the newer ones aside (a save after the corruption may hold the bad replica's tensors).
+
+        Raises:
+            GiveUp: no valid checkpoint at or before that step.
+        """
+        with self.section("rollback"):
+            self._saved(self.ckpt.wait())
+            target = (
+                self.store.latest_valid(self.cfg.checkpoint.verify, before=m.last_good + 1) if self.rank == 0 else None
+            )
+            target = tgdist.broadcast_object(target)
+            if target is None:
+                raise GiveUp(
+                    "sdc",
+                    f"the replicas differ at step {self.step} and no checkpoint is at or before step {m.last_good}, "
+                    "where they last agreed",
+                )
+            from_step, why = self.step, f"silent data corruption found at step {self.step}"
+            if self.rank == 0:
+                self.store.set_aside_after(target.step, why)
+            self._reload(target, why)
+            if self.rejoin.keeping:
+                self.inprocess.keep_boundary(self.step)
+            self._emit0("sdc_rollback", from_step=from_step, to_step=target.step, path=str(target.path))
+        if self.heartbeat is not None:  # the step section was closed at this boundary already
+            self.heartbeat.beat(self.step)
+
+    # ------------------------------------------------------------------------------------------
+    # leaving: an outcome carried out once (self._edge), close
+    def _leave(self, o: Outcome) -> None:
+        """Carry out outcome ``o`` (once, from :class:`~.edge.Edge`): alone (bad input, a rank
+        that withdraws) without waiting for a peer; else finish the save in flight, tell the hooks,
+        write the ``exit`` event and leave together."""
+        if isinstance(o, BadInput) or not o.collective:  # found on this rank only: no collective
+            edge.announce(o, self.rank, self.step, self.events)
+            if not isinstance(o, BadInput):
+                enter_teardown(self.heartbeat)
+            self._release(collective=False)
+            if not isinstance(o, BadInput):  # the others carry on without this rank
+                tgdist.destroy()  # a gloo group torn down during interpreter exit can abort the process
+            return
+        if self.ckpt is not None:
+            self._saved(self.ckpt.wait())
+        for h in self.hooks:
+            h.on_train_end(self, o.reason)
+        edge.announce(o, self.rank, self.step, self.events)
+        enter_teardown(self.heartbeat)
+        gc.freeze()  # skip the final collection over torch objects at exit (measured: 0.6 s → 0.1 s)
+        self._stop_ping()
+        tgdist.barrier()  # leave together, then tear the default group down before the interpreter exits
+        self.close()
+        tgdist.destroy()
+
+    def close(self) -> None:
+        """Release everything the Guard installed: finish a save in flight, stop the liveness ping
+        (agreeing with the other ranks: call ``close`` on every rank, as the loop does) and the
+        checkpoint threads, destroy their process groups, remove optimizer and gradient hooks,
+        restore the previous signal handlers, unmap the heartbeat record, close the event log.
+        Safe to call twice; ``with Guard(...) as guard:`` calls it."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.ckpt is not None:
+            self._saved(self.ckpt.close())
+        self._stop_ping()
+        self._release(collective=True)
+
+    def _release(self, collective: bool) -> None:
+        """The local part of closing (no collective): hooks, signal handlers, threads that need no
+        peer, heartbeat, event log. ``collective=False`` (a failure on this rank alone) does not
+        wait for a background save, which may be waiting for peers."""
+        self._closed = True
+        if self.ckpt is not None:
+            self.ckpt.close(wait=collective)
+        for part in (self.recovery, self.micro, self.faults, self.step_inputs, self.step_start):
+            if part is not None:
+                part.close()
+        if self.shutdown is not None:
+            self.shutdown.close()
+        detach_supervisor(self.heartbeat)
+        self.heartbeat = None
+        CATCH.uninstall()
+        if self.rejoin is not None and collective:  # a rank that fails alone leaves its state to its replacement
+            self.rejoin.close()
+        if self.events is not None:
+            self.events.close()
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None or (isinstance(exc, Outcome) and exc.collective):
+            self.close()
+        else:  # a crash: the peers may not come to a collective
+            self._release(collective=False)
+
+    def _stop_ping(self) -> None:
+        if self.ping is not None:
+            self.ping.stop()
+            self.ping.close()
+            self.ping = None
 
     # ------------------------------------------------------------------------------------------
     # saving and stopping
@@ -835,13 +1039,6 @@ class Guard(InProcessRecovery, SDCResponse, Edge):
         self.events.emit(
             "deadline_exit", self.step, deadline=self.cfg.preemption.save_deadline, signal=self.shutdown.received
         )
-
-    def _not_bitwise(self, cause: str) -> None:
-        """Warn that a resume cannot be bitwise identical (see :mod:`trainguard.fidelity`): an event
-        from this rank, one console line from rank 0."""
-        self.events.emit("resume_not_bitwise", self.step, rank=self.rank, cause=cause)
-        if self.rank == 0:
-            console.warn(f"a resume cannot be bitwise identical: {cause}")
 
     def _emit0(self, kind: str, step: Optional[int] = None, **details: Any) -> None:
         """Emit an event from rank 0 only (for decisions all ranks share), at ``step`` (default:

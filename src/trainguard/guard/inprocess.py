@@ -1,0 +1,401 @@
+"""The Guard's in-process recovery (see :mod:`trainguard.rejoin`): a survivor meets the replacement
+of a lost rank, the group grows back in place, a replacement joins the survivors.
+
+A component of :class:`~trainguard.guard.Guard`. Its inputs are the parts recovery touches (the
+model, the optimizer, the training state, the :class:`~trainguard.rejoin.rank.Rejoin` state) and
+three callbacks into the Guard (renumber its parts, the process groups were rebuilt, the liveness
+ping failed); it returns where the rank stands afterwards (:class:`Place`, :class:`Met`), which the
+Guard takes. It never touches the Guard's attributes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .. import console, health
+from .. import dist as tgdist
+from ..config import Config
+from ..events import EventLog
+from ..rejoin import boundary as rejoin_boundary
+from ..rejoin import regroup, sever
+from ..rejoin.catch import CATCH, DDPHook
+from ..rejoin.protocol import Generation, new_rank
+from ..rejoin.rank import LOCAL_PARTS, Rejoin
+from ..rejoin.stepstart import StepStart
+from ..reshard import resharded_rank_state
+from ..trainstate import TrainState
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a rank stands in its group: what in-process recovery can change.
+
+    Attributes:
+        step: completed steps (``guard.step``).
+        rank, world_size: this process's rank and the group's size.
+        hosts: the host of each rank (``world_size`` names).
+        next_check: the step of the next stop check (agreed by all ranks).
+        next_report: the step of the next straggler report.
+    """
+
+    step: int
+    rank: int
+    world_size: int
+    hosts: tuple[str, ...]
+    next_check: int
+    next_report: int
+
+
+@dataclass(frozen=True)
+class Met:
+    """The outcome of a recovery, a growth or a join: the rank's new :class:`Place`, the liveness
+    ping started on the new group (``None``: no ping), the generation, and whether the abandoned
+    step is done again (``redo``: the Guard's ``steps()`` yields it again)."""
+
+    place: Place
+    ping: Optional[health.LivenessPing]
+    gen: Generation
+    redo: bool = False
+
+
+def declined(framework: Optional[str], model: torch.nn.Module) -> Optional[str]:
+    """Why in-process recovery does not apply to this loop, ``None`` if it does: a framework
+    drives it, or the model cannot be moved to a new group (:func:`~trainguard.rejoin.regroup.check_rebindable`)."""
+    if framework is not None:
+        return f"{framework} owns the process group and the training loop"
+    try:
+        regroup.check_rebindable(model)
+    except regroup.RegroupError as e:
+        return str(e)
+    return None
+
+
+def say_where_it_applies(rejoin: Rejoin, in_process: bool, recovery_store: Optional[str], world_size: int) -> None:
+    """Rank 0, once at start: why in-process recovery (on by default) does not apply, if it does not."""
+    if rejoin.declined is not None:
+        console.say(
+            f"in-process recovery does not apply ({rejoin.declined}): "
+            "a lost rank restarts the group from the newest checkpoint"
+        )
+    elif in_process and not recovery_store and world_size > 1:
+        console.say(
+            "in-process recovery needs `trainguard run` (this run was launched otherwise): "
+            "a lost rank ends the run as its launcher decides"
+        )
+
+
+class InProcess:
+    """In-process recovery of one rank: catching a lost peer in the script's own collectives,
+    keeping the step-boundary state, and the three ways of meeting a new generation.
+
+    Args:
+        cfg: the run's config (``[recovery] timeout``, ``[health]``, ``[elastic] keep``).
+        rejoin: this rank's recovery state (store, boundary, failure, generation).
+        model, optimizer: what is moved from a survivor to a replacement.
+        train_state: the Guard's named ``Stateful`` parts (:class:`~trainguard.trainstate.TrainState`).
+        events: the event log.
+        section: the Guard's hang-supervised section (``section("recovery")``).
+        step_start: the optimizer/scheduler state at the step's start (``None``: inactive).
+        renumber: ``renumber(rank, world_size, hosts)``: the Guard gives its parts a new rank and
+            world size (a shrink or a growth), before the new group forms.
+        regrouped: called once the default process group is rebuilt (the checkpointer's groups).
+        on_ping_failure: given to the new group's liveness ping.
+        base_world_size: the world size the run started with (for ``world_size_changed``).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        rejoin: Rejoin,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        train_state: TrainState,
+        events: EventLog,
+        section: Callable[[str], ContextManager[None]],
+        step_start: Optional[StepStart],
+        renumber: Callable[[int, int, list[str]], None],
+        regrouped: Callable[[], None],
+        on_ping_failure: Callable[[str], None],
+        base_world_size: Callable[[], int],
+    ):
+        self.cfg, self.rejoin, self.model, self.optimizer = cfg, rejoin, model, optimizer
+        self.train_state, self.events, self.section, self.step_start = train_state, events, section, step_start
+        self._renumber, self._regrouped, self._on_ping_failure = renumber, regrouped, on_ping_failure
+        self._base_world_size = base_world_size
+        self.backend = tgdist.backend()
+        self.ddp_hook: Optional[DDPHook] = None  # trainguard's DDP communication hook
+
+    # ------------------------------------------------------------------------------------------
+    # catching and keeping
+
+    def catch_collectives(self, step_in_progress: Callable[[], int]) -> None:
+        """Catch a lost peer in the collectives the script runs itself (see
+        :mod:`~trainguard.rejoin.catch`): DDP's gradient all-reduce through trainguard's
+        communication hook, the script's ``torch.distributed`` calls. A replacement catches from
+        the moment it joined (:meth:`arm_catch`). ``step_in_progress()``: the number of the step
+        being run (``guard.step + 1``)."""
+        if isinstance(self.model, DDP):
+            params, _ = self.model._build_params_for_reducer()
+            self.ddp_hook = DDPHook(CATCH, params, lambda: self._keep_before_last_bucket(step_in_progress()))
+            self.model.register_comm_hook(None, self.ddp_hook.hook)
+        if not self.rejoin.joining:
+            self.arm_catch(step_in_progress)
+
+    def arm_catch(self, step_in_progress: Callable[[], int]) -> None:
+        """Catch a lost peer in the script's ``torch.distributed`` calls from now on."""
+        CATCH.arm(lambda e, where: self.rejoin.caught(e, where, step_in_progress()), self.rejoin.failed)
+
+    def keep_boundary(self, step: int) -> None:
+        """Keep this rank's own state as the boundary of step ``step`` (see :mod:`~trainguard.rejoin.boundary`)."""
+        self.rejoin.keep({"step": step, **self.train_state.state_dict(LOCAL_PARTS)})
+
+    def _keep_before_last_bucket(self, step: int) -> None:
+        """DDP is about to send step ``step``'s last gradient bucket: keep this rank's own state as
+        its boundary (after the send a peer may complete the step)."""
+        if self.rejoin.keeping and self.rejoin.failure is None and self.rejoin.boundary.step != step:
+            self.keep_boundary(step)
+
+    def bucket_layout(self) -> Optional[list[list[int]]]:
+        """DDP's current bucket layout, as trainguard's hook last saw it (``None`` without it)."""
+        return self.ddp_hook.layout if self.ddp_hook is not None and self.ddp_hook.layout else None
+
+    # ------------------------------------------------------------------------------------------
+    # the three meetings
+
+    def started(self, place: Place) -> None:
+        """A survivor begins recovering (before the Guard stops its ping and finishes a save in
+        flight): the ``recovery_started`` event.
+
+        Raises:
+            RegroupError: the model cannot be moved to a new group.
+        """
+        failure = self.rejoin.failure
+        self.events.emit(
+            "recovery_started", failure.step, rank=place.rank, during=failure.during, error=str(failure.error)[:300]
+        )
+        regroup.check_rebindable(self.model)
+
+    def recover(self, place: Place, redo: bool) -> Met:
+        """A peer was lost in this step: meet its replacement in the launcher's next generation and
+        send it the state; with ``redo`` restore this rank's step-boundary state so that the step
+        runs again from the same batch and random numbers. Call after :meth:`started`, with the
+        old group's ping stopped and no save in flight.
+
+        Raises:
+            the collective's error: no new generation within ``[recovery] timeout`` (this rank
+                exits and the launcher restarts the group).
+            RegroupError: the ranks cannot be recovered in-process (same).
+        """
+        failure = self.rejoin.failure
+        # this rank's own state now: the end of the abandoned step (a peer may have completed it)
+        current = self.train_state.state_dict(LOCAL_PARTS) if redo else None
+        gen = self.rejoin.wait_generation()
+        if gen.left:
+            place = self._resize(gen, place)
+        regroup.release_ddp(self.model)
+        regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout)
+        regroup.rebind_ddp(self.model, self.bucket_layout())
+        self._regrouped()
+        if redo:  # back to the step's start before any state is sent from here
+            self.train_state.load_state_dict(self.rejoin.boundary.restore(place.step))
+            if self.step_start is not None:
+                self.step_start.restore()
+        met = self._meet(gen, place, current=current)
+        redo = redo and met.place.step == place.step  # else it took the completed step from a peer
+        if gen.left:
+            self.rejoin.store.joined(gen.number, met.place.rank)
+        self.events.emit(
+            "recovery_finished",
+            met.place.step,
+            rank=met.place.rank,
+            generation=gen.number,
+            replaced=list(gen.replaced),
+            left=list(gen.left),
+            world_size=met.place.world_size,
+            seconds=round(time.time() - failure.at, 4),
+            steps_lost=0,
+            redo_step=failure.step if redo else None,
+        )
+        self.rejoin.done()
+        return replace(met, redo=redo)
+
+    def grow(self, number: int, place: Place) -> Met:
+        """The ranks agreed at this step boundary that the group grows back in place into
+        generation ``number`` (see :mod:`~trainguard.rejoin.shrink`): take the larger world size,
+        meet the newcomers in the new group and send them the state. Nothing is redone: the step is
+        complete. Call with the old group's ping stopped and no save in flight.
+
+        Raises:
+            RuntimeError, torch.distributed.DistError: the new group could not be formed (this rank
+                exits and the launcher restarts the group).
+        """
+        t0 = time.time()
+        gen = self.rejoin.grown_generation(number)
+        place = self._resize(gen, place)
+        regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout)
+        regroup.rebind_ddp(self.model, self.bucket_layout())
+        self._regrouped()
+        met = self._meet(gen, place)
+        if met.place.rank == 0:
+            self.events.emit(
+                "group_grown",
+                met.place.step,
+                generation=gen.number,
+                joined=list(gen.grown),
+                world_size=met.place.world_size,
+                seconds=round(time.time() - t0, 4),
+            )
+        return met
+
+    def join(self, place: Place) -> Met:
+        """A replacement of a lost rank starts here instead of resuming: its own state at the last
+        step boundary from the lost rank's file, the model and optimizer from the survivors. A
+        newcomer of a group that grows back (``gen.grown``) has no such file: it derives its own
+        state from the lowest surviving rank's (see :meth:`_transfer`). Call
+        :meth:`joined` once the Guard took the returned place."""
+        gen = self.rejoin.joined_generation()
+        kept = {} if place.rank in gen.grown else rejoin_boundary.read(self.rejoin.dir, place.rank)
+        return self._meet(gen, place, kept)
+
+    def joined(self, met: Met, seconds: float) -> None:
+        """The replacement or newcomer of :meth:`join` is in: tell the launcher, write its event."""
+        self.rejoin.store.joined(met.gen.number, met.place.rank)
+        said = dict(rank=met.place.rank, generation=met.gen.number, pid=os.getpid(), seconds=round(seconds, 4))
+        if met.place.rank in met.gen.grown:
+            self.events.emit("rank_joined", met.place.step, **said)
+        else:
+            self.events.emit("rank_replaced", met.place.step, **said)
+
+    # ------------------------------------------------------------------------------------------
+    # the parts of a meeting
+
+    def _resize(self, gen: Generation, place: Place) -> Place:
+        """The group goes on without the ranks ``gen.left`` (a shrink) or with the newcomers
+        ``gen.grown`` (it grows back; see :mod:`~trainguard.rejoin.shrink`): take this rank's
+        number and the world size everywhere, before the new group is created with them."""
+        old, rank = place.rank, new_rank(place.rank, gen.left)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(gen.world_size))
+        hosts = [h for r, h in enumerate(place.hosts) if r not in gen.left]
+        hosts += list(gen.hosts) or [socket.gethostname()] * len(gen.grown)  # spares run beside us
+        self._renumber(rank, gen.world_size, hosts)
+        self.rejoin.renumber(rank)
+        self.events.emit(
+            "world_size_changed",
+            place.step,
+            from_world_size=place.world_size,
+            to_world_size=gen.world_size,
+            base_world_size=self._base_world_size(),
+            keep=self.cfg.elastic.keep,
+            left=list(gen.left),
+            joined=list(gen.grown),
+            from_rank=old,
+            in_process=True,
+        )
+        if rank == 0:
+            change = f"without rank(s) {list(gen.left)}" if gen.left else f"with rank(s) {list(gen.grown)} back"
+            console.say(
+                f"going on as {gen.world_size} rank(s) {change} from step {place.step}: "
+                f"data position carried over, keep {self.cfg.elastic.keep.replace('_', ' ')}"
+            )
+        return replace(place, rank=rank, world_size=gen.world_size, hosts=tuple(hosts))
+
+    def _meet(
+        self, gen: Generation, place: Place, kept: Optional[dict[int, dict]] = None, current: Optional[dict] = None
+    ) -> Met:
+        """Both sides of a recovery, in the same order: agree on the survivors' step boundary (a
+        replacement, with the lost rank's ``kept`` boundaries, takes the one of that step), move the
+        model, optimizer and the state every rank holds alike from the lowest surviving rank to
+        the replacements (none after a shrink: the survivors hold the same), start the liveness
+        ping on the new group.
+
+        The survivors may be one step apart: a collective that lost a peer can complete on some
+        ranks and fail on others (gloo's ring). The ranks that abandoned the step (``current``:
+        their own state at its end, :meth:`recover`) then take the completed step from the
+        lowest rank that has it, as a replacement does: nothing is redone.
+
+        Raises:
+            RegroupError: the survivors are more than one step apart, or the lost rank kept none of theirs.
+        """
+        joining = kept is not None
+        agreed = tgdist.all_reduce_max([-1, -(1 << 62)] if joining else [place.step, -place.step])
+        step, lowest = agreed[0], -agreed[1]
+        behind = not joining and place.step < step
+        refused = tgdist.all_reduce_max(
+            [int(joining and step not in kept and place.rank not in gen.grown), int(behind and current is None)]
+        )
+        if step - lowest > 1 or refused[1]:
+            raise regroup.RegroupError(f"the ranks are at different step boundaries ({lowest} to {step})")
+        if refused[0]:
+            raise regroup.RegroupError(
+                f"a replacement has no state of step {step} (its rank kept {sorted(kept or ())})"
+            )
+        src = None
+        if step != lowest:  # the lowest rank that completed the step sends it
+            src = -tgdist.all_reduce_max([-place.rank if not joining and not behind else -(1 << 62)])[0]
+        if gen.replaced or src is not None:
+            place = self._transfer(gen, place, step, kept, src, current if behind else None)
+        self.rejoin.group_ports = {p for ps in tgdist.gather_objects(sever.listening_ports()) for p in ps}
+        device = next(self.model.parameters()).device
+        ping = health.start_ping(
+            self.cfg.health, list(place.hosts), self.events, device, place.world_size, self._on_ping_failure
+        )
+        return Met(place, ping, gen)
+
+    def _transfer(
+        self,
+        gen: Generation,
+        place: Place,
+        step: int,
+        kept: Optional[dict[int, dict]],
+        src: Optional[int] = None,
+        current: Optional[dict[str, Any]] = None,
+    ) -> Place:
+        """Move the model, optimizer and shared state from rank ``src`` (default: the lowest
+        surviving rank) to the replacements of ``gen`` (``kept``: a replacement's boundaries,
+        ``None`` on a survivor) and to survivors one step behind (``current``: their own state at
+        ``step``). A newcomer (``gen.grown``) takes that rank's own state too, with the data
+        position and RNG streams derived for its rank as on a resume on another world size
+        (:func:`~trainguard.reshard.resharded_rank_state`). Returns the place after it."""
+        joining = kept is not None
+        src = min(set(range(gen.world_size)) - set(gen.replaced)) if src is None else src
+        t0 = time.perf_counter()
+        parts = [n for n in self.train_state.parts if gen.grown or n not in LOCAL_PARTS]
+        shared = {
+            "layout": self.bucket_layout(),
+            "hosts": list(place.hosts),
+            "next_check": step + 1,
+            "next_report": place.next_report,
+            "state": self.train_state.state_dict(parts) if place.rank == src else None,
+        }
+        packet, moved = regroup.transfer_state(self.model, self.optimizer, src, shared)
+        if joining:
+            if packet["layout"]:  # the survivors' buckets, so that the sums round as theirs do
+                regroup.rebind_ddp(self.model, packet["layout"])
+            if place.rank in gen.grown:
+                own = resharded_rank_state({**packet["state"], "step": step}, place.rank)
+            else:
+                own = kept[step]
+            self.train_state.load_state_dict({**packet["state"], **own})
+            place = replace(place, step=step)
+        elif current is not None:
+            self.train_state.load_state_dict({**packet["state"], **current})
+            place = replace(place, step=step)
+        if place.rank == src:
+            self.events.emit(
+                "state_transferred",
+                place.step,
+                rank=src,
+                to_ranks=list(gen.replaced),
+                bytes=moved,
+                seconds=round(time.perf_counter() - t0, 4),
+            )
+        return replace(
+            place, hosts=tuple(packet["hosts"]), next_check=packet["next_check"], next_report=packet["next_report"]
+        )

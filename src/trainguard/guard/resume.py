@@ -1,0 +1,143 @@
+"""Where training starts, and loading a checkpoint into the running process.
+
+A component of :class:`~trainguard.guard.Guard`: it finds the newest valid checkpoint (either
+tier), loads the whole training state from it (resharded when another number of ranks wrote it,
+:mod:`trainguard.reshard`), and says when a resume cannot be bitwise identical
+(:mod:`trainguard.fidelity`). It returns the step loaded; the Guard keeps the step counter.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .. import console
+from ..checkpoint.store import Checkpoint
+from ..checkpointer import Checkpointer, ResumePoint
+from ..events import EventLog
+from ..fidelity import DrawWatch, ResumeFidelity
+from ..reshard import ElasticState, check_reshardable, resharded_rank_state
+from ..trainstate import TrainState
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A resume: ``step`` (completed steps loaded), ``checkpoint`` (the step and path it came
+    from; a local-tier copy's path when it came from the node-local tier) and the persistent
+    checkpoint it came from, if any (``persistent``: the instability recovery's known-good bookkeeping)."""
+
+    step: int
+    checkpoint: Checkpoint
+    persistent: Optional[Checkpoint]
+
+
+class Resume:
+    """Loads training state for one rank.
+
+    Args:
+        ckpt: the checkpointer (both tiers).
+        train_state: the Guard's named ``Stateful`` parts (loaded from the checkpoint's rank state).
+        sampler: the data position (checked before a reshard), or ``None``.
+        events: the event log.
+        fidelity, draws: what makes a resume not bitwise (:mod:`trainguard.fidelity`).
+        elastic: the world size the run started with (:class:`~trainguard.reshard.ElasticState`).
+        keep: ``[elastic] keep`` (for the console line of a reshard).
+        rank, world_size: this rank's place (:meth:`renumber` after a shrink or growth).
+    """
+
+    def __init__(
+        self,
+        ckpt: Checkpointer,
+        train_state: TrainState,
+        sampler: Any,
+        events: EventLog,
+        fidelity: ResumeFidelity,
+        draws: DrawWatch,
+        elastic: ElasticState,
+        keep: str,
+        rank: int,
+        world_size: int,
+    ):
+        self.ckpt, self.train_state, self.sampler, self.events = ckpt, train_state, sampler, events
+        self.fidelity, self.draws, self.elastic, self.keep = fidelity, draws, elastic, keep
+        self.rank, self.world_size = rank, world_size
+
+    def renumber(self, rank: int, world_size: int) -> None:
+        """This process is rank ``rank`` of ``world_size`` from now on."""
+        self.rank, self.world_size = rank, world_size
+
+    def resume(self) -> Optional[Resumed]:
+        """At ``steps()`` start: load the newest valid checkpoint of either tier (a collective);
+        ``None`` on a fresh start. Warns when the resume cannot be bitwise identical.
+
+        Raises:
+            BadInput: the checkpoint does not fit the model, or the sampler cannot reshard.
+            ReadError: the checkpoint could not be read (after retries).
+        """
+        t0 = time.perf_counter()
+        drawn = self.draws.before_loop()
+        point = self.ckpt.find_resume()
+        if point is None:
+            return None
+        step = self.load(point)
+        path = point.checkpoint.path if point.checkpoint is not None else self.ckpt.local_path(point.step)
+        if self.rank == 0:
+            seconds = round(time.perf_counter() - t0, 4)
+            self.events.emit("resume", step, path=str(path), from_step=point.step, tier=point.tier, seconds=seconds)
+        if self.fidelity.changed:
+            self.not_bitwise(step, f"changed since the checkpoint was saved: {', '.join(self.fidelity.changed)}")
+        if drawn:
+            self.not_bitwise(
+                step,
+                "random numbers were drawn between creating the Guard and guard.steps() (a first batch fetched "
+                "before the loop?): this resume drew them from the fresh seed, not the checkpoint's generators; "
+                "draw batches inside the step",
+            )
+        return Resumed(step, Checkpoint(point.step, path), point.checkpoint)
+
+    def load(self, point: ResumePoint) -> int:
+        """Load the whole training state from ``point`` (a collective); written by another number
+        of ranks, it is resharded (see :mod:`trainguard.reshard`). Returns the step loaded.
+
+        Raises:
+            BadInput: the checkpoint does not fit the model, or the sampler cannot reshard.
+        """
+        saved = self.ckpt.written_by(point)
+        if saved != self.world_size:
+            check_reshardable(self.sampler, point.checkpoint.path, saved, self.world_size)
+            state = resharded_rank_state(self.ckpt.load(point, rank_state_of=0), self.rank)
+        else:
+            state = self.ckpt.load(point)
+        step = int(state["step"])
+        self.train_state.load_state_dict(state)
+        self.ckpt.loaded(point.tier, step)
+        if saved != self.world_size and self.rank == 0:
+            self.events.emit(
+                "world_size_changed",
+                step,
+                from_world_size=saved,
+                to_world_size=self.world_size,
+                base_world_size=self.elastic.base_world_size,
+                keep=self.keep,
+                path=str(point.checkpoint.path),
+            )
+            console.say(
+                f"resuming on {self.world_size} rank(s) from a checkpoint of {saved}: data position carried "
+                f"over, random number streams derived per rank, keep {self.keep.replace('_', ' ')}"
+            )
+        return step
+
+    def reload(self, target: Checkpoint, why: str) -> int:
+        """Load persistent checkpoint ``target`` into this process (a rollback; a collective) and
+        set aside the local copies newer than it. Returns the step loaded."""
+        step = self.load(ResumePoint("persistent", target.step, target))
+        self.ckpt.discard_local_after(target.step, why)
+        return step
+
+    def not_bitwise(self, step: int, cause: str) -> None:
+        """Warn that a resume cannot be bitwise identical (see :mod:`trainguard.fidelity`): an event
+        from this rank, one console line from rank 0."""
+        self.events.emit("resume_not_bitwise", step, rank=self.rank, cause=cause)
+        if self.rank == 0:
+            console.warn(f"a resume cannot be bitwise identical: {cause}")
