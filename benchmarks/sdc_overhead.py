@@ -1,4 +1,4 @@
-"""Cost of the silent-data-corruption check (``[sdc]``, :mod:`trainguard.sdc`) against a training step.
+"""Cost of the silent-data-corruption check (``[sdc]``, :mod:`trainguard.sdc.replicas`) against a training step.
 
 The model is ``examples/gpt.py``'s ``GPT`` at its default size (3.3 M parameters) with its AdamW,
 DDP on ``--world`` CPU ranks (gloo, one thread each, file rendezvous), batch ``--batch``. In the
@@ -8,12 +8,12 @@ the all-reduce that compares it: exactly what the Guard runs at a check step). R
 slowest rank's medians and the step-time ratio with one check every N steps:
 ``(N × step + check) / (N × step)``, for N = 10, 100 (the default ``check_interval``) and 1000.
 
-The step re-run (``[sdc] on_instability = "rerun"``, :mod:`trainguard.rerun`) in the same
+The step re-run (``[sdc] on_instability = "rerun"``, :mod:`trainguard.sdc.rerun`) in the same
 processes: what it costs every step (keeping the step-boundary state: data position and RNG
 streams, encoded in memory; and the RNG state the forward pre-hook keeps with the references to
 the step's inputs), what one re-run costs (restoring that state, the step again, the two results'
 fingerprints and their all-gather) and one cross-check (the suspect's inputs sent, its forward
-replayed on it and its partner, :mod:`trainguard.crosscheck`), each against the training step.
+replayed on it and its partner, :mod:`trainguard.sdc.crosscheck`), each against the training step.
 
     .venv/bin/python benchmarks/sdc_overhead.py [--world 2] [--batch 8] [--repeat 20] [--smoke]
 
@@ -41,13 +41,13 @@ def _rank(rank: int, world: int, tmp: str, batch: int, repeat: int, out, model_o
     import torch
     import torch.distributed as dist
 
-    from trainguard.crosscheck import StepInputs, cross_check
     from trainguard.rejoin.boundary import BoundaryState
-    from trainguard.rerun import StepRerun, step_result
     from trainguard.sampler import ResumableSampler
-    from trainguard.sdc import ReplicaCheck
+    from trainguard.sdc.crosscheck import StepInputs, cross_check
+    from trainguard.sdc.replicas import ReplicaCheck
+    from trainguard.sdc.rerun import StepRerun, step_result
     from trainguard.sections import SDCSection
-    from trainguard.trainstate import RNGState, TrainState
+    from trainguard.state.trainstate import RNGState, TrainState
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)

@@ -56,7 +56,7 @@ def _rank(
     if impl:
         state_hash = _load(Path(impl), "state_impl").state_hash
     else:
-        from trainguard.determinism import state_hash
+        from trainguard.state.determinism import state_hash
     for layout in layouts:  # one after the other in the same processes
         _measure(rank, world, layout, repeat, impl, out, gpt.ModelSection(**model_overrides), gpt, state_hash)
     dist.destroy_process_group()
@@ -105,7 +105,7 @@ def _measure(rank: int, world: int, layout: str, repeat: int, impl: str | None, 
         ms, cpu_ms = (sorted(x * 1e3 for x in row) for row in t.tolist())
         n_params = sum(p.numel() for p in model.parameters())
         out.put(
-            f"{layout} world={world} params={n_params / 1e6:.2f}M impl={impl or 'trainguard.determinism'}: "
+            f"{layout} world={world} params={n_params / 1e6:.2f}M impl={impl or 'trainguard.state.determinism'}: "
             f"wall median {statistics.median(ms):.1f} ms (min {ms[0]:.1f}, max {ms[-1]:.1f}), "
             f"thread CPU median {statistics.median(cpu_ms):.1f} ms (min {cpu_ms[0]:.1f}), {repeat} calls; "
             f"same digest on all ranks: {len(set(digests)) == 1}; digest {digests[0]}"

@@ -1,7 +1,7 @@
 """Checkpoint retention, known-good bookkeeping and ``latest_valid`` in one process.
 
 Real checkpoint directories in ``tmp_path`` (committed by :class:`CheckpointStore`, or by a real
-:class:`~trainguard.checkpointer.Checkpointer` through DCP on a gloo group of world size 1), real
+:class:`~trainguard.checkpoint.checkpointer.Checkpointer` through DCP on a gloo group of world size 1), real
 corruptions (a flipped byte, a truncated file, a missing manifest), and a real
 :class:`~trainguard.instability.recovery.Recovery` whose known-good verdicts follow real detector
 verdicts.
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from trainguard.checkpoint import manifest as mf
+from trainguard.checkpoint.checkpointer import Checkpointer, SaveResult
 from trainguard.checkpoint.store import Checkpoint, CheckpointStore
-from trainguard.checkpointer import Checkpointer, SaveResult
 from trainguard.events import EventLog, read_events
 from trainguard.instability.recovery import Recovery
 from trainguard.sections import CheckpointSection, InstabilitySection, RollbackSection

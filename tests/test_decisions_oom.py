@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from trainguard.config import FaultSpec
 from trainguard.events import EventLog, read_events
 from trainguard.faults import FaultInjector
+from trainguard.health.straggler import StragglerDetector
 from trainguard.oom import MicroBatcher
 from trainguard.outcomes import BadInput, GiveUp
 from trainguard.sections import OOMSection, StragglerSection
-from trainguard.straggler import StragglerDetector
 
 BATCH = 8
 

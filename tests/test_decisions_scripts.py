@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import trainguard
-from trainguard.fidelity import WATCHED_STEPS, DrawWatch, ResumeFidelity, differences, environment
 from trainguard.launcher.script_error import decide, read_tail, traceback_tail
+from trainguard.state.fidelity import WATCHED_STEPS, DrawWatch, ResumeFidelity, differences, environment
 from trainguard.supervisor.evidence import (
     BUSY_SHARE,
     WINDOW,

@@ -26,14 +26,14 @@ import torch.nn.functional as F
 import trainguard
 from trainguard import dist as tgdist
 from trainguard.events import EventLog, read_events
+from trainguard.health.straggler import StragglerDetector
 from trainguard.launch_env import END_TIME, END_TIME_FILE, LAUNCH_TIME
-from trainguard.memory import MemoryWatchdog
 from trainguard.outcomes import Requeue
 from trainguard.sections import MemorySection, StopSection, StragglerSection
-from trainguard.signals import ShutdownHandler
 from trainguard.slurm.endtime import write_end_time
-from trainguard.stop import StopConditions, StopFlags
-from trainguard.straggler import StragglerDetector
+from trainguard.stop.conditions import StopConditions, StopFlags
+from trainguard.stop.memory import MemoryWatchdog
+from trainguard.stop.signals import ShutdownHandler
 
 
 @pytest.fixture(autouse=True)

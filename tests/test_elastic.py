@@ -1,4 +1,4 @@
-"""Resume on another world size (trainguard.reshard): the global data position in one process, then
+"""Resume on another world size (trainguard.state.reshard): the global data position in one process, then
 real launches that stop on 2 ranks and resume on 1 and on 3."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import torch
 from conftest import REPO, events, finish, launch
 from trainguard import ResumableSampler
 from trainguard.checkpoint.io import rank_file
-from trainguard.determinism import capture_rng
 from trainguard.outcomes import BadInput
 from trainguard.rejoin.protocol import Generation, new_rank
 from trainguard.rejoin.shrink import check_shrinkable, reshard
 from trainguard.report import build_report, load_events, render_text
-from trainguard.reshard import check_reshardable, derived_seed, rank_batch, resharded_rank_state
+from trainguard.state.determinism import capture_rng
+from trainguard.state.reshard import check_reshardable, derived_seed, rank_batch, resharded_rank_state
 
 STEPS = 60
 GLOBAL = 12  # sequences per step: 6 per rank on the 2 ranks the run starts with

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from conftest import events, final_hash, finish, launch, logged_step, wait_for
-from trainguard.determinism import capture_rng
 from trainguard.events import EventLog
 from trainguard.launcher.node_join import NodeRecord, host_of, number_newcomers
 from trainguard.launcher.replace import REPLACEMENT_MODULE, Replacer, replacement_command
@@ -29,6 +28,7 @@ from trainguard.rejoin.auth import Seal
 from trainguard.rejoin.boundary import PLAIN, TORCH, BoundaryState, decode, encode, read
 from trainguard.rejoin.protocol import Generation, RecoveryStore, connect, is_peer_failure, parse_address, serve
 from trainguard.sections import RecoverySection
+from trainguard.state.determinism import capture_rng
 
 SEAL = Seal(bytes(range(32)))  # the launch's secret of these tests
 STEPS = 150  # as test_launcher.py: the clean_hash fixture's run is shared

@@ -1,4 +1,4 @@
-"""Silent data corruption (trainguard.sdc): exact replica fingerprints in one process, then real
+"""Silent data corruption (trainguard.sdc.replicas): exact replica fingerprints in one process, then real
 3-rank launches where a bit of rank 1's parameters flips and the replicas are compared."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import events, final_hash, finish, launch
-from trainguard.crosscheck import StepInputs
 from trainguard.events import EventLog, read_events
 from trainguard.faults import FaultInjector, grow_bit, parse_inject
 from trainguard.report import build_report, load_events
-from trainguard.rerun import StepRerun, step_result, suspect_of
-from trainguard.sdc import ReplicaCheck, fingerprint, flip_bit, odd_ones_out
+from trainguard.sdc.crosscheck import StepInputs
+from trainguard.sdc.replicas import ReplicaCheck, fingerprint, flip_bit, odd_ones_out
+from trainguard.sdc.rerun import StepRerun, step_result, suspect_of
 from trainguard.sections import SDCSection
 
 STEPS = 100

@@ -12,7 +12,7 @@ from trainguard.exitcodes import ExitCode
 CHILD = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
-    from trainguard.signals import ShutdownHandler
+    from trainguard.stop.signals import ShutdownHandler
     marker = Path(sys.argv[1])
     h = ShutdownHandler(["SIGTERM", "SIGUSR1"], deadline=1.0, on_deadline=lambda: marker.write_text(h.received)).install()
     print("ready", flush=True)

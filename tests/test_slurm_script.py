@@ -15,13 +15,13 @@ import pytest
 from conftest import REPO
 from trainguard.config import ConfigError, StopSection, load_config
 from trainguard.events import EventLog
-from trainguard.signals import ShutdownHandler
 from trainguard.slurm import finished
 from trainguard.slurm import script as sbatch
 from trainguard.slurm.endtime import JobEndTime, write_end_time
 from trainguard.slurm.info import SLURMInfo, parse_show_job, parse_slurm_time, parse_slurm_timestamp
 from trainguard.slurm.requeue import ended_early, requeue_decision, stop_reasons
-from trainguard.stop import StopConditions
+from trainguard.stop.conditions import StopConditions
+from trainguard.stop.signals import ShutdownHandler
 
 GPT = str(REPO / "examples" / "gpt.py")
 

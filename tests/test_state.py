@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from trainguard import ResumableSampler, seed_everything, state_hash
-from trainguard.determinism import capture_rng, restore_rng
+from trainguard.state.determinism import capture_rng, restore_rng
 
 
 def test_sampler_resumes_mid_epoch_and_across_epochs():
@@ -152,7 +152,7 @@ def test_state_hash_without_process_group_is_local():
     versions, so a single-process or DDP run keeps the value older records hold."""
     import hashlib
 
-    from trainguard.determinism import local_state_digest
+    from trainguard.state.determinism import local_state_digest
 
     torch.manual_seed(0)
     m = torch.nn.Linear(3, 2)

@@ -44,8 +44,8 @@ _LAZY_NAMES: dict[str, str] = {
     "BadInput": ".outcomes",
     "Withdraw": ".outcomes",
     "ResumableSampler": ".sampler",
-    "seed_everything": ".determinism",
-    "state_hash": ".determinism",
+    "seed_everything": ".state.determinism",
+    "state_hash": ".state.determinism",
 }
 # public submodules reached as attributes (``trainguard.dist.rank()`` after ``import trainguard``)
 _LAZY_MODULES = ("dist",)
@@ -56,12 +56,12 @@ if TYPE_CHECKING:  # what static tools see; at run time these resolve lazily thr
     from . import dist
     from .checkpoint import Checkpoint, CheckpointMismatchError, CheckpointStore
     from .config import Config, ConfigError, Section, config_from_argv, config_from_env, load_config
-    from .determinism import seed_everything, state_hash
     from .events import EventLog, Hook, read_events
     from .exitcodes import ExitCode, exit_bad_input
     from .guard import Guard
     from .outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw
     from .sampler import ResumableSampler
+    from .state.determinism import seed_everything, state_hash
 
 
 def __getattr__(name: str) -> Any:

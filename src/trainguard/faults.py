@@ -11,7 +11,7 @@ Kinds (see :class:`~trainguard.config.FaultSpec`):
   ``step`` (and the ``repeat - 1`` after it): ``nan_loss`` (loss and gradients NaN),
   ``loss_spike`` (loss × ``factor``), ``grad_explosion`` (gradients and their norm × ``factor``).
   Each step fires once; ``persistent`` makes it fire again when a rollback re-runs the step.
-* ``sdc``: one bit flips in place (:func:`trainguard.sdc.flip_bit`), once (or each time the step
+* ``sdc``: one bit flips in place (:func:`trainguard.sdc.replicas.flip_bit`), once (or each time the step
   is done again, with ``persistent``): with ``target = "param"`` in the rank's first parameter at
   the end of step ``step`` (after the optimizer step: a silent corruption of that replica); with
   ``"grad"`` in its first gradient in ``should_step()`` of step number ``step``; with
@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .config import ConfigError, FaultSpec, parse_key_values
 from .events import EventLog
-from .sdc import INT_VIEW, flip_bit
+from .sdc.replicas import INT_VIEW, flip_bit
 
 
 def parse_inject(text: str) -> FaultSpec:

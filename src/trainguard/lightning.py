@@ -58,7 +58,7 @@ from .config import Config, config_from_env
 from .events import Hook
 from .guard import Guard
 from .outcomes import BadInput, Outcome
-from .trainstate import RNGState
+from .state.trainstate import RNGState
 
 try:
     import lightning.pytorch as pl

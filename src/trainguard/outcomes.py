@@ -13,7 +13,7 @@ with the right code (75 requeue, 76 give up, 2 bad input), and a notebook or a t
         print(stop.reason, stop.exit_code)  # e.g. "signal", 75
 
 The one place allowed to end the process from another thread is the preemption hard deadline
-(:mod:`trainguard.signals`): when the main thread is stuck (say, in a save on a dead filesystem),
+(:mod:`trainguard.stop.signals`): when the main thread is stuck (say, in a save on a dead filesystem),
 no exception can reach it.
 
 This module imports nothing heavy (no torch): the CLI and the launcher use it too.

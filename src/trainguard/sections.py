@@ -386,7 +386,7 @@ class FaultSpec(Section):
 
 class SDCSection(Section):
     """``[sdc]``: silent data corruption: the data-parallel replicas' parameters compared by exact
-    fingerprints every ``check_interval`` steps (see :mod:`trainguard.sdc`).
+    fingerprints every ``check_interval`` steps (see :mod:`trainguard.sdc.replicas`).
 
     On a mismatch: ``warn`` (event and console line; the replicas stay different), ``rerun``
     (every rank reloads the newest checkpoint taken at or before the last check where the replicas
@@ -397,7 +397,7 @@ class SDCSection(Section):
 
     ``on_instability = "rerun"``: a step the ``[instability]`` detectors find non-finite or spiking
     is first done again from its inputs (same batch, same random numbers; see
-    :mod:`trainguard.rerun`): a different result is a transient hardware fault (the re-run's
+    :mod:`trainguard.sdc.rerun`): a different result is a transient hardware fault (the re-run's
     result is used); the same result on every rank is the data or the model (the instability
     policy acts), unless one rank's loss alone is wrong and its partner computes that rank's forward
     differently on the same inputs: a persistent fault of that rank (``on_persistent``). Off by
@@ -427,7 +427,7 @@ class SDCSection(Section):
 
 
 class ElasticSection(Section):
-    """``[elastic]``: resuming on another number of ranks (see :mod:`trainguard.reshard`).
+    """``[elastic]``: resuming on another number of ranks (see :mod:`trainguard.state.reshard`).
 
     A checkpoint written by N ranks resumes on M: the model and optimizer are resharded by
     ``torch.distributed.checkpoint``, the data position is global (a ``reshardable`` sampler), each
@@ -581,7 +581,7 @@ class StragglerSection(Section):
     """``[straggler]``: per-rank timing, exchanged in the stop check; scores after the NVIDIA
     Resiliency Extension (relative = fastest median / this median; individual = own usual median —
     the median of its last 16 earlier windows, where NVRx takes the best — / current median; 0.7
-    thresholds as there). See :mod:`trainguard.straggler`."""
+    thresholds as there). See :mod:`trainguard.health.straggler`."""
 
     enabled: bool = Field(True, description="time steps (and run_step's compute) and report stragglers")
     report_interval: float = Field(

@@ -181,7 +181,7 @@ def saved_world_size(path: Path) -> Optional[int]:
 
 def check_compatible(path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
     """Refuse a checkpoint written for another model (any world size fits: DCP reshards the model
-    and optimizer, see :mod:`trainguard.reshard` for the rest).
+    and optimizer, see :mod:`trainguard.state.reshard` for the rest).
 
     Compares the model's keys and tensor shapes with the DCP metadata, in sorted key order.
 

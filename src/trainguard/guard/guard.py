@@ -19,7 +19,7 @@ What happens at each step boundary (``step_end``), on every rank:
 2. about once a second (``[stop] check_seconds``, converted to steps from the measured step
    time; or every ``[stop] check_interval`` steps) the stop flags of all ranks (signal, kill
    switch, time limit, memory, save switch) and the next check step are combined in one
-   all-reduce (:class:`~trainguard.stop.StopFlags`), so all ranks decide alike at the same step;
+   all-reduce (:class:`~trainguard.stop.conditions.StopFlags`), so all ranks decide alike at the same step;
 3. on a stop: save a checkpoint and raise :class:`~trainguard.outcomes.Requeue` (exit code 75);
 4. on the checkpoint interval or a save switch: save and keep training.
 
@@ -55,18 +55,15 @@ import torch
 
 from .. import console, health
 from .. import dist as tgdist
+from ..checkpoint.checkpointer import Checkpointer, SaveResult
 from ..checkpoint.store import Checkpoint
-from ..checkpointer import Checkpointer, SaveResult
 from ..config import Config, ConfigError, config_from_argv, dump_config, load_config
-from ..crosscheck import StepInputs
-from ..determinism import state_hash
 from ..events import EventLog, Hook
 from ..exitcodes import exit_bad_input
 from ..faults import FaultInjector
-from ..fidelity import DrawWatch, ResumeFidelity
+from ..health.straggler import StragglerDetector
 from ..instability.recovery import Recovery, Rollback
 from ..launch_env import LaunchEnv
-from ..memory import MemoryWatchdog
 from ..oom import MicroBatcher
 from ..outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw
 from ..rejoin import sever, shrink
@@ -76,17 +73,20 @@ from ..rejoin.protocol import is_peer_failure
 from ..rejoin.rank import Rejoin
 from ..rejoin.shrink import check_shrinkable
 from ..rejoin.stepstart import StepStart
-from ..rerun import StepRerun
-from ..reshard import ElasticState, rank_batch
 from ..rundir import prepare_run_dir
-from ..sdc import Mismatch, ReplicaCheck
-from ..signals import ShutdownHandler
-from ..stop import StopConditions, StopFlags, launch_start_time
-from ..straggler import StragglerDetector
+from ..sdc.crosscheck import StepInputs
+from ..sdc.replicas import Mismatch, ReplicaCheck
+from ..sdc.rerun import StepRerun
+from ..state.determinism import state_hash
+from ..state.fidelity import DrawWatch, ResumeFidelity
+from ..state.reshard import ElasticState, rank_batch
+from ..state.trainstate import RNGState, TrainState
+from ..stop.conditions import StopConditions, StopFlags, launch_start_time
+from ..stop.memory import MemoryWatchdog
+from ..stop.signals import ShutdownHandler
 from ..supervisor.rank import attach as attach_supervisor
 from ..supervisor.rank import detach as detach_supervisor
 from ..supervisor.rank import enter_teardown
-from ..trainstate import RNGState, TrainState
 from . import edge, inprocess
 from .inprocess import InProcess, Met, Place
 from .resume import Resume
@@ -354,7 +354,7 @@ class Guard:
 
     def rank_batch(self, batch: int) -> int:
         """The batch this rank trains per step, given the per-rank ``batch`` the script configures
-        for the world size the run started with (``[elastic] keep``, see :mod:`trainguard.reshard`);
+        for the world size the run started with (``[elastic] keep``, see :mod:`trainguard.state.reshard`);
         ``batch`` itself until the world size changes. Call it inside the loop.
 
         Raises:
@@ -454,7 +454,7 @@ class Guard:
         after a skip (gradients zeroed) or a rollback (state reloaded from a known-good checkpoint;
         the next yielded step is the checkpoint's). With ``[sdc] on_instability = "rerun"`` an
         unstable step is first done again: ``False``, and ``steps()`` yields the same step, whose
-        batch and random numbers come back (see :mod:`trainguard.rerun`). A collective: call it
+        batch and random numbers come back (see :mod:`trainguard.sdc.rerun`). A collective: call it
         on every rank.
 
         Args:
@@ -807,7 +807,7 @@ class Guard:
         self._t_last = time.perf_counter()
 
     def _replicas_differ(self) -> bool:
-        """The silent-data-corruption check of this step (a collective, see :mod:`trainguard.sdc`);
+        """The silent-data-corruption check of this step (a collective, see :mod:`trainguard.sdc.replicas`);
         ``True`` when the rest of the step boundary is skipped: it rolled back (the step counter
         is the checkpoint's), or a peer was lost in it and replaced in-process."""
         try:

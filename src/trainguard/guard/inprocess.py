@@ -29,8 +29,8 @@ from ..rejoin.catch import CATCH, DDPHook
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.stepstart import StepStart
-from ..reshard import resharded_rank_state
-from ..trainstate import TrainState
+from ..state.reshard import resharded_rank_state
+from ..state.trainstate import TrainState
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class InProcess:
         cfg: the run's config (``[recovery] timeout``, ``[health]``, ``[elastic] keep``).
         rejoin: this rank's recovery state (store, boundary, failure, generation).
         model, optimizer: what is moved from a survivor to a replacement.
-        train_state: the Guard's named ``Stateful`` parts (:class:`~trainguard.trainstate.TrainState`).
+        train_state: the Guard's named ``Stateful`` parts (:class:`~trainguard.state.trainstate.TrainState`).
         events: the event log.
         section: the Guard's hang-supervised section (``section("recovery")``).
         step_start: the optimizer/scheduler state at the step's start (``None``: inactive).
@@ -362,7 +362,7 @@ class InProcess:
         ``None`` on a survivor) and to survivors one step behind (``current``: their own state at
         ``step``). A newcomer (``gen.grown``) takes that rank's own state too, with the data
         position and RNG streams derived for its rank as on a resume on another world size
-        (:func:`~trainguard.reshard.resharded_rank_state`). Returns the place after it."""
+        (:func:`~trainguard.state.reshard.resharded_rank_state`). Returns the place after it."""
         joining = kept is not None
         src = min(set(range(gen.world_size)) - set(gen.replaced)) if src is None else src
         t0 = time.perf_counter()

@@ -2,8 +2,8 @@
 
 A component of :class:`~trainguard.guard.Guard`: it finds the newest valid checkpoint (either
 tier), loads the whole training state from it (resharded when another number of ranks wrote it,
-:mod:`trainguard.reshard`), and says when a resume cannot be bitwise identical
-(:mod:`trainguard.fidelity`). It returns the step loaded; the Guard keeps the step counter.
+:mod:`trainguard.state.reshard`), and says when a resume cannot be bitwise identical
+(:mod:`trainguard.state.fidelity`). It returns the step loaded; the Guard keeps the step counter.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .. import console
+from ..checkpoint.checkpointer import Checkpointer, ResumePoint
 from ..checkpoint.store import Checkpoint
-from ..checkpointer import Checkpointer, ResumePoint
 from ..events import EventLog
-from ..fidelity import DrawWatch, ResumeFidelity
-from ..reshard import ElasticState, check_reshardable, resharded_rank_state
-from ..trainstate import TrainState
+from ..state.fidelity import DrawWatch, ResumeFidelity
+from ..state.reshard import ElasticState, check_reshardable, resharded_rank_state
+from ..state.trainstate import TrainState
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,8 @@ class Resume:
         train_state: the Guard's named ``Stateful`` parts (loaded from the checkpoint's rank state).
         sampler: the data position (checked before a reshard), or ``None``.
         events: the event log.
-        fidelity, draws: what makes a resume not bitwise (:mod:`trainguard.fidelity`).
-        elastic: the world size the run started with (:class:`~trainguard.reshard.ElasticState`).
+        fidelity, draws: what makes a resume not bitwise (:mod:`trainguard.state.fidelity`).
+        elastic: the world size the run started with (:class:`~trainguard.state.reshard.ElasticState`).
         keep: ``[elastic] keep`` (for the console line of a reshard).
         rank, world_size: this rank's place (:meth:`renumber` after a shrink or growth).
     """
@@ -98,7 +98,7 @@ class Resume:
 
     def load(self, point: ResumePoint) -> int:
         """Load the whole training state from ``point`` (a collective); written by another number
-        of ranks, it is resharded (see :mod:`trainguard.reshard`). Returns the step loaded.
+        of ranks, it is resharded (see :mod:`trainguard.state.reshard`). Returns the step loaded.
 
         Raises:
             BadInput: the checkpoint does not fit the model, or the sampler cannot reshard.
@@ -136,7 +136,7 @@ class Resume:
         return step
 
     def not_bitwise(self, step: int, cause: str) -> None:
-        """Warn that a resume cannot be bitwise identical (see :mod:`trainguard.fidelity`): an event
+        """Warn that a resume cannot be bitwise identical (see :mod:`trainguard.state.fidelity`): an event
         from this rank, one console line from rank 0."""
         self.events.emit("resume_not_bitwise", step, rank=self.rank, cause=cause)
         if self.rank == 0:

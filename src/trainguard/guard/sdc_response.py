@@ -1,5 +1,5 @@
 """The Guard's response to silent data corruption: judge a replica check or a step's re-run and
-decide what follows (see :mod:`trainguard.sdc` and :mod:`trainguard.rerun`).
+decide what follows (see :mod:`trainguard.sdc.replicas` and :mod:`trainguard.sdc.rerun`).
 
 A component of :class:`~trainguard.guard.Guard`: it writes the events and the console lines of a
 finding and returns an :class:`SDCAction` (or raises :class:`~trainguard.outcomes.GiveUp` under
@@ -16,12 +16,12 @@ from typing import Any, Optional
 import torch
 
 from .. import console
-from ..crosscheck import StepInputs, cross_check
 from ..events import EventLog
 from ..instability.detect import Verdict
 from ..outcomes import GiveUp
-from ..rerun import StepRerun, step_result
-from ..sdc import Mismatch, ReplicaCheck
+from ..sdc.crosscheck import StepInputs, cross_check
+from ..sdc.replicas import Mismatch, ReplicaCheck
+from ..sdc.rerun import StepRerun, step_result
 from ..sections import SDCSection
 
 
@@ -57,8 +57,8 @@ class SDCResponse:
 
     Args:
         cfg: the ``[sdc]`` section.
-        check: the replica check (:class:`~trainguard.sdc.ReplicaCheck`).
-        reruns: the step re-run state (:class:`~trainguard.rerun.StepRerun`).
+        check: the replica check (:class:`~trainguard.sdc.replicas.ReplicaCheck`).
+        reruns: the step re-run state (:class:`~trainguard.sdc.rerun.StepRerun`).
         step_inputs: the recorded inputs of the step (a re-run's cross-check), or ``None``.
         events: the event log.
         can_replace: in-process recovery is active (``replace`` needs it; else ``exclude``).

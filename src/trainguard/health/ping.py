@@ -12,7 +12,7 @@ step-driven ping cannot run while no step completes.
 Before each ping every rank sets ``trainguard/ping/<attempt>/<n>/<rank>`` in the job's store; on a
 timeout the ranks without that key are the ones that never reached ping ``n``: they are named (with
 their hosts) in a ``ping_timeout`` event. The ping then calls ``on_failure``: the Guard arms its
-hard deadline (:class:`~trainguard.signals.HardDeadline`), because the main thread is waiting in
+hard deadline (:class:`~trainguard.stop.signals.HardDeadline`), because the main thread is waiting in
 a collective that will not complete and no exception can reach it; the process exits with code 1
 and ``trainguard run`` restarts the group from the newest checkpoint. A main thread that reaches a
 step boundary first raises :class:`PeerLostError` there instead. Shutdown agrees on the number of pings first

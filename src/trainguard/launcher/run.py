@@ -17,7 +17,7 @@ What it adds to torchrun's behaviour:
 * under SLURM (``SLURM_JOB_ID`` set): a ``slurm_info`` event (job, array task, nodes, restart count,
   time limit, end time); the job's EndTime minus ``[slurm] end_margin`` passed to the ranks
   (``LaunchEnv.end_time``) and kept current in an end-time file (their time limit, see
-  :mod:`trainguard.slurm.endtime` and :mod:`trainguard.stop`); with ``[slurm]
+  :mod:`trainguard.slurm.endtime` and :mod:`trainguard.stop.conditions`); with ``[slurm]
   auto_requeue``, ``scontrol requeue`` of the job after a requeue-worthy exit 75 (first node only,
   see :mod:`trainguard.slurm.requeue`); a ready file in ``TRAINGUARD_READY_DIR``
   (:data:`trainguard.launch_env.READY_DIR`) once the stop

@@ -52,9 +52,9 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import dist as tgdist
 from ..events import EventLog
 from ..faults import FaultInjector, provoke_oom
+from ..health.straggler import StragglerDetector
 from ..outcomes import BadInput, GiveUp
 from ..sections import OOMSection
-from ..straggler import StragglerDetector
 from .sync import GradSync
 
 # The CPU allocator raises a plain RuntimeError (c10::Error) whose text carries this; no type exists.

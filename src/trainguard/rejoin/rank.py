@@ -51,7 +51,7 @@ class Rejoin:
         launch: the launcher's contract (recovery store, boundary directory, ``join``).
         rank: global rank.
         keep_in_memory: keep the step-boundary state in memory even when inactive (a step re-run,
-            :mod:`trainguard.rerun`, restores it).
+            :mod:`trainguard.sdc.rerun`, restores it).
         declined: why in-process recovery does not apply to this loop (a framework owns the
             group, a sharded model); rank 0 tells the launcher (:meth:`RecoveryStore.decline`).
         on_forged: told the key of a store value that did not carry the launch's seal (refused).

@@ -32,7 +32,7 @@ numbered after the others). Rank 0 finds it at its next stop check and the check
 tells every rank, so all of them, at the same step boundary, take the larger world size, meet
 the newcomers in a new group and send them the model, optimizer and shared state; a newcomer
 derives its own data position and RNG streams from the lowest surviving rank's by the rule of a
-resume on another world size (:func:`~trainguard.reshard.resharded_rank_state`). Nothing is redone.
+resume on another world size (:func:`~trainguard.state.reshard.resharded_rank_state`). Nothing is redone.
 
 **A node that arrives** (``--nnodes MIN:MAX``) grows the group the same way, with the newcomers
 started by its own launcher (:mod:`trainguard.launcher.node_join`).

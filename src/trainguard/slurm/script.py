@@ -5,7 +5,7 @@ What the script does:
 * ``#SBATCH`` lines: ``--signal=B:USR1@N`` (N from the run's measured step and save times, see
   :func:`signal_lead`), ``--requeue``, ``--open-mode=append`` (a requeued job appends to its
   output), ``--time``, ``--partition``, ``--nodes`` (``MIN-MAX`` with ``--min-nodes``: the job
-  starts on what SLURM gives, and the run resumes on that many, see :mod:`trainguard.reshard`)
+  starts on what SLURM gives, and the run resumes on that many, see :mod:`trainguard.state.reshard`)
   with one task per node, ``--gres``,
   ``--cpus-per-task``, optionally ``--array=1-K%1`` (K tasks, one at a time) or
   ``--dependency=afterany:JOB``, and extra lines from ``[slurm] sbatch_args``;

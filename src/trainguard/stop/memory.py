@@ -17,8 +17,8 @@ from typing import Any
 import psutil
 import torch
 
-from .events import EventLog
-from .sections import MemorySection
+from ..events import EventLog
+from ..sections import MemorySection
 
 
 class MemoryWatchdog:

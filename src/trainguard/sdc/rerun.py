@@ -11,10 +11,10 @@ more before any instability policy acts:
   yields the same step again, so the loop fetches the same batch and draws the same random
   numbers; parameters and optimizer state are still the step's start (``should_step`` runs
   before ``optimizer.step()``);
-* each rank's **result** of the step is an exact fingerprint (:func:`trainguard.sdc.fingerprint`)
+* each rank's **result** of the step is an exact fingerprint (:func:`trainguard.sdc.replicas.fingerprint`)
   of its own loss and of its gradients after the all-reduce, for the first run and the re-run.
 
-The verdict (:meth:`StepRerun.classify` and, for one suspect rank, :mod:`trainguard.crosscheck`;
+The verdict (:meth:`StepRerun.classify` and, for one suspect rank, :mod:`trainguard.sdc.crosscheck`;
 the same on every rank):
 
 * **transient**: some result changed: a fault in a computation (a flipped bit in an activation, a
@@ -25,7 +25,7 @@ the same on every rank):
 * the same result on every rank, bit for bit: the computation is reproducible. If one rank's loss
   alone is wrong (non-finite, or more than :data:`SUSPECT_FACTOR` times the median of the ranks'
   absolute losses) its partner computes that rank's forward on the same inputs
-  (:func:`~trainguard.crosscheck.cross_check`): a different output makes it **persistent**, that
+  (:func:`~trainguard.sdc.crosscheck.cross_check`): a different output makes it **persistent**, that
   rank's hardware (``[sdc] on_persistent`` acts: exclude, replace or raise); otherwise, and when
   every rank is alike, **data** (or the model): the ``[instability]`` policy acts on the step as
   it would have without the re-run.
@@ -43,8 +43,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import dist as tgdist
-from .sdc import fingerprint
+from .. import dist as tgdist
+from .replicas import fingerprint
 
 # a rank whose loss is this many times the median of the ranks' absolute losses (or non-finite)
 # is the suspect of a reproducible instability; a spike of a whole batch moves the median with it

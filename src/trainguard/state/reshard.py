@@ -30,8 +30,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from ..outcomes import BadInput
 from .determinism import capture_rng, seed_everything
-from .outcomes import BadInput
 
 
 class ElasticState:

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from .exitcodes import ExitCode
+from ..exitcodes import ExitCode
 
 
 class HardDeadline:

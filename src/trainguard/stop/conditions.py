@@ -13,11 +13,11 @@ from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Optional
 
-from .config import StopSection
-from .launch_env import LaunchEnv
+from ..config import StopSection
+from ..launch_env import LaunchEnv
+from ..slurm.endtime import JobEndTime
 from .memory import MemoryWatchdog
 from .signals import ShutdownHandler
-from .slurm.endtime import JobEndTime
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,8 @@ from typing import Any, Optional
 
 import torch
 
-from .events import EventLog
-from .sections import StragglerSection
+from ..events import EventLog
+from ..sections import StragglerSection
 
 US = 1_000_000  # medians travel as integer microseconds
 HISTORY = 16  # earlier window medians the individual score compares with

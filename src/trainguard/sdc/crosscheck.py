@@ -1,6 +1,6 @@
 """Compute one rank's forward on another rank: is its hardware wrong, or its batch?
 
-A step re-run (:mod:`trainguard.rerun`) that gives every rank the same result again cannot tell a
+A step re-run (:mod:`trainguard.sdc.rerun`) that gives every rank the same result again cannot tell a
 bad batch from hardware that computes the same wrong number every time. When one rank's loss
 alone is wrong (non-finite, or far from the other ranks'), its **partner** (the next rank) computes
 that rank's forward too, on the same inputs with the same random numbers and the same parameters
@@ -25,8 +25,8 @@ from typing import Any, Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import dist as tgdist
-from .sdc import fingerprint
+from .. import dist as tgdist
+from .replicas import fingerprint
 
 _UNSET = -(1 << 63)
 

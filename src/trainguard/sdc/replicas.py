@@ -41,9 +41,9 @@ from typing import Iterable, Optional
 
 import torch
 
-from . import dist as tgdist
-from .events import EventLog
-from .sections import SDCSection
+from .. import dist as tgdist
+from ..events import EventLog
+from ..sections import SDCSection
 
 INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _WRAP = 1 << 64

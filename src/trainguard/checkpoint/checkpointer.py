@@ -44,18 +44,18 @@ from typing import Any, Callable, Optional
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import dist as tgdist
-from .atomic import write_atomic
-from .checkpoint import CheckpointMismatchError, CheckpointStore, check_compatible, load_state
-from .checkpoint import manifest as mf
-from .checkpoint.io import apply_state, model_optim_state, saved_world_size, write_checkpoint
-from .checkpoint.local import LocalTier, choose, deserialize, expand_dir
-from .checkpoint.snapshot import Snapshot, copy_pairs
-from .checkpoint.store import Checkpoint
-from .events import EventLog
-from .health.preflight import PreflightError, check_writable, state_bytes
-from .outcomes import BadInput, GiveUp
-from .sections import CheckpointSection
+from .. import dist as tgdist
+from ..atomic import write_atomic
+from ..events import EventLog
+from ..health.preflight import PreflightError, check_writable, state_bytes
+from ..outcomes import BadInput, GiveUp
+from ..sections import CheckpointSection
+from . import CheckpointMismatchError, CheckpointStore, check_compatible, load_state
+from . import manifest as mf
+from .io import apply_state, model_optim_state, saved_world_size, write_checkpoint
+from .local import LocalTier, choose, deserialize, expand_dir
+from .snapshot import Snapshot, copy_pairs
+from .store import Checkpoint
 
 log = logging.getLogger(__name__)
 
