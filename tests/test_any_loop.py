@@ -221,20 +221,10 @@ def test_plain_loop_rank_killed_from_outside_is_replaced_in_process_bitwise_forg
     kill_and_check(tmp_path / "run", plain_clean_hash(nproc), seed, nproc, forge=True)
 
 
-# Seed 4 with 4 ranks found a fault (soak run of 2026-11-26, 1 of 3 runs): when the kill lands
-# inside the checkpoint save of step 100, the survivors stay blocked in the save's collective and
-# notice nothing; the generation does not form within [recovery] timeout and the group restarts
-# (the final state is still the clean run's). Kept as a test with its seed until it is fixed.
-KILL_IN_A_SAVE = pytest.mark.xfail(
-    reason="a rank SIGKILLed inside a 4-rank checkpoint save: survivors blocked in the save's collective",
-    strict=False,
-)
-
-
 @pytest.mark.soak
 @pytest.mark.parametrize(
     ("seed", "nproc"),
-    [(s, 2) for s in range(100, 120)] + [(3, 4), pytest.param(4, 4, marks=KILL_IN_A_SAVE), (5, 4), (6, 4)],
+    [(s, 2) for s in range(100, 120)] + [(3, 4), (4, 4), (5, 4), (6, 4)],
 )
 def test_campaign_of_kills_at_random_moments_recovers_every_one_in_process_bitwise(
     tmp_path, plain_clean_hash, seed, nproc

@@ -15,6 +15,7 @@ before the new one is committed.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import trainguard
+from conftest import wait_for
 from trainguard.checkpoint import manifest as mf
 from trainguard.checkpoint.store import CheckpointStore
 from trainguard.events import read_events
@@ -429,3 +431,33 @@ def test_retention_never_deletes_newest_verified_next_to_corrupt_newer_dirs(tmp_
     assert [best for _, _, best in rec.after_save] == [5, 6]
     best = CheckpointStore(root).latest_valid()
     assert best is not None and best.step == 6
+
+
+def test_a_rank_killed_inside_dcp_makes_every_survivor_leave_the_save_with_a_lost_peer(tmp_path):
+    """Rank 2 of 4 dies inside DCP's save, while it plans its shard (seed 4 of the 4-rank kill
+    campaign in tests/test_any_loop.py found it). The survivors leave ``write_checkpoint`` at once,
+    from DCP, with the lost-peer error, which in-process recovery catches. None turns it into a
+    failed write and goes on to the save's next collective (a barrier): in that campaign run the
+    coordinator waited there on a live rank that was still inside DCP waiting for it, until the
+    generation's timeout. Nothing is committed."""
+    worker = Path(__file__).parent / "save_kill_worker.py"
+    init, ckpt, out = tmp_path / "init", tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(r), "4", str(init), str(ckpt), str(out), "2"], env=env, cwd=REPO
+        )
+        for r in range(4)
+    ]
+    try:
+        wait_for(lambda: all(p.poll() is not None for p in procs), timeout=180, what="every rank to leave the save")
+    finally:
+        for p in procs:
+            p.kill()
+    said = {r: json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1, 3)}
+    assert all(s["peer_lost"] for s in said.values()), said
+    # at once, from DCP: not as a failed write that went on to the save's barrier
+    assert all(s["raised_at"].startswith("dcp.save(") for s in said.values()), said
+    assert procs[2].returncode == -9
+    assert steps_of(ckpt) == []

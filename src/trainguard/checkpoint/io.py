@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .. import dist as tgdist
+from ..rejoin.protocol import is_peer_failure
 from . import manifest as mf
 from .store import Checkpoint, CheckpointStore
 
@@ -114,6 +115,9 @@ def write_checkpoint(
         RuntimeError,
         CheckpointException,
     ) as e:  # keep going to the collectives below: no rank is left waiting
+        lost = peer_lost(e)
+        if lost is not None:  # ...unless a peer is gone: the collectives below would wait on it
+            raise lost from None
         error = f"rank {rank}: writing {tmp.name} failed: {_first_line(e)} ({_free(store.root)})"
     tgdist.barrier(group)
     mine: dict[str, dict] = {}
@@ -142,11 +146,27 @@ def write_checkpoint(
     return result, total
 
 
+def peer_lost(e: BaseException) -> Optional[BaseException]:
+    """The lost-peer error in ``e`` (itself, or one a rank's DCP step failed with), else ``None``
+    (see :func:`~trainguard.rejoin.protocol.is_peer_failure`). A save that lost a peer raises it, so
+    that in-process recovery catches it at once (:meth:`Guard.save <trainguard.guard.Guard.save>`);
+    a disk error instead goes on to the save's remaining collectives, where every rank learns of it."""
+    if is_peer_failure(e):
+        return e
+    return next((c for c in _causes(e) if isinstance(c, BaseException) and is_peer_failure(c)), None)
+
+
+def _causes(e: BaseException) -> list:
+    """The underlying error of each failing rank of DCP's CheckpointException (else none)."""
+    if not isinstance(e, CheckpointException):
+        return []
+    return [f[0] if isinstance(f, tuple) else getattr(f, "exception", f) for f in e.failures.values()]
+
+
 def _first_line(e: BaseException) -> str:
     """A short form of an error (DCP's CheckpointException carries whole tracebacks per rank)."""
     if isinstance(e, CheckpointException):  # the underlying error of each failing rank
-        causes = [f[0] if isinstance(f, tuple) else getattr(f, "exception", f) for f in e.failures.values()]
-        return "; ".join(f"{type(c).__name__}: {c}".splitlines()[0][:300] for c in causes) or "CheckpointException"
+        return "; ".join(f"{type(c).__name__}: {c}".splitlines()[0][:300] for c in _causes(e)) or "CheckpointException"
     text = str(e)
     for marker in ("OSError", "No space left", "Errno"):
         at = text.find(marker)
