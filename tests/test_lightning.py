@@ -89,3 +89,20 @@ def test_gradient_accumulation_by_lightning_is_refused_before_anything_is_writte
     with pytest.raises(BadInput, match="accumulate_grad_batches=2"):
         trainer.fit(Regression(), DataLoader(TensorDataset(x, x[:, :1]), batch_size=4))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.soak  # two Lightning runs, about a minute on 2 cores: scripts/test_soak.sh (CI)
+def test_a_resume_from_a_checkpoint_taken_at_a_validation_step_is_bitwise(tmp_path):
+    """The worker validates every 20 steps; checkpoints every 40 fall on validation steps (the
+    checkpoint is taken at the step's end, before Lightning's validation of it). Rank 1 is killed at
+    step 50: the group restarts from the checkpoint of step 40 and ends bitwise equal to an
+    uninterrupted run, which validated at step 40 in between."""
+    clean, run = tmp_path / "clean", tmp_path / "run"
+    assert finish(lightning(clean, "checkpoint.interval=40", steps=80)) == 0, Path(f"{clean}.log").read_text()[-3000:]
+    kill = ("--inject", "rank_killed:rank=1,step=50")
+    assert finish(lightning(run, "checkpoint.interval=40", extra=kill, steps=80)) == 0, Path(f"{run}.log").read_text()[
+        -3000:
+    ]
+    assert [e["details"]["from_step"] for e in events(run, "resume")] == [40]
+    assert len(events(run, "group_restart")) == 1
+    assert final_hash(run) == final_hash(clean)
