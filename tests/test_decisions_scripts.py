@@ -5,10 +5,12 @@ bitwise identical, where a script with its own command line gets its config."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -187,6 +189,27 @@ def test_draw_watch_finds_draws_between_step_end_and_the_next_step():
     watch.boundary()  # reported once, then no more looking
     torch.rand(1)
     assert not watch.next_step()
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [lambda: np.random.randint(10, size=4), lambda: random.random(), lambda: torch.randint(10, (4,))],
+    ids=["numpy", "python", "torch"],
+)
+def test_draw_watch_finds_the_next_batch_drawn_with_any_generator_a_checkpoint_restores(draw):
+    """A loop that samples its batch indices with ``np.random`` (or ``random``, or torch) after
+    ``step_end()``: reported once; the same draws inside the step are not."""
+    watch = DrawWatch()
+    watch.before_loop()
+    draw()  # inside the first step
+    watch.boundary()
+    assert not watch.next_step()
+    watch.boundary()
+    draw()  # after step_end()
+    assert watch.next_step()
+    watch.boundary()
+    draw()
+    assert not watch.next_step()  # once
 
 
 def test_draw_watch_finds_a_first_batch_drawn_before_the_loop():

@@ -13,7 +13,9 @@ reported as a ``resume_not_bitwise`` event and one console line (rank 0), never 
 * **Random numbers drawn between** ``step_end()`` **and the next step** (:class:`DrawWatch`): a
   loop that fetches the next batch after ``step_end()`` (``X, Y = get_batch()`` at the end of the
   body) draws it after the state the checkpoint holds, so a resumed run draws a different batch.
-  For the first :data:`WATCHED_STEPS` steps the Guard keeps torch's CPU generator state at each
+  For the first :data:`WATCHED_STEPS` steps the Guard keeps the state of the generators a
+  checkpoint restores (torch's CPU generator, NumPy's global one, Python's ``random``: a batch is
+  drawn with ``torch.randint`` in nanoGPT-shaped loops, with ``np.random`` in others) at each
   ``step_end()`` and compares it when the next step begins.
 * **Random numbers drawn between creating the Guard and** ``guard.steps()`` (:class:`DrawWatch`
   too): a loop that fetches its first batch before the loop and the next one inside the step
@@ -24,8 +26,10 @@ reported as a ``resume_not_bitwise`` event and one console line (rank 0), never 
 
 from __future__ import annotations
 
+import random
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 WATCHED_STEPS = 3  # step boundaries at which DrawWatch looks (the pattern is the same every step)
@@ -72,9 +76,22 @@ class ResumeFidelity:
         self.changed = differences(state or {}, environment(self.world_size))
 
 
+def _generators() -> tuple[torch.Tensor, np.ndarray, int, object]:
+    """The state of the generators a checkpoint restores (:func:`~trainguard.state.determinism.capture_rng`):
+    torch's CPU generator, NumPy's global one (its key and position), Python's ``random``."""
+    _, keys, pos, *_ = np.random.get_state()
+    return torch.get_rng_state(), keys.copy(), pos, random.getstate()
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Whether two :func:`_generators` states are equal (no draw from any of them in between)."""
+    return torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+
 class DrawWatch:
-    """Finds random numbers drawn from torch's CPU generator between ``step_end()`` and the next
-    step, during the first :data:`WATCHED_STEPS` steps of a process.
+    """Finds random numbers drawn (from torch's CPU generator, NumPy's global one or Python's
+    ``random``) between ``step_end()`` and the next step, during the first :data:`WATCHED_STEPS`
+    steps of a process.
 
     :meth:`boundary` at the end of ``step_end()``, :meth:`next_step` when the loop asks for the
     next step; :meth:`next_step` returns ``True`` once, at the first boundary where the state moved.
@@ -82,25 +99,25 @@ class DrawWatch:
 
     def __init__(self) -> None:
         self._left = WATCHED_STEPS
-        self._state: Optional[torch.Tensor] = torch.get_rng_state()  # at the Guard's creation
+        self._state: Optional[tuple] = _generators()  # at the Guard's creation
 
     def before_loop(self) -> bool:
         """At ``steps()`` start, before a resume restores the generators: whether random numbers
         were drawn since the Guard was created."""
-        moved = self._state is not None and not torch.equal(self._state, torch.get_rng_state())
+        moved = self._state is not None and not _same(self._state, _generators())
         self._state = None
         return moved
 
     def boundary(self) -> None:
-        """Keep the generator state at this step boundary (a 5 KB copy; only while watching)."""
+        """Keep the generators' state at this step boundary (about 10 KB of copies; only while watching)."""
         if self._left > 0:
-            self._state = torch.get_rng_state()
+            self._state = _generators()
 
     def next_step(self) -> bool:
         """Whether random numbers were drawn since :meth:`boundary` (reported once)."""
         if self._state is None:
             return False
-        moved = not torch.equal(self._state, torch.get_rng_state())
+        moved = not _same(self._state, _generators())
         self._state = None
         self._left = 0 if moved else self._left - 1
         return moved
