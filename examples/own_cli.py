@@ -14,12 +14,14 @@ README's "Use it in your project"):
 * the GradScaler is saved with the run (``extra_state``), and ``should_step`` gets the loss of the
   whole step (the micro-batches' mean), the one the script prints;
 * the batch is drawn *inside* the step: ``--prefetch after_step_end`` draws the next one after
-  ``step_end()`` instead, which the Guard reports (``resume_not_bitwise``) because a resume
-  cannot reproduce it;
+  ``step_end()`` instead, and ``--prefetch nanogpt`` draws the first before the loop and each next
+  micro-batch right after the forward (as nanoGPT's ``train.py`` does), which the Guard reports
+  (``resume_not_bitwise``) because a resume cannot reproduce it; ``--sampling numpy`` draws the
+  batch indices with ``np.random`` instead of ``torch.randint``;
 * the evaluation runs inside the step on rank 0 only (``--eval_seconds`` of real computation):
   the hang supervisor sees rank 0 silent but busy and rank 1 waiting for it, and reports a
-  ``slow_section`` instead of killing a healthy run. ``guard.section("eval")`` around it would
-  time it apart from the steps.
+  ``slow_section`` instead of killing a healthy run. ``--eval_section`` puts it inside
+  ``guard.section("eval")``, which times it apart from the steps.
 
 ``--data PATH`` reads a file of bytes (a missing one fails before the first step: the launcher
 shows the error instead of restarting); the default is synthetic text from the seed.
@@ -28,9 +30,11 @@ shows the error instead of restarting); the default is synthetic text from the s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -49,7 +53,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eval_interval", type=int, default=0, help="evaluate on rank 0 every N steps (0: never)")
     p.add_argument("--eval_seconds", type=float, default=1.0, help="how long one evaluation computes")
-    p.add_argument("--prefetch", choices=("inside", "after_step_end"), default="inside")
+    p.add_argument("--prefetch", choices=("inside", "after_step_end", "nanogpt"), default="inside")
+    p.add_argument("--sampling", choices=("torch", "numpy"), default="torch", help="what draws the batch indices")
+    p.add_argument("--eval_section", action="store_true", help='evaluate inside guard.section("eval")')
     p.add_argument("--data", default=None, help="a file of bytes (default: synthetic, from the seed)")
     p.add_argument("--seed", type=int, default=1337)
     return p.parse_args()
@@ -75,9 +81,14 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(args.seed + rank)  # each rank draws its own batches
+    np.random.seed(args.seed + rank)
 
     def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        ix = torch.randint(len(data) - args.block_size - 1, (args.batch_size,))
+        high = len(data) - args.block_size - 1
+        if args.sampling == "numpy":
+            ix = torch.from_numpy(np.random.randint(0, high, size=args.batch_size))
+        else:
+            ix = torch.randint(high, (args.batch_size,))
         x = torch.stack([data[i : i + args.block_size] for i in ix])
         return x, torch.stack([data[i + 1 : i + 1 + args.block_size] for i in ix])
 
@@ -94,16 +105,19 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler("cpu", enabled=False)  # on a GPU with fp16: torch.amp.GradScaler("cuda")
     guard = trainguard.Guard(cfg, model=model, optimizer=opt, extra_state={"scaler": scaler})  # trainguard
-    x, y = get_batch() if args.prefetch == "after_step_end" else (None, None)
+    x, y = get_batch() if args.prefetch in ("after_step_end", "nanogpt") else (None, None)
     for it in guard.steps(args.max_iters):  # trainguard
         if args.eval_interval and it > 0 and it % args.eval_interval == 0 and rank == 0:
-            print(f"step {it}: eval loss {evaluate():.4f}", flush=True)
+            with guard.section("eval") if args.eval_section else contextlib.nullcontext():
+                print(f"step {it}: eval loss {evaluate():.4f}", flush=True)
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for _ in range(args.accum):
             if args.prefetch == "inside":
                 x, y = get_batch()
             loss = model(x, y) / args.accum
+            if args.prefetch == "nanogpt":  # the next micro-batch, drawn while the forward runs (nanoGPT)
+                x, y = get_batch()
             scaler.scale(loss).backward()
             total += loss.detach()
         scaler.unscale_(opt)

@@ -131,6 +131,7 @@ def test_round_trip_between_processes_sections_nesting_and_histograms(tmp_path):
         hist = reader.histograms()
         assert list(hist) == [OUT_OF_SECTION] and hist[OUT_OF_SECTION][0] == 1  # time before the first section
 
+        step_entered = s.entered
         writer("open eval")  # nested: the innermost section is the one timed
         s = reader.state()
         assert s.section == "eval" and s.entered > 0
@@ -140,10 +141,11 @@ def test_round_trip_between_processes_sections_nesting_and_histograms(tmp_path):
         s = reader.state()
         assert s.section == "step", "closing the inner section must expose the outer one again"
         assert s.last_closed <= t_close and (s.step, s.beats) == (3, 2)
+        assert s.entered == step_entered + inner  # the step's time (and silence) leaves the eval's out
 
         writer("sleep 0.2")
-        outer, _ = writer("close")
-        assert outer >= 0.2 + inner
+        outer, t_outer = writer("close")
+        assert outer >= 0.2 and outer <= t_outer - step_entered - inner
         s = reader.state()
         assert (s.section, s.entered) == ("", 0.0)
 

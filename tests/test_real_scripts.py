@@ -5,8 +5,11 @@ script error before the first step is shown instead of restarted."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
+
+import pytest
 
 from conftest import REPO, events, finish, launch, pinned, sets
 
@@ -112,3 +115,27 @@ def test_script_error_before_the_first_step_is_shown_not_restarted(tmp_path):
     assert not events(bad, "group_restart")
     assert "invalid int value: 'many'" in log_of(bad)
     assert "trainguard: OMP_NUM_THREADS" not in log_of(bad) and "trainguard: exit" not in log_of(bad)  # --quiet
+
+
+@pytest.mark.soak  # a minute on 2 cores: scripts/test_soak.sh (CI)
+def test_nanogpt_shaped_loop_prefetch_is_reported_once_and_its_evaluation_is_timed_in_its_section(tmp_path):
+    """A loop shaped like nanoGPT's ``train.py``: the first batch drawn before the loop, each next
+    micro-batch right after the forward (with ``np.random``), a 6 s evaluation on rank 0 every 20
+    steps inside ``guard.section("eval")``. Rank 1 is killed at step 30 and replaced in-process:
+    the replacement, which drew its first batch from the fresh seed before the loop, says once that
+    it cannot be bitwise (nothing else does: the draws inside the steps are covered); the
+    evaluations are timed in the ``eval`` section: no hang, no slow ``step``."""
+    run = tmp_path / "run"
+    args = ("--max_iters", "50", "--prefetch", "nanogpt", "--sampling", "numpy")
+    args += ("--eval_interval", "20", "--eval_seconds", "6", "--eval_section")
+    proc = run_script(
+        run, *args, settings=("checkpoint.interval=10", "recovery.in_process=true"), inject="rank_killed:rank=1,step=30"
+    )
+    assert finish(proc) == 0, log_of(run)[-3000:]
+    assert [e["rank"] for e in events(run, "rank_replaced")] == [1] and not events(run, "group_restart")
+    causes = [(e["rank"], e["details"]["cause"]) for e in events(run, "resume_not_bitwise")]
+    assert len(causes) == 1 and causes[0][0] == 1 and "before the loop" in causes[0][1], causes
+    assert not events(run, "hang_detected")
+    assert [e["details"]["section"] for e in events(run, "slow_section")] in ([], ["eval"])
+    timeouts = json.loads((run / "timeouts.json").read_text())
+    assert timeouts["sections"]["eval"]["count"] >= 1 and timeouts["sections"]["eval"]["longest"] >= 6

@@ -89,7 +89,7 @@ from ..supervisor.rank import detach as detach_supervisor
 from ..supervisor.rank import enter_teardown
 from . import edge, inprocess
 from .inprocess import InProcess, Met, Place
-from .resume import Resume
+from .resume import DRAWN_BEFORE_LOOP, Resume
 from .sdc_response import SDCAction, SDCResponse
 
 log = logging.getLogger(__name__)
@@ -641,7 +641,10 @@ class Guard:
 
     def _begin(self) -> None:
         if self.rejoin.joining:
+            drawn = self.draws.before_loop()  # a replacement runs the script's start as a resume does
             self._join()
+            if drawn:
+                self.resumer.not_bitwise(self.step, DRAWN_BEFORE_LOOP)
             return
         kill = tgdist.all_reduce_max([int(self.stop.kill_switch())])[0]
         if kill:

@@ -20,6 +20,13 @@ from ..state.fidelity import DrawWatch, ResumeFidelity
 from ..state.reshard import ElasticState, check_reshardable, resharded_rank_state
 from ..state.trainstate import TrainState
 
+# why a resume (or a replacement's join) that found random numbers drawn before steps() is not bitwise
+DRAWN_BEFORE_LOOP = (
+    "random numbers were drawn between creating the Guard and guard.steps() (a first batch fetched before the "
+    "loop?): this process drew them from the fresh seed, not the checkpoint's or the lost rank's generators; "
+    "draw batches inside the step"
+)
+
 
 @dataclass(frozen=True)
 class Resumed:
@@ -88,12 +95,7 @@ class Resume:
         if self.fidelity.changed:
             self.not_bitwise(step, f"changed since the checkpoint was saved: {', '.join(self.fidelity.changed)}")
         if drawn:
-            self.not_bitwise(
-                step,
-                "random numbers were drawn between creating the Guard and guard.steps() (a first batch fetched "
-                "before the loop?): this resume drew them from the fresh seed, not the checkpoint's generators; "
-                "draw batches inside the step",
-            )
+            self.not_bitwise(step, DRAWN_BEFORE_LOOP)
         return Resumed(step, Checkpoint(point.step, path), point.checkpoint)
 
     def load(self, point: ResumePoint) -> int:

@@ -122,7 +122,9 @@ class HeartbeatWriter:
         self._publish()
 
     def open(self, name: str) -> None:
-        """Enter section ``name`` (nested sections form a stack; the innermost one is timed).
+        """Enter section ``name`` (nested sections form a stack; the innermost one is timed, and an
+        outer section's time, its learned timeout and its silence leave out the time spent in the
+        sections nested in it).
 
         Entering from outside any section also records the out-of-section time since the last close.
         """
@@ -144,7 +146,10 @@ class HeartbeatWriter:
         now = time.monotonic()
         self._last_closed = now
         self._record(name, now - entered)
-        self._publish()  # an outer section, if any, is timed again from its own entry
+        if self._stack:  # the outer section's time leaves out this one's: a slow eval is the eval's, not the step's
+            outer, outer_entered = self._stack[-1]
+            self._stack[-1] = (outer, outer_entered + (now - entered))
+        self._publish()
         return now - entered
 
     @contextmanager
