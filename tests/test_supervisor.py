@@ -324,3 +324,36 @@ def test_a_rank_that_outlives_its_sigkill_by_the_kill_grace_is_unkillable(killed
     from trainguard.supervisor.monitor import unkillable
 
     assert unkillable(killed, alive, now, 10.0) == expected
+
+
+@pytest.mark.soak  # about a minute on 2 cores: scripts/test_soak.sh (CI)
+def test_a_busy_rank_whose_stack_never_moves_is_hung_not_slow(tmp_path):
+    """Rank 1 spins in place at step 25 (busy, the same stack in every dump): first slow, as any
+    busy rank past its timeout, then hung once its stack stayed the same for spin_factor × the
+    learned step timeout; the group restarts and finishes."""
+    run = tmp_path / "run"
+    proc = launch(
+        run, "train.max_steps=40", "checkpoint.interval=10", extra=("--inject", "rank_hung:rank=1,step=25,hang=spin")
+    )
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    (hang,) = [e["details"] for e in events(run, "hang_detected")]
+    assert hang["rank"] == 1 and hang["section"] == "step" and hang["learned"], hang
+    assert hang["stuck_in_place"] >= 5 * hang["timeout"], hang
+    assert [e["details"]["rank"] for e in events(run, "slow_section")] == [1]
+    assert len(events(run, "group_restart")) == 1 and events(run, "end")
+
+
+def test_main_stack_is_the_last_thread_of_the_newest_dump():
+    dump = (
+        "Thread 0x00007f01 (most recent call first):\n"
+        '  File "ping.py", line 109 in _next\n\n'
+        "Current thread 0x00007f02 (most recent call first):\n"
+        '  File "train.py", line {line} in step\n'
+        '  File "train.py", line 79 in <module>\n'
+    )
+    older, newer = dump.format(line=10), dump.format(line=12)
+    assert (
+        stacks.main_stack(older + newer) == '  File "train.py", line 12 in step\n  File "train.py", line 79 in <module>'
+    )
+    assert stacks.main_stack(older + newer) != stacks.main_stack(older)
+    assert stacks.main_stack(older + '  File "x.py", line 1 in f\n') is None  # a dump cut short

@@ -6,6 +6,8 @@ Kinds (see :class:`~trainguard.config.FaultSpec`):
 * ``rank_hung`` with ``hang = "sigstop"``: the rank SIGSTOPs itself (alive, silent);
 * ``rank_hung`` with ``hang = "collective"``: the rank's main thread blocks before its next
   collective, so the other ranks wait inside it (the classic distributed hang);
+* ``rank_hung`` with ``hang = "spin"``: the rank's main thread spins in place (busy, its stack
+  unchanged: a loop that never ends);
 * ``random``: one of the two above, at a rank and step drawn from ``seed`` (reproducible);
 * numeric faults, applied by ``guard.should_step()`` to one rank's values in step number
   ``step`` (and the ``repeat - 1`` after it): ``nan_loss`` (loss and gradients NaN),
@@ -285,6 +287,9 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.hang == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif spec.hang == "spin":
+            while True:  # busy in place: the main thread computes and its stack never changes
+                pass
         else:
             while True:  # block before the next collective: the peers wait inside it
                 time.sleep(3600)

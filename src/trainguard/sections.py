@@ -302,6 +302,13 @@ class SupervisorSection(Section):
         gt=0,
         description="seconds of silence after which even a busy rank is hung (a loop that never ends; a host thread spinning in a CUDA synchronize behind a hung NCCL collective)",
     )
+    spin_factor: float = Field(
+        5.0,
+        ge=2,
+        description="a busy rank silent past its timeout whose main thread's stack stays the same in every dump "
+        "(one per timeout) for spin_factor × that timeout is stuck in place, not slow: hung (real work moves "
+        "between lines over five of its own timeouts; a single native call that long belongs in a section)",
+    )
     max_no_progress_restarts: int = Field(
         3, ge=1, description="give up after this many consecutive restarts with no new checkpoint"
     )
@@ -353,9 +360,10 @@ class FaultSpec(Section):
     after_seconds: Optional[float] = Field(
         None, gt=0, description="fire this long after the Guard starts instead of at a step"
     )
-    hang: Literal["sigstop", "collective"] = Field(
+    hang: Literal["sigstop", "collective", "spin"] = Field(
         "sigstop",
-        description="rank_hung: stop the process (SIGSTOP), or block it before the next collective so the others wait inside it",
+        description="rank_hung: stop the process (SIGSTOP), block it before the next collective so the others wait "
+        "inside it, or spin its main thread in place (busy, the stack unchanged)",
     )
     section: Literal["step", "checkpointing", "should_step", "stop_check"] = Field(
         "step",

@@ -6,7 +6,9 @@ section (or out of any section, or, before its first heartbeat, since the group 
 timeout in force for it (:class:`~trainguard.supervisor.timeouts.TimeoutBook`). A rank over its
 timeout whose main thread keeps computing is *busy*, not hung (:mod:`.evidence`): a
 ``slow_section`` event and one console line, and neither it nor the ranks waiting for it are
-touched. Any other rank over its timeout is hung:
+touched; unless it is stuck in place: its main thread's stack, dumped once per timeout, stayed the
+same for ``[supervisor] spin_factor`` (5) × its timeout (a loop that never ends; real work moves
+between lines over five of its own timeouts). Any other rank over its timeout is hung:
 
 1. its Python stacks (all threads) are dumped: SIGUSR2 makes the rank's ``faulthandler`` write
    them (SIGCONT first wakes a stopped process) and the file is copied to
@@ -38,13 +40,22 @@ from ..config import Config
 from ..events import EventLog
 from .evidence import CpuMeter
 from .heartbeat import OUT_OF_SECTION, HeartbeatReader, RankState, heartbeat_path
-from .stacks import dump_stacks, stack_path
+from .stacks import dump_stacks, main_stack, stack_path
 from .timeouts import INITIAL, TimeoutBook
 
 
 def attempt_dir(root: str | os.PathLike, attempt: int) -> Path:
     """Heartbeat directory of one worker-group attempt (restart count)."""
     return Path(root) / f"attempt-{attempt}"
+
+
+class Spin(NamedTuple):
+    """What the spin check (:meth:`HangMonitor._stuck`) last saw of a busy rank's silence."""
+
+    started: float  # monotonic start of the silence
+    stack: str  # the main thread's stack in the newest dump
+    since: float  # monotonic time of the first dump with that stack
+    last: float  # monotonic time of the newest dump
 
 
 class HangHit(NamedTuple):
@@ -113,6 +124,7 @@ class HangMonitor:
         self._withdrawn: set[int] = set()  # local ranks the group went on without (a shrink)
         self.cpu = CpuMeter()
         self._slow: dict[int, float] = {}  # local rank -> start of the silence last reported as slow_section
+        self._spin: dict[int, Spin] = {}  # local rank -> its busy silence's stack dumps (see _stuck)
         self._save_failed = False  # the last write of timeouts.json failed (warned once)
         self._killed: dict[int, float] = {}  # pid -> monotonic time this monitor SIGKILLed it (a hung rank)
         self.unkillable: list[int] = []  # pids that outlived their SIGKILL by kill_grace (the group must restart)
@@ -129,7 +141,7 @@ class HangMonitor:
         self._started = time.monotonic()
         self._frozen = False
         self._replaced_at, self._withdrawn = {}, set()
-        self.cpu, self._slow = CpuMeter(), {}
+        self.cpu, self._slow, self._spin = CpuMeter(), {}, {}
         self._killed, self.unkillable = {}, []
 
     def rank_replaced(self, local_rank: int) -> None:
@@ -249,7 +261,13 @@ class HangMonitor:
         if not hung:
             return None
         # a silent rank whose main thread computes is slow, not hung; the others wait for it
-        busy = [h for h in hung if h.silent < self.cfg.busy_timeout and self.cpu.busy(pids.get(h.worker.local_rank))]
+        busy = [
+            h
+            for h in hung
+            if h.silent < self.cfg.busy_timeout
+            and self.cpu.busy(pids.get(h.worker.local_rank))
+            and not self._stuck(h, pids.get(h.worker.local_rank), now)
+        ]
         if busy and self.cfg.busy_evidence:
             self._report_slow(busy, [h for h in hung if h not in busy], pids, now)
             return None
@@ -258,7 +276,7 @@ class HangMonitor:
         self._frozen = True
         detected_at = time.time()  # the events come after the stack dumps: they carry this poll's time
         for h in hung:
-            pid = pids.get(h.worker.local_rank)
+            pid, stuck = pids.get(h.worker.local_rank), self._stuck_since(h, now)
             stacks = self.dump_stacks(h.worker.local_rank, h.worker.global_rank, pid)
             if pid is not None:  # unresponsive by definition: SIGTERM cannot reach a stuck main thread
                 try:
@@ -271,11 +289,15 @@ class HangMonitor:
                 h.step,
                 **_hit_details(h, stacks),
                 learned=self.book.learned(h.section) is not None,
+                stuck_in_place=stuck,
                 detected_at=round(detected_at, 3),
             )
             console.say(
                 f"hang: rank {h.worker.global_rank} silent {h.silent:.1f} s in '{h.section}' at step {h.step} "
-                f"(timeout {h.limit:.1f} s); killed" + (f"; stacks in {stacks}" if stacks else "")
+                f"(timeout {h.limit:.1f} s)"
+                + (f", busy but its stack unchanged for {stuck:.1f} s: stuck in place" if stuck else "")
+                + "; killed"
+                + (f"; stacks in {stacks}" if stacks else "")
             )
         return "; ".join(
             f"hang: rank {h.worker.global_rank} silent {h.silent:.1f} s in '{h.section}' (timeout {h.limit:.1f} s)"
@@ -284,6 +306,30 @@ class HangMonitor:
             " (work that takes longer than a step, such as an evaluation, belongs in "
             'guard.section("eval"), whose timeout is learned apart)'
         )
+
+    def _stuck(self, h: HangHit, pid: Optional[int], now: float) -> bool:
+        """Whether busy rank ``h`` is stuck in place: its main thread's stack (dumped at most once
+        per ``h.limit`` seconds of its silence) has been the same for ``spin_factor × h.limit``
+        seconds. A busy rank whose stack cannot be dumped is not judged stuck (``busy_timeout``
+        still bounds it)."""
+        started, seen = now - h.silent, self._spin.get(h.worker.local_rank)
+        if seen is not None and abs(seen.started - started) >= 1.0:
+            seen = None  # another silence
+        if seen is None or now - seen.last >= h.limit:
+            path = self.dump_stacks(h.worker.local_rank, h.worker.global_rank, pid, "spin")
+            stack = main_stack(path.read_text(errors="replace")) if path is not None else None
+            if stack is None:
+                return False
+            seen = Spin(started, stack, now, now) if seen is None or seen.stack != stack else seen._replace(last=now)
+            self._spin[h.worker.local_rank] = seen
+        return now - seen.since >= self.cfg.spin_factor * h.limit
+
+    def _stuck_since(self, h: HangHit, now: float) -> Optional[float]:
+        """Seconds the main thread of hung rank ``h`` has been seen stuck in place, ``None`` if it was not."""
+        seen = self._spin.get(h.worker.local_rank)
+        if seen is None or abs(seen.started - (now - h.silent)) >= 1.0:
+            return None
+        return round(now - seen.since, 3)
 
     def _unkillable(self, dying: list[HangHit], pids: dict[int, int], now: float) -> Optional[str]:
         """The restart reason when a rank this monitor SIGKILLed is still there ``kill_grace``

@@ -65,6 +65,16 @@ def dump_complete(text: str) -> bool:
     return bool(lines) and lines[-1].rstrip().endswith(MAIN_BOTTOM)
 
 
+def main_stack(text: str) -> Optional[str]:
+    """The main thread's stack in the newest dump of a stack file (faulthandler writes the main
+    thread last: the last ``Thread 0x…``/``Current thread 0x…`` block), without its thread id;
+    ``None`` when the text holds no complete dump."""
+    if not dump_complete(text):
+        return None
+    start = max(text.rfind("Thread 0x"), text.rfind("thread 0x"))
+    return text[text.index("\n", start) + 1 :].rstrip() if start >= 0 else None
+
+
 def stack_path(directory: str | os.PathLike, local_rank: int) -> Path:
     """Where a rank's faulthandler writes its stacks (next to its heartbeat record)."""
     return Path(directory) / f"rank-{local_rank}.stack"
