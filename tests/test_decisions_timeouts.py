@@ -256,3 +256,22 @@ def test_of_ranks_silent_in_the_same_step_the_stopped_one_is_hung():
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_section_killed_as_hung_gets_twice_that_silence_on_the_restart_and_later_launches(tmp_path):
+    """A section killed at 70 s of silence (past its 60 s timeout) gets 140 s from then on, in this
+    launch and, through timeouts.json, in the next; a shorter kill never lowers it; other sections
+    keep theirs; a malformed ``interrupted`` value makes the file's section start from the defaults."""
+    cfg = SupervisorSection(checkpointing_timeout=60.0)
+    book = TimeoutBook(cfg)
+    book.interrupted("checkpointing", 70.0)
+    book.interrupted("checkpointing", 10.0)
+    assert book.timeout("checkpointing") == 140.0 and book.timeout("step") == cfg.step_timeout
+    book.save(tmp_path)
+    later = TimeoutBook.load(cfg, tmp_path)
+    assert (
+        later.timeout("checkpointing") == 140.0 and later.snapshot()["sections"]["checkpointing"]["interrupted"] == 70.0
+    )
+    saved = json.loads((tmp_path / "timeouts.json").read_text())
+    saved["sections"]["checkpointing"]["interrupted"] = float("nan")
+    assert TimeoutBook(cfg, saved).timeout("checkpointing") == 60.0

@@ -276,6 +276,7 @@ class HangMonitor:
         self._frozen = True
         detected_at = time.time()  # the events come after the stack dumps: they carry this poll's time
         for h in hung:
+            self.book.interrupted(h.section, h.silent)  # a restart gets twice as long there (timeouts)
             pid, stuck = pids.get(h.worker.local_rank), self._stuck_since(h, now)
             stacks = self.dump_stacks(h.worker.local_rank, h.worker.global_rank, pid)
             if pid is not None:  # unresponsive by definition: SIGTERM cannot reach a stuck main thread

@@ -12,6 +12,14 @@ histogram bucket (≤ 19 % above the true value, see :mod:`trainguard.supervisor
 starting timeout applies (never "no timeout"). NVIDIA's ft_launcher uses ``max × 5`` for its
 estimate; a percentile with a factor tolerates one slow outlier without inflating the timeout for
 good, and ``longest`` makes sure a duration that already happened once never times out.
+
+**A section killed as hung** leaves its silence behind (:meth:`TimeoutBook.interrupted`): the
+section's timeout is at least twice the longest such silence from then on (this launch's later
+attempts and, through ``timeouts.json``, later launches). A section that was only slower than its
+timeout (a save to a file system that stalls, a step behind a slow remote store, without CPU or I/O
+evidence on this host) then finishes on the restart instead of hitting the same wall; doubling is
+exponential back-off: any finite duration is reached in a few restarts, and a true hang costs at
+most twice the previous wait.
 """
 
 from __future__ import annotations
@@ -52,13 +60,15 @@ def _section_record(rec: Any) -> Optional[list]:
     if not isinstance(rec, dict):
         return None
     count, longest, buckets = rec.get("count", 0), rec.get("longest", 0.0), rec.get("buckets", [])
-    numbers = isinstance(count, int) and isinstance(longest, (int, float)) and isinstance(buckets, list)
-    if not numbers or not all(isinstance(b, int) and b >= 0 for b in buckets):
-        return None
-    if count < 0 or not math.isfinite(longest) or longest < 0:
+    interrupted = rec.get("interrupted", 0.0)
+    numbers = isinstance(count, int) and isinstance(buckets, list)
+    numbers = numbers and all(
+        isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in (longest, interrupted)
+    )
+    if not numbers or not all(isinstance(b, int) and b >= 0 for b in buckets) or count < 0:
         return None
     buckets = buckets[:NBUCKETS]
-    return [count, float(longest), buckets + [0] * (NBUCKETS - len(buckets))]
+    return [count, float(longest), buckets + [0] * (NBUCKETS - len(buckets)), float(interrupted)]
 
 
 class TimeoutBook:
@@ -73,11 +83,14 @@ class TimeoutBook:
         self.cfg = cfg
         # section -> [count, longest, buckets]; "base" = closed attempts + earlier launches
         self.base: dict[str, list] = {}
+        self.killed_at: dict[str, float] = {}  # section -> the longest silence it was killed at as hung
         sections = (history or {}).get("sections") or {}
         for name, rec in sections.items() if isinstance(sections, dict) else ():
             parsed = _section_record(rec)
             if parsed is not None:
-                self.base[str(name)] = parsed
+                self.base[str(name)] = parsed[:3]
+                if parsed[3]:
+                    self.killed_at[str(name)] = parsed[3]
         self.live: dict[str, list] = {}
 
     @classmethod
@@ -136,14 +149,20 @@ class TimeoutBook:
         p = percentile_of(buckets, self.cfg.percentile) or 0.0
         return max(self.cfg.min_timeout, self.cfg.safety_factor * p, longest)
 
+    def interrupted(self, name: str, seconds: float) -> None:
+        """Section ``name`` was killed as hung after ``seconds`` of silence: from now on its
+        timeout is at least twice that (see the module doc)."""
+        self.killed_at[name] = max(self.killed_at.get(name, 0.0), seconds)
+
     def timeout(self, name: str) -> float:
-        """The timeout in force for a section: learned if available, else the starting one."""
+        """The timeout in force for a section: learned if available, else the starting one; at
+        least twice the longest silence it was killed at (:meth:`interrupted`)."""
         learned = self.learned(name)
-        return self.default(name) if learned is None else learned
+        return max(self.default(name) if learned is None else learned, 2 * self.killed_at.get(name, 0.0))
 
     def snapshot(self) -> dict:
         """The content of ``timeouts.json``: timeouts in force and the histograms behind them."""
-        names = sorted(set(self.base) | set(self.live) | set(BUILTIN))
+        names = sorted(set(self.base) | set(self.live) | set(self.killed_at) | set(BUILTIN))
         sections = {}
         for name in names:
             count, longest, buckets = self.observed(name)
@@ -153,11 +172,12 @@ class TimeoutBook:
                 "count": count,
                 "longest": longest,
                 "buckets": buckets,
+                "interrupted": self.killed_at.get(name, 0.0),
             }
         return {
             "updated": time.time(),
             "formula": f"max(min_timeout={self.cfg.min_timeout}, safety_factor={self.cfg.safety_factor} × "
-            f"p{self.cfg.percentile:g}, longest) once count >= {self.cfg.min_samples}",
+            f"p{self.cfg.percentile:g}, longest) once count >= {self.cfg.min_samples}; at least 2 × interrupted",
             "out_of_section": self.timeout(OUT_OF_SECTION),
             "initial": self.timeout(INITIAL),
             "sections": sections,
