@@ -15,7 +15,10 @@ to three faults at it, drawn from the trial's seed:
   goes on (a bad disk); the next resume, if any, must skip it;
 * ``nan``: a rank's loss becomes NaN at a step (``--inject nan_loss``): skipped, a rollback, or a
   re-run;
-* ``oom``: a rank runs out of memory in a step (``--inject oom``): the micro-batch is split.
+* ``oom``: a rank runs out of memory in a step (``--inject oom``): the micro-batch is split;
+* ``disk_full``: the checkpoint directory is a small tmpfs of its own (mounted by this script, as
+  root); at the fault's step this script fills it, waits for a save to fail
+  (``checkpoint_failed``), then frees it: training goes on, the next save commits.
 
 Invariants after each trial (a violation is printed with its seed, so it reproduces):
 
@@ -32,14 +35,15 @@ It prints a table: trials, faults by kind, survived, violations (with seeds)::
 
     .venv/bin/python scripts/fault_campaign.py [--trials 20] [--seed 0] [--steps 120] [--keep]
 
-Left out (no injection layer here yet): a full disk during a save and EIO on a manifest read
-(both have their own tests: tests/test_full_disk.py, tests/test_decisions_checkpoint.py), a slow-I/O
-stall.
+Left out (no injection layer here yet): EIO on a manifest read (its own tests:
+tests/test_decisions_checkpoint.py) and a slow-I/O stall. Without the rights to mount a tmpfs a
+``disk_full`` fault is skipped (said in its trial's line).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import random
@@ -73,7 +77,8 @@ TINY = [
     "train.eval_batches=2",
     "train.warmup_steps=5",
 ]
-KINDS = ("kill", "hang", "sigkill_rank", "sigterm", "sigkill_launcher", "corrupt", "nan", "oom")
+KINDS = ("kill", "hang", "sigkill_rank", "sigterm", "sigkill_launcher", "corrupt", "nan", "oom", "disk_full")
+DISK_BYTES = 16 << 20  # the tmpfs of a disk_full trial's checkpoint directory: a few tiny-GPT checkpoints
 CHANGES_RESULT = {"nan", "oom"}  # faults after which the final state may differ from the clean run's
 TRIAL_CAP = 300.0  # seconds a trial may take in all
 
@@ -138,6 +143,36 @@ def corrupt_newest(run: Path) -> Optional[str]:
     return str(ckpts[-1])
 
 
+def mount_small_disk(path: Path) -> bool:
+    """Mount a :data:`DISK_BYTES` tmpfs at ``path`` (root only); whether it is mounted."""
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(path)], capture_output=True)
+    return done.returncode == 0
+
+
+def fill_up(directory: Path) -> Path:
+    """Write zeros into ``directory/filler`` until the file system is full; the filler's path."""
+    filler, chunk = directory / "filler", b"\0" * (1 << 20)
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+    return filler
+
+
+def disk_full(run: Path, proc: subprocess.Popen) -> None:
+    """Fill the checkpoint directory's file system until a save fails (at most 30 s, or until the
+    launch ends), then free it."""
+    filler = fill_up(run / "checkpoints")
+    end = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < end and not list(read_events(run, "checkpoint_failed")):
+        time.sleep(0.05)
+    filler.unlink()
+
+
 def draw(rng: random.Random, steps: int) -> list[tuple[str, int, int]]:
     """One to three ``(kind, step, rank)`` faults."""
     faults = []
@@ -170,7 +205,10 @@ def run_trial(base: Path, seed: int, steps: int, clean: Optional[str]) -> dict:
             injects.append(f"nan_loss:rank={rank},step={step}")
         elif kind == "oom":
             injects.append(f"oom:rank={rank},step={step}")
-    external = [(k, s, r) for k, s, r in faults if k in ("sigkill_rank", "sigterm", "sigkill_launcher", "corrupt")]
+    external = [
+        (k, s, r) for k, s, r in faults if k in ("sigkill_rank", "sigterm", "sigkill_launcher", "corrupt", "disk_full")
+    ]
+    mounted = "disk_full" in [k for k, _, _ in faults] and mount_small_disk(run / "checkpoints")
     log = trial / "run.log"
     deadline = time.monotonic() + TRIAL_CAP
     codes, corrupted, notes = [], [], []
@@ -198,6 +236,8 @@ def run_trial(base: Path, seed: int, steps: int, clean: Optional[str]) -> dict:
                     path = corrupt_newest(run)
                     if path:
                         corrupted.append(path)
+                elif kind == "disk_full" and mounted:
+                    disk_full(run, proc)
                 notes.append(f"{kind}@{step}")
             time.sleep(0.05)
         if proc.poll() is None:
@@ -209,7 +249,11 @@ def run_trial(base: Path, seed: int, steps: int, clean: Optional[str]) -> dict:
         if proc.returncode not in (75, -9):
             break
         wait_gone(run, 30)  # a killed launcher's ranks die with it; a relaunch waits for them
-    return check(trial, run, sentinel, faults, codes, corrupted, clean, seed)
+    try:
+        return check(trial, run, sentinel, faults, codes, corrupted, clean, seed, mounted)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(run / "checkpoints")], capture_output=True)
 
 
 def wait_gone(run: Path, seconds: float) -> None:
@@ -218,7 +262,7 @@ def wait_gone(run: Path, seconds: float) -> None:
         time.sleep(0.1)
 
 
-def check(trial, run, sentinel, faults, codes, corrupted, clean, seed) -> dict:
+def check(trial, run, sentinel, faults, codes, corrupted, clean, seed, mounted=False) -> dict:
     kinds = [k for k, _, _ in faults]
     violations = []
     final = [e for e in read_events(run, "launch_exit") if e["details"]["code"] == 0]
@@ -255,6 +299,7 @@ def check(trial, run, sentinel, faults, codes, corrupted, clean, seed) -> dict:
         "sigterm": ("signal_received",),
         "sigkill_launcher": ("launch",),
         "corrupt": (),
+        "disk_full": ("checkpoint_failed",) if mounted else (),
     }
     injected = {(e["details"].get("fault"), e["details"].get("rank")) for e in ev if e["kind"] == "fault_injected"}
     names = {"kill": "rank_killed", "hang": "rank_hung", "nan": "nan_loss", "oom": "oom"}
@@ -277,6 +322,7 @@ def check(trial, run, sentinel, faults, codes, corrupted, clean, seed) -> dict:
         "faults": kinds,
         "codes": codes,
         "survived": bool(codes) and codes[-1] == 0,
+        "skipped": ["disk_full (no tmpfs: not root?)"] if "disk_full" in kinds and not mounted else [],
         "violations": violations,
         "trial": str(trial),
     }
@@ -312,7 +358,8 @@ def main() -> int:
             r = run_trial(base, seed, args.steps, clean)
             results.append(r)
             mark = "ok" if not r["violations"] else "VIOLATION: " + "; ".join(r["violations"])
-            console.print(f"seed {seed}: {', '.join(r['faults'])}; exit codes {r['codes']}: {mark}")
+            skipped = f" (skipped: {', '.join(r['skipped'])})" if r["skipped"] else ""
+            console.print(f"seed {seed}: {', '.join(r['faults'])}{skipped}; exit codes {r['codes']}: {mark}")
     finally:
         if args.keep:
             console.print(f"trial directories kept in {base}")

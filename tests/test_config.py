@@ -209,7 +209,7 @@ def test_parse_bytes_outside_a_section():
         (
             "[[faults.inject]]\nkind = 'rank_hung'\nhang = 'forever'\n",
             "faults.inject.0.hang",
-            "'sigstop' or 'collective'",
+            "'sigstop', 'collective' or 'spin'",
         ),
         ("[[faults.inject]]\nkind = 'oom'\nphase = 'optimizer'\n", "faults.inject.0.phase", "'forward' or 'backward'"),
         ("[instability]\nloss_spike = 'ignore'\n", "instability.loss_spike", "'warn', 'skip', 'rollback' or 'raise'"),
