@@ -18,7 +18,11 @@ to three faults at it, drawn from the trial's seed:
 * ``oom``: a rank runs out of memory in a step (``--inject oom``): the micro-batch is split;
 * ``disk_full``: the checkpoint directory is a small tmpfs of its own (mounted by this script, as
   root); at the fault's step this script fills it, waits for a save to fail
-  (``checkpoint_failed``), then frees it: training goes on, the next save commits.
+  (``checkpoint_failed``), then frees it: training goes on, the next save commits;
+* ``eio``: this script stops the launch with SIGTERM, and the relaunch runs with
+  ``scripts/eio_preload.c`` preloaded: in every process the first one or two opens of a
+  ``manifest.json`` fail with EIO (a flaky shared file system): the resume reads the newest
+  checkpoint on a later try (trainguard tries 3 times), sets nothing aside, ends bitwise.
 
 Invariants after each trial (a violation is printed with its seed, so it reproduces):
 
@@ -35,9 +39,9 @@ It prints a table: trials, faults by kind, survived, violations (with seeds)::
 
     .venv/bin/python scripts/fault_campaign.py [--trials 20] [--seed 0] [--steps 120] [--keep]
 
-Left out (no injection layer here yet): EIO on a manifest read (its own tests:
-tests/test_decisions_checkpoint.py) and a slow-I/O stall. Without the rights to mount a tmpfs a
-``disk_full`` fault is skipped (said in its trial's line).
+Left out (no injection layer here yet): a slow-I/O stall. Without the rights to mount a tmpfs a
+``disk_full`` fault is skipped, without a C compiler an ``eio`` fault is a plain SIGTERM (said in
+its trial's line).
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ TINY = [
     "train.eval_batches=2",
     "train.warmup_steps=5",
 ]
-KINDS = ("kill", "hang", "sigkill_rank", "sigterm", "sigkill_launcher", "corrupt", "nan", "oom", "disk_full")
+KINDS = ("kill", "hang", "sigkill_rank", "sigterm", "sigkill_launcher", "corrupt", "nan", "oom", "disk_full", "eio")
+STOPS = ("sigterm", "sigkill_launcher", "eio")  # faults that end a launch (one per trial)
 DISK_BYTES = 16 << 20  # the tmpfs of a disk_full trial's checkpoint directory: a few tiny-GPT checkpoints
 CHANGES_RESULT = {"nan", "oom"}  # faults after which the final state may differ from the clean run's
 TRIAL_CAP = 300.0  # seconds a trial may take in all
@@ -181,14 +186,25 @@ def draw(rng: random.Random, steps: int) -> list[tuple[str, int, int]]:
         faults.append((kind, rng.randint(15, steps - 15), rng.randrange(2)))
     kinds = [k for k, _, _ in faults]
     # one launcher-level stop per trial keeps the relaunch logic plain
-    while sum(k in ("sigterm", "sigkill_launcher") for k in kinds) > 1:
-        i = max(i for i, k in enumerate(kinds) if k in ("sigterm", "sigkill_launcher"))
+    while sum(k in STOPS for k in kinds) > 1:
+        i = max(i for i, k in enumerate(kinds) if k in STOPS)
         faults.pop(i)
         kinds.pop(i)
     return sorted(faults, key=lambda f: f[1])
 
 
-def run_trial(base: Path, seed: int, steps: int, clean: Optional[str]) -> dict:
+def build_preload(base: Path) -> Optional[Path]:
+    """Compile ``scripts/eio_preload.c`` into ``base``; ``None`` without a C compiler."""
+    out = base / "eio_preload.so"
+    src = ROOT / "scripts" / "eio_preload.c"
+    try:
+        done = subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src), "-ldl"], capture_output=True)
+    except OSError:
+        return None
+    return out if done.returncode == 0 else None
+
+
+def run_trial(base: Path, seed: int, steps: int, clean: Optional[str], preload: Optional[Path] = None) -> dict:
     rng = random.Random(seed)
     faults = draw(rng, steps)
     trial = base / f"trial-{seed}"
@@ -206,8 +222,11 @@ def run_trial(base: Path, seed: int, steps: int, clean: Optional[str]) -> dict:
         elif kind == "oom":
             injects.append(f"oom:rank={rank},step={step}")
     external = [
-        (k, s, r) for k, s, r in faults if k in ("sigkill_rank", "sigterm", "sigkill_launcher", "corrupt", "disk_full")
+        (k, s, r)
+        for k, s, r in faults
+        if k in ("sigkill_rank", "sigterm", "sigkill_launcher", "corrupt", "disk_full", "eio")
     ]
+    env = dict(os.environ)  # an eio fault adds the preload for the relaunches
     mounted = "disk_full" in [k for k, _, _ in faults] and mount_small_disk(run / "checkpoints")
     log = trial / "run.log"
     deadline = time.monotonic() + TRIAL_CAP
@@ -217,7 +236,12 @@ def run_trial(base: Path, seed: int, steps: int, clean: Optional[str]) -> dict:
         launches += 1
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                command(run, steps, injects), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+                command(run, steps, injects),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                start_new_session=True,
+                env=env,
             )
         while proc.poll() is None and time.monotonic() < deadline:
             step = logged_step(log)
@@ -228,8 +252,10 @@ def run_trial(base: Path, seed: int, steps: int, clean: Optional[str]) -> dict:
                     pids = rank_pids(run)
                     if pids:
                         os.kill(pids[rank % len(pids)], signal.SIGKILL)
-                elif kind == "sigterm":
+                elif kind in ("sigterm", "eio"):
                     proc.send_signal(signal.SIGTERM)
+                    if kind == "eio" and preload is not None:
+                        env.update(LD_PRELOAD=str(preload), TG_EIO_MANIFEST_OPENS=str(rng.choice((1, 2))))
                 elif kind == "sigkill_launcher":
                     proc.send_signal(signal.SIGKILL)
                 elif kind == "corrupt":
@@ -250,7 +276,10 @@ def run_trial(base: Path, seed: int, steps: int, clean: Optional[str]) -> dict:
             break
         wait_gone(run, 30)  # a killed launcher's ranks die with it; a relaunch waits for them
     try:
-        return check(trial, run, sentinel, faults, codes, corrupted, clean, seed, mounted)
+        result = check(trial, run, sentinel, faults, codes, corrupted, clean, seed, mounted)
+        if "eio" in result["faults"] and preload is None:
+            result["skipped"].append("eio (no C compiler: a plain SIGTERM)")
+        return result
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(run / "checkpoints")], capture_output=True)
@@ -300,6 +329,7 @@ def check(trial, run, sentinel, faults, codes, corrupted, clean, seed, mounted=F
         "sigkill_launcher": ("launch",),
         "corrupt": (),
         "disk_full": ("checkpoint_failed",) if mounted else (),
+        "eio": ("signal_received",),
     }
     injected = {(e["details"].get("fault"), e["details"].get("rank")) for e in ev if e["kind"] == "fault_injected"}
     names = {"kill": "rank_killed", "hang": "rank_hung", "nan": "nan_loss", "oom": "oom"}
@@ -351,11 +381,11 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="tg-campaign-"))
     t0 = time.monotonic()
     try:
-        clean = clean_hash(base, args.steps)
+        clean, preload = clean_hash(base, args.steps), build_preload(base)
         console.print(f"clean run: state sha256 {clean}")
         results = []
         for seed in range(args.seed, args.seed + args.trials):
-            r = run_trial(base, seed, args.steps, clean)
+            r = run_trial(base, seed, args.steps, clean, preload)
             results.append(r)
             mark = "ok" if not r["violations"] else "VIOLATION: " + "; ".join(r["violations"])
             skipped = f" (skipped: {', '.join(r['skipped'])})" if r["skipped"] else ""
