@@ -167,6 +167,7 @@ def learned_sections(run: Path) -> dict:
     return {name: s for name, s in data["sections"].items() if s["learned"]}
 
 
+@pytest.mark.soak  # 45 s on 2 cores: scripts/test_soak.sh (CI); keeps the suite under 15 min
 def test_timeouts_json_is_learned_floored_and_reused_by_the_next_launch(tmp_path):
     first = tmp_path / "first"
     floor = ("supervisor.step_timeout=30", "supervisor.min_timeout=5")
