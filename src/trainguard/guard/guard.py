@@ -311,7 +311,6 @@ class Guard:
             self.optimizer,
             self.train_state,
             self.events,
-            self.section,
             self.step_start,
             self._renumber,
             self.ckpt.regroup,

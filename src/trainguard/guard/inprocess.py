@@ -14,7 +14,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -101,7 +101,6 @@ class InProcess:
         model, optimizer: what is moved from a survivor to a replacement.
         train_state: the Guard's named ``Stateful`` parts (:class:`~trainguard.state.trainstate.TrainState`).
         events: the event log.
-        section: the Guard's hang-supervised section (``section("recovery")``).
         step_start: the optimizer/scheduler state at the step's start (``None``: inactive).
         renumber: ``renumber(rank, world_size, hosts)``: the Guard gives its parts a new rank and
             world size (a shrink or a growth), before the new group forms.
@@ -118,7 +117,6 @@ class InProcess:
         optimizer: Optional[torch.optim.Optimizer],
         train_state: TrainState,
         events: EventLog,
-        section: Callable[[str], ContextManager[None]],
         step_start: Optional[StepStart],
         renumber: Callable[[int, int, list[str]], None],
         regrouped: Callable[[], None],
@@ -126,7 +124,7 @@ class InProcess:
         base_world_size: Callable[[], int],
     ):
         self.cfg, self.rejoin, self.model, self.optimizer = cfg, rejoin, model, optimizer
-        self.train_state, self.events, self.section, self.step_start = train_state, events, section, step_start
+        self.train_state, self.events, self.step_start = train_state, events, step_start
         self._renumber, self._regrouped, self._on_ping_failure = renumber, regrouped, on_ping_failure
         self._base_world_size = base_world_size
         self.backend = tgdist.backend()
