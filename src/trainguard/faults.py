@@ -25,6 +25,9 @@ Kinds (see :class:`~trainguard.config.FaultSpec`):
   during backward (``phase``), so the error is the allocator's own (``torch.OutOfMemoryError`` on
   CUDA, the CPU allocator's ``RuntimeError`` on CPU), not an imitation. Once per step, or in
   every retry of the step with ``persistent``.
+* ``slow_io``: once ``step`` steps are complete, the rank's main thread stalls for ``seconds`` in
+  I/O that makes progress (:func:`slow_io`: a stalled shared file system, a DataLoader respawn):
+  silent past its timeout but moving bytes, so the hang supervisor calls it slow, not hung.
 
 A fault fires when the rank has completed ``step`` steps (at the end of the step; with ``section``
 ``"checkpointing"`` inside the next checkpoint save, ``"should_step"`` in the next step's
@@ -41,6 +44,7 @@ import math
 import os
 import random
 import signal
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -98,9 +102,27 @@ def grow_bit(value: torch.Tensor) -> int:
 
 
 NUMERIC = ("nan_loss", "loss_spike", "grad_explosion")
-STEP_BOUND = NUMERIC + ("oom", "slow_rank", "sdc")
+STEP_BOUND = NUMERIC + ("oom", "slow_rank", "sdc", "slow_io")
 # more bytes than any machine has: the allocator refuses at once, with its own error
 IMPOSSIBLE_BYTES = 1 << 62
+
+
+SLOW_IO_CHUNK = 4096  # bytes written, fsynced and read back per round of slow_io
+SLOW_IO_PAUSE = 0.05  # seconds between rounds: the thread mostly waits, it hardly computes
+
+
+def slow_io(seconds: float) -> int:
+    """Stall the calling thread for ``seconds`` in slow I/O that makes progress: rounds of
+    :data:`SLOW_IO_CHUNK` bytes written to a temporary file (deleted after), fsynced and read back,
+    :data:`SLOW_IO_PAUSE` seconds apart. Returns the bytes moved (written plus read)."""
+    moved, block, end = 0, b"\0" * SLOW_IO_CHUNK, time.monotonic() + seconds
+    with tempfile.TemporaryFile() as f:
+        while time.monotonic() < end:
+            moved += os.pwrite(f.fileno(), block, 0)
+            os.fsync(f.fileno())
+            moved += len(os.pread(f.fileno(), SLOW_IO_CHUNK, 0))
+            time.sleep(SLOW_IO_PAUSE)
+    return moved
 
 
 def provoke_oom(device: torch.device | str = "cpu") -> None:
@@ -272,19 +294,23 @@ class FaultInjector:
         self.fire(spec.model_copy(update={"hang": "sigstop"}), None)
 
     def fire(self, spec: FaultSpec, step: Optional[int]) -> None:
-        """Record the event, then inject the fault (does not return for a kill or a collective hang)."""
+        """Record the event, then inject the fault (does not return for a kill or a hang; returns
+        after a ``slow_io`` stall's ``seconds``)."""
         self.events.emit(
             "fault_injected",
             step,
             fault=spec.kind,
             rank=self.rank,
             hang=spec.hang if spec.kind == "rank_hung" else None,
+            seconds=spec.seconds if spec.kind == "slow_io" else None,
             section=spec.section,
             after_seconds=spec.after_seconds,
             injected=True,
         )
         if spec.kind == "rank_killed":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.kind == "slow_io":
+            slow_io(spec.seconds)
         elif spec.hang == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif spec.hang == "spin":

@@ -332,7 +332,10 @@ class FaultSpec(Section):
     ``oom`` (in ``guard.run_step()`` of step number ``step``: a real allocation that cannot be
     satisfied, inside the forward or during the backward, see ``phase``); ``slow_rank`` (in
     ``guard.run_step()`` from step ``step`` for ``repeat`` steps, the rank sleeps ``factor`` × its
-    compute time after its micro-batches: a straggler).
+    compute time after its micro-batches: a straggler); ``slow_io`` (once ``step`` steps are
+    complete, the rank's main thread does slow I/O that makes progress for ``seconds``: small
+    writes with fsync and reads of a temporary file, a pause between them; a stalled shared file
+    system, for the hang supervisor's busy evidence).
     Numeric faults, applied inside ``guard.should_step()`` to step number ``step`` (1-based: the
     step that, once complete, makes ``step`` steps) and the ``repeat - 1`` steps after it:
     ``nan_loss`` (the rank's loss and gradients become NaN), ``loss_spike`` (its loss × ``factor``),
@@ -349,9 +352,19 @@ class FaultSpec(Section):
     """
 
     kind: Literal[
-        "rank_killed", "rank_hung", "random", "nan_loss", "loss_spike", "grad_explosion", "oom", "slow_rank", "sdc"
+        "rank_killed",
+        "rank_hung",
+        "random",
+        "nan_loss",
+        "loss_spike",
+        "grad_explosion",
+        "oom",
+        "slow_rank",
+        "sdc",
+        "slow_io",
     ] = Field(
-        ..., description="rank_killed, rank_hung, random, nan_loss, loss_spike, grad_explosion, oom, slow_rank or sdc"
+        ...,
+        description="rank_killed, rank_hung, random, nan_loss, loss_spike, grad_explosion, oom, slow_rank, sdc or slow_io",
     )
     rank: Optional[int] = Field(None, ge=0, description="global rank (random: drawn)")
     step: Optional[int] = Field(
@@ -390,6 +403,7 @@ class FaultSpec(Section):
     phase: Literal["forward", "backward"] = Field(
         "forward", description="oom: fail a real allocation inside the model's forward, or during backward"
     )
+    seconds: float = Field(5.0, gt=0, description="slow_io: how long the main thread's slow I/O lasts (seconds)")
 
 
 class SDCSection(Section):
