@@ -106,3 +106,37 @@ def test_a_resume_from_a_checkpoint_taken_at_a_validation_step_is_bitwise(tmp_pa
     assert [e["details"]["from_step"] for e in events(run, "resume")] == [40]
     assert len(events(run, "group_restart")) == 1
     assert final_hash(run) == final_hash(clean)
+
+
+@pytest.mark.soak  # two Lightning runs, about a minute on 2 cores: scripts/test_soak.sh (CI)
+def test_killed_ranks_are_replaced_in_process_the_survivors_kept_and_the_run_bitwise(tmp_path):
+    """In-process recovery under Lightning (the default): rank 1 SIGKILLs itself at the end of
+    step 40, a validation step (the survivor's validation and the next step's collectives lose
+    it); then rank 0 SIGKILLs itself inside step 56's ``should_step``, before its all-reduce. Each
+    time a warm spare takes the lost rank's place, the survivor keeps its process and runs the
+    interrupted step's forward and backward again on the new group: no group restart, no step
+    lost, and the final state is bitwise that of an uninterrupted run."""
+    clean, run = tmp_path / "clean", tmp_path / "run"
+    steps, kills = (
+        80,
+        ("--inject", "rank_killed:rank=1,step=40", "--inject", "rank_killed:rank=0,step=55,section=should_step"),
+    )
+
+    def start(path: Path, *extra: str):
+        args = (str(steps),)
+        return launch(path, script=WORKER, tiny=False, extra=extra, script_args=args, default_recovery=True)
+
+    assert finish(start(clean)) == 0, Path(f"{clean}.log").read_text()[-3000:]
+    proc = start(run, *kills)
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert not events(run, "group_restart") and not events(run, "recovery_fallback")
+    first = events(run, "workers_started")[0]["details"]["pids"]
+    replaced = events(run, "rank_replaced")
+    assert [(e["rank"], e["step"]) for e in replaced] == [(1, 40), (0, 55)]
+    finished = events(run, "recovery_finished")
+    # the survivor of the first kill is the original rank 0; of the second, rank 1's replacement
+    assert [e["pid"] for e in finished] == [int(first["0"]), replaced[0]["details"]["pid"]]
+    assert [e["details"]["redo_step"] for e in finished] == [41, 56]
+    assert {e["details"]["steps_lost"] for e in finished} == {0}
+    assert final_hash(run) == final_hash(clean)
+    assert events(run, "end")[-1]["step"] == steps

@@ -17,12 +17,21 @@ launched by ``trainguard run --nproc-per-node 2 train.py``. One trainguard step 
   newest valid checkpoint (:meth:`Guard.begin`). Lightning's own ``ckpt_path`` is not used.
 * ``on_train_start``: takes SIGTERM/SIGUSR1/SIGINT back from Lightning's handlers (registered
   just before; Lightning's SIGTERM handler runs a collective inside the handler).
-* ``on_train_batch_start``: opens the ``step`` section (:meth:`Guard.step_begin`); at the first
-  batch, restores the random number generators to the state the resume left (undoing the draws
-  of Lightning's set-up between, such as the DataLoader iterator's base seed), so that a resumed
-  run draws what the uninterrupted one drew.
+* ``on_train_batch_start``: opens the ``step`` section (:meth:`Guard.step_begin`); restores the
+  random number generators to the state the last step's training (or the resume) left, kept at
+  ``on_fit_start``, ``on_train_epoch_start`` and ``on_validation_start``: the draws of Lightning's
+  work between steps (set-up, a new epoch's DataLoader iterator and validation's, which draw base
+  seeds) do not move the training's streams, so a run resumed or recovered at any step draws what
+  the uninterrupted one drew.
 * ``on_before_optimizer_step``: the NaN/spike check (:meth:`Guard.should_step`) on the loss
-  Lightning passed to ``on_before_backward``; a skipped step sets every gradient to ``None`` so
+  Lightning passed to ``on_before_backward``. A peer lost in the step (in-process recovery, on by
+  default): :meth:`Guard.recover_in_step` meets the lost rank's replacement on a new group, then
+  the step's ``training_step`` and backward run again on the same batch (the random number
+  generators back at the step's start) and are checked again; Lightning's optimizer step then
+  applies the group's gradients. The replacement runs the script from its top; Lightning's
+  set-up collectives complete on it alone (:mod:`trainguard.rejoin.catch`), and it takes the fit
+  loop's counters from a survivor (a shared part: Lightning's restart logic reads a mid-step
+  state as the end of the previous step). A skipped step sets every gradient to ``None`` so
   the optimizer step leaves the parameters alone (torch's optimizers skip parameters without a
   gradient; Lightning still counts the step, as trainguard does). A rollback reloads the
   known-good checkpoint in the process, the fit loop's counters included; Lightning then finishes
@@ -41,8 +50,7 @@ Supported: ``strategy="ddp"`` (gloo or NCCL) and a single device, one optimizer,
 scheduler stepping per step, ``accumulate_grad_batches=1``, ``max_steps`` set. Not supported (a
 clear error, exit code 2): other strategies, several optimizers, gradient accumulation by Lightning
 (trainguard's micro-batches, ``Guard.run_step``, or accumulation inside ``training_step`` keep one
-step per batch), ``[recovery] in_process`` (Lightning owns the process group; a lost rank restarts
-the group). See ``docs/lightning.md``.
+step per batch). See ``docs/lightning.md``.
 
 Imports ``lightning.pytorch`` if installed, else ``pytorch_lightning`` (the ``[lightning]`` extra);
 the callback is an instance of that package's ``Callback``.
@@ -118,11 +126,6 @@ def _check_trainer(trainer: pl.Trainer, config: Config) -> None:
             "trainguard.lightning supports at most one LR scheduler, with interval='step' and frequency=1 "
             "(its state is saved with each step's checkpoint)"
         )
-    if config.recovery.in_process and "in_process" in config.recovery.model_fields_set:  # on by default: said once
-        raise BadInput(
-            "[recovery] in_process is not supported under Lightning (Lightning owns the process group): "
-            "a lost rank restarts the group from the newest checkpoint; set recovery.in_process = false"
-        )
 
 
 class TrainguardCallback(pl.Callback):
@@ -159,6 +162,8 @@ class TrainguardCallback(pl.Callback):
         self._rng: Optional[dict] = None
         self._loss: Any = None
         self._rolled_back: Optional[tuple[dict, Optional[dict]]] = None
+        self._batch: Any = None  # (batch, batch_idx) of the step in progress
+        self._fetched: Optional[dict] = None  # the sampler's state after fetching it (in-process recovery)
         self._sections = contextlib.ExitStack()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -172,35 +177,65 @@ class TrainguardCallback(pl.Callback):
             optimizer=trainer.optimizers[0],
             scheduler=configs[0].scheduler if configs else None,
             sampler=self.sampler,
-            extra_state={"lightning": LoopState(trainer, self), **self.extra_state},
+            extra_state=self.extra_state,
+            shared_state={"lightning": LoopState(trainer, self)},
             hooks=self.hooks,
-            framework="Lightning",
         )
         self._max_steps = trainer.max_steps
         self.guard.begin(trainer.max_steps)
         self._follow(trainer)
-        self._rng = RNGState().state_dict()
+        self._hold_rng()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.guard.shutdown.take_back()
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._hold_rng()  # the new epoch's DataLoader iterator draws its base seed after this
+
+    def _hold_rng(self) -> None:
+        """Keep the random number generators as they are now (the end of the last step's training),
+        to be put back at the next batch's start: what Lightning draws between steps (set-up, a new
+        epoch's DataLoader iterator, validation) does not move the training's streams, so that a
+        step's random numbers follow from the previous step's alone (a resume, a replacement)."""
+        if self._rng is None:
+            self._rng = RNGState().state_dict()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         if self._rng is not None:
             RNGState().load_state_dict(self._rng)
             self._rng = None
         self.guard.step_begin()
+        self._batch = (batch, batch_idx)
+        self._fetched = self.sampler.state_dict() if self.sampler is not None and self.guard.rejoin.active else None
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         self._loss = loss.detach()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         step = self.guard.step
-        if not self.guard.should_step(self._loss):
+        ok = self.guard.should_step(self._loss)
+        if not ok and self.guard.recover_in_step():  # a lost peer, replaced: this step's backward again
+            self._run_again(trainer, optimizer)
+            ok = self.guard.should_step(self._loss)
+        if not ok:
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None
             if self.guard.step != step:  # a rollback: the known-good checkpoint's counters and scheduler
                 self._rolled_back = copy.deepcopy(self._restored(trainer))
+
+    def _run_again(self, trainer: pl.Trainer, optimizer: Any) -> None:
+        """Run the step's ``training_step`` and backward again on the new group, on the same batch:
+        the recovery put this rank's random number generators back at the step's start, and its
+        data position at the step's (the batch is in hand: the position after fetching it is put
+        back). Lightning's counters stay where the step is."""
+        if self._fetched is not None:
+            self.sampler.load_state_dict(self._fetched)
+        optimizer.zero_grad(set_to_none=True)
+        batch, batch_idx = self._batch
+        out = trainer.strategy.training_step(batch, batch_idx)
+        loss = out["loss"] if isinstance(out, dict) else out
+        trainer.strategy.backward(loss, optimizer)  # calls on_before_backward: self._loss
 
     @staticmethod
     def _restored(trainer: pl.Trainer) -> tuple[dict, Optional[dict]]:
@@ -229,6 +264,7 @@ class TrainguardCallback(pl.Callback):
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard is not None and trainer.training:
+            self._hold_rng()  # the validation DataLoader's iterator draws a seed
             self._sections.enter_context(self.guard.section("validation"))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -113,14 +113,19 @@ class Guard:
         sampler: optional data position; any object with ``state_dict()``/``load_state_dict()``
             such as :class:`~trainguard.sampler.ResumableSampler`.
         extra_state: more ``{name: stateful}`` objects to save (a GradScaler, say; their state
-            must load with ``weights_only=True``).
+            must load with ``weights_only=True``). In-process recovery treats them as this rank's own
+            state: a replacement takes them from the lost rank's step boundary.
+        shared_state: as ``extra_state``, for state every rank holds alike (a framework's loop
+            counters): a replacement of a lost rank takes it from a survivor, as it is at that
+            moment (:mod:`trainguard.lightning`'s loop progress).
         hooks: :class:`~trainguard.events.Hook` instances.
         checkpoint_files: ``write(directory)``, called on every rank inside each persistent save
             before the commit: the files it writes there are checksummed and committed with the
             checkpoint (a framework's own checkpoint files: :mod:`trainguard.hf`). Needs blocking
             saves (``[checkpoint] async_save = false``).
-        framework: the framework that drives the loop and owns the process group (``"Lightning"``,
-            ...): in-process recovery does not apply under it (a lost rank restarts the group).
+        framework: a framework that drives the loop and owns the process group, and whose loop
+            in-process recovery does not cover (``"the Hugging Face Trainer"``): a lost rank restarts
+            the group, and rank 0 says so once at start.
 
     Create it after ``torch.distributed.init_process_group`` (if distributed).
 
@@ -138,6 +143,7 @@ class Guard:
         scheduler: Any = None,
         sampler: Any = None,
         extra_state: Optional[dict[str, Any]] = None,
+        shared_state: Optional[dict[str, Any]] = None,
         hooks: tuple[Hook, ...] | list[Hook] = (),
         checkpoint_files: Optional[Callable[[Path], None]] = None,
         framework: Optional[str] = None,
@@ -146,7 +152,7 @@ class Guard:
         self._framework = framework
         self._checkpoint_files = checkpoint_files
         self.model, self.optimizer, self.scheduler, self.sampler = model, optimizer, scheduler, sampler
-        self.extra_state = dict(extra_state or {})
+        self.extra_state, self.shared_state = dict(extra_state or {}), dict(shared_state or {})
         self.hooks: list[Hook] = list(hooks)
         self.rank, self.world_size = tgdist.rank(), tgdist.world_size()
         self.run_dir = Path(config.run.dir)
@@ -170,6 +176,7 @@ class Guard:
         self._step_seconds = 0.0
         self._t_last = time.perf_counter()
         self._awaiting_step_end = False
+        self._arm_at_step = False  # a replacement catches the script's collectives from its first step
         self._rolled_back = False  # should_step() rolled back: the next step_end() does not count
         self._next_check = 0  # step at which the stop flags are next exchanged (agreed by all ranks)
         self._last_progress = time.monotonic()
@@ -283,6 +290,7 @@ class Guard:
                 "scheduler": self.scheduler,
                 "sampler": self.sampler,
                 "extra": TrainState(self.extra_state),
+                "shared": TrainState(self.shared_state),
                 "instability": self.recovery,
                 "oom": self.micro,
                 "fidelity": self.fidelity,
@@ -420,6 +428,9 @@ class Guard:
         supervisor times it in the ``step`` section (the first step stays in ``setup``). Call
         :meth:`step_end` to close it."""
         self._awaiting_step_end = True
+        if self._arm_at_step:
+            self._arm_at_step = False
+            self.inprocess.arm_catch(lambda: self.step + 1)
         if self.step_start is not None:
             self.step_start.begin()
         if self.heartbeat is not None and self.heartbeat.current is None:
@@ -498,6 +509,26 @@ class Guard:
                 self._roll_back(decision)
                 return False
             return decision
+
+    def recover_in_step(self) -> bool:
+        """For a framework's loop, which cannot yield a step again: if a peer was lost in the step in
+        progress before its update was applied, meet the lost rank's replacement now and return
+        ``True``: the caller runs the step's forward and backward again, on the same batch (the
+        random number generators and this rank's own state are back at the step's start), then
+        calls :meth:`should_step` again and applies the update as usual. ``False``: no peer was
+        lost (or the update was already applied: :meth:`step_end` recovers). A collective on the
+        new group. Used by :mod:`trainguard.lightning` after :meth:`should_step` returned ``False``.
+
+        Raises:
+            RegroupError, the collective's error: the ranks cannot be recovered in-process (no new
+                generation within ``[recovery] timeout``, survivors one step apart: this rank exits
+                and the launcher restarts the group).
+        """
+        if self.rejoin.failure is None or (self.step_start is not None and self.step_start.applied):
+            return False
+        with self._edge():
+            self._recover(redo=True, take_completed=False)
+        return True
 
     def run_step(
         self,
@@ -771,10 +802,11 @@ class Guard:
         shrink.reshard(self.sampler, rank, world_size)
         self.rank, self.world_size, self.hosts = rank, world_size, list(hosts)
 
-    def _recover(self, redo: bool) -> None:
+    def _recover(self, redo: bool, take_completed: bool = True) -> None:
         """A peer was lost in this step: stop the ping and finish a save in flight (it fails on its
         broken group; nothing commits), then meet the new generation (:meth:`InProcess.recover`).
-        ``redo``: the update of this step was not applied (the caller does not count the step).
+        ``redo``: the update of this step was not applied (the caller does not count the step);
+        ``take_completed``: as :meth:`InProcess.recover`.
 
         Raises:
             as :meth:`InProcess.recover` (this rank exits and the launcher restarts the group).
@@ -785,7 +817,7 @@ class Guard:
                 self.ping.abandon()
                 self.ping = None
             self._saved(self.ckpt.wait())
-            met = self.inprocess.recover(self._place(), redo)
+            met = self.inprocess.recover(self._place(), redo, take_completed)
             self._take(met)
             self.reruns.forget()  # a replacement knows of no re-run in progress
         self.shutdown.deadline_timer.cancel()  # armed by the ping's failure
@@ -802,7 +834,8 @@ class Guard:
         t0 = time.monotonic()
         met = self.inprocess.join(self._place())
         self._take(met)
-        self.inprocess.arm_catch(lambda: self.step + 1)  # the script's collectives before its loop completed alone
+        # the script's collectives before its first step (a framework's set-up after this) complete alone
+        self._arm_at_step = True
         self.recovery.rejoined()
         self.inprocess.keep_boundary(self.step)
         self.inprocess.joined(met, time.monotonic() - t0)

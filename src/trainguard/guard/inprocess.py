@@ -180,11 +180,13 @@ class InProcess:
         )
         regroup.check_rebindable(self.model)
 
-    def recover(self, place: Place, redo: bool) -> Met:
+    def recover(self, place: Place, redo: bool, take_completed: bool = True) -> Met:
         """A peer was lost in this step: meet its replacement in the launcher's next generation and
         send it the state; with ``redo`` restore this rank's step-boundary state so that the step
         runs again from the same batch and random numbers. Call after :meth:`started`, with the
-        old group's ping stopped and no save in flight.
+        old group's ping stopped and no save in flight. ``take_completed``: a rank that abandoned
+        the step takes it from a survivor that completed it (:meth:`_meet`); ``False`` (a
+        framework's loop, which cannot skip the step it is in): that is refused instead.
 
         Raises:
             the collective's error: no new generation within ``[recovery] timeout`` (this rank
@@ -193,7 +195,7 @@ class InProcess:
         """
         failure = self.rejoin.failure
         # this rank's own state now: the end of the abandoned step (a peer may have completed it)
-        current = self.train_state.state_dict(LOCAL_PARTS) if redo else None
+        current = self.train_state.state_dict(LOCAL_PARTS) if redo and take_completed else None
         gen = self.rejoin.wait_generation()
         if gen.left:
             place = self._resize(gen, place)
