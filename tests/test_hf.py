@@ -88,12 +88,51 @@ def test_a_loss_spike_rolls_back_and_a_relaunch_resumes_the_trainer_steps_ahead(
     [
         (dict(save_strategy="steps"), None, "save_strategy='steps'"),
         (dict(save_strategy="no", max_steps=-1), None, "max_steps=N"),
-        (dict(save_strategy="no"), "recovery.in_process", "in_process"),
+        (dict(save_strategy="no"), "checkpoint.local.dir", "persistent tier only"),
     ],
 )
 def test_what_the_callback_cannot_guard_is_refused_by_name(tmp_path, args, setting, message):
     cfg = Config()
     if setting:
-        cfg.recovery.in_process = True
+        cfg.checkpoint.local.dir = str(tmp_path / "local")
     with pytest.raises(BadInput, match=message):
         _check(TrainingArguments(str(tmp_path), **{"max_steps": 10, "use_cpu": True, **args}), cfg)
+
+
+@pytest.mark.soak  # two Trainer runs, about 1.5 minutes on 2 cores: scripts/test_soak.sh (CI)
+def test_killed_ranks_are_replaced_in_process_the_survivors_kept_and_the_run_bitwise(tmp_path):
+    """In-process recovery under the Trainer (the default): rank 1 SIGKILLs itself at the end of
+    step 20, where a checkpoint is due (the survivor's save loses it: the step is complete, the
+    replacement joins after it); then rank 0 SIGKILLs itself inside step 28's ``should_step``
+    (the survivor runs the step's two micro-batches again on the new group). Each replacement sets
+    the Trainer up at the survivors' step from the newest checkpoint's files
+    (``last_checkpoint()``); no group restart, no step lost, bitwise equal to an uninterrupted run."""
+    clean, run = tmp_path / "clean", tmp_path / "run"
+    steps = 48
+
+    def start(path: Path, *extra: str):
+        args = (str(steps), str(path.parent / f"{path.name}-out"))
+        return launch(
+            path,
+            "checkpoint.interval=10",
+            script=WORKER,
+            tiny=False,
+            extra=extra,
+            script_args=args,
+            default_recovery=True,
+        )
+
+    assert finish(start(clean)) == 0, Path(f"{clean}.log").read_text()[-3000:]
+    kills = ("--inject", "rank_killed:rank=1,step=20", "--inject", "rank_killed:rank=0,step=27,section=should_step")
+    assert finish(start(run, *kills)) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert not events(run, "group_restart") and not events(run, "recovery_fallback")
+    first = events(run, "workers_started")[0]["details"]["pids"]
+    replaced = events(run, "rank_replaced")
+    assert [(e["rank"], e["step"]) for e in replaced] == [(1, 20), (0, 27)]
+    finished = events(run, "recovery_finished")
+    assert [e["pid"] for e in finished] == [int(first["0"]), replaced[0]["details"]["pid"]]
+    assert [e["details"]["redo_step"] for e in finished] == [None, 28]
+    assert {e["details"]["steps_lost"] for e in finished} == {0}
+    assert final_hash(run) == final_hash(clean)
+    assert events(run, "end")[-1]["step"] == steps
+    assert not (run / ".hf-join" / "rank-0").exists() and not (run / ".hf-join" / "rank-1").exists()

@@ -37,8 +37,13 @@ the Trainer counts the step, as trainguard does).
 
 Not supported (a clear error, exit code 2): ``save_strategy`` other than ``"no"`` (the Trainer
 would write uncommitted checkpoints beside trainguard's), ``[checkpoint] async_save`` and the
-node-local tier (the Trainer's files are written from the live state, into the persistent tier),
-``[recovery] in_process``. A rollback restores the model, optimizer and scheduler from the
+node-local tier (the Trainer's files are written from the live state, into the persistent tier).
+
+**In-process recovery** (on by default): the callback finds the ``Trainer`` up its call stack and
+guards its DDP model (``model_wrapped``), so a lost peer is caught in any collective; a step whose
+update was not applied runs again in ``on_pre_optimizer_step`` after :meth:`Guard.recover_in_step`
+(the step's micro-batches, kept from ``get_batch_samples``, through the Trainer's own
+``training_step``). A replacement's :func:`last_checkpoint` is :func:`join_checkpoint`. A rollback restores the model, optimizer and scheduler from the
 known-good checkpoint; the Trainer's ``global_step`` and data position go on (the batches between
 are skipped), so the run ends at ``max_steps`` steps *run*, fewer of them kept. The steps the
 Trainer is ahead are saved with each checkpoint (:class:`TrainerSteps`), so a resume after a
@@ -47,8 +52,12 @@ rollback is checked against them. See ``docs/hf.md``.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import random
+import shutil
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -56,14 +65,19 @@ import numpy as np
 import torch
 
 from . import dist as tgdist
-from .checkpoint.store import CheckpointStore
+from .checkpoint.store import Checkpoint, CheckpointStore
 from .config import Config, config_from_env
 from .events import Hook
 from .guard import Guard
+from .launch_env import LaunchEnv
 from .outcomes import BadInput
+from .rejoin import boundary as rejoin_boundary
+from .rejoin.auth import Seal
+from .rejoin.protocol import RecoveryStore, connect, parse_address
+from .state.determinism import capture_rng, restore_rng
 
 try:
-    from transformers import TrainerCallback
+    from transformers import Trainer, TrainerCallback
 except ImportError:
     raise ImportError("trainguard.hf needs transformers and accelerate: pip install 'trainguard[hf]'") from None
 
@@ -82,6 +96,9 @@ def last_checkpoint(config: Optional[Config] = None) -> Optional[str]:
     """
     config = config if config is not None else config_from_env()
     found = CheckpointStore(_store_root(config), config.checkpoint.keep_last).latest_valid(config.checkpoint.verify)
+    launch = LaunchEnv.from_environ()
+    if config.recovery.in_process and launch.join is not None and launch.recovery_store:
+        return str(join_checkpoint(config, launch, found))  # a replacement of a lost rank
     return str(found.path) if found is not None else None
 
 
@@ -101,11 +118,66 @@ def _check(args: Any, config: Config) -> None:
         raise BadInput("trainguard.hf needs TrainingArguments(max_steps=N): trainguard counts optimizer steps")
     if config.checkpoint.local.dir is not None:
         raise BadInput("trainguard.hf saves to the persistent tier only; unset checkpoint.local.dir")
-    if config.recovery.in_process and "in_process" in config.recovery.model_fields_set:  # on by default: said once
-        raise BadInput(
-            "[recovery] in_process is not supported under the Hugging Face Trainer (accelerate owns the process "
-            "group): a lost rank restarts the group from the newest checkpoint; set recovery.in_process = false"
-        )
+
+
+def join_checkpoint(config: Config, launch: LaunchEnv, newest: Optional[Checkpoint]) -> Path:
+    """A replacement of a lost rank (in-process recovery): a checkpoint directory from which the
+    Trainer's own resume sets its loop up at the survivors' step, so that it meets them there.
+
+    The Trainer reads its loop position (``trainer_state.json``: the global step, from which it
+    skips the batches trained in the epoch) and this rank's random number generators
+    (``rng_state_{rank}.pth``) before any callback runs. The directory,
+    ``RUN_DIR/.hf-join/rank-N``, holds the newest committed checkpoint's files (hard links) with
+    those two written for the survivors' step (read from the recovery store) and the lost rank's
+    generators at that step boundary (its boundary file). The model, optimizer and scheduler the
+    Trainer loads from it are the checkpoint's; the Guard replaces them with the survivors' when
+    it joins them (``on_train_begin``). The directory is removed after the first step.
+
+    Raises:
+        RuntimeError: no committed checkpoint yet (the Trainer cannot be set up at a step without
+            one), no step from the survivors within ``[recovery] timeout``, or the lost rank kept
+            no boundary of that step: this replacement fails and the launcher restarts the group.
+    """
+    rank = int(os.environ["RANK"])
+    if newest is None:
+        raise RuntimeError("no committed checkpoint yet to set the Trainer up from: the group restarts")
+    seal = Seal(launch.recovery_key or b"")
+    store = RecoveryStore(connect(*parse_address(launch.recovery_store)), launch.recovery_group, seal)
+    step = store.survivors_step(launch.join, config.recovery.timeout)
+    if step is None:
+        raise RuntimeError(f"the survivors did not say their step within {config.recovery.timeout} s")
+    kept = rejoin_boundary.read(Path(launch.recovery_dir), rank)
+    if step not in kept:
+        raise RuntimeError(f"rank {rank} kept no state of step {step} (it kept {sorted(kept)})")
+    directory = Path(config.run.dir) / ".hf-join" / f"rank-{rank}"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    for f in newest.path.iterdir():
+        if f.is_file() and f.name != "trainer_state.json" and not f.name.startswith("rng_state"):
+            try:
+                os.link(f, directory / f.name)
+            except OSError:  # another file system
+                shutil.copy2(f, directory / f.name)
+    state = json.loads((newest.path / "trainer_state.json").read_text())
+    state["global_step"] = step
+    (directory / "trainer_state.json").write_text(json.dumps(state))
+    now = capture_rng()
+    restore_rng(kept[step]["rng"])
+    name = f"rng_state_{rank}.pth" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else "rng_state.pth"
+    torch.save(_hf_rng_state(), directory / name)
+    restore_rng(now)
+    return directory
+
+
+def _calling_trainer() -> Any:
+    """The ``transformers.Trainer`` whose loop called the running callback (found up the call
+    stack: callbacks are not given it), ``None`` if none is there."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), Trainer):
+            return frame.f_locals["self"]
+        frame = frame.f_back
+    return None
 
 
 def _hf_rng_state() -> dict[str, Any]:
@@ -171,6 +243,9 @@ class TrainguardCallback(TrainerCallback):
         self._losses: list[torch.Tensor] = []
         self._handle: Any = None
         self._trainer: dict[str, Any] = {}
+        self._hf: Any = None  # the Trainer itself (in-process recovery runs a step again through it)
+        self._batches: Optional[list] = None  # the step's micro-batches (in-process recovery)
+        self._join_dir: Optional[Path] = None  # a replacement's join_checkpoint() (removed after its first step)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         config = self.config if self.config is not None else config_from_env()
@@ -181,17 +256,23 @@ class TrainguardCallback(TrainerCallback):
             raise
         model, optimizer = kw["model"], getattr(kw["optimizer"], "optimizer", kw["optimizer"])
         self._trainer = {"args": args, "state": state, "model": model, "optimizer": optimizer, **kw}
+        self._hf = _calling_trainer()
         self.guard = Guard(
             config,
-            model=model,
+            model=self._hf.model_wrapped if self._hf is not None else model,  # DDP: its backward is caught
             optimizer=optimizer,
             scheduler=kw.get("lr_scheduler"),
             extra_state={"hf_trainer": self.steps, **self.extra_state},
             hooks=self.hooks,
             checkpoint_files=self._write_trainer_files,
-            framework="the Hugging Face Trainer",
+            framework=None if self._hf is not None else "the Hugging Face Trainer (not found to call back into)",
         )
+        if self._hf is not None and self.guard.rejoin.active:
+            self._keep_batches(self._hf)
+        if self.guard.rejoin.joining:
+            self._join_dir = Path(config.run.dir) / ".hf-join" / f"rank-{self.guard.rank}"
         step = self.guard.begin(state.max_steps)
+        self.guard.catch_peers()  # the step's first collective (the token count) comes before on_step_begin
         if step + self.steps.extra_steps != state.global_step:
             raise BadInput(
                 f"trainguard resumed at step {step} (the Trainer's {step + self.steps.extra_steps}) but the Trainer "
@@ -212,20 +293,58 @@ class TrainguardCallback(TrainerCallback):
     def _step_loss(self) -> torch.Tensor:
         return torch.stack(self._losses).mean() if self._losses else torch.zeros(())
 
+    def _keep_batches(self, trainer: Any) -> None:
+        """Keep each step's micro-batches as the Trainer fetches them (``get_batch_samples``, wrapped
+        on this Trainer instance), to run the step again after an in-process recovery."""
+        fetch = trainer.get_batch_samples
+
+        def get_batch_samples(*args: Any, **kwargs: Any) -> Any:
+            batches, items = fetch(*args, **kwargs)
+            self._batches = batches
+            return batches, items
+
+        trainer.get_batch_samples = get_batch_samples
+
+    def _run_again(self) -> None:
+        """Run the step's micro-batches again on the new group, as the Trainer ran them: the token
+        count across ranks, forward and backward of each (DDP's all-reduce at the last one only),
+        the gradient clipping. The recovery put this rank's random number generators back at the
+        step's start."""
+        t = self._hf
+        model = t.model_wrapped
+        self._losses = []
+        model.zero_grad(set_to_none=True)
+        items = t._get_num_items_in_batch(self._batches, t.args.device)
+        for i, inputs in enumerate(self._batches):
+            last = i == len(self._batches) - 1
+            with contextlib.nullcontext() if last else t.accelerator.no_sync(model):
+                t.training_step(model, inputs, items)
+        if t.args.max_grad_norm is not None and t.args.max_grad_norm > 0:
+            t._clip_grad_norm(model)
+
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if not self.guard.should_step(self._step_loss()):
+        ok = self.guard.should_step(self._step_loss())
+        if not ok and self._hf is not None and self.guard.recover_in_step():  # a lost peer, replaced
+            self._run_again()
+            ok = self.guard.should_step(self._step_loss())
+        if not ok:
             for group in self._trainer["optimizer"].param_groups:
                 for p in group["params"]:
                     p.grad = None
             self.guard.recovery.release()  # the Trainer calls optimizer.step() next: a no-op without gradients
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._join_dir is not None:  # the Trainer has read it (its generators after the data skip)
+            shutil.rmtree(self._join_dir, ignore_errors=True)
+            self._join_dir = None
         self.guard.step_end(loss=self._step_loss())
         self.steps.extra_steps = state.global_step - self.guard.step
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self._handle is not None:
             self._handle.remove()
+        if self._hf is not None:
+            vars(self._hf).pop("get_batch_samples", None)
         self.guard.finish()
         self.guard.close()
 

@@ -428,9 +428,7 @@ class Guard:
         supervisor times it in the ``step`` section (the first step stays in ``setup``). Call
         :meth:`step_end` to close it."""
         self._awaiting_step_end = True
-        if self._arm_at_step:
-            self._arm_at_step = False
-            self.inprocess.arm_catch(lambda: self.step + 1)
+        self.catch_peers()
         if self.step_start is not None:
             self.step_start.begin()
         if self.heartbeat is not None and self.heartbeat.current is None:
@@ -529,6 +527,16 @@ class Guard:
         with self._edge():
             self._recover(redo=True, take_completed=False)
         return True
+
+    def catch_peers(self) -> None:
+        """A replacement of a lost rank catches lost peers in the script's collectives from now on
+        (by default from its first :meth:`step_begin`: the set-up collectives a framework runs after
+        :meth:`begin` complete on it alone). For a framework whose first collective of a step
+        comes before its step-begin callback (:mod:`trainguard.hf`: the token count's all-gather).
+        Does nothing on other ranks."""
+        if self._arm_at_step:
+            self._arm_at_step = False
+            self.inprocess.arm_catch(lambda: self.step + 1)
 
     def run_step(
         self,

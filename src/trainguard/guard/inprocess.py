@@ -197,6 +197,8 @@ class InProcess:
         # this rank's own state now: the end of the abandoned step (a peer may have completed it)
         current = self.train_state.state_dict(LOCAL_PARTS) if redo and take_completed else None
         gen = self.rejoin.wait_generation()
+        if gen.replaced:  # a framework's replacement sets its loop up at this step (trainguard.hf)
+            self.rejoin.store.survivors_at(gen.number, place.step)
         if gen.left:
             place = self._resize(gen, place)
         regroup.release_ddp(self.model)

@@ -233,16 +233,31 @@ class RecoveryStore:
     def wait(self, number: int, timeout: float) -> Optional[Generation]:
         """Rank: generation ``number`` once published by the launcher, or ``None`` after
         ``timeout`` seconds (a forged value is refused and the wait goes on)."""
-        key, deadline = f"gen/{number}", time.monotonic() + timeout
+        value = self._wait(f"gen/{number}", timeout)
+        return None if value is None else Generation.from_json(value)
+
+    def _wait(self, key: str, timeout: float) -> Optional[bytes]:
+        """The verified value of ``key`` once it is written, or ``None`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             try:
                 self.store.wait([self.prefix + key], timedelta(seconds=left))
             except (RuntimeError, dist.DistStoreError):  # the store's timeout
                 return None
             if (value := self._get(key)) is not None:
-                return Generation.from_json(value)
-            time.sleep(0.05)  # forged: the launcher's own value overwrites it
+                return value
+            time.sleep(0.05)  # forged: the real value overwrites it
         return None
+
+    def survivors_at(self, number: int, step: int) -> None:
+        """Survivor: the survivors meet generation ``number`` at step boundary ``step`` (completed
+        steps), for a replacement that must know it before it meets them (:mod:`trainguard.hf`)."""
+        self._set(f"gen/{number}/step", str(step))
+
+    def survivors_step(self, number: int, timeout: float) -> Optional[int]:
+        """Replacement: the step boundary of :meth:`survivors_at`, or ``None`` after ``timeout`` seconds."""
+        value = self._wait(f"gen/{number}/step", timeout)
+        return None if value is None else int(value)
 
     def peek(self, number: int) -> Optional[Generation]:
         """Rank: generation ``number`` if it is published now, else ``None`` (no waiting)."""
