@@ -15,10 +15,10 @@ and throws one to three faults at it, drawn from the trial's seed, each at a ran
 * ``kill``: a rank SIGKILLs itself at a step (``--inject rank_killed``);
 * ``hang``: a rank stops itself (SIGSTOP) at a step (``--inject rank_hung``), for the supervisor;
 * ``sigkill_rank``: this script SIGKILLs a rank process from outside at a random moment;
-* ``sigterm``: this script sends the launcher (2x2: the faulted rank's node's) SIGTERM (a
+* ``sigterm``: this script sends the launcher (2x2: one of the two, drawn) SIGTERM (a
   preemption): the job stops with 75 and is launched again (2x2: both launchers);
 * ``sigkill_launcher``: this script SIGKILLs the launcher (its ranks die with it): launched again.
-  2x2: that node's launcher is launched again into the running job (same rendezvous), as a
+  2x2: one of the two (drawn), and that one is launched again into the running job (same rendezvous), as a
   cluster restarts a lost node's agent; when the job cannot go on (the killed launcher hosted the
   rendezvous store, so the other one fails), both launchers are launched again;
 * ``corrupt``: this script flips a byte in the newest committed checkpoint's files while the run
@@ -337,7 +337,7 @@ def run_trial(base: Path, seed: int, steps: int, clean_of, preload: Optional[Pat
             step = max(logged_step(log) for log in logs)
             while external and step >= external[0][1]:
                 kind, at, rank = external.pop(0)
-                node = rank // 2  # ranks 0, 1 on node 0; 2, 3 on node 1 (c10d may order the nodes either way)
+                node = rank // 2  # the launcher a stop hits (c10d orders the nodes by its own rule)
                 time.sleep(rng.random() * 0.05)  # a random moment inside the step
                 if kind == "sigkill_rank":
                     pids = rank_pids(run)
@@ -355,7 +355,7 @@ def run_trial(base: Path, seed: int, steps: int, clean_of, preload: Optional[Pat
                     ended.append(kill_launcher(procs[node]))
                     procs[node] = start(command(run, steps, injects, rdzv), logs[node], env)
                     started, stopped = started + 1, True
-                    notes.append(f"node {node}'s launcher SIGKILLed at step {step} and launched again into the job")
+                    notes.append(f"launcher {node} SIGKILLed at step {step}, launched again into the job")
                 elif kind == "corrupt":
                     path = corrupt_newest(run)
                     if path:
