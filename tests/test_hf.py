@@ -102,9 +102,10 @@ def test_what_the_callback_cannot_guard_is_refused_by_name(tmp_path, args, setti
 @pytest.mark.soak  # two Trainer runs, about 1.5 minutes on 2 cores: scripts/test_soak.sh (CI)
 def test_killed_ranks_are_replaced_in_process_the_survivors_kept_and_the_run_bitwise(tmp_path):
     """In-process recovery under the Trainer (the default): rank 1 SIGKILLs itself at the end of
-    step 20, where a checkpoint is due (the survivor's save loses it: the step is complete, the
-    replacement joins after it); then rank 0 SIGKILLs itself inside step 28's ``should_step``
-    (the survivor runs the step's two micro-batches again on the new group). Each replacement sets
+    step 20, where a checkpoint is due (the survivor's save loses it: the step is complete; the
+    survivor meets the replacement inside step 21 and runs it again); then rank 0 SIGKILLs itself
+    inside step 28's ``should_step`` (the survivor runs the step's two micro-batches again on the
+    new group). Each replacement sets
     the Trainer up at the survivors' step from the newest checkpoint's files
     (``last_checkpoint()``); no group restart, no step lost, bitwise equal to an uninterrupted run."""
     clean, run = tmp_path / "clean", tmp_path / "run"
@@ -131,7 +132,7 @@ def test_killed_ranks_are_replaced_in_process_the_survivors_kept_and_the_run_bit
     assert [(e["rank"], e["step"]) for e in replaced] == [(1, 20), (0, 27)]
     finished = events(run, "recovery_finished")
     assert [e["pid"] for e in finished] == [int(first["0"]), replaced[0]["details"]["pid"]]
-    assert [e["details"]["redo_step"] for e in finished] == [None, 28]
+    assert [e["details"]["redo_step"] for e in finished] == [21, 28]
     assert {e["details"]["steps_lost"] for e in finished} == {0}
     assert final_hash(run) == final_hash(clean)
     assert events(run, "end")[-1]["step"] == steps

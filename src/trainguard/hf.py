@@ -265,10 +265,11 @@ class TrainguardCallback(TrainerCallback):
             extra_state={"hf_trainer": self.steps, **self.extra_state},
             hooks=self.hooks,
             checkpoint_files=self._write_trainer_files,
+            redo_in_step=True,
             framework=None if self._hf is not None else "the Hugging Face Trainer (not found to call back into)",
         )
         if self._hf is not None and self.guard.rejoin.active:
-            self._keep_batches(self._hf)
+            self._wrap_trainer(self._hf)
         if self.guard.rejoin.joining:
             self._join_dir = Path(config.run.dir) / ".hf-join" / f"rank-{self.guard.rank}"
         step = self.guard.begin(state.max_steps)
@@ -293,17 +294,28 @@ class TrainguardCallback(TrainerCallback):
     def _step_loss(self) -> torch.Tensor:
         return torch.stack(self._losses).mean() if self._losses else torch.zeros(())
 
-    def _keep_batches(self, trainer: Any) -> None:
-        """Keep each step's micro-batches as the Trainer fetches them (``get_batch_samples``, wrapped
-        on this Trainer instance), to run the step again after an in-process recovery."""
-        fetch = trainer.get_batch_samples
+    def _wrap_trainer(self, trainer: Any) -> None:
+        """Wrap two methods on this Trainer instance for in-process recovery: ``get_batch_samples``
+        keeps each step's micro-batches (to run the step again), ``training_step`` records a lost
+        peer its backward meets and goes on (the Trainer's DDP model finds unused parameters by
+        default: its backward all-reduces the used-parameter map itself, outside trainguard's
+        communication hook; the step is run again after the recovery)."""
+        fetch, train = trainer.get_batch_samples, trainer.training_step
 
         def get_batch_samples(*args: Any, **kwargs: Any) -> Any:
             batches, items = fetch(*args, **kwargs)
             self._batches = batches
             return batches, items
 
-        trainer.get_batch_samples = get_batch_samples
+        def training_step(*args: Any, **kwargs: Any) -> torch.Tensor:
+            try:
+                return train(*args, **kwargs)
+            except Exception as e:
+                if not self.guard.rejoin.caught(e, "backward", self.guard.step + 1):
+                    raise
+                return torch.zeros((), device=trainer.args.device)
+
+        trainer.get_batch_samples, trainer.training_step = get_batch_samples, training_step
 
     def _run_again(self) -> None:
         """Run the step's micro-batches again on the new group, as the Trainer ran them: the token
@@ -345,6 +357,7 @@ class TrainguardCallback(TrainerCallback):
             self._handle.remove()
         if self._hf is not None:
             vars(self._hf).pop("get_batch_samples", None)
+            vars(self._hf).pop("training_step", None)
         self.guard.finish()
         self.guard.close()
 

@@ -180,6 +180,7 @@ class TrainguardCallback(pl.Callback):
             extra_state=self.extra_state,
             shared_state={"lightning": LoopState(trainer, self)},
             hooks=self.hooks,
+            redo_in_step=True,
         )
         self._max_steps = trainer.max_steps
         self.guard.begin(trainer.max_steps)

@@ -123,6 +123,11 @@ class Guard:
             before the commit: the files it writes there are checksummed and committed with the
             checkpoint (a framework's own checkpoint files: :mod:`trainguard.hf`). Needs blocking
             saves (``[checkpoint] async_save = false``).
+        redo_in_step: a framework's loop, which cannot yield a step again (:mod:`trainguard.lightning`,
+            :mod:`trainguard.hf`): a peer lost in a step is recovered inside the next one, at
+            :meth:`recover_in_step`, also when the step's update was applied (until then the
+            collectives of its end and of the framework's work between steps, such as validation,
+            complete on this rank alone: a replacement joining between steps would not run them).
         framework: a framework that drives the loop and owns the process group, and whose loop
             in-process recovery does not cover (``"the Hugging Face Trainer"``): a lost rank restarts
             the group, and rank 0 says so once at start.
@@ -146,10 +151,11 @@ class Guard:
         shared_state: Optional[dict[str, Any]] = None,
         hooks: tuple[Hook, ...] | list[Hook] = (),
         checkpoint_files: Optional[Callable[[Path], None]] = None,
+        redo_in_step: bool = False,
         framework: Optional[str] = None,
     ):
         self.cfg = config
-        self._framework = framework
+        self._framework, self._redo_in_step = framework, redo_in_step
         self._checkpoint_files = checkpoint_files
         self.model, self.optimizer, self.scheduler, self.sampler = model, optimizer, scheduler, sampler
         self.extra_state, self.shared_state = dict(extra_state or {}), dict(shared_state or {})
@@ -609,7 +615,7 @@ class Guard:
         if self.rejoin.keeping and self.rejoin.boundary.step != self.step:  # a loop without should_step
             self.inprocess.keep_boundary(self.step)
         if self.rejoin.failure is not None:  # the update was applied before the lost peer surfaced
-            self._recover(redo=False)  # (a logging all-reduce after optimizer.step()): the step is complete
+            self._recover_after_update()  # (a logging all-reduce after optimizer.step()): the step is complete
             return
         if self.faults.pending:  # inside the step section: an injected hang is a hang mid-step
             self.faults.at(self.step, "step")
@@ -653,7 +659,7 @@ class Guard:
         except Exception as e:
             if not self.rejoin.caught(e, "stop_check", self.step):
                 raise
-            self._recover(redo=False)  # the step is complete: check again at the next one
+            self._recover_after_update()  # the step is complete: check again at the next one
             return None
         flags = StopFlags.unpack(agreed)
         self._next_check = self.step + flags.next_interval
@@ -762,6 +768,8 @@ class Guard:
             h.on_rollback(self, rb.from_step, target.step)
 
     def _finish(self) -> None:
+        if self.rejoin.failure is not None:  # lost after the last step's update (a framework's loop)
+            self._recover(redo=False)
         if self.cfg.checkpoint.save_final:
             self.save("final")
         self._saved(self.ckpt.close())
@@ -830,6 +838,13 @@ class Guard:
             self.reruns.forget()  # a replacement knows of no re-run in progress
         self.shutdown.deadline_timer.cancel()  # armed by the ping's failure
 
+    def _recover_after_update(self) -> None:
+        """A peer was lost after this step's update was applied: the step is complete; recover now
+        (the next step starts on the new group), or, for a framework's loop (``redo_in_step``),
+        at the next step's :meth:`recover_in_step` (its first step is then done again)."""
+        if not self._redo_in_step:
+            self._recover(redo=False)
+
     def _grow(self, number: int) -> None:
         """The ranks agreed to grow back in place into generation ``number`` (:meth:`InProcess.grow`)."""
         with self.section("recovery"):
@@ -858,7 +873,7 @@ class Guard:
         except Exception as e:
             if not self.rejoin.caught(e, "sdc_check", self.step):
                 raise
-            self._recover(redo=False)  # the step is complete: the next check compares the replicas
+            self._recover_after_update()  # the step is complete: the next check compares the replicas
             return True
         action = self.sdc_response.judge(self.step, m, self.hosts)
         if action is None:
@@ -1031,7 +1046,7 @@ class Guard:
             except Exception as e:  # nothing was committed: the commit follows the last collective
                 if not self.rejoin.caught(e, "checkpointing", self.step):
                     raise
-                self._recover(redo=False)  # the step is complete; the next interval saves
+                self._recover_after_update()  # the step is complete; the next interval saves
                 return None
             self._saved(result)
         return result.checkpoint if result is not None else None

@@ -223,7 +223,7 @@ class InProcess:
             world_size=met.place.world_size,
             seconds=round(time.time() - failure.at, 4),
             steps_lost=0,
-            redo_step=failure.step if redo else None,
+            redo_step=place.step + 1 if redo else None,
         )
         self.rejoin.done()
         return replace(met, redo=redo)
