@@ -36,8 +36,8 @@ and throws one to three faults at it, drawn from the trial's seed, each at a ran
 * ``slow_io``: rank 0's main thread stalls 4–8 s at a step in slow I/O that makes progress
   (``--inject slow_io``: small writes with fsync, a stalled shared file system), past the 2 s
   learned step timeout: its supervisor must call it slow (``slow_section``), not hung. 2x2: the
-  other node's ranks wait for it and their own supervisor, which cannot see rank 0's I/O, takes
-  them for hung (documented); they are replaced, and the trial's line says so.
+  other node's ranks wait for it in a collective; their supervisor hears from rank 0's node that
+  it is slow and must not take them for hung either.
 
 Invariants after each trial (a violation is printed with its seed, so it reproduces):
 
@@ -51,7 +51,7 @@ Invariants after each trial (a violation is printed with its seed, so it reprodu
 5. nothing outside the trial's run directory changed (a sentinel directory beside it);
 6. the events account for every fault (``fault_injected``, a failure or hang the launcher saw, the
    stop, the skip or the out-of-memory split);
-7. no rank of a slow-I/O stall's node is taken for hung during the stall (no ``hang_detected``).
+7. no rank (of either node) is taken for hung during a slow-I/O stall (no ``hang_detected``).
 
 It prints a line per trial (2x2 trials marked ``[2x2]``; relaunches and slow-I/O verdicts in
 parentheses) and a table: trials, 2x2 trials, faults by kind, survived, violations (with seeds)::
@@ -396,10 +396,10 @@ def wait_gone(run: Path, seconds: float) -> None:
 
 def slow_io_verdicts(ev: list[dict], faults: list[tuple[str, int, int]]) -> tuple[list[str], list[str]]:
     """For each ``slow_io`` stall that fired: a note (did the supervisor report it slow, past which
-    timeout) and the violations: a rank of the stalled rank's node taken for hung during the stall
-    (seconds + 1 s). A rank of the other node of a 2x2 job that waits for it is judged by its own
-    node's supervisor, which cannot see the stall's I/O: hung at its timeout (documented in
-    docs/launcher.md), noted, not a violation. A ``hang`` fault at the same step explains a hang."""
+    timeout) and the violations: a rank of either node taken for hung during the stall (seconds +
+    1 s): the stalled rank's node sees its I/O; the other node of a 2x2 job hears from it that its
+    rank is slow, not hung (trainguard.supervisor.peers), so its ranks waiting in a collective are
+    not hung either. A ``hang`` fault at the same step explains a hang."""
     notes, violations = [], []
     for e in ev:
         if e["kind"] != "fault_injected" or e["details"].get("fault") != "slow_io":
@@ -420,7 +420,10 @@ def slow_io_verdicts(ev: list[dict], faults: list[tuple[str, int, int]]) -> tupl
             violations.append(f"rank(s) {here} taken for hung in rank {rank}'s slow I/O at step {step}")
         said += f", rank(s) {here} taken for HUNG" if here else ", no hang, no kill on its node"
         if there:
-            said += f"; rank(s) {there} on the other node taken for hung (its supervisor sees its own node only)"
+            violations.append(
+                f"rank(s) {there} on the other node taken for hung in rank {rank}'s slow I/O at step {step}"
+            )
+            said += f"; rank(s) {there} on the other node taken for HUNG"
         notes.append(said)
     return notes, violations
 

@@ -26,6 +26,7 @@ from trainguard.rejoin.protocol import (
     wait_for_assignment,
 )
 from trainguard.rundir import prepare_run_dir
+from trainguard.supervisor.peers import BusyPeers
 
 SEAL = Seal(bytes(range(32)))
 
@@ -151,3 +152,22 @@ def test_the_state_transfer_blob_refuses_classes():
     evil = b"P" + pickle.dumps(os.system)
     with pytest.raises(pickle.UnpicklingError, match="only built-in values"):
         decode(evil)
+
+
+def test_a_node_hears_of_another_nodes_slow_rank_only_if_recent_sealed_and_not_its_own():
+    """The hang supervisors' word across nodes (trainguard.supervisor.peers): node 0 says a rank of
+    its is slow, not hung; node 1 hears it while it is recent, node 0 does not hear itself, and a
+    forged word (no seal) is not heard."""
+    server = serve()
+    node0 = RecoveryStore(server, 1, SEAL)
+    node1 = RecoveryStore(connect("127.0.0.1", server.port), 1, SEAL)
+    assert node1.busy_elsewhere(1, 2, since=0.0) is None
+    node0.busy(0, at=100.0)
+    assert node1.busy_elsewhere(1, 2, since=99.0) == 0
+    assert node1.busy_elsewhere(1, 2, since=101.0) is None  # stale: the slow rank went on
+    assert node0.busy_elsewhere(0, 2, since=0.0) is None
+    server.set("attempt1/busy/1", b"1e12")  # forged: written without the launch's secret
+    assert node0.busy_elsewhere(0, 2, since=0.0) is None
+    peers = BusyPeers(node0, 0, 2)
+    peers.tell()  # now: node 1 hears it within BUSY_FRESH
+    assert BusyPeers(node1, 1, 2).busy_node() == 0

@@ -200,6 +200,8 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             group.store, group.group_rank, group.group_world_size, group.spec.local_world_size
         )
         os.environ.update({RECOVERY_STORE: address, RECOVERY_GROUP: str(number)})
+        if self.monitor is not None and group.group_world_size > 1:  # a slow rank's node tells the others
+            self.monitor.share_busy(self.replacer.recovery_store(), group.group_rank, group.group_world_size)
         self._join = join
         if join is not None:
             gen = join.generation

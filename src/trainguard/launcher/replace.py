@@ -118,6 +118,10 @@ class Replacer:
         self._pids: dict[int, int] = {}  # {global rank: pid} of the pending generation's new processes
         self._template: Optional[tuple[list[str], dict[str, str]]] = None
 
+    def recovery_store(self) -> RecoveryStore:
+        """The recovery keys of the current group start, shared by every node (after :meth:`share`)."""
+        return self._recovery()
+
     def _recovery(self) -> RecoveryStore:
         """The recovery keys of the current group start in the shared store."""
         return RecoveryStore(self.shared, self.attempt, self.seal, self._forged)

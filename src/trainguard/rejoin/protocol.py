@@ -301,6 +301,19 @@ class RecoveryStore:
         value = self._get("declined")
         return None if value is None else value.decode()
 
+    def busy(self, node: int, at: float) -> None:
+        """Launcher: a rank of node ``node`` is silent past its timeout but busy (slow, not hung), as
+        its hang supervisor saw at wall time ``at`` (seconds since the epoch)."""
+        self._set(f"busy/{node}", f"{at:.3f}")
+
+    def busy_elsewhere(self, node: int, nodes: int, since: float) -> Optional[int]:
+        """Launcher: another node (of ``nodes``) whose :meth:`busy` is as recent as ``since`` (wall
+        time), ``None`` if none: the silent ranks of node ``node`` may be waiting for its rank."""
+        for other in range(nodes):
+            if other != node and (value := self._get(f"busy/{other}")) is not None and float(value) >= since:
+                return other
+        return None
+
     def joined(self, number: int, rank: int) -> None:
         """Replacement: say that rank ``rank`` holds its state in generation ``number``."""
         self._set(f"gen/{number}/joined/{rank}", "1")

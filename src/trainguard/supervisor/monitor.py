@@ -8,7 +8,9 @@ timeout whose main thread keeps computing is *busy*, not hung (:mod:`.evidence`)
 ``slow_section`` event and one console line, and neither it nor the ranks waiting for it are
 touched; unless it is stuck in place: its main thread's stack, dumped once per timeout, stayed the
 same for ``[supervisor] spin_factor`` (5) × its timeout (a loop that never ends; real work moves
-between lines over five of its own timeouts). Any other rank over its timeout is hung:
+between lines over five of its own timeouts). With several nodes a busy rank's node says so to the
+others through the shared recovery store (:meth:`HangMonitor.share_busy`): their silent ranks are
+waiting for it in a collective, not hung. Any other rank over its timeout is hung:
 
 1. its Python stacks (all threads) are dumped: SIGUSR2 makes the rank's ``faulthandler`` write
    them (SIGCONT first wakes a stopped process) and the file is copied to
@@ -40,6 +42,7 @@ from ..config import Config
 from ..events import EventLog
 from .evidence import CpuMeter
 from .heartbeat import OUT_OF_SECTION, HeartbeatReader, RankState, heartbeat_path
+from .peers import BusyPeers
 from .stacks import dump_stacks, main_stack, stack_path
 from .timeouts import INITIAL, TimeoutBook
 
@@ -128,8 +131,18 @@ class HangMonitor:
         self._save_failed = False  # the last write of timeouts.json failed (warned once)
         self._killed: dict[int, float] = {}  # pid -> monotonic time this monitor SIGKILLed it (a hung rank)
         self.unkillable: list[int] = []  # pids that outlived their SIGKILL by kill_grace (the group must restart)
+        self._peers: Optional[BusyPeers] = None  # the other nodes' supervisors (share_busy)
+        self._waited: Optional[int] = None  # the node whose busy rank this node's silent ranks wait for (said once)
 
     # ---- group lifecycle (called by the agent) ------------------------------------------------
+
+    def share_busy(self, store: Any, node: int, nodes: int) -> None:
+        """Several nodes: tell the others through ``store`` (a
+        :class:`~trainguard.rejoin.protocol.RecoveryStore`, sealed) when a rank of this node
+        (``node`` of ``nodes``) is slow, not hung, and hear when one of theirs is: this node's
+        silent ranks are then waiting for it in a collective, not hung (each supervisor sees only
+        its own node's ranks)."""
+        self._peers = BusyPeers(store, node, nodes)
 
     def group_started(self, attempt: int) -> None:
         """A new worker group (``attempt`` = restart count) was started."""
@@ -270,6 +283,9 @@ class HangMonitor:
         ]
         if busy and self.cfg.busy_evidence:
             self._report_slow(busy, [h for h in hung if h not in busy], pids, now)
+            self._tell_busy()
+            return None
+        if self.cfg.busy_evidence and self._waiting_elsewhere(hung):
             return None
         # learn from what the ranks recorded up to now, not from steps stalled by this hang
         self._learn()
@@ -355,6 +371,34 @@ class HangMonitor:
                 f"(state {state}: uninterruptible sleep, e.g. a hung file system)"
             )
         return "; ".join(parts)
+
+    def _tell_busy(self) -> None:
+        """Tell the other nodes that a rank of this node is slow, not hung (every poll while it is)."""
+        if self._peers is not None:
+            self._peers.tell()
+
+    def _waiting_elsewhere(self, hung: list[HangHit]) -> bool:
+        """Whether another node said lately (:mod:`.peers`) that a rank of its is slow, not hung:
+        ``hung`` (silent, not busy) are then waiting for it in a collective. One ``slow_section``
+        event (``waiting_for_node``) per such wait."""
+        other = self._peers.busy_node() if self._peers is not None else None
+        if other is not None and self._waited != other:
+            self._waited = other
+            h = hung[0]
+            self.events.emit(
+                "slow_section",
+                h.step,
+                **_hit_details(h, None),
+                waiting_ranks=[w.worker.global_rank for w in hung],
+                waiting_for_node=other,
+            )
+            console.say(
+                f"rank(s) {[w.worker.global_rank for w in hung]} silent {h.silent:.1f} s in '{h.section}': waiting "
+                f"for a slow (busy, not hung) rank of node {other}"
+            )
+        if other is None:
+            self._waited = None
+        return other is not None
 
     def _report_slow(self, busy: list[HangHit], waiting: list[HangHit], pids: dict[int, int], now: float) -> None:
         """A ``slow_section`` event (with the busy rank's stacks) and one console line, once per
