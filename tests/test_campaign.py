@@ -77,4 +77,3 @@ def test_a_2x2_trial_with_a_slow_io_stall_has_no_invariant_violation():
     out = " ".join(r.stdout.split())  # the console wraps long lines
     assert "seed 1099 [2x2]: slow_io; exit codes [[0, 0]]: ok" in out, out[-4000:]
     assert "slow_io 5.9 s at step 25" in out and "no hang, no kill on its node" in out, out[-4000:]
-    assert "other node taken for" not in out, out[-4000:]  # its ranks wait for rank 0: not hung either
