@@ -133,6 +133,20 @@ def test_a_failure_while_a_generation_forms_falls_back_and_restarts():
     assert state.forming is None and state.restarts == 1
 
 
+def test_a_failure_beside_a_decision_code_while_a_generation_forms_abandons_it():
+    """Found by the property test below (hypothesis): with a rank's replacement forming, another
+    rank killed while a third exits with 75 killed the survivors without abandoning the forming
+    generation (no ``recovery_fallback``)."""
+    state, decided = run(group(3), Look({0: RUNNING, 1: RUNNING, 2: -9}))
+    assert decided == [Replace((2,))]
+    state, decided = run(state, Look({0: RUNNING, 1: -9, 2: 75}))
+    assert decided == [
+        Fallback("a rank failed while the last (replace) generation was still forming"),
+        KillSurvivors(),
+        Collect(),
+    ]
+
+
 def test_joined_lets_the_next_failure_be_replaced_and_the_budget_counts_ranks():
     state, decided = run(group(max_replacements=2), Look({0: RUNNING, 1: -9}), Joined(), Look({0: -9, 1: RUNNING}))
     assert decided == [Replace((1,)), Replace((0,))] and state.replacements == 2

@@ -14,7 +14,8 @@ event                decisions (first rule that applies)
                      ``can_replace`` → **Shrink** (one node, ``min_ranks`` allows it, no spare
                      ready) or **Replace**; a failure in-process recovery cannot take →
                      **Fallback** (why) + **KillSurvivors** + **Collect**; any other exit that is
-                     not 0 → **KillSurvivors** (on a failure) + **Collect**; every rank exited →
+                     not 0 → **KillSurvivors** (on a failure; with **Fallback** first while a
+                     generation forms) + **Collect**; every rank exited →
                      **Collect**; else nothing. ``can_replace``: no generation forming, the
                      replacement budget not spent, the ranks did not decline, a rank survives.
 ``Collected``        (torch's result of a failed group) 75 while regrowing → **MembershipRestart**;
@@ -483,6 +484,8 @@ def _look(state: State, event: Look) -> tuple[State, Decisions]:
                 Replace(tuple(lost)),
             )
         decided.append(Fallback(why))
+    if lost and state.forming is not None and not decided:  # a stop or a decision code: the generation is abandoned
+        decided.append(Fallback(f"a rank failed while the last ({state.forming}) generation was still forming"))
     if lost:
         return state, (*decided, KillSurvivors(), Collect())
     if all(c is not None for c in codes.values()) or any(c not in (None, 0) for c in codes.values()):

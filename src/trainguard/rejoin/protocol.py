@@ -206,8 +206,12 @@ class RecoveryStore:
         self._refused: set[tuple[str, bytes]] = set()  # told once each
 
     def _set(self, key: str, value: str) -> None:
+        """Write ``key`` and return once the server holds it: a TCPStore ``set`` is sent without a
+        reply, so a read on another connection could come first; the ``check`` on this connection
+        is answered after the ``set`` before it (one round trip)."""
         name = self.prefix + key
         self.store.set(name, self.seal.seal(name, value))
+        self.store.check([name])
 
     def _get(self, key: str) -> Optional[bytes]:
         """The verified value of ``key``; ``None`` when absent or forged."""
