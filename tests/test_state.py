@@ -5,9 +5,12 @@ from __future__ import annotations
 import io
 import os
 import random
+import struct
 
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainguard import ResumableSampler, seed_everything, state_hash
 from trainguard.state.determinism import capture_rng, restore_rng
@@ -34,6 +37,72 @@ def test_rng_round_trip_through_weights_only_load():
     restore_rng(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
     got = (random.random(), np.random.rand(), torch.rand(3))
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+NUMPY_OPS = {
+    "uniform": lambda: np.random.rand(),
+    "one normal": lambda: np.random.standard_normal(),  # legacy: the pair's second value is cached
+    "normals": lambda: np.random.standard_normal(3),
+    "integers": lambda: np.random.randint(0, 10**6, size=2),
+    "seed": lambda: np.random.seed(7),
+    "set_state": lambda: np.random.set_state(np.random.get_state()),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(sorted(NUMPY_OPS)), max_size=12))
+def test_numpy_state_read_only_when_moved_equals_a_full_read_after_any_draws(ops):
+    """capture_rng() reads NumPy's legacy state again only when its MT19937 bytes moved or a
+    Gaussian is cached (state.determinism._NumpyGlobal); after any sequence of draws it equals
+    np.random.get_state(), and restoring it gives the same next draws."""
+    np.random.seed(1)
+    for op in ops:
+        NUMPY_OPS[op]()
+        mine = capture_rng()["numpy"]
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        assert (mine["kind"], mine["pos"], mine["has_gauss"], mine["cached_gaussian"]) == (kind, pos, has_gauss, cached)
+        assert np.array_equal(mine["keys"].numpy(), keys)
+    state = capture_rng()
+    expected = np.random.standard_normal(3)
+    np.random.seed(99)
+    restore_rng(state)
+    assert np.array_equal(np.random.standard_normal(3), expected)
+
+
+PYTHON_OPS = {
+    "random": lambda: random.random(),
+    "gauss": lambda: random.gauss(0.0, 1.0),  # caches the pair's second value in gauss_next
+    "bits": lambda: random.getrandbits(100),
+    "seed": lambda: random.seed(11),
+    "setstate": lambda: random.setstate(random.getstate()),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(sorted(PYTHON_OPS)), max_size=12))
+def test_python_state_read_from_memory_equals_getstate_after_any_draws(ops):
+    """capture_rng() reads Python's generator from its object's memory (state.determinism._PythonGlobal);
+    after any sequence of draws it equals random.getstate()."""
+    random.seed(2)
+    for op in ops:
+        PYTHON_OPS[op]()
+        version, words, gauss = capture_rng()["python"]
+        expected = random.getstate()
+        assert (version, words, gauss) == (expected[0], struct.pack("<625I", *expected[1]), expected[2])
+
+
+def test_python_state_round_trips_as_bytes_and_old_tuples_still_load():
+    random.seed(5)
+    state = capture_rng()
+    assert isinstance(state["python"][1], bytes) and len(state["python"][1]) == 2500
+    expected = random.random()
+    random.seed(6)
+    restore_rng(state)
+    assert random.random() == expected
+    old = dict(state, python=random.getstate())  # a checkpoint written before the words were bytes
+    expected = random.random()
+    restore_rng(old)
+    assert random.random() == expected
 
 
 def test_state_hash_sees_one_bit_and_optimizer_state():

