@@ -332,9 +332,7 @@ class Guard:
             lambda: self.elastic.base_world_size,
         )
         if self.rejoin.active:
-            self.inprocess.catch_collectives(lambda: self.step + 1, self.recovery.fold)
-        elif self.world_size > 1:  # the detectors' values ride in DDP's first bucket all the same
-            self.inprocess.hook_ddp(lambda: self.step + 1, self.recovery.fold)
+            self.inprocess.catch_collectives(lambda: self.step + 1)
             check_shrinkable(cfg.elastic.min_ranks, self.world_size, self.sampler, self.ckpt.local is not None)
         if cfg.rollback.skip_batches and self.sampler is not None and not hasattr(self.sampler, "skip_batches"):
             raise BadInput(

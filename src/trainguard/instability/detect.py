@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from ..sections import InstabilitySection
-from .fold import LossFold
 
 DETECTORS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_spike")
 STD_FLOOR = 0.01  # fraction of |mean| below which the standard deviation is not trusted
@@ -138,11 +137,9 @@ class Detector:
         :mod:`trainguard.rejoin.shrink`)."""
         self.rank, self.world_size = rank, world_size
 
-    def observe(self, step: int, loss: Any, grad_norm: Any, fold: Optional[LossFold] = None) -> Verdict:
+    def observe(self, step: int, loss: Any, grad_norm: Any) -> Verdict:
         """Combine this rank's ``loss`` and ``grad_norm`` (tensors, DTensors or floats; ``grad_norm``
-        may be ``None``) with the other ranks' and return the verdict. A collective, unless ``fold``
-        (a DDP model's: :mod:`.fold`) carried the losses in the step's first gradient bucket: call
-        on every rank."""
+        may be ``None``) with the other ranks' and return the verdict. A collective: call on every rank."""
         loss_t = loss.detach().reshape(()).float() if torch.is_tensor(loss) else torch.tensor(float(loss))
         has_grad = grad_norm is not None
         if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP2's clip_grad_norm_): its value, as a plain tensor
@@ -151,21 +148,6 @@ class Detector:
             grad_t = grad_norm.detach().reshape(()).float().to(loss_t.device)
         else:
             grad_t = torch.tensor(float(grad_norm) if has_grad else 0.0, device=loss_t.device)
-        folded = fold.take(step, loss) if fold is not None and self.world_size > 1 else None
-        if folded is not None:  # the one host sync; the gradients (and so their norm) are the same on every rank
-            *values, grad = torch.cat([folded.to(grad_t.device, torch.float64), grad_t.double().reshape(1)]).tolist()
-            if fold.usable(values, self.world_size):
-                bad_grad = not math.isfinite(grad)
-                ws = self.world_size
-                return self._verdict(
-                    step,
-                    values[0],
-                    (0.0 if bad_grad else grad * ws) if has_grad else math.nan,
-                    int(values[1]),
-                    ws * bad_grad if has_grad else 0,
-                    values[2],
-                    ws * (ws + 1) / 2 * bad_grad,  # Σ (rank+1): every rank's gradients are alike
-                )
         vals = torch.stack([loss_t, grad_t])
         bad = vals.isfinite().logical_not_().float()
         packed = torch.cat([vals.nan_to_num(0.0, 0.0, 0.0), bad, bad * (self.rank + 1)])

@@ -1,0 +1,122 @@
+"""Training script of ``per_step_cost.py``: the README's loop, with or without trainguard.
+
+A 4-layer MLP under DDP (gloo, one CPU thread), AdamW, a fixed batch; every step is followed by a
+fixed sleep of ``--pad-ms`` (a step of ``compute + pad`` milliseconds), so that what trainguard does
+in a step adds to it rather than hiding in a sleep-until. ``--guard``: the README's loop
+(``guard.steps``, ``should_step(loss, grad_norm)``, ``step_end``), default configuration; else the
+same loop without trainguard. Rank 0 writes ``OUT`` (JSON): the wall time of each step after
+``--warmup`` steps, and the collectives trainguard called on its own from the training thread
+during them (a collective whose nearest caller outside ``torch`` is trainguard's code and that is
+not DDP's bucket all-reduce in trainguard's communication hook).
+
+    trainguard run --nproc-per-node 2 benchmarks/_step_worker.py --out R.json [--guard] [--pad-ms 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import distributed_c10d as c10d
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+COUNTED = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "barrier", "broadcast_object_list")
+counting = {"on": False, "own": 0}
+
+
+def _own(frame) -> bool:  # noqa: ANN001
+    """Whether the collective called from ``frame`` is trainguard's own (not DDP's bucket)."""
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if frame.f_code.co_name == "hook" and name == "trainguard.rejoin.catch":
+            return False  # DDP's gradient bucket, through trainguard's communication hook
+        if not name.startswith("torch") and name != "trainguard.rejoin.catch" and name != __name__:
+            return name.startswith("trainguard")
+        frame = frame.f_back
+    return False
+
+
+def _count(fn):  # noqa: ANN001, ANN202
+    @functools.wraps(fn)
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if counting["on"] and threading.current_thread() is threading.main_thread() and _own(sys._getframe(1)):
+            counting["own"] += 1
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--guard", action="store_true")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=60)
+    p.add_argument("--pad-ms", type=float, default=0.0)
+    p.add_argument("--width", type=int, default=128)
+    args, _ = p.parse_known_args()
+    for name in COUNTED:  # before the Guard wraps them (in-process recovery's catching)
+        fn = getattr(c10d, name)
+        setattr(c10d, name, _count(fn))
+        setattr(dist, name, getattr(c10d, name))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    h = args.width
+    model = DDP(nn.Sequential(nn.Linear(64, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 10)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+    pad = args.pad_ms / 1e3
+    times: list[float] = []
+
+    def timed(step: int, t0: float) -> None:
+        if step == args.warmup:
+            counting["on"] = True
+        if step > args.warmup:
+            times.append(time.perf_counter() - t0)
+
+    if args.guard:
+        import trainguard
+
+        with trainguard.Guard.from_config(model=model, optimizer=opt) as guard:
+            t0 = time.perf_counter()
+            for step in guard.steps(args.steps):
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                if guard.should_step(loss, grad_norm):
+                    opt.step()
+                opt.zero_grad()
+                time.sleep(pad)
+                guard.step_end(loss=loss)
+                timed(step, t0)
+                t0 = time.perf_counter()
+            counting["on"] = False
+    else:
+        t0 = time.perf_counter()
+        for step in range(1, args.steps + 1):
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            time.sleep(pad)
+            timed(step, t0)
+            t0 = time.perf_counter()
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"times": times, "own_collectives": counting["own"]}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
