@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--pad-ms", type=float, default=0.0)
-    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--width", type=int, default=64)
     args, _ = p.parse_known_args()
     for name in COUNTED:  # before the Guard wraps them (in-process recovery's catching)
         fn = getattr(c10d, name)
@@ -88,7 +88,7 @@ def main() -> None:
     if args.guard:
         import trainguard
 
-        with trainguard.Guard.from_config(model=model, optimizer=opt) as guard:
+        with trainguard.Guard(trainguard.config_from_env(), model=model, optimizer=opt) as guard:
             t0 = time.perf_counter()
             for step in guard.steps(args.steps):
                 loss = nn.functional.cross_entropy(model(x), y)

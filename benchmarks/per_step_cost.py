@@ -57,10 +57,11 @@ def _parse() -> argparse.Namespace:
 
 def _run(args: argparse.Namespace, tmp: Path, name: str, ranks: int, pad_ms: float, guard: bool) -> dict:
     out = tmp / f"{name}.json"
-    cmd = _trainguard() + ["run", "--nproc-per-node", str(ranks), "--run-dir", str(tmp / name), str(WORKER)]
-    cmd += ["--out", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup), "--pad-ms", str(pad_ms)]
+    cmd = _trainguard() + ["run", "--nproc-per-node", str(ranks), "--run-dir", str(tmp / name)]
+    cmd += [a for s in NO_SCHEDULED_SAVES for a in ("--set", s)] + [str(WORKER), "--out", str(out)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--pad-ms", str(pad_ms)]
     if guard:
-        cmd += ["--guard"] + [a for s in NO_SCHEDULED_SAVES for a in ("--set", s)]
+        cmd += ["--guard"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0 or not out.exists():

@@ -4,7 +4,8 @@
 # kills of 4 ranks), a short fault campaign (scripts/fault_campaign.py, 6 trials on 2 ranks and one
 # on 4 ranks as 2 nodes), a run directory filled to the last byte, and the Lightning, Hugging Face
 # (in-process recovery included) and elastic runs of over a minute each, and the slowest runs of the
-# suite (1,000-step clean runs, random-step kills, two-node and SDC exclusion runs). About 30 minutes on 2 cores. Not part of scripts/test.sh, to keep
+# suite (1,000-step clean runs, random-step kills, two-node and SDC exclusion runs, the time limit,
+# the second launch, the restart budget, the finished-run relaunch). About 35 minutes on 2 cores. Not part of scripts/test.sh, to keep
 # that under 15 minutes on 2 cores; CI (.ci/run) runs both. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from conftest import REPO, events, final_hash, finish, launch, logged_step, wait_for
 from trainguard.exitcodes import ExitCode
@@ -73,6 +74,7 @@ def test_sigkill_of_one_rank_restarts_group_and_matches_clean_run(tmp_path, clea
     assert final_hash(run) == clean_hash(STEPS)
 
 
+@pytest.mark.soak  # moved out of the README suite to keep it under 15 min on 2 cores; CI runs it in the soak step
 def test_restart_budget_spent_gives_up(tmp_path):
     run = tmp_path / "run"
     proc = launch(run, "train.max_steps=100000", "launcher.max_restarts=1", "supervisor.max_same_step_faults=10")
@@ -87,6 +89,7 @@ def test_restart_budget_spent_gives_up(tmp_path):
     assert events(run, "restart_budget_spent")
 
 
+@pytest.mark.soak  # moved out of the README suite to keep it under 15 min on 2 cores; CI runs it in the soak step
 def test_time_limit_saves_and_exits_before_the_limit(tmp_path):
     run = tmp_path / "run"
     # the limit counts from the launch, start-up included: two ranks' start-up took 16 s on a loaded
@@ -102,6 +105,7 @@ def test_time_limit_saves_and_exits_before_the_limit(tmp_path):
     assert events(run, "exit")[-1]["time"] - launched < limit
 
 
+@pytest.mark.soak  # moved out of the README suite to keep it under 15 min on 2 cores; CI runs it in the soak step
 def test_second_launch_on_locked_run_dir_or_checkpoint_dir_is_refused(tmp_path):
     """One launch per run directory, and per checkpoint directory outside it (an absolute
     ``[checkpoint] dir``): two runs sharing one would delete each other's checkpoints."""

@@ -71,6 +71,7 @@ def test_sigstop_hang_in_the_same_script_is_caught_within_the_learned_timeout(tm
     assert not events(run, "resume_not_bitwise")
 
 
+@pytest.mark.soak  # moved out of the README suite to keep it under 15 min on 2 cores; CI runs it in the soak step
 def test_batch_fetched_after_step_end_is_reported(tmp_path):
     """``--prefetch after_step_end``: the first batch is drawn before the loop and each next one
     after ``step_end()``. The Guard says at once that random numbers are drawn outside the step,

@@ -288,6 +288,7 @@ def test_ranks_follow_the_end_time_file_when_it_changes(tmp_path):
     assert JobEndTime({}).get() is None
 
 
+@pytest.mark.soak  # moved out of the README suite to keep it under 15 min on 2 cores; CI runs it in the soak step
 def test_finished_run_makes_a_relaunch_exit_at_once(tmp_path):
     """A launch of the same command on a finished run dir exits 0 without starting ranks (job arrays)."""
     from conftest import events, finish, launch
