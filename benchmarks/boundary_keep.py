@@ -1,0 +1,88 @@
+"""What in-process recovery's per-step keeping costs: one step boundary kept, in one process.
+
+Each step boundary, in-process recovery keeps the rank's own state (its data position and RNG
+streams: Python's, NumPy's, torch's) in memory and in a node-local file in ``/dev/shm``, so that a
+replacement can take it (:mod:`trainguard.rejoin.boundary`). This measures that keeping exactly as
+the Guard does it (``TrainState.state_dict(LOCAL_PARTS)`` and ``BoundaryState.keep``), with a
+draw from torch's generator between two boundaries as a step would make, against the same loop
+with the draw only, in blocks alternated ABBA, and gives the cost as a share of 3, 7 and 30 ms steps
+(goal of issue 32: ≤ 0.1 ms, so ≤ 1.4 % of a 7 ms step).
+
+    .venv/bin/python benchmarks/boundary_keep.py [--blocks 8] [--steps 2000] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import SMOKE_HELP
+
+from trainguard.rejoin.boundary import BoundaryState
+from trainguard.rejoin.rank import LOCAL_PARTS
+from trainguard.sampler import ResumableSampler
+from trainguard.state.trainstate import RNGState, TrainState
+
+GOAL_US = 100.0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--blocks", type=int, default=8, help="ABBA blocks")
+    p.add_argument("--steps", type=int, default=2000, help="boundaries per block")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = p.parse_args()
+    if args.smoke:
+        args.blocks, args.steps = 2, 50
+    from rich.console import Console
+    from rich.table import Table
+
+    torch.set_num_threads(1)
+    state = TrainState({"sampler": ResumableSampler(100_000, rank=0, world_size=2, seed=1), "rng": RNGState()})
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        kept = BoundaryState(Path(d), 0)
+        step = [0]
+
+        def bare() -> None:
+            torch.rand(3)
+
+        def keeping() -> None:
+            torch.rand(3)
+            step[0] += 1
+            kept.keep({"step": step[0], **state.state_dict(LOCAL_PARTS)})
+
+        per = {"bare": [], "keeping": []}
+        for i in range(args.blocks):
+            for name, fn in (
+                (("bare", bare), ("keeping", keeping)) if i % 2 == 0 else (("keeping", keeping), ("bare", bare))
+            ):
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    fn()
+                per[name].append((time.perf_counter() - t0) / args.steps * 1e6)
+        size = kept.path.stat().st_size
+        kept.close()
+    cost = statistics.median(k - b for k, b in zip(per["keeping"], per["bare"]))
+    table = Table(title=f"in-process recovery: one step boundary kept (µs, median of {args.blocks} ABBA blocks)")
+    for col in ("measure", "value", "goal"):
+        table.add_column(col, justify="left" if col == "measure" else "right")
+    table.add_row("loop with the draw only (µs / step)", f"{statistics.median(per['bare']):.1f}", "")
+    table.add_row("loop keeping each boundary (µs / step)", f"{statistics.median(per['keeping']):.1f}", "")
+    mark = "[green]" if cost <= GOAL_US else "[red]"
+    table.add_row("cost of keeping (µs / step)", f"{mark}{cost:.1f}", f"≤ {GOAL_US:.0f}")
+    for ms in (3, 7, 30):
+        table.add_row(f"share of a {ms} ms step", f"{cost / (ms * 1e3) * 100:.2f} %", "")
+    table.add_row("boundary file (bytes, two boundaries)", f"{size}", "")
+    Console(width=120).print(table)
+    print(f"load average {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
