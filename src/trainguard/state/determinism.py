@@ -29,6 +29,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# the memory reads below take id() for an object's address, which holds in CPython only
+_CPYTHON = sys.implementation.name == "cpython"
 # Python's ``random`` state words (624 and the position) as little-endian uint32: packing them costs
 # about 10 µs, pickling the tuple of 625 ints about 40 µs
 _PY_WORDS = struct.Struct("<625I")
@@ -58,7 +60,9 @@ class _PythonGlobal:
         if not self._checked:
             self._checked = True
             full = self._full()
-            self._offset = object.__basicsize__ if sys.byteorder == "little" and random.Random.VERSION == 3 else None
+            self._offset = (
+                object.__basicsize__ if _CPYTHON and sys.byteorder == "little" and random.Random.VERSION == 3 else None
+            )
             if self._offset is not None and self._fast() != full:
                 self._offset = None
             return full
@@ -130,7 +134,7 @@ class _NumpyGlobal:
         """The state as :func:`capture_rng` gives it."""
         if not self._checked:
             self._checked = True
-            self._offset = _gauss_offset() if hasattr(np.random, "get_bit_generator") else None
+            self._offset = _gauss_offset() if _CPYTHON and hasattr(np.random, "get_bit_generator") else None
             fast, full = self._fast(), _numpy_state()
             if fast is None or not _same_numpy(fast, full):
                 self._offset = None
