@@ -120,10 +120,6 @@ class Replacer:
 
     def recovery_store(self) -> RecoveryStore:
         """The recovery keys of the current group start, shared by every node (after :meth:`share`)."""
-        return self._recovery()
-
-    def _recovery(self) -> RecoveryStore:
-        """The recovery keys of the current group start in the shared store."""
         return RecoveryStore(self.shared, self.attempt, self.seal, self._forged)
 
     def _forged(self, key: str) -> None:
@@ -178,7 +174,7 @@ class Replacer:
         workers), so that no other agent takes an arriving node into it; nothing when the store's
         node is gone."""
         try:
-            self._recovery().abandon()
+            self.recovery_store().abandon()
         except (RuntimeError, dist.DistError):
             pass
 
@@ -186,7 +182,7 @@ class Replacer:
         """Whether an agent gave this start of the group up (:meth:`abandon`); ``True`` when the
         shared store cannot be reached (its node, node 0 of the start, is gone)."""
         try:
-            return self._recovery().abandoned()
+            return self.recovery_store().abandoned()
         except (RuntimeError, dist.DistError):
             return True
 
@@ -244,7 +240,7 @@ class Replacer:
 
     def declined(self) -> Optional[str]:
         """Why the ranks declined in-process recovery (:meth:`RecoveryStore.decline`), or ``None``."""
-        return self._recovery().declined()
+        return self.recovery_store().declined()
 
     def ready_spares(self) -> list[int]:
         """Ids of the spares that are alive and wait for an assignment (their start-up done)."""
@@ -320,7 +316,7 @@ class Replacer:
         hosts: tuple[str, ...] = (),
     ) -> Generation:
         """The next generation: its number drawn from the shared store, a fresh store of its own."""
-        self.generation = self._recovery().next_number()
+        self.generation = self.recovery_store().next_number()
         self._mine.add(self.generation)
         store = serve(self.bind)
         self._stores.append(store)
@@ -330,7 +326,7 @@ class Replacer:
         """The generations other nodes' agents published since the last call, in order: this node's
         workers are numbered by them as the ranks are (a shrink, or a grow another agent hosts).
         One store look per call when nothing is new."""
-        store, found = self._recovery(), []
+        store, found = self.recovery_store(), []
         while (gen := store.peek(self.seen + 1)) is not None:
             self.seen = gen.number
             if gen.number not in self._mine:
@@ -352,7 +348,7 @@ class Replacer:
 
     def _publish(self, gen: Generation) -> None:
         """Announce ``gen`` to the ranks and follow it in :meth:`poll`."""
-        self._recovery().publish(gen)
+        self.recovery_store().publish(gen)
         self.pending = gen
         self._started = time.monotonic()
         # a grow is timed from the ranks' agreement (poll()): their next stop check may be a long step away
@@ -401,7 +397,7 @@ class Replacer:
         ``None`` while it forms or when none does."""
         if self.pending is None:
             return None
-        store = self._recovery()
+        store = self.recovery_store()
         if store.all_joined(self.pending):
             seconds = time.monotonic() - self._started
             self.events.emit(

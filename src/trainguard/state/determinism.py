@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import random
@@ -36,46 +37,40 @@ _CPYTHON = sys.implementation.name == "cpython"
 _PY_WORDS = struct.Struct("<625I")
 
 
-class _PythonGlobal:
-    """Python's global ``random`` state in about 2 µs instead of ``random.getstate()`` and packing
-    (25 µs): CPython's generator object holds the position (an int) and then the 624 words right
-    after its object header, read here as one block of memory. Checked against ``getstate()`` at
-    the first call; where it differs (another interpreter, another layout), ``getstate()`` is used
-    every time."""
-
-    def __init__(self) -> None:
-        self._offset: Optional[int] = None
-        self._checked = False
-
-    def _fast(self) -> tuple[int, bytes, Optional[float]]:
-        raw = ctypes.string_at(id(random._inst) + self._offset, _PY_WORDS.size)  # position, then the words
-        return 3, raw[4:] + raw[:4], random._inst.gauss_next  # 3: random.Random.VERSION
-
-    def _full(self) -> tuple[int, bytes, Optional[float]]:
-        version, internal, gauss = random.getstate()
-        return version, _PY_WORDS.pack(*internal), gauss
-
-    def get(self) -> tuple[int, bytes, Optional[float]]:
-        """``(version, the 625 words as bytes, cached Gaussian)``."""
-        if not self._checked:
-            self._checked = True
-            full = self._full()
-            self._offset = (
-                object.__basicsize__ if _CPYTHON and sys.byteorder == "little" and random.Random.VERSION == 3 else None
-            )
-            if self._offset is not None and self._fast() != full:
-                self._offset = None
-            return full
-        return self._fast() if self._offset is not None else self._full()
+def _python_full() -> tuple[int, bytes, Optional[float]]:
+    version, internal, gauss = random.getstate()
+    return version, _PY_WORDS.pack(*internal), gauss
 
 
-_PYTHON = _PythonGlobal()
+def _python_fast(offset: int) -> tuple[int, bytes, Optional[float]]:
+    raw = ctypes.string_at(id(random._inst) + offset, _PY_WORDS.size)  # position, then the words
+    return 3, raw[4:] + raw[:4], random._inst.gauss_next  # 3: random.Random.VERSION
+
+
+@functools.cache
+def _python_offset() -> Optional[int]:
+    """Where CPython's generator object holds its state: the position (an int), then the 624 words,
+    right after the object header; read as one block of memory, about 2 µs instead of
+    ``random.getstate()`` and packing (25 µs). Checked against ``getstate()`` once; ``None`` where
+    it differs (another interpreter, another layout): ``getstate()`` is used every time."""
+    if not (_CPYTHON and sys.byteorder == "little" and random.Random.VERSION == 3):
+        return None
+    offset = object.__basicsize__
+    return offset if _python_fast(offset) == _python_full() else None
+
+
+def _python_state() -> tuple[int, bytes, Optional[float]]:
+    """``(version, the 625 words as bytes, cached Gaussian)`` of Python's global ``random``."""
+    offset = _python_offset()
+    return _python_full() if offset is None else _python_fast(offset)
+
+
 # bytes of NumPy's MT19937 state as its bit generator holds it: 624 32-bit words, then the position
-_MT_BYTES = 624 * 4 + 4
 _MT_KEYS = 624
+_MT_BYTES = _MT_KEYS * 4 + 4
 
 
-def _numpy_state() -> dict[str, Any]:
+def _numpy_full() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "kind": kind,
@@ -86,11 +81,40 @@ def _numpy_state() -> dict[str, Any]:
     }
 
 
+def _numpy_fast(gauss_at: int) -> Optional[dict[str, Any]]:
+    """The legacy generator's state read from memory (``None``: its bit generator is not MT19937):
+    the 2,500 bytes of the MT19937 state through the bit generator's public ``ctypes`` interface,
+    the cached Gaussian from the ``RandomState`` object at ``gauss_at``; about 3 µs instead of
+    ``np.random.get_state()``'s 80 µs (which copies the key word by word)."""
+    bitgen = np.random.get_bit_generator()  # NumPy >= 1.25
+    if not isinstance(bitgen, np.random.MT19937):
+        return None
+    mt = ctypes.string_at(bitgen.ctypes.state_address, _MT_BYTES)
+    has_gauss, gauss = struct.unpack("=i4xd", ctypes.string_at(id(np.random.mtrand._rand) + gauss_at - 8, 16))
+    return {
+        "kind": "MT19937",
+        "keys": torch.from_numpy(np.frombuffer(mt, np.uint32, _MT_KEYS).astype(np.int64)),
+        "pos": int.from_bytes(mt[-4:], sys.byteorder, signed=True),
+        "has_gauss": has_gauss,
+        "cached_gaussian": gauss,
+    }
+
+
+def _same_numpy(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return torch.equal(a["keys"], b["keys"]) and all(
+        a[k] == b[k] for k in ("kind", "pos", "has_gauss", "cached_gaussian")
+    )
+
+
+@functools.cache
 def _gauss_offset() -> Optional[int]:
     """Where a legacy ``RandomState`` object holds its cached Gaussian: the byte offset of the value
     (a double), ``has_gauss`` (an int) being 8 bytes before it. Found on a scratch instance by
-    setting two distinct values through ``set_state`` and finding each once in the object's memory;
-    ``None`` if that fails (another layout: the state is then read with ``get_state``)."""
+    setting two distinct values through ``set_state`` and finding each once in the object's memory,
+    then checked once against the global generator's ``get_state()``; ``None`` if either fails
+    (another NumPy or layout: ``get_state()`` is used every time)."""
+    if not (_CPYTHON and hasattr(np.random, "get_bit_generator")):
+        return None
     rs = np.random.RandomState(0)
     kind, keys, pos, _, _ = rs.get_state()
     found = set()
@@ -101,65 +125,28 @@ def _gauss_offset() -> Optional[int]:
         if memory.count(pattern) != 1:
             return None
         found.add(memory.index(pattern) + 8)
-    return found.pop() if len(found) == 1 else None
+    if len(found) != 1:
+        return None
+    offset = found.pop()
+    fast = _numpy_fast(offset)
+    return offset if fast is not None and _same_numpy(fast, _numpy_full()) else None
 
 
-class _NumpyGlobal:
-    """NumPy's global (legacy) generator's state in about 3 µs instead of ``np.random.get_state()``'s
-    80 µs (which copies the key word by word): the 2,500 bytes of its MT19937 state are read through
-    the bit generator's public ``ctypes`` interface, and the cached Gaussian from the ``RandomState``
-    object at the offset :func:`_gauss_offset` found. Both layouts are checked against
-    ``get_state()`` once, at the first call; where either differs (another NumPy, another bit
-    generator than MT19937), ``get_state()`` is used every time."""
-
-    def __init__(self) -> None:
-        self._offset: Optional[int] = None
-        self._checked = False
-
-    def _fast(self) -> Optional[dict[str, Any]]:
-        bitgen = np.random.get_bit_generator()  # NumPy >= 1.25
-        if self._offset is None or not isinstance(bitgen, np.random.MT19937):
-            return None
-        mt = ctypes.string_at(bitgen.ctypes.state_address, _MT_BYTES)
-        has_gauss, gauss = struct.unpack("=i4xd", ctypes.string_at(id(np.random.mtrand._rand) + self._offset - 8, 16))
-        return {
-            "kind": "MT19937",
-            "keys": torch.from_numpy(np.frombuffer(mt, np.uint32, _MT_KEYS).astype(np.int64)),
-            "pos": int.from_bytes(mt[-4:], sys.byteorder, signed=True),
-            "has_gauss": has_gauss,
-            "cached_gaussian": gauss,
-        }
-
-    def get(self) -> dict[str, Any]:
-        """The state as :func:`capture_rng` gives it."""
-        if not self._checked:
-            self._checked = True
-            self._offset = _gauss_offset() if _CPYTHON and hasattr(np.random, "get_bit_generator") else None
-            fast, full = self._fast(), _numpy_state()
-            if fast is None or not _same_numpy(fast, full):
-                self._offset = None
-            return full
-        return self._fast() or _numpy_state()
-
-
-def _same_numpy(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return torch.equal(a["keys"], b["keys"]) and all(
-        a[k] == b[k] for k in ("kind", "pos", "has_gauss", "cached_gaussian")
-    )
-
-
-_NUMPY = _NumpyGlobal()
+def _numpy_state() -> dict[str, Any]:
+    """NumPy's global (legacy) generator's state, as :func:`capture_rng` gives it."""
+    offset = _gauss_offset()
+    return (_numpy_fast(offset) if offset is not None else None) or _numpy_full()
 
 
 def capture_rng() -> dict[str, Any]:
     """Return the current RNG states as a ``weights_only``-loadable dict: ``python``: (version,
     the 625 words of ``random.getstate()`` as 2,500 bytes, cached Gaussian), ``numpy``: the legacy
     global generator's fields, ``torch``: the CPU generator's state, ``cuda``: each device's. About
-    20 µs on a 2-core CPU when NumPy's generator has not moved (kept at every step boundary by
-    in-process recovery: :mod:`trainguard.rejoin.boundary`)."""
+    16 µs on a 2-core CPU, the Python and NumPy states read from memory (kept at every step
+    boundary by in-process recovery: :mod:`trainguard.rejoin.boundary`)."""
     state = {
-        "python": _PYTHON.get(),
-        "numpy": _NUMPY.get(),
+        "python": _python_state(),
+        "numpy": _numpy_state(),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
