@@ -49,6 +49,53 @@ def nccl_rebuild() -> bool:
     return t.item() == 1.0
 
 
+ABORT_CHILD = r"""
+import os, threading, time
+import torch, torch.distributed as dist
+os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29535", "RANK": "0", "WORLD_SIZE": "2"})
+torch.cuda.set_device(0)
+dist.init_process_group("nccl")  # rank 1 never comes: the first collective waits for it
+t = torch.ones(1, device="cuda")
+out = {}
+def work():
+    try:
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        out["r"] = "returned"
+    except BaseException as e:
+        out["r"] = f"{type(e).__name__}: {str(e)[:160]}"
+th = threading.Thread(target=work, daemon=True)
+th.start()
+time.sleep(3)
+t0 = time.perf_counter()
+dist.distributed_c10d._abort_process_group()
+th.join(30)
+print(f"nccl abort: collective waiting on an absent peer; after abort the thread ended={not th.is_alive()} "
+      f"in {time.perf_counter() - t0:.3f} s; it saw: {out.get('r', 'nothing yet')}", flush=True)
+os._exit(0)
+"""
+
+
+def nccl_abort() -> bool:
+    """NCCL's abort of a collective that waits for a peer that never comes (the one-GPU stand-in
+    for a lost rank: two NCCL ranks cannot share a GPU), in a child process under a 90 s limit.
+
+    Seen on an H100 (torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-27): the abort did not free it within
+    90 s, with blocking or nonblocking (``TORCH_NCCL_USE_COMM_NONBLOCKING=1``) communicator init. The
+    collective waits in communicator creation there, which abort does not reach; hence reported, not
+    required."""
+    import subprocess
+
+    try:
+        done = subprocess.run([sys.executable, "-c", ABORT_CHILD], capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        print("nccl abort: the child did not end within 90 s (abort did not free the waiting collective)")
+        return False
+    lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+    print("\n".join(lines[-6:]))
+    return any("ended=True" in ln for ln in lines)
+
+
 def ddp_hook_cuda() -> bool:
     """One NCCL rank: trainguard's DDP communication hook (in-process recovery's catch of a lost peer
     in backward, :class:`trainguard.rejoin.catch.DDPHook`) on CUDA gradients gives the same gradients
@@ -117,6 +164,7 @@ def main() -> int:
 
     ok &= nccl_rebuild()
     ok &= ddp_hook_cuda()
+    nccl_abort()  # reported, not required: what NCCL's abort does here is the finding
 
     cfg = trainguard.Config()
     cfg.run.dir = sys.argv[1]
