@@ -29,6 +29,7 @@ from torch.distributed.elastic.agent.server.api import Worker
 from trainguard.config import load_config
 from trainguard.events import EventLog, read_events
 from trainguard.sections import SupervisorSection
+from trainguard.supervisor.evidence import StopWatch, process_state
 from trainguard.supervisor.heartbeat import (
     NBUCKETS,
     OUT_OF_SECTION,
@@ -275,3 +276,90 @@ def test_a_section_killed_as_hung_gets_twice_that_silence_on_the_restart_and_lat
     saved = json.loads((tmp_path / "timeouts.json").read_text())
     saved["sections"]["checkpointing"]["interrupted"] = float("nan")
     assert TimeoutBook(cfg, saved).timeout("checkpointing") == 60.0
+
+
+class LiveAgent(Agent):
+    """An agent whose workers are real processes (``pids``: ``{local_rank: pid}``)."""
+
+    def __init__(self, pids: dict[int, int]):
+        super().__init__(len(pids))
+        self.pids = pids
+
+    def worker_pids(self) -> dict[int, int]:
+        return self.pids
+
+
+def test_the_stop_watch_counts_only_an_unbroken_stop_it_saw_itself():
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        watch = StopWatch()
+        assert process_state(proc.pid) in ("S", "R") and watch.seconds(proc.pid, 0.0) == 0.0
+        os.kill(proc.pid, signal.SIGSTOP)
+        wait_until(lambda: process_state(proc.pid) == "T")
+        assert watch.seconds(proc.pid, 10.0) == 0.0  # first seen stopped now, whenever it stopped
+        assert watch.seconds(proc.pid, 10.5) == pytest.approx(0.5)
+        os.kill(proc.pid, signal.SIGCONT)
+        wait_until(lambda: process_state(proc.pid) != "T")
+        assert watch.seconds(proc.pid, 11.0) == 0.0
+        os.kill(proc.pid, signal.SIGSTOP)
+        wait_until(lambda: process_state(proc.pid) == "T")
+        assert watch.seconds(proc.pid, 12.0) == 0.0  # a new stop starts from zero
+        assert watch.seconds(None, 12.0) == 0.0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert process_state(proc.pid) is None and watch.seconds(proc.pid, 13.0) == 0.0  # gone
+
+
+@pytest.mark.parametrize("grace", [0.3, 0.0])
+def test_a_silent_rank_seen_stopped_for_stopped_grace_is_hung_long_before_its_timeout(tmp_path, grace):
+    """Rank 1 is SIGSTOPped inside a step whose timeout is 600 s: hung once the monitor has seen it
+    stopped for ``stopped_grace``; its peer, asleep (waiting for it), is not. With ``stopped_grace =
+    0`` it waits for the timeout: no hang while the stop lasts well past the grace."""
+    run_dir, hb_root = tmp_path / "run", tmp_path / "hb"
+    run_dir.mkdir()
+    cfg = load_config(
+        None,
+        [
+            f"run.dir={run_dir}",
+            "supervisor.learn=false",
+            f"supervisor.stopped_grace={grace}",
+            "supervisor.stacks_wait=0",
+        ],
+    )
+    log = EventLog(run_dir)
+    monitor = HangMonitor(cfg, run_dir, hb_root, log)
+    monitor.group_started(0)
+    attempt_dir(hb_root, 0).mkdir(parents=True)
+    writers = [HeartbeatWriter(heartbeat_path(attempt_dir(hb_root, 0), r)) for r in (0, 1)]
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        agent = LiveAgent({r: p.pid for r, p in enumerate(procs)})
+        for w in writers:
+            w.beat(4)
+            w.open("step")
+        assert monitor.poll(agent) is None
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        wait_until(lambda: process_state(procs[1].pid) == "T")
+        seen = time.monotonic()
+        if not grace:
+            while time.monotonic() - seen < 1.0:  # three times the default grace: still within 600 s
+                assert monitor.poll(agent) is None
+                time.sleep(0.05)
+            assert not list(read_events(run_dir, "hang_detected"))
+            return
+        reason = wait_until(lambda: monitor.poll(agent))
+        assert time.monotonic() - seen >= grace
+        assert "rank 11" in reason and "rank 10" not in reason and "stopped for" in reason, reason
+        (hang,) = [e["details"] for e in read_events(run_dir, "hang_detected")]
+        assert hang["local_rank"] == 1 and hang["timeout"] == 180.0 and hang["stopped_seconds"] >= grace, hang
+        assert hang["silent_seconds"] < hang["timeout"]
+        assert monitor.book.timeout("step") == 180.0  # a stop says nothing of the step's length: not doubled
+    finally:
+        monitor.group_stopped()
+        for w in writers:
+            w.close_file()
+        log.close()
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -32,7 +32,7 @@ def log_of(run: Path) -> str:
 def chaos(tmp_path_factory) -> Path:
     """Launch 1: rank 1 SIGKILLs itself at step 25 (the group restarts from step 20), then SIGTERM
     to the launcher (save, exit 75). Launch 2: rank 0 SIGSTOPs itself 15 to 25 steps after the stop step
-    (the supervisor's learned 2 s step timeout finds it, the group restarts), then it finishes.
+    (the supervisor finds it stopped within a second, the group restarts), then it finishes.
     Faults fire in a launch's first worker group only, hence the hang in the second launch."""
     run = tmp_path_factory.mktemp("report") / "run"
     proc = launch(run, *COMMON, extra=("--inject", "rank_killed:rank=1,step=25"))
@@ -83,7 +83,8 @@ def test_chaos_run_incidents_match_the_events(chaos):
             assert inc["detection_latency"] == pytest.approx(inc["detected_time"] - fault["time"], abs=2e-3)
             assert inc["detection_latency"] > 0
     hang = next(i for i in report["incidents"] if i["kind"] == "hang")
-    assert hang["detection_latency"] >= 1.5, hang  # the learned step timeout is at least 2 s (min_timeout)
+    # a stopped rank is hung once the launcher has seen it stopped for [supervisor] stopped_grace
+    assert 0.3 <= hang["detection_latency"] < 2.0, hang  # before the learned step timeout (≥ 2 s, min_timeout)
     assert hang["ranks"][0] == 0
     assert report["steps_lost"] == sum(i["steps_lost"] for i in report["incidents"])
 

@@ -202,6 +202,7 @@ def test_time_limit_saves_before_end_time_requeues_and_matches_clean_run(tmp_pat
             "slurm.end_time_refresh=1",
             "slurm.end_margin=50",
             "supervisor.learn=false",  # the held ranks stay within the 180 s step timeout
+            "supervisor.stopped_grace=0",  # and stopped (SIGSTOP) is not taken for a hang here
             f"faults.inject={hold}",
         ),
     )

@@ -18,6 +18,7 @@ from trainguard.supervisor import stacks
 STEPS = 150  # as test_launcher.py: the clean_hash fixture's run is shared
 INTERVAL = "checkpoint.interval=10"  # the clean_hash fixture's interval
 MIN_TIMEOUT = 2.0  # [supervisor] min_timeout default
+STOPPED_GRACE = 0.3  # [supervisor] stopped_grace default
 
 
 def log_of(run: Path) -> str:
@@ -54,13 +55,17 @@ def check_hang(run: Path, rank: int, section: str = "step") -> dict:
     event = mine[0]
     d = event["details"]
     assert d["section"] == section, hangs
-    assert d["silent_seconds"] >= d["timeout"]  # detected when silent > timeout; the event rounds to 1 ms
     # detected once the section has lasted its timeout: not before (the fault came a little after the
-    # section began), and at most 1 s after (polls every 0.1 s). ``detected_at`` is the poll's time;
-    # the events themselves follow the stack dumps.
+    # section began), and at most 1 s after (polls every 0.1 s); a stopped rank (SIGSTOP) once the
+    # launcher has seen it stopped for stopped_grace. ``detected_at`` is the poll's time; the events
+    # themselves follow the stack dumps.
     first = hangs[0]["details"]["detected_at"]
     delay = first - fault["time"]
-    assert d["timeout"] - 0.5 <= delay <= d["timeout"] + 1.0, (delay, d, hangs)
+    if d["stopped_seconds"] is None:
+        assert d["silent_seconds"] >= d["timeout"]  # detected when silent > timeout; the event rounds to 1 ms
+        assert d["timeout"] - 0.5 <= delay <= d["timeout"] + 1.0, (delay, d, hangs)
+    else:
+        assert STOPPED_GRACE <= delay <= 2 * STOPPED_GRACE + 1.0, (delay, d, hangs)
     assert d["detected_at"] - first <= 1.5, hangs
     assert d["stacks"], d
     for h in hangs:  # the hung ranks' Python stacks, in the run dir
@@ -99,8 +104,10 @@ def test_sigstopped_rank_is_detected_dumped_restarted_and_run_matches_clean(tmp_
     )
     d = check_hang(run, rank=1)
     # 59 steps × 2 ranks observed: the step timeout is learned, max(min_timeout, 3 × p99, longest)
-    # (tiny steps: the 2 s floor), no longer the configured 3 s
+    # (tiny steps: the 2 s floor), no longer the configured 3 s; but a stopped rank is hung without
+    # waiting for it: once the launcher has seen it stopped for [supervisor] stopped_grace (0.3 s)
     assert d["learned"] is True and MIN_TIMEOUT <= d["timeout"] < 3, d
+    assert d["stopped_seconds"] >= STOPPED_GRACE and d["silent_seconds"] < d["timeout"], d
     assert only(run, "fault_injected")["step"] == 60
     check_recovered(run, code, clean)
     # the SIGCONT that lets the stopped rank dump its stacks also lets it run for a moment, so the
@@ -139,6 +146,7 @@ def test_hang_while_checkpointing_uses_the_checkpointing_timeout(tmp_path, clean
             "supervisor.checkpointing_timeout=4",
             "supervisor.step_timeout=30",
             "supervisor.learn=false",
+            "supervisor.stopped_grace=0",  # the timeout is the point: the stopped rank waits for it
             extra=("--inject", "rank_hung:rank=1,step=20,section=checkpointing"),
         )
     )
@@ -189,7 +197,8 @@ def test_timeouts_json_is_learned_floored_and_reused_by_the_next_launch(tmp_path
     second = tmp_path / "second"
     second.mkdir()
     shutil.copy(first / "timeouts.json", second / "timeouts.json")
-    code = finish(launch(second, "train.max_steps=40", *floor, extra=("--inject", "rank_hung:rank=1,step=5")))
+    no_stop = "supervisor.stopped_grace=0"  # the learned timeout is the point: the stopped rank waits for it
+    code = finish(launch(second, "train.max_steps=40", *floor, no_stop, extra=("--inject", "rank_hung:rank=1,step=5")))
     d = check_hang(second, rank=1)
     assert d["learned"] is True, d
     assert d["timeout"] == pytest.approx(step["timeout"], rel=0.2), (d, step)

@@ -293,6 +293,11 @@ class SupervisorSection(Section):
         ge=0,
         description="seconds to wait at most for a hung rank's stack dump (it usually ends in milliseconds: its main thread's outermost frame marks the end)",
     )
+    stopped_grace: float = Field(
+        0.3,
+        ge=0,
+        description="a silent rank whose process the launcher has seen stopped (state T: SIGSTOP) this long is hung at once, without waiting for its timeout (see trainguard.supervisor.evidence); 0 turns it off",
+    )
     busy_evidence: bool = Field(
         True,
         description="a rank silent past its timeout whose main thread keeps using CPU is slow, not hung: report it (slow_section) and let it and the ranks waiting for it go on (see trainguard.supervisor.evidence)",

@@ -24,6 +24,15 @@ Limit (documented in docs/supervisor.md): a host thread that *spins* while it wa
 default synchronization does when there are fewer CUDA contexts than cores, looks busy. A rank
 hung behind a stuck NCCL collective is then only called hung after ``[supervisor] busy_timeout``
 (NCCL's own watchdog, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, usually ends it first).
+
+The opposite evidence is certain, and needs no timeout: a rank whose process is *stopped* (state
+``T`` in ``/proc/PID/stat``: SIGSTOP, SIGTSTP) cannot run until someone sends it SIGCONT.
+:class:`StopWatch` times how long the monitor itself has seen each process stopped; the monitor
+calls a silent rank hung once that reaches ``[supervisor] stopped_grace`` (0.3 s), however long its
+section's timeout. The time is the monitor's own observation, not the rank's silence, so a whole
+job suspended and resumed together (``scontrol suspend``, Ctrl-Z: the launcher stops too) is not
+mistaken for a hang: after the SIGCONT the ranks run again within milliseconds. A process stopped
+by a debugger (``t``, tracing stop) is not counted: someone is looking at it.
 """
 
 from __future__ import annotations
@@ -75,6 +84,40 @@ def main_thread_sched(pid: int) -> Optional[tuple[float, float]]:
         return int(running) / 1e9, int(waiting) / 1e9
     except (OSError, ValueError):
         return None
+
+
+def process_state(pid: int) -> Optional[str]:
+    """The one-letter state of process ``pid`` (``/proc/PID/stat``, see proc(5): ``R`` running,
+    ``S`` sleeping, ``D`` uninterruptible, ``T`` stopped, ``t`` tracing stop, ``Z`` zombie);
+    ``None`` when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    try:
+        return chr(text[text.rindex(b")") + 2])  # after "pid (comm) ": comm may hold ")"
+    except (ValueError, IndexError):
+        return None
+
+
+class StopWatch:
+    """How long the monitor has seen each process stopped (state ``T``) without a break.
+
+    :meth:`seconds` is called on each poll for the silent ranks; a process seen running in between
+    starts from zero again.
+    """
+
+    def __init__(self) -> None:
+        self._since: dict[int, float] = {}  # pid -> monotonic time it was first seen stopped
+
+    def seconds(self, pid: Optional[int], now: float) -> float:
+        """Seconds ``pid`` has been seen stopped up to monotonic time ``now`` (0.0 when it is not
+        stopped now, or cannot be read)."""
+        if pid is None or process_state(pid) != "T":
+            self._since.pop(pid, None)
+            return 0.0
+        return now - self._since.setdefault(pid, now)
 
 
 class CpuMeter:

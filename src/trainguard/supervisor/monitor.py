@@ -3,7 +3,9 @@
 Every poll (``[launcher] monitor_interval``, 0.1 s) the monitor reads each local rank's heartbeat
 record (a memory read, no system call) and compares how long the rank has been in its current
 section (or out of any section, or, before its first heartbeat, since the group started) with the
-timeout in force for it (:class:`~trainguard.supervisor.timeouts.TimeoutBook`). A rank over its
+timeout in force for it (:class:`~trainguard.supervisor.timeouts.TimeoutBook`). A silent rank whose
+process the monitor has seen stopped (state ``T``: SIGSTOP) for ``[supervisor] stopped_grace``
+(0.3 s) is hung at once, without waiting for that timeout (:class:`.evidence.StopWatch`). A rank over its
 timeout whose main thread keeps computing is *busy*, not hung (:mod:`.evidence`): a
 ``slow_section`` event and one console line, and neither it nor the ranks waiting for it are
 touched; unless it is stuck in place: its main thread's stack, dumped once per timeout, stayed the
@@ -40,7 +42,7 @@ from .. import console
 from ..checkpoint.store import CheckpointStore
 from ..config import Config
 from ..events import EventLog
-from .evidence import CpuMeter
+from .evidence import CpuMeter, StopWatch
 from .heartbeat import OUT_OF_SECTION, HeartbeatReader, RankState, heartbeat_path
 from .peers import BusyPeers
 from .stacks import dump_stacks, main_stack, stack_path
@@ -69,6 +71,7 @@ class HangHit(NamedTuple):
     silent: float  # seconds it has been in that section (or out of any, or since the group started)
     limit: float  # the timeout in force for that section, seconds
     step: Optional[int]  # the last step it reported; None before its first heartbeat
+    stopped: float = 0.0  # seconds the monitor has seen its process stopped (state T), when that made it hung
 
 
 def stuck_first(hung: list[HangHit], pids: dict[int, int]) -> list[HangHit]:
@@ -126,6 +129,7 @@ class HangMonitor:
         self._replaced_at: dict[int, float] = {}  # local rank -> when a replacement was started
         self._withdrawn: set[int] = set()  # local ranks the group went on without (a shrink)
         self.cpu = CpuMeter()
+        self.stopped = StopWatch()
         self._slow: dict[int, float] = {}  # local rank -> start of the silence last reported as slow_section
         self._spin: dict[int, Spin] = {}  # local rank -> its busy silence's stack dumps (see _stuck)
         self._save_failed = False  # the last write of timeouts.json failed (warned once)
@@ -154,7 +158,7 @@ class HangMonitor:
         self._started = time.monotonic()
         self._frozen = False
         self._replaced_at, self._withdrawn = {}, set()
-        self.cpu, self._slow, self._spin = CpuMeter(), {}, {}
+        self.cpu, self.stopped, self._slow, self._spin = CpuMeter(), StopWatch(), {}, {}
         self._killed, self.unkillable = {}, []
 
     def rank_replaced(self, local_rank: int) -> None:
@@ -243,14 +247,16 @@ class HangMonitor:
         for pid in pids.values():
             self.cpu.sample(pid, now)
         watched = [w for w in agent.workers() if w.local_rank not in self._withdrawn]
-        hung = [hit for worker in watched if (hit := self._check(worker, now)) is not None]
+        hung = [hit for w in watched if (hit := self._check(w, pids.get(w.local_rank), now)) is not None]
         # A rank over its timeout while a local peer that is not ahead of it is still within its own
-        # timeout is waiting for that peer (rank-local work such as an evaluation): not hung.
+        # timeout is waiting for that peer (rank-local work such as an evaluation): not hung. A
+        # stopped rank waits for no one.
         over = {h.worker.local_rank for h in hung}
         hung = [
             h
             for h in hung
             if h.step is None
+            or h.stopped
             or not any(
                 q != h.worker.local_rank and q not in over and st.step <= h.step for q, st in self._last_states.items()
             )
@@ -277,7 +283,8 @@ class HangMonitor:
         busy = [
             h
             for h in hung
-            if h.silent < self.cfg.busy_timeout
+            if not h.stopped
+            and h.silent < self.cfg.busy_timeout
             and self.cpu.busy(pids.get(h.worker.local_rank))
             and not self._stuck(h, pids.get(h.worker.local_rank), now)
         ]
@@ -292,7 +299,8 @@ class HangMonitor:
         self._frozen = True
         detected_at = time.time()  # the events come after the stack dumps: they carry this poll's time
         for h in hung:
-            self.book.interrupted(h.section, h.silent)  # a restart gets twice as long there (timeouts)
+            if not h.stopped:  # a stopped rank says nothing about the section's length
+                self.book.interrupted(h.section, h.silent)  # a restart gets twice as long there (timeouts)
             pid, stuck = pids.get(h.worker.local_rank), self._stuck_since(h, now)
             stacks = self.dump_stacks(h.worker.local_rank, h.worker.global_rank, pid)
             if pid is not None:  # unresponsive by definition: SIGTERM cannot reach a stuck main thread
@@ -307,17 +315,19 @@ class HangMonitor:
                 **_hit_details(h, stacks),
                 learned=self.book.learned(h.section) is not None,
                 stuck_in_place=stuck,
+                stopped_seconds=h.stopped or None,
                 detected_at=round(detected_at, 3),
             )
             console.say(
                 f"hang: rank {h.worker.global_rank} silent {h.silent:.1f} s in '{h.section}' at step {h.step} "
-                f"(timeout {h.limit:.1f} s)"
+                + (f"(stopped, state T, for {h.stopped:.1f} s)" if h.stopped else f"(timeout {h.limit:.1f} s)")
                 + (f", busy but its stack unchanged for {stuck:.1f} s: stuck in place" if stuck else "")
                 + "; killed"
                 + (f"; stacks in {stacks}" if stacks else "")
             )
         return "; ".join(
-            f"hang: rank {h.worker.global_rank} silent {h.silent:.1f} s in '{h.section}' (timeout {h.limit:.1f} s)"
+            f"hang: rank {h.worker.global_rank} silent {h.silent:.1f} s in '{h.section}' "
+            + (f"(stopped for {h.stopped:.1f} s)" if h.stopped else f"(timeout {h.limit:.1f} s)")
             for h in hung
         ) + (
             " (work that takes longer than a step, such as an evaluation, belongs in "
@@ -426,7 +436,9 @@ class HangMonitor:
                 + (f"; stacks in {stacks}" if stacks else "")
             )
 
-    def _check(self, worker: Any, now: float) -> Optional[HangHit]:
+    def _check(self, worker: Any, pid: Optional[int], now: float) -> Optional[HangHit]:
+        """The rank of ``worker`` (process ``pid``) as a hit when it is over its timeout, or silent
+        and seen stopped for ``stopped_grace``; else ``None``."""
         local_rank = worker.local_rank
         reader = self._reader(local_rank)
         if reader is None:
@@ -441,7 +453,12 @@ class HangMonitor:
         section = state.section or OUT_OF_SECTION
         silent = now - (state.entered if state.section else state.last_closed)
         limit = self.book.timeout(section)
-        return HangHit(worker, section, silent, limit, state.step) if silent > limit else None
+        if silent > limit:
+            return HangHit(worker, section, silent, limit, state.step)
+        grace = self.cfg.stopped_grace
+        if grace and silent >= grace and (stopped := self.stopped.seconds(pid, now)) >= grace:
+            return HangHit(worker, section, silent, limit, state.step, round(stopped, 3))
+        return None
 
     def _reader(self, local_rank: int) -> Optional[HeartbeatReader]:
         reader = self._readers.get(local_rank)
