@@ -28,7 +28,8 @@ hung behind a stuck NCCL collective is then only called hung after ``[supervisor
 The opposite evidence is certain, and needs no timeout: a rank whose process is *stopped* (state
 ``T`` in ``/proc/PID/stat``: SIGSTOP, SIGTSTP) cannot run until someone sends it SIGCONT.
 :class:`StopWatch` times how long the monitor itself has seen each process stopped; the monitor
-calls a silent rank hung once that reaches ``[supervisor] stopped_grace`` (0.3 s), however long its
+reads the state of every rank silent for :data:`LOOK_AFTER` (0.1 s) on each poll and calls it hung
+once it has been seen stopped for ``[supervisor] stopped_grace`` (0.3 s), however long its
 section's timeout. The time is the monitor's own observation, not the rank's silence, so a whole
 job suspended and resumed together (``scontrol suspend``, Ctrl-Z: the launcher stops too) is not
 mistaken for a hang: after the SIGCONT the ranks run again within milliseconds. A process stopped
@@ -44,6 +45,7 @@ from typing import Optional
 WINDOW = 1.0  # seconds of history a verdict looks at
 BUSY_SHARE = 0.25  # share of the time the main thread must be running or runnable over WINDOW to count as busy
 SAMPLE_EVERY = 0.2  # seconds between samples of one rank
+LOOK_AFTER = 0.1  # seconds of silence after which the monitor reads whether a rank's process is stopped
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 

@@ -42,7 +42,7 @@ from .. import console
 from ..checkpoint.store import CheckpointStore
 from ..config import Config
 from ..events import EventLog
-from .evidence import CpuMeter, StopWatch
+from .evidence import LOOK_AFTER, CpuMeter, StopWatch
 from .heartbeat import OUT_OF_SECTION, HeartbeatReader, RankState, heartbeat_path
 from .peers import BusyPeers
 from .stacks import dump_stacks, main_stack, stack_path
@@ -455,8 +455,8 @@ class HangMonitor:
         limit = self.book.timeout(section)
         if silent > limit:
             return HangHit(worker, section, silent, limit, state.step)
-        grace = self.cfg.stopped_grace
-        if grace and silent >= grace and (stopped := self.stopped.seconds(pid, now)) >= grace:
+        grace = self.cfg.stopped_grace  # (a rank heard from within the last poll is running: not read)
+        if grace and silent >= LOOK_AFTER and (stopped := self.stopped.seconds(pid, now)) >= grace:
             return HangHit(worker, section, silent, limit, state.step, round(stopped, 3))
         return None
 
