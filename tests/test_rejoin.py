@@ -250,8 +250,10 @@ KILLS = {
     # inside the save of step 70, no spare (cold replacement): the save breaks before its commit
     "checkpointing": ("checkpointing", 70, 0, (), ("checkpointing",)),
     # in should_step of step 81, right after the asynchronous save of step 80 was handed to its
-    # writer thread (that save commits or fails whole; the next one commits)
-    "should_step, async save": ("should_step", 80, 1, ("checkpoint.async_save=true",), ("should_step",)),
+    # writer thread (that save commits or fails whole; the next one commits). should_step runs no
+    # collective (the detectors' values rode in run_step's gradient buckets: instability.fold), so
+    # rank 0 completes step 81 and notices in the gradient buckets of step 82
+    "should_step, async save": ("should_step", 80, 1, ("checkpoint.async_save=true",), ("run_step",)),
     # in the stop check after step 64 (a check at every step): the step is complete, nothing is redone
     "stop_check": ("stop_check", 64, 1, ("stop.check_interval=1",), ("stop_check",)),
 }
@@ -284,13 +286,16 @@ def test_sigkilled_rank_is_replaced_in_process_and_run_matches_clean(tmp_path, c
     assert [e["details"]["warm"] for e in started] == [[1] if spares else []]
     seen = [e["details"]["during"] for e in events(run, "recovery_started") if e["rank"] == 0]
     assert len(seen) == 1 and seen[0] in noticed, seen
+    # killed in should_step, rank 1 leaves rank 0 to complete that step alone (should_step runs no
+    # collective): the replacement joins after it
+    at = step + 1 if section == "should_step" else step
     replaced = events(run, "rank_replaced")
-    assert [(e["rank"], e["details"]["generation"], e["step"]) for e in replaced] == [(1, 1, step)]
+    assert [(e["rank"], e["details"]["generation"], e["step"]) for e in replaced] == [(1, 1, at)]
     done = events(run, "recovery_finished")
     assert len(done) == 1 and done[0]["details"]["steps_lost"] == 0
     # an interrupted step (noticed in run_step or should_step) is done again; after a complete
     # step (the stop check, a save) nothing is
-    redo = step + 1 if seen[0] in ("run_step", "should_step") else None
+    redo = at + 1 if seen[0] in ("run_step", "should_step") else None
     assert done[0]["details"]["redo_step"] == redo
     committed = [e["step"] for e in events(run, "checkpoint_committed")]
     if section == "checkpointing":  # the save broke before its commit: step 70 never committed

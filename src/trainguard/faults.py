@@ -9,10 +9,15 @@ Kinds (see :class:`~trainguard.config.FaultSpec`):
 * ``rank_hung`` with ``hang = "spin"``: the rank's main thread spins in place (busy, its stack
   unchanged: a loop that never ends);
 * ``random``: one of the two above, at a rank and step drawn from ``seed`` (reproducible);
-* numeric faults, applied by ``guard.should_step()`` to one rank's values in step number
-  ``step`` (and the ``repeat - 1`` after it): ``nan_loss`` (loss and gradients NaN),
-  ``loss_spike`` (loss × ``factor``), ``grad_explosion`` (gradients and their norm × ``factor``).
-  Each step fires once; ``persistent`` makes it fire again when a rollback re-runs the step.
+* numeric faults, applied to one rank's values in step number ``step`` (and the ``repeat - 1``
+  after it): ``nan_loss`` (loss and gradients NaN), ``loss_spike`` (loss × ``factor``),
+  ``grad_explosion`` (gradients and their norm × ``factor``). Each step fires once; ``persistent``
+  makes it fire again when a rollback re-runs the step. Where they are applied: with a DDP model
+  whose detectors ride in its gradient all-reduce (:mod:`trainguard.instability.fold`), at the
+  ``backward()`` call, before the all-reduce, where real NaNs and spikes arise
+  (:meth:`FaultInjector.at_backward`: the backward runs with ``gradient = factor``, so every rank
+  gets the reduced gradients, as from a real fault on one rank); otherwise in
+  ``guard.should_step()``, on this rank's values after the backward.
 * ``sdc``: one bit flips in place (:func:`trainguard.sdc.replicas.flip_bit`), once (or each time the step
   is done again, with ``persistent``): with ``target = "param"`` in the rank's first parameter at
   the end of step ``step`` (after the optimizer step: a silent corruption of that replica); with
@@ -152,6 +157,8 @@ class FaultInjector:
         self.activation_pending: list[FaultSpec] = []  # sdc, target activation
         self._hook: Any = None  # the forward hook of activation faults
         self._fired: set[tuple[str, int, int]] = set()  # (kind, spec index, step) of step-bound faults already fired
+        self._at_backward: Optional[int] = None  # the step whose numeric faults were applied at the backward
+        self._step_loss_factor = 1.0  # the loss factor of that step so far (over its backward calls)
 
     def arm(self, max_steps: int) -> None:
         """Resolve random draws (they need ``max_steps``) and start the timers of time-based faults."""
@@ -191,13 +198,60 @@ class FaultInjector:
             if s.step == step and s.section == section:
                 self.fire(s, step)
 
-    def numeric(self, step: int, loss: Any, grad_norm: Any, model: torch.nn.Module) -> tuple[Any, Any]:
-        """Called by ``should_step()`` in step number ``step``: corrupt this rank's loss, gradients
-        and gradient norm as the numeric faults due now say; returns the (loss, grad_norm) to check."""
+    def _due(self, step: int, kinds: Any) -> list[tuple[int, FaultSpec]]:
+        """The numeric faults of ``kinds`` due in step number ``step`` that have not fired in it
+        (marked fired now)."""
+        due = []
         for i, s in enumerate(self.numeric_pending):
-            if not (s.step <= step < s.step + s.repeat) or (not s.persistent and ("numeric", i, step) in self._fired):
+            if s.kind not in kinds or not (s.step <= step < s.step + s.repeat):
+                continue
+            if not s.persistent and ("numeric", i, step) in self._fired:
                 continue
             self._fired.add(("numeric", i, step))
+            due.append((i, s))
+        return due
+
+    def at_backward(self, step: int) -> tuple[float, float]:
+        """Called when ``backward()`` starts in step number ``step`` with a DDP model whose
+        detectors ride in its gradient all-reduce: ``(loss factor, gradient factor)`` of the
+        ``nan_loss``, ``loss_spike`` and ``grad_explosion`` faults due now (``(1.0, 1.0)``: none;
+        NaN for ``nan_loss``), their ``fault_injected`` events written. The loss factor is the
+        step's so far: a later backward of the same step (gradient accumulation) reports it too.
+        The caller runs the backward with ``gradient = gradient factor`` and carries the loss ×
+        loss factor in DDP's bucket; :meth:`numeric` then multiplies the loss itself (in place)
+        and leaves those faults out of the step."""
+        if self._at_backward != step:
+            self._at_backward, self._step_loss_factor = step, 1.0
+        loss_f = grad_f = 1.0
+        for _, s in self._due(step, NUMERIC):
+            self.events.emit("fault_injected", step, fault=s.kind, rank=self.rank, factor=s.factor, injected=True)
+            if s.kind == "nan_loss":
+                loss_f = grad_f = math.nan
+            elif s.kind == "loss_spike":
+                loss_f *= s.factor
+            else:
+                grad_f *= s.factor
+        self._step_loss_factor *= loss_f
+        return self._step_loss_factor, grad_f
+
+    def due_at(self, step: int, section: str) -> bool:
+        """Whether a fault fires at ``section`` once ``step`` steps are complete (see :meth:`at`)."""
+        return any(s.step == step and s.section == section for s in self.pending)
+
+    def numeric(self, step: int, loss: Any, grad_norm: Any, model: torch.nn.Module) -> tuple[Any, Any]:
+        """Called by ``should_step()`` in step number ``step``: corrupt this rank's loss, gradients
+        and gradient norm as the numeric faults due now say (of those :meth:`at_backward` applied
+        in this step, only the loss is left: multiplied in place, so that it stays the tensor the
+        backward ran on); returns the (loss, grad_norm) to check."""
+        applied, self._at_backward = self._at_backward, None
+        if applied == step and self._step_loss_factor != 1.0:  # the loss as the backward's faults made it
+            if torch.is_tensor(loss):
+                with torch.no_grad():
+                    loss.mul_(self._step_loss_factor)  # in place: still the tensor backward() ran on
+            else:
+                loss = loss * self._step_loss_factor
+        kinds = {"sdc"} if applied == step else {"sdc", *NUMERIC}
+        for _, s in self._due(step, kinds):
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             if s.kind == "sdc":  # target grad: a flipped bit, no other sign of it
                 self.events.emit("fault_injected", step, fault="sdc", rank=self.rank, target="grad", injected=True)

@@ -286,7 +286,14 @@ class Guard:
             self.run_dir,
         )
         self.micro = MicroBatcher(
-            cfg.oom, self.model, self.events, self.faults, self.straggler, self.rank, self.world_size
+            cfg.oom,
+            self.model,
+            self.events,
+            self.faults,
+            self.straggler,
+            self.rank,
+            self.world_size,
+            self.recovery.fold,
         )
         self.fidelity, self.draws = ResumeFidelity(self.world_size), DrawWatch()
         self.elastic = ElasticState(self.world_size)
@@ -331,6 +338,9 @@ class Guard:
             self._on_ping_failure,
             lambda: self.elastic.base_world_size,
         )
+        if self.world_size > 1:  # the detectors' values ride in DDP's first gradient bucket (instability.fold)
+            if self.inprocess.hook_ddp(lambda: self.step + 1, self.recovery.fold, self._inject_at_backward):
+                self.recovery.fold.stop_source = self._stop_flags_to_fold
         if self.rejoin.active:
             self.inprocess.catch_collectives(lambda: self.step + 1)
             check_shrinkable(cfg.elastic.min_ranks, self.world_size, self.sampler, self.ckpt.local is not None)
@@ -339,6 +349,28 @@ class Guard:
                 f"rollback.skip_batches={cfg.rollback.skip_batches} needs a sampler with a skip_batches(n) "
                 f"method; {type(self.sampler).__name__} has none (use trainguard.ResumableSampler, or 0)"
             )
+
+    def _stop_flags_to_fold(self, step: int) -> Optional[list[int]]:
+        """This rank's stop flags for the check at the end of step number ``step``, to ride in its
+        first DDP bucket (:mod:`~trainguard.instability.fold`), or ``None`` where the check is not
+        due then, or needs its own all-reduce: the straggler report's timings, a fault injected in
+        the stop check. (Called from the DDP hook, in the backward.)"""
+        if step < self._next_check or self.straggler.due(step) or self.faults.due_at(step, "stop_check"):
+            return None
+        return self._local_stop_flags(step).pack()
+
+    def _local_stop_flags(self, step: int) -> StopFlags:
+        """This rank's stop flags at step ``step`` (with rank 0's pending growth)."""
+        ahead = self.stop.next_interval(self._step_seconds)
+        mine = self.stop.local_flags(self._step_seconds, self.ckpt.estimated_save_seconds(), ahead, step)
+        if self.rank == 0 and self.cfg.elastic.min_ranks:  # a spare (regrow) or a node may join in place
+            mine = dataclasses.replace(mine, grow=self.rejoin.growth_pending())
+        return mine
+
+    def _inject_at_backward(self) -> tuple[float, float]:
+        """(loss factor, gradient factor) of the numeric faults due at this backward (see
+        :meth:`~trainguard.faults.FaultInjector.at_backward`; armed by :meth:`steps`)."""
+        return self.faults.at_backward(self.step + 1) if self.faults.numeric_pending else (1.0, 1.0)
 
     def section(self, name: str) -> contextlib.AbstractContextManager[None]:
         """``with guard.section("eval"): ...``: a named section the hang supervisor times (and learns)."""
@@ -645,22 +677,22 @@ class Guard:
 
     def _check(self) -> Optional[StopFlags]:
         """The stop check: one all-reduce (max) of every rank's stop flags, its proposed next check
-        step and, on report checks, its straggler timings; returns the agreed flags (``None``: a
-        peer was lost and replaced in-process instead)."""
+        step and, on report checks, its straggler timings, unless the flags rode in the step's
+        first DDP bucket (:meth:`_stop_flags_to_fold`); returns the agreed flags (``None``: a peer
+        was lost and replaced in-process instead)."""
         if self.faults.pending:
             self.faults.at(self.step, "stop_check")
         report = self.straggler.due(self.step)
-        ahead = self.stop.next_interval(self._step_seconds)
-        mine = self.stop.local_flags(self._step_seconds, self.ckpt.estimated_save_seconds(), ahead, self.step)
-        if self.rank == 0 and self.cfg.elastic.min_ranks:  # a spare (regrow) or a node may join in place
-            mine = dataclasses.replace(mine, grow=self.rejoin.growth_pending())
-        try:
-            agreed = tgdist.all_reduce_max(mine.pack() + (self.straggler.pack() if report else []))
-        except Exception as e:
-            if not self.rejoin.caught(e, "stop_check", self.step):
-                raise
-            self._recover_after_update()  # the step is complete: check again at the next one
-            return None
+        agreed = self.recovery.fold.stop_flags(self.step)  # carried in DDP's first bucket, if every rank's was
+        if agreed is None:
+            mine = self._local_stop_flags(self.step).pack()
+            try:
+                agreed = tgdist.all_reduce_max(mine + (self.straggler.pack() if report else []))
+            except Exception as e:
+                if not self.rejoin.caught(e, "stop_check", self.step):
+                    raise
+                self._recover_after_update()  # the step is complete: check again at the next one
+                return None
         flags = StopFlags.unpack(agreed)
         self._next_check = self.step + flags.next_interval
         slow = self.straggler.unpack(self.step, agreed[StopFlags.size() :]) if report else []

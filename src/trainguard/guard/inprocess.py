@@ -23,6 +23,7 @@ from .. import console, health
 from .. import dist as tgdist
 from ..config import Config
 from ..events import EventLog
+from ..instability.fold import LossFold
 from ..rejoin import boundary as rejoin_boundary
 from ..rejoin import regroup, sever
 from ..rejoin.catch import CATCH, DDPHook
@@ -136,15 +137,36 @@ class InProcess:
     def catch_collectives(self, step_in_progress: Callable[[], int]) -> None:
         """Catch a lost peer in the collectives the script runs itself (see
         :mod:`~trainguard.rejoin.catch`): DDP's gradient all-reduce through trainguard's
-        communication hook, the script's ``torch.distributed`` calls. A replacement catches from
-        the moment it joined (:meth:`arm_catch`). ``step_in_progress()``: the number of the step
-        being run (``guard.step + 1``)."""
-        if isinstance(self.model, DDP):
-            params, _ = self.model._build_params_for_reducer()
-            self.ddp_hook = DDPHook(CATCH, params, lambda: self._keep_before_last_bucket(step_in_progress()))
-            self.model.register_comm_hook(None, self.ddp_hook.hook)
+        communication hook (:meth:`hook_ddp`, called first), the script's ``torch.distributed``
+        calls. A replacement catches from the moment it joined (:meth:`arm_catch`).
+        ``step_in_progress()``: the number of the step being run (``guard.step + 1``)."""
         if not self.rejoin.joining:
             self.arm_catch(step_in_progress)
+
+    def hook_ddp(
+        self,
+        step_in_progress: Callable[[], int],
+        fold: LossFold,
+        inject: Optional[Callable[[], tuple[float, float]]] = None,
+    ) -> bool:
+        """Give a DDP model trainguard's communication hook (:class:`~trainguard.rejoin.catch.DDPHook`):
+        it carries ``fold``'s values in the first bucket (:mod:`~trainguard.instability.fold`;
+        ``inject``: the fault injector's numeric faults at the backward), keeps the step boundary
+        before the last bucket, and catches a lost peer once :meth:`arm_catch` ran. ``False``
+        (nothing done): not a DDP model, or one with a communication hook of the script's own."""
+        if not isinstance(self.model, DDP) or regroup.script_comm_hook(self.model):
+            return False
+        params, _ = self.model._build_params_for_reducer()
+        self.ddp_hook = DDPHook(
+            CATCH,
+            params,
+            lambda: self._keep_before_last_bucket(step_in_progress()),
+            lambda buf: fold.extra(step_in_progress(), buf),
+            lambda values: fold.reduced(step_in_progress(), values),
+        )
+        self.model.register_comm_hook(None, self.ddp_hook.hook)
+        fold.wire(inject)
+        return True
 
     def arm_catch(self, step_in_progress: Callable[[], int]) -> None:
         """Catch a lost peer in the script's ``torch.distributed`` calls from now on."""

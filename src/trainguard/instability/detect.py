@@ -1,14 +1,16 @@
 """Instability detectors: non-finite loss and gradients, loss and gradient-norm spikes.
 
-Per step, every rank packs what it saw into one 6-element vector on the loss's device, without
-a host synchronization::
+Per step, every rank writes its loss and gradient norm into its own slots of a ``2 × world size``
+vector on the loss's device, zeros elsewhere, without a host synchronization::
 
-    [loss or 0, grad_norm or 0, loss non-finite, grad non-finite, (rank+1)·loss non-finite, (rank+1)·grad non-finite]
+    [loss of rank 0, ..., loss of rank n-1, grad norm of rank 0, ..., grad norm of rank n-1]
 
-One ``all_reduce(SUM)`` combines the ranks (the only collective) and one ``.tolist()`` brings the
-result to the host (the only device→host synchronization). From the sums every rank derives the
-same verdict: which detectors fired, the mean loss and gradient norm over ranks, and, when exactly
-one rank was non-finite, which one.
+One ``all_reduce(SUM)`` gathers them (``x + 0 = x``: every rank's values exactly, NaN included,
+whatever order the sum takes) and one ``.tolist()`` brings the result to the host (the only
+device→host synchronization). From them every rank derives the same verdict: which detectors
+fired, the mean loss and gradient norm over the ranks with finite ones, and, when exactly one rank
+was non-finite, which one. With a DDP model the losses ride in its first gradient bucket instead
+and the gradient norm is taken on each rank (:mod:`.fold`): no collective of the detectors' own.
 
 Spike rules (:class:`~trainguard.sections.InstabilitySection` documents them and their defaults):
 loss ``> mean + factor × max(std, 0.01 × |mean|)``, gradient norm ``> factor × mean``, both over
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..sections import InstabilitySection
+from .fold import LossFold
 
 DETECTORS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_spike")
 STD_FLOOR = 0.01  # fraction of |mean| below which the standard deviation is not trusted
@@ -137,9 +140,11 @@ class Detector:
         :mod:`trainguard.rejoin.shrink`)."""
         self.rank, self.world_size = rank, world_size
 
-    def observe(self, step: int, loss: Any, grad_norm: Any) -> Verdict:
+    def observe(self, step: int, loss: Any, grad_norm: Any, fold: Optional[LossFold] = None) -> Verdict:
         """Combine this rank's ``loss`` and ``grad_norm`` (tensors, DTensors or floats; ``grad_norm``
-        may be ``None``) with the other ranks' and return the verdict. A collective: call on every rank."""
+        may be ``None``) with the other ranks' and return the verdict. A collective, unless ``fold``
+        (a DDP model's: :mod:`.fold`) carried the losses in the step's first gradient bucket: call
+        on every rank."""
         loss_t = loss.detach().reshape(()).float() if torch.is_tensor(loss) else torch.tensor(float(loss))
         has_grad = grad_norm is not None
         if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP2's clip_grad_norm_): its value, as a plain tensor
@@ -148,38 +153,33 @@ class Detector:
             grad_t = grad_norm.detach().reshape(()).float().to(loss_t.device)
         else:
             grad_t = torch.tensor(float(grad_norm) if has_grad else 0.0, device=loss_t.device)
-        vals = torch.stack([loss_t, grad_t])
-        bad = vals.isfinite().logical_not_().float()
-        packed = torch.cat([vals.nan_to_num(0.0, 0.0, 0.0), bad, bad * (self.rank + 1)])
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(packed)
-        loss_sum, grad_sum, n_bad_loss, n_bad_grad, id_loss, id_grad = packed.tolist()  # the one host sync
-        return self._verdict(
-            step,
-            loss_sum,
-            grad_sum if has_grad else math.nan,
-            int(n_bad_loss),
-            int(n_bad_grad) if has_grad else 0,
-            id_loss,
-            id_grad,
-        )
+        n = self.world_size
+        folded = fold.take(step, loss) if fold is not None and n > 1 else None
+        if folded is not None:  # the one host sync; DDP's gradients, so their norm, are alike on every rank
+            *values, grad = torch.cat([folded.to(grad_t.device), grad_t.reshape(1)]).tolist()
+            if fold.usable(values):
+                return self._verdict(step, values[:n], [grad] * n if has_grad else None)
+        if n > 1 and dist.is_available() and dist.is_initialized():
+            packed = torch.zeros(2 * n, device=loss_t.device)  # rank r's loss and gradient norm in slots r, n + r
+            packed[self.rank] = loss_t
+            packed[n + self.rank] = grad_t
+            dist.all_reduce(packed)  # x + 0 = x: every rank's values exactly, whatever the order of the sum
+            values = packed.tolist()  # the one host sync
+        else:
+            values = torch.stack([loss_t, grad_t]).tolist()
+            n = 1
+        return self._verdict(step, values[:n], values[n:] if has_grad else None)
 
-    def _verdict(
-        self,
-        step: int,
-        loss_sum: float,
-        grad_sum: float,
-        n_bad_loss: int,
-        n_bad_grad: int,
-        id_loss: float,
-        id_grad: float,
-    ) -> Verdict:
+    def _verdict(self, step: int, losses: list[float], grads: Optional[list[float]]) -> Verdict:
+        """The verdict from every rank's loss and gradient norm (``grads``: ``None`` when not given)."""
         cfg, fired = self.cfg, []
-        loss = loss_sum / (self.world_size - n_bad_loss) if n_bad_loss < self.world_size else math.nan
-        grad = grad_sum / (self.world_size - n_bad_grad) if n_bad_grad < self.world_size else math.nan
-        if n_bad_loss:
+        bad_loss = [r for r, v in enumerate(losses) if not math.isfinite(v)]
+        bad_grad = [r for r, v in enumerate(grads) if not math.isfinite(v)] if grads is not None else []
+        loss = _mean([v for v in losses if math.isfinite(v)])
+        grad = _mean([v for v in grads if math.isfinite(v)]) if grads is not None else math.nan
+        if bad_loss:
             fired.append("nonfinite_loss")
-        if n_bad_grad:
+        if bad_grad:
             fired.append("nonfinite_grad")
         ready = len(self.loss_stats) >= cfg.min_history
         thresholds = {
@@ -188,14 +188,11 @@ class Detector:
             if ready and len(self.grad_stats)
             else math.nan,
         }
-        if ready and not n_bad_loss and loss > thresholds["loss"]:
+        if ready and not bad_loss and loss > thresholds["loss"]:
             fired.append("loss_spike")
-        if ready and not n_bad_grad and grad > thresholds["grad_norm"]:
+        if ready and not bad_grad and grad > thresholds["grad_norm"]:
             fired.append("grad_spike")
-        n_bad = max(n_bad_loss, n_bad_grad)
-        ranks = None
-        if n_bad_loss == 1 or n_bad_grad == 1:
-            ranks = sorted({int(i) - 1 for i, n in ((id_loss, n_bad_loss), (id_grad, n_bad_grad)) if n == 1})
+        alone = sorted({bad[0] for bad in (bad_loss, bad_grad) if len(bad) == 1})
         mean_loss, std_loss = self.loss_stats.mean_std()
         return Verdict(
             step,
@@ -203,8 +200,8 @@ class Detector:
             loss,
             grad,
             thresholds,
-            n_bad,
-            ranks,
+            max(len(bad_loss), len(bad_grad)),
+            alone or None,
             {
                 "loss_mean": mean_loss,
                 "loss_std": std_loss,
@@ -227,3 +224,14 @@ class Detector:
     def load_state_dict(self, state: dict[str, list[float]]) -> None:
         self.loss_stats.load_state_dict(state.get("loss", []))
         self.grad_stats.load_state_dict(state.get("grad_norm", []))
+
+
+def _mean(values: list[float]) -> float:
+    """The mean of ``values`` (nan if none): the value itself when all are equal (DDP's gradient
+    norm, the same on every rank, is then the same whether folded or all-reduced), else their
+    exactly rounded sum over their count."""
+    if not values:
+        return math.nan
+    if all(v == values[0] for v in values):
+        return values[0]
+    return math.fsum(values) / len(values)

@@ -46,6 +46,7 @@ from ..events import EventLog
 from ..outcomes import GiveUp
 from ..sections import InstabilitySection, RollbackSection
 from .detect import Detector, Verdict, total_grad_norm
+from .fold import LossFold
 from .lr_ramp import LRRamp
 
 SEVERITY = {"warn": 0, "skip": 1, "rollback": 2, "raise": 3}
@@ -133,6 +134,8 @@ class Recovery:
         self.run_dir, self.rank, self.current_step, self.ask_hooks = run_dir, rank, current_step, ask_hooks
         self.world_size = world_size
         self.detector = Detector(cfg, rank, world_size)
+        self.fold = LossFold(rank, world_size)  # wired to trainguard's DDP hook where there is one (guard.inprocess)
+        self._said_unfolded = False
         # the refusal runs before the ramp's pre-hook: a refused step must not leave the rate scaled
         self._hook = optimizer.register_step_pre_hook(self._refuse_rejected_step) if optimizer is not None else None
         self.ramp = LRRamp(optimizer, current_step) if optimizer is not None else None
@@ -153,6 +156,7 @@ class Recovery:
         :mod:`trainguard.rejoin.shrink`)."""
         self.rank, self.world_size = rank, world_size
         self.detector.renumber(rank, world_size)
+        self.fold.renumber(rank, world_size)
 
     def check(self, step: int, loss: Any, grad_norm: Any = None) -> Union[bool, Rollback]:
         """Run the detectors on step number ``step`` and decide (a collective).
@@ -172,7 +176,14 @@ class Recovery:
         if grad_norm is None:
             grad_norm = total_grad_norm(self.model.parameters())
         self.rejected = False
-        return self.detector.observe(step, loss, grad_norm)
+        if not self.fold.wired and self.world_size > 1 and self.rank == 0 and not self._said_unfolded:
+            self._said_unfolded = True
+            console.say(
+                "should_step() all-reduces the detectors' values once a step: they ride in the gradient "
+                "all-reduce of a DDP model with trainguard's communication hook only (not FSDP, not a "
+                "plain module, not a DDP hook of the script's own)"
+            )
+        return self.detector.observe(step, loss, grad_norm, self.fold if self.fold.wired else None)
 
     def unstable(self, verdict: Verdict) -> bool:
         """Whether ``verdict`` is an instability that :meth:`decide` acts on (an enabled
@@ -454,7 +465,9 @@ class Recovery:
                 )
 
     def close(self) -> None:
-        """Remove the optimizer hooks (this one's and the ramp's). Safe to call twice."""
+        """Remove the optimizer hooks (this one's and the ramp's) and the fold's ``backward``
+        wrapper. Safe to call twice."""
+        self.fold.close()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

@@ -53,6 +53,8 @@ from .. import dist as tgdist
 from ..events import EventLog
 from ..faults import FaultInjector, provoke_oom
 from ..health.straggler import StragglerDetector
+from ..instability import fold as fold_notes
+from ..instability.fold import LossFold
 from ..outcomes import BadInput, GiveUp
 from ..sections import OOMSection
 from .sync import GradSync
@@ -139,9 +141,11 @@ class MicroBatcher:
         straggler: StragglerDetector,
         rank: int,
         world_size: int,
+        fold: Optional[LossFold] = None,
     ):
         self.cfg, self.model, self.events, self.faults, self.straggler = cfg, model, events, faults, straggler
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.fold = rank, world_size, fold
+        self._step = 0  # the step run() is in (the fold's values are that step's)
         self.ddp = isinstance(model, DistributedDataParallel)
         self.sync: Optional[GradSync] = None  # created by the first run_step (its buffers take the gradients' size)
         self.size: Optional[int] = self.cfg.micro_batch_size or None
@@ -189,9 +193,15 @@ class MicroBatcher:
             )
         if self.size is None:
             self.size = n
+        self._step = step
         if self.sync is None and self.ddp and self.world_size > 1:
+            fold = self.fold if self.fold is not None and self.fold.wired else None
             self.sync = GradSync(
-                list(self.model.parameters()), self.rank, self.world_size, int(self.cfg.bucket_mb * 2**20)
+                list(self.model.parameters()),
+                self.rank,
+                self.world_size,
+                int(self.cfg.bucket_mb * 2**20),
+                (fold.size, lambda buf: fold.extra(self._step, buf)) if fold is not None else None,
             )
         self._maybe_grow(step, n)
         while True:
@@ -201,6 +211,8 @@ class MicroBatcher:
             if not any(codes):
                 break
             self._split(step, codes, n, size, self._free())
+        if self.sync is not None and self.sync.extra_values is not None and self.fold is not None:
+            self.fold.reduced(step, self.sync.extra_values)  # the detectors' and stop check's values
         self.clean += 1
         if self.grown and self.clean >= self.wait:
             self.grown = False  # the grow held
@@ -252,10 +264,14 @@ class MicroBatcher:
                 self._phase = "forward"
                 loss = step_fn(slice_batch(batch, start, stop)) * ((stop - start) / n)
                 self._phase = "backward"
+                total = loss.detach() if total is None else total + loss.detach()
                 if self.sync is not None and stop == n:
                     self.sync.arm()
-                backward(loss / divide if divide > 1 else loss)
-                total = loss.detach() if total is None else total + loss.detach()
+                    fold_notes.pin(total)  # the loss run() returns rides in the last bucket (instability.fold)
+                try:
+                    backward(loss / divide if divide > 1 else loss)
+                finally:
+                    fold_notes.pin(None)
         return total
 
     def _arm(self, phase: str) -> Any:

@@ -7,7 +7,8 @@ a view into a persistent flat bucket buffer (as with DDP's ``gradient_as_bucket_
 backward accumulates in place; during the *last* micro-batch's backward a post-accumulate-grad hook
 launches each bucket's asynchronous all-reduce once all its gradients are in, always in bucket
 order (reverse parameter order, the order backward produces them). The last bucket carries one
-slot per rank for the out-of-memory code. A rank that fails launches the buckets it has not yet
+slot per rank for the out-of-memory code, then the values of the instability detectors and the stop
+check that the caller's ``extra`` gives (:mod:`trainguard.instability.fold`). A rank that fails launches the buckets it has not yet
 launched, in the same order, with its code set, so every rank issues the same collectives and
 every rank reads the same codes; the gradients are kept only if all codes are zero. The
 micro-batch losses are pre-divided by the world size, so the sum over ranks is the mean (DDP
@@ -16,7 +17,7 @@ divides by the world size too).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,14 +43,26 @@ class GradSync:
         params: the model's parameters (those with ``requires_grad`` are averaged).
         rank, world_size: this rank and the group size.
         bucket_bytes: bytes per bucket (a larger parameter gets a bucket of its own).
+        extra: ``(size, values)``: ``size`` more slots in the last bucket, filled by ``values(buffer)``
+            (a tensor of that size, or ``None``: zeros) when it is sent; their sums are
+            :attr:`extra_values` after :meth:`finish`.
 
     Memory: one persistent buffer per bucket, the size of the gradients (the gradients are views
     into it). Use per step: :meth:`begin` before the first micro-batch, :meth:`arm` before the last
     one's backward, :meth:`finish` after it (or after an out-of-memory error).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], rank: int, world_size: int, bucket_bytes: int):
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        rank: int,
+        world_size: int,
+        bucket_bytes: int,
+        extra: Optional[tuple[int, Callable[[torch.Tensor], Optional[torch.Tensor]]]] = None,
+    ):
         self.rank, self.world = rank, world_size
+        self.extra_size, self._extra = extra if extra is not None else (0, None)
+        self.extra_values: Optional[torch.Tensor] = None  # the last step's summed extra slots
         params = [p for p in params if p.requires_grad]
         groups: list[list[torch.nn.Parameter]] = []
         size = 0
@@ -61,7 +74,8 @@ class GradSync:
                 size = 0
             groups[-1].append(p)
             size += nbytes
-        self.buckets = [_Bucket(g, world_size if i == len(groups) - 1 else 0) for i, g in enumerate(groups)]
+        last = len(groups) - 1
+        self.buckets = [_Bucket(g, world_size + self.extra_size if i == last else 0) for i, g in enumerate(groups)]
         self.where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.armed = False
         self.launched = 0
@@ -96,6 +110,10 @@ class GradSync:
 
     def _launch(self) -> None:
         b = self.buckets[self.launched]
+        if self._extra is not None and self.launched == len(self.buckets) - 1:
+            values = self._extra(b.buffer)
+            if values is not None:
+                b.buffer[b.numel + self.world :] = values
         b.work = dist.all_reduce(b.buffer, async_op=True)
         self.launched += 1
 
@@ -119,4 +137,6 @@ class GradSync:
         finally:  # a failed collective's work holds its group's connections: let them go with the group
             for b in self.buckets:
                 b.work = None
-        return [int(round(c)) for c in last.buffer[last.numel :].tolist()]
+        tail = last.numel + self.world
+        self.extra_values = last.buffer[tail:].clone() if self.extra_size else None
+        return [int(round(c)) for c in last.buffer[last.numel : tail].tolist()]

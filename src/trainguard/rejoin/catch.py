@@ -166,6 +166,9 @@ class DDPHook:
         params: the model's parameters in the reducer's order (``ddp._build_params_for_reducer()``).
         before_last: called before the step's last bucket is sent (the Guard keeps this rank's
             step-boundary state there: after it, a peer may have the step's update).
+        extra: called with the step's first bucket (index 0, the first DDP sends; at most 1 MiB):
+            values to all-reduce with it (its dtype and device), or ``None``. The same number of
+            values on every rank. The sums go to ``reduced``. (:mod:`trainguard.instability.fold`.)
 
     Attributes:
         layout: ``[[parameter index, ...] per bucket]`` in bucket order, as last seen (empty
@@ -176,8 +179,15 @@ class DDPHook:
         3  # backward passes whose layout is noted after a (re)build: DDP rebuilds its buckets once, after the first
     )
 
-    def __init__(self, catch: Catch, params: list, before_last: Optional[Callable[[], None]] = None):
-        self.catch, self.before_last = catch, before_last
+    def __init__(
+        self,
+        catch: Catch,
+        params: list,
+        before_last: Optional[Callable[[], None]] = None,
+        extra: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None,
+        reduced: Callable[[torch.Tensor], None] = lambda values: None,
+    ):
+        self.catch, self.before_last, self.extra, self.reduced = catch, before_last, extra, reduced
         self._index = {id(p): i for i, p in enumerate(params)}
         self.layout: list[list[int]] = []
         self._noting = self.LAYOUT_CALLS
@@ -198,15 +208,21 @@ class DDPHook:
             done.set_result(buf)
             return done
         buf.div_(c10d.get_world_size())
-        fut = c10d.all_reduce(buf, async_op=True).get_future()
+        extra = self.extra(buf) if self.extra is not None and bucket.index() == 0 else None
+        sent = buf if extra is None else torch.cat([buf, extra])
+        fut = c10d.all_reduce(sent, async_op=True).get_future()
 
         def reduced(f: torch.futures.Future) -> torch.Tensor:
             try:
-                return f.value()[0]
+                out = f.value()[0]
             except Exception as e:
                 if not self.catch.on_failure(e, "backward"):
                     raise
                 return buf
+            if extra is None:
+                return out
+            self.reduced(out[buf.numel() :])
+            return out[: buf.numel()]
 
         return fut.then(reduced)
 

@@ -1,0 +1,237 @@
+"""The instability detectors' values carried in DDP's first gradient bucket: no collective of their own.
+
+:class:`~trainguard.instability.detect.Detector` needs, per step, every rank's loss. With a DDP
+model they ride in an all-reduce the step runs anyway: trainguard's communication hook
+(:class:`~trainguard.rejoin.catch.DDPHook`) appends ``2 × world_size + 9`` values to the *first*
+bucket it sends (DDP caps that bucket at 1 MiB, so the copy is small; the forward, hence the loss,
+is done by then) and hands the reduced values back here::
+
+    [loss in rank 0's slot, ..., loss in rank n-1's slot, 1 (a loss was noted), 1 (last step matched),
+     1 (stop flags sent), signal, kill switch, time limit, memory, save switch, grow,
+     next check interval in rank 0's slot, ..., in rank n-1's slot]
+
+The second line and the slots after it are the stop check's flags (:class:`~trainguard.stop.conditions.StopFlags`)
+on the steps where it is due (the step is agreed by every rank): the 0/1 flags summed (more than
+0: set on some rank, as the check's max), ``grow`` set by rank 0 alone, the proposed next check
+interval per rank (its maximum is taken). With them the stop check needs no all-reduce either
+(:meth:`LossFold.stop_flags`). They are this rank's flags when its backward starts, not at the
+step's end: a signal that comes later in the step is seen at the next check.
+
+Each rank writes its loss into its own slot and zeros elsewhere, so the sum is every rank's loss
+exactly, NaN and infinity included (``x + 0 = x``): the same values, bit for bit, as the
+detectors' own all-reduce of the same slots (:meth:`Detector.observe`), whichever way the
+transport adds. The gradient norm needs no sum: after DDP's all-reduce every rank holds the same
+gradients, so each computes the same norm, and a non-finite gradient on one rank before the
+all-reduce is non-finite on all after it.
+
+What the fold cannot see: a gradient changed on one rank *after* the all-reduce (a bad GPU
+computing wrong numbers): that rank alone would judge it. That is silent data corruption, which
+the replica check (:mod:`trainguard.sdc.replicas`) finds; the fault injector's numeric faults are
+applied before the all-reduce for that reason (:meth:`~trainguard.faults.FaultInjector.at_backward`),
+where real NaNs and spikes arise.
+
+Which loss: the 0-dim tensor that ``backward()`` was last called on (noted by a wrapper of
+``torch.Tensor.backward``), since the hook runs inside it and never sees ``should_step``'s
+argument. The folded values are used (:meth:`LossFold.usable`) only when *every* rank noted a
+loss and, at the previous step, every rank's ``should_step`` loss was the very tensor its
+``backward()`` ran on (the README's loop: ``loss.backward()`` then ``guard.should_step(loss)``).
+Both facts travel in the bucket, so every rank makes the same choice and no rank calls an
+all-reduce the others skip. A loop whose ``backward()`` runs on another tensor (AMP's
+``scaler.scale(loss)``, gradient accumulation) keeps the detectors' all-reduce: its first step
+never matched; the console says so once.
+
+``guard.run_step`` averages a DDP model's gradients itself (:class:`~trainguard.oom.sync.GradSync`)
+and carries the same values in its last bucket; the loss there is the batch's total that
+``run_step`` returns (:func:`pin`), so its loop folds too.
+
+Not folded: buckets of another dtype than float32 (a bf16 bucket would round the loss), a DDP model
+with a communication hook of the script's own, FSDP, a plain module.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from .. import console
+
+_original_backward: Optional[Callable[..., Any]] = None
+_noted: Optional[tuple[weakref.ref, float]] = None  # the last 0-dim tensor backward() ran on, its loss factor
+_inject: Optional[Callable[[], tuple[float, float]]] = None  # the fault injector's (loss, gradient) factors
+_pinned: Optional[torch.Tensor] = None  # noted instead of the backward's tensor (guard.run_step's total)
+
+
+def _noting_backward(self: torch.Tensor, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
+    global _noted
+    if self.dim() == 0:
+        loss_f, grad_f = _inject() if _inject is not None else (1.0, 1.0)
+        _noted = (weakref.ref(self if _pinned is None else _pinned), loss_f)
+        if grad_f != 1.0:
+            gradient = (torch.ones_like(self) if gradient is None else gradient) * grad_f
+    return _original_backward(self, gradient, *args, **kwargs)
+
+
+def note_backward(inject: Optional[Callable[[], tuple[float, float]]] = None) -> None:
+    """Wrap ``torch.Tensor.backward`` in this process so that the 0-dim tensor it runs on is noted
+    (idempotent; :func:`stop_noting` puts the original back). ``inject()``, if given, is asked at
+    each such backward for ``(loss factor, gradient factor)``: the fault injector's numeric faults
+    (the backward then runs with ``gradient = gradient factor``; the noted loss is × loss factor)."""
+    global _original_backward, _inject
+    _inject = inject
+    if _original_backward is None:
+        _original_backward = torch.Tensor.backward
+        torch.Tensor.backward = _noting_backward
+
+
+def stop_noting() -> None:
+    """Put ``torch.Tensor.backward`` back."""
+    global _original_backward, _noted, _inject
+    if _original_backward is not None:
+        torch.Tensor.backward = _original_backward
+    _original_backward, _noted, _inject = None, None, None
+
+
+def pin(loss: Optional[torch.Tensor]) -> None:
+    """Note ``loss`` instead of the tensor the next ``backward()`` calls run on, until ``pin(None)``:
+    ``guard.run_step`` backs each micro-batch's share but returns (and hands to ``should_step``)
+    the batch's total."""
+    global _pinned
+    _pinned = loss
+
+
+def noted_loss() -> Optional[tuple[torch.Tensor, float]]:
+    """The last 0-dim tensor ``backward()`` ran on (if it is still alive) and its loss factor."""
+    if _noted is None:
+        return None
+    loss = _noted[0]()
+    return None if loss is None else (loss, _noted[1])
+
+
+class LossFold:
+    """One rank's side of the fold.
+
+    Args:
+        rank, world_size: this rank and the group's size (the slots; :meth:`renumber` after a shrink).
+    """
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self._sent: Optional[tuple[int, Optional[torch.Tensor]]] = None  # (step, the loss folded)
+        self._host: Optional[tuple[int, list[float]]] = None  # (step, the summed values on the host)
+        self.stop_source: Optional[Callable[[int], Optional[list[int]]]] = None  # this rank's packed stop flags
+        self._reduced: Optional[tuple[int, torch.Tensor]] = None  # (step, the summed values)
+        self._matched = False  # at the last step taken, should_step's loss was the one folded
+        self._mine = False  # this step's should_step loss is the one folded
+        self._taken = 0  # steps whose values were taken
+        self._said = False
+        self.wired = False  # a DDP hook carries the values (wire())
+
+    @property
+    def size(self) -> int:
+        """Values appended to the first bucket (see the module doc): ``2 × world size + 9``."""
+        return 2 * self.world_size + 9
+
+    def renumber(self, rank: int, world_size: int) -> None:
+        """This rank is ``rank`` of ``world_size`` from now on; the next step all-reduces (no rank
+        has matched in the new group yet)."""
+        self.rank, self.world_size = rank, world_size
+        self._matched, self._sent, self._reduced, self._host = False, None, None, None
+
+    def wire(self, inject: Optional[Callable[[], tuple[float, float]]] = None) -> None:
+        """A DDP communication hook calls :meth:`extra` and :meth:`reduced` from now on: note the
+        tensor each ``backward()`` runs on (``inject``: see :func:`note_backward`)."""
+        note_backward(inject)
+        self.wired = True
+
+    def close(self) -> None:
+        """Stop noting (``torch.Tensor.backward`` as it was). Safe to call twice."""
+        if self.wired:
+            stop_noting()
+            self.wired = False
+
+    def extra(self, step: int, bucket: torch.Tensor) -> Optional[torch.Tensor]:
+        """The values to append to step ``step``'s first bucket (``bucket``: its buffer), or
+        ``None`` for a bucket that is not float32 (the same on every rank)."""
+        noted = noted_loss()
+        self._sent = (step, noted[0] if noted is not None else None)
+        if bucket.dtype != torch.float32:
+            return None
+        n = self.world_size
+        values = torch.zeros(self.size, dtype=bucket.dtype, device=bucket.device)
+        if noted is not None:
+            loss, factor = noted
+            v = loss.detach().to(device=bucket.device, dtype=bucket.dtype)
+            values[self.rank] = v if factor == 1.0 else v * factor
+            values[n] = 1.0
+        values[n + 1] = float(self._matched)
+        flags = self.stop_source(step) if self.stop_source is not None else None
+        if flags is not None:  # StopFlags.pack(): 5 flags, next_interval, grow
+            values[n + 2 : n + 9] = torch.tensor([1, *flags[:5], flags[6]], dtype=values.dtype)
+            values[n + 9 + self.rank] = flags[5]
+        return values
+
+    def reduced(self, step: int, values: torch.Tensor) -> None:
+        """The hook's all-reduce of step ``step``'s first bucket completed: ``values`` are the sums."""
+        self._reduced = (step, values)
+
+    def take(self, step: int, loss: Any) -> Optional[torch.Tensor]:
+        """For ``should_step(loss)`` of step ``step``: the :attr:`size` summed values of its first
+        bucket (a tensor, not yet on the host), ``None`` if the bucket carried none this step (the
+        same on every rank). Whether they may be used, :meth:`usable` says once they are on the host."""
+        reduced, self._reduced = self._reduced, None
+        sent = self._sent
+        self._mine = sent is not None and sent[0] == step and sent[1] is not None and sent[1] is loss
+        self._taken += 1
+        self._host = None
+        if reduced is None or reduced[0] != step or reduced[1].numel() != self.size:
+            self._matched = False  # no fold this step (the same on every rank): start over
+            self._say_unused("no gradient bucket (DDP's, or guard.run_step's) carried them")
+            return None
+        self._matched = self._mine
+        self._host = (step, [])  # filled by usable()
+        return reduced[1]
+
+    def usable(self, values: list[float]) -> bool:
+        """Whether the taken ``values`` (on the host) stand for the step's losses: every rank noted
+        a loss and every rank's loss matched at the previous step (the same answer on every rank).
+        Says once when they cannot be used for this loop."""
+        n = self.world_size
+        if self._host is not None:
+            self._host = (self._host[0], values)
+        usable = values[n] == n and values[n + 1] == n
+        if not usable:
+            self._say_unused(
+                "should_step()'s loss is not the tensor backward() ran on (AMP's scaler.scale(loss), "
+                "gradient accumulation), so they cannot ride in DDP's first gradient bucket"
+            )
+        if usable and not self._mine and not self._said and self.rank == 0:
+            self._said = True
+            console.say(
+                "should_step() got another loss than the tensor backward() ran on: this step's "
+                "instability check used the latter; the next step all-reduces its own"
+            )
+        return usable
+
+    def _say_unused(self, why: str) -> None:
+        """Once, at the second step (the first never uses the bucket): the detectors all-reduce."""
+        if self._taken == 2 and self.rank == 0:
+            console.say(f"should_step() all-reduces the detectors' values once a step: {why}")
+
+    def stop_flags(self, step: int) -> Optional[list[int]]:
+        """The stop check of step ``step`` from its first bucket: ``StopFlags.pack()`` order,
+        combined over the ranks as the check's all-reduce (max) would; ``None`` when not every rank
+        sent its flags in it (no bucket this step, or a rank that wanted the all-reduce: the same
+        answer on every rank). A device→host copy only where ``should_step`` did not make one."""
+        if self._host is not None and self._host[0] == step and self._host[1]:
+            values = self._host[1]
+        elif self._reduced is not None and self._reduced[0] == step and self._reduced[1].numel() == self.size:
+            values = self._reduced[1].tolist()
+        else:
+            return None
+        n = self.world_size
+        if values[n + 2] != n:
+            return None
+        flags = [int(v > 0) for v in values[n + 3 : n + 8]]
+        return [*flags, int(max(values[n + 9 : 2 * n + 9])), int(values[n + 8])]

@@ -1,0 +1,245 @@
+"""The instability detectors' values carried in DDP's first gradient bucket (trainguard.instability.fold):
+2 real gloo ranks with a DDP model and trainguard's communication hook; the fold's choice (use the
+bucket's values, or all-reduce) as a protocol over random loop shapes, in one process."""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import events, finish, launch
+from trainguard.instability import fold as fold_module
+from trainguard.instability.detect import Detector
+from trainguard.instability.fold import LossFold
+from trainguard.rejoin.catch import CATCH, DDPHook
+from trainguard.sections import InstabilitySection
+
+STEPS = 8
+NAN_AT = 6  # rank 1's loss is NaN at this step
+
+
+def _worker(rank: int, tmp: str, shape: str, out) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=2)
+    calls = []
+    real_all_reduce = dist.all_reduce
+
+    def counted(*args, **kwargs):  # the detector's own all-reduce goes through here; DDP's does not
+        calls.append(1)
+        return real_all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted
+    fold = LossFold(rank, 2)
+    try:
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(4, 1))
+        step = [0]
+        params, _ = model._build_params_for_reducer()
+        hook = DDPHook(CATCH, params, None, lambda b: fold.extra(step[0], b), lambda v: fold.reduced(step[0], v))
+        model.register_comm_hook(None, hook.hook)
+        fold.wire()
+        folded, plain = Detector(InstabilitySection(), rank, 2), Detector(InstabilitySection(), rank, 2)
+        rows = []
+        for s in range(1, STEPS + 1):
+            step[0] = s
+            torch.manual_seed(100 * s + rank)
+            x, y = torch.randn(8, 4), torch.randn(8, 1)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if s == NAN_AT and rank == 1:
+                loss = loss * float("nan")
+            (loss * 2.0 if shape == "scaled" else loss).backward()
+            grad = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            before = len(calls)
+            a = folded.observe(s, loss, grad, fold)
+            own = len(calls) - before
+            b = plain.observe(s, loss, grad)
+            rows.append((s, own, a.fired, a.ranks, a.loss, a.grad_norm, b.fired, b.ranks, b.loss, b.grad_norm))
+            model.zero_grad()
+        out.put((rank, rows))
+    finally:
+        fold.close()
+        dist.all_reduce = real_all_reduce
+        dist.destroy_process_group()
+
+
+def _run(shape: str) -> list:
+    import torch.multiprocessing as mp
+
+    out = mp.get_context("spawn").Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(tmp, shape, out), nprocs=2, start_method="spawn")
+        results = dict(out.get(timeout=60) for _ in range(2))
+    assert str(results[0]) == str(results[1]), "every rank decides alike"  # (str: NaN equals NaN)
+    return results[0]
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def test_the_readme_loop_folds_the_losses_no_own_all_reduce_after_the_first_step_same_verdicts():
+    """loss.backward(); should_step(loss): from step 2 the detector runs no collective of its own,
+    and its verdicts (detectors fired, rank named, mean loss, gradient norm) equal the all-reduce's
+    bit for bit, the NaN on rank 1 included."""
+    rows = _run("readme")
+    own = {s: n for s, n, *_ in rows}
+    assert own[1] == 1 and all(own[s] == 0 for s in range(2, STEPS + 1)), own
+    for s, _, fired, ranks, loss, grad, fired_ar, ranks_ar, loss_ar, grad_ar in rows:
+        assert (fired, ranks) == (fired_ar, ranks_ar), s
+        assert _same(loss, loss_ar) and _same(grad, grad_ar), s
+    nan_row = rows[NAN_AT - 1]
+    assert {"nonfinite_loss", "nonfinite_grad"} <= set(nan_row[2]) and nan_row[3] == [1]
+
+
+def test_a_backward_on_another_tensor_than_should_steps_loss_keeps_the_all_reduce():
+    """(AMP's scaler.scale(loss).backward(), gradient accumulation): the fold is never used."""
+    rows = _run("scaled")
+    assert all(own == 1 for _, own, *_ in rows)
+    assert all(str(row[2:6]) == str(row[6:10]) for row in rows)
+
+
+def test_fold_values_are_not_taken_for_another_step_or_another_world_size():
+    fold = LossFold(0, 2)
+    fold.reduced(3, torch.tensor([1.0, 0.5, 2.0, 2.0]))
+    assert fold.take(4, torch.tensor(1.0)) is None
+    fold.reduced(4, torch.tensor([1.0, 0.5, 2.0, 2.0]))
+    fold.renumber(0, 3)  # the group shrank or grew: the next step all-reduces
+    assert fold.take(4, torch.tensor(1.0)) is None
+
+
+def test_a_float32_bucket_carries_the_loss_in_this_ranks_slot_and_a_bf16_bucket_none():
+    loss = torch.tensor(0.25)
+    fold_module._noted = (weakref.ref(loss), 4.0)  # a loss_spike of 4 injected at the backward
+    try:
+        fold = LossFold(1, 3)
+        values = fold.extra(7, torch.zeros(10))
+        assert values.tolist()[:5] == [0.0, 1.0, 0.0, 1.0, 0.0]  # slots 0..2 (0.25 × 4), noted, matched
+        assert not any(values.tolist()[5:])  # no stop flags: none sent
+        assert fold.extra(7, torch.zeros(10, dtype=torch.bfloat16)) is None
+    finally:
+        fold_module._noted = None
+
+
+# ------------------------------------------------------------------------------------------------
+# the choice as a protocol: every rank takes the same path, and the folded values are the losses
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(2, 4),
+    shapes=st.lists(st.lists(st.sampled_from(["same", "other", "none"]), min_size=4, max_size=4), max_size=12),
+)
+def test_every_rank_chooses_alike_and_uses_only_losses_its_loop_backed(n, shapes):
+    """Each step each rank either backs the very loss it hands to should_step ("same"), another
+    tensor ("other": a scaled loss), or backs no 0-dim tensor ("none"). The first bucket's sum is
+    computed here as the all-reduce would. Invariants: all ranks find the values usable or none do;
+    when usable, slot r is rank r's backed loss, and every rank backed should_step's loss the step
+    before."""
+    folds = [LossFold(r, n) for r in range(n)]
+    previous_all_same = False
+    for s, row in enumerate(shapes, start=1):
+        row = row[:n]
+        if len(row) < n:
+            break
+        sent, passed = [], []
+        for r, fold in enumerate(folds):
+            loss = torch.tensor(float(10 * s + r))
+            backed = {"same": loss, "other": loss * 2.0, "none": None}[row[r]]
+            fold_module._noted = (weakref.ref(backed), 1.0) if backed is not None else None
+            sent.append(fold.extra(s, torch.zeros(3)))
+            passed.append((loss, backed))
+        fold_module._noted = None
+        total = torch.stack(sent).sum(0)
+        usable = []
+        for fold, (loss, _) in zip(folds, passed):
+            fold.reduced(s, total.clone())
+            values = fold.take(s, loss).tolist()
+            usable.append(fold.usable(values))
+        assert len(set(usable)) == 1, (s, row, usable)
+        if previous_all_same and all(b is not None for _, b in passed):
+            assert usable[0]
+        if usable[0]:
+            assert previous_all_same
+            assert all(b is not None for _, b in passed)
+            assert values[:n] == [b.item() for _, b in passed]
+        previous_all_same = all(shape == "same" for shape in row)
+
+
+flag_packs = st.one_of(
+    st.none(),
+    st.tuples(st.lists(st.integers(0, 1), min_size=5, max_size=5), st.integers(1, 1000), st.integers(0, 3)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(2, 4), sends=st.lists(flag_packs, min_size=4, max_size=4), through_should_step=st.booleans())
+def test_the_stop_flags_in_the_bucket_are_the_checks_max_or_none_on_every_rank(n, sends, through_should_step):
+    """Each rank sends its stop flags in the first bucket, or none (a check that needs its own
+    all-reduce). Every rank gets the same answer: the element-wise max of the packed flags (grow:
+    rank 0's) when all sent them, else ``None`` (the caller all-reduces), whether ``should_step``
+    brought the values to the host first or not."""
+    sends = sends[:n]
+    packs = [None if p is None else [*p[0], p[1], p[2] if r == 0 else 0] for r, p in enumerate(sends)]
+    folds = [LossFold(r, n) for r in range(n)]
+    for fold, pack in zip(folds, packs):
+        fold.stop_source = lambda step, pack=pack: pack
+    total = torch.stack([fold.extra(5, torch.zeros(3)) for fold in folds]).sum(0)
+    answers = []
+    for fold in folds:
+        fold.reduced(5, total.clone())
+        if through_should_step:
+            values = fold.take(5, torch.tensor(1.0))
+            fold.usable(values.tolist())
+        answers.append(fold.stop_flags(5))
+        assert fold.stop_flags(6) is None  # another step's check
+    assert all(a == answers[0] for a in answers), answers
+    if any(p is None for p in packs):
+        assert answers[0] is None
+    else:
+        assert answers[0] == [max(p[i] for p in packs) for i in range(7)]
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end: the README's loop under trainguard run
+
+
+@pytest.mark.parametrize("shape", ["backward", "run_step"])
+def test_the_readme_loop_runs_no_collective_of_trainguards_own_in_its_steps(tmp_path, shape):
+    """2 ranks, the stop check every 5 steps (steps 1, 6, 11, ...), no interval save, the replica
+    check and the straggler report out of the way: after step 1 (which all-reduces the detectors'
+    values: no rank has matched yet) no step calls a collective of trainguard's own, on either
+    rank, though the stop check runs every 5 steps; the save switch that rank 0 creates after step
+    31 is found by the next check, at step 36, which saves: the flags that rode in the bucket
+    arrived. The same with ``guard.run_step`` (its own gradient buckets carry the values). (The
+    worker's counts are keyed by the index ``steps()`` yields: step number - 1.)"""
+    run = tmp_path / "run"
+    sets = (
+        "worker.max_steps=50",
+        "worker.save_at=30",
+        "stop.check_interval=5",
+        "checkpoint.interval=1000000",
+        "sdc.check_interval=1000000",
+        "straggler.enabled=false",
+        f"worker.run_step={str(shape == 'run_step').lower()}",
+    )
+    worker = Path(__file__).parent / "collectives_worker.py"
+    code = finish(launch(run, *sets, script=worker, tiny=False))
+    assert code == 0, Path(f"{run}.log").read_text()[-3000:]
+    for rank in (0, 1):
+        counts = {int(i): n for i, n in json.loads((run / f"collectives-rank{rank}.json").read_text()).items()}
+        assert counts[0] >= 1, counts
+        own = {i + 1: n for i, n in counts.items() if 1 <= i < 35}  # steps 2..35; step 36 saves (a collective commit)
+        assert len(own) == 34 and not any(own.values()), own
+    saves = [e for e in events(run, "checkpoint_committed") if e["details"]["reason"] == "save_switch"]
+    assert [e["step"] for e in saves] == [36], saves
