@@ -100,6 +100,8 @@ def main() -> None:
                 time.sleep(pad)
                 guard.step_end(loss=loss)
                 timed(step, t0)
+                if step == args.steps - 1:  # the last step: the final save that follows is not a step's
+                    counting["on"] = False
                 t0 = time.perf_counter()
             counting["on"] = False
     else:
