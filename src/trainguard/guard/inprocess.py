@@ -153,8 +153,9 @@ class InProcess:
         it carries ``fold``'s values in the first bucket (:mod:`~trainguard.instability.fold`;
         ``inject``: the fault injector's numeric faults at the backward), keeps the step boundary
         before the last bucket, and catches a lost peer once :meth:`arm_catch` ran. ``False``
-        (nothing done): not a DDP model, or one with a communication hook of the script's own."""
-        if not isinstance(self.model, DDP) or regroup.script_comm_hook(self.model):
+        (nothing done): not a DDP model, or one with a communication hook already (the script's
+        own, or an earlier Guard's on the same model: DDP takes one)."""
+        if not isinstance(self.model, DDP) or getattr(self.model, "_comm_hooks", None):
             return False
         params, _ = self.model._build_params_for_reducer()
         self.ddp_hook = DDPHook(
