@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from trainguard.checkpoint import manifest as mf
-from trainguard.checkpoint.checkpointer import Checkpointer, SaveResult
+from trainguard.checkpoint.checkpointer import CHANGED_DURING_COPY, Checkpointer, SaveResult
+from trainguard.checkpoint.io import load_state
 from trainguard.checkpoint.store import Checkpoint, CheckpointStore
 from trainguard.events import EventLog, read_events
 from trainguard.instability.recovery import Recovery
@@ -154,6 +155,69 @@ def test_checkpointer_retains_after_a_commit_never_the_new_one_nor_the_protected
         ckpt.close()
         log.close()
     assert hidden(ckpt.store) == []  # the deleter thread finished its work before close returned
+
+
+def _async_save_with(tmp_path: Path, edit) -> tuple[Checkpointer, SaveResult, dict]:  # noqa: ANN001
+    """One background save of step 1 of a trained Linear + Adam, with ``edit(model)`` run after the
+    snapshot and before the background copy (the writer thread is held until then), then the
+    optimizer step (its pre-hook waits for the copy). Returns the Checkpointer, the save's result
+    and the model's state dict at the save."""
+    import threading
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    log = EventLog(tmp_path, 0)
+    ckpt = Checkpointer(CheckpointSection(interval=1), tmp_path, log, model, opt, 0, 1)
+    assert ckpt.asynchronous  # async_save = "auto" by default
+    hold = threading.Event()
+    ckpt.pool.submit(hold.wait)  # the writer starts this save's copy only after the edit
+    assert ckpt.save(1, "interval", ("persistent",), {"step": 1}, blocking=False) is None
+    edit(model)
+    hold.set()
+    opt.step()
+    return ckpt, ckpt.wait(), at_save
+
+
+def test_background_save_is_the_default_and_commits_the_state_of_its_step(tmp_path, group):
+    ckpt, result, at_save = _async_save_with(tmp_path, lambda m: None)
+    try:
+        assert result.error is None and result.asynchronous and ckpt.asynchronous
+        assert [c.step for c in ckpt.store.committed()] == [1]
+        fresh = torch.nn.Linear(4, 2)
+        assert load_state(result.checkpoint.path, fresh, None) == {"step": 1}
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in at_save.items())  # not the step after
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.weight.requires_grad_(False).mul_(2.0).requires_grad_(True),  # an in-place op on the parameter
+        lambda m: m.bias.detach().zero_(),  # through a detached alias (same version counter)
+    ],
+    ids=["in_place", "detached_alias"],
+)
+def test_background_save_refused_when_its_sources_changed_during_the_copy(tmp_path, group, edit, capfd):
+    ckpt, result, _ = _async_save_with(tmp_path, edit)
+    try:
+        assert result.error is not None and CHANGED_DURING_COPY in result.error
+        assert "1 of 8 parameter and optimizer tensors" in result.error  # 2 parameters, 2 × Adam's 3 states
+        assert ckpt.store.committed() == []  # nothing committed, the temporary directory freed
+        assert not ckpt.asynchronous  # later saves are synchronous
+        err = capfd.readouterr().err
+        assert "later saves are synchronous" in err and err.count("warning") + err.count("WARNING") == 1
+        (failed,) = events(tmp_path, "checkpoint_failed")
+        assert CHANGED_DURING_COPY in failed["details"]["error"]
+        again = ckpt.save(2, "interval", ("persistent",), {"step": 2}, blocking=False)  # asked for a background save
+        assert again is not None and again.error is None and not again.asynchronous
+        assert [c.step for c in ckpt.store.committed()] == [2]
+    finally:
+        ckpt.close()
 
 
 # ------------------------------------------------------------------------------------------------

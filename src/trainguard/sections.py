@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
@@ -146,10 +146,13 @@ class CheckpointSection(Section):
         "full", description="'full' checks every checksum on resume, 'size' only sizes"
     )
     save_final: bool = Field(True, description="save a checkpoint when the last step finishes")
-    async_save: bool = Field(
-        False,
+    async_save: Union[Literal["auto"], bool] = Field(
+        "auto",
         description="scheduled saves copy the state to host memory and write it in the background "
-        "while training goes on (stop and final saves are always synchronous)",
+        "while training goes on (stop and final saves are always synchronous); 'auto': so, except where "
+        "a framework writes its own checkpoint files (Lightning, Hugging Face), and a save whose "
+        "parameters or optimizer states were changed in place during the copy is not committed and "
+        "turns later saves synchronous; true: always (an error where impossible); false: never",
     )
     max_failures: int = Field(
         3,

@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .. import console
 from .. import dist as tgdist
 from ..atomic import write_atomic
 from ..events import EventLog
@@ -58,6 +59,10 @@ from .snapshot import Snapshot, copy_pairs
 from .store import Checkpoint
 
 log = logging.getLogger(__name__)
+
+# in the error of a background save refused because its sources changed during the copy; every rank
+# gets the same error, so all turn to synchronous saves at once (Checkpointer._finalize)
+CHANGED_DURING_COPY = "changed in place during the background copy"
 
 # Before the first save is measured, assume this write speed to estimate the save time (bytes/s);
 # a conservative figure for a shared filesystem.
@@ -106,6 +111,9 @@ class Checkpointer:
         rank, world_size: this rank and the group size.
         node_rank, local_world_size: this node's index and its number of ranks (the local tier's
             ``{node}`` and its replication peer); ``local_world_size`` ``None``: ``world_size``.
+        background: whether scheduled saves may be written in the background (``None``:
+            ``cfg.async_save`` is not ``False``); :attr:`asynchronous` turns false for good once a
+            background copy saw its sources changed (see :data:`CHANGED_DURING_COPY`).
     Raises:
         BadInput: ``[checkpoint.local] dir`` is not a writable directory.
     """
@@ -121,6 +129,7 @@ class Checkpointer:
         world_size: int,
         node_rank: int = 0,
         local_world_size: Optional[int] = None,
+        background: Optional[bool] = None,
     ):
         self.cfg, self.events, self.model, self.optimizer = cfg, events, model, optimizer
         self.rank, self.world_size = rank, world_size
@@ -146,7 +155,8 @@ class Checkpointer:
                 run_id,
                 self._on_invalid,
             )
-        background = cfg.async_save
+        background = cfg.async_save is not False if background is None else background
+        self.asynchronous = background  # scheduled saves go to the background (see save(blocking=False))
         self.group = tgdist.new_cpu_group() if (background or self.local is not None) else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="trainguard-ckpt") if background else None
         self.deleter: Optional[ThreadPoolExecutor] = None  # deletes what retention set aside
@@ -206,12 +216,13 @@ class Checkpointer:
         meta = {"reason": reason, "trainguard_step": step, "world_size": self.world_size}
         for t in tiers:
             self.saved[t] = step
-        if self.pool is not None and not blocking:
+        if self.pool is not None and self.asynchronous and not blocking:
             snap, deferred = self.snapshot.take(state, defer=self._changes_only_in_step())
+            versions = [src._version for _, src in deferred]
             self._copied, self._copy_wait, self._pending_step = threading.Event(), 0.0, step
             blocked = time.perf_counter() - t0
             self.pending = self.pool.submit(
-                self._write_async, deferred, step, reason, tiers, snap, rank_state, meta, blocked, started
+                self._write_async, deferred, versions, step, reason, tiers, snap, rank_state, meta, blocked, started
             )
             return None
         return self._finalize(self._write(step, reason, tiers, state, rank_state, meta, 0.0, started, False))
@@ -226,12 +237,22 @@ class Checkpointer:
         ptrs |= {_local(v).data_ptr() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)}
         return lambda t: t.numel() > 0 and t.data_ptr() in ptrs
 
-    def _write_async(self, deferred: list, *args: Any) -> SaveResult:
+    def _write_async(self, deferred: list, versions: list[int], *args: Any) -> SaveResult:
+        """The background save: copy the deferred tensors, check that none of them changed since the
+        snapshot (its in-place version counter: any in-place op on the tensor or a view of it; an
+        edit through ``.data`` is not counted), then write, refusing the commit if one did."""
         try:
             copy_pairs(deferred)
+            changed = sum(src._version != v for (_, src), v in zip(deferred, versions))
         finally:
             self._copied.set()  # type: ignore[union-attr]
-        return self._write(*args, True)
+        refuse = (
+            f"rank {self.rank}: {CHANGED_DURING_COPY} ({changed} of {len(deferred)} parameter and optimizer "
+            "tensors were changed in place between the save and the next optimizer.step())"
+            if changed
+            else None
+        )
+        return self._write(*args, True, refuse)
 
     def _before_optimizer_step(self, *_: Any) -> None:
         """Optimizer step pre-hook: the background copy of parameters and optimizer states must be
@@ -253,17 +274,18 @@ class Checkpointer:
         blocked: float,
         started: float,
         asynchronous: bool,
+        refuse: Optional[str] = None,
     ) -> SaveResult:
         t0 = time.perf_counter()
         r = SaveResult(step, reason, tiers, asynchronous, started=started)
         errors = []
         if "local" in tiers:
-            r.local_bytes, err = self.local.write(step, {**state, "rank": rank_state}, meta, self.group)  # type: ignore[union-attr]
+            r.local_bytes, err = self.local.write(step, {**state, "rank": rank_state}, meta, self.group, refuse)  # type: ignore[union-attr]
             errors += [err] if err else []
         if "persistent" in tiers:
             try:
                 r.checkpoint, r.bytes = write_checkpoint(
-                    self.store, step, state, rank_state, meta, self.group, self.write_files
+                    self.store, step, state, rank_state, meta, self.group, self.write_files, refuse
                 )
             except OSError as e:
                 errors.append(str(e))
@@ -295,13 +317,22 @@ class Checkpointer:
         return self._finalize(result)
 
     def _finalize(self, r: SaveResult) -> SaveResult:
+        refused = r.error is not None and CHANGED_DURING_COPY in r.error
+        if refused and self.asynchronous:
+            self.asynchronous = False  # every rank learns the same error: all turn synchronous at once
+            if self.rank == 0:
+                console.warn(
+                    f"checkpoint at step {r.step} not committed: {r.error}. The loop changes parameters or "
+                    "optimizer states in place outside optimizer.step(); later saves are synchronous "
+                    "(set [checkpoint] async_save = false to say so)"
+                )
         if r.error is not None:
             self.failures += 1
             self.last_error = r.error
             for t in r.tiers:
                 self.saved.pop(t, None)
             log.warning("checkpoint at step %d failed: %s", r.step, r.error)
-            if self.rank == 0:
+            if self.rank == 0 and not refused:  # (a refused save was explained above)
                 print(
                     f"trainguard: WARNING: checkpoint at step {r.step} failed ({self.failures} in a row): {r.error}",
                     file=sys.stderr,

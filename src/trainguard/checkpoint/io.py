@@ -79,6 +79,7 @@ def write_checkpoint(
     meta: Optional[dict] = None,
     group: Any = None,
     write_files: Optional[Callable[[Path], None]] = None,
+    refuse: Optional[str] = None,
 ) -> tuple[Checkpoint, int]:
     """Write and commit a checkpoint at ``step``; a collective: every rank must call it.
 
@@ -90,6 +91,9 @@ def write_checkpoint(
         write_files: called on every rank with the temporary directory after the state is written
             (no collective inside): the files it adds there are checksummed into the manifest and
             committed with the checkpoint (the Hugging Face Trainer's own files, :mod:`trainguard.hf`).
+        refuse: why this rank's part must not be committed although it is written (a background
+            copy whose sources changed during it): the collectives run as usual and every rank
+            raises the ``OSError`` naming it.
     Returns:
         (the committed checkpoint, its total size in bytes).
     Raises:
@@ -120,6 +124,7 @@ def write_checkpoint(
             raise lost from None
         error = f"rank {rank}: writing {tmp.name} failed: {_first_line(e)} ({_free(store.root)})"
     tgdist.barrier(group)
+    error = error or refuse
     mine: dict[str, dict] = {}
     if error is None:
         try:

@@ -114,14 +114,19 @@ class LocalTier:
     # ------------------------------------------------------------------------------------------
     # writing (in the background writer, a collective on the checkpoint group)
 
-    def write(self, step: int, state: dict[str, Any], meta: dict, group: Any = None) -> tuple[int, Optional[str]]:
+    def write(
+        self, step: int, state: dict[str, Any], meta: dict, group: Any = None, refuse: Optional[str] = None
+    ) -> tuple[int, Optional[str]]:
         """Write this rank's copy and its replica, agree with all ranks, then commit both.
+
+        ``refuse``: why this rank's copy must not be committed (the collectives still run; every
+        rank gets it as the error).
 
         Returns:
             (bytes written by this rank, ``None`` or the first error of any rank). On an error no
             rank commits this step and the older copies stay.
         """
-        error: Optional[str] = None
+        error: Optional[str] = refuse
         data = serialize(state)
         own_tmp = rep_tmp = None
         try:

@@ -121,8 +121,8 @@ class Guard:
         hooks: :class:`~trainguard.events.Hook` instances.
         checkpoint_files: ``write(directory)``, called on every rank inside each persistent save
             before the commit: the files it writes there are checksummed and committed with the
-            checkpoint (a framework's own checkpoint files: :mod:`trainguard.hf`). Needs blocking
-            saves (``[checkpoint] async_save = false``).
+            checkpoint (a framework's own checkpoint files: :mod:`trainguard.hf`). Saves are then
+            blocking (``[checkpoint] async_save = "auto"`` or ``false``; ``true`` is refused).
         redo_in_step: a framework's loop, which cannot yield a step again (:mod:`trainguard.lightning`,
             :mod:`trainguard.hf`): a peer lost in a step is recovered inside the next one, at
             :meth:`recover_in_step`, also when the step's update was applied (until then the
@@ -217,6 +217,11 @@ class Guard:
             inprocess.say_where_it_applies(self.rejoin, cfg.recovery.in_process, launch.recovery_store, self.world_size)
         self.reruns = StepRerun(cfg.sdc.on_instability == "rerun", self.rank, self.world_size)
         self.step_inputs = StepInputs(self.model) if self.reruns.enabled and self.world_size > 1 else None
+        if self._checkpoint_files is not None and cfg.checkpoint.async_save is True:
+            raise BadInput(
+                "checkpoint.async_save = true cannot write this framework's own checkpoint files (they are "
+                'written from the live state during the save); set checkpoint.async_save = false or "auto"'
+            )
         self.ckpt = Checkpointer(
             cfg.checkpoint,
             self.run_dir,
@@ -227,15 +232,11 @@ class Guard:
             self.world_size,
             launch.group_rank,
             launch.local_world_size,
+            background=cfg.checkpoint.async_save is True
+            or (cfg.checkpoint.async_save == "auto" and self._checkpoint_files is None),
         )
         self.store = self.ckpt.store
-        if self._checkpoint_files is not None:
-            if cfg.checkpoint.async_save:
-                raise BadInput(
-                    "checkpoint.async_save = true cannot write this framework's own checkpoint files (they are "
-                    "written from the live state during the save); set checkpoint.async_save = false"
-                )
-            self.ckpt.write_files = self._checkpoint_files
+        self.ckpt.write_files = self._checkpoint_files
         self.shutdown = ShutdownHandler(
             cfg.preemption.signals, cfg.preemption.save_deadline, self._on_deadline
         ).install()
@@ -673,7 +674,7 @@ class Guard:
             if self.rank == 0:
                 self.stop.clear_save_switch()
         elif tiers := self.ckpt.due(self.step):
-            self.save("interval", tiers, blocking=not self.cfg.checkpoint.async_save)
+            self.save("interval", tiers, blocking=not self.ckpt.asynchronous)
 
     def _check(self) -> Optional[StopFlags]:
         """The stop check: one all-reduce (max) of every rank's stop flags, its proposed next check
