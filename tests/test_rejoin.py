@@ -162,11 +162,30 @@ def test_boundary_state_keeps_the_last_two_boundaries_beyond_the_process(tmp_pat
     assert on_disk[43]["sampler"]["position"] == 999
     with pytest.raises(KeyError, match=r"kept: \[42, 43\]"):
         kept.restore(41)
-    assert [p.name for p in tmp_path.iterdir()] == ["rank3.boundary"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank3.boundary.0", "rank3.boundary.1"]
+    kept.keep({**state, "step": 44})  # into the slot of 42
+    kept.keep({**state, "step": 20})  # a step back (rollback): 43 and 44 are no longer kept
+    assert sorted(read(tmp_path, 3)) == [20] and sorted(kept.kept) == [20]
+    kept.keep({**state, "step": 21})
+    assert sorted(read(tmp_path, 3)) == [20, 21]
     kept.close()
     assert not list(tmp_path.iterdir())
     with pytest.raises(FileNotFoundError):
         read(tmp_path, 3)
+
+
+def test_boundary_slot_cut_short_by_a_death_mid_write_leaves_the_one_before(tmp_path):
+    """A rank killed in the middle of keeping step N leaves that slot torn: its replacement gets N - 1."""
+    kept = BoundaryState(tmp_path, rank=0)
+    for step in (7, 8):
+        kept.keep({"step": step, "position": step})
+    torn = tmp_path / "rank0.boundary.0"  # 7's slot, where 9 was being written
+    data = torn.read_bytes()
+    kept.keep({"step": 9, "position": 9, "pad": bytes(10_000)})
+    whole = torn.read_bytes()
+    torn.write_bytes(whole[: len(whole) // 2] + data[len(whole) // 2 :])  # the first half of the write only
+    assert {s: v["position"] for s, v in read(tmp_path, 0).items()} == {8: 8}
+    kept.close()
 
 
 def _same(a, b) -> bool:
