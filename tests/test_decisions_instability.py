@@ -560,6 +560,7 @@ class RollbackHook(trainguard.Hook):
 
 BASE = (
     "checkpoint.interval=20",
+    "checkpoint.async_save=false",  # the known-good verdicts at exact steps (a background commit lands later)
     "instability.known_good_after=5",
     "instability.min_history=10",
     "health.preflight=false",
@@ -651,6 +652,20 @@ def test_guard_rolls_back_in_process_with_ramp_and_data_skip_and_a_crash_after_i
     assert [r["indices"] for r in recs2] == batches[40:80]
     assert [r["lr_seen"] for r in recs2] == [r["lr_seen"] for r in second]
     assert digest2 == digest
+
+
+def test_a_background_commit_after_a_bad_step_is_still_known_good_when_its_own_steps_were(tmp_path):
+    """The save of step 20 is written in the background (tiny steps: its commit lands after step 26,
+    where a NaN asks for a rollback): 21–25 were healthy, so the rollback finds it known-good (the
+    verdict counts the steps after the checkpoint, not the time its commit landed)."""
+    run = tmp_path / "run"
+    nan = 'faults.inject=[{kind="nan_loss", rank=0, step=26}]'
+    recs, _ = train(run, 30, "checkpoint.async_save=true", "instability.nonfinite_loss=rollback", nan)
+    (saved,) = [e for e in events(run, "checkpoint_committed") if e["details"]["reason"] == "interval"]
+    assert saved["details"]["asynchronous"] is True and saved["step"] == 20
+    (rb,) = events(run, "rollback")
+    assert rb["details"]["from_step"] == 26 and rb["details"]["to_step"] == 20
+    assert [r["step"] for r in recs] == list(range(1, 27)) + list(range(21, 31))
 
 
 def test_guard_asks_the_hook_and_tells_it_of_the_rollback(tmp_path):

@@ -49,6 +49,8 @@ from .detect import Detector, Verdict, total_grad_norm
 from .fold import LossFold
 from .lr_ramp import LRRamp
 
+BAD_STEPS_KEPT = 1024  # recent bad steps remembered for the known-good verdicts (a few kB in the rank state)
+
 SEVERITY = {"warn": 0, "skip": 1, "rollback": 2, "raise": 3}
 LEDGER = "rollbacks.json"
 
@@ -142,7 +144,10 @@ class Recovery:
         self.consecutive = 0  # skipped steps in a row
         self.skipped = 0  # skipped steps in this run's history (saved in checkpoints)
         self.rollbacks = 0  # rollbacks in the whole run (from the ledger)
-        self.last_bad = 0  # step number of the last step with a detection
+        # step numbers of the recent steps with a detection (the newest BAD_STEPS_KEPT): a checkpoint
+        # is known-good when none falls in the known_good_after steps after it, whenever its commit
+        # lands (a background save may commit after a later step was bad)
+        self.bad_steps: list[int] = []
         self.rejected = False  # the current step must not be applied
         self.pending: list[Checkpoint] = []  # rank 0: committed, known-good verdict pending
         self._unmarked: set[int] = set()  # steps whose known-good mark could not be written (warned once)
@@ -198,7 +203,7 @@ class Recovery:
                 self.detector.record_applied(verdict)
             return True  # healthy, or the GradScaler's overflow: scaler.step() skips the step itself
         step = verdict.step
-        self.last_bad = step
+        self.bad_steps = [*self.bad_steps[-(BAD_STEPS_KEPT - 1) :], step]
         action, why = self._decide(verdict)
         event = self._event(verdict, action, why)
         action = self._hook_override(event, verdict)
@@ -372,7 +377,7 @@ class Recovery:
                 max_rollbacks=self.cfg.max_rollbacks,
             )
         self.newest_known_good = target.step
-        self.last_bad = target.step  # the bad steps belong to the abandoned trajectory
+        self.bad_steps = [b for b in self.bad_steps if b <= target.step]  # the rest: the abandoned trajectory
         self._reject()
 
     def on_resume(self, ckpt: Checkpoint) -> None:
@@ -447,7 +452,7 @@ class Recovery:
         following ``known_good_after`` steps were all healthy."""
         while self.pending and done - self.pending[0].step >= self.cfg.known_good_after:
             c = self.pending[0]
-            if self.last_bad <= c.step and c.path.exists():
+            if self._clean_after(c.step) and c.path.exists():
                 try:
                     self.store.mark_known_good(c, done - c.step)
                 except OSError as e:  # a full disk: it stays pending, the next step boundary tries again
@@ -458,11 +463,19 @@ class Recovery:
                         )
                     return
             self.pending.pop(0)
-            if self.last_bad <= c.step and c.path.exists():
+            if self._clean_after(c.step) and c.path.exists():
                 self.newest_known_good = c.step
                 self._emit(
                     done, "checkpoint_known_good", checkpoint_step=c.step, path=str(c.path), healthy_steps=done - c.step
                 )
+
+    def _clean_after(self, step: int) -> bool:
+        """Whether the ``known_good_after`` steps after ``step`` had no detection (``False`` when the
+        bad steps kept no longer reach back that far)."""
+        end = step + self.cfg.known_good_after
+        if len(self.bad_steps) == BAD_STEPS_KEPT and self.bad_steps[0] > step:
+            return False
+        return not any(step < b <= end for b in self.bad_steps)
 
     def close(self) -> None:
         """Remove the optimizer hooks (this one's and the ramp's) and the fold's ``backward``
@@ -483,7 +496,7 @@ class Recovery:
             "ramp": self.ramp.state_dict() if self.ramp else None,
             "consecutive": self.consecutive,
             "skipped": self.skipped,
-            "last_bad": self.last_bad,  # what a replacement of rank 0 needs for the known-good verdicts
+            "bad_steps": list(self.bad_steps),  # what a replacement of rank 0 needs for the known-good verdicts
         }
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
@@ -493,4 +506,5 @@ class Recovery:
             self.ramp.load_state_dict(state.get("ramp") or {})
         self.consecutive = int(state.get("consecutive", 0))
         self.skipped = int(state.get("skipped", 0))
-        self.last_bad = int(state.get("last_bad", 0))
+        last_bad = int(state.get("last_bad", 0))  # a checkpoint of an earlier version: the last bad step only
+        self.bad_steps = [int(b) for b in state.get("bad_steps", [last_bad] if last_bad else [])]
