@@ -147,6 +147,9 @@ def test_hang_while_checkpointing_uses_the_checkpointing_timeout(tmp_path, clean
             "supervisor.step_timeout=30",
             "supervisor.learn=false",
             "supervisor.stopped_grace=0",  # the timeout is the point: the stopped rank waits for it
+            # a synchronous save, in which rank 0 waits for rank 1 (after a background save rank 0
+            # trains on, so rank 1 looks like a rank behind its peer: found by the step timeout)
+            "checkpoint.async_save=false",
             extra=("--inject", "rank_hung:rank=1,step=20,section=checkpointing"),
         )
     )

@@ -159,6 +159,8 @@ class Checkpointer:
         self.asynchronous = background  # scheduled saves go to the background (see save(blocking=False))
         self.group = tgdist.new_cpu_group() if (background or self.local is not None) else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="trainguard-ckpt") if background else None
+        if self.pool is not None:  # its thread starts now: a save must not need a new thread (an address-space limit)
+            self.pool.submit(lambda: None)
         self.deleter: Optional[ThreadPoolExecutor] = None  # deletes what retention set aside
         self.snapshot = Snapshot()
         self._copied: Optional[threading.Event] = None  # set once the background copy of the state is done

@@ -163,13 +163,18 @@ class BoundaryState:
             self._fds = [
                 os.open(path_of(self.directory, self.rank, slot), os.O_RDWR | os.O_CREAT, 0o600) for slot in (0, 1)
             ]
+        if older and older[0] not in self._slot_of:  # kept before the files were (re)named: write it too
+            self._write(0, older[0], self.kept[older[0]])
         slot = 1 - self._slot_of[older[0]] if older else 0
+        self._write(slot, step, blob)
+        if not older:  # the first boundary, or a step back (rollback): the other slot holds nothing kept
+            os.pwrite(self._fds[1 - slot], EMPTY, 0)
+        self._slot_of = {s: self._slot_of[s] for s in (*older, step)}
+
+    def _write(self, slot: int, step: int, blob: bytes) -> None:
         data = HEADER.pack(MAGIC, step, len(blob), zlib.crc32(blob)) + blob
         while data:  # one write of tens of kB on a memory-backed file system
             data = data[os.pwrite(self._fds[slot], data, HEADER.size + len(blob) - len(data)) :]
-        if not older:  # the first boundary, or a step back (rollback): the other slot holds nothing kept
-            os.pwrite(self._fds[1 - slot], EMPTY, 0)
-        self._slot_of = {s: self._slot_of[s] for s in older}
         self._slot_of[step] = slot
 
     def restore(self, step: int) -> dict[str, Any]:
