@@ -15,7 +15,9 @@ The sleep is ``target − compute``, compute being the plain loop's median step 
 (per rank count), and is the same for both: what trainguard adds to a step shows in full. Runs
 alternate plain, trainguard, trainguard, plain (``--rounds`` times); each reports the median step of
 rank 0 after its warm-up. Ratio = median over runs of trainguard / median of plain (goals of issue
-32: ≤ 1.03× at 3–7 ms, ≤ 1.01× at 30 ms). *own collectives / step*: collectives trainguard called
+32: ≤ 1.03× at 3–7 ms, ≤ 1.01× at 30 ms). *noise*: the slowest plain run's median over the
+fastest one's, the spread of the same job run again on this machine (a ratio within it is not
+resolved). *own collectives / step*: collectives trainguard called
 itself from the training thread during the timed steps (DDP's gradient buckets are the loop's
 own, even through trainguard's communication hook; the goal is 0).
 
@@ -76,7 +78,8 @@ def main() -> int:
 
     med = statistics.median
     table = Table(title=f"trainguard's cost per step — the README's loop, gloo DDP, rank 0, {args.rounds} round(s)")
-    for col in ("ranks", "target step", "plain (ms)", "trainguard (ms)", "ratio", "goal", "own collectives / step"):
+    cols = ("ranks", "target step", "plain (ms)", "trainguard (ms)", "ratio", "goal", "noise (plain/plain)")
+    for col in (*cols, "own collectives / step"):
         table.add_column(col, justify="right")
     with tempfile.TemporaryDirectory(prefix="tg-bench-step-") as tmp_name:
         tmp = Path(tmp_name)
@@ -99,6 +102,7 @@ def main() -> int:
                         if kind == "guard":
                             own, steps = own + r["own_collectives"], steps + len(r["times"])
                 ratio = med(guarded) / med(plain)
+                noise = max(plain) / min(plain)  # the same job run again: what a ratio this close to 1 cannot resolve
                 goal = GOALS.get(target)
                 mark = "" if goal is None else "[green]" if ratio <= goal else "[red]"
                 table.add_row(
@@ -108,6 +112,7 @@ def main() -> int:
                     f"{med(guarded):.3f}",
                     f"{mark}{ratio:.4f}×",
                     f"≤ {goal}×" if goal else "",
+                    f"{noise:.3f}×",
                     f"{own / max(steps, 1):.4f}",
                 )
     Console(width=150).print(table)

@@ -212,7 +212,7 @@ def run_child(argv: list[str]) -> int:
 def tier_sets(async_save: bool, local: bool, run_dir: str = "{run_dir}") -> list[str]:
     """Config overrides of the ``--async-save`` and ``--local`` modes (the local tier lives in the
     trial's own directory, ``RUN_DIR/local``, standing in for a node-local disk)."""
-    sets = ["checkpoint.async_save=true"] if async_save else []
+    sets = [f"checkpoint.async_save={str(async_save).lower()}"]  # without --async-save: synchronous saves
     if local:
         sets += [f"checkpoint.local.dir={run_dir}/local", "checkpoint.local.interval=1", "checkpoint.interval=3"]
     return sets
