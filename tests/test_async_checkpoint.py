@@ -288,6 +288,7 @@ def test_two_nodes_lost_local_disk_resumes_from_peer_replica(tmp_path, clean_has
         f"checkpoint.local.dir={tmp_path}/local-{{node}}",
         "checkpoint.local.interval=3",
         "checkpoint.interval=10",
+        "checkpoint.async_save=false",
     ]  # synchronous saves: step 21 is surely committed when rank 1 dies
     # rank 1 dies at step 23 and the launch gives up (no restarts): local copies at 18 and 21, persistent at 20
     with two_nodes(run, *tiers, extra=("--inject", "rank_killed:rank=1,step=23", "--max-restarts", "0")) as agents:

@@ -109,7 +109,13 @@ def test_a_run_that_loses_ranks_resumes_on_1_then_on_3_with_the_same_global_batc
     it is not bitwise; the data position is 12 sequences per completed step throughout (one pass
     over one permutation, nothing twice), and the final validation loss is within 1 % of an
     uninterrupted 2-rank run's (dropout streams and summation order differ; measured: 0.003 %)."""
-    settings = (f"train.max_steps={STEPS}", "train.batch_size=6", "checkpoint.interval=10", "launcher.max_restarts=0")
+    settings = (  # synchronous saves: the checkpoints of steps 20 and 40 are committed before the kills
+        f"train.max_steps={STEPS}",
+        "train.batch_size=6",
+        "checkpoint.interval=10",
+        "launcher.max_restarts=0",
+        "checkpoint.async_save=false",
+    )
     clean = tmp_path / "clean"
     assert finish(launch(clean, *settings)) == 0, Path(f"{clean}.log").read_text()[-3000:]
     run = tmp_path / "run"
