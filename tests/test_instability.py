@@ -149,7 +149,7 @@ def test_consecutive_nans_roll_back_with_lr_ramp_and_data_skip_and_survive_a_res
     ledger = json.loads((run / "rollbacks.json").read_text())["rollbacks"]
     assert len(ledger) == 1 and ledger[0]["skipped_window"] == [21, 40]
     manifest = json.loads((run / "checkpoints" / "step-00000020" / "manifest.json").read_text())
-    assert manifest["known_good"]["healthy_steps"] == 5
+    assert manifest["known_good"]["healthy_steps"] >= 5  # marked when its background commit landed: 5 or more
     for rank in (0, 1):
         recs = steps_of(run, rank)
         first, second = recs[:35], recs[35:]
