@@ -112,10 +112,12 @@ def test_a_resume_from_a_checkpoint_taken_at_a_validation_step_is_bitwise(tmp_pa
 def test_killed_ranks_are_replaced_in_process_the_survivors_kept_and_the_run_bitwise(tmp_path):
     """In-process recovery under Lightning (the default): rank 1 SIGKILLs itself at the end of
     step 40, a validation step (the survivor's validation and the next step's collectives lose
-    it); then rank 0 SIGKILLs itself inside step 56's ``should_step``, before its all-reduce. Each
-    time a warm spare takes the lost rank's place, the survivor keeps its process and runs the
-    interrupted step's forward and backward again on the new group: no group restart, no step
-    lost, and the final state is bitwise that of an uninterrupted run."""
+    it); then rank 0 SIGKILLs itself inside step 56's ``should_step``, which runs no collective
+    (the detectors' values rode in DDP's gradient bucket: instability.fold), so rank 1 completes
+    step 56 and loses rank 0 in step 57. Each time a warm spare takes the lost rank's place, the
+    survivor keeps its process and runs the interrupted step's forward and backward again on the
+    new group: no group restart, no step lost, and the final state is bitwise that of an
+    uninterrupted run."""
     clean, run = tmp_path / "clean", tmp_path / "run"
     steps, kills = (
         80,
@@ -132,11 +134,11 @@ def test_killed_ranks_are_replaced_in_process_the_survivors_kept_and_the_run_bit
     assert not events(run, "group_restart") and not events(run, "recovery_fallback")
     first = events(run, "workers_started")[0]["details"]["pids"]
     replaced = events(run, "rank_replaced")
-    assert [(e["rank"], e["step"]) for e in replaced] == [(1, 40), (0, 55)]
+    assert [(e["rank"], e["step"]) for e in replaced] == [(1, 40), (0, 56)]  # rank 0 died after the gradients of 56
     finished = events(run, "recovery_finished")
     # the survivor of the first kill is the original rank 0; of the second, rank 1's replacement
     assert [e["pid"] for e in finished] == [int(first["0"]), replaced[0]["details"]["pid"]]
-    assert [e["details"]["redo_step"] for e in finished] == [41, 56]
+    assert [e["details"]["redo_step"] for e in finished] == [41, 57]
     assert {e["details"]["steps_lost"] for e in finished} == {0}
     assert final_hash(run) == final_hash(clean)
     assert events(run, "end")[-1]["step"] == steps

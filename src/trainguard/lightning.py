@@ -210,7 +210,9 @@ class TrainguardCallback(pl.Callback):
         self._fetched = self.sampler.state_dict() if self.sampler is not None and self.guard.rejoin.active else None
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        self._loss = loss.detach()
+        # the very tensor backward() runs on (not a detached copy): should_step() then finds it
+        # noted in DDP's first gradient bucket and runs no all-reduce of its own (instability.fold)
+        self._loss = loss
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         step = self.guard.step
