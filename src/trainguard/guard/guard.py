@@ -295,6 +295,7 @@ class Guard:
             self.rank,
             self.world_size,
             self.recovery.fold,
+            lambda step: self.inprocess.keep_before_last_bucket(step),  # (built below)
         )
         self.fidelity, self.draws = ResumeFidelity(self.world_size), DrawWatch()
         self.elastic = ElasticState(self.world_size)

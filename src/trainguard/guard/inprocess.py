@@ -161,7 +161,7 @@ class InProcess:
         self.ddp_hook = DDPHook(
             CATCH,
             params,
-            lambda: self._keep_before_last_bucket(step_in_progress()),
+            lambda: self.keep_before_last_bucket(step_in_progress()),
             lambda buf: fold.extra(step_in_progress(), buf),
             lambda values: fold.reduced(step_in_progress(), values),
         )
@@ -177,10 +177,12 @@ class InProcess:
         """Keep this rank's own state as the boundary of step ``step`` (see :mod:`~trainguard.rejoin.boundary`)."""
         self.rejoin.keep({"step": step, **self.train_state.state_dict(LOCAL_PARTS)})
 
-    def _keep_before_last_bucket(self, step: int) -> None:
-        """DDP is about to send step ``step``'s last gradient bucket: keep this rank's own state as
-        its boundary (after the send a peer may complete the step)."""
-        if self.rejoin.keeping and self.rejoin.failure is None and self.rejoin.boundary.step != step:
+    def keep_before_last_bucket(self, step: int) -> None:
+        """DDP's hook or ``guard.run_step`` is about to send step ``step``'s last gradient bucket:
+        keep this rank's own state as its boundary, since after the send a peer may complete the
+        step (``should_step`` runs no collective when the detectors' values ride in that bucket).
+        Kept again when the bucket is sent again (``run_step``'s retry after out-of-memory)."""
+        if self.rejoin.keeping and self.rejoin.failure is None:
             self.keep_boundary(step)
 
     def bucket_layout(self) -> Optional[list[list[int]]]:

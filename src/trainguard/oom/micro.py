@@ -124,6 +124,10 @@ class MicroBatcher:
         faults: injected ``oom`` / ``slow_rank`` faults.
         straggler: times the compute of each step.
         rank, world_size: this rank and the group size.
+        fold: the detectors' values carried in the last gradient bucket (:mod:`trainguard.instability.fold`).
+        before_last_bucket: called with the step just before that bucket is sent, when ``fold``
+            rides in it (in-process recovery keeps the step boundary there: a peer may complete
+            the step once it is sent).
 
     Attributes:
         size: samples per micro-batch (``None`` until the first batch: the whole batch, or
@@ -142,9 +146,11 @@ class MicroBatcher:
         rank: int,
         world_size: int,
         fold: Optional[LossFold] = None,
+        before_last_bucket: Optional[Callable[[int], None]] = None,
     ):
         self.cfg, self.model, self.events, self.faults, self.straggler = cfg, model, events, faults, straggler
         self.rank, self.world_size, self.fold = rank, world_size, fold
+        self.before_last_bucket = before_last_bucket
         self._step = 0  # the step run() is in (the fold's values are that step's)
         self.ddp = isinstance(model, DistributedDataParallel)
         self.sync: Optional[GradSync] = None  # created by the first run_step (its buffers take the gradients' size)
@@ -201,7 +207,7 @@ class MicroBatcher:
                 self.rank,
                 self.world_size,
                 int(self.cfg.bucket_mb * 2**20),
-                (fold.size, lambda buf: fold.extra(self._step, buf)) if fold is not None else None,
+                (fold.size, self._last_bucket) if fold is not None else None,
             )
         self._maybe_grow(step, n)
         while True:
@@ -328,6 +334,12 @@ class MicroBatcher:
             backoff=backoff,
             cleanup_seconds=round(cleanup_seconds, 4),
         )
+
+    def _last_bucket(self, buffer: torch.Tensor) -> Optional[torch.Tensor]:
+        """The fold's values for the last bucket of the step in progress, after ``before_last_bucket``."""
+        if self.before_last_bucket is not None:
+            self.before_last_bucket(self._step)
+        return self.fold.extra(self._step, buffer)  # type: ignore[union-attr]
 
     def _maybe_grow(self, step: int, n: int) -> None:
         if not self.cfg.grow or self.size >= n or self.clean < self.wait:
