@@ -84,7 +84,7 @@ def test_batch_fetched_after_step_end_is_reported(tmp_path):
         "30",
         "--prefetch",
         "after_step_end",
-        settings=("checkpoint.interval=10",),
+        settings=("checkpoint.interval=10", "checkpoint.async_save=false"),  # step 20 committed before the kill
         inject="rank_killed:rank=1,step=25",
     )
     assert finish(proc) == 0, log_of(run)[-3000:]
