@@ -27,7 +27,8 @@ def test_a_killed_rank_resumes_from_the_local_shards_bitwise(tmp_path):
     proc = fsdp2(run, *local, extra=("--inject", "rank_killed:rank=1,step=37"))
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
     resume = events(run, "resume")[-1]["details"]
-    assert resume["tier"] == "local" and resume["from_step"] == 35, resume
+    # local saves run in the background: step 35's may still be in flight when rank 1 dies at 37
+    assert resume["tier"] == "local" and resume["from_step"] in (30, 35), resume
     assert final_hash(run) == final_hash(clean)
 
 

@@ -57,7 +57,11 @@ def test_sigterm_saves_requeues_and_relaunch_is_bitwise_identical(tmp_path, clea
 def test_sigkill_of_one_rank_restarts_group_and_matches_clean_run(tmp_path, clean_hash):
     run = tmp_path / "run"
     proc = launch(run, f"train.max_steps={STEPS}", "checkpoint.interval=10")
-    wait_for(lambda: logged_step(run) >= 45, what="step 45")
+    # saves run in the background: wait for step 40's commit itself, not for a step number after it
+    wait_for(
+        lambda: logged_step(run) >= 45 and 40 in [e["step"] for e in events(run, "checkpoint_committed")],
+        what="step 45 with step 40's checkpoint committed",
+    )
     pids = events(run, "workers_started")[-1]["details"]["pids"]
     os.kill(int(pids["1"]), signal.SIGKILL)
     assert finish(proc) == 0

@@ -150,7 +150,7 @@ class CheckpointSection(Section):
         "auto",
         description="scheduled saves copy the state to host memory and write it in the background "
         "while training goes on (stop and final saves are always synchronous); 'auto': so, except where "
-        "a framework writes its own checkpoint files (Lightning, Hugging Face), and a save whose "
+        "a framework writes its own checkpoint files (the Hugging Face Trainer), and a save whose "
         "parameters or optimizer states were changed in place during the copy is not committed and "
         "turns later saves synchronous; true: always (an error where impossible); false: never",
     )

@@ -119,7 +119,8 @@ class BoundaryState:
 
     On disk, two slot files opened once: a boundary is one ``pwrite`` of a header and the state
     into the slot that does not hold the boundary kept before it (no open, rename or second
-    encoding per step: 10 µs instead of 45; ``benchmarks/inprocess_overhead.py``). A rank killed
+    encoding per step: about 37 µs per kept boundary in all, encoding included;
+    ``benchmarks/boundary_keep.py``). A rank killed
     in the middle of that write leaves a slot whose CRC does not match: empty to :func:`read`,
     which still finds the boundary before it in the other slot.
 
