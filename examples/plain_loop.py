@@ -5,7 +5,7 @@ broadcasts a seed from rank 0 and waits at a barrier before its loop, calls ``lo
 all-reduces its loss for logging. Every line of trainguard in it is the README's; it gets
 in-process recovery as it is (tests/test_any_loop.py, benchmarks/plain_loop_kills.py)::
 
-    trainguard run --nproc-per-node 2 --run-dir runs/plain examples/plain_loop.py --set recovery.in_process=true
+    trainguard run --nproc-per-node 2 --run-dir runs/plain examples/plain_loop.py   # in-process recovery is on by default
 
 Rank 0 prints ``step N/M loss L``.
 """

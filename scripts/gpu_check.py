@@ -132,6 +132,53 @@ def ddp_hook_cuda() -> bool:
     return same and len(calls) == 3
 
 
+def version_check_cuda(run_dir: str) -> bool:
+    """A background save (``async_save = "auto"``) of CUDA parameters and Adam states: committed when
+    nothing changes them before ``optimizer.step()``; refused on every rank (here one) when a
+    parameter is changed in place between the snapshot and the copy (its ``_version`` counter), the
+    next save then synchronous and committed."""
+    import threading
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from trainguard.checkpoint.checkpointer import CHANGED_DURING_COPY, Checkpointer
+    from trainguard.events import EventLog
+    from trainguard.sections import CheckpointSection
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ok = True
+    for edit in (False, True):
+        root = Path(run_dir) / f"versions-{int(edit)}"
+        root.mkdir(parents=True, exist_ok=True)
+        model = torch.nn.Linear(1024, 1024).cuda()
+        opt = torch.optim.Adam(model.parameters())
+        model(torch.ones(8, 1024, device="cuda")).sum().backward()
+        opt.step()
+        ckpt = Checkpointer(CheckpointSection(interval=1), root, EventLog(root, 0), model, opt, 0, 1)
+        hold = threading.Event()
+        ckpt.pool.submit(hold.wait)  # the copy starts only after the edit
+        ckpt.save(1, "interval", ("persistent",), {"step": 1}, blocking=False)
+        if edit:
+            with torch.no_grad():
+                model.weight.mul_(2)
+        hold.set()
+        opt.step()
+        result = ckpt.wait()
+        refused = result.error is not None and CHANGED_DURING_COPY in result.error
+        again = ckpt.save(2, "interval", ("persistent",), {"step": 2}, blocking=False)
+        ckpt.wait()
+        steps = [c.step for c in ckpt.store.committed()]
+        print(
+            f"async save (cuda){' with an in-place edit' if edit else ''}: refused={refused}, "
+            f"committed {steps}, next save synchronous={again is not None}"
+        )
+        ok &= refused == edit and steps == ([2] if edit else [1, 2])
+        ckpt.close()
+    dist.destroy_process_group()
+    return ok
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device; nothing to check")
@@ -164,6 +211,7 @@ def main() -> int:
 
     ok &= nccl_rebuild()
     ok &= ddp_hook_cuda()
+    ok &= version_check_cuda(sys.argv[1])
     nccl_abort()  # reported, not required: what NCCL's abort does here is the finding
 
     cfg = trainguard.Config()
