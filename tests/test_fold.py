@@ -20,6 +20,7 @@ from trainguard.instability import fold as fold_module
 from trainguard.instability.detect import Detector
 from trainguard.instability.fold import LossFold
 from trainguard.rejoin.catch import CATCH, DDPHook
+from trainguard.sdc.replicas import chunks, fingerprint_tensor, from_chunks
 from trainguard.sections import InstabilitySection
 
 STEPS = 8
@@ -216,10 +217,11 @@ def test_the_stop_flags_in_the_bucket_are_the_checks_max_or_none_on_every_rank(n
 
 @pytest.mark.parametrize("shape", ["backward", "run_step"])
 def test_the_readme_loop_runs_no_collective_of_trainguards_own_in_its_steps(tmp_path, shape):
-    """2 ranks, the stop check every 5 steps (steps 1, 6, 11, ...), no interval save, the replica
-    check and the straggler report out of the way: after step 1 (which all-reduces the detectors'
-    values: no rank has matched yet) no step calls a collective of trainguard's own, on either
-    rank, though the stop check runs every 5 steps; the save switch that rank 0 creates after step
+    """2 ranks, the stop check every 5 steps (steps 1, 6, 11, ...), the replica check every 5 steps
+    (5, 10, ...: its fingerprints ride in the next step's bucket), no interval save, the straggler
+    report out of the way: after step 1 (which all-reduces the detectors' values: no rank has
+    matched yet) no step calls a collective of trainguard's own, on either rank, though both checks
+    run every 5 steps; the save switch that rank 0 creates after step
     31 is found by the next check, at step 36, which saves: the flags that rode in the bucket
     arrived. The same with ``guard.run_step`` (its own gradient buckets carry the values). (The
     worker's counts are keyed by the index ``steps()`` yields: step number - 1.)"""
@@ -229,7 +231,7 @@ def test_the_readme_loop_runs_no_collective_of_trainguards_own_in_its_steps(tmp_
         "worker.save_at=30",
         "stop.check_interval=5",
         "checkpoint.interval=1000000",
-        "sdc.check_interval=1000000",
+        "sdc.check_interval=5",
         "straggler.enabled=false",
         f"worker.run_step={str(shape == 'run_step').lower()}",
     )
@@ -243,3 +245,43 @@ def test_the_readme_loop_runs_no_collective_of_trainguards_own_in_its_steps(tmp_
         assert len(own) == 34 and not any(own.values()), own
     saves = [e for e in events(run, "checkpoint_committed") if e["details"]["reason"] == "save_switch"]
     assert [e["step"] for e in saves] == [36], saves
+    assert not events(run, "sdc_mismatch") and not events(run, "sdc_check_off")
+
+
+fingerprints64 = st.integers(-(1 << 63), (1 << 63) - 1)
+
+
+@given(value=fingerprints64)
+def test_a_fingerprint_in_three_float32_chunks_comes_back_exactly(value):
+    parts = chunks(torch.tensor(value))
+    assert all(0 <= c < 1 << 24 for c in parts.tolist())
+    assert from_chunks(parts.float().tolist()) == value
+
+
+@given(sums=st.lists(st.integers(-(1 << 62), 1 << 62), min_size=1, max_size=6))
+def test_the_fingerprint_wraps_modulo_2_64_as_the_exact_sum_does(sums):
+    """Parameters whose integer sums come near ±2⁶²: the on-device ``int64`` total is the exact
+    sum modulo 2⁶⁴ (two's complement), as the fingerprint's definition says."""
+    params = [torch.tensor([s], dtype=torch.int64).view(torch.float64) for s in sums]
+    exact = sum(sums) % (1 << 64)
+    assert int(fingerprint_tensor(params)) == (exact - (1 << 64) if exact >= 1 << 63 else exact)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(2, 4), sent=st.lists(st.one_of(st.none(), fingerprints64), min_size=4, max_size=4))
+def test_the_replica_fingerprints_in_the_bucket_are_every_ranks_or_none_on_every_rank(n, sent):
+    """Each rank carries the fingerprint stashed at the step before, or none. Every rank gets the
+    same answer: every rank's fingerprint exactly (by rank) when all sent one, else ``None`` (the
+    caller all-reduces)."""
+    sent = sent[:n]
+    folds = [LossFold(r, n) for r in range(n)]
+    for fold, fp in zip(folds, sent):
+        fold.fingerprint_source = lambda step, fp=fp: torch.tensor(fp) if fp is not None and step == 8 else None
+    total = torch.stack([fold.extra(8, torch.zeros(3)) for fold in folds]).sum(0)
+    answers = []
+    for fold in folds:
+        fold.reduced(8, total.clone())
+        answers.append(fold.fingerprints(8))
+        assert fold.fingerprints(9) is None
+    assert all(a == answers[0] for a in answers), answers
+    assert answers[0] == (None if None in sent else sent)

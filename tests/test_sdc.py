@@ -199,9 +199,9 @@ def clean3(tmp_path_factory) -> str:
 def test_a_flipped_bit_in_one_replica_is_found_and_rolled_back_to_a_clean_result(tmp_path, clean3):
     """(A clean 3-rank run finds no mismatch in its 5 checks: ``clean3``.) One bit of rank 1's
     first parameter flipped after step 55: the check at step 60 names rank 1 (its replica alone
-    differs; they agreed at step 40), every rank reloads the checkpoint of step 40 in-process, the
-    checkpoint of step 50 is set aside, the re-run agrees at step 60 (transient), and the run ends
-    bitwise equal to the clean one."""
+    differs; they agreed at step 40) when step 61's gradient bucket brings the fingerprints, every
+    rank reloads the checkpoint of step 40 in-process, the checkpoints of steps 50 and 60 are set
+    aside, the re-run agrees at step 60 (transient), and the run ends bitwise equal to the clean one."""
     run = tmp_path / "run"
     code = finish(_launch3(run, "sdc.check_interval=20", inject="sdc:rank=1,step=55"))
     assert code == 0, Path(f"{run}.log").read_text()[-3000:]
@@ -212,9 +212,9 @@ def test_a_flipped_bit_in_one_replica_is_found_and_rolled_back_to_a_clean_result
     (verdict,) = events(run, "sdc_rerun")  # the re-run of steps 41-60 agreed: a transient fault
     assert verdict["step"] == 60 and verdict["details"]["verdict"] == "transient" and verdict["details"]["ranks"] == [1]
     (rb,) = events(run, "sdc_rollback")
-    assert rb["details"]["from_step"] == 60 and rb["details"]["to_step"] == 40
+    assert rb["details"]["from_step"] == 61 and rb["details"]["to_step"] == 40  # the verdict came at step 61
     aside = sorted(p.name for p in (run / "checkpoints").glob(".rolledback-*"))
-    assert [n.split("-")[2] for n in aside] == ["00000050"], aside  # 60's save comes after its check: never made
+    assert [n.split("-")[2] for n in aside] == ["00000050", "00000060"], aside  # 60's save came before the verdict
     assert "silent data corruption: the replicas of ranks [1] differ at step 60" in Path(f"{run}.log").read_text()
     assert not events(run, "group_restart")
     assert final_hash(run) == clean3

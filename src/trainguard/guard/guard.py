@@ -343,6 +343,7 @@ class Guard:
         if self.world_size > 1:  # the detectors' values ride in DDP's first gradient bucket (instability.fold)
             if self.inprocess.hook_ddp(lambda: self.step + 1, self.recovery.fold, self._inject_at_backward):
                 self.recovery.fold.stop_source = self._stop_flags_to_fold
+                self.recovery.fold.fingerprint_source = self.sdc.carry  # the replica check rides too
         if self.rejoin.active:
             self.inprocess.catch_collectives(lambda: self.step + 1)
             check_shrinkable(cfg.elastic.min_ranks, self.world_size, self.sampler, self.ckpt.local is not None)
@@ -660,7 +661,7 @@ class Guard:
             raise health.PeerLostError(self.ping.failed)
         for h in self.hooks:
             h.on_step_end(self, self.step, loss)
-        if self.sdc.due(self.step) and self._replicas_differ():
+        if self._replicas_differ():
             return  # rolled back: steps() yields the checkpoint's step next
         self._saved(self.ckpt.poll())  # finalize a background save that has finished (before its known-good verdict)
         if self.rank == 0:
@@ -784,6 +785,7 @@ class Guard:
         """Load ``target`` into this process (a rollback; a collective): every replica holds the same state again."""
         self.step = self.resumer.reload(target, why)
         self.sdc.last_good = self.step
+        self.sdc.forget()
         self.reruns.forget()
 
     def _roll_back(self, rb: Rollback) -> None:
@@ -804,6 +806,8 @@ class Guard:
     def _finish(self) -> None:
         if self.rejoin.failure is not None:  # lost after the last step's update (a framework's loop)
             self._recover(redo=False)
+        if self.sdc.pending is not None:  # the last step's replica check: no next bucket carries it
+            self._settle_replicas(None)
         if self.cfg.checkpoint.save_final:
             self.save("final")
         self._saved(self.ckpt.close())
@@ -870,6 +874,7 @@ class Guard:
             met = self.inprocess.recover(self._place(), redo, take_completed)
             self._take(met)
             self.reruns.forget()  # a replacement knows of no re-run in progress
+            self.sdc.forget()  # nor of a replica check stashed at the step before
         self.shutdown.deadline_timer.cancel()  # armed by the ping's failure
 
     def _recover_after_update(self) -> None:
@@ -885,6 +890,7 @@ class Guard:
             self._stop_ping()  # a collective on the old group, at the same point on every rank
             self._saved(self.ckpt.wait())
             self._take(self.inprocess.grow(number, self._place()))
+            self.sdc.forget()  # the newcomers stashed no replica check
 
     def _join(self) -> None:
         """A replacement of a lost rank (or a newcomer) starts here instead of resuming (:meth:`InProcess.join`)."""
@@ -899,17 +905,32 @@ class Guard:
         self._t_last = time.perf_counter()
 
     def _replicas_differ(self) -> bool:
-        """The silent-data-corruption check of this step (a collective, see :mod:`trainguard.sdc.replicas`);
-        ``True`` when the rest of the step boundary is skipped: it rolled back (the step counter
-        is the checkpoint's), or a peer was lost in it and replaced in-process."""
+        """The silent-data-corruption replica check at this boundary (see :mod:`trainguard.sdc.replicas`):
+        the verdict on the check stashed at the step before, whose fingerprints rode in this step's
+        first DDP bucket; then, on a check step, this step's fingerprint stashed for the next
+        step's bucket (with the DDP hook) or compared at once (an all-reduce). ``True`` when the
+        rest of the step boundary is skipped: it rolled back (the step counter is the
+        checkpoint's), or a peer was lost in it and replaced in-process."""
+        if self.sdc.pending is not None and self._settle_replicas(self.recovery.fold.fingerprints(self.step)):
+            return True
+        if not self.sdc.due(self.step):
+            return False
+        self.sdc.stash(self.step)
+        if self.recovery.fold.fingerprint_source is not None:
+            return False  # compared at the next step boundary, in that step's first bucket
+        return self._settle_replicas(None)
+
+    def _settle_replicas(self, carried: Optional[list[int]]) -> bool:
+        """Judge the stashed replica check (``carried``: every rank's fingerprint from a gradient
+        bucket; ``None``: an all-reduce, a collective) and act on it; ``True`` as :meth:`_replicas_differ`."""
         try:
-            m = self.sdc.check(self.step)
+            step, m = self.sdc.settle(carried)
         except Exception as e:
             if not self.rejoin.caught(e, "sdc_check", self.step):
                 raise
             self._recover_after_update()  # the step is complete: the next check compares the replicas
             return True
-        action = self.sdc_response.judge(self.step, m, self.hosts)
+        action = self.sdc_response.judge(step, m, self.hosts)
         if action is None:
             return False
         self._act_on_sdc(action)
@@ -1112,6 +1133,8 @@ class Guard:
             )
         elif reason == "memory":
             details.update(limits=self.cfg.memory.model_dump(exclude_none=True))
+        if self.sdc.pending is not None:  # this step's replica check, before its state is saved
+            self._settle_replicas(None)
         self._emit0("stop_requested", **details)
         if self.rank == 0:
             why = f"{reason} {details['signal']}" if reason == "signal" else reason

@@ -2,13 +2,14 @@
 
 :class:`~trainguard.instability.detect.Detector` needs, per step, every rank's loss. With a DDP
 model they ride in an all-reduce the step runs anyway: trainguard's communication hook
-(:class:`~trainguard.rejoin.catch.DDPHook`) appends ``2 × world_size + 9`` values to the *first*
+(:class:`~trainguard.rejoin.catch.DDPHook`) appends ``5 × world_size + 10`` values to the *first*
 bucket it sends (DDP caps that bucket at 1 MiB, so the copy is small; the forward, hence the loss,
 is done by then) and hands the reduced values back here::
 
     [loss in rank 0's slot, ..., loss in rank n-1's slot, 1 (a loss was noted), 1 (last step matched),
      1 (stop flags sent), signal, kill switch, time limit, memory, save switch, grow,
-     next check interval in rank 0's slot, ..., in rank n-1's slot]
+     next check interval in rank 0's slot, ..., in rank n-1's slot,
+     1 (a replica fingerprint sent), rank 0's fingerprint in 3 chunks, ..., rank n-1's in 3 chunks]
 
 The second line and the slots after it are the stop check's flags (:class:`~trainguard.stop.conditions.StopFlags`)
 on the steps where it is due (the step is agreed by every rank): the 0/1 flags summed (more than
@@ -16,6 +17,11 @@ on the steps where it is due (the step is agreed by every rank): the 0/1 flags s
 interval per rank (its maximum is taken). With them the stop check needs no all-reduce either
 (:meth:`LossFold.stop_flags`). They are this rank's flags when its backward starts, not at the
 step's end: a signal that comes later in the step is seen at the next check.
+
+The last line is the silent-data-corruption replica check's (:class:`~trainguard.sdc.replicas.ReplicaCheck`)
+at the step after a check step: each rank's parameter fingerprint read at the check step, a
+64-bit integer cut into three integers below 2²⁴ (exact in float32), in its own slots
+(:meth:`LossFold.fingerprints`). With them the replica check needs no all-reduce either.
 
 Each rank writes its loss into its own slot and zeros elsewhere, so the sum is every rank's loss
 exactly, NaN and infinity included (``x + 0 = x``): the same values, bit for bit, as the
@@ -56,6 +62,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import console
+from ..sdc.replicas import chunks, from_chunks
 
 _original_backward: Optional[Callable[..., Any]] = None
 _noted: Optional[tuple[weakref.ref, float]] = None  # the last 0-dim tensor backward() ran on, its loss factor
@@ -121,6 +128,7 @@ class LossFold:
         self._sent: Optional[tuple[int, Optional[torch.Tensor]]] = None  # (step, the loss folded)
         self._host: Optional[tuple[int, list[float]]] = None  # (step, the summed values on the host)
         self.stop_source: Optional[Callable[[int], Optional[list[int]]]] = None  # this rank's packed stop flags
+        self.fingerprint_source: Optional[Callable[[int], Optional[torch.Tensor]]] = None  # its replica fingerprint
         self._reduced: Optional[tuple[int, torch.Tensor]] = None  # (step, the summed values)
         self._matched = False  # at the last step taken, should_step's loss was the one folded
         self._mine = False  # this step's should_step loss is the one folded
@@ -130,8 +138,8 @@ class LossFold:
 
     @property
     def size(self) -> int:
-        """Values appended to the first bucket (see the module doc): ``2 × world size + 9``."""
-        return 2 * self.world_size + 9
+        """Values appended to the first bucket (see the module doc): ``5 × world size + 10``."""
+        return 5 * self.world_size + 10
 
     def renumber(self, rank: int, world_size: int) -> None:
         """This rank is ``rank`` of ``world_size`` from now on; the next step all-reduces (no rank
@@ -170,6 +178,11 @@ class LossFold:
         if flags is not None:  # StopFlags.pack(): 5 flags, next_interval, grow
             values[n + 2 : n + 9] = torch.tensor([1, *flags[:5], flags[6]], dtype=values.dtype)
             values[n + 9 + self.rank] = flags[5]
+        fp = self.fingerprint_source(step) if self.fingerprint_source is not None else None
+        if fp is not None:
+            at = 2 * n + 10 + 3 * self.rank
+            values[2 * n + 9] = 1.0
+            values[at : at + 3] = chunks(fp).to(device=values.device, dtype=values.dtype)
         return values
 
     def reduced(self, step: int, values: torch.Tensor) -> None:
@@ -219,19 +232,35 @@ class LossFold:
         if self._taken == 2 and self.rank == 0:
             console.say(f"should_step() all-reduces the detectors' values once a step: {why}")
 
+    def _values(self, step: int) -> Optional[list[float]]:
+        """Step ``step``'s summed values on the host (a device→host copy only where ``should_step``
+        did not make one), ``None`` when its bucket carried none."""
+        if self._host is not None and self._host[0] == step and self._host[1]:
+            return self._host[1]
+        if self._reduced is not None and self._reduced[0] == step and self._reduced[1].numel() == self.size:
+            self._host = (step, self._reduced[1].tolist())
+            return self._host[1]
+        return None
+
     def stop_flags(self, step: int) -> Optional[list[int]]:
         """The stop check of step ``step`` from its first bucket: ``StopFlags.pack()`` order,
         combined over the ranks as the check's all-reduce (max) would; ``None`` when not every rank
         sent its flags in it (no bucket this step, or a rank that wanted the all-reduce: the same
-        answer on every rank). A device→host copy only where ``should_step`` did not make one."""
-        if self._host is not None and self._host[0] == step and self._host[1]:
-            values = self._host[1]
-        elif self._reduced is not None and self._reduced[0] == step and self._reduced[1].numel() == self.size:
-            values = self._reduced[1].tolist()
-        else:
+        answer on every rank)."""
+        values = self._values(step)
+        if values is None:
             return None
         n = self.world_size
         if values[n + 2] != n:
             return None
         flags = [int(v > 0) for v in values[n + 3 : n + 8]]
         return [*flags, int(max(values[n + 9 : 2 * n + 9])), int(values[n + 8])]
+
+    def fingerprints(self, step: int) -> Optional[list[int]]:
+        """Every rank's replica fingerprint (by rank) carried in step ``step``'s first bucket, or
+        ``None`` when not every rank sent one (no bucket this step: the same answer on every rank)."""
+        values = self._values(step)
+        n = self.world_size
+        if values is None or values[2 * n + 9] != n:
+            return None
+        return [from_chunks(values[2 * n + 10 + 3 * r : 2 * n + 13 + 3 * r]) for r in range(n)]

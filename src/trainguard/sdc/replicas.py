@@ -6,14 +6,16 @@ makes one replica differ, silently: no error, no NaN, and the replicas never agr
 synchronizes gradients, not parameters).
 
 Every ``[sdc] check_interval`` steps, at the step boundary, each rank computes a **fingerprint**
-of its parameters and the ranks compare them in one small all-reduce (:class:`ReplicaCheck`):
+of its parameters and the ranks compare them (:class:`ReplicaCheck`): in the next step's first
+DDP gradient bucket where trainguard's DDP hook carries the detectors' values (no collective of
+its own; the verdict then comes at the next step boundary), else in one small all-reduce:
 
 * the fingerprint is exact, not a float sum: each parameter's bytes are read as integers
   (``int32`` for 4-byte floats, ``int16`` for 2-byte ones, ``int64``/``uint8`` otherwise) and
   summed into an ``int64`` on the parameter's device (wrapping, so exact modulo 2⁶⁴). Flipping any
   one bit changes one element by ±2ᵏ, hence the sum: a single flipped bit is always seen;
-* the compare is one all-reduce (max) of a vector holding each rank's fingerprint in its slot, so
-  every rank sees all of them; the value most ranks hold is the good one and the others are named
+* the compare sees a vector holding each rank's fingerprint in its slot (an all-reduce (max), or
+  three exact float32 chunks per rank in the gradient bucket's sum), so every rank sees all of them; the value most ranks hold is the good one and the others are named
   (with 2 ranks there is no majority: both are named);
 * cost: one read of the parameters per check and one all-reduce of ``world_size`` integers:
   7.5 ms for the example GPT's 3.3 M parameters on one CPU thread, against its 0.57 s step under
@@ -49,17 +51,51 @@ INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _WRAP = 1 << 64
 
 
-def fingerprint(params: Iterable[torch.Tensor]) -> int:
-    """Exact fingerprint of ``params``: the wrapped sum of their bytes read as integers, as a signed
-    64-bit value (see the module doc). Equal tensors give equal values on every device."""
-    total = 0
+def fingerprint_tensor(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Exact fingerprint of ``params`` as a 0-dim ``int64`` tensor on their device, with no
+    device→host copy (parameters on several devices: summed on the CPU): the sum of their bytes
+    read as integers, modulo 2⁶⁴: ``int64`` addition wraps (two's complement) on the CPU and CUDA,
+    which is the definition (see the module doc; tested against the exact sum)."""
+    sums: dict[torch.device, list[torch.Tensor]] = {}
     for p in params:
         t = p.detach()
         if t.numel() == 0:
             continue
         ints = t.contiguous().view(-1).view(INT_VIEW[t.element_size()])
-        total = (total + int(ints.sum(dtype=torch.int64))) % _WRAP
-    return total - _WRAP if total >= 1 << 63 else total
+        sums.setdefault(t.device, []).append(ints.sum(dtype=torch.int64))
+    totals = [torch.stack(on_device).sum() for on_device in sums.values()]
+    if len(totals) == 1:
+        return totals[0]
+    return torch.stack([t.cpu() for t in totals]).sum() if totals else torch.zeros((), dtype=torch.int64)
+
+
+def fingerprint(params: Iterable[torch.Tensor]) -> int:
+    """:func:`fingerprint_tensor` as a (signed 64-bit) Python int: equal tensors give equal values
+    on every device."""
+    return int(fingerprint_tensor(params))
+
+
+CHUNK_BITS = (22, 22, 20)  # a fingerprint's 64 bits as three integers below 2**24: exact in float32
+
+
+def chunks(value: torch.Tensor) -> torch.Tensor:
+    """A 0-dim ``int64`` fingerprint as three non-negative integers below 2²⁴ (``int64``, on its
+    device, no host copy), low bits first, so that it rides exactly in a float32 gradient bucket
+    (:mod:`trainguard.instability.fold`); :func:`from_chunks` puts it back together."""
+    out, shift = [], 0
+    for bits in CHUNK_BITS:
+        out.append((value >> shift) & ((1 << bits) - 1))
+        shift += bits
+    return torch.stack(out)
+
+
+def from_chunks(parts: Iterable[float]) -> int:
+    """The signed 64-bit fingerprint that :func:`chunks` cut into ``parts``."""
+    u, shift = 0, 0
+    for c, bits in zip(parts, CHUNK_BITS):
+        u |= int(c) << shift
+        shift += bits
+    return u - _WRAP if u >= 1 << 63 else u
 
 
 def flip_bit(t: torch.Tensor, index: int = 0, bit: int = 20) -> None:
@@ -99,7 +135,14 @@ class Mismatch:
 
 
 class ReplicaCheck:
-    """Compares the replicas' parameter fingerprints every ``check_interval`` steps (a collective).
+    """Compares the replicas' parameter fingerprints every ``check_interval`` steps.
+
+    Two ways, the same verdicts: :meth:`check` compares at once (an all-reduce of its own); or
+    :meth:`stash` notes this rank's fingerprint at the check step and :meth:`settle` compares it at
+    the next step boundary, with every rank's fingerprint carried in that step's first DDP gradient
+    bucket (:meth:`carry`, :mod:`trainguard.instability.fold`), or by the same all-reduce where the
+    bucket did not carry them. The parameters are read at the check step either way; only the
+    verdict comes one step later (after that step's update).
 
     Args:
         cfg: the ``[sdc]`` section.
@@ -113,6 +156,7 @@ class ReplicaCheck:
         self.last_good = 0
         self.suspect: Optional[Mismatch] = None  # the mismatch whose window is being re-run
         self.values: list[int] = []  # every rank's fingerprint at the latest check
+        self.pending: Optional[tuple[int, torch.Tensor]] = None  # (check step, this rank's fingerprint) to settle
         why = self._why_off(events)
         self.active = why is None
 
@@ -121,7 +165,7 @@ class ReplicaCheck:
         :mod:`trainguard.rejoin.shrink`)."""
         self.rank, self.world_size = rank, world_size
         self.active = self.active and world_size > 1  # one rank left: no replica to compare with
-        self.values = []
+        self.values, self.pending = [], None
 
     def _why_off(self, events: EventLog) -> Optional[str]:
         if self.cfg.check_interval == 0:
@@ -140,21 +184,55 @@ class ReplicaCheck:
         return self.active and step % self.cfg.check_interval == 0
 
     def check(self, step: int) -> Optional[Mismatch]:
-        """Compare the fingerprints (a collective: call on every rank at the same step).
+        """Compare the fingerprints now (a collective: call on every rank at the same step).
 
         Returns:
             ``None`` when every replica agrees (``last_good`` becomes ``step``), else the
             :class:`Mismatch` (the same on every rank).
         """
-        mine = fingerprint(self.model.parameters())
-        slots = [-(1 << 63)] * self.world_size
-        slots[self.rank] = mine
-        values = self.values = [int(v) for v in tgdist.all_reduce_max(slots)]
+        self.stash(step)
+        return self.settle(None)[1]
+
+    def stash(self, step: int) -> None:
+        """Read this rank's fingerprint at check step ``step`` (no collective); :meth:`settle`
+        compares it."""
+        self.pending = (step, fingerprint_tensor(self.model.parameters()))
+
+    def forget(self) -> None:
+        """Drop a stashed fingerprint unsettled: the state moved elsewhere on every rank (a rollback,
+        a regrouping whose newcomers hold none). The next check step compares again."""
+        self.pending = None
+
+    def carry(self, step: int) -> Optional[torch.Tensor]:
+        """The fingerprint (0-dim ``int64``, on the parameters' device) to carry in step number
+        ``step``'s first gradient bucket: the one stashed at the step before it, else ``None``.
+        (Called from the DDP hook, in the backward.)"""
+        pending = self.pending
+        return pending[1] if pending is not None and pending[0] == step - 1 else None
+
+    def settle(self, carried: Optional[list[int]]) -> tuple[int, Optional[Mismatch]]:
+        """Compare the stashed fingerprints: ``carried`` holds every rank's (by rank) where a
+        gradient bucket brought them; ``None``: an all-reduce of its own (a collective: every rank
+        then calls it at the same point, as every rank stashed at the same step).
+
+        Returns:
+            ``(check step, mismatch)``: as :meth:`check` for that step.
+        Raises:
+            RuntimeError: ``settle`` with nothing stashed.
+        """
+        if self.pending is None:
+            raise RuntimeError("ReplicaCheck.settle(): no fingerprint stashed")
+        (step, mine), self.pending = self.pending, None
+        if carried is None:
+            slots = [-(1 << 63)] * self.world_size
+            slots[self.rank] = int(mine)
+            carried = tgdist.all_reduce_max(slots)
+        values = self.values = [int(v) for v in carried]
         ranks = odd_ones_out(values)
         if not ranks:
             self.last_good = step
-            return None
-        return Mismatch(step, self.last_good, ranks, values)
+            return step, None
+        return step, Mismatch(step, self.last_good, ranks, values)
 
     def verdict(self, step: int, mismatch: Optional[Mismatch]) -> Optional[str]:
         """After a check at ``step`` (``mismatch`` its result): ``"transient"`` or ``"persistent"``
