@@ -9,7 +9,7 @@ same loop without trainguard. Rank 0 writes ``OUT`` (JSON): the wall time of eac
 during them (a collective whose nearest caller outside ``torch`` is trainguard's code and that is
 not DDP's bucket all-reduce in trainguard's communication hook).
 
-    trainguard run --nproc-per-node 2 benchmarks/_step_worker.py --out R.json [--guard] [--pad-ms 5]
+    trainguard run --nproc-per-node 2 benchmarks/_step_worker.py --out R.json [--guard] [--pad-ms 5] [--profile P]
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--pad-ms", type=float, default=0.0)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--profile", default=None, help="rank 0 writes cProfile stats of its timed steps here")
     args, _ = p.parse_known_args()
     for name in COUNTED:  # before the Guard wraps them (in-process recovery's catching)
         fn = getattr(c10d, name)
@@ -79,9 +80,15 @@ def main() -> None:
     pad = args.pad_ms / 1e3
     times: list[float] = []
 
+    import cProfile
+
+    prof = cProfile.Profile() if args.profile and dist.get_rank() == 0 else None
+
     def timed(step: int, t0: float) -> None:
         if step == args.warmup:
             counting["on"] = True
+            if prof is not None:
+                prof.enable()
         if step > args.warmup:
             times.append(time.perf_counter() - t0)
 
@@ -115,6 +122,9 @@ def main() -> None:
             time.sleep(pad)
             timed(step, t0)
             t0 = time.perf_counter()
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(args.profile)
     if rank == 0:
         Path(args.out).write_text(json.dumps({"times": times, "own_collectives": counting["own"]}))
     dist.destroy_process_group()
