@@ -167,21 +167,21 @@ class LossFold:
         if bucket.dtype != torch.float32:
             return None
         n = self.world_size
-        values = torch.zeros(self.size, dtype=bucket.dtype, device=bucket.device)
-        if noted is not None:
+        host = [0.0] * self.size  # what the host knows, in one copy to the bucket's device
+        host[n], host[n + 1] = float(noted is not None), float(self._matched)
+        flags = self.stop_source(step) if self.stop_source is not None else None
+        if flags is not None:  # StopFlags.pack(): 5 flags, next_interval, grow
+            host[n + 2 : n + 9] = [1, *flags[:5], flags[6]]
+            host[n + 9 + self.rank] = flags[5]
+        fp = self.fingerprint_source(step) if self.fingerprint_source is not None else None
+        host[2 * n + 9] = float(fp is not None)
+        values = torch.tensor(host, dtype=bucket.dtype, device=bucket.device)
+        if noted is not None:  # device values: no host copy
             loss, factor = noted
             v = loss.detach().to(device=bucket.device, dtype=bucket.dtype)
             values[self.rank] = v if factor == 1.0 else v * factor
-            values[n] = 1.0
-        values[n + 1] = float(self._matched)
-        flags = self.stop_source(step) if self.stop_source is not None else None
-        if flags is not None:  # StopFlags.pack(): 5 flags, next_interval, grow
-            values[n + 2 : n + 9] = torch.tensor([1, *flags[:5], flags[6]], dtype=values.dtype)
-            values[n + 9 + self.rank] = flags[5]
-        fp = self.fingerprint_source(step) if self.fingerprint_source is not None else None
         if fp is not None:
             at = 2 * n + 10 + 3 * self.rank
-            values[2 * n + 9] = 1.0
             values[at : at + 3] = chunks(fp).to(device=values.device, dtype=values.dtype)
         return values
 
