@@ -218,10 +218,10 @@ def test_the_stop_flags_in_the_bucket_are_the_checks_max_or_none_on_every_rank(n
 @pytest.mark.parametrize("shape", ["backward", "run_step"])
 def test_the_readme_loop_runs_no_collective_of_trainguards_own_in_its_steps(tmp_path, shape):
     """2 ranks, the stop check every 5 steps (steps 1, 6, 11, ...), the replica check every 5 steps
-    (5, 10, ...: its fingerprints ride in the next step's bucket), no interval save, the straggler
-    report out of the way: after step 1 (which all-reduces the detectors' values: no rank has
-    matched yet) no step calls a collective of trainguard's own, on either rank, though both checks
-    run every 5 steps; the save switch that rank 0 creates after step
+    (5, 10, ...: its fingerprints ride in the next step's bucket), a straggler report every 10
+    steps, no interval save: after step 1 (which all-reduces the detectors' values: no rank has
+    matched yet) no step calls a collective of trainguard's own, on either rank, though all three
+    run; the save switch that rank 0 creates after step
     31 is found by the next check, at step 36, which saves: the flags that rode in the bucket
     arrived. The same with ``guard.run_step`` (its own gradient buckets carry the values). (The
     worker's counts are keyed by the index ``steps()`` yields: step number - 1.)"""
@@ -232,7 +232,9 @@ def test_the_readme_loop_runs_no_collective_of_trainguards_own_in_its_steps(tmp_
         "stop.check_interval=5",
         "checkpoint.interval=1000000",
         "sdc.check_interval=5",
-        "straggler.enabled=false",
+        "straggler.report_interval_steps=10",
+        "straggler.warmup_steps=2",
+        "straggler.min_samples=3",
         f"worker.run_step={str(shape == 'run_step').lower()}",
     )
     worker = Path(__file__).parent / "collectives_worker.py"
@@ -246,6 +248,41 @@ def test_the_readme_loop_runs_no_collective_of_trainguards_own_in_its_steps(tmp_
     saves = [e for e in events(run, "checkpoint_committed") if e["details"]["reason"] == "save_switch"]
     assert [e["step"] for e in saves] == [36], saves
     assert not events(run, "sdc_mismatch") and not events(run, "sdc_check_off")
+    reports = events(run, "straggler_report")  # the timings arrived: every rank's median is in the report
+    assert len(reports) >= 3 and all(len(r["details"]["worst"]) == 2 for r in reports), reports
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(2, 4),
+    timings=st.lists(
+        st.tuples(st.integers(0, (1 << 24) - 1), st.integers(0, (1 << 24) - 1), st.integers(0, 10_000)),
+        min_size=4,
+        max_size=4,
+    ),
+    missing=st.one_of(st.none(), st.integers(0, 3)),
+)
+def test_the_straggler_timings_in_the_bucket_are_the_all_reduces_max_or_none_on_every_rank(n, timings, missing):
+    """Each rank sends its straggler report's part (``StragglerDetector.pack()``: slowest step,
+    medians and scores in its own slots), or one rank none. Every rank gets the same answer: what
+    the stop check's all-reduce (element-wise max) of the packs gives, exactly, below 2²⁴ µs; else
+    ``None`` (the caller all-reduces)."""
+    packs = []
+    for r, (slowest, median, score) in enumerate(timings[:n]):
+        pack = [slowest] + [0] * (2 * n)
+        pack[1 + r], pack[1 + n + r] = median, score
+        packs.append(pack)
+    folds = [LossFold(r, n) for r in range(n)]
+    for r, fold in enumerate(folds):
+        fold.straggler_source = lambda step, pack=packs[r], r=r: None if r == missing or step != 4 else pack
+    total = torch.stack([fold.extra(4, torch.zeros(3)) for fold in folds]).sum(0)
+    answers = []
+    for fold in folds:
+        fold.reduced(4, total.clone())
+        answers.append(fold.straggler(4))
+    assert all(a == answers[0] for a in answers), answers
+    expected = None if missing is not None and missing < n else [max(col) for col in zip(*packs)]
+    assert answers[0] == expected
 
 
 fingerprints64 = st.integers(-(1 << 63), (1 << 63) - 1)

@@ -344,6 +344,7 @@ class Guard:
             if self.inprocess.hook_ddp(lambda: self.step + 1, self.recovery.fold, self._inject_at_backward):
                 self.recovery.fold.stop_source = self._stop_flags_to_fold
                 self.recovery.fold.fingerprint_source = self.sdc.carry  # the replica check rides too
+                self.recovery.fold.straggler_source = self._straggler_to_fold  # and the straggler report
         if self.rejoin.active:
             self.inprocess.catch_collectives(lambda: self.step + 1)
             check_shrinkable(cfg.elastic.min_ranks, self.world_size, self.sampler, self.ckpt.local is not None)
@@ -356,11 +357,18 @@ class Guard:
     def _stop_flags_to_fold(self, step: int) -> Optional[list[int]]:
         """This rank's stop flags for the check at the end of step number ``step``, to ride in its
         first DDP bucket (:mod:`~trainguard.instability.fold`), or ``None`` where the check is not
-        due then, or needs its own all-reduce: the straggler report's timings, a fault injected in
-        the stop check. (Called from the DDP hook, in the backward.)"""
-        if step < self._next_check or self.straggler.due(step) or self.faults.due_at(step, "stop_check"):
+        due then, or needs its own all-reduce (a fault injected in the stop check). (Called from
+        the DDP hook, in the backward.)"""
+        if step < self._next_check or self.faults.due_at(step, "stop_check"):
             return None
         return self._local_stop_flags(step).pack()
+
+    def _straggler_to_fold(self, step: int) -> Optional[list[int]]:
+        """This rank's straggler timings for a report at the end of step number ``step``, to ride
+        beside the stop flags, or ``None`` where no report is due then. (From the DDP hook.)"""
+        if self._stop_flags_to_fold(step) is None or not self.straggler.due(step):
+            return None
+        return self.straggler.pack(step)
 
     def _local_stop_flags(self, step: int) -> StopFlags:
         """This rank's stop flags at step ``step`` (with rank 0's pending growth)."""
@@ -687,10 +695,13 @@ class Guard:
             self.faults.at(self.step, "stop_check")
         report = self.straggler.due(self.step)
         agreed = self.recovery.fold.stop_flags(self.step)  # carried in DDP's first bucket, if every rank's was
+        if agreed is not None and report:
+            timings = self.recovery.fold.straggler(self.step)
+            agreed = None if timings is None else agreed + timings
         if agreed is None:
             mine = self._local_stop_flags(self.step).pack()
             try:
-                agreed = tgdist.all_reduce_max(mine + (self.straggler.pack() if report else []))
+                agreed = tgdist.all_reduce_max(mine + (self.straggler.pack(self.step) if report else []))
             except Exception as e:
                 if not self.rejoin.caught(e, "stop_check", self.step):
                     raise

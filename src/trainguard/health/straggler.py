@@ -101,12 +101,14 @@ class StragglerDetector:
         self.next_report: Optional[int] = None  # step of the next report (identical on every rank)
         self.timer: Optional[ComputeTimer] = None
         self.measure = "step"  # what the last window timed: "compute" (run_step) or "step"
+        self._packed: Optional[tuple[int, list[int]]] = None  # (report step, what pack(step) gave)
 
     def renumber(self, rank: int, world_size: int, hosts: list[str]) -> None:
         """This rank is ``rank`` of ``world_size`` on ``hosts`` (index = rank) from now on (the
         group shrank in place); the current window's timings are kept."""
         self.rank, self.world, self.hosts = rank, world_size, list(hosts)
         self.active = self.active and world_size > 1
+        self._packed = None
 
     def set_hosts(self, hosts: list[str]) -> None:
         """Every rank's host name (index = rank), once gathered at start."""
@@ -141,10 +143,21 @@ class StragglerDetector:
             self.next_report = self.cfg.warmup_steps + (self.cfg.report_interval_steps or self.cfg.min_samples)
         return step >= self.next_report
 
-    def pack(self) -> list[int]:
+    def pack(self, step: Optional[int] = None) -> list[int]:
         """This rank's part of the exchange, combined by max across ranks: [slowest step (µs),
         window medians (µs, one slot per rank), individual scores (× 10⁴, one slot per rank)];
-        this rank fills only its own slots (0 = not enough samples)."""
+        this rank fills only its own slots (0 = not enough samples). It closes the window: with
+        ``step`` given, a second call for the same report step returns the same values (the
+        report's timings sent in a gradient bucket, then all-reduced where the bucket did not
+        carry every rank's)."""
+        if step is not None and self._packed is not None and self._packed[0] == step:
+            return self._packed[1]
+        packed = self._pack()
+        if step is not None:
+            self._packed = (step, packed)
+        return packed
+
+    def _pack(self) -> list[int]:
         if self.timer is not None:
             self.compute.extend(self.timer.ready())
         window = self.compute if self.compute else self.steps

@@ -2,14 +2,15 @@
 
 :class:`~trainguard.instability.detect.Detector` needs, per step, every rank's loss. With a DDP
 model they ride in an all-reduce the step runs anyway: trainguard's communication hook
-(:class:`~trainguard.rejoin.catch.DDPHook`) appends ``5 × world_size + 10`` values to the *first*
+(:class:`~trainguard.rejoin.catch.DDPHook`) appends ``8 × world_size + 11`` values to the *first*
 bucket it sends (DDP caps that bucket at 1 MiB, so the copy is small; the forward, hence the loss,
 is done by then) and hands the reduced values back here::
 
     [loss in rank 0's slot, ..., loss in rank n-1's slot, 1 (a loss was noted), 1 (last step matched),
      1 (stop flags sent), signal, kill switch, time limit, memory, save switch, grow,
      next check interval in rank 0's slot, ..., in rank n-1's slot,
-     1 (a replica fingerprint sent), rank 0's fingerprint in 3 chunks, ..., rank n-1's in 3 chunks]
+     1 (a replica fingerprint sent), rank 0's fingerprint in 3 chunks, ..., rank n-1's in 3 chunks,
+     1 (straggler timings sent), rank 0's (slowest step, window median, individual score), ..., rank n-1's]
 
 The second line and the slots after it are the stop check's flags (:class:`~trainguard.stop.conditions.StopFlags`)
 on the steps where it is due (the step is agreed by every rank): the 0/1 flags summed (more than
@@ -22,6 +23,12 @@ The last line is the silent-data-corruption replica check's (:class:`~trainguard
 at the step after a check step: each rank's parameter fingerprint read at the check step, a
 64-bit integer cut into three integers below 2²⁴ (exact in float32), in its own slots
 (:meth:`LossFold.fingerprints`). With them the replica check needs no all-reduce either.
+
+On the stop checks that carry a straggler report (:class:`~trainguard.health.straggler.StragglerDetector`,
+every ``[straggler] report_interval``) each rank's timings ride in its own three slots
+(:meth:`LossFold.straggler`): integers of µs and score × 10⁴, exact in float32 below 2²⁴ µs
+(16.7 s; above, rounded to float32, a relative 6 × 10⁻⁸, the same on every rank). The window then
+closes at the step before the report step (the bucket is sent before the step ends).
 
 Each rank writes its loss into its own slot and zeros elsewhere, so the sum is every rank's loss
 exactly, NaN and infinity included (``x + 0 = x``): the same values, bit for bit, as the
@@ -129,6 +136,7 @@ class LossFold:
         self._host: Optional[tuple[int, list[float]]] = None  # (step, the summed values on the host)
         self.stop_source: Optional[Callable[[int], Optional[list[int]]]] = None  # this rank's packed stop flags
         self.fingerprint_source: Optional[Callable[[int], Optional[torch.Tensor]]] = None  # its replica fingerprint
+        self.straggler_source: Optional[Callable[[int], Optional[list[int]]]] = None  # its straggler timings
         self._reduced: Optional[tuple[int, torch.Tensor]] = None  # (step, the summed values)
         self._matched = False  # at the last step taken, should_step's loss was the one folded
         self._mine = False  # this step's should_step loss is the one folded
@@ -138,8 +146,8 @@ class LossFold:
 
     @property
     def size(self) -> int:
-        """Values appended to the first bucket (see the module doc): ``5 × world size + 10``."""
-        return 5 * self.world_size + 10
+        """Values appended to the first bucket (see the module doc): ``8 × world size + 11``."""
+        return 8 * self.world_size + 11
 
     def renumber(self, rank: int, world_size: int) -> None:
         """This rank is ``rank`` of ``world_size`` from now on; the next step all-reduces (no rank
@@ -175,6 +183,11 @@ class LossFold:
             host[n + 9 + self.rank] = flags[5]
         fp = self.fingerprint_source(step) if self.fingerprint_source is not None else None
         host[2 * n + 9] = float(fp is not None)
+        timings = self.straggler_source(step) if self.straggler_source is not None else None
+        if timings is not None:  # StragglerDetector.pack(): slowest, medians by rank, scores by rank
+            at = 5 * n + 11 + 3 * self.rank
+            host[5 * n + 10] = 1.0
+            host[at : at + 3] = [timings[0], timings[1 + self.rank], timings[1 + n + self.rank]]
         values = torch.tensor(host, dtype=bucket.dtype, device=bucket.device)
         if noted is not None:  # device values: no host copy
             loss, factor = noted
@@ -264,3 +277,15 @@ class LossFold:
         if values is None or values[2 * n + 9] != n:
             return None
         return [from_chunks(values[2 * n + 10 + 3 * r : 2 * n + 13 + 3 * r]) for r in range(n)]
+
+    def straggler(self, step: int) -> Optional[list[int]]:
+        """The straggler report's exchange of step ``step`` from its first bucket, in
+        ``StragglerDetector.pack()`` order as the stop check's all-reduce (max) would give it (the
+        slowest step: the largest rank's), or ``None`` when not every rank sent its timings (the
+        same answer on every rank)."""
+        values = self._values(step)
+        n = self.world_size
+        if values is None or values[5 * n + 10] != n:
+            return None
+        slots = [[int(v) for v in values[5 * n + 11 + 3 * r : 5 * n + 14 + 3 * r]] for r in range(n)]
+        return [max(s[0] for s in slots)] + [s[1] for s in slots] + [s[2] for s in slots]
