@@ -7,7 +7,10 @@ in a step adds to it rather than hiding in a sleep-until. ``--guard``: the READM
 same loop without trainguard. Rank 0 writes ``OUT`` (JSON): the wall time of each step after
 ``--warmup`` steps, and the collectives trainguard called on its own from the training thread
 during them (a collective whose nearest caller outside ``torch`` is trainguard's code and that is
-not DDP's bucket all-reduce in trainguard's communication hook).
+not DDP's bucket all-reduce in trainguard's communication hook). Then ``--count-syncs`` more steps,
+untimed, under a ``TorchFunctionMode`` that counts trainguard's tensor→host conversions (``item``,
+``tolist``, ``__float__``...: each a device→host sync on a GPU; the RNG states the step boundary
+keeps are ``uint8`` host tensors on every device and are not counted).
 
     trainguard run --nproc-per-node 2 benchmarks/_step_worker.py --out R.json [--guard] [--pad-ms 5] [--profile P]
 """
@@ -27,9 +30,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import distributed_c10d as c10d
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.overrides import TorchFunctionMode
 
 COUNTED = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "barrier", "broadcast_object_list")
-counting = {"on": False, "own": 0}
+SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu")
+counting = {"on": False, "own": 0, "syncs": 0, "sync_steps": 0}
 
 
 def _own(frame) -> bool:  # noqa: ANN001
@@ -54,6 +59,21 @@ def _count(fn):  # noqa: ANN001, ANN202
     return counted
 
 
+class CountSyncs(TorchFunctionMode):
+    """Counts trainguard's tensor→host conversions (see the module doc)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if (
+            getattr(func, "__name__", "") in SYNCS
+            and args
+            and torch.is_tensor(args[0])
+            and args[0].dtype != torch.uint8
+            and _own(sys._getframe(1))
+        ):
+            counting["syncs"] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -63,6 +83,7 @@ def main() -> None:
     p.add_argument("--pad-ms", type=float, default=0.0)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--profile", default=None, help="rank 0 writes cProfile stats of its timed steps here")
+    p.add_argument("--count-syncs", type=int, default=20, help="untimed steps after the timed ones, syncs counted")
     args, _ = p.parse_known_args()
     for name in COUNTED:  # before the Guard wraps them (in-process recovery's catching)
         fn = getattr(c10d, name)
@@ -84,13 +105,23 @@ def main() -> None:
 
     prof = cProfile.Profile() if args.profile and dist.get_rank() == 0 else None
 
+    last_timed = args.steps - args.count_syncs
+    mode = CountSyncs()
+
     def timed(step: int, t0: float) -> None:
         if step == args.warmup:
             counting["on"] = True
             if prof is not None:
                 prof.enable()
-        if step > args.warmup:
+        if args.warmup < step <= last_timed:
             times.append(time.perf_counter() - t0)
+        elif step > last_timed:
+            counting["sync_steps"] += 1
+        if step == last_timed:
+            counting["on"] = False
+            if prof is not None:
+                prof.disable()
+            mode.__enter__()  # the steps after it: syncs counted, not timed
 
     if args.guard:
         import trainguard
@@ -108,7 +139,7 @@ def main() -> None:
                 guard.step_end(loss=loss)
                 timed(step, t0)
                 if step == args.steps - 1:  # the last step: the final save that follows is not a step's
-                    counting["on"] = False
+                    mode.__exit__(None, None, None)
                 t0 = time.perf_counter()
             counting["on"] = False
     else:
@@ -122,11 +153,12 @@ def main() -> None:
             time.sleep(pad)
             timed(step, t0)
             t0 = time.perf_counter()
+        mode.__exit__(None, None, None)
     if prof is not None:
-        prof.disable()
         prof.dump_stats(args.profile)
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"times": times, "own_collectives": counting["own"]}))
+        syncs = counting["syncs"] / max(counting["sync_steps"], 1)
+        Path(args.out).write_text(json.dumps({"times": times, "own_collectives": counting["own"], "syncs": syncs}))
     dist.destroy_process_group()
 
 

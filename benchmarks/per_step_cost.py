@@ -19,7 +19,9 @@ rank 0 after its warm-up. Ratio = median over runs of trainguard / median of pla
 fastest one's, the spread of the same job run again on this machine (a ratio within it is not
 resolved). *own collectives / step*: collectives trainguard called
 itself from the training thread during the timed steps (DDP's gradient buckets are the loop's
-own, even through trainguard's communication hook; the goal is 0).
+own, even through trainguard's communication hook; the goal is 0). *host syncs / step*:
+trainguard's tensor→host conversions per step, counted in ``steps / 10`` untimed steps after the timed ones
+(each a device→host sync on a GPU; goal: at most 1, the instability check's).
 
     .venv/bin/python benchmarks/per_step_cost.py [--rounds 2] [--steps 300] [--ranks 2,4] [--step-ms 3,7,30] [--smoke]
 """
@@ -54,6 +56,7 @@ def _parse() -> argparse.Namespace:
         args.rounds, args.ranks, args.step_ms = 1, "2", "3"
     args.steps = args.steps or (30 if args.smoke else 300)
     args.warmup = args.steps // 5
+    args.count_syncs = max(2, args.steps // 10)
     return args
 
 
@@ -62,6 +65,7 @@ def _run(args: argparse.Namespace, tmp: Path, name: str, ranks: int, pad_ms: flo
     cmd = _trainguard() + ["run", "--nproc-per-node", str(ranks), "--run-dir", str(tmp / name)]
     cmd += [a for s in NO_SCHEDULED_SAVES for a in ("--set", s)] + [str(WORKER), "--out", str(out)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--pad-ms", str(pad_ms)]
+    cmd += ["--count-syncs", str(args.count_syncs)]
     if guard:
         cmd += ["--guard"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -79,7 +83,7 @@ def main() -> int:
     med = statistics.median
     table = Table(title=f"trainguard's cost per step — the README's loop, gloo DDP, rank 0, {args.rounds} round(s)")
     cols = ("ranks", "target step", "plain (ms)", "trainguard (ms)", "ratio", "goal", "noise (plain/plain)")
-    for col in (*cols, "own collectives / step"):
+    for col in (*cols, "own collectives / step", "host syncs / step"):
         table.add_column(col, justify="right")
     with tempfile.TemporaryDirectory(prefix="tg-bench-step-") as tmp_name:
         tmp = Path(tmp_name)
@@ -87,7 +91,7 @@ def main() -> int:
             compute = med(_run(args, tmp, f"calibrate-{ranks}", ranks, 0.0, False)["times"]) * 1e3
             for target in (float(t) for t in args.step_ms.split(",")):
                 pad = max(0.0, target - compute)
-                plain, guarded, own, steps = [], [], 0, 0
+                plain, guarded, own, steps, syncs = [], [], 0, 0, []
                 for i in range(args.rounds):
                     for kind in ("plain", "guard", "guard", "plain"):
                         r = _run(
@@ -101,6 +105,7 @@ def main() -> int:
                         (guarded if kind == "guard" else plain).append(med(r["times"]) * 1e3)
                         if kind == "guard":
                             own, steps = own + r["own_collectives"], steps + len(r["times"])
+                            syncs.append(r["syncs"])
                 ratio = med(guarded) / med(plain)
                 noise = max(plain) / min(plain)  # the same job run again: what a ratio this close to 1 cannot resolve
                 goal = GOALS.get(target)
@@ -114,6 +119,7 @@ def main() -> int:
                     f"≤ {goal}×" if goal else "",
                     f"{noise:.3f}×",
                     f"{own / max(steps, 1):.4f}",
+                    f"{max(syncs):.2f}",
                 )
     Console(width=150).print(table)
     print(f"load average {os.getloadavg()[0]:.2f} (2-core machine: other processes add noise)")
