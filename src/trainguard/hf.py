@@ -27,8 +27,10 @@ the Trainer resumed at the step trainguard resumed at, and says how to fix it wh
 the scheduler; it resumes its own state from the same checkpoint (:meth:`Guard.begin`) and starts
 the liveness ping and the hang supervisor's sections. ``on_step_begin``: the ``step`` section.
 ``on_pre_optimizer_step``: the NaN/spike check (:meth:`Guard.should_step`) on the step's loss (the
-mean of the model outputs' ``loss`` over the step's micro-batches, taken by a forward hook) and
-the gradient norm after the Trainer's clipping; a skipped step sets every gradient to ``None``,
+mean of the model outputs' ``loss`` over the step's micro-batches, taken by a forward hook; after
+each forward it is pinned as the loss that rides in DDP's first gradient bucket,
+:func:`trainguard.instability.fold.pin`, so the check runs no all-reduce of its own, with or
+without gradient accumulation) and the gradient norm after the Trainer's clipping; a skipped step sets every gradient to ``None``,
 so the ``optimizer.step()`` the Trainer still calls changes nothing (its scheduler still steps:
 the Trainer counts the step, as trainguard does).
 ``on_step_end``: :meth:`Guard.step_end`, the agreed stop check and saves; a stop raises
@@ -69,6 +71,7 @@ from .checkpoint.store import Checkpoint, CheckpointStore
 from .config import Config, config_from_env
 from .events import Hook
 from .guard import Guard
+from .instability import fold
 from .launch_env import LaunchEnv
 from .outcomes import BadInput
 from .rejoin import boundary as rejoin_boundary
@@ -241,6 +244,7 @@ class TrainguardCallback(TrainerCallback):
         self.guard: Optional[Guard] = None
         self.steps = TrainerSteps()
         self._losses: list[torch.Tensor] = []
+        self._loss: Optional[torch.Tensor] = None  # their mean, the very tensor should_step gets (and the fold carries)
         self._handle: Any = None
         self._trainer: dict[str, Any] = {}
         self._hf: Any = None  # the Trainer itself (in-process recovery runs a step again through it)
@@ -286,13 +290,17 @@ class TrainguardCallback(TrainerCallback):
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
         if module.training and loss is not None:
             self._losses.append(loss.detach())
+            self._loss = torch.stack(self._losses).mean()
+            fold.pin(self._loss)  # the step's loss so far: the micro-batch's backward carries it
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._losses = []
+        self._losses, self._loss = [], None
         self.guard.step_begin()
 
     def _step_loss(self) -> torch.Tensor:
-        return torch.stack(self._losses).mean() if self._losses else torch.zeros(())
+        if self._loss is None:
+            self._loss = torch.zeros(())
+        return self._loss
 
     def _wrap_trainer(self, trainer: Any) -> None:
         """Wrap two methods on this Trainer instance for in-process recovery: ``get_batch_samples``
@@ -324,7 +332,7 @@ class TrainguardCallback(TrainerCallback):
         step's start."""
         t = self._hf
         model = t.model_wrapped
-        self._losses = []
+        self._losses, self._loss = [], None
         model.zero_grad(set_to_none=True)
         items = t._get_num_items_in_batch(self._batches, t.args.device)
         for i, inputs in enumerate(self._batches):
@@ -355,6 +363,7 @@ class TrainguardCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self._handle is not None:
             self._handle.remove()
+        fold.pin(None)
         if self._hf is not None:
             vars(self._hf).pop("get_batch_samples", None)
             vars(self._hf).pop("training_step", None)
