@@ -359,16 +359,16 @@ class Guard:
         first DDP bucket (:mod:`~trainguard.instability.fold`), or ``None`` where the check is not
         due then, or needs its own all-reduce (a fault injected in the stop check). (Called from
         the DDP hook, in the backward.)"""
-        if step < self._next_check or self.faults.due_at(step, "stop_check"):
-            return None
-        return self._local_stop_flags(step).pack()
+        return self._local_stop_flags(step).pack() if self._check_folds(step) else None
 
     def _straggler_to_fold(self, step: int) -> Optional[list[int]]:
         """This rank's straggler timings for a report at the end of step number ``step``, to ride
         beside the stop flags, or ``None`` where no report is due then. (From the DDP hook.)"""
-        if self._stop_flags_to_fold(step) is None or not self.straggler.due(step):
-            return None
-        return self.straggler.pack(step)
+        return self.straggler.pack(step) if self._check_folds(step) and self.straggler.due(step) else None
+
+    def _check_folds(self, step: int) -> bool:
+        """Whether the stop check at the end of step number ``step`` is due and rides in its bucket."""
+        return step >= self._next_check and not self.faults.due_at(step, "stop_check")
 
     def _local_stop_flags(self, step: int) -> StopFlags:
         """This rank's stop flags at step ``step`` (with rank 0's pending growth)."""
