@@ -37,6 +37,7 @@ FULL = LaunchEnv(
     recovery_store="10.0.0.1:29600",
     recovery_dir=Path("/dev/shm/trainguard-rejoin-x"),
     recovery_group=3,
+    boundary_mirror=True,
 )
 
 

@@ -34,6 +34,7 @@ RECOVERY_STORE = "TRAINGUARD_RECOVERY_STORE"
 RECOVERY_DIR = "TRAINGUARD_RECOVERY_DIR"
 RECOVERY_GROUP = "TRAINGUARD_RECOVERY_GROUP"
 RECOVERY_KEY = "TRAINGUARD_RECOVERY_KEY"  # never copied through a store (assignment() leaves it out)
+BOUNDARY_MIRROR = "TRAINGUARD_BOUNDARY_MIRROR"  # "1": copy the step-boundary files into the recovery store
 # set by the launcher for one process only: a replacement of a lost rank (not in to_environ)
 JOIN = "TRAINGUARD_JOIN"
 # ---- torch elastic's per-worker variables (read only) --------------------------------------------
@@ -74,6 +75,7 @@ WRITTEN = (
     RECOVERY_DIR,
     RECOVERY_GROUP,
     RECOVERY_KEY,
+    BOUNDARY_MIRROR,
 )
 
 
@@ -110,6 +112,9 @@ class LaunchEnv:
             a restart for a node that joined too, which torch's restart count does not).
         recovery_key: the launch's secret that seals the recovery store's values
             (``TRAINGUARD_RECOVERY_KEY``, hex; :mod:`trainguard.rejoin.auth`); not in ``repr``.
+        boundary_mirror: copy each step-boundary file into the recovery store as well
+            (``TRAINGUARD_BOUNDARY_MIRROR`` = ``1``): the launcher sets it on a node that a spare
+            node may replace (every node but the recovery store's), whose files die with it.
         join: the generation this process joins as the replacement of a lost rank (``TRAINGUARD_JOIN``,
             set for that process only); ``None`` for a rank of a starting group.
         restart_count: worker-group restart count (torch's ``TORCHELASTIC_RESTART_COUNT``, default 0).
@@ -130,6 +135,7 @@ class LaunchEnv:
     recovery_dir: Optional[Path] = None
     recovery_group: int = 0
     recovery_key: Optional[bytes] = field(default=None, repr=False)
+    boundary_mirror: bool = False
     join: Optional[int] = None
     restart_count: int = 0
     local_rank: int = 0
@@ -160,6 +166,7 @@ class LaunchEnv:
             recovery_dir=_path(env, RECOVERY_DIR),
             recovery_group=_count(env, RECOVERY_GROUP, 0),
             recovery_key=_hex(env, RECOVERY_KEY),
+            boundary_mirror=env.get(BOUNDARY_MIRROR, "") == "1",
             join=_count(env, JOIN, None),
             restart_count=_count(env, RESTART_COUNT, 0),
             local_rank=_count(env, LOCAL_RANK, 0),
@@ -194,6 +201,7 @@ class LaunchEnv:
             RECOVERY_DIR: _text(self.recovery_dir),
             RECOVERY_GROUP: str(self.recovery_group) if self.recovery_group else "",
             RECOVERY_KEY: self.recovery_key.hex() if self.recovery_key else "",
+            BOUNDARY_MIRROR: "1" if self.boundary_mirror else "",
         }
 
 

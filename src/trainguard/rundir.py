@@ -25,3 +25,18 @@ def prepare_run_dir(run_dir: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"run dir {run_dir} is not writable: {e.strerror or e}") from None
+
+
+def exclude_hosts(run_dir: Path, hosts: list[str]) -> Path:
+    """Append ``hosts`` to ``RUN_DIR/exclude_nodes`` (one per line, each once), the hosts a requeue
+    leaves out (:mod:`trainguard.slurm.requeue`). Returns the file's path.
+
+    Raises:
+        OSError: the file cannot be read or written.
+    """
+    path = run_dir / "exclude_nodes"
+    known = set(path.read_text().split()) if path.exists() else set()
+    new = sorted(set(hosts) - known)
+    with open(path, "a") as f:
+        f.writelines(h + "\n" for h in new)
+    return path

@@ -668,7 +668,7 @@ class RecoverySection(Section):
 
     in_process: bool = Field(
         True,
-        description="replace a lost rank without restarting the survivors (trainguard run, two ranks or more; not under Lightning or the Hugging Face Trainer, nor for FSDP2 models; a lost whole node still restarts the group)",
+        description="replace a lost rank without restarting the survivors (trainguard run, two ranks or more; not under Lightning or the Hugging Face Trainer, nor for FSDP2 models; a lost whole node is replaced by a spare node where one waits, see spare_nodes)",
     )
     timeout: float = Field(
         30.0,
@@ -677,4 +677,13 @@ class RecoverySection(Section):
     )
     max_replacements: int = Field(
         10, ge=0, description="in-process replacements per launch before failures restart the group instead"
+    )
+    spare_nodes: bool = Field(
+        True,
+        description="with trainguard run --nnodes MIN:MAX, the group trains on MIN nodes and the nodes beyond wait as spare nodes: a node that vanishes (its launcher and ranks) is replaced by one in-process, its ranks' own state from the copy in node 0's recovery store; false: nodes beyond MIN join the group ([elastic])",
+    )
+    node_timeout: float = Field(
+        2.0,
+        gt=0,
+        description="seconds without a liveness beat from another node's launcher (sent every 0.1 s from a thread of its own) before node 0 calls that node lost",
     )

@@ -24,7 +24,6 @@ from .. import dist as tgdist
 from ..config import Config
 from ..events import EventLog
 from ..instability.fold import LossFold
-from ..rejoin import boundary as rejoin_boundary
 from ..rejoin import regroup, sever
 from ..rejoin.catch import CATCH, DDPHook
 from ..rejoin.protocol import Generation, new_rank
@@ -130,6 +129,7 @@ class InProcess:
         self._base_world_size = base_world_size
         self.backend = tgdist.backend()
         self.ddp_hook: Optional[DDPHook] = None  # trainguard's DDP communication hook
+        self.own_state_from: Optional[str] = None  # a replacement: where the lost rank's own state came from
 
     # ------------------------------------------------------------------------------------------
     # catching and keeping
@@ -288,7 +288,7 @@ class InProcess:
         state from the lowest surviving rank's (see :meth:`_transfer`). Call
         :meth:`joined` once the Guard took the returned place."""
         gen = self.rejoin.joined_generation()
-        kept = {} if place.rank in gen.grown else rejoin_boundary.read(self.rejoin.dir, place.rank)
+        kept, self.own_state_from = ({}, None) if place.rank in gen.grown else self.rejoin.lost_boundaries(place.rank)
         return self._meet(gen, place, kept)
 
     def joined(self, met: Met, seconds: float) -> None:
@@ -298,7 +298,7 @@ class InProcess:
         if met.place.rank in met.gen.grown:
             self.events.emit("rank_joined", met.place.step, **said)
         else:
-            self.events.emit("rank_replaced", met.place.step, **said)
+            self.events.emit("rank_replaced", met.place.step, own_state_from=self.own_state_from, **said)
 
     # ------------------------------------------------------------------------------------------
     # the parts of a meeting

@@ -38,6 +38,7 @@ from typing import Any, Optional
 import torch
 
 from ..events import EventLog
+from ..rundir import exclude_hosts
 from ..sections import StragglerSection
 
 US = 1_000_000  # medians travel as integer microseconds
@@ -229,9 +230,4 @@ class StragglerDetector:
 
     def write_exclude(self, ranks: list[int]) -> Path:
         """Append the hosts of ``ranks`` to ``RUN_DIR/exclude_nodes`` (one per line, no duplicates)."""
-        path = self.run_dir / "exclude_nodes"
-        known = set(path.read_text().split()) if path.exists() else set()
-        new = sorted({self.hosts[r] for r in ranks} - known)
-        with open(path, "a") as f:
-            f.writelines(h + "\n" for h in new)
-        return path
+        return exclude_hosts(self.run_dir, [self.hosts[r] for r in ranks])

@@ -34,7 +34,8 @@ event                decisions (first rule that applies)
 ``AdmitFailed``      → **Restart** / **End** 76.
 ``Idle``             ``regrow``, withdrawn slots, a ready spare, nothing forming, budget left,
                      no stop → **GrowBack**.
-``NodeLost``         another node vanished → **Restart** / **End** 76 (no spare node yet).
+``NodeLost``         another node vanished: a spare node waits, in-process recovery on, nothing
+                     forming, no stop, budget left → **ReplaceNode**; else **Restart** / **End** 76.
 ``Followed``         another node's agent changed the membership: the world size follows.
 ``GroupStarted``     a new start of the group: nothing forms, no slot withdrawn.
 ===================  ==========================================================================
@@ -275,10 +276,14 @@ class Idle:
 
 @dataclass(frozen=True)
 class NodeLost:
-    """Another node's launcher and ranks vanished (``why``). Without a spare node the group
-    restarts when the rendezvous has its nodes again."""
+    """Another node's launcher and ranks vanished (``why``): node ``node`` (its group rank) with
+    the global ``ranks``; ``spare``: a spare node waits. Without one the group restarts when the
+    rendezvous has its nodes again."""
 
     why: str
+    node: int = 0
+    ranks: tuple[int, ...] = ()
+    spare: bool = False
     progress: Progress = Progress()
 
 
@@ -323,6 +328,15 @@ class Replace:
     """Start a replacement for each of these local ranks (a warm spare where one waits) and publish
     the generation they join."""
 
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReplaceNode:
+    """A spare node takes the place of lost node ``node`` (group rank): its warm spares become the
+    global ``ranks``, and the generation they join is published."""
+
+    node: int
     ranks: tuple[int, ...]
 
 
@@ -407,6 +421,7 @@ class End:
 
 Decision = Union[
     Replace,
+    ReplaceNode,
     Shrink,
     GrowBack,
     Admit,
@@ -596,6 +611,17 @@ def _idle(state: State, event: Idle) -> tuple[State, Decisions]:
 
 
 def _node_lost(state: State, event: NodeLost) -> tuple[State, Decisions]:
+    takes = (
+        event.spare
+        and state.limits.in_process
+        and state.forming is None
+        and state.stop is None
+        and not state.regrowing
+        and state.replacements + len(event.ranks) <= state.limits.max_replacements
+    )
+    if takes:
+        new = replace(state, forming="replace", replacements=state.replacements + len(event.ranks))
+        return new, (ReplaceNode(event.node, event.ranks),)
     return _restart_or_end(replace(state, forming=None), event.why, event.progress)
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .. import console
 from ..events import EventLog
-from ..launch_env import JOIN, RECOVERY_STORE
+from ..launch_env import BOUNDARY_MIRROR, HEARTBEAT_DIR, JOIN, RECOVERY_DIR, RECOVERY_STORE
 from ..rejoin.auth import Seal, report_forged
 from ..rejoin.protocol import (
     Generation,
@@ -116,6 +116,7 @@ class Replacer:
         self._newcomers: list[int] = []  # pids of the spares of the last grow
         self._warm: list[int] = []  # ranks of the pending generation that warm spares took
         self._pids: dict[int, int] = {}  # {global rank: pid} of the pending generation's new processes
+        self._node: Optional[str] = None  # the host of the spare node that the pending generation brings
         self._template: Optional[tuple[list[str], dict[str, str]]] = None
 
     def recovery_store(self) -> RecoveryStore:
@@ -390,6 +391,32 @@ class Replacer:
             self.fill_spares(*self._template)
         return procs
 
+    def replace_node(
+        self, lost: dict[int, dict[str, str]], world_size: int, spare_ids: tuple[int, ...], host: str
+    ) -> Generation:
+        """A spare node (on ``host``) takes a lost node's place: its warm spares, waiting under
+        ``spare_ids`` in the shared recovery store (local rank 0 first), are assigned the global
+        ranks of ``lost`` (``{global rank: a worker environment to take}``, in order) and the
+        generation that replaces them is published. The environment keeps the spare node's own
+        node-local directories (heartbeats, boundary files) and mirrors its boundary files (it
+        may be lost in turn). Returns the generation."""
+        gen = self._next_generation(tuple(sorted(lost)), world_size)
+        for (_, env), sid in zip(sorted(lost.items()), spare_ids):
+            env = {k: v for k, v in self._rank_env(env, gen).items() if k not in (HEARTBEAT_DIR, RECOVERY_DIR)}
+            env[BOUNDARY_MIRROR] = "1"
+            assign_spare(self.shared, sid, env, self.seal)
+        self._publish(gen)
+        self._warm, self._pids, self._node = list(gen.replaced), {}, host
+        self.events.emit(
+            "recovery_started",
+            generation=gen.number,
+            ranks=list(gen.replaced),
+            pids={},
+            warm=list(gen.replaced),
+            host=host,
+        )
+        return gen
+
     def poll(self) -> Optional[Joined | TimedOut]:
         """Follow a forming generation: :class:`~.membership.Joined` once every member joined (a
         ``generation_joined`` event), :class:`~.membership.TimedOut` with why recovery failed (not
@@ -406,20 +433,25 @@ class Replacer:
                 ranks=list(self.pending.replaced),
                 seconds=round(seconds, 4),
             )
-            if not self.pending.grown and not self.pending.left:
+            if self._node is not None:
+                console.say(
+                    f"replaced in-process: rank(s) {list(self.pending.replaced)} of the lost node by spare node "
+                    f"{self._node} in {seconds:.2f} s; the other nodes' ranks kept their processes"
+                )
+            elif not self.pending.grown and not self.pending.left:
                 how = "warm spare" if self._warm else "cold start"
                 by = ", ".join(f"rank {r} by a {how} (pid {self._pids.get(r)})" for r in self.pending.replaced)
                 console.say(
                     f"replaced in-process: {by} in {seconds:.2f} s; "
                     "no completed step lost, the other ranks kept their processes"
                 )
-            self.pending = None
+            self.pending, self._node = None, None
             return Joined()
         if self.pending.grown and self._deadline == float("inf") and store.accepted(self.pending.number):
             self._deadline = time.monotonic() + self.cfg.timeout + 5.0
         if time.monotonic() > self._deadline:
             why = f"generation {self.pending.number} did not form within {self.cfg.timeout + 5.0:.0f} s"
-            self.pending = None
+            self.pending, self._node = None, None
             return TimedOut(why)
         return None
 

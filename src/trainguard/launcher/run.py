@@ -278,6 +278,7 @@ def _run_agent(
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
+    from . import nodes
     from .agent import DECISION_CODES, TrainguardAgent
 
     console.quiet_torch_elastic(DECISION_CODES)
@@ -336,12 +337,18 @@ def _run_agent(
     if not endpoint:
         raise ConfigError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
     max_restarts = cfg.launcher.max_restarts if opts.max_restarts is None else opts.max_restarts
+    # spare nodes: the group trains on MIN nodes; torch's rendezvous takes no more (a node beyond
+    # waits in its redundancy list, or, arriving late, as a spare node of trainguard's: see .nodes)
+    spare_nodes = (
+        replacer is not None and cfg.recovery.spare_nodes and max_nodes > min_nodes and cfg.elastic.min_ranks == 0
+    )
+    run_id = opts.rdzv_id or (uuid.uuid4().hex if standalone else "trainguard")
     rdzv_params = RendezvousParameters(
         backend=opts.rdzv_backend,
         endpoint=endpoint,
-        run_id=opts.rdzv_id or (uuid.uuid4().hex if standalone else "trainguard"),
+        run_id=run_id,
         min_nodes=min_nodes,
-        max_nodes=max_nodes,
+        max_nodes=min_nodes if spare_nodes else max_nodes,
         local_addr=opts.local_addr,
         **_rdzv_configs(opts.rdzv_conf),
     )
@@ -368,6 +375,7 @@ def _run_agent(
         monitor=monitor,
         record=record,
         replacer=replacer,
+        spare_nodes=spare_nodes,
     )
     agent.install_signal_handlers()
     if ready_dir:  # the batch script forwards stop signals to this node only once this file exists
@@ -387,12 +395,19 @@ def _run_agent(
     )
     if refresher is not None:
         refresher.start()
+    spare = spare_nodes and nodes.arrival(endpoint, run_id, cfg.recovery.timeout) > min_nodes
     try:
-        agent.run()
+        code = _serve_as_spare(opts, run_dir, replacer, events, agent) if spare else None
+        if code is None:
+            spare = False
+            agent.run()
+        else:
+            agent.exit_code, agent.exit_reason = code, "spare node"
     finally:
         if refresher is not None:
             refresher.stop()
-        spec.rdzv_handler.shutdown()
+        if not spare:  # a spare node never joined the rendezvous: its shutdown would close it for all
+            spec.rdzv_handler.shutdown()
         if monitor is not None:
             monitor.group_stopped()
         shutil.rmtree(hb_root, ignore_errors=True)
@@ -430,6 +445,17 @@ EXIT_MEANINGS = {
     int(ExitCode.REQUEUE): "stopped and saved; relaunch the same command to resume (requeue)",
     int(ExitCode.BAD_INPUT): "bad input (see the error above); nothing was changed",
 }
+
+
+def _serve_as_spare(opts: LaunchOptions, run_dir: Path, replacer, events: EventLog, agent) -> Optional[int]:
+    """This launcher arrived beyond ``--nnodes MIN``: wait as a spare node (:mod:`.spare_node`);
+    the launch's exit code, or ``None`` when it should join the group's next rendezvous."""
+    from . import spare_node
+
+    command = _rank_command(opts)
+    return spare_node.serve(
+        run_dir, replacer.seal, events, opts.nproc_per_node, command, opts.script, lambda: agent.stop_signal
+    )
 
 
 def _omp_threads(nproc_per_node: int) -> Optional[str]:

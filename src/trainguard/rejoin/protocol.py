@@ -318,6 +318,16 @@ class RecoveryStore:
                 return other
         return None
 
+    def mirror_boundary(self, rank: int, slot: int, data: bytes) -> None:
+        """Rank: hold a copy of boundary slot ``slot`` of ``rank`` (its file's bytes, tens of kB)
+        off the rank's node, for a spare node's replacement of it; returns once the store holds it."""
+        self._set(f"boundary/{rank}/{slot}", data)
+
+    def mirrored_boundary(self, rank: int, slot: int) -> Optional[bytes]:
+        """Replacement: the copy :meth:`mirror_boundary` left of slot ``slot`` of ``rank``, ``None``
+        when there is none (or it is forged)."""
+        return self._get(f"boundary/{rank}/{slot}")
+
     def joined(self, number: int, rank: int) -> None:
         """Replacement: say that rank ``rank`` holds its state in generation ``number``."""
         self._set(f"gen/{number}/joined/{rank}", "1")

@@ -15,7 +15,8 @@ from ..launch_env import LaunchEnv
 from ..sections import RecoverySection
 from . import sever
 from .auth import Seal
-from .boundary import BoundaryState
+from .boundary import BoundaryState, parse_slot
+from .boundary import read as read_boundaries
 from .protocol import Forged, Generation, RecoveryStore, connect, is_peer_failure, parse_address
 
 # The parts of the training state (Guard.train_state) that only their rank holds: its data position,
@@ -81,7 +82,8 @@ class Rejoin:
             elif rank == 0:  # the launcher restarts the group at once on a lost rank
                 store.decline(declined)
         self.dir = launch.recovery_dir
-        self.boundary = BoundaryState(self.dir if self.active else None, rank)
+        mirror = self._mirror if self.active and launch.boundary_mirror else None
+        self.boundary = BoundaryState(self.dir if self.active else None, rank, mirror)
         self.joining = self.active and launch.join is not None
         self.generation = launch.join if self.joining else 0
         self.failure: Optional[PeerFailure] = None
@@ -92,6 +94,28 @@ class Rejoin:
         file takes the new number."""
         self.rank = rank
         self.boundary.renumber(rank)
+
+    def _mirror(self, slot: int, data: bytes) -> None:
+        self.store.mirror_boundary(self.rank, slot, data)
+
+    def lost_boundaries(self, rank: int) -> tuple[dict[int, dict[str, Any]], str]:
+        """A replacement: the boundaries the lost rank ``rank`` kept, ``{step: state}``, and where
+        they came from: its file on this node (``"file"``), else the copy in the recovery store
+        (``"recovery store"``: its node was lost; :class:`~.boundary.BoundaryState` ``mirror``).
+
+        Raises:
+            FileNotFoundError: neither holds a boundary of that rank.
+        """
+        try:
+            return read_boundaries(self.dir, rank), "file"
+        except FileNotFoundError:
+            found = [parse_slot(self.store.mirrored_boundary(rank, slot)) for slot in (0, 1)]
+            kept = dict(f for f in found if f is not None)
+            if not kept:
+                raise FileNotFoundError(
+                    f"no step boundary of rank {rank} in {self.dir} nor in the recovery store"
+                ) from None
+            return kept, "recovery store"
 
     def caught(self, exc: BaseException, during: str, step: int) -> bool:
         """Whether ``exc`` is a lost peer that recovery handles (then it is recorded for
