@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import socket
 import subprocess
 import time
 from typing import Callable, Optional
@@ -235,7 +236,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         self.registry = NodeRegistry(replacer.shared, replacer.seal)
         me = agent_id()
         self.registry.set_active(
-            group.group_rank, ActiveNode(replacer.host, me, tuple(w.global_rank for w in group.workers))
+            group.group_rank, ActiveNode(socket.gethostname(), me, tuple(w.global_rank for w in group.workers))
         )
         if self._beat is None or self._beat.address != replacer.address:
             if self._beat is not None:

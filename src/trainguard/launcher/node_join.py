@@ -39,6 +39,7 @@ class NodeRecord:
     running: bool
     nproc: int
     host: str = ""
+    rendezvous: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,17 +69,25 @@ class NodeJoin:
         return cls(str(d["address"]), int(d["group"]), Generation.from_json(d["generation"]), tuple(d["ranks"]))
 
 
-def announce(store, group_rank: int, group_world_size: int, running: bool, nproc: int) -> list[NodeRecord]:
+def announce(
+    store, group_rank: int, group_world_size: int, running: bool, nproc: int, rendezvous: bool = False
+) -> list[NodeRecord]:
     """Say this node's :class:`NodeRecord` in the round's ``store`` and read every node's (in the
     order of their group ranks; blocks until all ``group_world_size`` nodes have said theirs).
 
     Raises:
         torch.distributed.DistStoreError: a node's record did not come within the store's timeout.
     """
-    mine = {"running": running, "nproc": nproc, "host": socket.gethostname()}
+    mine = {"running": running, "nproc": nproc, "host": socket.gethostname(), "rendezvous": rendezvous}
     store.set(NODE_KEY.format(group_rank), json.dumps(mine))
     records = [json.loads(store.get(NODE_KEY.format(n))) for n in range(group_world_size)]
-    return [NodeRecord(bool(r["running"]), int(r["nproc"]), str(r["host"])) for r in records]
+    return [NodeRecord(bool(r["running"]), int(r["nproc"]), str(r["host"]), bool(r.get("rendezvous"))) for r in records]
+
+
+def leader(records: list[NodeRecord]) -> int:
+    """The group rank of the node that offers its recovery store to the others: the first whose
+    launcher serves torch's rendezvous store, else 0."""
+    return next((n for n, r in enumerate(records) if r.rendezvous), 0)
 
 
 def host_of(records: list[NodeRecord]) -> int:

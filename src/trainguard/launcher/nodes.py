@@ -3,17 +3,18 @@
 With ``trainguard run --nnodes MIN:MAX`` and ``[recovery] spare_nodes`` (the default), the group
 trains on MIN nodes; a launcher that arrives beyond them (:func:`arrival`) is a **spare node**: it
 starts its ``--nproc-per-node`` warm spares, says so in node 0's recovery store
-(:meth:`NodeRegistry.add_spare`) and waits (:mod:`.spare_node`). Every launcher of the group says
+(:meth:`NodeRegistry.add_spare`) and waits (:mod:`.spare_node`). The recovery store is the
+leading node's: the one whose launcher serves torch's rendezvous store (:func:`serves_endpoint`;
+node 0 where none says so). Every launcher of the group says
 which global ranks it runs (:meth:`NodeRegistry.set_active`) and beats from a thread of its own
-every 0.1 s (:class:`Beat`: an atomic counter in the store). Node 0's launcher, which hosts the
-recovery store, watches the others' counters (:class:`Silence`): one that has not moved for
+every 0.1 s (:class:`Beat`: an atomic counter in the store). The leading node's launcher watches the others' counters (:class:`Silence`): one that has not moved for
 ``[recovery] node_timeout`` seconds is a lost node, whatever took it (its launcher SIGKILLed with
 its ranks, a host that stopped answering). The membership state machine then decides
 (:class:`~.membership.NodeLost`): a spare node takes the lost node's ranks in-process
 (:meth:`NodeRegistry.take`), else the group restarts as before.
 
-Node 0 itself is not replaced: it hosts the recovery store (and, usually, torch's rendezvous
-store, whose loss ends torch elastic's job as well).
+The leading node itself is not replaced: it hosts the recovery store and torch's rendezvous store,
+whose loss ends torch elastic's job on every node (as with torchrun's c10d backend).
 
 Values are sealed with the launch's secret (:mod:`trainguard.rejoin.auth`) like every recovery
 key; the beat counters are atomic adds, which a seal cannot cover (a forged beat can hide a lost
@@ -57,6 +58,19 @@ def arrival(endpoint: str, run_id: str, timeout: float) -> int:
     host, port = parse_address(endpoint)
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
     return int(store.add(f"trainguard/{run_id}/arrivals", 1))
+
+
+def serves_endpoint(endpoint: str) -> bool:
+    """Whether this process listens on the port of ``endpoint`` (``HOST:PORT``): its launcher
+    serves torch's rendezvous store (the c10d backend's host)."""
+    import psutil
+
+    port = parse_address(endpoint)[1]
+    try:
+        conns = psutil.Process().net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,7 @@ class Replacer:
         self.local_address = f"{host}:{self.server.port}"
         self.address = self.local_address  # of the recovery store the group shares (see share())
         self.shared = self.server
+        self.serves_rendezvous = False  # this launcher serves torch's rendezvous store (then it leads: share())
         self.attempt = 0
         self.generation = 0
         self.seen = 0  # the newest generation whose membership this agent has taken (follow())
@@ -138,7 +139,10 @@ class Replacer:
         returns the :class:`~.node_join.NodeJoin` the host left for it. Otherwise node 0
         (``group_rank`` 0) offers its recovery store and the number of this group start (the keys'
         prefix; it counts every start, also a restart for a node that joined, which torch's restart
-        count does not) to the others through the round's store ``rdzv_store``; the others connect
+        count does not) to the others through the round's store ``rdzv_store`` (not node 0 but the
+        node that serves torch's rendezvous store, where one says so: :attr:`serves_rendezvous`;
+        losing that node ends torch elastic's job anyway, so no other node's loss takes the
+        recovery store with it); the others connect
         to it, and generations count from 0 again. Returns the shared store's address
         (``HOST:PORT``), the start's number (the workers' ``TRAINGUARD_RECOVERY_STORE`` and
         ``TRAINGUARD_RECOVERY_GROUP``) and the join, or ``None``.
@@ -147,12 +151,12 @@ class Replacer:
             torch.distributed.DistStoreError: the other nodes' values did not come within the store's timeout.
             ValueError: two nodes say their groups run.
         """
-        records = node_join.announce(rdzv_store, group_rank, group_world_size, False, nproc)
+        records = node_join.announce(rdzv_store, group_rank, group_world_size, False, nproc, self.serves_rendezvous)
         host = node_join.host_of(records)
         join = node_join.read_offer(rdzv_store, group_rank) if records[host].running else None
         if join is not None:
             address, number = join.address, join.group
-        elif group_rank == 0:
+        elif group_rank == node_join.leader(records):
             address, number = self.local_address, next_group(self.server)
             rdzv_store.set(SHARED_KEY, address)
             rdzv_store.set(GROUP_KEY, str(number))

@@ -395,6 +395,8 @@ def _run_agent(
     )
     if refresher is not None:
         refresher.start()
+    if replacer is not None and not standalone:  # the rendezvous store's host leads (Replacer.share)
+        replacer.serves_rendezvous = nodes.serves_endpoint(endpoint)
     spare = spare_nodes and nodes.arrival(endpoint, run_id, cfg.recovery.timeout) > min_nodes
     try:
         code = _serve_as_spare(opts, run_dir, replacer, events, agent) if spare else None
