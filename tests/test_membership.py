@@ -32,9 +32,11 @@ from trainguard.launcher.membership import (
     Look,
     Machine,
     MembershipRestart,
+    NodeLost,
     NodesWaiting,
     Progress,
     Replace,
+    ReplaceNode,
     Restart,
     Shrink,
     State,
@@ -241,6 +243,35 @@ def test_a_shrunk_group_grows_back_when_a_spare_is_ready_within_the_budget():
     ]  # no regrow: stays smaller
 
 
+@pytest.mark.parametrize(
+    "state, event, expected",
+    [
+        (group(4), NodeLost("lost", 1, (2, 3), spare=True), [ReplaceNode(1, (2, 3))]),
+        (group(4), NodeLost("lost", 1, (2, 3), spare=False), [Restart("lost")]),
+        (group(4, in_process=False), NodeLost("lost", 1, (2, 3), spare=True), [Restart("lost")]),
+        (group(4, max_replacements=1), NodeLost("lost", 1, (2, 3), spare=True), [Restart("lost")]),
+        (run(group(4), Look({0: RUNNING, 1: -9}))[0], NodeLost("lost", 1, (2, 3), spare=True), [Restart("lost")]),
+        (run(group(4), StopRequested("SIGTERM"))[0], NodeLost("lost", 1, (2, 3), spare=True), [Restart("lost")]),
+        (
+            group(4, max_restarts=0),
+            NodeLost("lost", 1, (2, 3)),
+            [End(76, "restart budget (0) spent: lost", "restart_budget_spent")],
+        ),
+    ],
+    ids=["spare-node", "no-spare", "not-in-process", "budget", "forming", "stopping", "no-restart-left"],
+)
+def test_node_lost_rules(state, event, expected):
+    assert decide(state, event)[1] == tuple(expected)
+
+
+def test_a_replaced_node_forms_then_the_next_loss_is_taken_too():
+    state, decided = run(group(4), NodeLost("lost", 1, (2, 3), spare=True))
+    assert decided == [ReplaceNode(1, (2, 3))] and state.forming == "replace" and state.replacements == 2
+    assert run(state, NodeLost("again", 1, (2, 3), spare=True))[1] == [Restart("again")]  # still forming
+    state, decided = run(state, Joined(), NodeLost("again", 1, (2, 3), spare=True))
+    assert decided == [ReplaceNode(1, (2, 3))] and state.replacements == 4
+
+
 def test_followed_and_group_started_set_the_membership():
     state, _ = run(group(4), Followed(3))
     assert state.world_size == 3
@@ -340,6 +371,7 @@ def events(n: int):
         st.builds(AdmitFailed, st.just("rendezvous failed"), progress),
         st.builds(Idle, st.integers(0, 3)),
         st.builds(Followed, st.integers(1, n)),
+        st.builds(NodeLost, st.just("node 1 lost"), st.integers(1, 3), st.just((2, 3)), st.booleans(), progress),
     )
 
 
@@ -357,7 +389,7 @@ def scenario(draw):
     return initial(limits, n, frozenset(range(n)), rule), draw(st.lists(events(n), max_size=60))
 
 
-MEMBERSHIP_CHANGES = (Replace, Shrink, GrowBack, Admit)
+MEMBERSHIP_CHANGES = (Replace, ReplaceNode, Shrink, GrowBack, Admit)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
