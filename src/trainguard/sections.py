@@ -680,10 +680,10 @@ class RecoverySection(Section):
     )
     spare_nodes: bool = Field(
         True,
-        description="with trainguard run --nnodes MIN:MAX, the group trains on MIN nodes and the nodes beyond wait as spare nodes: a node that vanishes (its launcher and ranks) is replaced by one in-process, its ranks' own state from the copy in node 0's recovery store; false: nodes beyond MIN join the group ([elastic])",
+        description="with trainguard run --nnodes MIN:MAX, the group trains on MIN nodes and the nodes beyond wait as spare nodes: a node that vanishes (its launcher and ranks) is replaced by one in-process, its ranks' own state from the copy kept in the leading node's recovery store (needs [elastic] min_ranks = 0); false: nodes beyond MIN join the group ([elastic])",
     )
     node_timeout: float = Field(
         2.0,
         gt=0,
-        description="seconds without a liveness beat from another node's launcher (sent every 0.1 s from a thread of its own) before node 0 calls that node lost",
+        description="seconds without a liveness beat from another node's launcher (sent every 0.1 s from a thread of its own) before the leading node (the rendezvous store's host) calls that node lost",
     )
