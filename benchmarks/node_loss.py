@@ -1,0 +1,271 @@
+"""A whole node lost (its launcher and ranks SIGKILLed): a spare node against the group restart, in
+the same run.
+
+The README's plain loop (``examples/plain_loop.py``, DDP) on two "nodes": two ``trainguard run``
+launchers on loopback (``--nnodes 2:3``, c10d rendezvous, ``--nproc-per-node 2``: 4 ranks). Once
+uninterrupted for its final state hash, then ``--trials`` times per arm with the launcher of the
+node that does not lead (the one that does serves the rendezvous and recovery stores) SIGKILLed
+together with its ranks at a random step plus a random fraction of a step:
+
+* ``spare node``: a third launcher waits as a spare node (``[recovery] spare_nodes``, node timeout
+  ``--node-timeout``); its warm spares take the lost ranks in-process;
+* ``group restart``: no spare node and ``recovery.in_process=false``; a new launcher is started for
+  the lost node at once (the scheduler's replacement node) and the group restarts from the newest
+  checkpoint (the baseline; torch's c10d rendezvous waits for the dead node's keep-alive to expire).
+
+torchrun's restart of the same job is not run here: its path is the group restart's (same torch
+elastic agent and rendezvous), plus the script's own resume.
+
+For each trial: in-process (no group restart, no fallback), bitwise (final hash equal to the
+uninterrupted run's), completed steps trained again, kill → training again (the kill to the last
+survivor's ``recovery_finished``, or to the restarted group's first ``start``). Then the state
+transfer's bytes/s (its ``state_transferred`` event) against this machine's loopback bandwidth
+(one TCP stream, measured here), and the cost of the copy of a step-boundary file into the
+recovery store that a node replaceable by a spare pays every step (µs per call, a real file's size).
+
+Run: ``python benchmarks/node_loss.py [--trials 5]``; ``--smoke`` for one short trial per arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+from _common import run_events, trainguard_cmd
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "examples" / "plain_loop.py"
+CONF = "join_timeout=120,last_call_timeout=1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agent(run: Path, name: str, endpoint: str, job: str, nnodes: str, settings: list[str]) -> subprocess.Popen:
+    sets = [x for s in settings for x in ("--set", s)]
+    cmd = [
+        *trainguard_cmd(),
+        "run",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        job,
+        "--rdzv-conf",
+        CONF,
+        "--run-dir",
+        str(run),
+        str(SCRIPT),
+        *sets,
+    ]
+    return subprocess.Popen(cmd, stdout=open(f"{run}.{name}.log", "ab"), stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def _printed_step(run: Path) -> int:
+    steps = [0]
+    for log in run.parent.glob(f"{run.name}.*.log"):
+        lines = log.read_text(errors="replace").splitlines()
+        steps += [int(x.split()[1].split("/")[0]) for x in lines if x.startswith("step ")]
+    return max(steps)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(psutil.Error):
+        proc_ = psutil.Process(proc.pid)
+        proc_.suspend()
+        for child in proc_.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    proc.kill()
+    proc.wait()
+
+
+def _leads(pid: int, port: int) -> bool:
+    conns = psutil.Process(pid).net_connections(kind="tcp")
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns)
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def _final_hash(run: Path) -> str | None:
+    done = [e for e in run_events(run) if e["kind"] == "launch_exit" and e["details"]["code"] == 0]
+    return done[-1]["details"]["state_sha256"] if done else None
+
+
+def trial(run: Path, steps: int, arm: str, seed: int, node_timeout: float) -> dict:
+    """One launch that loses a node at a seeded random moment; its measurements."""
+    rng = random.Random(seed)
+    kill_step = rng.randint(steps // 4, steps * 3 // 4)
+    port = _free_port()
+    endpoint, job = f"127.0.0.1:{port}", uuid.uuid4().hex[:8]
+    settings = [f"worker.max_steps={steps}", "checkpoint.interval=50", "launcher.spares=0"]
+    settings += (
+        ["recovery.in_process=true", f"recovery.node_timeout={node_timeout}"]
+        if arm == "spare node"
+        else ["recovery.in_process=false"]
+    )
+    agents = [_agent(run, f"node{n}", endpoint, job, "2:3", settings) for n in range(2)]
+    try:
+        _wait(lambda: sum(e["kind"] == "workers_started" for e in run_events(run)) >= 2, 300, "both nodes started")
+        if arm == "spare node":
+            agents.append(_agent(run, "spare", endpoint, job, "2:3", settings))
+            _wait(lambda: any(e["kind"] == "spare_node_waiting" for e in run_events(run)), 300, "a spare node waits")
+        _wait(lambda: _printed_step(run) >= kill_step, 300, f"step {kill_step}")
+        time.sleep(rng.random() * 0.02)
+        leader = next(i for i in range(2) if _leads(agents[i].pid, port))
+        printed, killed_at = _printed_step(run), time.time()
+        _kill_tree(agents[1 - leader])
+        if arm == "group restart":  # the scheduler's replacement for the lost node
+            agents.append(_agent(run, "renode", endpoint, job, "2:3", settings))
+        codes = [agents[i].wait(timeout=600) for i in range(len(agents)) if i != 1 - leader]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                _kill_tree(a)
+    ev = run_events(run)
+    kinds = {e["kind"] for e in ev}
+    in_process = "recovery_finished" in kinds and not kinds & {"group_restart", "recovery_fallback"}
+    if in_process:
+        again = max(e["time"] for e in ev if e["kind"] == "recovery_finished") - killed_at
+        redone = 0
+    else:
+        starts = [e["time"] for e in ev if e["kind"] == "start" and e["time"] > killed_at]
+        again = min(starts) - killed_at if starts else float("nan")
+        resumed = [e["details"]["from_step"] for e in ev if e["kind"] == "resume" and e["time"] > killed_at]
+        redone = max(printed - resumed[0], 0) if resumed else printed
+    moved = [e["details"] for e in ev if e["kind"] == "state_transferred"]
+    rate = moved[0]["bytes"] / moved[0]["seconds"] if moved and moved[0]["seconds"] > 0 else float("nan")
+    return {
+        "codes": codes,
+        "in_process": in_process,
+        "hash": _final_hash(run),
+        "again": again,
+        "redone": redone,
+        "rate": rate,
+        "moved": moved[0]["bytes"] if moved else 0,
+    }
+
+
+def loopback_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes/s of one TCP stream over loopback (a thread sends ``nbytes``, this one reads them)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    chunk = b"\0" * (1 << 20)
+
+    def send() -> None:
+        with socket.create_connection(server.getsockname()) as c:
+            for _ in range(nbytes // len(chunk)):
+                c.sendall(chunk)
+
+    threading.Thread(target=send, daemon=True).start()
+    conn, _ = server.accept()
+    got, t0 = 0, time.perf_counter()
+    while got < nbytes:
+        got += len(conn.recv(1 << 20))
+    return got / (time.perf_counter() - t0)
+
+
+def mirror_cost(size: int, calls: int = 2000) -> float:
+    """µs per copy of a ``size``-byte step-boundary slot into a recovery store on loopback (the
+    per-step cost of a node a spare node may replace)."""
+    sys.path.insert(0, str(REPO / "src"))
+    from trainguard.rejoin.auth import Seal
+    from trainguard.rejoin.protocol import RecoveryStore, connect, serve
+
+    server = serve()
+    store = RecoveryStore(connect("127.0.0.1", server.port), 1, Seal(b"k" * 32))
+    data = bytes(size)
+    for _ in range(50):
+        store.mirror_boundary(0, 0, data)
+    t0 = time.perf_counter()
+    for i in range(calls):
+        store.mirror_boundary(0, i % 2, data)
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trials", type=int, default=5, help="node losses per arm")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--node-timeout", type=float, default=1.0, help="[recovery] node_timeout of the spare-node arm")
+    p.add_argument("--smoke", action="store_true", help="one trial per arm, 200 steps")
+    args = p.parse_args()
+    if args.smoke:
+        args.trials, args.steps = 1, 200
+    base = Path(tempfile.mkdtemp(prefix="node-loss-"))
+    clean = base / "clean"
+    port = _free_port()
+    settings = [f"worker.max_steps={args.steps}", "checkpoint.interval=50", "launcher.spares=0"]
+    pair = [_agent(clean, f"node{n}", f"127.0.0.1:{port}", "clean", "2", settings) for n in range(2)]
+    if [a.wait(timeout=900) for a in pair] != [0, 0]:
+        print(f"the uninterrupted run failed: {clean}.*.log", file=sys.stderr)
+        return 1
+    want = _final_hash(clean)
+    rows = []
+    for arm in ("spare node", "group restart"):
+        results = [
+            trial(base / f"{arm.replace(' ', '-')}-{i}", args.steps, arm, args.seed * 1000 + i, args.node_timeout)
+            for i in range(args.trials)
+        ]
+        rows.append((arm, results))
+    failed = any(c != 0 for _, rs in rows for r in rs for c in r["codes"])
+    base_again = statistics.median(r["again"] for r in rows[1][1])
+    print(
+        f"\nREADME plain loop (examples/plain_loop.py), 2 nodes × 2 ranks on loopback, {args.steps} steps, "
+        "the non-leading node's launcher SIGKILLed with its ranks at a random moment"
+    )
+    print(
+        "| arm | trials | in-process | bitwise | completed steps redone (median) | kill → training again (median s) | vs restart |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for arm, results in rows:
+        n = len(results)
+        again = statistics.median(r["again"] for r in results)
+        print(
+            f"| {arm} | {n} | {sum(r['in_process'] for r in results)}/{n} | {sum(r['hash'] == want for r in results)}/{n} "
+            f"| {statistics.median(r['redone'] for r in results):g} | {again:.2f} | {again / base_again:.3f}× |"
+        )
+    rates = [r["rate"] for r in rows[0][1] if r["rate"] == r["rate"]]
+    loop = loopback_bandwidth()
+    if rates:
+        rate = statistics.median(rates)
+        print(
+            f"\nstate transfer: {rows[0][1][0]['moved']} bytes at {rate / 1e6:.1f} MB/s against the loopback's "
+            f"{loop / 1e6:.0f} MB/s ({rate / loop:.4f}×; a tiny model: the transfer is latency, not bandwidth)"
+        )
+    boundary_bytes = 25_000
+    print(
+        f"boundary copy per step: {mirror_cost(boundary_bytes):.0f} µs for a {boundary_bytes}-byte slot into the recovery store "
+        f"on loopback (paid on the nodes a spare node may replace)"
+    )
+    print(f"goal (spare node): every trial in-process and bitwise, kill → training again ≤ 2 s; runs in {base}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
