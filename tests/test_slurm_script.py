@@ -158,6 +158,17 @@ def test_script_with_min_nodes_runs_on_what_slurm_allocates(tmp_path):
         sbatch.validate(_opts(tmp_path, nodes=4, min_nodes=5), check_cluster=False)
 
 
+def test_script_with_spare_nodes_allocates_them_and_starts_their_launchers_as_spares(tmp_path):
+    text = sbatch.render(_opts(tmp_path, nodes=2, spare_nodes=1))
+    assert "#SBATCH --nodes=3" in text.splitlines()
+    assert "srun --nodes=3 --ntasks=3 --ntasks-per-node=1" in text and "--nnodes 2:3" in text
+    assert '--rdzv-endpoint "$head_node:29500"' in text  # one node and one spare is a multi-node job
+    assert "--nnodes 1:2" in sbatch.render(_opts(tmp_path, nodes=1, spare_nodes=1))
+    path = tmp_path / "job.sh"
+    path.write_text(text)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
 def test_script_for_several_nodes_array_and_dependency(tmp_path):
     text = sbatch.render(_opts(tmp_path, nodes=4, gres="gpu:8", cpus_per_task=32, array=5, partition="p"))
     assert '--rdzv-endpoint "$head_node:29500"' in text and "--nnodes 4" in text
@@ -180,6 +191,8 @@ def test_script_for_several_nodes_array_and_dependency(tmp_path):
         (dict(after="abc"), "expected a SLURM job id"),
         (dict(script="/nonexistent.py"), "does not exist"),
         (dict(signal_lead=70000), "1 to 65535"),
+        (dict(spare_nodes=-1), "--spare-nodes must be"),
+        (dict(nodes=4, min_nodes=2, spare_nodes=1), "--spare-nodes and --min-nodes do not go together"),
     ],
 )
 def test_validate_rejects_bad_input(tmp_path, kw, message):

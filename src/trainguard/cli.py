@@ -205,6 +205,12 @@ def _slurm(
         help="sbatch --nodes=MIN-MAX: the job may start on as few as MIN nodes (after a node was excluded, say); "
         "the run resumes on the world size it gets (docs/elastic.md)",
     ),
+    spare_nodes: int = typer.Option(
+        0,
+        "--spare-nodes",
+        help="allocate this many nodes beyond --nodes; their launchers wait as spare nodes and one takes a "
+        "lost node's place in-process (docs/recovery.md)",
+    ),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", "--nproc_per_node", help="ranks per node"),
     time_limit: Optional[str] = typer.Option(
         None, "--time", help="sbatch --time: minutes, HH:MM:SS, D-HH:MM:SS (default slurm.time)"
@@ -283,6 +289,7 @@ def _slurm(
         launcher_sets=sets,
         nodes=nodes,
         min_nodes=min_nodes,
+        spare_nodes=spare_nodes,
         nproc_per_node=nproc_per_node,
         time=time_limit or cfg.time,
         partition=partition or cfg.partition,

@@ -95,6 +95,7 @@ class ScriptOptions:
     launcher_sets: list[str] = field(default_factory=list)
     nodes: int = 1
     min_nodes: Optional[int] = None  # with it, ``--nodes=MIN-MAX``: the job may start on fewer nodes
+    spare_nodes: int = 0  # allocated beyond ``nodes``: their launchers wait as spare nodes (``--nnodes N:N+S``)
     nproc_per_node: int = 1
     time: Optional[str] = None
     partition: Optional[str] = None
@@ -169,6 +170,13 @@ def validate(opts: ScriptOptions, check_cluster: bool = True) -> list[str]:
             raise ConfigError(f"{name} must be ≥ 1, got {value}")
     if opts.min_nodes is not None and not 1 <= opts.min_nodes <= opts.nodes:
         raise ConfigError(f"--min-nodes must be between 1 and --nodes ({opts.nodes}), got {opts.min_nodes}")
+    if opts.spare_nodes < 0:
+        raise ConfigError(f"--spare-nodes must be ≥ 0, got {opts.spare_nodes}")
+    if opts.spare_nodes and _elastic(opts):
+        raise ConfigError(
+            "--spare-nodes and --min-nodes do not go together: spare nodes wait beside a group of a fixed "
+            "number of nodes (docs/recovery.md), --min-nodes lets the group itself shrink"
+        )
     if opts.array is not None and opts.array < 1:
         raise ConfigError(f"--array must be ≥ 1 (the number of tasks), got {opts.array}")
     if opts.array is not None and opts.after:
@@ -234,7 +242,7 @@ def render(opts: ScriptOptions) -> str:
         "--open-mode=append",
         f"--output={out}",
         f"--chdir={Path(opts.workdir).resolve()}",
-        f"--nodes={opts.min_nodes}-{opts.nodes}" if _elastic(opts) else f"--nodes={opts.nodes}",
+        f"--nodes={opts.min_nodes}-{opts.nodes}" if _elastic(opts) else f"--nodes={opts.nodes + opts.spare_nodes}",
         "--ntasks-per-node=1",
     ]
     sb += [f"--time={opts.time}"] if opts.time else []
@@ -253,11 +261,13 @@ def render(opts: ScriptOptions) -> str:
         "--run-dir",
         _q(run_dir),
         "--nnodes",
-        '"$SLURM_JOB_NUM_NODES"' if _elastic(opts) else str(opts.nodes),
+        '"$SLURM_JOB_NUM_NODES"'
+        if _elastic(opts)
+        else (f"{opts.nodes}:{opts.nodes + opts.spare_nodes}" if opts.spare_nodes else str(opts.nodes)),
         "--nproc-per-node",
         str(opts.nproc_per_node),
     ]
-    if opts.nodes > 1:
+    if opts.nodes + opts.spare_nodes > 1:
         run += [
             "--rdzv-backend",
             "c10d",
@@ -270,7 +280,7 @@ def render(opts: ScriptOptions) -> str:
     for item in opts.launcher_sets:
         run += ["--set", _q(item)]
     run += [_q(Path(opts.script).resolve())] + [_q(a) for a in opts.script_args]
-    n = '"$SLURM_JOB_NUM_NODES"' if _elastic(opts) else str(opts.nodes)  # what SLURM allocated
+    n = '"$SLURM_JOB_NUM_NODES"' if _elastic(opts) else str(opts.nodes + opts.spare_nodes)  # what SLURM allocated
     srun = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
     srun += [f"--cpus-per-task={opts.cpus_per_task}"] if opts.cpus_per_task else []  # srun ≥ 22.05 does not inherit it
 
