@@ -279,6 +279,28 @@ def test_goodput_breakdown_of_a_known_timeline():
     assert report["checkpoint_interval"]["young_seconds"] == pytest.approx(math.sqrt(2 * 1.0 * 62.0), rel=1e-4)
 
 
+def test_a_lost_node_replaced_by_a_spare_node_is_an_in_process_incident():
+    """The leading node's launcher finds node 1 silent for 1.5 s and a spare node takes its ranks:
+    one ``node_lost`` incident, recovered in-process, nothing redone."""
+    log = [
+        ev(0, "launch", rank=None),
+        ev(1, "workers_started", rank=None, restart=0),
+        ev(10, "start", 0, first_step=0, resumed_from=None),
+        ev(35, "recovery_started", 26, during="run_step"),
+        ev(36.5, "node_lost", rank=None, node=1, host="h1", ranks=[2, 3], silent_seconds=1.5, spare_nodes=1),
+        ev(36.5, "recovery_started", rank=None, generation=1, ranks=[2, 3], warm=[2, 3], host="h9"),
+        ev(36.5, "spare_node_assigned", rank=None, node=1, host="h9", ranks=[2, 3], generation=1, spare=1),
+        ev(37.5, "recovery_finished", 25, generation=1, replaced=[2, 3], seconds=2.5, steps_lost=0, redo_step=26),
+        ev(60, "end", 50, state_sha256="x"),
+        ev(61, "launch_exit", rank=None, code=0, reason="finished", seconds=61),
+    ]
+    report = build_report(log)
+    (inc,) = report["incidents"]
+    assert inc["kind"] == "node_lost" and inc["in_process"] and inc["ranks"] == [2, 3]
+    assert inc["steps_lost"] == 0 and inc["time_to_recover"] == pytest.approx(1.0)  # from its detection
+    assert report["failure_recovery"]["in_process"]["count"] == 1
+
+
 def test_in_process_recovery_is_counted_apart_from_group_restarts():
     """A rank killed at step 25 and replaced in-process (the segment goes on, nothing is redone),
     then a kill recovered by a group restart from step 40's checkpoint."""

@@ -269,6 +269,21 @@ class RunHistory:
         )
         self._end_segment(inc, "failed")
 
+    def _on_node_lost(self, e: dict, d: dict) -> None:
+        """The leading node's launcher found another node lost (its launcher and ranks gone, or its
+        host silent): a failure since its last beat; a spare node's replacement then marks it
+        recovered in-process (the launcher's ``recovery_started``)."""
+        silent = number(d.get("silent_seconds")) or 0.0
+        ranks = d.get("ranks") if isinstance(d.get("ranks"), list) else []
+        inc = self._new(
+            "node_lost",
+            e,
+            failed_at=e["time"] - silent,
+            ranks=ranks,
+            reason=f"node {d.get('node')} ({d.get('host')}) silent {silent:.1f} s",
+        )
+        self._end_segment(inc, "failed")
+
     def _on_recovery_started(self, e: dict, d: dict) -> None:
         """The launcher replaces lost ranks in-process (``rank`` null): the failure it just reported
         is recovered without a restart; the training segment goes on."""
@@ -288,7 +303,7 @@ class RunHistory:
             if (
                 inc.in_process
                 and inc.recovered_at is None
-                and inc.kind in ("rank_killed", "rank_crashed", "rank_withdrawn", "hang")
+                and inc.kind in ("rank_killed", "rank_crashed", "rank_withdrawn", "hang", "node_lost")
             ):
                 inc.recovered_at, inc.resumed_step = e["time"], float(e["step"])
                 inc.step, inc.step_estimated = float(e["step"]), False

@@ -33,7 +33,7 @@ from typing import Optional
 from .timeline import Segment
 
 # failures that cost the work since the newest checkpoint: the "M" of Young/Daly
-FAILURE_KINDS = ("rank_killed", "rank_crashed", "rank_withdrawn", "hang", "ping_timeout", "launch_lost")
+FAILURE_KINDS = ("rank_killed", "rank_crashed", "rank_withdrawn", "hang", "ping_timeout", "launch_lost", "node_lost")
 STOP_KINDS = {
     "signal": "preemption_signal",
     "time_limit": "time_limit",

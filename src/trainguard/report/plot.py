@@ -24,6 +24,7 @@ MISSING = (
 COLOURS = {
     "rank_killed": "tab:red",
     "rank_crashed": "tab:red",
+    "node_lost": "darkred",
     "hang": "tab:orange",
     "ping_timeout": "tab:brown",
     "preemption_signal": "tab:blue",
