@@ -409,6 +409,7 @@ class Replacer:
             env = {k: v for k, v in self._rank_env(env, gen).items() if k not in (HEARTBEAT_DIR, RECOVERY_DIR)}
             env[BOUNDARY_MIRROR] = "1"
             assign_spare(self.shared, sid, env, self.seal)
+        self.recovery_store().node_lost(gen.number)  # ranks waiting on a silent host cut (rejoin.notice)
         self._publish(gen)
         self._warm, self._pids, self._node = list(gen.replaced), {}, host
         self.events.emit(

@@ -253,6 +253,15 @@ class RecoveryStore:
             time.sleep(0.05)  # forged: the real value overwrites it
         return None
 
+    def node_lost(self, number: int) -> None:
+        """Launcher: generation ``number`` replaces a lost node's ranks; said before it is published,
+        so that ranks waiting on a silent host's peer cut their connections (:mod:`.notice`)."""
+        self._set(f"gen/{number}/node_lost", "1")
+
+    def was_node_lost(self, number: int) -> bool:
+        """Rank: whether :meth:`node_lost` was said for generation ``number`` (one look)."""
+        return self._get(f"gen/{number}/node_lost") is not None
+
     def survivors_at(self, number: int, step: int) -> None:
         """Survivor: the survivors meet generation ``number`` at step boundary ``step`` (completed
         steps), for a replacement that must know it before it meets them (:mod:`trainguard.hf`)."""

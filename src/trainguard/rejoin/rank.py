@@ -7,6 +7,7 @@ state, the failure seen in the current step and the generation this process is i
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -17,6 +18,7 @@ from . import sever
 from .auth import Seal
 from .boundary import BoundaryState, parse_slot
 from .boundary import read as read_boundaries
+from .notice import LostNodeNotice
 from .protocol import Forged, Generation, RecoveryStore, connect, is_peer_failure, parse_address
 
 # The parts of the training state (Guard.train_state) that only their rank holds: its data position,
@@ -88,6 +90,16 @@ class Rejoin:
         self.generation = launch.join if self.joining else 0
         self.failure: Optional[PeerFailure] = None
         self.group_ports: set[int] = set()  # the ports the group's ranks listen on (see :mod:`.sever`)
+        self.notice: Optional[LostNodeNotice] = None  # several nodes: a silent host's peers cut (see :mod:`.notice`)
+        if self.active and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+            self.notice = LostNodeNotice(
+                launch.recovery_store,
+                launch.recovery_group,
+                seal,
+                lambda: self.generation,
+                self.failed,
+                lambda: self.group_ports,
+            )
 
     def renumber(self, rank: int) -> None:
         """This process is rank ``rank`` from now on (the group shrank in place): its boundary
@@ -195,5 +207,7 @@ class Rejoin:
         self.failure = None
 
     def close(self) -> None:
-        """Remove this rank's boundary file."""
+        """Remove this rank's boundary file, stop the lost-node watcher."""
         self.boundary.close()
+        if self.notice is not None:
+            self.notice.stop()

@@ -1,0 +1,76 @@
+"""A rank hears that a node was lost, so that it does not wait on a host that stopped answering.
+
+A peer that dies closes its connections and its peers' collective fails within milliseconds
+(:mod:`.catch`). A host that stops answering (a NIC gone, a kernel hung, a network partition)
+closes nothing: its peers would wait in their collective with it until gloo's timeout. The
+leading node's launcher finds such a node by its silent beat (:mod:`trainguard.launcher.nodes`)
+and, before it publishes the generation that replaces the node's ranks, says so in the recovery
+store (:meth:`~.protocol.RecoveryStore.node_lost`). A thread of each rank waits for that word on
+a connection of its own (a look every 0.1 s) and cuts the group's connections (:func:`.sever.cut`): the collective
+ends on this rank at once and it recovers as from any lost peer. A rank that already caught the
+loss (a killed node) cuts nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch.distributed as dist
+
+from . import sever
+from .auth import Seal
+from .protocol import RecoveryStore, connect, parse_address
+
+LOOK = 0.1  # seconds between looks (a look, not a blocking wait: c10d logs a warning at each wait's timeout)
+
+
+class LostNodeNotice:
+    """The watcher thread of one rank (a daemon; :meth:`stop` ends it within :data:`LOOK` s; one store round trip per look).
+
+    Args:
+        address: the recovery store's ``HOST:PORT``.
+        attempt: the group start's number (its keys' prefix).
+        seal: the launch's secret.
+        generation: the number of the generation this rank is in, read at each look.
+        failed: whether this rank caught a lost peer in the current step (nothing to cut then).
+        ports: the ports the group's ranks listen on (:attr:`~.rank.Rejoin.group_ports`).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        attempt: int,
+        seal: Seal,
+        generation: Callable[[], int],
+        failed: Callable[[], bool],
+        ports: Callable[[], set[int]],
+    ):
+        self.address, self.attempt, self.seal = address, attempt, seal
+        self._generation, self._failed, self._ports = generation, failed, ports
+        self.cuts = 0  # times the notice cut this rank's connections
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainguard-lost-node", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            store = RecoveryStore(connect(*parse_address(self.address), 30.0), self.attempt, self.seal)
+            while not self._stop.is_set():
+                number = self._generation() + 1
+                if not store.was_node_lost(number):
+                    self._stop.wait(LOOK)
+                    continue
+                if self._generation() + 1 == number and not self._failed():
+                    self.cuts += 1
+                    sever.cut(self._ports())
+                while self._generation() < number and not self._stop.wait(0.05):
+                    pass  # until this rank is in that generation (or stopped)
+        except (RuntimeError, dist.DistError, OSError):
+            return  # the store is gone: the launch is ending
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+__all__ = ["LostNodeNotice"]
