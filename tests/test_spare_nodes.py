@@ -6,13 +6,19 @@ node's recovery store, and the run ends with the hash of an uninterrupted run.""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import shutil
+import subprocess
+import sys
+import uuid
 
 import psutil
 import pytest
-from test_multinode import INTERVAL, STEPS, _kill_tree, job_address, logs, start_agent
+from test_multinode import INTERVAL, STEPS, _kill_tree, free_port, job_address, logs, node_log, start_agent
 
-from conftest import events, launch, shared_hash, wait_for
+from conftest import GPT, REPO, TINY, events, launch, pinned, sets, shared_hash, wait_for
 
 SETTINGS = (
     f"train.max_steps={STEPS}",
@@ -82,3 +88,90 @@ def test_a_node_killed_with_its_ranks_is_replaced_by_a_spare_node_in_process(tmp
     assert (run / "exclude_nodes").read_text().split() == [lost[0]["details"]["host"]]
     exits = {e["pid"]: e["details"] for e in events(run, "launch_exit")}
     assert exits[agents[survivor].pid]["state_sha256"] == clean, exits
+
+
+# ---- each node with its own address: network namespaces ------------------------------------------
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def nodes_with_addresses(count: int):
+    """``count`` network namespaces, each joined to this one by a veth pair on its own /24
+    (10.77.<i>.2 inside, 10.77.<i>.1 here); yields ``[(namespace, address, host-side link,
+    inside link)]``. Needs root; removed after (a namespace's processes must be gone first)."""
+    tag = uuid.uuid4().hex[:6]
+    made = []
+    try:
+        for i in range(count):
+            ns, here, there = f"tg{tag}{i}", f"tgh{tag}{i}", f"tgn{tag}{i}"
+            _ip("netns", "add", ns)
+            made.append((ns, here))
+            _ip("link", "add", here, "type", "veth", "peer", "name", there)
+            _ip("link", "set", there, "netns", ns)
+            _ip("addr", "add", f"10.77.{i + 1}.1/24", "dev", here)
+            _ip("link", "set", here, "up")
+            _ip("-n", ns, "addr", "add", f"10.77.{i + 1}.2/24", "dev", there)
+            _ip("-n", ns, "link", "set", there, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "route", "add", "default", "via", f"10.77.{i + 1}.1")
+        yield [(ns, f"10.77.{i + 1}.2", here, f"tgn{tag}{i}") for i, (ns, here) in enumerate(made)]
+    finally:
+        for ns, here in made:
+            subprocess.run(["ip", "link", "del", here], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _agent_at(run, n, endpoint, job, addr, iface, ns=None) -> subprocess.Popen:
+    """A `trainguard run` agent of a ``--nnodes 2:3`` job at ``addr`` (its rendezvous and recovery
+    addresses; gloo on ``iface``), inside the network namespace ``ns`` (``None``: this one)."""
+    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nnodes", "2:3", "--nproc-per-node", "1"]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--local-addr", addr]
+    cmd += ["--rdzv-conf", "join_timeout=60,last_call_timeout=1", "--run-dir", str(run), str(GPT)]
+    cmd += sets(*TINY, *pinned(SETTINGS))
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": iface}
+    with open(node_log(run, n), "ab") as log:
+        return subprocess.Popen(
+            (["ip", "netns", "exec", ns] if ns else []) + cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env
+        )
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2 (network namespaces)")
+def test_a_node_whose_host_stops_answering_is_replaced_by_a_spare_node_on_its_own_address(tmp_path, clean_hash):
+    """Three nodes with their own addresses: the leader here (10.77.1.1), a node and a spare node each
+    in a network namespace (10.77.1.2, 10.77.2.2). The node's link goes down mid-run: its launcher
+    and rank live on but nothing of theirs arrives any more (no connection is closed). The leader
+    finds the node silent, its rank cuts its connections on the word of the loss, the spare node
+    takes the rank, and the run ends with the clean hash."""
+    run = tmp_path / "run"
+    agents: list[subprocess.Popen] = []
+    with nodes_with_addresses(2) as ((ns_b, addr_b, link_b, in_b), (ns_c, addr_c, _, in_c)):
+        endpoint, job = f"10.77.1.1:{free_port()}", f"tg-{uuid.uuid4().hex[:8]}"
+        try:
+            agents.append(_agent_at(run, 0, endpoint, job, "10.77.1.1", link_b))
+            wait_for(lambda: (tmp_path / "run" / "events.jsonl").exists(), 60, "the leader started")
+            agents.append(_agent_at(run, 1, endpoint, job, addr_b, in_b, ns_b))
+            wait_for(lambda: len(events(run, "workers_started")) == 2, 240, "both nodes' ranks started")
+            agents.append(_agent_at(run, 2, endpoint, job, addr_c, in_c, ns_c))
+            wait_for(lambda: events(run, "spare_node_waiting"), 240, "the third node waits as a spare node")
+            kill_after = random.Random().randint(20, 60)
+            wait_for(lambda: newest_step(run) >= kill_after, 240, f"a checkpoint at step {kill_after} or later")
+            _ip("link", "set", link_b, "down")  # the host stops answering: nothing is closed
+            wait_for(lambda: agents[0].poll() is not None and agents[2].poll() is not None, 300, "leader and spare end")
+        finally:
+            for a in agents:
+                if a.poll() is None:
+                    _kill_tree(a)
+    text = logs(run) + "\n" + node_log(run, 2).read_text(errors="replace")[-3000:]
+    assert (agents[0].returncode, agents[2].returncode) == (0, 0), text
+    lost = events(run, "node_lost")
+    assert [e["details"]["spare_nodes"] for e in lost] == [1] and len(lost[0]["details"]["ranks"]) == 1, (lost, text)
+    assert not events(run, "group_restart") and not events(run, "recovery_fallback"), text
+    replaced = events(run, "rank_replaced")
+    assert [(e["rank"], e["details"]["own_state_from"]) for e in replaced] == [
+        (lost[0]["details"]["ranks"][0], "recovery store")
+    ], replaced
+    exits = {e["pid"]: e["details"] for e in events(run, "launch_exit")}
+    assert exits[agents[0].pid]["state_sha256"] == clean_hash(STEPS), exits

@@ -216,12 +216,17 @@ class InProcess:
         Raises:
             the collective's error: no new generation within ``[recovery] timeout`` (this rank
                 exits and the launcher restarts the group).
-            RegroupError: the ranks cannot be recovered in-process (same).
+            RegroupError: the ranks cannot be recovered in-process (same), or this rank itself was
+                replaced (its node was called lost while it lived on): it must not rejoin.
         """
         failure = self.rejoin.failure
         # this rank's own state now: the end of the abandoned step (a peer may have completed it)
         current = self.train_state.state_dict(LOCAL_PARTS) if redo and take_completed else None
         gen = self.rejoin.wait_generation()
+        if place.rank in gen.replaced:  # its node was called lost (a partition that healed): fenced out
+            raise regroup.RegroupError(
+                f"rank {place.rank} was replaced in generation {gen.number} (its node was called lost): not rejoining"
+            )
         if gen.replaced:  # a framework's replacement sets its loop up at this step (trainguard.hf)
             self.rejoin.store.survivors_at(gen.number, place.step)
         if gen.left:
