@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -97,31 +98,44 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+LEADER = "10.77.0.1"  # the leader's address: here, on a link of its own (to an otherwise empty namespace)
+
+
 @contextlib.contextmanager
 def nodes_with_addresses(count: int):
-    """``count`` network namespaces, each joined to this one by a veth pair on its own /24
-    (10.77.<i>.2 inside, 10.77.<i>.1 here); yields ``[(namespace, address, host-side link,
-    inside link)]``. Needs root; removed after (a namespace's processes must be gone first)."""
+    """Network namespaces joined to this one by a veth pair each, on its own /24 (10.77.<i>.1 here,
+    10.77.<i>.2 inside, the namespace's default route): the first (i = 0) only gives the leader here
+    the address :data:`LEADER` on a link of its own; the ``count`` others are nodes. Yields
+    ``(leader link, [(namespace, address, host-side link, inside link)])``. Needs root; removed
+    after (a namespace's processes must be gone first)."""
     tag = uuid.uuid4().hex[:6]
     made = []
     try:
-        for i in range(count):
+        for i in range(count + 1):
             ns, here, there = f"tg{tag}{i}", f"tgh{tag}{i}", f"tgn{tag}{i}"
             _ip("netns", "add", ns)
             made.append((ns, here))
+            # the host's name server is out of a namespace's reach: a name lookup fails at once, not
+            # after the resolver's timeouts (`ip netns exec` mounts this file over /etc/resolv.conf)
+            Path(f"/etc/netns/{ns}").mkdir(parents=True, exist_ok=True)
+            Path(f"/etc/netns/{ns}/resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
             _ip("link", "add", here, "type", "veth", "peer", "name", there)
             _ip("link", "set", there, "netns", ns)
-            _ip("addr", "add", f"10.77.{i + 1}.1/24", "dev", here)
+            _ip("addr", "add", f"10.77.{i}.1/24", "dev", here)
             _ip("link", "set", here, "up")
-            _ip("-n", ns, "addr", "add", f"10.77.{i + 1}.2/24", "dev", there)
+            _ip("-n", ns, "addr", "add", f"10.77.{i}.2/24", "dev", there)
             _ip("-n", ns, "link", "set", there, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "route", "add", "default", "via", f"10.77.{i + 1}.1")
-        yield [(ns, f"10.77.{i + 1}.2", here, f"tgn{tag}{i}") for i, (ns, here) in enumerate(made)]
+            _ip("-n", ns, "route", "add", "default", "via", f"10.77.{i}.1")
+        nodes = [(ns, f"10.77.{i}.2", here, f"tgn{tag}{i}") for i, (ns, here) in enumerate(made) if i > 0]
+        yield made[0][1], nodes
     finally:
         for ns, here in made:
             subprocess.run(["ip", "link", "del", here], capture_output=True)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir("/etc/netns")  # if this test made it
 
 
 def _agent_at(run, n, endpoint, job, addr, iface, ns=None) -> subprocess.Popen:
@@ -129,7 +143,8 @@ def _agent_at(run, n, endpoint, job, addr, iface, ns=None) -> subprocess.Popen:
     addresses; gloo on ``iface``), inside the network namespace ``ns`` (``None``: this one)."""
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nnodes", "2:3", "--nproc-per-node", "1"]
     cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--local-addr", addr]
-    cmd += ["--rdzv-conf", "join_timeout=60,last_call_timeout=1", "--run-dir", str(run), str(GPT)]
+    host = int(ns is None)  # the leader serves torch's rendezvous store (its address is not the host name's)
+    cmd += ["--rdzv-conf", f"join_timeout=60,last_call_timeout=1,is_host={host}", "--run-dir", str(run), str(GPT)]
     cmd += sets(*TINY, *pinned(SETTINGS))
     env = {**os.environ, "GLOO_SOCKET_IFNAME": iface}
     with open(node_log(run, n), "ab") as log:
@@ -140,17 +155,17 @@ def _agent_at(run, n, endpoint, job, addr, iface, ns=None) -> subprocess.Popen:
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2 (network namespaces)")
 def test_a_node_whose_host_stops_answering_is_replaced_by_a_spare_node_on_its_own_address(tmp_path, clean_hash):
-    """Three nodes with their own addresses: the leader here (10.77.1.1), a node and a spare node each
+    """Three nodes with their own addresses: the leader here (10.77.0.1), a node and a spare node each
     in a network namespace (10.77.1.2, 10.77.2.2). The node's link goes down mid-run: its launcher
     and rank live on but nothing of theirs arrives any more (no connection is closed). The leader
     finds the node silent, its rank cuts its connections on the word of the loss, the spare node
     takes the rank, and the run ends with the clean hash."""
     run = tmp_path / "run"
     agents: list[subprocess.Popen] = []
-    with nodes_with_addresses(2) as ((ns_b, addr_b, link_b, in_b), (ns_c, addr_c, _, in_c)):
-        endpoint, job = f"10.77.1.1:{free_port()}", f"tg-{uuid.uuid4().hex[:8]}"
+    with nodes_with_addresses(2) as (dummy, ((ns_b, addr_b, link_b, in_b), (ns_c, addr_c, _, in_c))):
+        endpoint, job = f"{LEADER}:{free_port()}", f"tg-{uuid.uuid4().hex[:8]}"
         try:
-            agents.append(_agent_at(run, 0, endpoint, job, "10.77.1.1", link_b))
+            agents.append(_agent_at(run, 0, endpoint, job, LEADER, dummy))
             wait_for(lambda: (tmp_path / "run" / "events.jsonl").exists(), 60, "the leader started")
             agents.append(_agent_at(run, 1, endpoint, job, addr_b, in_b, ns_b))
             wait_for(lambda: len(events(run, "workers_started")) == 2, 240, "both nodes' ranks started")
