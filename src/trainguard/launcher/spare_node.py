@@ -30,7 +30,7 @@ from .. import console
 from ..events import EventLog
 from ..launch_env import BOUNDARY_MIRROR, RECOVERY_STORE
 from ..rejoin.auth import Seal
-from ..rejoin.protocol import connect, parse_address
+from ..rejoin.protocol import connect, parse_address, spare_ready
 from .nodes import STORE_FILE, Beat, NodeRegistry, agent_id
 from .replace import replacement_command
 
@@ -92,10 +92,18 @@ def serve(
     env = {**os.environ, RECOVERY_STORE: address, BOUNDARY_MIRROR: "1"}
     procs = {sid: _start(argv, script, sid, env) for sid in me.spare_ids}
     beat = Beat(address, me.agent)
-    events.emit("spare_node_waiting", spare=number, pids={str(s): p.pid for s, p in procs.items()})
-    console.say(f"spare node {number}: {nproc} warm spare(s) wait for a lost node's ranks")
+    started, ready = time.monotonic(), False
     try:
         while (taken := registry.assignment(number)) is None:
+            if not ready and all(spare_ready(store, sid, seal) for sid in procs):
+                ready = True  # warm: every spare waits at the script's init_process_group
+                seconds = round(time.monotonic() - started, 3)
+                events.emit(
+                    "spare_node_waiting", spare=number, pids={str(s): p.pid for s, p in procs.items()}, seconds=seconds
+                )
+                console.say(
+                    f"spare node {number}: {nproc} warm spare(s) ready in {seconds:.1f} s, waiting for a lost node's ranks"
+                )
             if registry.finished() or stop_signal() is not None:
                 _kill(procs.values())
                 return 0 if stop_signal() is None else 75
