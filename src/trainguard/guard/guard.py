@@ -1059,6 +1059,8 @@ class Guard:
         CATCH.uninstall()
         if self.rejoin is not None and collective:  # a rank that fails alone leaves its state to its replacement
             self.rejoin.close()
+        elif self.rejoin is not None:
+            self.rejoin.stop_watching()
         if self.events is not None:
             self.events.close()
 

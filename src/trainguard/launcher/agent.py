@@ -245,6 +245,12 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         os.environ[BOUNDARY_MIRROR] = "" if replacer.address == replacer.local_address else "1"
         self._lost_nodes, self.nodes_replaced = set(), 0
 
+    def stop_beating(self) -> None:
+        """The launch ends: stop this launcher's liveness beats (see :mod:`.nodes`)."""
+        if self._beat is not None:
+            self._beat.stop()
+            self._beat = None
+
     def _watch_nodes(self) -> Optional[NodeLost]:
         """Node 0 (the recovery store's host): the first other node whose beats stopped for
         ``[recovery] node_timeout`` seconds, as a :class:`NodeLost` (its ``node_lost`` event

@@ -200,7 +200,10 @@ class Beat:
             return  # the store's node is gone: node 0 watches no one any more
 
     def stop(self) -> None:
+        """End the beats and wait for the thread (a thread left inside a store call while the
+        interpreter exits aborts the process)."""
         self._stop.set()
+        self._thread.join(timeout=5.0)
 
 
 class Silence:

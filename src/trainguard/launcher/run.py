@@ -406,6 +406,7 @@ def _run_agent(
         else:
             agent.exit_code, agent.exit_reason = code, "spare node"
     finally:
+        agent.stop_beating()
         if refresher is not None:
             refresher.stop()
         if not spare:  # a spare node never joined the rendezvous: its shutdown would close it for all

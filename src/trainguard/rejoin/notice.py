@@ -70,7 +70,10 @@ class LostNodeNotice:
             return  # the store is gone: the launch is ending
 
     def stop(self) -> None:
+        """End the thread and wait for it (at most one look and a store round trip): a thread left
+        inside a store call while the interpreter exits aborts the process."""
         self._stop.set()
+        self._thread.join(timeout=5.0)
 
 
 __all__ = ["LostNodeNotice"]

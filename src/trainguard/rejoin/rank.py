@@ -206,8 +206,13 @@ class Rejoin:
         """The step was recovered: forget the failure."""
         self.failure = None
 
+    def stop_watching(self) -> None:
+        """Stop the lost-node watcher (every rank, also one that fails alone and leaves its files)."""
+        if self.notice is not None:
+            self.notice.stop()
+            self.notice = None
+
     def close(self) -> None:
         """Remove this rank's boundary file, stop the lost-node watcher."""
         self.boundary.close()
-        if self.notice is not None:
-            self.notice.stop()
+        self.stop_watching()
