@@ -5,7 +5,8 @@ The README's plain loop (``examples/plain_loop.py``, DDP) on two "nodes": two ``
 launchers on loopback (``--nnodes 2:3``, c10d rendezvous, ``--nproc-per-node 2``: 4 ranks). Once
 uninterrupted for its final state hash, then ``--trials`` times per arm with the launcher of the
 node that does not lead (the one that does serves the rendezvous and recovery stores) SIGKILLed
-together with its ranks at a random step plus a random fraction of a step:
+together with its ranks at a random step (20 to 200 steps after the spare node is ready) plus a
+random fraction of a step:
 
 * ``spare node``: a third launcher waits as a spare node (``[recovery] spare_nodes``, node timeout
   ``--node-timeout``); its warm spares take the lost ranks in-process;
@@ -120,7 +121,6 @@ def _final_hash(run: Path) -> str | None:
 def trial(run: Path, steps: int, arm: str, seed: int, node_timeout: float) -> dict:
     """One launch that loses a node at a seeded random moment; its measurements."""
     rng = random.Random(seed)
-    kill_step = rng.randint(steps // 4, steps * 3 // 4)
     port = _free_port()
     endpoint, job = f"127.0.0.1:{port}", uuid.uuid4().hex[:8]
     settings = [f"worker.max_steps={steps}", "checkpoint.interval=50", "launcher.spares=0"]
@@ -134,7 +134,12 @@ def trial(run: Path, steps: int, arm: str, seed: int, node_timeout: float) -> di
         _wait(lambda: sum(e["kind"] == "workers_started" for e in run_events(run)) >= 2, 300, "both nodes started")
         if arm == "spare node":
             agents.append(_agent(run, "spare", endpoint, job, "2:3", settings))
-            _wait(lambda: any(e["kind"] == "spare_node_waiting" for e in run_events(run)), 300, "a spare node waits")
+            _wait(lambda: any(e["kind"] == "spare_node_waiting" for e in run_events(run)), 300, "a spare node is ready")
+        kill_step = _printed_step(run) + rng.randint(20, 200)  # a random step once the spare node is hot
+        if kill_step >= steps:
+            raise RuntimeError(
+                f"the run reached step {kill_step - 20} before the spare node was ready: use more --steps"
+            )
         _wait(lambda: _printed_step(run) >= kill_step, 300, f"step {kill_step}")
         time.sleep(rng.random() * 0.02)
         leader = next(i for i in range(2) if _leads(agents[i].pid, port))
@@ -210,13 +215,13 @@ def mirror_cost(size: int, calls: int = 2000) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=5, help="node losses per arm")
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--node-timeout", type=float, default=1.0, help="[recovery] node_timeout of the spare-node arm")
-    p.add_argument("--smoke", action="store_true", help="one trial per arm, 200 steps")
+    p.add_argument("--smoke", action="store_true", help="one trial per arm, 2000 steps")
     args = p.parse_args()
     if args.smoke:
-        args.trials, args.steps = 1, 200
+        args.trials, args.steps = 1, 2000
     base = Path(tempfile.mkdtemp(prefix="node-loss-"))
     clean = base / "clean"
     port = _free_port()

@@ -45,7 +45,10 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     ),
     "goodput_faults.py": ([], ["goodput of the example GPT", "| in-process", "| restart"]),
     "plain_loop_kills.py": ([], ["README plain loop", "| in-process | 1 | 1/1 | 1/1", "| restart |"]),
-    "node_loss.py": ([], ["README plain loop", "| spare node | 1 | 1/1 | 1/1", "| group restart |", "boundary copy per step"]),
+    "node_loss.py": (
+        [],
+        ["README plain loop", "| spare node | 1 | 1/1 | 1/1", "| group restart |", "boundary copy per step"],
+    ),
     "inprocess_overhead.py": ([], ["steady-state step time with in-process recovery", "| on, warm spare", "overhead"]),
     "membership_scale.py": ([], ["membership decisions at scale", " 4096 ", "flat in the world size: met"]),
     "sdc_overhead.py": ([], ["SDC replica check vs a training step", "default interval (100)"]),
