@@ -40,6 +40,9 @@ def test_registry_round_trip_and_spares_leave_the_list_once_taken():
     assert not other.finished()
     node0.finish()
     assert other.finished()
+    assert not node0.ended("h1:10")
+    other.end("h1:10")  # its launch ended: its silence is not a lost node
+    assert node0.ended("h1:10")
 
 
 def test_a_value_sealed_with_another_key_is_absent_and_reported():

@@ -34,6 +34,7 @@ import subprocess
 import time
 from typing import Callable, Optional
 
+import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
 from .. import console
@@ -246,10 +247,16 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         self._lost_nodes, self.nodes_replaced = set(), 0
 
     def stop_beating(self) -> None:
-        """The launch ends: stop this launcher's liveness beats (see :mod:`.nodes`)."""
-        if self._beat is not None:
-            self._beat.stop()
-            self._beat = None
+        """The launch ends: say so (the leading launcher must not take the silence for a lost
+        node) and stop this launcher's liveness beats (see :mod:`.nodes`)."""
+        if self._beat is None:
+            return
+        try:
+            self.registry.end(self._beat.agent)
+        except (RuntimeError, dist.DistError):
+            pass  # the leading node's store is gone: nobody watches
+        self._beat.stop()
+        self._beat = None
 
     def _watch_nodes(self) -> Optional[NodeLost]:
         """Node 0 (the recovery store's host): the first other node whose beats stopped for
@@ -261,7 +268,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         now = time.monotonic()
         for g in range(group.group_world_size):
             node = None if g == group.group_rank or g in self._lost_nodes else self.registry.active(g)
-            if node is None:
+            if node is None or self.registry.ended(node.agent):
                 continue
             silent = self._silence.observe(node.agent, self.registry.beats(node.agent), now)
             if silent <= self.replacer.cfg.node_timeout:

@@ -175,6 +175,15 @@ class NodeRegistry:
         """Spare node: whether the job finished."""
         return self._get("finished") is not None
 
+    def end(self, agent: str) -> None:
+        """Launcher: its launch ends (its ranks finished, or it stops): its beats stop now and it is
+        not a lost node."""
+        self._set(f"ended/{agent}", {})
+
+    def ended(self, agent: str) -> bool:
+        """Leading launcher: whether launcher ``agent`` said its launch ended (:meth:`end`)."""
+        return self._get(f"ended/{agent}") is not None
+
     def beats(self, agent: str) -> int:
         """The beats launcher ``agent`` has sent so far."""
         return int(self.store.add(PREFIX + f"beat/{agent}", 0))

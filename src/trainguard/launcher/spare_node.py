@@ -120,6 +120,10 @@ def serve(
         _kill(procs.values())
         return 0
     finally:
+        try:
+            registry.end(me.agent)  # not a lost node: its launch ends
+        except (RuntimeError, dist.DistError):
+            pass
         beat.stop()
 
 
