@@ -218,10 +218,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--node-timeout", type=float, default=1.0, help="[recovery] node_timeout of the spare-node arm")
-    p.add_argument("--smoke", action="store_true", help="one trial per arm, 2000 steps")
+    p.add_argument("--smoke", action="store_true", help="one trial per arm, 1000 steps")
     args = p.parse_args()
     if args.smoke:
-        args.trials, args.steps = 1, 2000
+        args.trials, args.steps = 1, 1000
     base = Path(tempfile.mkdtemp(prefix="node-loss-"))
     clean = base / "clean"
     port = _free_port()

@@ -201,18 +201,19 @@ class Beat:
         self._thread.start()
 
     def _run(self) -> None:
-        try:
-            store = connect(*parse_address(self.address), 30.0)
-            while not self._stop.wait(BEAT_INTERVAL):
+        store = None
+        while not self._stop.wait(BEAT_INTERVAL):
+            try:
+                store = store or connect(*parse_address(self.address), 2.0)  # calls end within 2 s (stop())
                 store.add(PREFIX + f"beat/{self.agent}", 1)
-        except (RuntimeError, dist.DistError, OSError):
-            return  # the store's node is gone: node 0 watches no one any more
+            except (RuntimeError, dist.DistError, OSError):  # slow or gone: try again, the leader judges
+                store = None
 
     def stop(self) -> None:
         """End the beats and wait for the thread (a thread left inside a store call while the
         interpreter exits aborts the process)."""
         self._stop.set()
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=5.0)  # a store call ends within 2 s
 
 
 class Silence:

@@ -22,6 +22,7 @@ from . import sever
 from .auth import Seal
 from .protocol import RecoveryStore, connect, parse_address
 
+TIMEOUT = 2.0  # seconds a store call may take: the thread must be out of it soon after stop() (see there)
 LOOK = 0.1  # seconds between looks (a look, not a blocking wait: c10d logs a warning at each wait's timeout)
 
 
@@ -54,26 +55,34 @@ class LostNodeNotice:
         self._thread.start()
 
     def _run(self) -> None:
-        try:
-            store = RecoveryStore(connect(*parse_address(self.address), 30.0), self.attempt, self.seal)
-            while not self._stop.is_set():
-                number = self._generation() + 1
-                if not store.was_node_lost(number):
-                    self._stop.wait(LOOK)
-                    continue
-                if self._generation() + 1 == number and not self._failed():
-                    self.cuts += 1
-                    sever.cut(self._ports())
-                while self._generation() < number and not self._stop.wait(0.05):
-                    pass  # until this rank is in that generation (or stopped)
-        except (RuntimeError, dist.DistError, OSError):
-            return  # the store is gone: the launch is ending
+        store = None
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    store = RecoveryStore(connect(*parse_address(self.address), TIMEOUT), self.attempt, self.seal)
+                self._look(store)
+            except (RuntimeError, dist.DistError, OSError):  # the store is slow or gone (the launch ends)
+                store = None
+                self._stop.wait(LOOK)
+
+    def _look(self, store: RecoveryStore) -> None:
+        """One look for the word on the next generation; cut if it came and this rank has not caught
+        the loss itself, then wait until this rank is in that generation."""
+        number = self._generation() + 1
+        if not store.was_node_lost(number):
+            self._stop.wait(LOOK)
+            return
+        if self._generation() + 1 == number and not self._failed():
+            self.cuts += 1
+            sever.cut(self._ports())
+        while self._generation() < number and not self._stop.wait(0.05):
+            pass  # until this rank is in that generation (or stopped)
 
     def stop(self) -> None:
         """End the thread and wait for it (at most one look and a store round trip): a thread left
         inside a store call while the interpreter exits aborts the process."""
         self._stop.set()
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=LOOK + 2 * TIMEOUT)
 
 
 __all__ = ["LostNodeNotice"]
