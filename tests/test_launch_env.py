@@ -38,6 +38,7 @@ FULL = LaunchEnv(
     recovery_dir=Path("/dev/shm/trainguard-rejoin-x"),
     recovery_group=3,
     boundary_mirror=True,
+    spare_nodes=True,
 )
 
 

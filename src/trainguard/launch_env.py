@@ -35,6 +35,7 @@ RECOVERY_DIR = "TRAINGUARD_RECOVERY_DIR"
 RECOVERY_GROUP = "TRAINGUARD_RECOVERY_GROUP"
 RECOVERY_KEY = "TRAINGUARD_RECOVERY_KEY"  # never copied through a store (assignment() leaves it out)
 BOUNDARY_MIRROR = "TRAINGUARD_BOUNDARY_MIRROR"  # "1": copy the step-boundary files into the recovery store
+SPARE_NODES = "TRAINGUARD_SPARE_NODES"  # "1": spare nodes may replace a lost node (the ranks watch for the word)
 # set by the launcher for one process only: a replacement of a lost rank (not in to_environ)
 JOIN = "TRAINGUARD_JOIN"
 # ---- torch elastic's per-worker variables (read only) --------------------------------------------
@@ -76,6 +77,7 @@ WRITTEN = (
     RECOVERY_GROUP,
     RECOVERY_KEY,
     BOUNDARY_MIRROR,
+    SPARE_NODES,
 )
 
 
@@ -115,6 +117,8 @@ class LaunchEnv:
         boundary_mirror: copy each step-boundary file into the recovery store as well
             (``TRAINGUARD_BOUNDARY_MIRROR`` = ``1``): the launcher sets it on a node that a spare
             node may replace (every node but the recovery store's), whose files die with it.
+        spare_nodes: spare nodes may replace a lost node (``TRAINGUARD_SPARE_NODES`` = ``1``): the
+            rank watches for the leading launcher's word of a lost node (:mod:`trainguard.rejoin.notice`).
         join: the generation this process joins as the replacement of a lost rank (``TRAINGUARD_JOIN``,
             set for that process only); ``None`` for a rank of a starting group.
         restart_count: worker-group restart count (torch's ``TORCHELASTIC_RESTART_COUNT``, default 0).
@@ -136,6 +140,7 @@ class LaunchEnv:
     recovery_group: int = 0
     recovery_key: Optional[bytes] = field(default=None, repr=False)
     boundary_mirror: bool = False
+    spare_nodes: bool = False
     join: Optional[int] = None
     restart_count: int = 0
     local_rank: int = 0
@@ -167,6 +172,7 @@ class LaunchEnv:
             recovery_group=_count(env, RECOVERY_GROUP, 0),
             recovery_key=_hex(env, RECOVERY_KEY),
             boundary_mirror=env.get(BOUNDARY_MIRROR, "") == "1",
+            spare_nodes=env.get(SPARE_NODES, "") == "1",
             join=_count(env, JOIN, None),
             restart_count=_count(env, RESTART_COUNT, 0),
             local_rank=_count(env, LOCAL_RANK, 0),
@@ -202,6 +208,7 @@ class LaunchEnv:
             RECOVERY_GROUP: str(self.recovery_group) if self.recovery_group else "",
             RECOVERY_KEY: self.recovery_key.hex() if self.recovery_key else "",
             BOUNDARY_MIRROR: "1" if self.boundary_mirror else "",
+            SPARE_NODES: "1" if self.spare_nodes else "",
         }
 
 

@@ -41,7 +41,7 @@ from .. import console
 from ..atomic import write_atomic
 from ..events import EventLog
 from ..exitcodes import ExitCode
-from ..launch_env import BOUNDARY_MIRROR, JOIN, RECOVERY_GROUP, RECOVERY_STORE
+from ..launch_env import BOUNDARY_MIRROR, JOIN, RECOVERY_GROUP, RECOVERY_STORE, SPARE_NODES
 from ..rundir import exclude_hosts
 from ..supervisor.monitor import HangMonitor
 from . import script_error
@@ -244,6 +244,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
                 self._beat.stop()
             self._beat = Beat(replacer.address, me)
         os.environ[BOUNDARY_MIRROR] = "" if replacer.address == replacer.local_address else "1"
+        os.environ[SPARE_NODES] = "1"
         self._lost_nodes, self.nodes_replaced = set(), 0
 
     def stop_beating(self) -> None:

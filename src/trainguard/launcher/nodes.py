@@ -190,19 +190,21 @@ class NodeRegistry:
 
 
 class Beat:
-    """A launcher's liveness: a daemon thread that adds 1 to its counter in the recovery store at
+    """A launcher's liveness: a thread that adds 1 to its counter in the recovery store at
     ``address`` every :data:`BEAT_INTERVAL` seconds, on a connection of its own (the main loop may
     block in a rendezvous or a stop; only the process's end, or its host's, stops the beats)."""
 
     def __init__(self, address: str, agent: str):
         self.address, self.agent = address, agent
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="trainguard-node-beat", daemon=True)
+        # not a daemon (a daemon caught inside a store call at exit aborts the process): it ends
+        # with the main thread, within a beat and a store call
+        self._thread = threading.Thread(target=self._run, name="trainguard-node-beat", daemon=False)
         self._thread.start()
 
     def _run(self) -> None:
         store = None
-        while not self._stop.wait(BEAT_INTERVAL):
+        while not self._stop.wait(BEAT_INTERVAL) and threading.main_thread().is_alive():
             try:
                 store = store or connect(*parse_address(self.address), 2.0)  # calls end within 2 s (stop())
                 store.add(PREFIX + f"beat/{self.agent}", 1)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .. import console
 from ..events import EventLog
-from ..launch_env import BOUNDARY_MIRROR, RECOVERY_STORE
+from ..launch_env import BOUNDARY_MIRROR, RECOVERY_STORE, SPARE_NODES
 from ..rejoin.auth import Seal
 from ..rejoin.protocol import connect, parse_address, spare_ready
 from .nodes import STORE_FILE, Beat, NodeRegistry, agent_id
@@ -89,7 +89,7 @@ def serve(
     registry = NodeRegistry(store, seal)
     me = registry.add_spare(os.uname().nodename, agent_id(), nproc)
     number = me.spare_ids[0] // 1_000_000
-    env = {**os.environ, RECOVERY_STORE: address, BOUNDARY_MIRROR: "1"}
+    env = {**os.environ, RECOVERY_STORE: address, BOUNDARY_MIRROR: "1", SPARE_NODES: "1"}
     procs = {sid: _start(argv, script, sid, env) for sid in me.spare_ids}
     beat = Beat(address, me.agent)
     started, ready = time.monotonic(), False

@@ -27,7 +27,8 @@ LOOK = 0.1  # seconds between looks (a look, not a blocking wait: c10d logs a wa
 
 
 class LostNodeNotice:
-    """The watcher thread of one rank (a daemon; :meth:`stop` ends it within :data:`LOOK` s; one store round trip per look).
+    """The watcher thread of one rank (:meth:`stop`, or the main thread's end, ends it within
+    :data:`LOOK` + :data:`TIMEOUT` s; one store round trip per look).
 
     Args:
         address: the recovery store's ``HOST:PORT``.
@@ -51,12 +52,14 @@ class LostNodeNotice:
         self._generation, self._failed, self._ports = generation, failed, ports
         self.cuts = 0  # times the notice cut this rank's connections
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="trainguard-lost-node", daemon=True)
+        # not a daemon: the interpreter waits for it at exit (it ends within LOOK + TIMEOUT once the
+        # main thread has); a daemon thread caught inside a store call at exit aborts the process
+        self._thread = threading.Thread(target=self._run, name="trainguard-lost-node", daemon=False)
         self._thread.start()
 
     def _run(self) -> None:
         store = None
-        while not self._stop.is_set():
+        while not self._stop.is_set() and threading.main_thread().is_alive():
             try:
                 if store is None:
                     store = RecoveryStore(connect(*parse_address(self.address), TIMEOUT), self.attempt, self.seal)
@@ -75,7 +78,7 @@ class LostNodeNotice:
         if self._generation() + 1 == number and not self._failed():
             self.cuts += 1
             sever.cut(self._ports())
-        while self._generation() < number and not self._stop.wait(0.05):
+        while self._generation() < number and not self._stop.wait(0.05) and threading.main_thread().is_alive():
             pass  # until this rank is in that generation (or stopped)
 
     def stop(self) -> None:

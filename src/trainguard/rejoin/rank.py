@@ -7,7 +7,6 @@ state, the failure seen in the current step and the generation this process is i
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -90,8 +89,8 @@ class Rejoin:
         self.generation = launch.join if self.joining else 0
         self.failure: Optional[PeerFailure] = None
         self.group_ports: set[int] = set()  # the ports the group's ranks listen on (see :mod:`.sever`)
-        self.notice: Optional[LostNodeNotice] = None  # several nodes: a silent host's peers cut (see :mod:`.notice`)
-        if self.active and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+        self.notice: Optional[LostNodeNotice] = None  # spare nodes: a silent host's peers cut (see :mod:`.notice`)
+        if self.active and launch.spare_nodes:
             self.notice = LostNodeNotice(
                 launch.recovery_store,
                 launch.recovery_group,
