@@ -29,20 +29,16 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
 import subprocess
 import time
 from typing import Callable, Optional
 
-import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
 from .. import console
-from ..atomic import write_atomic
 from ..events import EventLog
 from ..exitcodes import ExitCode
-from ..launch_env import BOUNDARY_MIRROR, JOIN, RECOVERY_GROUP, RECOVERY_STORE, SPARE_NODES
-from ..rundir import exclude_hosts
+from ..launch_env import JOIN, RECOVERY_GROUP, RECOVERY_STORE
 from ..supervisor.monitor import HangMonitor
 from . import script_error
 from .changes import MembershipChanges
@@ -84,7 +80,7 @@ from .membership import (
     initial,
 )
 from .node_join import NodeJoin
-from .nodes import STORE_FILE, ActiveNode, Assignment, Beat, NodeRegistry, Silence, agent_id
+from .node_watch import NodeWatch
 from .record import LaunchRecord
 from .replace import Replacer, replacement_command
 from .script_error import ScriptError
@@ -142,12 +138,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         self._forwarded_to: set[int] = set()
         self._stopped_by_us: set[int] = set()  # local ranks SIGKILLed because a peer failed
         self._join: Optional[NodeJoin] = None  # this start joined another node's running group
-        self.spare_nodes = spare_nodes and replacer is not None
-        self.registry: Optional[NodeRegistry] = None  # the nodes' keys in the shared recovery store
-        self._beat: Optional[Beat] = None
-        self._silence = Silence()
-        self._lost_nodes: set[int] = set()  # group ranks of nodes found lost in this start of the group
-        self.nodes_replaced = 0  # nodes a spare node replaced (outside torch's rendezvous) in this start
+        self.nodes = NodeWatch(events, replacer.cfg.node_timeout) if spare_nodes and replacer else None
         self.poll_hooks: list[Callable[[TrainguardAgent], Optional[str]]] = [monitor.poll] if monitor else []
         limits = Limits(
             in_process=replacer is not None,
@@ -220,108 +211,33 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         if self.monitor is not None and group.group_world_size > 1:  # a slow rank's node tells the others
             self.monitor.share_busy(self.replacer.recovery_store(), group.group_rank, group.group_world_size)
         self._join = join
-        if self.spare_nodes and address == self.replacer.local_address:  # spare nodes find the store here
-            write_atomic(self.events.path.parent / STORE_FILE, address)
-        if self.spare_nodes and group.group_world_size > 1:
-            self._register_node()
+        if self.nodes is not None:
+            ranks = tuple(w.global_rank for w in group.workers)
+            self.nodes.register(self.replacer, group.group_rank, group.group_world_size, ranks)
         if join is not None:
             gen = join.generation
             argv = replacement_command([group.spec.entrypoint, *group.spec.args], self.replacer.script)
             self.start_as(join.ranks, gen.world_size, (gen.host, gen.port), argv)
             os.environ[JOIN] = str(gen.number)
 
-    def _register_node(self) -> None:
-        """Spare nodes: say which global ranks this node runs, beat, and mirror the ranks'
-        boundary files off this node unless it hosts the recovery store (see :mod:`.nodes`)."""
-        group, replacer = self.worker_group, self.replacer
-        self.registry = NodeRegistry(replacer.shared, replacer.seal)
-        me = agent_id()
-        self.registry.set_active(
-            group.group_rank, ActiveNode(socket.gethostname(), me, tuple(w.global_rank for w in group.workers))
-        )
-        if self._beat is None or self._beat.address != replacer.address:
-            if self._beat is not None:
-                self._beat.stop()
-            self._beat = Beat(replacer.address, me)
-        os.environ[BOUNDARY_MIRROR] = "" if replacer.address == replacer.local_address else "1"
-        os.environ[SPARE_NODES] = "1"
-        self._lost_nodes, self.nodes_replaced = set(), 0
-
     def stop_beating(self) -> None:
-        """The launch ends: say so (the leading launcher must not take the silence for a lost
-        node) and stop this launcher's liveness beats (see :mod:`.nodes`)."""
-        if self._beat is None:
-            return
-        try:
-            self.registry.end(self._beat.agent)
-        except (RuntimeError, dist.DistError):
-            pass  # the leading node's store is gone: nobody watches
-        self._beat.stop()
-        self._beat = None
-
-    def _watch_nodes(self) -> Optional[NodeLost]:
-        """Node 0 (the recovery store's host): the first other node whose beats stopped for
-        ``[recovery] node_timeout`` seconds, as a :class:`NodeLost` (its ``node_lost`` event
-        written, its host added to ``RUN_DIR/exclude_nodes``), else ``None``."""
-        group = self.worker_group
-        if self.registry is None or self.replacer.address != self.replacer.local_address:
-            return None
-        now = time.monotonic()
-        for g in range(group.group_world_size):
-            node = None if g == group.group_rank or g in self._lost_nodes else self.registry.active(g)
-            if node is None or self.registry.ended(node.agent):
-                continue
-            silent = self._silence.observe(node.agent, self.registry.beats(node.agent), now)
-            if silent <= self.replacer.cfg.node_timeout:
-                continue
-            self._lost_nodes.add(g)
-            spares = self.registry.spares()
-            self.events.emit(
-                "node_lost",
-                node=g,
-                host=node.host,
-                ranks=list(node.ranks),
-                silent_seconds=round(silent, 3),
-                spare_nodes=len(spares),
-            )
-            console.say(
-                f"node {g} ({node.host}, rank(s) {list(node.ranks)}) lost: no beat for {silent:.1f} s; "
-                + ("a spare node takes its place" if spares else "no spare node waits")
-            )
-            try:
-                exclude_hosts(self.events.path.parent, [node.host])
-            except OSError as e:
-                console.say(f"could not add {node.host} to exclude_nodes: {e}")
-            return NodeLost(f"node {g} ({node.host}) lost", g, node.ranks, bool(spares), self._progress())
-        return None
+        """The launch ends: the leading launcher must not take this one's silence for a lost node."""
+        if self.nodes is not None:
+            self.nodes.stop()
 
     def _replace_node(self, d: ReplaceNode) -> None:
         """**ReplaceNode**: the first waiting spare node's warm spares take the lost node's ranks
         (each with the environment of this node's worker of the same local rank, renamed), and
         the generation they join is published; the survivors meet them there."""
-        number, spare = min(self.registry.spares().items())
+        number, spare = self.nodes.spare()
         template = {w.local_rank: self.worker_command(w.local_rank)[1] for w in self.workers()}
-        world_size = self.workers()[0].world_size
         lost = {}
         for local, rank in enumerate(d.ranks):
             env = dict(template[local % len(template)])
             env.update(RANK=str(rank), ROLE_RANK=str(rank), LOCAL_RANK=str(local), GROUP_RANK=str(d.node))
             lost[rank] = env
-        gen = self.replacer.replace_node(lost, world_size, spare.spare_ids, spare.host)
-        node = self.registry.active(d.node)
-        self.registry.take(number, Assignment(d.node, node.host if node else "", d.ranks, gen.number))
-        self.registry.set_active(d.node, ActiveNode(spare.host, spare.agent, d.ranks))
-        self._silence.forget(spare.agent)
-        self._lost_nodes.discard(d.node)
-        self.nodes_replaced += 1
-        self.events.emit(
-            "spare_node_assigned",
-            node=d.node,
-            host=spare.host,
-            ranks=list(d.ranks),
-            generation=gen.number,
-            spare=number,
-        )
+        gen = self.replacer.replace_node(lost, self.workers()[0].world_size, spare.spare_ids, spare.host)
+        self.nodes.assigned(d.node, number, spare, d.ranks, gen.number)
 
     def _start_group(self) -> None:
         self._forwarded_to = set()
@@ -381,8 +297,14 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
                 return self._carry_out(self.machine.feed(TimedOut(progress.why, self._progress())))
             if isinstance(progress, Joined):
                 self.machine.feed(Joined())
-            lost = self._watch_nodes()
-            if lost is not None:
+            found = (
+                self.nodes.lost(self.worker_group.group_rank, self.worker_group.group_world_size)
+                if self.nodes
+                else None
+            )
+            if found is not None:
+                node, record, spare = found
+                lost = NodeLost(f"node {node} ({record.host}) lost", node, record.ranks, spare, self._progress())
                 return self._carry_out(self.machine.feed(lost))
         procs = self.worker_processes()
         codes = {r: p.poll() for r, p in procs.items()}  # one look per poll, for every rule
@@ -475,9 +397,9 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
     def _collected(self, result: RunResult) -> Decisions:
         """Torch's result after **Collect**, as the next event's decisions."""
         if result.state == WorkerState.SUCCEEDED:
-            if self.registry is not None and self.replacer.address == self.replacer.local_address:
-                self.registry.finish()  # spare nodes still waiting may go
-            if not self.nodes_replaced:  # else the round holds a lost node: torch's barrier would wait its timeout
+            if self.nodes is not None:
+                self.nodes.finished()  # spare nodes still waiting may go
+            if not (self.nodes and self.nodes.replaced):  # else the round holds a lost node: torch's barrier would wait
                 self.exit_barrier()
             return self.machine.feed(Finished())
         if result.state not in (WorkerState.UNHEALTHY, WorkerState.FAILED):

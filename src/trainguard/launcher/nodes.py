@@ -2,12 +2,13 @@
 
 With ``trainguard run --nnodes MIN:MAX`` and ``[recovery] spare_nodes`` (the default), the group
 trains on MIN nodes; a launcher that arrives beyond them (:func:`arrival`) is a **spare node**: it
-starts its ``--nproc-per-node`` warm spares, says so in node 0's recovery store
+starts its ``--nproc-per-node`` warm spares, says so in the leading node's recovery store
 (:meth:`NodeRegistry.add_spare`) and waits (:mod:`.spare_node`). The recovery store is the
 leading node's: the one whose launcher serves torch's rendezvous store (:func:`serves_endpoint`;
 node 0 where none says so). Every launcher of the group says
 which global ranks it runs (:meth:`NodeRegistry.set_active`) and beats from a thread of its own
-every 0.1 s (:class:`Beat`: an atomic counter in the store). The leading node's launcher watches the others' counters (:class:`Silence`): one that has not moved for
+every 0.1 s (:class:`Beat`: an atomic counter in the store; the group launcher's side of all this
+is :mod:`.node_watch`). The leading node's launcher watches the others' counters (:class:`Silence`): one that has not moved for
 ``[recovery] node_timeout`` seconds is a lost node, whatever took it (its launcher SIGKILLed with
 its ranks, a host that stopped answering). The membership state machine then decides
 (:class:`~.membership.NodeLost`): a spare node takes the lost node's ranks in-process
