@@ -26,6 +26,28 @@ def run_events(run_dir: Path) -> list[dict]:
     return list(read_events(run_dir))
 
 
+def final_hash(run_dir: Path) -> str | None:
+    """The final state hash of the run's last launch that ended with 0 (``None``: none did)."""
+    done = [e for e in run_events(run_dir) if e["kind"] == "launch_exit" and e["details"]["code"] == 0]
+    return done[-1]["details"]["state_sha256"] if done else None
+
+
+def kill_outcome(events: list[dict], killed_at: float, printed: int, last: bool = False) -> tuple[bool, float, int]:
+    """What a kill at wall time ``killed_at`` (``printed``: the newest step printed then) cost, from
+    the run's ``events``: whether it was recovered in-process (no group restart, no fallback), kill
+    → training again (to the survivors' first ``recovery_finished``, the last one with ``last``;
+    else to the restarted group's ``start``; NaN when neither came) and the completed steps trained
+    again (0 in-process; else since the checkpoint the restart resumed from)."""
+    kinds = {e["kind"] for e in events}
+    if "recovery_finished" in kinds and not kinds & {"group_restart", "recovery_fallback"}:
+        done = [e["time"] for e in events if e["kind"] == "recovery_finished"]
+        return True, (max(done) if last else min(done)) - killed_at, 0
+    starts = [e["time"] for e in events if e["kind"] == "start" and e["time"] > killed_at]
+    again = min(starts) - killed_at if starts else float("nan")
+    resumed = [e["details"]["from_step"] for e in events if e["kind"] == "resume" and e["time"] > killed_at]
+    return False, again, max(printed - resumed[0], 0) if resumed else printed
+
+
 def exited(pid: int) -> bool:
     """True once ``pid`` has exited (gone, or a zombie its parent has not reaped yet)."""
     try:

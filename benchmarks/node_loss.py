@@ -43,7 +43,7 @@ import uuid
 from pathlib import Path
 
 import psutil
-from _common import run_events, trainguard_cmd
+from _common import final_hash, kill_outcome, run_events, trainguard_cmd
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "plain_loop.py"
@@ -113,11 +113,6 @@ def _wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _final_hash(run: Path) -> str | None:
-    done = [e for e in run_events(run) if e["kind"] == "launch_exit" and e["details"]["code"] == 0]
-    return done[-1]["details"]["state_sha256"] if done else None
-
-
 def trial(run: Path, steps: int, arm: str, seed: int, node_timeout: float) -> dict:
     """One launch that loses a node at a seeded random moment; its measurements."""
     rng = random.Random(seed)
@@ -153,22 +148,13 @@ def trial(run: Path, steps: int, arm: str, seed: int, node_timeout: float) -> di
             if a.poll() is None:
                 _kill_tree(a)
     ev = run_events(run)
-    kinds = {e["kind"] for e in ev}
-    in_process = "recovery_finished" in kinds and not kinds & {"group_restart", "recovery_fallback"}
-    if in_process:
-        again = max(e["time"] for e in ev if e["kind"] == "recovery_finished") - killed_at
-        redone = 0
-    else:
-        starts = [e["time"] for e in ev if e["kind"] == "start" and e["time"] > killed_at]
-        again = min(starts) - killed_at if starts else float("nan")
-        resumed = [e["details"]["from_step"] for e in ev if e["kind"] == "resume" and e["time"] > killed_at]
-        redone = max(printed - resumed[0], 0) if resumed else printed
+    in_process, again, redone = kill_outcome(ev, killed_at, printed, last=True)
     moved = [e["details"] for e in ev if e["kind"] == "state_transferred"]
     rate = moved[0]["bytes"] / moved[0]["seconds"] if moved and moved[0]["seconds"] > 0 else float("nan")
     return {
         "codes": codes,
         "in_process": in_process,
-        "hash": _final_hash(run),
+        "hash": final_hash(run),
         "again": again,
         "redone": redone,
         "rate": rate,
@@ -230,7 +216,7 @@ def main() -> int:
     if [a.wait(timeout=900) for a in pair] != [0, 0]:
         print(f"the uninterrupted run failed: {clean}.*.log", file=sys.stderr)
         return 1
-    want = _final_hash(clean)
+    want = final_hash(clean)
     rows = []
     for arm in ("spare node", "group restart"):
         results = [

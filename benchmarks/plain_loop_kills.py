@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import run_events, trainguard_cmd
+from _common import final_hash, kill_outcome, run_events, trainguard_cmd
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "plain_loop.py"
@@ -52,11 +52,6 @@ def _printed_step(run: Path) -> int:
     return max((int(x.split()[1].split("/")[0]) for x in lines if x.startswith("step ")), default=0)
 
 
-def _final_hash(run: Path) -> str | None:
-    done = [e for e in run_events(run) if e["kind"] == "launch_exit" and e["details"]["code"] == 0]
-    return done[-1]["details"]["state_sha256"] if done else None
-
-
 def trial(run: Path, steps: int, settings: list[str], seed: int) -> dict:
     """One launch with one rank SIGKILLed at a seeded random moment; its measurements."""
     rng = random.Random(seed)
@@ -71,18 +66,8 @@ def trial(run: Path, steps: int, settings: list[str], seed: int) -> dict:
     killed_at = time.time()
     os.kill(int(pids[str(victim)]), signal.SIGKILL)
     code = proc.wait(timeout=600)
-    ev = run_events(run)
-    kinds = {e["kind"] for e in ev}
-    in_process = "recovery_finished" in kinds and not kinds & {"group_restart", "recovery_fallback"}
-    if in_process:
-        again = min(e["time"] for e in ev if e["kind"] == "recovery_finished") - killed_at
-        redone = 0
-    else:
-        starts = [e["time"] for e in ev if e["kind"] == "start" and e["time"] > killed_at]
-        again = min(starts) - killed_at if starts else float("nan")
-        resumed = [e["details"]["from_step"] for e in ev if e["kind"] == "resume" and e["time"] > killed_at]
-        redone = max(printed - resumed[0], 0) if resumed else printed
-    return {"code": code, "in_process": in_process, "hash": _final_hash(run), "again": again, "redone": redone}
+    in_process, again, redone = kill_outcome(run_events(run), killed_at, printed)
+    return {"code": code, "in_process": in_process, "hash": final_hash(run), "again": again, "redone": redone}
 
 
 def main() -> int:
@@ -99,7 +84,7 @@ def main() -> int:
     if _launch(clean, args.steps, []).wait(timeout=600) != 0:
         print(f"the uninterrupted run failed: {clean}.log", file=sys.stderr)
         return 1
-    want = _final_hash(clean)
+    want = final_hash(clean)
     rows, failed = [], False
     for arm, settings in ARMS.items():
         results = [trial(base / f"{arm}-{i}", args.steps, settings, args.seed * 1000 + i) for i in range(args.trials)]

@@ -40,6 +40,7 @@ class NodeWatch:
         self._beat: Optional[Beat] = None
         self._silence = Silence()
         self._lost: set[int] = set()  # group ranks found lost in this start of the group
+        self._records: dict[int, ActiveNode] = {}  # what the other nodes said (it changes only at a swap)
 
     def register(self, replacer, group_rank: int, group_world_size: int, ranks: tuple[int, ...]) -> None:
         """After a rendezvous (``replacer``: the agent's :class:`~.replace.Replacer`, its store
@@ -49,7 +50,7 @@ class NodeWatch:
         self.leading = replacer.address == replacer.local_address
         if self.leading:
             write_atomic(self.events.path.parent / STORE_FILE, replacer.address)
-        self._lost, self.replaced, self.registry = set(), 0, None
+        self._lost, self.replaced, self.registry, self._records = set(), 0, None, {}
         if group_world_size <= 1:
             return
         self.registry = NodeRegistry(replacer.shared, replacer.seal)
@@ -70,9 +71,12 @@ class NodeWatch:
             return None
         now = time.monotonic()
         for g in range(group_world_size):
-            node = None if g == group_rank or g in self._lost else self.registry.active(g)
+            if g == group_rank or g in self._lost:
+                continue
+            node = self._records.get(g) or self.registry.active(g)
             if node is None or self.registry.ended(node.agent):
                 continue
+            self._records[g] = node
             silent = self._silence.observe(node.agent, self.registry.beats(node.agent), now)
             if silent <= self.node_timeout:
                 continue
@@ -110,7 +114,8 @@ class NodeWatch:
         (the spare node's launcher watches for it), watch the spare node in the lost one's place."""
         old = self.registry.active(node)
         self.registry.take(number, Assignment(node, old.host if old else "", ranks, generation))
-        self.registry.set_active(node, ActiveNode(spare.host, spare.agent, ranks))
+        self._records[node] = ActiveNode(spare.host, spare.agent, ranks)
+        self.registry.set_active(node, self._records[node])
         self._silence.forget(spare.agent)
         self._lost.discard(node)
         self.replaced += 1
