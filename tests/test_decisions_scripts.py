@@ -43,10 +43,10 @@ CONNECTION = TRACEBACK.replace(
 def _meter_verdict(code: str) -> tuple[float, float, bool]:
     """Run ``code`` in a child whose *main thread* does it, sample it over a window, return
     (share of a core, demand: share of the time running or runnable, busy)."""
-    child = subprocess.Popen([sys.executable, "-c", code])
+    child = subprocess.Popen([sys.executable, "-c", READY + code], stdout=subprocess.PIPE)
     try:
         meter = CpuMeter()
-        time.sleep(0.3)  # past the interpreter's start
+        assert child.stdout.readline() == b"ready\n"  # past the interpreter's start, however slow
         end = time.monotonic() + WINDOW * 1.5
         while time.monotonic() < end:
             meter.sample(child.pid, time.monotonic())
@@ -57,6 +57,7 @@ def _meter_verdict(code: str) -> tuple[float, float, bool]:
         child.wait()
 
 
+READY = "import sys; print('ready', flush=True)\n"
 SPIN = "while True: sum(range(1000))"
 WAITING = (
     "import threading\n"

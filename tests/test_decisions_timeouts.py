@@ -202,7 +202,7 @@ def test_a_timeout_learned_by_an_earlier_launch_decides_the_hang(node):
     assert reason.startswith("hang: rank 10 silent ") and "in 'step' (timeout 0.3 s)" in reason
     (hang,) = [e["details"] for e in read_events(run_dir, "hang_detected")]
     assert (hang["rank"], hang["local_rank"], hang["section"], hang["learned"]) == (10, 0, "step", True)
-    assert hang["timeout"] == pytest.approx(0.3) and hang["silent_seconds"] > 0.3
+    assert hang["timeout"] == pytest.approx(0.3) and hang["silent_seconds"] >= 0.3  # rounded to ms
     monitor.group_stopped()  # the observations up to the hang are kept, and saved for the next launch
     saved = json.loads((run_dir / FILENAME).read_text())
     assert saved["sections"]["step"]["count"] >= 40 and saved["sections"]["step"]["learned"] is True
