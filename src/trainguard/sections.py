@@ -668,7 +668,7 @@ class RecoverySection(Section):
 
     in_process: bool = Field(
         True,
-        description="replace a lost rank without restarting the survivors (trainguard run, two ranks or more; not under Lightning or the Hugging Face Trainer, nor for FSDP2 models; a lost whole node is replaced by a spare node where one waits, see spare_nodes)",
+        description="replace a lost rank without restarting the survivors (trainguard run, two ranks or more; not under Lightning or the Hugging Face Trainer; FSDP2 models roll back to an in-memory snapshot, see snapshot_interval; a lost whole node is replaced by a spare node where one waits, see spare_nodes)",
     )
     timeout: float = Field(
         30.0,
@@ -681,6 +681,11 @@ class RecoverySection(Section):
     spare_nodes: bool = Field(
         True,
         description="with trainguard run --nnodes MIN:MAX, the group trains on MIN nodes and the nodes beyond wait as spare nodes: a node that vanishes (its launcher and ranks) is replaced by one in-process, its ranks' own state from the copy kept in the leading node's recovery store (needs [elastic] min_ranks = 0); false: nodes beyond MIN join the group ([elastic])",
+    )
+    snapshot_interval: int = Field(
+        10,
+        ge=1,
+        description="a sharded model (FSDP2): steps between in-memory snapshots of each rank's shard, each copied to a rank on the next node; a lost rank rolls every rank back to the newest one, so at most this many completed steps are trained again",
     )
     node_timeout: float = Field(
         2.0,

@@ -66,11 +66,12 @@ from ..instability.recovery import Recovery, Rollback
 from ..launch_env import LaunchEnv
 from ..oom import MicroBatcher
 from ..outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw
-from ..rejoin import sever, shrink
+from ..rejoin import sever, sharded, shrink
 from ..rejoin.auth import report_forged
 from ..rejoin.catch import CATCH
 from ..rejoin.protocol import is_peer_failure
 from ..rejoin.rank import Rejoin
+from ..rejoin.shards import ShardSnapshots
 from ..rejoin.shrink import check_shrinkable
 from ..rejoin.stepstart import StepStart
 from ..rundir import prepare_run_dir
@@ -339,6 +340,7 @@ class Guard:
             self.ckpt.regroup,
             self._on_ping_failure,
             lambda: self.elastic.base_world_size,
+            shards=self._shard_snapshots(launch.local_world_size),
         )
         if self.world_size > 1:  # the detectors' values ride in DDP's first gradient bucket (instability.fold)
             if self.inprocess.hook_ddp(lambda: self.step + 1, self.recovery.fold, self._inject_at_backward):
@@ -660,6 +662,8 @@ class Guard:
         if self.rejoin.failure is not None:  # the update was applied before the lost peer surfaced
             self._recover_after_update()  # (a logging all-reduce after optimizer.step()): the step is complete
             return
+        if not self._snapshot():
+            return
         if self.faults.pending:  # inside the step section: an injected hang is a hang mid-step
             self.faults.at(self.step, "step")
         if self.heartbeat is not None:
@@ -685,6 +689,26 @@ class Guard:
                 self.stop.clear_save_switch()
         elif tiers := self.ckpt.due(self.step):
             self.save("interval", tiers, blocking=not self.ckpt.asynchronous)
+
+    def _snapshot(self) -> bool:
+        """A sharded model's in-memory snapshot at this boundary (:meth:`InProcess.snapshot`);
+        ``False``: a peer was lost in its copy and the ranks rolled back in-process (the step
+        counter is the snapshot's)."""
+        try:
+            self.inprocess.snapshot(self.step)
+        except Exception as e:
+            if not self.rejoin.caught(e, "snapshot", self.step):
+                raise
+            self._recover_after_update()
+            return False
+        return True
+
+    def _shard_snapshots(self, local_world_size: int) -> Optional[ShardSnapshots]:
+        """In-memory snapshots for a sharded model (FSDP2) under in-process recovery, else ``None``."""
+        if not (self.rejoin.active and self.world_size > 1 and sharded.is_sharded(self.model)):
+            return None
+        interval = self.cfg.recovery.snapshot_interval
+        return ShardSnapshots(self.model, self.optimizer, interval, self.rank, self.world_size, local_world_size)
 
     def _check(self) -> Optional[StopFlags]:
         """The stop check: one all-reduce (max) of every rank's stop flags, its proposed next check
@@ -744,6 +768,7 @@ class Guard:
             dump_config(self.cfg, self.run_dir / "config.toml")
         # a host is its SLURM node name under SLURM (what --exclude and ExcNodeList take), else its hostname
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        self.inprocess.open_snapshots()  # a sharded model's snapshot copies: a group of their own
         ports = sever.listening_ports() if self.rejoin.active else []
         gathered = tgdist.gather_objects((host, ports))
         hosts = self.hosts = [h for h, _ in gathered]
@@ -758,6 +783,7 @@ class Guard:
         self.sdc.last_good = self.step  # every replica loaded the same state
         if self.rejoin.keeping:
             self.inprocess.keep_boundary(self.step)
+        self.inprocess.snapshot(self.step, now=True)  # a sharded model's first in-memory snapshot
         self.ping = health.start(
             self.cfg.health,
             self.store,

@@ -24,10 +24,12 @@ from .. import dist as tgdist
 from ..config import Config
 from ..events import EventLog
 from ..instability.fold import LossFold
-from ..rejoin import regroup, sever
+from ..rejoin import regroup, sever, sharded
 from ..rejoin.catch import CATCH, DDPHook
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
+from ..rejoin.rollback import roll_back
+from ..rejoin.shards import ShardSnapshots
 from ..rejoin.stepstart import StepStart
 from ..state.reshard import resharded_rank_state
 from ..state.trainstate import TrainState
@@ -107,6 +109,8 @@ class InProcess:
         regrouped: called once the default process group is rebuilt (the checkpointer's groups).
         on_ping_failure: given to the new group's liveness ping.
         base_world_size: the world size the run started with (for ``world_size_changed``).
+        shards: a sharded model's in-memory snapshots (:mod:`~trainguard.rejoin.shards`): its
+            recovery rolls every rank back to the newest common one instead of redoing the step.
     """
 
     def __init__(
@@ -122,11 +126,13 @@ class InProcess:
         regrouped: Callable[[], None],
         on_ping_failure: Callable[[str], None],
         base_world_size: Callable[[], int],
+        shards: Optional[ShardSnapshots] = None,
     ):
         self.cfg, self.rejoin, self.model, self.optimizer = cfg, rejoin, model, optimizer
         self.train_state, self.events, self.step_start = train_state, events, step_start
         self._renumber, self._regrouped, self._on_ping_failure = renumber, regrouped, on_ping_failure
         self._base_world_size = base_world_size
+        self.shards = shards
         self.backend = tgdist.backend()
         self.ddp_hook: Optional[DDPHook] = None  # trainguard's DDP communication hook
         self.own_state_from: Optional[str] = None  # a replacement: where the lost rank's own state came from
@@ -189,6 +195,25 @@ class InProcess:
         """DDP's current bucket layout, as trainguard's hook last saw it (``None`` without it)."""
         return self.ddp_hook.layout if self.ddp_hook is not None and self.ddp_hook.layout else None
 
+    def open_snapshots(self) -> None:
+        """At the start, on every rank (a collective): the sharded model's snapshot copies get a
+        group of their own. Nothing without snapshots."""
+        if self.shards is not None:
+            self.shards.regroup()
+
+    def snapshot(self, step: int, now: bool = False) -> None:
+        """At step ``step``'s boundary (its update applied): wait for the snapshot copy in flight,
+        and take a snapshot if one is due (``now``: at any step, the start). Nothing without snapshots.
+
+        Raises:
+            the collective's error: a peer is gone (the caller recovers).
+        """
+        if self.shards is None:
+            return
+        self.shards.settle()
+        if now or self.shards.due(step):
+            self.shards.take(step, self.train_state.state_dict())
+
     # ------------------------------------------------------------------------------------------
     # the three meetings
 
@@ -229,6 +254,8 @@ class InProcess:
             )
         if gen.replaced:  # a framework's replacement sets its loop up at this step (trainguard.hf)
             self.rejoin.store.survivors_at(gen.number, place.step)
+        if self.shards is not None:
+            return self._recover_sharded(gen, place)
         if gen.left:
             place = self._resize(gen, place)
         regroup.release_ddp(self.model)
@@ -255,6 +282,8 @@ class InProcess:
             steps_lost=0,
             redo_step=place.step + 1 if redo else None,
         )
+        if met.place.rank == 0:
+            console.say(f"recovered in-process at step {met.place.step}: no completed step lost")
         self.rejoin.done()
         return replace(met, redo=redo)
 
@@ -269,6 +298,8 @@ class InProcess:
                 exits and the launcher restarts the group).
         """
         t0 = time.time()
+        if self.shards is not None:
+            raise regroup.RegroupError("a sharded model's group does not grow back in place (its shards would move)")
         gen = self.rejoin.grown_generation(number)
         place = self._resize(gen, place)
         regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout)
@@ -293,6 +324,8 @@ class InProcess:
         state from the lowest surviving rank's (see :meth:`_transfer`). Call
         :meth:`joined` once the Guard took the returned place."""
         gen = self.rejoin.joined_generation()
+        if self.shards is not None:
+            return self._meet_sharded(gen, place, None)
         kept, self.own_state_from = ({}, None) if place.rank in gen.grown else self.rejoin.lost_boundaries(place.rank)
         return self._meet(gen, place, kept)
 
@@ -373,12 +406,78 @@ class InProcess:
             src = -tgdist.all_reduce_max([-place.rank if not joining and not behind else -(1 << 62)])[0]
         if gen.replaced or src is not None:
             place = self._transfer(gen, place, step, kept, src, current if behind else None)
+        return self._on_new_group(gen, place)
+
+    def _on_new_group(self, gen: Generation, place: Place) -> Met:
+        """The end of every meeting: note the new group's ports (cut on a lost peer), start its ping."""
         self.rejoin.group_ports = {p for ps in tgdist.gather_objects(sever.listening_ports()) for p in ps}
         device = next(self.model.parameters()).device
         ping = health.start_ping(
             self.cfg.health, list(place.hosts), self.events, device, place.world_size, self._on_ping_failure
         )
         return Met(place, ping, gen)
+
+    def _recover_sharded(self, gen: Generation, place: Place) -> Met:
+        """A survivor's recovery of a sharded model: the new group, FSDP moved onto it, every rank
+        rolled back to the newest common snapshot (:meth:`_meet_sharded`). The steps completed
+        since that snapshot are trained again (``steps_lost``)."""
+        if gen.left:
+            raise regroup.RegroupError("a sharded model's group does not shrink in place (its shards would move)")
+        holdings = self.shards.holdings()  # before the old group goes: a copy that arrived counts
+        regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout)
+        sharded.rebind(self.model)
+        self._regrouped()
+        met = self._meet_sharded(gen, place, holdings)
+        self.events.emit(
+            "recovery_finished",
+            met.place.step,
+            rank=met.place.rank,
+            generation=gen.number,
+            replaced=list(gen.replaced),
+            left=[],
+            world_size=met.place.world_size,
+            seconds=round(time.time() - self.rejoin.failure.at, 4),
+            steps_lost=place.step - met.place.step,
+            redo_step=None,
+        )
+        if met.place.rank == 0:
+            console.say(
+                f"recovered in-process: every rank rolled back in memory to the snapshot of step {met.place.step} "
+                f"({place.step - met.place.step} completed step(s) to train again; no file read)"
+            )
+        self.rejoin.done()
+        return met
+
+    def _meet_sharded(self, gen: Generation, place: Place, holdings: Optional[dict]) -> Met:
+        """Both sides of a sharded model's recovery (``holdings``: a survivor's snapshots, ``None``
+        on a replacement): roll back to the newest common snapshot (a replacement's shard from its
+        holder's copy), take the hosts from the lowest survivor, give the copies a new group and
+        snapshot the step rolled back to there (the replacement holds nothing of its own yet)."""
+        done = roll_back(self.shards, place.rank, gen.replaced, holdings)
+        self.train_state.load_state_dict(done.train_state)
+        src = min(set(range(gen.world_size)) - set(gen.replaced))
+        mine = {"hosts": list(place.hosts), "next_report": place.next_report} if place.rank == src else None
+        shared = tgdist.broadcast_object(mine, src)
+        self.events.emit(
+            "snapshot_restored",
+            done.step,
+            rank=place.rank,
+            source=done.source,
+            bytes=done.bytes,
+            from_step=None if holdings is None else place.step,
+        )
+        if holdings is None:
+            self.own_state_from = done.source
+        place = replace(
+            place,
+            step=done.step,
+            hosts=tuple(shared["hosts"]),
+            next_check=done.step + 1,
+            next_report=shared["next_report"],
+        )
+        self.open_snapshots()
+        self.snapshot(done.step, now=True)
+        return self._on_new_group(gen, place)
 
     def _transfer(
         self,

@@ -446,10 +446,7 @@ class Replacer:
             elif not self.pending.grown and not self.pending.left:
                 how = "warm spare" if self._warm else "cold start"
                 by = ", ".join(f"rank {r} by a {how} (pid {self._pids.get(r)})" for r in self.pending.replaced)
-                console.say(
-                    f"replaced in-process: {by} in {seconds:.2f} s; "
-                    "no completed step lost, the other ranks kept their processes"
-                )
+                console.say(f"replaced in-process: {by} in {seconds:.2f} s; the other ranks kept their processes")
             self.pending, self._node = None, None
             return Joined()
         if self.pending.grown and self._deadline == float("inf") and store.accepted(self.pending.number):

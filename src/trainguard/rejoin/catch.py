@@ -17,6 +17,8 @@ instead of raising out of the script:
   handle their own errors). A call that fails because a peer is gone is recorded and returns
   ``None``, its tensors as they were; after a failure in the step, the script's collectives
   complete at once on this rank alone (:func:`complete_locally`).
+* **The gradient norm**: ``torch.nn.utils.clip_grad_norm_`` (called through that name) of a
+  sharded model all-reduces inside torch; a failure there is recorded and the norm is NaN.
 * **A replacement before it joined** (``mode = "local"``): a replacement runs the script from its
   top, and meets the collectives the script runs before its loop (a barrier, a broadcast of a
   seed, an ``all_gather_object`` of host names) that the survivors passed long ago. They complete
@@ -103,6 +105,7 @@ class Catch:
         self.on_failure: Callable[[BaseException, str], bool] = lambda e, where: False
         self.failed: Callable[[], bool] = lambda: False
         self._originals: dict[str, Callable] = {}
+        self._clip: Optional[Callable] = None
 
     def install(self) -> None:
         """Wrap the collectives in ``torch.distributed``'s namespace (idempotent). torch's own
@@ -113,12 +116,17 @@ class Catch:
                 continue
             self._originals[name] = fn
             setattr(dist, name, self._wrap(name, fn))
+        if self._clip is None:
+            self._clip = torch.nn.utils.clip_grad_norm_
+            torch.nn.utils.clip_grad_norm_ = self._wrap_clip(self._clip)
 
     def uninstall(self) -> None:
         """Put the original functions back and stop catching."""
         for name, fn in self._originals.items():
             setattr(dist, name, fn)
         self._originals.clear()
+        if self._clip is not None:
+            torch.nn.utils.clip_grad_norm_, self._clip = self._clip, None
         self.disarm()
 
     def arm(self, on_failure: Callable[[BaseException, str], bool], failed: Callable[[], bool]) -> None:
@@ -146,6 +154,27 @@ class Catch:
                 return complete_locally(name, args, kwargs)
 
         return collective
+
+    def _wrap_clip(self, fn: Callable) -> Callable:
+        """``torch.nn.utils.clip_grad_norm_``: with sharded gradients (FSDP2's DTensors) its norm
+        is an all-reduce inside torch, the step's first collective after the backward. A lost peer
+        there is recorded and the norm comes back NaN, the gradients unclipped (the step is done
+        again); after a lost peer in the step it returns NaN at once."""
+
+        @functools.wraps(fn)
+        def clip(*args: Any, **kwargs: Any) -> Any:
+            if self.mode != CATCHING:
+                return fn(*args, **kwargs)
+            if self.failed():
+                return torch.full((), float("nan"))
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                if not self.on_failure(e, "clip_grad_norm_"):
+                    raise
+                return torch.full((), float("nan"))
+
+        return clip
 
 
 CATCH = Catch()

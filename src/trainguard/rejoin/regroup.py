@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from . import sharded
 from .boundary import decode, encode
 from .catch import is_own_hook
 from .protocol import Generation
@@ -83,16 +84,13 @@ def check_rebindable(model: torch.nn.Module) -> None:
     """Raise before a recovery starts if ``model`` cannot be moved to a new group in-process.
 
     Raises:
-        RegroupError: parameters are ``DTensor`` (FSDP2, tensor parallelism: their device mesh
-            holds the old group), or a DDP communication hook is registered.
+        RegroupError: DTensor parameters that FSDP2 cannot be re-bound for (tensor parallelism, a
+            slice of a larger mesh: :func:`~trainguard.rejoin.sharded.why_not_rebindable`), or a
+            DDP communication hook of the script's own.
     """
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise RegroupError(
-            "the model's parameters are DTensors (FSDP2 or tensor parallelism): in-process recovery "
-            "re-binds DDP and plain modules only"
-        )
+    why = sharded.why_not_rebindable(model)
+    if why is not None:
+        raise RegroupError(why)
     if isinstance(model, DDP) and script_comm_hook(model):
         raise RegroupError("a DDP communication hook is registered: in-process recovery cannot carry it over")
 

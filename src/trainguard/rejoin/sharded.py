@@ -1,0 +1,133 @@
+"""Moving an FSDP2 model (``fully_shard``, a 1-D mesh or HSDP's 2-D mesh) to a new process group in
+a live process.
+
+An FSDP2 model keeps its parameters as DTensors on a :class:`~torch.distributed.device_mesh.DeviceMesh`;
+the mesh names its process groups (one per mesh dimension) and FSDP's per-group ``mesh_info``
+holds the groups it resolved at ``fully_shard``. After the default group is built again
+(:func:`~trainguard.rejoin.regroup.rebuild_default_group`), :func:`rebind` makes the mesh's
+groups again, exactly as ``init_device_mesh`` makes them on a replacement that runs the script
+from its top (same shape, same dimension names, same order of group creation), points the old
+mesh at them, and has FSDP resolve its groups again. The parameters, their shards, the optimizer
+and its state stay where they are.
+
+The one module that touches FSDP2's and the mesh's private members (listed in
+:data:`FSDP_MEMBERS`; :func:`missing_members` checks them against the installed torch):
+
+* ``DeviceMesh._dim_group_names``, ``DeviceMesh._pg_registry``: the names of the mesh's groups
+  and the registry ``get_group`` reads under ``torch.compile``;
+* ``FSDPModule._get_fsdp_state()._fsdp_param_groups``, each group's ``mesh_info``,
+  ``post_forward_mesh_info`` and ``fsdp_params`` (each with its own ``mesh_info``): the objects
+  whose ``__post_init__`` resolves ``shard_process_group`` / ``replicate_process_group`` from the
+  mesh. (A separate reduce-scatter group set by ``set_separate_reduce_scatter_group`` is dropped:
+  FSDP then reduce-scatters on the shard group.)
+
+A step that failed mid-forward or mid-backward leaves FSDP's per-iteration state undefined; the
+public ``FSDPModule.reset_iter_state()`` (torch 2.13) puts it back (:func:`reset`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+
+FSDP_MEMBERS = ("_get_fsdp_state", "reset_iter_state")
+MESH_MEMBERS = ("_dim_group_names", "_pg_registry")
+
+
+def _fsdp_module_class() -> Optional[type]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover  (torch without FSDP2)
+        return None
+    return FSDPModule
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` (itself included) that ``fully_shard`` made FSDP modules, outermost first."""
+    cls = _fsdp_module_class()
+    return [m for m in model.modules() if cls is not None and isinstance(m, cls)]
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor (FSDP2, tensor parallelism)."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def _param_groups(model: torch.nn.Module) -> Iterator[Any]:
+    for m in fsdp_modules(model):
+        yield from m._get_fsdp_state()._fsdp_param_groups
+
+
+def _mesh_infos(model: torch.nn.Module) -> list[Any]:
+    """Every distinct ``mesh_info`` object FSDP holds for ``model``."""
+    seen: dict[int, Any] = {}
+    for group in _param_groups(model):
+        infos = [group.mesh_info, group.post_forward_mesh_info]
+        for p in group.fsdp_params:
+            infos += [p.mesh_info, getattr(p, "post_forward_mesh_info", None)]
+        for info in infos:
+            if info is not None:
+                seen.setdefault(id(info), info)
+    return list(seen.values())
+
+
+def missing_members(model: torch.nn.Module) -> list[str]:
+    """The private members this module uses that the installed torch lacks (empty: all there)."""
+    mods = fsdp_modules(model)
+    missing = [f"FSDPModule.{m}" for m in FSDP_MEMBERS if mods and not hasattr(mods[0], m)]
+    for info in _mesh_infos(model) if not missing else []:
+        missing += [f"DeviceMesh.{m}" for m in MESH_MEMBERS if not hasattr(info.mesh, m)]
+    return sorted(set(missing))
+
+
+def why_not_rebindable(model: torch.nn.Module) -> Optional[str]:
+    """Why a sharded ``model`` cannot be moved to a new group in-process; ``None``: it can (or it
+    is not sharded). Refused: DTensor parameters that FSDP2 does not manage (tensor parallelism),
+    a mesh that is a slice of a larger mesh, a torch without the members used here."""
+    if not is_sharded(model):
+        return None
+    managed = {id(fp.sharded_param) for g in _param_groups(model) for fp in g.fsdp_params}
+    if not fsdp_modules(model) or any(
+        type(p).__name__ == "DTensor" and id(p) not in managed for p in model.parameters()
+    ):
+        return "DTensor parameters outside FSDP2 (tensor parallelism): in-process recovery re-binds DDP and FSDP2 only"
+    missing = missing_members(model)
+    if missing:
+        return f"torch {torch.__version__} lacks {', '.join(missing)}: in-process recovery of FSDP2"
+    for info in _mesh_infos(model):
+        if info.mesh._get_root_mesh() is not info.mesh:
+            return "FSDP2 on a slice of a larger device mesh: in-process recovery re-binds whole meshes only"
+    return None
+
+
+def rebind(model: torch.nn.Module) -> None:
+    """After the default group was built again: make each FSDP2 mesh's groups again on it (a
+    collective, in the order ``init_device_mesh`` makes them), point the mesh and FSDP at them,
+    and reset FSDP's per-iteration state (:func:`reset`). Nothing for a model that is not sharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    infos = _mesh_infos(model)
+    meshes = {id(i.mesh): i.mesh for i in infos}
+    for mesh in meshes.values():
+        fresh = init_device_mesh(mesh.device_type, tuple(mesh.mesh.shape), mesh_dim_names=mesh.mesh_dim_names)
+        mesh._dim_group_names = list(fresh._dim_group_names)
+        mesh._pg_registry.update(fresh._pg_registry)
+    for info in infos:
+        info.__post_init__()  # resolves shard_process_group / replicate_process_group from the mesh again
+    reset(model)
+
+
+def reset(model: torch.nn.Module) -> None:
+    """Reset FSDP's per-iteration state after a forward or backward that a lost peer interrupted
+    (``reset_iter_state`` on each root FSDP module: unsharded parameters freed, trackers cleared,
+    the interrupted step's gradients dropped). Errors of collectives on the old group that it
+    waits for are ignored: that group is gone."""
+    for m in fsdp_modules(model):
+        state = m._get_fsdp_state()
+        if getattr(state, "_is_root", None) is False:
+            continue
+        try:
+            m.reset_iter_state()
+        except RuntimeError:  # a wait on a collective of the lost group, or a module never run as root
+            continue
