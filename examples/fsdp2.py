@@ -4,6 +4,9 @@ Launch (2 CPU ranks, gloo)::
 
     trainguard run --nproc-per-node 2 --run-dir runs/fsdp2 examples/fsdp2.py --set train.max_steps=150
 
+HSDP (shard inside a group of ranks, replicate across groups): ``--set fsdp.replicas=2`` on 4 ranks
+makes a 2-D mesh of 2 replica groups of 2 shards each.
+
 Each transformer block and then the whole model are ``fully_shard``-ed over a 1-D mesh of all
 ranks: every rank holds a shard of each parameter and of its optimizer state (DTensors).
 trainguard saves them through ``torch.distributed.checkpoint`` (each rank writes its own shard; a
@@ -17,6 +20,9 @@ What differs from DDP (``gpt.py``):
 * **No replica check.** ``[sdc] check_interval`` compares replicas of the parameters; sharded
   parameters have none (the check says so and stays off).
 * **The gradient norm** is a DTensor: ``clip_grad_norm_`` returns it, ``guard.should_step`` takes it.
+* **In-process recovery** (on by default) rolls every rank back to an in-memory snapshot of its
+  shard (``[recovery] snapshot_interval``), the lost rank's shard from a peer's copy; with HSDP the
+  lost shard comes from its replica in the other group, and nothing is trained again.
 """
 
 from __future__ import annotations
@@ -27,14 +33,27 @@ import time
 import torch
 import torch.distributed as dist
 from gpt import GPT, GPTConfig, Windows, read_corpus
+from pydantic import Field
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import trainguard
 
 
+class FSDPSection(trainguard.Section):
+    replicas: int = Field(
+        1, ge=1, description="HSDP replica groups (1: plain FSDP over all ranks); divides the world size"
+    )
+
+
+class FSDP2Config(GPTConfig):
+    """The GPT's sections and ``[fsdp]``."""
+
+    fsdp: FSDPSection = FSDPSection()
+
+
 def main() -> None:
-    cfg = trainguard.config_from_argv(GPTConfig)
+    cfg = trainguard.config_from_argv(FSDP2Config)
     data = read_corpus(cfg.data)
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
@@ -45,7 +64,14 @@ def main() -> None:
     sampler = trainguard.ResumableSampler(len(train), rank, world, seed=cfg.run.seed)
 
     model = GPT(cfg.model)
-    mesh = init_device_mesh("cpu", (world,))
+    if world % cfg.fsdp.replicas:
+        raise trainguard.ConfigError(f"fsdp.replicas = {cfg.fsdp.replicas} does not divide the world size {world}")
+    if cfg.fsdp.replicas > 1:  # HSDP: parameters replicated over dimension 0, sharded over dimension 1
+        mesh = init_device_mesh(
+            "cpu", (cfg.fsdp.replicas, world // cfg.fsdp.replicas), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -28,7 +28,7 @@ from ..rejoin import regroup, sever, sharded
 from ..rejoin.catch import CATCH, DDPHook
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
-from ..rejoin.rollback import roll_back
+from ..rejoin.rollback import from_replicas, roll_back
 from ..rejoin.shards import ShardSnapshots
 from ..rejoin.stepstart import StepStart
 from ..state.reshard import resharded_rank_state
@@ -133,6 +133,7 @@ class InProcess:
         self._renumber, self._regrouped, self._on_ping_failure = renumber, regrouped, on_ping_failure
         self._base_world_size = base_world_size
         self.shards = shards
+        self.restored: Optional[int] = None  # the snapshot step the last sharded recovery rolled back to
         self.backend = tgdist.backend()
         self.ddp_hook: Optional[DDPHook] = None  # trainguard's DDP communication hook
         self.own_state_from: Optional[str] = None  # a replacement: where the lost rank's own state came from
@@ -255,7 +256,7 @@ class InProcess:
         if gen.replaced:  # a framework's replacement sets its loop up at this step (trainguard.hf)
             self.rejoin.store.survivors_at(gen.number, place.step)
         if self.shards is not None:
-            return self._recover_sharded(gen, place)
+            return self._recover_sharded(gen, place, redo)
         if gen.left:
             place = self._resize(gen, place)
         regroup.release_ddp(self.model)
@@ -324,9 +325,9 @@ class InProcess:
         state from the lowest surviving rank's (see :meth:`_transfer`). Call
         :meth:`joined` once the Guard took the returned place."""
         gen = self.rejoin.joined_generation()
-        if self.shards is not None:
-            return self._meet_sharded(gen, place, None)
         kept, self.own_state_from = ({}, None) if place.rank in gen.grown else self.rejoin.lost_boundaries(place.rank)
+        if self.shards is not None:
+            return self._meet_sharded(gen, place, None, kept=kept)
         return self._meet(gen, place, kept)
 
     def joined(self, met: Met, seconds: float) -> None:
@@ -417,17 +418,17 @@ class InProcess:
         )
         return Met(place, ping, gen)
 
-    def _recover_sharded(self, gen: Generation, place: Place) -> Met:
-        """A survivor's recovery of a sharded model: the new group, FSDP moved onto it, every rank
-        rolled back to the newest common snapshot (:meth:`_meet_sharded`). The steps completed
-        since that snapshot are trained again (``steps_lost``)."""
+    def _recover_sharded(self, gen: Generation, place: Place, redo: bool) -> Met:
+        """A survivor's recovery of a sharded model: the new group, FSDP moved onto it, the lost
+        shards from replicas or every rank rolled back to the newest common snapshot
+        (:meth:`_meet_sharded`; ``steps_lost``: the completed steps trained again)."""
         if gen.left:
             raise regroup.RegroupError("a sharded model's group does not shrink in place (its shards would move)")
         holdings = self.shards.holdings()  # before the old group goes: a copy that arrived counts
         regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout)
         sharded.rebind(self.model)
         self._regrouped()
-        met = self._meet_sharded(gen, place, holdings)
+        met = self._meet_sharded(gen, place, holdings, redo=redo)
         self.events.emit(
             "recovery_finished",
             met.place.step,
@@ -438,9 +439,13 @@ class InProcess:
             world_size=met.place.world_size,
             seconds=round(time.time() - self.rejoin.failure.at, 4),
             steps_lost=place.step - met.place.step,
-            redo_step=None,
+            redo_step=place.step + 1 if redo and self.restored is None else None,
         )
-        if met.place.rank == 0:
+        if met.place.rank == 0 and self.restored is None:
+            console.say(
+                f"recovered in-process at step {met.place.step}: the lost shards from their replicas, no step lost"
+            )
+        elif met.place.rank == 0:
             console.say(
                 f"recovered in-process: every rank rolled back in memory to the snapshot of step {met.place.step} "
                 f"({place.step - met.place.step} completed step(s) to train again; no file read)"
@@ -448,16 +453,38 @@ class InProcess:
         self.rejoin.done()
         return met
 
-    def _meet_sharded(self, gen: Generation, place: Place, holdings: Optional[dict]) -> Met:
-        """Both sides of a sharded model's recovery (``holdings``: a survivor's snapshots, ``None``
-        on a replacement): roll back to the newest common snapshot (a replacement's shard from its
-        holder's copy), take the hosts from the lowest survivor, give the copies a new group and
-        snapshot the step rolled back to there (the replacement holds nothing of its own yet)."""
-        done = roll_back(self.shards, place.rank, gen.replaced, holdings)
-        self.train_state.load_state_dict(done.train_state)
+    def _meet_sharded(
+        self, gen: Generation, place: Place, holdings: Optional[dict], redo: bool = False, kept: Optional[dict] = None
+    ) -> Met:
+        """Both sides of a sharded model's recovery (``holdings``: a survivor's snapshots; ``None``
+        on a replacement, with its lost rank's step boundaries ``kept``). With HSDP, survivors at
+        one step and the lost rank's boundary of it: each lost shard from a surviving replica, the
+        step redone (``redo``) or not, nothing trained again (:meth:`_take_replicas`). Else every
+        rank rolls back to the newest common snapshot (:meth:`_roll_back`). Then the hosts from the
+        lowest survivor, and the snapshot copies on a new group, starting with this step's."""
+        joining = holdings is None
+        agreed = tgdist.all_reduce_max([-1, -(1 << 62)] if joining else [place.step, -place.step])
+        step, lowest = agreed[0], -agreed[1]
+        sources = sharded.replica_sources(self.model, set(gen.replaced))
+        lacking = tgdist.all_reduce_max([int(joining and step not in (kept or {}))])[0]
+        if sources is not None and step == lowest and not lacking:
+            place = self._take_replicas(place, step, sources, redo, kept)
+        else:
+            place = self._roll_back(gen, place, holdings)
         src = min(set(range(gen.world_size)) - set(gen.replaced))
         mine = {"hosts": list(place.hosts), "next_report": place.next_report} if place.rank == src else None
         shared = tgdist.broadcast_object(mine, src)
+        place = replace(
+            place, hosts=tuple(shared["hosts"]), next_check=place.step + 1, next_report=shared["next_report"]
+        )
+        self.open_snapshots()
+        self.snapshot(place.step, now=True)
+        return self._on_new_group(gen, place)
+
+    def _roll_back(self, gen: Generation, place: Place, holdings: Optional[dict]) -> Place:
+        """Every rank back to the newest common snapshot (:func:`~trainguard.rejoin.rollback.roll_back`)."""
+        done = roll_back(self.shards, place.rank, gen.replaced, holdings)
+        self.train_state.load_state_dict(done.train_state)
         self.events.emit(
             "snapshot_restored",
             done.step,
@@ -468,16 +495,38 @@ class InProcess:
         )
         if holdings is None:
             self.own_state_from = done.source
-        place = replace(
-            place,
-            step=done.step,
-            hosts=tuple(shared["hosts"]),
-            next_check=done.step + 1,
-            next_report=shared["next_report"],
-        )
-        self.open_snapshots()
-        self.snapshot(done.step, now=True)
-        return self._on_new_group(gen, place)
+        self.restored = done.step
+        return replace(place, step=done.step)
+
+    def _take_replicas(
+        self, place: Place, step: int, sources: dict[int, int], redo: bool, kept: Optional[dict]
+    ) -> Place:
+        """HSDP: each replacement takes its shard and the shared state from a surviving replica
+        (:func:`~trainguard.rejoin.rollback.from_replicas`) and its own state from its lost rank's
+        boundary of ``step``; survivors that abandoned the step go back to its start first."""
+        joining, self.restored = kept is not None, None
+        if not joining and redo:
+            self.train_state.load_state_dict(self.rejoin.boundary.restore(place.step))
+            if self.step_start is not None:
+                self.step_start.restore()
+        parts = [n for n in self.train_state.parts if n not in LOCAL_PARTS]
+        shared = self.train_state.state_dict(parts) if place.rank in sources.values() else {}
+        t0 = time.perf_counter()
+        received, moved = from_replicas(self.model, self.optimizer, place.rank, sources, shared)
+        if joining:
+            self.train_state.load_state_dict({**received, **kept[step]})
+            return replace(place, step=step)
+        if place.rank in sources.values():
+            to = [r for r, s in sources.items() if s == place.rank]
+            self.events.emit(
+                "state_transferred",
+                place.step,
+                rank=place.rank,
+                to_ranks=to,
+                bytes=moved,
+                seconds=round(time.perf_counter() - t0, 4),
+            )
+        return place
 
     def _transfer(
         self,

@@ -1,5 +1,6 @@
-"""Both sides of a sharded model's in-process recovery, on the new group: agree on the newest
-snapshot every rank can roll back to, move the lost ranks' copies to their replacements, load it.
+"""Both sides of a sharded model's in-process recovery, on the new group: with HSDP, move each lost
+shard from a surviving replica (nothing is trained again); else agree on the newest snapshot every
+rank can roll back to, move the lost ranks' copies to their replacements, load it.
 
 See :mod:`~trainguard.rejoin.shards` for the snapshots and why a sharded model rolls back: the
 lost shard exists nowhere at the current step.
@@ -14,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from .. import dist as tgdist
+from ..checkpoint.io import apply_state, model_optim_state
+from ..checkpoint.local import deserialize, serialize
 from .regroup import RegroupError
 from .shards import ShardSnapshots, newest_common
 
@@ -85,3 +88,32 @@ def roll_back(shards: ShardSnapshots, rank: int, replaced: tuple[int, ...], hold
             blob = _recv(h)
             moved, source = len(blob), f"rank {h}'s memory"
     return RolledBack(step, source, moved, shards.restore(step, blob))
+
+
+def from_replicas(
+    model: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    rank: int,
+    sources: dict[int, int],
+    shared: dict,
+) -> tuple[Optional[dict], int]:
+    """HSDP: each lost rank's replacement takes its shard of the model and optimizer from the
+    surviving replica ``sources[lost rank]`` (point-to-point on the default group), with the
+    state every rank holds alike (``shared``: on a source, its training state's shared parts).
+
+    Returns:
+        ``(shared parts received, bytes)`` on a replacement (its model and optimizer loaded);
+        ``(None, bytes sent)`` elsewhere.
+    """
+    received, moved = None, 0
+    for lost, src in sorted(sources.items()):
+        if rank == src:
+            blob = serialize({**model_optim_state(model, optimizer), "shared": shared})
+            _send(blob, lost)
+            moved += len(blob)
+        elif rank == lost:
+            blob = _recv(src)
+            state = deserialize(blob)
+            received, moved = state.pop("shared"), len(blob)
+            apply_state(model, optimizer, state)
+    return received, moved

@@ -131,3 +131,34 @@ def reset(model: torch.nn.Module) -> None:
             m.reset_iter_state()
         except RuntimeError:  # a wait on a collective of the lost group, or a module never run as root
             continue
+
+
+def replica_sets(model: torch.nn.Module) -> Optional[list[list[int]]]:
+    """HSDP: for each shard, the global ranks that hold it (one in each replica group), from the
+    mesh (its replicate dimension across, the shard dimension along); ``None`` for plain FSDP (no
+    replica of a shard exists) or meshes that disagree."""
+    layouts = set()
+    for info in _mesh_infos(model):
+        rep = getattr(info, "replicate_mesh_dim", None)
+        if rep is None:
+            return None
+        ranks = info.mesh.mesh.movedim(rep, 0)
+        layouts.add(tuple(tuple(col.tolist()) for col in ranks.reshape(ranks.shape[0], -1).T))
+    if len(layouts) != 1:
+        return None
+    return [list(col) for col in layouts.pop()]
+
+
+def replica_sources(model: torch.nn.Module, lost: set[int]) -> Optional[dict[int, int]]:
+    """For each lost rank, the lowest surviving rank holding the same shard (HSDP); ``None`` when
+    the model has no replicas or a lost rank's every replica is lost too."""
+    sets = replica_sets(model)
+    if sets is None:
+        return None
+    sources = {}
+    for r in lost:
+        alive = [p for s in sets if r in s for p in s if p not in lost]
+        if not alive:
+            return None
+        sources[r] = min(alive)
+    return sources
