@@ -1,20 +1,113 @@
-"""FSDP2 (``fully_shard``) end to end on 2 gloo ranks (examples/fsdp2.py): a killed rank restarts the
-group from the node-local tier's shards and finishes bitwise; a loss spike rolls back in-process."""
+"""FSDP2 (``fully_shard``) end to end on gloo ranks (examples/fsdp2.py): a rank SIGKILLed at a random
+moment is replaced in-process, every rank rolling back to its in-memory snapshot (the lost shard
+from a peer's copy) or, with HSDP, the lost shard coming from its replica; a killed rank without
+in-process recovery restarts the group from the node-local tier's shards; a loss spike rolls back
+in-process. Every run ends bitwise equal to an uninterrupted one."""
 
 from __future__ import annotations
 
+import os
+import random
+import signal
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
-from conftest import REPO, events, final_hash, finish, launch
+from conftest import REPO, events, final_hash, finish, launch, logged_step, shared_hash, wait_for
 
 FSDP2 = REPO / "examples" / "fsdp2.py"
 STEPS = 60
 
 
-def fsdp2(run: Path, *overrides: str, extra: tuple[str, ...] = ()):
-    return launch(run, f"train.max_steps={STEPS}", "model.n_layers=2", *overrides, script=FSDP2, extra=extra)
+SNAPSHOT_INTERVAL = 5
+IN_PROCESS = ("recovery.in_process=true", f"recovery.snapshot_interval={SNAPSHOT_INTERVAL}")
+LOGGED = ("train.log_interval=1", "checkpoint.interval=20")  # a step number on the console at every step
+
+
+def fsdp2(run: Path, *overrides: str, extra: tuple[str, ...] = (), nproc: int = 2):
+    return launch(
+        run, f"train.max_steps={STEPS}", "model.n_layers=2", *overrides, script=FSDP2, extra=extra, nproc=nproc
+    )
+
+
+@pytest.fixture(scope="session")
+def fsdp2_clean_hash(tmp_path_factory) -> Callable[[int, int], str]:
+    """The final hash of an uninterrupted run on ``nproc`` ranks in ``replicas`` replica groups."""
+    return lambda nproc, replicas: shared_hash(
+        tmp_path_factory,
+        f"fsdp2-{nproc}x{replicas}",
+        lambda run: fsdp2(run, *LOGGED, f"fsdp.replicas={replicas}", nproc=nproc),
+    )
+
+
+def kill_at_random(run: Path, seed: int, nproc: int, replicas: int) -> int:
+    """Launch the FSDP2 example with in-process recovery; SIGKILL a rank drawn from ``seed`` at a
+    random moment (a random step from 12 to 40, then a random fraction of a step: forward's
+    all-gather, backward's reduce-scatter, the gradient norm's all-reduce, a snapshot's copy);
+    check that it finished with the other ranks' processes and no group restart. Returns the victim."""
+    rng = random.Random(seed)
+    proc = fsdp2(run, *LOGGED, *IN_PROCESS, f"fsdp.replicas={replicas}", nproc=nproc)
+    kill_at, victim = rng.randint(12, 40), rng.randrange(nproc)
+    wait_for(lambda: logged_step(run) >= kill_at, what=f"step {kill_at}")
+    time.sleep(rng.random() * 0.1)
+    pids = events(run, "workers_started")[0]["details"]["pids"]
+    os.kill(int(pids[str(victim)]), signal.SIGKILL)
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert not events(run, "group_restart") and not events(run, "recovery_fallback")
+    survivors = sorted(int(pids[str(r)]) for r in range(nproc) if r != victim)
+    assert sorted(e["pid"] for e in events(run, "recovery_finished")) == survivors
+    assert [e["rank"] for e in events(run, "rank_replaced")] == [victim]
+    return victim
+
+
+def check_rolled_back(run: Path, victim: int, nproc: int) -> None:
+    """Every rank rolled back to the same snapshot, at most SNAPSHOT_INTERVAL completed steps
+    back; the replacement's shard came from its holder's memory (the next rank, one node)."""
+    restored = events(run, "snapshot_restored")
+    assert len({e["step"] for e in restored}) == 1 and len(restored) == nproc, restored
+    lost = [e["details"]["steps_lost"] for e in events(run, "recovery_finished")]
+    assert all(0 <= n <= SNAPSHOT_INTERVAL for n in lost), lost
+    sources = {e["rank"]: e["details"]["source"] for e in restored}
+    assert sources.pop(victim) == f"rank {(victim + 1) % nproc}'s memory"
+    assert set(sources.values()) == {"own memory"}
+
+
+@pytest.mark.slow
+def test_fsdp2_rank_killed_at_a_random_moment_rolls_back_in_memory_bitwise(tmp_path, fsdp2_clean_hash):
+    """Plain FSDP2 on 2 ranks: no replica of the lost shard exists at the current step, so every
+    rank rolls back in memory to the newest snapshot they all hold (the lost rank's from the copy
+    its peer holds): no process restarts, no file read, at most ``K`` steps trained again, bitwise."""
+    run = tmp_path / "run"
+    victim = kill_at_random(run, seed=5, nproc=2, replicas=1)
+    check_rolled_back(run, victim, 2)
+    assert final_hash(run) == fsdp2_clean_hash(2, 1)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("seed", [21, 22, 23, 24])
+def test_fsdp2_campaign_of_kills_at_random_moments(tmp_path, fsdp2_clean_hash, seed):
+    """More seeded moments of the test above (scripts/test_soak.sh)."""
+    run = tmp_path / "run"
+    victim = kill_at_random(run, seed=seed, nproc=2, replicas=1)
+    check_rolled_back(run, victim, 2)
+    assert final_hash(run) == fsdp2_clean_hash(2, 1)
+
+
+@pytest.mark.soak  # 4 ranks on 2 cores: scripts/test_soak.sh (CI)
+@pytest.mark.parametrize("seed", [12, 31])
+def test_hsdp_rank_killed_takes_its_shard_from_its_replica_no_step_lost(tmp_path, fsdp2_clean_hash, seed):
+    """HSDP on 4 ranks (2 replica groups of 2 shards): the lost shard exists in the other replica
+    group, so it is sent from there, the lost rank's own state comes from its step boundary and the
+    interrupted step is done again: no snapshot is restored, no step lost, bitwise."""
+    run = tmp_path / "run"
+    victim = kill_at_random(run, seed=seed, nproc=4, replicas=2)
+    assert not events(run, "snapshot_restored")
+    assert {e["details"]["steps_lost"] for e in events(run, "recovery_finished")} == {0}
+    (sent,) = events(run, "state_transferred")
+    assert (sent["rank"], sent["details"]["to_ranks"]) == ((victim + 2) % 4, [victim])  # its replica
+    assert final_hash(run) == fsdp2_clean_hash(4, 2)
 
 
 @pytest.mark.soak  # over 40 s on 2 cores: scripts/test_soak.sh (CI)

@@ -98,9 +98,10 @@ def start_agent(
     nnodes: str = "2",
     extra: tuple[str, ...] = (),
     nproc: int = 1,
+    script: Path = GPT,
 ) -> subprocess.Popen:
-    """One agent of a job on loopback (``--nproc-per-node nproc``, c10d rendezvous at ``endpoint``),
-    its output in ``node_log(run, node)``."""
+    """One agent of a job on loopback (``--nproc-per-node nproc``, c10d rendezvous at ``endpoint``)
+    running ``script`` (the GPT's tiny settings apply), its output in ``node_log(run, node)``."""
     with open(node_log(run, node), "ab") as log:
         cmd = [
             sys.executable,
@@ -124,7 +125,7 @@ def start_agent(
             "--run-dir",
             str(run),
             *extra,
-            str(GPT),
+            str(script),
             *sets(*TINY, *pinned(overrides)),
         ]
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)

@@ -21,6 +21,8 @@ from test_multinode import INTERVAL, STEPS, _kill_tree, free_port, job_address, 
 
 from conftest import GPT, REPO, TINY, events, launch, pinned, sets, shared_hash, wait_for
 
+FSDP2 = REPO / "examples" / "fsdp2.py"
+
 SETTINGS = (
     f"train.max_steps={STEPS}",
     INTERVAL,
@@ -54,28 +56,26 @@ def newest_step(run) -> int:
     return max(beats, default=0)
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["1-rank-per-node", "2-ranks-per-node"])
-def test_a_node_killed_with_its_ranks_is_replaced_by_a_spare_node_in_process(tmp_path, tmp_path_factory, nproc):
-    """``nproc`` ranks per node (2: two nodes of 2 ranks and a spare node of 2)."""
-    run = tmp_path / "run"
+def lose_a_node(run: Path, nproc: int, *overrides: str, script: Path = GPT) -> tuple[int, list[subprocess.Popen]]:
+    """Two nodes of ``nproc`` ranks train ``script`` (``--nnodes 2:3``), a third waits as a spare
+    node; at a random checkpoint step the non-leading node's agent is SIGKILLed with its ranks.
+    Waits for the leading node and the spare node to end, checks both exited 0, that one node was
+    lost with a spare waiting, that the spare node took exactly its ranks, and that the group did
+    not restart. Returns (the surviving agent's index, the agents)."""
     endpoint, rdzv_id = job_address()
-    clean = shared_hash(
-        tmp_path_factory,
-        f"gpt{STEPS}x{2 * nproc}",
-        lambda d: launch(d, f"train.max_steps={STEPS}", INTERVAL, nproc=2 * nproc),
-    )
-    agents = [start_agent(run, n, endpoint, rdzv_id, *SETTINGS, nnodes="2:3", nproc=nproc) for n in range(2)]
+    settings = (*SETTINGS, *overrides)
+    agents = [
+        start_agent(run, n, endpoint, rdzv_id, *settings, nnodes="2:3", nproc=nproc, script=script) for n in range(2)
+    ]
     try:
         wait_for(lambda: len(events(run, "workers_started")) == 2, 240, "both nodes' ranks started")
-        agents.append(start_agent(run, 2, endpoint, rdzv_id, *SETTINGS, nnodes="2:3", nproc=nproc))
+        agents.append(start_agent(run, 2, endpoint, rdzv_id, *settings, nnodes="2:3", nproc=nproc, script=script))
         wait_for(lambda: spares_started(agents[2], nproc), 240, "the third agent started its warm spares")
         kill_after = random.Random().randint(20, 60)
         wait_for(lambda: newest_step(run) >= kill_after, 240, f"a checkpoint at step {kill_after} or later")
         # the leading node serves the rendezvous and recovery stores (not replaceable): lose the other
         survivor = next(i for i in range(2) if serves(agents[i].pid, int(endpoint.split(":")[1])))
-        victim = 1 - survivor
-        _kill_tree(agents[victim])
-        codes = {}
+        _kill_tree(agents[1 - survivor])
         wait_for(
             lambda: all(agents[i].poll() is not None for i in (survivor, 2)), 300, "the survivor and the spare node end"
         )
@@ -91,15 +91,58 @@ def test_a_node_killed_with_its_ranks_is_replaced_by_a_spare_node_in_process(tmp
     assigned = events(run, "spare_node_assigned")
     assert [e["details"]["ranks"] for e in assigned] == [lost[0]["details"]["ranks"]], assigned
     assert not events(run, "group_restart") and not events(run, "recovery_fallback"), text
-    replaced = events(run, "rank_replaced")
-    assert [e["details"]["own_state_from"] for e in replaced] == ["recovery store"] * nproc, replaced
+    assert (run / "exclude_nodes").read_text().split() == [lost[0]["details"]["host"]]
     kept = next(e for e in events(run, "workers_started") if e["pid"] == agents[survivor].pid)["details"]["pids"]
     survivors = events(run, "recovery_finished")  # written by each surviving rank, in its own process
     assert sorted(e["pid"] for e in survivors) == sorted(kept.values()), (survivors, kept)
-    assert all(e["details"]["steps_lost"] == 0 for e in survivors), survivors
-    assert (run / "exclude_nodes").read_text().split() == [lost[0]["details"]["host"]]
-    exits = {e["pid"]: e["details"] for e in events(run, "launch_exit")}
-    assert exits[agents[survivor].pid]["state_sha256"] == clean, exits
+    return survivor, agents
+
+
+def final_of(run: Path, agent: subprocess.Popen) -> str:
+    """The state hash ``agent``'s launch ended with."""
+    return {e["pid"]: e["details"] for e in events(run, "launch_exit")}[agent.pid]["state_sha256"]
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1-rank-per-node", "2-ranks-per-node"])
+def test_a_node_killed_with_its_ranks_is_replaced_by_a_spare_node_in_process(tmp_path, tmp_path_factory, nproc):
+    """``nproc`` ranks per node (2: two nodes of 2 ranks and a spare node of 2)."""
+    run = tmp_path / "run"
+    clean = shared_hash(
+        tmp_path_factory,
+        f"gpt{STEPS}x{2 * nproc}",
+        lambda d: launch(d, f"train.max_steps={STEPS}", INTERVAL, nproc=2 * nproc),
+    )
+    survivor, agents = lose_a_node(run, nproc)
+    replaced = events(run, "rank_replaced")
+    assert [e["details"]["own_state_from"] for e in replaced] == ["recovery store"] * nproc, replaced
+    assert all(e["details"]["steps_lost"] == 0 for e in events(run, "recovery_finished"))
+    assert final_of(run, agents[survivor]) == clean
+
+
+@pytest.mark.parametrize("replicas", [1, 2], ids=["fsdp2", "hsdp"])
+def test_a_sharded_model_loses_a_node_to_a_spare_node_in_process(tmp_path, tmp_path_factory, replicas):
+    """Two nodes of 2 ranks and a spare node of 2, the model sharded with FSDP2 over the 4 ranks
+    (``replicas`` 1) or HSDP (2 replica groups, one per node). FSDP2: every rank rolls back in
+    memory to the newest snapshot, the lost node's shards from the copies the leading node's ranks
+    hold (the same local rank on the next node), at most ``snapshot_interval`` steps lost. HSDP:
+    the lost replica group's shards come from the other one, no step lost. Both bitwise."""
+    run = tmp_path / "run"
+    sharded = (f"fsdp.replicas={replicas}", "model.n_layers=2", "recovery.snapshot_interval=5")
+    clean = shared_hash(
+        tmp_path_factory,
+        f"fsdp2-{STEPS}x4x{replicas}",
+        lambda d: launch(d, f"train.max_steps={STEPS}", INTERVAL, *sharded, nproc=4, script=FSDP2),
+    )
+    survivor, agents = lose_a_node(run, 2, *sharded, script=FSDP2)
+    lost_ranks = events(run, "node_lost")[0]["details"]["ranks"]
+    steps_lost = {e["details"]["steps_lost"] for e in events(run, "recovery_finished")}
+    restored = {e["rank"]: e["details"]["source"] for e in events(run, "snapshot_restored")}
+    if replicas == 1:
+        assert len(steps_lost) == 1 and 0 <= steps_lost.pop() <= 5
+        assert {restored[r] for r in lost_ranks} == {f"rank {(r + 2) % 4}'s memory" for r in lost_ranks}, restored
+    else:
+        assert steps_lost == {0} and not restored
+    assert final_of(run, agents[survivor]) == clean
 
 
 # ---- each node with its own address: network namespaces ------------------------------------------

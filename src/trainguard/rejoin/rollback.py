@@ -15,10 +15,9 @@ import torch
 import torch.distributed as dist
 
 from .. import dist as tgdist
-from ..checkpoint.io import apply_state, model_optim_state
 from ..checkpoint.local import deserialize, serialize
 from .regroup import RegroupError
-from .shards import ShardSnapshots, newest_common
+from .shards import ShardSnapshots, load_shard_state, newest_common, shard_state
 
 
 @dataclass(frozen=True)
@@ -108,12 +107,12 @@ def from_replicas(
     received, moved = None, 0
     for lost, src in sorted(sources.items()):
         if rank == src:
-            blob = serialize({**model_optim_state(model, optimizer), "shared": shared})
+            blob = serialize({**shard_state(model, optimizer), "shared": shared})
             _send(blob, lost)
             moved += len(blob)
         elif rank == lost:
             blob = _recv(src)
             state = deserialize(blob)
             received, moved = state.pop("shared"), len(blob)
-            apply_state(model, optimizer, state)
+            load_shard_state(model, optimizer, state)
     return received, moved

@@ -150,13 +150,18 @@ def replica_sets(model: torch.nn.Module) -> Optional[list[list[int]]]:
 
 
 def replica_sources(model: torch.nn.Module, lost: set[int]) -> Optional[dict[int, int]]:
-    """For each lost rank, the lowest surviving rank holding the same shard (HSDP); ``None`` when
-    the model has no replicas or a lost rank's every replica is lost too."""
+    """For each lost rank, the lowest surviving rank holding the same shard (HSDP,
+    :func:`sources_from`); ``None`` when the model has no replicas or a lost rank's every replica
+    is lost too."""
     sets = replica_sets(model)
-    if sets is None:
-        return None
+    return None if sets is None else sources_from(sets, lost)
+
+
+def sources_from(sets: list[list[int]], lost: set[int]) -> Optional[dict[int, int]]:
+    """For each rank of ``lost``, the lowest rank outside ``lost`` in its replica set (``sets``: the
+    ranks holding each shard); ``None`` when one has no such rank."""
     sources = {}
-    for r in lost:
+    for r in sorted(lost):
         alive = [p for s in sets if r in s for p in s if p not in lost]
         if not alive:
             return None

@@ -36,6 +36,24 @@ from ..checkpoint.snapshot import Snapshot
 KEEP = 2  # snapshots (and copies held) kept per rank: the buffers of two snapshots alternate
 
 
+def shard_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    """This rank's model and optimizer state (:func:`~trainguard.checkpoint.io.model_optim_state`:
+    the live tensors, DTensors as shards). An optimizer that has not stepped yet is left out
+    (``"optim"`` absent): ``get_state_dict`` would initialise its state with a zero-gradient
+    ``step()``, which changes its step count and so the training that follows."""
+    return model_optim_state(model, optimizer if optimizer is not None and optimizer.state else None)
+
+
+def load_shard_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], state: dict[str, Any]) -> None:
+    """Load :func:`shard_state`'s ``state``; without ``"optim"`` the optimizer goes back to not
+    having stepped (its state emptied)."""
+    if optimizer is not None and "optim" not in state:
+        optimizer.state.clear()
+        apply_state(model, None, state)
+    else:
+        apply_state(model, optimizer, state)
+
+
 def holder_of(rank: int, world_size: int, local_world_size: int) -> int:
     """The rank that holds ``rank``'s snapshot copy: ``local_world_size`` ranks further on (the
     same local rank on the next node), or the next rank when all ranks share one node."""
@@ -159,7 +177,7 @@ class ShardSnapshots:
         """
         self.settle()
         index = 1 - self.own[max(self.own)][2] if self.own else 0  # not the newest kept snapshot's buffers
-        state, _ = self._buffers[index].take(model_optim_state(self.model, self.optimizer))
+        state, _ = self._buffers[index].take(shard_state(self.model, self.optimizer))
         self.own[step] = (state, copy.deepcopy(train_state), index)
         for old in sorted(self.own)[:-KEEP]:
             del self.own[old]
@@ -217,5 +235,5 @@ class ShardSnapshots:
         else:
             state = deserialize(blob)
             train_state = state.pop("rank")
-        apply_state(self.model, self.optimizer, state)
+        load_shard_state(self.model, self.optimizer, state)
         return copy.deepcopy(train_state)
