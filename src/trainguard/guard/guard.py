@@ -841,6 +841,7 @@ class Guard:
             h.on_rollback(self, rb.from_step, target.step)
 
     def _finish(self) -> None:
+        self.inprocess.close_snapshots()
         if self.rejoin.failure is not None:  # lost after the last step's update (a framework's loop)
             self._recover(redo=False)
         if self.sdc.pending is not None:  # the last step's replica check: no next bucket carries it

@@ -26,7 +26,7 @@ from ..events import EventLog
 from ..instability.fold import LossFold
 from ..rejoin import regroup, sever, sharded
 from ..rejoin.catch import CATCH, DDPHook
-from ..rejoin.protocol import Generation, new_rank
+from ..rejoin.protocol import Generation, is_peer_failure, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.rollback import from_replicas, roll_back
 from ..rejoin.shards import ShardSnapshots
@@ -214,6 +214,17 @@ class InProcess:
         self.shards.settle()
         if now or self.shards.due(step):
             self.shards.take(step, self.train_state.state_dict())
+
+    def close_snapshots(self) -> None:
+        """At the end of training: wait for the last snapshot's copy (its thread must not be left in
+        a transfer at exit). A lost peer there is not recovered: no step follows to need it."""
+        if self.shards is None:
+            return
+        try:
+            self.shards.settle()
+        except Exception as e:  # the final save meets the lost peer too, and says so
+            if not is_peer_failure(e):
+                raise
 
     # ------------------------------------------------------------------------------------------
     # the three meetings

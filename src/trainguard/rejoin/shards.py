@@ -7,7 +7,7 @@ own training state (data position, RNG streams, scheduler: :class:`~trainguard.s
 into host memory, and sends that snapshot to its *holder*, the rank ``local_world_size`` further
 on (the same local rank on the next node, wrapping around; the next rank on a single node), the
 way the node-local tier replicates its files (:mod:`trainguard.checkpoint.local`), here in memory
-and from a background transfer on a process group of its own.
+and from a background thread on a process group of its own (:class:`ShardSnapshots`).
 
 On a loss every rank rolls back in memory to the newest snapshot that all survivors hold and whose
 copies of the lost ranks arrived (:func:`newest_common`); a lost rank's replacement takes its
@@ -23,15 +23,17 @@ still be on its way when a peer is lost, and the one before is then the common o
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from typing import Any, Optional
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..checkpoint.io import apply_state, model_optim_state
 from ..checkpoint.local import deserialize, serialize
-from ..checkpoint.snapshot import Snapshot
+from ..checkpoint.snapshot import Snapshot, copy_pairs
 
 KEEP = 2  # snapshots (and copies held) kept per rank: the buffers of two snapshots alternate
 
@@ -99,29 +101,26 @@ def _clone(obj: Any) -> Any:
     return obj
 
 
-def _arrived(works: list) -> bool:
-    """Whether every one of ``works`` completed without error (none is waited for)."""
-    if not all(w.is_completed() for w in works):
-        return False
-    try:
-        for w in works:
-            w.wait()
-    except Exception:  # completed with the lost peer's error: this copy did not arrive
-        return False
-    return True
-
-
 @dataclass
-class _Copy:
-    """A snapshot copy in flight (or arrived) from the rank this one holds."""
+class _Own:
+    """One of this rank's snapshots: its model and optimizer state in host buffers, its training
+    state, which of the two buffer sets holds it, and whether the copy into them is complete."""
 
-    step: int
-    buf: torch.Tensor
-    works: list = field(default_factory=list)
+    state: Any
+    train_state: dict
+    index: int
+    complete: bool = False
 
 
 class ShardSnapshots:
     """One rank's snapshots of its shard and the copies it holds of another rank's.
+
+    :meth:`take` blocks training as long as an asynchronous checkpoint save does: the tensors that
+    change outside ``optimizer.step()`` (module buffers) are copied at once; the parameters and
+    optimizer states are copied by a background thread while the next forward and backward run
+    (an optimizer step pre-hook waits for that copy), which then serializes the snapshot and
+    exchanges copies with the holder and the source on a gloo group of its own. The next step
+    boundary waits for the exchange (:meth:`settle`).
 
     Args:
         model, optimizer: the sharded model (DTensor parameters) and its optimizer.
@@ -143,14 +142,25 @@ class ShardSnapshots:
         self.to = holder_of(rank, world_size, local_world_size)
         self.source = next(r for r in range(world_size) if holder_of(r, world_size, local_world_size) == rank)
         self.holder = {r: holder_of(r, world_size, local_world_size) for r in range(world_size)}
-        self._buffers = [Snapshot() for _ in range(KEEP)]
-        self.own: dict[
-            int, tuple[Any, dict, int]
-        ] = {}  # step -> (model/optim state in host buffers, training state, buffer)
-        self.held: list[_Copy] = []  # copies of self.source's snapshots, oldest first
-        self._sending: list = []  # the works of this rank's copy in flight
+        self.own: dict[int, _Own] = {}  # this rank's snapshots by step
+        self.held: list[tuple[int, torch.Tensor]] = []  # (step, bytes) of the source's copies that arrived
         self.group: Any = None  # a gloo group of its own for the copies
         self.bytes = 0  # bytes of the newest snapshot's copy
+        self.send_seconds = 0.0  # the newest copy's serialization and exchange (background)
+        self._buffers = [Snapshot() for _ in range(KEEP)]
+        self._lock = threading.Lock()
+        self._copied = threading.Event()
+        self._copied.set()
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._epoch = 0  # bumped by regroup: a thread of an older group changes nothing
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(self._before_optimizer_step)
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        """Optimizer step pre-hook: the background copy of the parameters and optimizer states must
+        be complete before the step changes them."""
+        self._copied.wait()
 
     def due(self, step: int) -> bool:
         """Whether step ``step``'s boundary takes a snapshot."""
@@ -159,79 +169,118 @@ class ShardSnapshots:
     def regroup(self) -> None:
         """A new group for the copies, on the (new) default group: a collective, called by every
         rank at the same point (the start, the end of a recovery). Snapshots and copies of the
-        old group are dropped."""
-        self.own.clear()
-        self.held.clear()
-        self._sending.clear()
+        old group are dropped (a copy still on its way there is ignored)."""
+        self._copied.wait()
+        with self._lock:
+            self._epoch += 1
+            self.own.clear()
+            self.held.clear()
+            self._thread, self._error = None, None
         self.group = dist.new_group(backend="gloo")
 
     def take(self, step: int, train_state: dict) -> None:
-        """Snapshot step ``step`` (its update applied) and send its copy to the holder.
-
-        Copies the shard of the model and optimizer into host buffers (reused), then exchanges
-        the copies' sizes with the holder and the source (two tiny messages, waited for) and starts
-        the copies themselves (waited for at the next boundary, :meth:`settle`).
+        """Snapshot step ``step`` (its update applied) and send its copy to the holder in the
+        background (see the class). Waits for the previous snapshot's exchange first.
 
         Raises:
-            the collective's error: a peer is gone (the caller recovers).
+            the previous exchange's error: a peer is gone (the caller recovers).
         """
         self.settle()
-        index = 1 - self.own[max(self.own)][2] if self.own else 0  # not the newest kept snapshot's buffers
-        state, _ = self._buffers[index].take(shard_state(self.model, self.optimizer))
-        self.own[step] = (state, copy.deepcopy(train_state), index)
+        index = 1 - self.own[max(self.own)].index if self.own else 0  # not the newest kept snapshot's buffers
+        state, deferred = self._buffers[index].take(shard_state(self.model, self.optimizer), defer=self._in_step())
+        own = _Own(state, copy.deepcopy(train_state), index)
+        self.own[step] = own
         for old in sorted(self.own)[:-KEEP]:
             del self.own[old]
-        blob = serialize({**state, "rank": train_state, "step": step})
-        self.bytes = len(blob)
-        out = torch.tensor([len(blob)], dtype=torch.int64)
-        size = torch.zeros(1, dtype=torch.int64)
+        self._copied = threading.Event()
+        self._thread = threading.Thread(
+            target=self._copy_and_send, args=(self._epoch, step, own, deferred), name="trainguard-snapshot", daemon=True
+        )
+        self._thread.start()
+
+    def _in_step(self) -> Callable[[torch.Tensor], bool]:
+        """Whether a tensor (by storage address) is a parameter's or an optimizer state's shard:
+        those change only in ``optimizer.step()``, so their copy can wait for the background."""
+        opt = self.optimizer
+        if opt is None:
+            return lambda t: False
+        local = [p for g in opt.param_groups for p in g["params"]]
+        local += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        ptrs = {(t.to_local() if hasattr(t, "to_local") else t).data_ptr() for t in local}
+        return lambda t: t.numel() > 0 and t.data_ptr() in ptrs
+
+    def _copy_and_send(self, epoch: int, step: int, own: _Own, deferred: list) -> None:
+        """The background part of :meth:`take`: finish the copy, then exchange the copies."""
+        try:
+            copy_pairs(deferred)
+            own.complete = True
+        finally:
+            self._copied.set()
+        t0 = time.perf_counter()
+        try:
+            blob = serialize({**own.state, "rank": own.train_state, "step": step})
+            incoming = self._exchange(blob)
+        except Exception as e:  # a lost peer: settle() raises it at the next boundary
+            with self._lock:
+                self._error = e if epoch == self._epoch else None
+            return
+        with self._lock:
+            if epoch == self._epoch:
+                self.held = [*self.held, (step, incoming)][-KEEP:]
+                self.bytes, self.send_seconds = len(blob), time.perf_counter() - t0
+
+    def _exchange(self, blob: bytes) -> torch.Tensor:
+        """Send ``blob`` to the holder and receive the source's copy (sizes first)."""
+        out, size = torch.tensor([len(blob)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
         for w in dist.batch_isend_irecv(
             [dist.P2POp(dist.isend, out, self.to, self.group), dist.P2POp(dist.irecv, size, self.source, self.group)]
         ):
             w.wait()
         payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        incoming = _Copy(step, torch.empty(int(size.item()), dtype=torch.uint8))
-        works = dist.batch_isend_irecv(
+        incoming = torch.empty(int(size.item()), dtype=torch.uint8)
+        for w in dist.batch_isend_irecv(
             [
                 dist.P2POp(dist.isend, payload, self.to, self.group),
-                dist.P2POp(dist.irecv, incoming.buf, self.source, self.group),
+                dist.P2POp(dist.irecv, incoming, self.source, self.group),
             ]
-        )
-        self._sending, incoming.works = [works[0], payload], [works[1]]
-        self.held.append(incoming)
+        ):
+            w.wait()
+        return incoming
 
     def settle(self) -> None:
-        """Wait for the copies in flight (sent and received) to complete.
+        """Wait for the snapshot in flight: its copy and its exchange with the holder and the source.
 
         Raises:
-            the collective's error: a peer is gone.
+            the exchange's error: a peer is gone.
         """
-        for w in self._sending[:1]:
-            w.wait()
-        self._sending = []
-        for c in self.held:
-            for w in c.works:
-                w.wait()
-            c.works = []
-        del self.held[:-KEEP]
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def holdings(self) -> dict:
         """What this rank can roll back to: ``{"own": [steps], "held": {source rank: [steps]}}``
-        (a copy counts once it arrived; a copy still on its way is checked without waiting)."""
-        arrived = [c.step for c in self.held if _arrived(c.works)]
-        return {"own": sorted(self.own), "held": {self.source: arrived}}
+        (its own snapshots once copied; the source's copies that arrived, not waited for)."""
+        self._copied.wait()  # a local copy: it cannot fail
+        with self._lock:
+            arrived = [s for s, _ in self.held]
+        return {"own": sorted(s for s, o in self.own.items() if o.complete), "held": {self.source: arrived}}
 
     def copy_of(self, step: int) -> bytes:
         """The copy of the source rank's snapshot of ``step`` (as sent)."""
-        (c,) = [c for c in self.held if c.step == step]
-        return c.buf.numpy().tobytes()
+        with self._lock:
+            (buf,) = [b for s, b in self.held if s == step]
+        return buf.numpy().tobytes()
 
     def restore(self, step: int, blob: Optional[bytes] = None) -> dict:
         """Load the snapshot of ``step`` into the model and optimizer: this rank's own, or
         ``blob`` (a copy from the holder, for a replacement); returns its training state."""
         if blob is None:  # a copy of the kept buffers: the optimizer may keep the tensors it is given
-            state, train_state, _ = self.own[step]
-            state = _clone(state)
+            own = self.own[step]
+            state, train_state = _clone(own.state), own.train_state
         else:
             state = deserialize(blob)
             train_state = state.pop("rank")
