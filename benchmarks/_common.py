@@ -37,11 +37,13 @@ def kill_outcome(events: list[dict], killed_at: float, printed: int, last: bool 
     the run's ``events``: whether it was recovered in-process (no group restart, no fallback), kill
     → training again (to the survivors' first ``recovery_finished``, the last one with ``last``;
     else to the restarted group's ``start``; NaN when neither came) and the completed steps trained
-    again (0 in-process; else since the checkpoint the restart resumed from)."""
+    again (in-process: ``steps_lost``, 0 but for a sharded model's rollback; else since the
+    checkpoint the restart resumed from)."""
     kinds = {e["kind"] for e in events}
     if "recovery_finished" in kinds and not kinds & {"group_restart", "recovery_fallback"}:
         done = [e["time"] for e in events if e["kind"] == "recovery_finished"]
-        return True, (max(done) if last else min(done)) - killed_at, 0
+        lost = max(e["details"].get("steps_lost", 0) for e in events if e["kind"] == "recovery_finished")
+        return True, (max(done) if last else min(done)) - killed_at, lost
     starts = [e["time"] for e in events if e["kind"] == "start" and e["time"] > killed_at]
     again = min(starts) - killed_at if starts else float("nan")
     resumed = [e["details"]["from_step"] for e in events if e["kind"] == "resume" and e["time"] > killed_at]

@@ -1,7 +1,17 @@
 """A whole node lost (its launcher and ranks SIGKILLed): a spare node against the group restart, in
 the same run.
 
-The README's plain loop (``examples/plain_loop.py``, DDP) on two "nodes": two ``trainguard run``
+For each of ``--models`` (default all three; ``--smoke``: ``ddp`` only):
+
+* ``ddp``: the README's plain loop (``examples/plain_loop.py``), 3000 steps;
+* ``fsdp2``: the FSDP2 example (``examples/fsdp2.py``, a small GPT sharded over the 4 ranks),
+  400 steps, ``[recovery] snapshot_interval`` 10: the spare node's ranks take the lost shards
+  from the snapshot copies the leading node's ranks hold, every rank rolling back to that
+  snapshot (goal: at most 10 completed steps trained again);
+* ``hsdp``: the same with ``fsdp.replicas=2`` (a replica group per node): the lost shards come
+  from the other replica group (goal: no step trained again).
+
+The job runs on two "nodes": two ``trainguard run``
 launchers on loopback (``--nnodes 2:3``, c10d rendezvous, ``--nproc-per-node 2``: 4 ranks). Once
 uninterrupted for its final state hash, then ``--trials`` times per arm with the launcher of the
 node that does not lead (the one that does serves the rendezvous and recovery stores) SIGKILLed
@@ -46,8 +56,15 @@ import psutil
 from _common import final_hash, kill_outcome, run_events, trainguard_cmd
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "examples" / "plain_loop.py"
 CONF = "join_timeout=120,last_call_timeout=1"
+SMALL_GPT = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32", "train.batch_size=4"]
+SMALL_GPT += ["train.log_interval=1", "data.max_bytes=200000", "recovery.snapshot_interval=10"]
+# model → (script, the step-count key, default steps, its settings)
+MODELS = {
+    "ddp": (REPO / "examples" / "plain_loop.py", "worker.max_steps", 3000, []),
+    "fsdp2": (REPO / "examples" / "fsdp2.py", "train.max_steps", 400, SMALL_GPT),
+    "hsdp": (REPO / "examples" / "fsdp2.py", "train.max_steps", 400, [*SMALL_GPT, "fsdp.replicas=2"]),
+}
 
 
 def _free_port() -> int:
@@ -56,7 +73,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _agent(run: Path, name: str, endpoint: str, job: str, nnodes: str, settings: list[str]) -> subprocess.Popen:
+def _agent(
+    run: Path, name: str, endpoint: str, job: str, nnodes: str, settings: list[str], script: Path
+) -> subprocess.Popen:
     sets = [x for s in settings for x in ("--set", s)]
     cmd = [
         *trainguard_cmd(),
@@ -75,7 +94,7 @@ def _agent(run: Path, name: str, endpoint: str, job: str, nnodes: str, settings:
         CONF,
         "--run-dir",
         str(run),
-        str(SCRIPT),
+        str(script),
         *sets,
     ]
     return subprocess.Popen(cmd, stdout=open(f"{run}.{name}.log", "ab"), stderr=subprocess.STDOUT, cwd=REPO)
@@ -113,22 +132,28 @@ def _wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def trial(run: Path, steps: int, arm: str, seed: int, node_timeout: float) -> dict:
+def _settings(model: str, steps: int) -> tuple[Path, list[str]]:
+    """``model``'s script and its settings for ``steps`` steps (one checkpoint every 50)."""
+    script, key, _, own = MODELS[model]
+    return script, [f"{key}={steps}", "checkpoint.interval=50", "launcher.spares=0", *own]
+
+
+def trial(run: Path, model: str, steps: int, arm: str, seed: int, node_timeout: float) -> dict:
     """One launch that loses a node at a seeded random moment; its measurements."""
     rng = random.Random(seed)
     port = _free_port()
     endpoint, job = f"127.0.0.1:{port}", uuid.uuid4().hex[:8]
-    settings = [f"worker.max_steps={steps}", "checkpoint.interval=50", "launcher.spares=0"]
+    script, settings = _settings(model, steps)
     settings += (
         ["recovery.in_process=true", f"recovery.node_timeout={node_timeout}"]
         if arm == "spare node"
         else ["recovery.in_process=false"]
     )
-    agents = [_agent(run, f"node{n}", endpoint, job, "2:3", settings) for n in range(2)]
+    agents = [_agent(run, f"node{n}", endpoint, job, "2:3", settings, script) for n in range(2)]
     try:
         _wait(lambda: sum(e["kind"] == "workers_started" for e in run_events(run)) >= 2, 300, "both nodes started")
         if arm == "spare node":
-            agents.append(_agent(run, "spare", endpoint, job, "2:3", settings))
+            agents.append(_agent(run, "spare", endpoint, job, "2:3", settings, script))
             _wait(lambda: any(e["kind"] == "spare_node_waiting" for e in run_events(run)), 300, "a spare node is ready")
         kill_step = _printed_step(run) + rng.randint(20, 200)  # a random step once the spare node is hot
         if kill_step >= steps:
@@ -141,7 +166,7 @@ def trial(run: Path, steps: int, arm: str, seed: int, node_timeout: float) -> di
         printed, killed_at = _printed_step(run), time.time()
         _kill_tree(agents[1 - leader])
         if arm == "group restart":  # the scheduler's replacement for the lost node
-            agents.append(_agent(run, "renode", endpoint, job, "2:3", settings))
+            agents.append(_agent(run, "renode", endpoint, job, "2:3", settings, script))
         codes = [agents[i].wait(timeout=600) for i in range(len(agents)) if i != 1 - leader]
     finally:
         for a in agents:
@@ -150,6 +175,11 @@ def trial(run: Path, steps: int, arm: str, seed: int, node_timeout: float) -> di
     ev = run_events(run)
     in_process, again, redone = kill_outcome(ev, killed_at, printed, last=True)
     moved = [e["details"] for e in ev if e["kind"] == "state_transferred"]
+    moved += [  # a sharded model's rollback: the copies its replacements received
+        {"bytes": e["details"]["bytes"], "seconds": float("nan")}
+        for e in ev
+        if e["kind"] == "snapshot_restored" and e["details"]["from_step"] is None
+    ]
     rate = moved[0]["bytes"] / moved[0]["seconds"] if moved and moved[0]["seconds"] > 0 else float("nan")
     return {
         "codes": codes,
@@ -201,61 +231,82 @@ def mirror_cost(size: int, calls: int = 2000) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=5, help="node losses per arm")
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default: ddp 3000, fsdp2 and hsdp 400)")
+    p.add_argument("--models", default="ddp,fsdp2,hsdp", help="comma-separated: ddp, fsdp2, hsdp")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--node-timeout", type=float, default=1.0, help="[recovery] node_timeout of the spare-node arm")
-    p.add_argument("--smoke", action="store_true", help="one trial per arm, 1000 steps")
+    p.add_argument("--smoke", action="store_true", help="ddp only, one trial per arm, 1000 steps")
     args = p.parse_args()
+    models = ["ddp"] if args.smoke else args.models.split(",")
     if args.smoke:
         args.trials, args.steps = 1, 1000
     base = Path(tempfile.mkdtemp(prefix="node-loss-"))
-    clean = base / "clean"
-    port = _free_port()
-    settings = [f"worker.max_steps={args.steps}", "checkpoint.interval=50", "launcher.spares=0"]
-    pair = [_agent(clean, f"node{n}", f"127.0.0.1:{port}", "clean", "2", settings) for n in range(2)]
-    if [a.wait(timeout=900) for a in pair] != [0, 0]:
-        print(f"the uninterrupted run failed: {clean}.*.log", file=sys.stderr)
-        return 1
-    want = final_hash(clean)
-    rows = []
-    for arm in ("spare node", "group restart"):
-        results = [
-            trial(base / f"{arm.replace(' ', '-')}-{i}", args.steps, arm, args.seed * 1000 + i, args.node_timeout)
-            for i in range(args.trials)
-        ]
-        rows.append((arm, results))
-    failed = any(c != 0 for _, rs in rows for r in rs for c in r["codes"])
-    base_again = statistics.median(r["again"] for r in rows[1][1])
-    print(
-        f"\nREADME plain loop (examples/plain_loop.py), 2 nodes × 2 ranks on loopback, {args.steps} steps, "
-        "the non-leading node's launcher SIGKILLed with its ranks at a random moment"
-    )
-    print(
-        "| arm | trials | in-process | bitwise | completed steps redone (median) | kill → training again (median s) | vs restart |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for arm, results in rows:
-        n = len(results)
-        again = statistics.median(r["again"] for r in results)
-        print(
-            f"| {arm} | {n} | {sum(r['in_process'] for r in results)}/{n} | {sum(r['hash'] == want for r in results)}/{n} "
-            f"| {statistics.median(r['redone'] for r in results):g} | {again:.2f} | {again / base_again:.3f}× |"
-        )
-    rates = [r["rate"] for r in rows[0][1] if r["rate"] == r["rate"]]
+    failed = False
+    for model in models:
+        steps = args.steps or MODELS[model][2]
+        clean = base / f"{model}-clean"
+        port = _free_port()
+        script, settings = _settings(model, steps)
+        pair = [_agent(clean, f"node{n}", f"127.0.0.1:{port}", "clean", "2", settings, script) for n in range(2)]
+        if [a.wait(timeout=900) for a in pair] != [0, 0]:
+            print(f"the uninterrupted run failed: {clean}.*.log", file=sys.stderr)
+            return 1
+        want = final_hash(clean)
+        rows = []
+        for arm in ("spare node", "group restart"):
+            results = [
+                trial(
+                    base / f"{model}-{arm.replace(' ', '-')}-{i}",
+                    model,
+                    steps,
+                    arm,
+                    args.seed * 1000 + i,
+                    args.node_timeout,
+                )
+                for i in range(args.trials)
+            ]
+            rows.append((arm, results))
+        failed |= any(c != 0 for _, rs in rows for r in rs for c in r["codes"])
+        _table(model, MODELS[model][0], steps, rows, want)
     loop = loopback_bandwidth()
-    if rates:
-        rate = statistics.median(rates)
-        print(
-            f"\nstate transfer: {rows[0][1][0]['moved']} bytes at {rate / 1e6:.1f} MB/s against the loopback's "
-            f"{loop / 1e6:.0f} MB/s ({rate / loop:.4f}×; a tiny model: the transfer is latency, not bandwidth)"
-        )
+    print(f"\nloopback: one TCP stream {loop / 1e6:.0f} MB/s (the limit of a peer transfer)")
     boundary_bytes = 25_000
     print(
         f"boundary copy per step: {mirror_cost(boundary_bytes):.0f} µs for a {boundary_bytes}-byte slot into the recovery store "
         f"on loopback (paid on the nodes a spare node may replace)"
     )
-    print(f"goal (spare node): every trial in-process and bitwise, kill → training again ≤ 2 s; runs in {base}")
+    print(
+        "goal (spare node): every trial in-process and bitwise; ddp: kill → training again ≤ 2 s; "
+        f"fsdp2: at most 10 completed steps redone; hsdp: none; runs in {base}"
+    )
     return 1 if failed else 0
+
+
+def _table(model: str, script: Path, steps: int, rows: list, want: str | None) -> None:
+    """One model's table: each arm's trials, and the spare node's state transfer."""
+    base_again = statistics.median(r["again"] for r in rows[1][1])
+    print(
+        f"\n{model}: {script.relative_to(REPO)}, 2 nodes × 2 ranks on loopback, {steps} steps, "
+        "the non-leading node's launcher SIGKILLed with its ranks at a random moment"
+    )
+    print(
+        "| arm | trials | in-process | bitwise | completed steps redone (median, max) | kill → training again (median s) | vs restart |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for arm, results in rows:
+        n = len(results)
+        again = statistics.median(r["again"] for r in results)
+        redone = [r["redone"] for r in results]
+        print(
+            f"| {arm} | {n} | {sum(r['in_process'] for r in results)}/{n} | {sum(r['hash'] == want for r in results)}/{n} "
+            f"| {statistics.median(redone):g}, {max(redone)} | {again:.2f} | {again / base_again:.3f}× |"
+        )
+    rates = [r["rate"] for r in rows[0][1] if r["rate"] == r["rate"]]
+    moved = rows[0][1][0]["moved"]
+    if rates:
+        print(f"state transfer: {moved} bytes at {statistics.median(rates) / 1e6:.1f} MB/s")
+    elif moved:
+        print(f"state transfer: {moved} bytes per lost rank (snapshot copies, sent while training)")
 
 
 if __name__ == "__main__":

@@ -47,12 +47,13 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "plain_loop_kills.py": ([], ["README plain loop", "| in-process | 1 | 1/1 | 1/1", "| restart |"]),
     "node_loss.py": (
         [],
-        ["README plain loop", "| spare node | 1 | 1/1 | 1/1", "| group restart |", "boundary copy per step"],
+        ["ddp: examples/plain_loop.py", "| spare node | 1 | 1/1 | 1/1", "| group restart |", "boundary copy per step"],
     ),
     "inprocess_overhead.py": ([], ["steady-state step time with in-process recovery", "| on, warm spare", "overhead"]),
     "membership_scale.py": ([], ["membership decisions at scale", " 4096 ", "flat in the world size: met"]),
     "sdc_overhead.py": ([], ["SDC replica check vs a training step", "default interval (100)"]),
     "boundary_keep.py": ([], ["one step boundary kept", "share of a 30 ms step"]),
+    "snapshot_stall.py": ([], ["a sharded model's snapshot vs the asynchronous save", "| snapshot |", "loopback"]),
     "per_step_cost.py": ([], ["trainguard's cost per step", "own collectives / step", "load average"]),
     # one framework (the Hugging Face path runs in tests/test_hf.py)
     "framework_overhead.py": (["--frameworks", "lightning"], ["framework callback step overhead", "| lightning |"]),

@@ -301,6 +301,28 @@ def test_a_lost_node_replaced_by_a_spare_node_is_an_in_process_incident():
     assert report["failure_recovery"]["in_process"]["count"] == 1
 
 
+def test_a_sharded_models_rollback_to_its_snapshot_counts_the_steps_trained_again():
+    """FSDP2: rank 1 lost in step 38 (37 completed); every rank rolls back to the snapshot of step
+    30, the replacement's shard from rank 0's copy: the incident is in-process, resumed at 30, with
+    7 steps lost, and says where the shard came from."""
+    log = [
+        ev(0, "launch", rank=None),
+        ev(1, "workers_started", rank=None, restart=0),
+        ev(10, "start", 0, first_step=0, resumed_from=None),
+        ev(35, "workers_failed", rank=None, exit_codes={"1": -9}),
+        ev(35, "recovery_started", rank=None, generation=1, ranks=[1], warm=[1]),
+        ev(35.4, "snapshot_restored", 30, rank=0, source="own memory", bytes=0, from_step=37),
+        ev(35.4, "snapshot_restored", 30, rank=1, source="rank 0's memory", bytes=4096, from_step=None),
+        ev(35.5, "recovery_finished", 30, generation=1, replaced=[1], seconds=0.5, steps_lost=7, redo_step=None),
+        ev(60, "end", 60, state_sha256="x"),
+        ev(61, "launch_exit", rank=None, code=0, reason="finished", seconds=61),
+    ]
+    report = build_report(log)
+    (inc,) = report["incidents"]
+    assert inc["in_process"] and inc["resumed_from_step"] == 30 and inc["steps_lost"] == 7, inc
+    assert "snapshot of step 30, rank 1's shard from rank 0's memory" in inc["reason"]
+
+
 def test_in_process_recovery_is_counted_apart_from_group_restarts():
     """A rank killed at step 25 and replaced in-process (the segment goes on, nothing is redone),
     then a kill recovered by a group restart from step 40's checkpoint."""

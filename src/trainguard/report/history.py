@@ -297,8 +297,9 @@ class RunHistory:
 
     def _on_recovery_finished(self, e: dict, d: dict) -> None:
         """A survivor trains again: the in-process incident's recovery (the first survivor's event).
-        Its step is the survivors' last completed step when the peer was lost (exact, where the
-        failure's own step was estimated from the time): nothing completed is trained again."""
+        Its step plus its ``steps_lost`` is the survivors' last completed step when the peer was lost
+        (exact, where the failure's own step was estimated from the time); training resumes at its
+        step: the same step (nothing completed trained again), or a sharded model's snapshot."""
         for inc in reversed(self.incidents):
             if (
                 inc.in_process
@@ -306,8 +307,18 @@ class RunHistory:
                 and inc.kind in ("rank_killed", "rank_crashed", "rank_withdrawn", "hang", "node_lost")
             ):
                 inc.recovered_at, inc.resumed_step = e["time"], float(e["step"])
-                inc.step, inc.step_estimated = float(e["step"]), False
+                inc.step, inc.step_estimated = float(e["step"] + (number(d.get("steps_lost")) or 0)), False
                 self._add_point(e, e["time"], e["step"])
+                return
+
+    def _on_snapshot_restored(self, e: dict, d: dict) -> None:
+        """A sharded model's replacement took its shard from a peer's snapshot copy: said in the
+        recovering incident's reason (once)."""
+        if d.get("from_step") is not None:
+            return
+        for inc in reversed(self.incidents):
+            if inc.in_process and "snapshot" not in inc.reason:
+                inc.reason += f"; rolled back to the snapshot of step {e['step']}, rank {e.get('rank')}'s shard from {d.get('source')}"
                 return
 
     def _on_membership_change(self, e: dict, d: dict) -> None:
