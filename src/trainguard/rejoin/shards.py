@@ -23,6 +23,7 @@ still be on its way when a peer is lost, and the one before is then the common o
 from __future__ import annotations
 
 import copy
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -31,7 +32,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.io import apply_state, model_optim_state
 from ..checkpoint.local import deserialize, serialize
 from ..checkpoint.snapshot import Snapshot, copy_pairs
 
@@ -39,21 +39,23 @@ KEEP = 2  # snapshots (and copies held) kept per rank: the buffers of two snapsh
 
 
 def shard_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
-    """This rank's model and optimizer state (:func:`~trainguard.checkpoint.io.model_optim_state`:
-    the live tensors, DTensors as shards). An optimizer that has not stepped yet is left out
-    (``"optim"`` absent): ``get_state_dict`` would initialise its state with a zero-gradient
-    ``step()``, which changes its step count and so the training that follows."""
-    return model_optim_state(model, optimizer if optimizer is not None and optimizer.state else None)
+    """This rank's model and optimizer state as the modules give it (``state_dict()``: the live
+    tensors, DTensors as this rank's shards; the optimizer's keyed by parameter index). Read back
+    only by the same script's model and optimizer (this process, a replacement, a replica), so
+    the fully-qualified-name form of ``get_state_dict`` is not needed: it costs milliseconds per
+    call, and on an optimizer that has not stepped yet it initialises the state with a
+    zero-gradient ``step()``, which changes the training that follows."""
+    state: dict[str, Any] = {"model": model.state_dict()}
+    if optimizer is not None:
+        state["optim"] = optimizer.state_dict()
+    return state
 
 
 def load_shard_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], state: dict[str, Any]) -> None:
-    """Load :func:`shard_state`'s ``state``; without ``"optim"`` the optimizer goes back to not
-    having stepped (its state emptied)."""
-    if optimizer is not None and "optim" not in state:
-        optimizer.state.clear()
-        apply_state(model, None, state)
-    else:
-        apply_state(model, optimizer, state)
+    """Load :func:`shard_state`'s ``state`` into the live model and optimizer (copied in)."""
+    model.load_state_dict(state["model"])
+    if optimizer is not None:  # its state replaced whole: none if it had not stepped at the snapshot
+        optimizer.load_state_dict(state["optim"])
 
 
 def holder_of(rank: int, world_size: int, local_world_size: int) -> int:
@@ -151,7 +153,10 @@ class ShardSnapshots:
         self._lock = threading.Lock()
         self._copied = threading.Event()
         self._copied.set()
-        self._thread: Optional[threading.Thread] = None
+        self._jobs: Optional[queue.Queue] = None  # the background worker's snapshots to copy and send
+        self._done = threading.Event()  # the worker finished the snapshot in flight
+        self._done.set()
+        self._ptrs: Optional[tuple[int, set[int]]] = None  # (optimizer state tensors, their shards' addresses)
         self._error: Optional[BaseException] = None
         self._epoch = 0  # bumped by regroup: a thread of an older group changes nothing
         if optimizer is not None:
@@ -175,7 +180,9 @@ class ShardSnapshots:
             self._epoch += 1
             self.own.clear()
             self.held.clear()
-            self._thread, self._error = None, None
+            self._jobs, self._error, self._ptrs = None, None, None  # a worker still in an old exchange is left behind
+            self._done = threading.Event()
+            self._done.set()
         self.group = dist.new_group(backend="gloo")
 
     def take(self, step: int, train_state: dict) -> None:
@@ -192,11 +199,23 @@ class ShardSnapshots:
         self.own[step] = own
         for old in sorted(self.own)[:-KEEP]:
             del self.own[old]
+        if self._jobs is None:  # one worker per group (a daemon: it must not hold the exit in a transfer)
+            self._jobs = queue.Queue()
+            threading.Thread(
+                target=self._work, args=(self._jobs, self._done), name="trainguard-snapshot", daemon=True
+            ).start()
         self._copied = threading.Event()
-        self._thread = threading.Thread(
-            target=self._copy_and_send, args=(self._epoch, step, own, deferred), name="trainguard-snapshot", daemon=True
-        )
-        self._thread.start()
+        self._done.clear()
+        self._jobs.put((self._epoch, step, own, deferred))
+
+    def _work(self, jobs: queue.Queue, done: threading.Event) -> None:
+        """The background worker: each snapshot's copy and exchange, in turn."""
+        while True:
+            job = jobs.get()
+            try:
+                self._copy_and_send(*job)
+            finally:
+                done.set()
 
     def _in_step(self) -> Callable[[torch.Tensor], bool]:
         """Whether a tensor (by storage address) is a parameter's or an optimizer state's shard:
@@ -204,9 +223,11 @@ class ShardSnapshots:
         opt = self.optimizer
         if opt is None:
             return lambda t: False
-        local = [p for g in opt.param_groups for p in g["params"]]
-        local += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        ptrs = {(t.to_local() if hasattr(t, "to_local") else t).data_ptr() for t in local}
+        states = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        if self._ptrs is None or self._ptrs[0] != len(states):  # kept until the states change (a restore)
+            local = [p for g in opt.param_groups for p in g["params"]] + states
+            self._ptrs = (len(states), {(t.to_local() if hasattr(t, "to_local") else t).data_ptr() for t in local})
+        ptrs = self._ptrs[1]
         return lambda t: t.numel() > 0 and t.data_ptr() in ptrs
 
     def _copy_and_send(self, epoch: int, step: int, own: _Own, deferred: list) -> None:
@@ -253,9 +274,7 @@ class ShardSnapshots:
         Raises:
             the exchange's error: a peer is gone.
         """
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._done.wait()
         with self._lock:
             error, self._error = self._error, None
         if error is not None:
@@ -285,4 +304,5 @@ class ShardSnapshots:
             state = deserialize(blob)
             train_state = state.pop("rank")
         load_shard_state(self.model, self.optimizer, state)
+        self._ptrs = None  # the optimizer's states may be new tensors
         return copy.deepcopy(train_state)
