@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from conftest import wait_for
@@ -12,6 +13,7 @@ from trainguard.launcher.nodes import ActiveNode, Assignment, Beat, NodeRegistry
 from trainguard.rejoin import boundary
 from trainguard.rejoin.auth import Seal
 from trainguard.rejoin.protocol import RecoveryStore, connect, serve
+from trainguard.rejoin.rank import lost_boundaries
 
 SEAL = Seal(b"k" * 32)
 
@@ -86,3 +88,22 @@ def test_a_mirrored_boundary_reads_back_as_the_files_do(tmp_path):
         assert mirrored[step]["sampler"] == files[step]["sampler"] == {"pos": step * 4}
         assert torch.equal(mirrored[step]["rng"], torch.arange(step))
     assert boundary.parse_slot(None) is None and boundary.parse_slot(b"short") is None
+
+
+def test_a_replacement_reads_its_lost_ranks_file_else_the_store_copy(tmp_path):
+    """What a replacement (the Guard's, or the HF Trainer's join) reads: the lost rank's file on
+    this node; on another node (no file) the copy in the recovery store; neither: refused."""
+    server = serve()
+    store = RecoveryStore(connect("127.0.0.1", server.port), 1, SEAL)
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    kept = boundary.BoundaryState(here, 2, lambda slot, data: store.mirror_boundary(2, slot, data))
+    for step in (4, 5):
+        kept.keep({"step": step, "sampler": {"pos": step}})
+    from_file, source = lost_boundaries(here, 2, store)
+    assert source == "file" and sorted(from_file) == [4, 5]
+    from_store, source = lost_boundaries(elsewhere, 2, store)
+    assert source == "recovery store" and from_store[5]["sampler"] == {"pos": 5}
+    with pytest.raises(FileNotFoundError, match="no step boundary of rank 3"):
+        lost_boundaries(elsewhere, 3, store)

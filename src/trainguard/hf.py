@@ -74,9 +74,9 @@ from .guard import Guard
 from .instability import fold
 from .launch_env import LaunchEnv
 from .outcomes import BadInput
-from .rejoin import boundary as rejoin_boundary
 from .rejoin.auth import Seal
 from .rejoin.protocol import RecoveryStore, connect, parse_address
+from .rejoin.rank import lost_boundaries
 from .state.determinism import capture_rng, restore_rng
 
 try:
@@ -132,7 +132,8 @@ def join_checkpoint(config: Config, launch: LaunchEnv, newest: Optional[Checkpoi
     (``rng_state_{rank}.pth``) before any callback runs. The directory,
     ``RUN_DIR/.hf-join/rank-N``, holds the newest committed checkpoint's files (hard links) with
     those two written for the survivors' step (read from the recovery store) and the lost rank's
-    generators at that step boundary (its boundary file). The model, optimizer and scheduler the
+    generators at that step boundary (its boundary file, or the copy in the recovery store when a
+    spare node replaced its node). The model, optimizer and scheduler the
     Trainer loads from it are the checkpoint's; the Guard replaces them with the survivors' when
     it joins them (``on_train_begin``). The directory is removed after the first step.
 
@@ -149,7 +150,7 @@ def join_checkpoint(config: Config, launch: LaunchEnv, newest: Optional[Checkpoi
     step = store.survivors_step(launch.join, config.recovery.timeout)
     if step is None:
         raise RuntimeError(f"the survivors did not say their step within {config.recovery.timeout} s")
-    kept = rejoin_boundary.read(Path(launch.recovery_dir), rank)
+    kept, _ = lost_boundaries(Path(launch.recovery_dir), rank, store)  # its node's file, else the store's copy
     if step not in kept:
         raise RuntimeError(f"rank {rank} kept no state of step {step} (it kept {sorted(kept)})")
     directory = Path(config.run.dir) / ".hf-join" / f"rank-{rank}"

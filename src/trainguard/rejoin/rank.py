@@ -27,6 +27,26 @@ from .protocol import Forged, Generation, RecoveryStore, connect, is_peer_failur
 LOCAL_PARTS = ("sampler", "extra", "rng")
 
 
+def lost_boundaries(directory: Any, rank: int, store: RecoveryStore) -> tuple[dict[int, dict[str, Any]], str]:
+    """A replacement: the boundaries the lost rank ``rank`` kept, ``{step: state}``, and where
+    they came from: its file in ``directory`` on this node (``"file"``), else the copy in the
+    recovery store (``"recovery store"``: its node was lost; :class:`~.boundary.BoundaryState` ``mirror``).
+
+    Raises:
+        FileNotFoundError: neither holds a boundary of that rank.
+    """
+    try:
+        return read_boundaries(directory, rank), "file"
+    except FileNotFoundError:
+        found = [parse_slot(store.mirrored_boundary(rank, slot)) for slot in (0, 1)]
+        kept = dict(f for f in found if f is not None)
+        if not kept:
+            raise FileNotFoundError(
+                f"no step boundary of rank {rank} in {directory} nor in the recovery store"
+            ) from None
+        return kept, "recovery store"
+
+
 @dataclass
 class PeerFailure:
     """A lost peer noticed in the current step.
@@ -110,23 +130,8 @@ class Rejoin:
         self.store.mirror_boundary(self.rank, slot, data)
 
     def lost_boundaries(self, rank: int) -> tuple[dict[int, dict[str, Any]], str]:
-        """A replacement: the boundaries the lost rank ``rank`` kept, ``{step: state}``, and where
-        they came from: its file on this node (``"file"``), else the copy in the recovery store
-        (``"recovery store"``: its node was lost; :class:`~.boundary.BoundaryState` ``mirror``).
-
-        Raises:
-            FileNotFoundError: neither holds a boundary of that rank.
-        """
-        try:
-            return read_boundaries(self.dir, rank), "file"
-        except FileNotFoundError:
-            found = [parse_slot(self.store.mirrored_boundary(rank, slot)) for slot in (0, 1)]
-            kept = dict(f for f in found if f is not None)
-            if not kept:
-                raise FileNotFoundError(
-                    f"no step boundary of rank {rank} in {self.dir} nor in the recovery store"
-                ) from None
-            return kept, "recovery store"
+        """A replacement: the boundaries the lost rank ``rank`` kept (:func:`lost_boundaries`)."""
+        return lost_boundaries(self.dir, rank, self.store)
 
     def caught(self, exc: BaseException, during: str, step: int) -> bool:
         """Whether ``exc`` is a lost peer that recovery handles (then it is recorded for
