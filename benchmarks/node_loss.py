@@ -24,8 +24,9 @@ random fraction of a step:
   the lost node at once (the scheduler's replacement node) and the group restarts from the newest
   checkpoint (the baseline; torch's c10d rendezvous waits for the dead node's keep-alive to expire).
 
-torchrun's restart of the same job is not run here: its path is the group restart's (same torch
-elastic agent and rendezvous), plus the script's own resume.
+* ``torchrun``: the same as the group restart under ``python -m torch.distributed.run --nnodes 2:3
+  --max-restarts 3`` (c10d rendezvous, the same endpoint settings), the script's Guard resuming
+  from its checkpoints (``run.dir``); ``ddp`` only (``--torchrun``, default on).
 
 For each trial: in-process (no group restart, no fallback), bitwise (final hash equal to the
 uninterrupted run's), completed steps trained again, kill → training again (the kill to the last
@@ -74,9 +75,21 @@ def _free_port() -> int:
 
 
 def _agent(
-    run: Path, name: str, endpoint: str, job: str, nnodes: str, settings: list[str], script: Path
+    run: Path,
+    name: str,
+    endpoint: str,
+    job: str,
+    nnodes: str,
+    settings: list[str],
+    script: Path,
+    torchrun: bool = False,
 ) -> subprocess.Popen:
     sets = [x for s in settings for x in ("--set", s)]
+    if torchrun:  # torch's own launcher: the Guard finds its run directory in the config
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2"]
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--rdzv-conf", CONF]
+        cmd += ["--max-restarts", "3", str(script), *sets, "--set", f"run.dir={run}"]
+        return subprocess.Popen(cmd, stdout=open(f"{run}.{name}.log", "ab"), stderr=subprocess.STDOUT, cwd=REPO)
     cmd = [
         *trainguard_cmd(),
         "run",
@@ -149,7 +162,8 @@ def trial(run: Path, model: str, steps: int, arm: str, seed: int, node_timeout: 
         if arm == "spare node"
         else ["recovery.in_process=false"]
     )
-    agents = [_agent(run, f"node{n}", endpoint, job, "2:3", settings, script) for n in range(2)]
+    torchrun = arm == "torchrun"
+    agents = [_agent(run, f"node{n}", endpoint, job, "2:3", settings, script, torchrun) for n in range(2)]
     try:
         _wait(lambda: sum(e["kind"] == "workers_started" for e in run_events(run)) >= 2, 300, "both nodes started")
         if arm == "spare node":
@@ -165,8 +179,8 @@ def trial(run: Path, model: str, steps: int, arm: str, seed: int, node_timeout: 
         leader = next(i for i in range(2) if _leads(agents[i].pid, port))
         printed, killed_at = _printed_step(run), time.time()
         _kill_tree(agents[1 - leader])
-        if arm == "group restart":  # the scheduler's replacement for the lost node
-            agents.append(_agent(run, "renode", endpoint, job, "2:3", settings, script))
+        if arm != "spare node":  # the scheduler's replacement for the lost node
+            agents.append(_agent(run, "renode", endpoint, job, "2:3", settings, script, torchrun))
         codes = [agents[i].wait(timeout=600) for i in range(len(agents)) if i != 1 - leader]
     finally:
         for a in agents:
@@ -184,12 +198,18 @@ def trial(run: Path, model: str, steps: int, arm: str, seed: int, node_timeout: 
     return {
         "codes": codes,
         "in_process": in_process,
-        "hash": final_hash(run),
+        "hash": final_hash(run) or _ended_hash(ev),
         "again": again,
         "redone": redone,
         "rate": rate,
         "moved": moved[0]["bytes"] if moved else 0,
     }
+
+
+def _ended_hash(events: list[dict]) -> str | None:
+    """The state hash of the run's last ``end`` event (under torchrun no launcher writes ``launch_exit``)."""
+    ends = [e for e in events if e["kind"] == "end"]
+    return ends[-1]["details"].get("state_sha256") if ends else None
 
 
 def loopback_bandwidth(nbytes: int = 256 << 20) -> float:
@@ -235,7 +255,8 @@ def main() -> int:
     p.add_argument("--models", default="ddp,fsdp2,hsdp", help="comma-separated: ddp, fsdp2, hsdp")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--node-timeout", type=float, default=1.0, help="[recovery] node_timeout of the spare-node arm")
-    p.add_argument("--smoke", action="store_true", help="ddp only, one trial per arm, 1000 steps")
+    p.add_argument("--smoke", action="store_true", help="ddp only, one trial per arm, 1000 steps, no torchrun arm")
+    p.add_argument("--no-torchrun", dest="torchrun", action="store_false", help="leave out the ddp torchrun arm")
     args = p.parse_args()
     models = ["ddp"] if args.smoke else args.models.split(",")
     if args.smoke:
@@ -253,7 +274,10 @@ def main() -> int:
             return 1
         want = final_hash(clean)
         rows = []
-        for arm in ("spare node", "group restart"):
+        arms = ["spare node", "group restart"] + (
+            ["torchrun"] if model == "ddp" and args.torchrun and not args.smoke else []
+        )
+        for arm in arms:
             results = [
                 trial(
                     base / f"{model}-{arm.replace(' ', '-')}-{i}",

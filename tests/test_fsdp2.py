@@ -86,7 +86,7 @@ def test_fsdp2_rank_killed_at_a_random_moment_rolls_back_in_memory_bitwise(tmp_p
 
 
 @pytest.mark.soak
-@pytest.mark.parametrize("seed", [21, 22, 23, 24])
+@pytest.mark.parametrize("seed", [21, 24])
 def test_fsdp2_campaign_of_kills_at_random_moments(tmp_path, fsdp2_clean_hash, seed):
     """More seeded moments of the test above (scripts/test_soak.sh)."""
     run = tmp_path / "run"

@@ -45,6 +45,7 @@ def test_rank0_evaluation_longer_than_the_step_timeout_is_slow_not_hung(tmp_path
     assert not events(run, "resume_not_bitwise")
 
 
+@pytest.mark.soak  # 17 s; a SIGSTOPped rank is also caught in the suite (test_supervisor.py); CI runs this in the soak step
 def test_sigstop_hang_in_the_same_script_is_caught_within_the_learned_timeout(tmp_path):
     """Rank 1 SIGSTOPs itself at step 25 (after the step timeout was learned, before any evaluation):
     found hung within the learned timeout + 1 s, the group restarts, resumes bitwise-cleanly (no

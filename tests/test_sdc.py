@@ -295,6 +295,7 @@ def test_a_persistent_flip_with_replace_hands_the_rank_to_a_spare(tmp_path, clea
     assert final_hash(run) == clean3
 
 
+@pytest.mark.soak  # 18 s on 2 cores: the README suite keeps its 15 minutes; CI runs it in the soak step
 def test_a_bad_batch_on_every_rank_is_data_not_a_corruption(tmp_path):
     """NaN loss and gradients in step 30 on both ranks, again when the step is done again (a bad
     batch: ``persistent``): the re-run of step 30 computes the same on every rank, so it is data;
@@ -315,6 +316,7 @@ def test_a_bad_batch_on_every_rank_is_data_not_a_corruption(tmp_path):
     assert not events(run, "sdc_mismatch")
 
 
+@pytest.mark.soak  # 22 s on 2 cores: the README suite keeps its 15 minutes; CI runs it in the soak step
 def test_a_flipped_bit_in_an_activation_is_transient_and_the_rerun_is_used(tmp_path, clean3):
     """An exponent bit of rank 1's model output (its loss) flips in the first forward of step 65:
     the loss spikes (× 2^64). Re-run from its inputs, the step computes what a clean run does:

@@ -178,6 +178,7 @@ class Guard:
         self.ping: Optional[health.LivenessPing] = None
         self.rejoin: Optional[Rejoin] = None
         self.step_start: Optional[StepStart] = None
+        self._ran_step: Optional[bool] = False  # run_step called in the first step (None once checked)
         self.inprocess: Optional[InProcess] = None
         self.hosts: list[str] = []
         self._step_seconds = 0.0
@@ -613,6 +614,8 @@ class Guard:
             BadInput: a batch that cannot be split, a micro-batch size larger than the batch.
             GiveUp: out of memory at micro-batch size 1.
         """
+        if self._ran_step is not None:
+            self._ran_step = True
         with self._edge():
             try:
                 return self.micro.run(self.step + 1, step_fn, batch, backward)
@@ -638,6 +641,9 @@ class Guard:
 
     def _step_end(self, loss: Any) -> None:
         self._awaiting_step_end = False
+        if self._ran_step is not None:  # the first step: does this loop call run_step? (said once)
+            self.inprocess.say_if_outside_run_step(self._ran_step)
+            self._ran_step = None
         self.recovery.step_closed()
         if self.rejoin.failure is not None and not (self.step_start and self.step_start.applied):
             self._recover(redo=True)  # a peer was lost before this step's update: steps() yields it again

@@ -215,6 +215,16 @@ class InProcess:
         if now or self.shards.due(step):
             self.shards.take(step, self.train_state.state_dict())
 
+    def say_if_outside_run_step(self, ran: bool) -> None:
+        """After the first step, on rank 0, once: a sharded model's loop that does not call
+        ``guard.run_step`` runs FSDP's collectives where no lost peer is caught."""
+        if self.shards is not None and not ran and tgdist.rank() == 0:
+            console.say(
+                "in-process recovery of a sharded model catches a lost peer inside guard.run_step; this loop runs "
+                "its forward and backward outside it, so a rank lost there ends its peers and the group restarts "
+                "from the newest checkpoint (docs/recovery.md: Sharded models)"
+            )
+
     def close_snapshots(self) -> None:
         """At the end of training: wait for the last snapshot's copy (its thread must not be left in
         a transfer at exit). A lost peer there is not recovered: no step follows to need it."""
