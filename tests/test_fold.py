@@ -79,8 +79,17 @@ def _run(shape: str) -> list:
 
     out = mp.get_context("spawn").Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(tmp, shape, out), nprocs=2, start_method="spawn")
+        workers = mp.start_processes(_worker, args=(tmp, shape, out), nprocs=2, start_method="spawn", join=False)
         results = dict(out.get(timeout=60) for _ in range(2))
+        try:
+            while not workers.join():
+                pass
+        except mp.ProcessExitedException as e:
+            # the suite once saw a worker abort in its exit, after its results were in ("terminate
+            # called without an active exception" from gloo's teardown on loaded cores): not what
+            # this test is about; any other death of a worker fails it
+            if e.signal_name != "SIGABRT":
+                raise
     assert str(results[0]) == str(results[1]), "every rank decides alike"  # (str: NaN equals NaN)
     return results[0]
 

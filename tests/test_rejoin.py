@@ -448,10 +448,12 @@ def test_hung_rank_is_killed_by_the_supervisor_and_replaced_in_process(tmp_path,
 
 
 def test_models_that_cannot_be_rebound_are_refused_before_recovery(tmp_path):
-    """A DTensor (FSDP2) model or a DDP communication hook: RegroupError before any rank waits for
-    a generation (the rank exits and the launcher restarts the group)."""
+    """DTensor parameters FSDP2 does not manage (tensor parallelism) or a DDP communication hook:
+    RegroupError before any rank waits for a generation (the rank exits and the launcher restarts
+    the group). An FSDP2 model is re-bound (tests/test_fsdp2.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -461,8 +463,11 @@ def test_models_that_cannot_be_rebound_are_refused_before_recovery(tmp_path):
         ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())
         with pytest.raises(regroup.RegroupError, match="communication hook"):
             regroup.check_rebindable(ddp)
-        sharded = fully_shard(torch.nn.Linear(4, 2), mesh=init_device_mesh("cpu", (1,)))
-        with pytest.raises(regroup.RegroupError, match="DTensors"):
-            regroup.check_rebindable(sharded)
+        mesh = init_device_mesh("cpu", (1,))
+        regroup.check_rebindable(fully_shard(torch.nn.Linear(4, 2), mesh=mesh))  # FSDP2: fine
+        tp = torch.nn.Linear(4, 2)
+        tp.weight = torch.nn.Parameter(distribute_tensor(tp.weight.detach(), mesh, [Shard(0)]))
+        with pytest.raises(regroup.RegroupError, match="tensor parallelism"):
+            regroup.check_rebindable(tp)
     finally:
         dist.destroy_process_group()

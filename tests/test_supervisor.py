@@ -112,10 +112,11 @@ def test_sigstopped_rank_is_detected_dumped_restarted_and_run_matches_clean(tmp_
     check_recovered(run, code, clean)
     # the group restart resumes from the newest checkpoint the first group committed: the SIGCONT
     # that lets the stopped rank dump its stacks also lets it run for a moment, so step 60's may
-    # still commit; a background save of step 50 still in flight when rank 1 stopped never does
+    # still commit; a background save of step 50 may commit on disk after its event's last chance
+    # (rank 0 reports a commit at a step boundary, and it waits in step 60's collective)
     first = [e["step"] for e in events(run, "checkpoint_committed") if e["attempt"] == 0]
     resumed = events(run, "resume")[-1]["details"]["from_step"]
-    assert resumed == max(first) and resumed >= 40, (resumed, first)
+    assert max(first) <= resumed <= 60 and resumed >= 40, (resumed, first)
 
 
 def test_rank_blocked_before_allreduce_while_peer_waits_inside_it(tmp_path, clean_hash):
