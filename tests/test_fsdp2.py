@@ -74,7 +74,7 @@ def check_rolled_back(run: Path, victim: int, nproc: int) -> None:
     assert set(sources.values()) == {"own memory"}
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # 30 s on 2 cores: the README suite keeps its 15 minutes (the decisions: tests/test_shards.py)
 def test_fsdp2_rank_killed_at_a_random_moment_rolls_back_in_memory_bitwise(tmp_path, fsdp2_clean_hash):
     """Plain FSDP2 on 2 ranks: no replica of the lost shard exists at the current step, so every
     rank rolls back in memory to the newest snapshot they all hold (the lost rank's from the copy

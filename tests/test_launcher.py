@@ -231,6 +231,7 @@ def orphan_command(run: Path, *args: str) -> list[str]:
     ]
 
 
+@pytest.mark.soak  # 21 s on 2 cores: the README suite keeps its 15 minutes; CI runs it in the soak step
 def test_relaunch_is_refused_while_a_rank_of_the_previous_launch_lives(tmp_path):
     run, ready = tmp_path / "run", tmp_path / "orphan.pid"
     with open(f"{run}.log", "ab") as log:
