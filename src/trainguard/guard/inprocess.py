@@ -26,13 +26,13 @@ from ..events import EventLog
 from ..instability.fold import LossFold
 from ..rejoin import regroup, sever, sharded
 from ..rejoin.catch import CATCH, DDPHook
-from ..rejoin.protocol import Generation, is_peer_failure, new_rank
+from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
-from ..rejoin.rollback import from_replicas, roll_back
 from ..rejoin.shards import ShardSnapshots
 from ..rejoin.stepstart import StepStart
 from ..state.reshard import resharded_rank_state
 from ..state.trainstate import TrainState
+from .sharded_recovery import ShardedRecovery
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class InProcess:
         on_ping_failure: given to the new group's liveness ping.
         base_world_size: the world size the run started with (for ``world_size_changed``).
         shards: a sharded model's in-memory snapshots (:mod:`~trainguard.rejoin.shards`): its
-            recovery rolls every rank back to the newest common one instead of redoing the step.
+            recovery goes through :class:`~.sharded_recovery.ShardedRecovery`.
     """
 
     def __init__(
@@ -132,8 +132,9 @@ class InProcess:
         self.train_state, self.events, self.step_start = train_state, events, step_start
         self._renumber, self._regrouped, self._on_ping_failure = renumber, regrouped, on_ping_failure
         self._base_world_size = base_world_size
-        self.shards = shards
-        self.restored: Optional[int] = None  # the snapshot step the last sharded recovery rolled back to
+        self.sharded = (
+            ShardedRecovery(shards, model, optimizer, train_state, rejoin, events, step_start) if shards else None
+        )
         self.backend = tgdist.backend()
         self.ddp_hook: Optional[DDPHook] = None  # trainguard's DDP communication hook
         self.own_state_from: Optional[str] = None  # a replacement: where the lost rank's own state came from
@@ -197,44 +198,30 @@ class InProcess:
         return self.ddp_hook.layout if self.ddp_hook is not None and self.ddp_hook.layout else None
 
     def open_snapshots(self) -> None:
-        """At the start, on every rank (a collective): the sharded model's snapshot copies get a
-        group of their own. Nothing without snapshots."""
-        if self.shards is not None:
-            self.shards.regroup()
+        """At the start, on every rank (a collective): a sharded model's snapshot copies get a
+        group of their own (:class:`~.sharded_recovery.ShardedRecovery`). Nothing otherwise."""
+        if self.sharded is not None:
+            self.sharded.open()
 
     def snapshot(self, step: int, now: bool = False) -> None:
-        """At step ``step``'s boundary (its update applied): wait for the snapshot copy in flight,
-        and take a snapshot if one is due (``now``: at any step, the start). Nothing without snapshots.
+        """A sharded model's snapshot at step ``step``'s boundary, if due (``now``: at any step).
+        Nothing otherwise.
 
         Raises:
             the collective's error: a peer is gone (the caller recovers).
         """
-        if self.shards is None:
-            return
-        self.shards.settle()
-        if now or self.shards.due(step):
-            self.shards.take(step, self.train_state.state_dict())
+        if self.sharded is not None:
+            self.sharded.snapshot(step, now)
 
     def say_if_outside_run_step(self, ran: bool) -> None:
-        """After the first step, on rank 0, once: a sharded model's loop that does not call
-        ``guard.run_step`` runs FSDP's collectives where no lost peer is caught."""
-        if self.shards is not None and not ran and tgdist.rank() == 0:
-            console.say(
-                "in-process recovery of a sharded model catches a lost peer inside guard.run_step; this loop runs "
-                "its forward and backward outside it, so a rank lost there ends its peers and the group restarts "
-                "from the newest checkpoint (docs/recovery.md: Sharded models)"
-            )
+        """After the first step: a sharded model's loop without ``guard.run_step`` is told so once."""
+        if self.sharded is not None:
+            self.sharded.say_if_outside_run_step(ran)
 
     def close_snapshots(self) -> None:
-        """At the end of training: wait for the last snapshot's copy (its thread must not be left in
-        a transfer at exit). A lost peer there is not recovered: no step follows to need it."""
-        if self.shards is None:
-            return
-        try:
-            self.shards.settle()
-        except Exception as e:  # the final save meets the lost peer too, and says so
-            if not is_peer_failure(e):
-                raise
+        """At the end of training: wait for a sharded model's last snapshot copy."""
+        if self.sharded is not None:
+            self.sharded.close()
 
     # ------------------------------------------------------------------------------------------
     # the three meetings
@@ -276,7 +263,7 @@ class InProcess:
             )
         if gen.replaced:  # a framework's replacement sets its loop up at this step (trainguard.hf)
             self.rejoin.store.survivors_at(gen.number, place.step)
-        if self.shards is not None:
+        if self.sharded is not None:
             return self._recover_sharded(gen, place, redo)
         if gen.left:
             place = self._resize(gen, place)
@@ -320,7 +307,7 @@ class InProcess:
                 exits and the launcher restarts the group).
         """
         t0 = time.time()
-        if self.shards is not None:
+        if self.sharded is not None:
             raise regroup.RegroupError("a sharded model's group does not grow back in place (its shards would move)")
         gen = self.rejoin.grown_generation(number)
         place = self._resize(gen, place)
@@ -347,8 +334,10 @@ class InProcess:
         :meth:`joined` once the Guard took the returned place."""
         gen = self.rejoin.joined_generation()
         kept, self.own_state_from = ({}, None) if place.rank in gen.grown else self.rejoin.lost_boundaries(place.rank)
-        if self.shards is not None:
-            return self._meet_sharded(gen, place, None, kept=kept)
+        if self.sharded is not None:
+            met = self._on_new_group(gen, self.sharded.meet(gen, place, None, kept=kept))
+            self.own_state_from = self.sharded.own_state_from or self.own_state_from
+            return met
         return self._meet(gen, place, kept)
 
     def joined(self, met: Met, seconds: float) -> None:
@@ -442,14 +431,14 @@ class InProcess:
     def _recover_sharded(self, gen: Generation, place: Place, redo: bool) -> Met:
         """A survivor's recovery of a sharded model: the new group, FSDP moved onto it, the lost
         shards from replicas or every rank rolled back to the newest common snapshot
-        (:meth:`_meet_sharded`; ``steps_lost``: the completed steps trained again)."""
+        (:meth:`ShardedRecovery.meet`; ``steps_lost``: the completed steps trained again)."""
         if gen.left:
             raise regroup.RegroupError("a sharded model's group does not shrink in place (its shards would move)")
-        holdings = self.shards.holdings()  # before the old group goes: a copy that arrived counts
+        holdings = self.sharded.holdings()  # before the old group goes: a copy that arrived counts
         regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout)
         sharded.rebind(self.model)
         self._regrouped()
-        met = self._meet_sharded(gen, place, holdings, redo=redo)
+        met = self._on_new_group(gen, self.sharded.meet(gen, place, holdings, redo=redo))
         self.events.emit(
             "recovery_finished",
             met.place.step,
@@ -460,9 +449,9 @@ class InProcess:
             world_size=met.place.world_size,
             seconds=round(time.time() - self.rejoin.failure.at, 4),
             steps_lost=place.step - met.place.step,
-            redo_step=place.step + 1 if redo and self.restored is None else None,
+            redo_step=place.step + 1 if redo and self.sharded.restored is None else None,
         )
-        if met.place.rank == 0 and self.restored is None:
+        if met.place.rank == 0 and self.sharded.restored is None:
             console.say(
                 f"recovered in-process at step {met.place.step}: the lost shards from their replicas, no step lost"
             )
@@ -473,81 +462,6 @@ class InProcess:
             )
         self.rejoin.done()
         return met
-
-    def _meet_sharded(
-        self, gen: Generation, place: Place, holdings: Optional[dict], redo: bool = False, kept: Optional[dict] = None
-    ) -> Met:
-        """Both sides of a sharded model's recovery (``holdings``: a survivor's snapshots; ``None``
-        on a replacement, with its lost rank's step boundaries ``kept``). With HSDP, survivors at
-        one step and the lost rank's boundary of it: each lost shard from a surviving replica, the
-        step redone (``redo``) or not, nothing trained again (:meth:`_take_replicas`). Else every
-        rank rolls back to the newest common snapshot (:meth:`_roll_back`). Then the hosts from the
-        lowest survivor, and the snapshot copies on a new group, starting with this step's."""
-        joining = holdings is None
-        agreed = tgdist.all_reduce_max([-1, -(1 << 62)] if joining else [place.step, -place.step])
-        step, lowest = agreed[0], -agreed[1]
-        sources = sharded.replica_sources(self.model, set(gen.replaced))
-        lacking = tgdist.all_reduce_max([int(joining and step not in (kept or {}))])[0]
-        if sources is not None and step == lowest and not lacking:
-            place = self._take_replicas(place, step, sources, redo, kept)
-        else:
-            place = self._roll_back(gen, place, holdings)
-        src = min(set(range(gen.world_size)) - set(gen.replaced))
-        mine = {"hosts": list(place.hosts), "next_report": place.next_report} if place.rank == src else None
-        shared = tgdist.broadcast_object(mine, src)
-        place = replace(
-            place, hosts=tuple(shared["hosts"]), next_check=place.step + 1, next_report=shared["next_report"]
-        )
-        self.open_snapshots()
-        self.snapshot(place.step, now=True)
-        return self._on_new_group(gen, place)
-
-    def _roll_back(self, gen: Generation, place: Place, holdings: Optional[dict]) -> Place:
-        """Every rank back to the newest common snapshot (:func:`~trainguard.rejoin.rollback.roll_back`)."""
-        done = roll_back(self.shards, place.rank, gen.replaced, holdings)
-        self.train_state.load_state_dict(done.train_state)
-        self.events.emit(
-            "snapshot_restored",
-            done.step,
-            rank=place.rank,
-            source=done.source,
-            bytes=done.bytes,
-            from_step=None if holdings is None else place.step,
-        )
-        if holdings is None:
-            self.own_state_from = done.source
-        self.restored = done.step
-        return replace(place, step=done.step)
-
-    def _take_replicas(
-        self, place: Place, step: int, sources: dict[int, int], redo: bool, kept: Optional[dict]
-    ) -> Place:
-        """HSDP: each replacement takes its shard and the shared state from a surviving replica
-        (:func:`~trainguard.rejoin.rollback.from_replicas`) and its own state from its lost rank's
-        boundary of ``step``; survivors that abandoned the step go back to its start first."""
-        joining, self.restored = kept is not None, None
-        if not joining and redo:
-            self.train_state.load_state_dict(self.rejoin.boundary.restore(place.step))
-            if self.step_start is not None:
-                self.step_start.restore()
-        parts = [n for n in self.train_state.parts if n not in LOCAL_PARTS]
-        shared = self.train_state.state_dict(parts) if place.rank in sources.values() else {}
-        t0 = time.perf_counter()
-        received, moved = from_replicas(self.model, self.optimizer, place.rank, sources, shared)
-        if joining:
-            self.train_state.load_state_dict({**received, **kept[step]})
-            return replace(place, step=step)
-        if place.rank in sources.values():
-            to = [r for r, s in sources.items() if s == place.rank]
-            self.events.emit(
-                "state_transferred",
-                place.step,
-                rank=place.rank,
-                to_ranks=to,
-                bytes=moved,
-                seconds=round(time.perf_counter() - t0, 4),
-            )
-        return place
 
     def _transfer(
         self,
