@@ -98,11 +98,10 @@ def test_a_resume_from_a_checkpoint_taken_at_a_validation_step_is_bitwise(tmp_pa
     step 50: the group restarts from the checkpoint of step 40 and ends bitwise equal to an
     uninterrupted run, which validated at step 40 in between."""
     clean, run = tmp_path / "clean", tmp_path / "run"
-    assert finish(lightning(clean, "checkpoint.interval=40", steps=80)) == 0, Path(f"{clean}.log").read_text()[-3000:]
+    sync = ("checkpoint.interval=40", "checkpoint.async_save=false")  # step 40's is committed before step 41
+    assert finish(lightning(clean, *sync, steps=80)) == 0, Path(f"{clean}.log").read_text()[-3000:]
     kill = ("--inject", "rank_killed:rank=1,step=50")
-    assert finish(lightning(run, "checkpoint.interval=40", extra=kill, steps=80)) == 0, Path(f"{run}.log").read_text()[
-        -3000:
-    ]
+    assert finish(lightning(run, *sync, extra=kill, steps=80)) == 0, Path(f"{run}.log").read_text()[-3000:]
     assert [e["details"]["from_step"] for e in events(run, "resume")] == [40]
     assert len(events(run, "group_restart")) == 1
     assert final_hash(run) == final_hash(clean)

@@ -10,6 +10,7 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -36,13 +37,27 @@ SETTINGS = (
 pytestmark = pytest.mark.soak  # three launchers and their ranks: over a minute each on 2 cores (CI's soak step)
 
 
-def spares_started(agent: subprocess.Popen, count: int) -> bool:
-    """Whether the spare node launcher ``agent`` has started its ``count`` warm spares."""
-    found = 0
-    for kid in psutil.Process(agent.pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):  # one that just ended
-            found += "--spare" in kid.cmdline()
-    return found >= count
+# the job waits for its spare node, however long that takes to start: rank 0 stops itself at step 5
+# (nothing watches for hangs) until wake_when_the_spare_node_is_ready()
+HOLD = ("--inject", "rank_hung:rank=0,step=5")
+UNWATCHED = ("supervisor.enabled=false", "health.ping=false")
+
+
+def wake_when_the_spare_node_is_ready(run: Path) -> None:
+    """Wait for rank 0 to have stopped itself and for the spare node's warm spares (in either
+    order), then wake rank 0 (SIGCONT)."""
+    pids = [int(p) for e in events(run, "workers_started") for r, p in e["details"]["pids"].items() if r == "0"]
+
+    def stopped() -> bool:
+        with contextlib.suppress(psutil.Error):
+            return any(psutil.Process(p).status() == psutil.STATUS_STOPPED for p in pids)
+        return False
+
+    wait_for(stopped, 240, "rank 0 stopped at step 5")
+    wait_for(lambda: events(run, "spare_node_waiting"), 240, "the spare node's warm spares ready")
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
 
 def serves(pid: int, port: int) -> bool:
@@ -63,14 +78,17 @@ def lose_a_node(run: Path, nproc: int, *overrides: str, script: Path = GPT) -> t
     lost with a spare waiting, that the spare node took exactly its ranks, and that the group did
     not restart. Returns (the surviving agent's index, the agents)."""
     endpoint, rdzv_id = job_address()
-    settings = (*SETTINGS, *overrides)
+    # the job waits for the spare node: rank 0 stops itself at step 5 (nothing watches for hangs)
+    # and is woken once the spare node's warm spares are ready, however long they take to start
+    settings = (*SETTINGS, *overrides, *UNWATCHED)
     agents = [
-        start_agent(run, n, endpoint, rdzv_id, *settings, nnodes="2:3", nproc=nproc, script=script) for n in range(2)
+        start_agent(run, n, endpoint, rdzv_id, *settings, nnodes="2:3", nproc=nproc, script=script, extra=HOLD)
+        for n in range(2)
     ]
     try:
         wait_for(lambda: len(events(run, "workers_started")) == 2, 240, "both nodes' ranks started")
         agents.append(start_agent(run, 2, endpoint, rdzv_id, *settings, nnodes="2:3", nproc=nproc, script=script))
-        wait_for(lambda: spares_started(agents[2], nproc), 240, "the third agent started its warm spares")
+        wake_when_the_spare_node_is_ready(run)
         kill_after = random.Random().randint(20, 60)
         wait_for(lambda: newest_step(run) >= kill_after, 240, f"a checkpoint at step {kill_after} or later")
         # the leading node serves the rendezvous and recovery stores (not replaceable): lose the other
@@ -137,8 +155,8 @@ def test_a_sharded_model_loses_a_node_to_a_spare_node_in_process(tmp_path, tmp_p
     lost_ranks = events(run, "node_lost")[0]["details"]["ranks"]
     steps_lost = {e["details"]["steps_lost"] for e in events(run, "recovery_finished")}
     restored = {e["rank"]: e["details"]["source"] for e in events(run, "snapshot_restored")}
-    if replicas == 1:
-        assert len(steps_lost) == 1 and 0 <= steps_lost.pop() <= 5
+    if replicas == 1:  # survivors may be one step apart (a collective that completed on some only)
+        assert min(steps_lost) <= 5 and max(steps_lost) - min(steps_lost) <= 1, steps_lost
         assert {restored[r] for r in lost_ranks} == {f"rank {(r + 2) % 4}'s memory" for r in lost_ranks}, restored
     else:
         assert steps_lost == {0} and not restored
@@ -201,8 +219,8 @@ def _agent_at(run, n, endpoint, job, addr, iface, ns=None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nnodes", "2:3", "--nproc-per-node", "1"]
     cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--local-addr", addr]
     host = int(ns is None)  # the leader serves torch's rendezvous store (its address is not the host name's)
-    cmd += ["--rdzv-conf", f"join_timeout=60,last_call_timeout=1,is_host={host}", "--run-dir", str(run), str(GPT)]
-    cmd += sets(*TINY, *pinned(SETTINGS))
+    cmd += ["--rdzv-conf", f"join_timeout=60,last_call_timeout=1,is_host={host}", "--run-dir", str(run)]
+    cmd += [*HOLD, str(GPT), *sets(*TINY, *pinned((*SETTINGS, *UNWATCHED)))]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": iface}
     with open(node_log(run, n), "ab") as log:
         return subprocess.Popen(
@@ -227,7 +245,7 @@ def test_a_node_whose_host_stops_answering_is_replaced_by_a_spare_node_on_its_ow
             agents.append(_agent_at(run, 1, endpoint, job, addr_b, in_b, ns_b))
             wait_for(lambda: len(events(run, "workers_started")) == 2, 240, "both nodes' ranks started")
             agents.append(_agent_at(run, 2, endpoint, job, addr_c, in_c, ns_c))
-            wait_for(lambda: spares_started(agents[2], 1), 240, "the third node started its warm spare")
+            wake_when_the_spare_node_is_ready(run)
             kill_after = random.Random().randint(20, 60)
             wait_for(lambda: newest_step(run) >= kill_after, 240, f"a checkpoint at step {kill_after} or later")
             _ip("link", "set", link_b, "down")  # the host stops answering: nothing is closed
