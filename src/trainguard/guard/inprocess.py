@@ -253,7 +253,6 @@ class InProcess:
             RegroupError: the ranks cannot be recovered in-process (same), or this rank itself was
                 replaced (its node was called lost while it lived on): it must not rejoin.
         """
-        failure = self.rejoin.failure
         # this rank's own state now: the end of the abandoned step (a peer may have completed it)
         current = self.train_state.state_dict(LOCAL_PARTS) if redo and take_completed else None
         gen = self.rejoin.wait_generation()
@@ -279,18 +278,7 @@ class InProcess:
         redo = redo and met.place.step == place.step  # else it took the completed step from a peer
         if gen.left:
             self.rejoin.store.joined(gen.number, met.place.rank)
-        self.events.emit(
-            "recovery_finished",
-            met.place.step,
-            rank=met.place.rank,
-            generation=gen.number,
-            replaced=list(gen.replaced),
-            left=list(gen.left),
-            world_size=met.place.world_size,
-            seconds=round(time.time() - failure.at, 4),
-            steps_lost=0,
-            redo_step=place.step + 1 if redo else None,
-        )
+        self._finished(gen, met, steps_lost=0, redo_step=place.step + 1 if redo else None)
         if met.place.rank == 0:
             console.say(f"recovered in-process at step {met.place.step}: no completed step lost")
         self.rejoin.done()
@@ -419,6 +407,22 @@ class InProcess:
             place = self._transfer(gen, place, step, kept, src, current if behind else None)
         return self._on_new_group(gen, place)
 
+    def _finished(self, gen: Generation, met: Met, steps_lost: int, redo_step: Optional[int]) -> None:
+        """A survivor's ``recovery_finished`` event (``steps_lost``: completed steps trained again;
+        ``redo_step``: the step done again, ``None`` if none)."""
+        self.events.emit(
+            "recovery_finished",
+            met.place.step,
+            rank=met.place.rank,
+            generation=gen.number,
+            replaced=list(gen.replaced),
+            left=list(gen.left),
+            world_size=met.place.world_size,
+            seconds=round(time.time() - self.rejoin.failure.at, 4),
+            steps_lost=steps_lost,
+            redo_step=redo_step,
+        )
+
     def _on_new_group(self, gen: Generation, place: Place) -> Met:
         """The end of every meeting: note the new group's ports (cut on a lost peer), start its ping."""
         self.rejoin.group_ports = {p for ps in tgdist.gather_objects(sever.listening_ports()) for p in ps}
@@ -439,18 +443,8 @@ class InProcess:
         sharded.rebind(self.model)
         self._regrouped()
         met = self._on_new_group(gen, self.sharded.meet(gen, place, holdings, redo=redo))
-        self.events.emit(
-            "recovery_finished",
-            met.place.step,
-            rank=met.place.rank,
-            generation=gen.number,
-            replaced=list(gen.replaced),
-            left=[],
-            world_size=met.place.world_size,
-            seconds=round(time.time() - self.rejoin.failure.at, 4),
-            steps_lost=place.step - met.place.step,
-            redo_step=place.step + 1 if redo and self.sharded.restored is None else None,
-        )
+        redo_step = place.step + 1 if redo and self.sharded.restored is None else None
+        self._finished(gen, met, steps_lost=place.step - met.place.step, redo_step=redo_step)
         if met.place.rank == 0 and self.sharded.restored is None:
             console.say(
                 f"recovered in-process at step {met.place.step}: the lost shards from their replicas, no step lost"
