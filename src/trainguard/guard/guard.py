@@ -830,6 +830,7 @@ class Guard:
         self.sdc.last_good = self.step
         self.sdc.forget()
         self.reruns.forget()
+        self.inprocess.snapshot(self.step, now=True, fresh=True)  # the abandoned steps' snapshots must not serve
 
     def _roll_back(self, rb: Rollback) -> None:
         """Carry out a rollback decision: reload the known-good checkpoint in this process."""

@@ -203,15 +203,15 @@ class InProcess:
         if self.sharded is not None:
             self.sharded.open()
 
-    def snapshot(self, step: int, now: bool = False) -> None:
-        """A sharded model's snapshot at step ``step``'s boundary, if due (``now``: at any step).
-        Nothing otherwise.
+    def snapshot(self, step: int, now: bool = False, fresh: bool = False) -> None:
+        """A sharded model's snapshot at step ``step``'s boundary, if due (``now``: at any step;
+        ``fresh``: the older ones dropped first, after a rollback). Nothing otherwise.
 
         Raises:
             the collective's error: a peer is gone (the caller recovers).
         """
         if self.sharded is not None:
-            self.sharded.snapshot(step, now)
+            self.sharded.snapshot(step, now, fresh)
 
     def say_if_outside_run_step(self, ran: bool) -> None:
         """After the first step: a sharded model's loop without ``guard.run_step`` is told so once."""

@@ -68,14 +68,17 @@ class ShardedRecovery:
         copies get a group of their own."""
         self.shards.regroup()
 
-    def snapshot(self, step: int, now: bool = False) -> None:
+    def snapshot(self, step: int, now: bool = False, fresh: bool = False) -> None:
         """At step ``step``'s boundary (its update applied): wait for the snapshot copy in flight,
-        and take a snapshot if one is due (``now``: at any step).
+        and take a snapshot if one is due (``now``: at any step; ``fresh``: every rank rolled back
+        to a checkpoint, so the snapshots and copies of the abandoned steps are dropped first).
 
         Raises:
             the collective's error: a peer is gone (the caller recovers).
         """
         self.shards.settle()
+        if fresh:
+            self.shards.forget()
         if now or self.shards.due(step):
             self.shards.take(step, self.train_state.state_dict())
 

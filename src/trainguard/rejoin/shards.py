@@ -185,6 +185,12 @@ class ShardSnapshots:
             self._done.set()
         self.group = dist.new_group(backend="gloo")
 
+    def forget(self) -> None:
+        """Drop every snapshot and copy (call with none in flight: after :meth:`settle`)."""
+        with self._lock:
+            self.own.clear()
+            self.held.clear()
+
     def take(self, step: int, train_state: dict) -> None:
         """Snapshot step ``step`` (its update applied) and send its copy to the holder in the
         background (see the class). Waits for the previous snapshot's exchange first.
