@@ -21,7 +21,9 @@ What each test exercises, honestly:
   N=1; the path that signal takes (batch shell → srun → launcher → ranks) is the one
   ``scancel --signal=USR1 --batch`` exercises below;
 * ``scancel --signal=USR1 --batch``: the batch shell's trap → ``srun`` → ``trainguard run`` → ranks;
-* ``scontrol requeue`` of the running job: SLURM's SIGTERM to every process of the job.
+* ``scontrol requeue`` of the running job: SLURM's SIGTERM to every process of the job. For both,
+  the ranks hold themselves (SIGSTOP) first, so the signal finds the job running on any machine;
+  the test continues them once the launcher has received the signal.
 
 Measured figures (signal → requeue, requeue → running again, lost steps) are printed (``-s``).
 """
@@ -242,23 +244,67 @@ def test_time_limit_saves_before_end_time_requeues_and_matches_clean_run(tmp_pat
     )
 
 
+def _held(run: Path, n: int) -> list[dict]:
+    """Wait until ``n`` ``fault_injected`` events are written (both ranks held, per launch); return them."""
+    return wait_for(
+        lambda: (lambda f: f if len(f) >= n else None)(events(run, "fault_injected")),
+        timeout=TIMEOUT,
+        what=f"{n} ranks held",
+    )
+
+
+def _signalled(run: Path, before: int) -> None:
+    """Wait until the launcher has received (and forwarded) a signal after the ``before`` it had."""
+    wait_for(lambda: len(events(run, "signal_received")) > before, timeout=60, what="a signal at the launcher")
+
+
+def _cont(held: list[dict]) -> None:
+    for f in held:
+        try:
+            os.kill(f["pid"], signal.SIGCONT)
+        except ProcessLookupError:  # SLURM's SIGKILL after KillWait would have failed the test below
+            pass
+
+
 def test_usr1_to_batch_shell_and_scontrol_requeue_resume_bitwise(tmp_path, jobs, clean_hash):
+    # both ranks hold themselves (SIGSTOP) at step 150 in the first launch and at step 250 in the
+    # second: each signal arrives while the job is running, however fast the machine (a 500-step
+    # run could finish before the test's 'scontrol requeue'; CI saw it). The signal waits, pending,
+    # in the stopped ranks; the test continues them once the launcher has forwarded it.
     run = tmp_path / "sig"
-    job = submit(jobs, run, "--time", "5", overrides=(f"train.max_steps={STEPS}", "checkpoint.interval=50"))
-    wait_for(lambda: progress_step(run) >= 150, timeout=TIMEOUT, what="step 150")
+    hold = ", ".join(f"{{kind='rank_hung', rank={r}, step={s}}}" for s in (150, 250) for r in (0, 1))
+    job = submit(
+        jobs,
+        run,
+        "--time",
+        "5",
+        overrides=(
+            f"train.max_steps={STEPS}",
+            "checkpoint.interval=50",
+            "stop.check_interval=1",  # a stop in the step after SIGCONT, not ~1 s (maybe the run's end) later
+            "supervisor.learn=false",  # the held ranks stay within the 180 s step timeout
+            "supervisor.stopped_grace=0",  # and stopped (SIGSTOP) is not taken for a hang here
+            f"faults.inject=[{hold}]",
+        ),
+    )
+    held = _held(run, 2)
     t_signal = time.time()
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
+    _signalled(run, 0)
+    _cont(held)
     requeued = wait_for(lambda: events(run, "slurm_requeue"), timeout=120, what="the requeue")[0]
     assert requeued["details"]["ok"] and requeued["details"]["requeue_id"] == job
     signal_to_requeue = requeued["time"] - t_signal
     stop = events(run, "stop_requested")[0]
     assert stop["details"]["reason"] == "signal" and stop["details"]["signal"] == "SIGUSR1"
+    assert stop["step"] in (150, 151)
 
-    wait_for(lambda: restarts_seen(run) == 1 and len(events(run, "resume")) == 1, timeout=120, what="restart 1")
-    resumed_at = events(run, "resume")[0]["details"]["from_step"]
-    wait_for(lambda: progress_step(run) >= resumed_at + 100, timeout=TIMEOUT, what="100 more steps")
-    t_requeue = time.time()
+    held = _held(run, 4)[2:]
+    assert restarts_seen(run) == 1 and len(events(run, "resume")) == 1
+    t_requeue, before = time.time(), len(events(run, "signal_received"))
     subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
+    _signalled(run, before)
+    _cont(held)
     wait_for(lambda: restarts_seen(run) == 2, timeout=120, what="restart 2")
     external_requeue_to_running = events(run, "slurm_info")[-1]["time"] - t_requeue
 
@@ -268,6 +314,7 @@ def test_usr1_to_batch_shell_and_scontrol_requeue_resume_bitwise(tmp_path, jobs,
     assert [s["details"]["reason"] for s in stops] == ["signal", "signal"]
     # SLURM's own SIGTERM on 'scontrol requeue' (or the batch shell's forwarded USR1, a moment later)
     assert stops[1]["details"]["signal"] in ("SIGTERM", "SIGUSR1")
+    assert stops[1]["step"] in (250, 251)
     # the launcher did not requeue again a job that SLURM was already requeueing
     assert [bool(r["details"]["ok"]) for r in events(run, "slurm_requeue")] == [True, False]
     assert "already requeued" in events(run, "slurm_requeue")[1]["details"]["skipped"]
