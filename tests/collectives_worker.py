@@ -1,6 +1,7 @@
 """The README's loop (DDP, ``loss.backward()``, ``should_step(loss)``, ``step_end``; with
-``worker.run_step``, ``guard.run_step`` instead of the backward) counting the collectives
-trainguard calls itself from the training thread, run under ``trainguard run``.
+``worker.run_step``, ``guard.run_step`` instead of the backward; with ``worker.fsdp2``, the model
+``fully_shard``-ed on a 1-D mesh and ``clip_grad_norm_``'s norm given to ``should_step``) counting
+the collectives trainguard calls itself from the training thread, run under ``trainguard run``.
 
 It writes ``RUN_DIR/collectives-rank<R>.json``: ``{step: own collectives in that step}`` for every
 step it ran. At step ``worker.save_at`` rank 0 creates the save switch (``RUN_DIR/SAVE``): the next
@@ -32,7 +33,11 @@ def _trainguards(frame) -> bool:  # noqa: ANN001
     trainguard's DDP communication hook, or ``run_step``'s gradient averaging, sends for the loop)."""
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if (frame.f_code.co_name, name) in (("hook", "trainguard.rejoin.catch"), ("_launch", "trainguard.oom.sync")):
+        if (frame.f_code.co_name, name) in (
+            ("hook", "trainguard.rejoin.catch"),
+            ("_launch", "trainguard.oom.sync"),
+            ("clip", "trainguard.instability.clipfold"),  # clip_grad_norm_'s all-reduce, for the loop
+        ):
             return False
         if not name.startswith("torch") and name != __name__:
             return name.startswith("trainguard")
@@ -53,6 +58,7 @@ class WorkerSection(trainguard.Section):
     max_steps: int = Field(60, ge=1)
     save_at: int = Field(30, ge=1)
     run_step: bool = False
+    fsdp2: bool = False
 
 
 class WorkerConfig(trainguard.Config):
@@ -66,7 +72,15 @@ def main() -> None:
     cfg, rank, world = start_worker(WorkerConfig)
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(512, 8, generator=gen), torch.randn(512, 1, generator=gen)
-    model = DDP(torch.nn.Linear(8, 1))
+    if cfg.worker.fsdp2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    else:
+        model = DDP(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     guard = trainguard.Guard(cfg, model=model, optimizer=opt)
     run_dir = Path(cfg.run.dir)
@@ -80,7 +94,8 @@ def main() -> None:
         else:
             loss = F.mse_loss(model(x[idx]), y[idx])
             loss.backward()
-        if guard.should_step(loss):
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) if cfg.worker.fsdp2 else None
+        if guard.should_step(loss, norm):
             opt.step()
         guard.step_end(loss=loss)
         counts[step] = own[0] - before

@@ -62,6 +62,7 @@ from ..events import EventLog, Hook
 from ..exitcodes import exit_bad_input
 from ..faults import FaultInjector
 from ..health.straggler import StragglerDetector
+from ..instability import clipfold
 from ..instability.recovery import Recovery, Rollback
 from ..launch_env import LaunchEnv
 from ..oom import MicroBatcher
@@ -344,7 +345,10 @@ class Guard:
             shards=self._shard_snapshots(launch.local_world_size),
         )
         if self.world_size > 1:  # the detectors' values ride in DDP's first gradient bucket (instability.fold)
-            if self.inprocess.hook_ddp(lambda: self.step + 1, self.recovery.fold, self._inject_at_backward):
+            in_progress, fold, inject = (lambda: self.step + 1), self.recovery.fold, self._inject_at_backward
+            if self.inprocess.hook_ddp(in_progress, fold, inject) or clipfold.install(  # or FSDP2's norm
+                self.model, fold, in_progress, inject
+            ):
                 self.recovery.fold.stop_source = self._stop_flags_to_fold
                 self.recovery.fold.fingerprint_source = self.sdc.carry  # the replica check rides too
                 self.recovery.fold.straggler_source = self._straggler_to_fold  # and the straggler report

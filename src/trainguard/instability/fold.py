@@ -58,7 +58,8 @@ and carries the same values in its last bucket; the loss there is the batch's to
 ``run_step`` returns (:func:`pin`), so its loop folds too.
 
 Not folded: buckets of another dtype than float32 (a bf16 bucket would round the loss), a DDP model
-with a communication hook of the script's own, FSDP, a plain module.
+with a communication hook of the script's own, a plain module. An FSDP2 model carries the same
+values in ``clip_grad_norm_``'s all-reduce instead (:mod:`.clipfold`).
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ class LossFold:
         self._mine = False  # this step's should_step loss is the one folded
         self._taken = 0  # steps whose values were taken
         self._said = False
-        self.wired = False  # a DDP hook carries the values (wire())
+        self.wired = False  # a DDP hook (or FSDP2's clip_grad_norm_) carries the values (wire())
+        self.carrier = ""  # what carries them, for the console (wire())
 
     @property
     def size(self) -> int:
@@ -155,11 +157,16 @@ class LossFold:
         self.rank, self.world_size = rank, world_size
         self._matched, self._sent, self._reduced, self._host = False, None, None, None
 
-    def wire(self, inject: Optional[Callable[[], tuple[float, float]]] = None) -> None:
-        """A DDP communication hook calls :meth:`extra` and :meth:`reduced` from now on: note the
-        tensor each ``backward()`` runs on (``inject``: see :func:`note_backward`)."""
+    def wire(
+        self,
+        inject: Optional[Callable[[], tuple[float, float]]] = None,
+        carrier: str = "a gradient bucket (DDP's, or guard.run_step's)",
+    ) -> None:
+        """A DDP communication hook (or :mod:`.clipfold`'s ``clip_grad_norm_``: ``carrier`` names
+        it for the console) calls :meth:`extra` and :meth:`reduced` from now on: note the tensor
+        each ``backward()`` runs on (``inject``: see :func:`note_backward`)."""
         note_backward(inject)
-        self.wired = True
+        self.wired, self.carrier = True, carrier
 
     def close(self) -> None:
         """Stop noting (``torch.Tensor.backward`` as it was). Safe to call twice."""
@@ -213,7 +220,7 @@ class LossFold:
         self._host = None
         if reduced is None or reduced[0] != step or reduced[1].numel() != self.size:
             self._matched = False  # no fold this step (the same on every rank): start over
-            self._say_unused("no gradient bucket (DDP's, or guard.run_step's) carried them")
+            self._say_unused(f"{self.carrier} did not carry them")
             return None
         self._matched = self._mine
         self._host = (step, [])  # filled by usable()

@@ -185,8 +185,9 @@ class Recovery:
             self._said_unfolded = True
             console.say(
                 "should_step() all-reduces the detectors' values once a step: they ride in the gradient "
-                "all-reduce of a DDP model with trainguard's communication hook only (not FSDP, not a "
-                "plain module, not a DDP hook of the script's own)"
+                "all-reduce of a DDP model with trainguard's communication hook, or in clip_grad_norm_'s "
+                "all-reduce of an FSDP2 model on a 1-D mesh of every rank (not HSDP, not a plain module, "
+                "not a DDP hook of the script's own)"
             )
         return self.detector.observe(step, loss, grad_norm, self.fold if self.fold.wired else None)
 

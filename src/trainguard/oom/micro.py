@@ -271,8 +271,9 @@ class MicroBatcher:
                 loss = step_fn(slice_batch(batch, start, stop)) * ((stop - start) / n)
                 self._phase = "backward"
                 total = loss.detach() if total is None else total + loss.detach()
-                if self.sync is not None and stop == n:
-                    self.sync.arm()
+                if stop == n:
+                    if self.sync is not None:
+                        self.sync.arm()
                     fold_notes.pin(total)  # the loss run() returns rides in the last bucket (instability.fold)
                 try:
                     backward(loss / divide if divide > 1 else loss)

@@ -106,6 +106,9 @@ class Catch:
         self.failed: Callable[[], bool] = lambda: False
         self._originals: dict[str, Callable] = {}
         self._clip: Optional[Callable] = None
+        # clip_fold(torch_clip, *args, **kwargs): runs clip_grad_norm_ in its stead, with the
+        # detectors' values in its all-reduce (trainguard.instability.clipfold); None: torch's
+        self.clip_fold: Optional[Callable] = None
 
     def install(self) -> None:
         """Wrap the collectives in ``torch.distributed``'s namespace (idempotent). torch's own
@@ -127,6 +130,7 @@ class Catch:
         self._originals.clear()
         if self._clip is not None:
             torch.nn.utils.clip_grad_norm_, self._clip = self._clip, None
+        self.clip_fold = None
         self.disarm()
 
     def arm(self, on_failure: Callable[[BaseException, str], bool], failed: Callable[[], bool]) -> None:
@@ -159,16 +163,20 @@ class Catch:
         """``torch.nn.utils.clip_grad_norm_``: with sharded gradients (FSDP2's DTensors) its norm
         is an all-reduce inside torch, the step's first collective after the backward. A lost peer
         there is recorded and the norm comes back NaN, the gradients unclipped (the step is done
-        again); after a lost peer in the step it returns NaN at once."""
+        again); after a lost peer in the step it returns NaN at once. With :attr:`clip_fold` set,
+        that runs instead of ``fn`` (given ``fn``)."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs) if self.clip_fold is None else self.clip_fold(fn, *args, **kwargs)
 
         @functools.wraps(fn)
         def clip(*args: Any, **kwargs: Any) -> Any:
             if self.mode != CATCHING:
-                return fn(*args, **kwargs)
+                return run(*args, **kwargs)
             if self.failed():
                 return torch.full((), float("nan"))
             try:
-                return fn(*args, **kwargs)
+                return run(*args, **kwargs)
             except Exception as e:
                 if not self.on_failure(e, "clip_grad_norm_"):
                     raise
