@@ -60,10 +60,13 @@ def _worker(rank: int, world: int, replicas: int, tmp: str, out) -> None:
             own = calls[0] - before
             b = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5)
             same_grads = all(
-                torch.equal(p.grad.to_local(), q.grad.to_local()) for p, q in zip(ours.parameters(), theirs.parameters())
+                torch.equal(p.grad.to_local(), q.grad.to_local())
+                for p, q in zip(ours.parameters(), theirs.parameters())
             )
             sent.append([float(v) for v in sums[-1]] if own else None)
-            rows.append((a.to_local().item(), b.to_local().item(), str(a.placements), str(b.placements), same_grads, own))
+            rows.append(
+                (a.to_local().item(), b.to_local().item(), str(a.placements), str(b.placements), same_grads, own)
+            )
             for model in (ours, theirs):
                 model.zero_grad()
         foldable = foldable_mesh(ours.parameters()) is not None
