@@ -26,6 +26,7 @@ import trainguard
 
 COUNTED = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "barrier", "broadcast_object_list")
 own = [0]
+WRAPPER = ("collective", "trainguard.rejoin.catch")  # trainguard's pass-through wrapper of dist's collectives
 
 
 def _trainguards(frame) -> bool:  # noqa: ANN001
@@ -39,7 +40,7 @@ def _trainguards(frame) -> bool:  # noqa: ANN001
             ("clip", "trainguard.instability.clipfold"),  # clip_grad_norm_'s all-reduce, for the loop
         ):
             return False
-        if not name.startswith("torch") and name != __name__:
+        if not name.startswith("torch") and name != __name__ and (frame.f_code.co_name, name) != WRAPPER:
             return name.startswith("trainguard")
         frame = frame.f_back
     return False

@@ -28,7 +28,7 @@ the scheduler; it resumes its own state from the same checkpoint (:meth:`Guard.b
 the liveness ping and the hang supervisor's sections. ``on_step_begin``: the ``step`` section.
 ``on_pre_optimizer_step``: the NaN/spike check (:meth:`Guard.should_step`) on the step's loss (the
 mean of the model outputs' ``loss`` over the step's micro-batches, taken by a forward hook; after
-each forward it is pinned as the loss that rides in DDP's first gradient bucket,
+each forward it is pinned as the loss that rides in a DDP gradient bucket,
 :func:`trainguard.instability.fold.pin`, so the check runs no all-reduce of its own, with or
 without gradient accumulation) and the gradient norm after the Trainer's clipping; a skipped step sets every gradient to ``None``,
 so the ``optimizer.step()`` the Trainer still calls changes nothing (its scheduler still steps:

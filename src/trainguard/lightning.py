@@ -211,7 +211,7 @@ class TrainguardCallback(pl.Callback):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         # the very tensor backward() runs on (not a detached copy): should_step() then finds it
-        # noted in DDP's first gradient bucket and runs no all-reduce of its own (instability.fold)
+        # noted in a DDP gradient bucket and runs no all-reduce of its own (instability.fold)
         self._loss = loss
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:

@@ -344,7 +344,8 @@ class Guard:
             lambda: self.elastic.base_world_size,
             shards=self._shard_snapshots(launch.local_world_size),
         )
-        if self.world_size > 1:  # the detectors' values ride in DDP's first gradient bucket (instability.fold)
+        CATCH.install()  # the norm clip_grad_norm_ returns is noted for should_step (CATCH.step_norm)
+        if self.world_size > 1:  # the detectors' values ride in a DDP gradient bucket (instability.fold)
             in_progress, fold, inject = (lambda: self.step + 1), self.recovery.fold, self._inject_at_backward
             if self.inprocess.hook_ddp(in_progress, fold, inject) or clipfold.install(  # or FSDP2's norm
                 self.model, fold, in_progress, inject
@@ -484,6 +485,7 @@ class Guard:
         supervisor times it in the ``step`` section (the first step stays in ``setup``). Call
         :meth:`step_end` to close it."""
         self._awaiting_step_end = True
+        CATCH.new_step()
         self.catch_peers()
         if self.step_start is not None:
             self.step_start.begin()
@@ -524,7 +526,9 @@ class Guard:
         Args:
             loss: this rank's loss (0-dim tensor or float).
             grad_norm: the total gradient norm (e.g. ``clip_grad_norm_``'s return value); ``None``:
-                computed here from the model's gradients with fused ops.
+                the norm that ``torch.nn.utils.clip_grad_norm_`` returned in this step if it ran
+                once (the Hugging Face Trainer's), else computed here from the model's gradients
+                with fused ops.
         Raises:
             GiveUp: ``raise`` policy, no checkpoint to roll back to, rollback budget spent (exit 76).
             ValueError: a hook's ``on_instability`` returned an unknown action.
@@ -540,6 +544,8 @@ class Guard:
                 )  # (see rejoin.boundary; DDP's backward may have kept it: rejoin.catch)
             if self.faults.pending:
                 self.faults.at(self.step, "should_step")
+            if grad_norm is None:  # the norm the step's clip_grad_norm_ returned (the HF Trainer's), if any
+                grad_norm = CATCH.step_norm()
             if self.faults.numeric_pending:
                 loss, grad_norm = self.faults.numeric(step, loss, grad_norm, self.model)
             try:
@@ -728,7 +734,7 @@ class Guard:
         if self.faults.pending:
             self.faults.at(self.step, "stop_check")
         report = self.straggler.due(self.step)
-        agreed = self.recovery.fold.stop_flags(self.step)  # carried in DDP's first bucket, if every rank's was
+        agreed = self.recovery.fold.stop_flags(self.step)  # carried in a DDP bucket, if every rank's was
         if agreed is not None and report:
             timings = self.recovery.fold.straggler(self.step)
             agreed = None if timings is None else agreed + timings
@@ -966,7 +972,7 @@ class Guard:
             return False
         self.sdc.stash(self.step)
         if self.recovery.fold.fingerprint_source is not None:
-            return False  # compared at the next step boundary, in that step's first bucket
+            return False  # compared at the next step boundary, in that step's buckets
         return self._settle_replicas(None)
 
     def _settle_replicas(self, carried: Optional[list[int]]) -> bool:

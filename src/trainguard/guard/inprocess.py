@@ -158,7 +158,7 @@ class InProcess:
         inject: Optional[Callable[[], tuple[float, float]]] = None,
     ) -> bool:
         """Give a DDP model trainguard's communication hook (:class:`~trainguard.rejoin.catch.DDPHook`):
-        it carries ``fold``'s values in the first bucket (:mod:`~trainguard.instability.fold`;
+        it carries ``fold``'s values in one bucket (:mod:`~trainguard.instability.fold`;
         ``inject``: the fault injector's numeric faults at the backward), keeps the step boundary
         before the last bucket, and catches a lost peer once :meth:`arm_catch` ran. ``False``
         (nothing done): not a DDP model, or one with a communication hook already (the script's

@@ -7,7 +7,7 @@ shard (no communication; a DTensor whose ``_NormPartial`` placement says how to 
 stacks them, and before the norm of that stack makes them whole: ``x ** p`` on each rank, a sum
 over the ranks (one all-reduce of one value per gradient), ``** (1 / p)``. :meth:`ClipFold.clip`
 runs exactly those operations itself, with the :class:`~.fold.LossFold` values (every rank's loss
-in its slot, the stop flags, the straggler timings; the same layout as in DDP's first bucket)
+in its slot, the stop flags, the straggler timings; the same layout as in a DDP bucket)
 appended to that all-reduce, then takes the norm of the norms and clips with
 ``torch.nn.utils.clip_grads_with_norm_``, as ``clip_grad_norm_`` does. It returns the norm as torch
 does, a DTensor replicated on the mesh.

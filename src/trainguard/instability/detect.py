@@ -9,7 +9,7 @@ One ``all_reduce(SUM)`` gathers them (``x + 0 = x``: every rank's values exactly
 whatever order the sum takes) and one ``.tolist()`` brings the result to the host (the only
 device→host synchronization). From them every rank derives the same verdict: which detectors
 fired, the mean loss and gradient norm over the ranks with finite ones, and, when exactly one rank
-was non-finite, which one. With a DDP model the losses ride in its first gradient bucket instead
+was non-finite, which one. With a DDP model the losses ride in one of its gradient buckets instead
 and the gradient norm is taken on each rank (:mod:`.fold`): no collective of the detectors' own.
 
 Spike rules (:class:`~trainguard.sections.InstabilitySection` documents them and their defaults):
@@ -143,7 +143,7 @@ class Detector:
     def observe(self, step: int, loss: Any, grad_norm: Any, fold: Optional[LossFold] = None) -> Verdict:
         """Combine this rank's ``loss`` and ``grad_norm`` (tensors, DTensors or floats; ``grad_norm``
         may be ``None``) with the other ranks' and return the verdict. A collective, unless ``fold``
-        (a DDP model's: :mod:`.fold`) carried the losses in the step's first gradient bucket: call
+        (a DDP model's: :mod:`.fold`) carried the losses in one of the step's gradient buckets: call
         on every rank."""
         loss_t = loss.detach().reshape(()).float() if torch.is_tensor(loss) else torch.tensor(float(loss))
         has_grad = grad_norm is not None

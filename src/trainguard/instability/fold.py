@@ -1,10 +1,11 @@
-"""The instability detectors' values carried in DDP's first gradient bucket: no collective of their own.
+"""The instability detectors' values carried in a DDP gradient bucket: no collective of their own.
 
 :class:`~trainguard.instability.detect.Detector` needs, per step, every rank's loss. With a DDP
 model they ride in an all-reduce the step runs anyway: trainguard's communication hook
-(:class:`~trainguard.rejoin.catch.DDPHook`) appends ``8 × world_size + 11`` values to the *first*
-bucket it sends (DDP caps that bucket at 1 MiB, so the copy is small; the forward, hence the loss,
-is done by then) and hands the reduced values back here::
+(:class:`~trainguard.rejoin.catch.DDPHook`) appends ``8 × world_size + 11`` values to one bucket
+(its *carrier*: the first bucket DDP sends, at most 1 MiB, until the bucket layout is known, then
+the smallest bucket, so that the copy the appending costs is small; every bucket is sent after
+the forward, hence the loss, is done) and hands the reduced values back here::
 
     [loss in rank 0's slot, ..., loss in rank n-1's slot, 1 (a loss was noted), 1 (last step matched),
      1 (stop flags sent), signal, kill switch, time limit, memory, save switch, grow,
@@ -148,7 +149,7 @@ class LossFold:
 
     @property
     def size(self) -> int:
-        """Values appended to the first bucket (see the module doc): ``8 × world size + 11``."""
+        """Values appended to the carrying bucket (see the module doc): ``8 × world size + 11``."""
         return 8 * self.world_size + 11
 
     def renumber(self, rank: int, world_size: int) -> None:
@@ -175,7 +176,7 @@ class LossFold:
             self.wired = False
 
     def extra(self, step: int, bucket: torch.Tensor) -> Optional[torch.Tensor]:
-        """The values to append to step ``step``'s first bucket (``bucket``: its buffer), or
+        """The values to append to step ``step``'s carrying bucket (``bucket``: its buffer), or
         ``None`` for a bucket that is not float32 (the same on every rank)."""
         noted = noted_loss()
         self._sent = (step, noted[0] if noted is not None else None)
@@ -206,7 +207,7 @@ class LossFold:
         return values
 
     def reduced(self, step: int, values: torch.Tensor) -> None:
-        """The hook's all-reduce of step ``step``'s first bucket completed: ``values`` are the sums."""
+        """The hook's all-reduce of step ``step``'s carrying bucket completed: ``values`` are the sums."""
         self._reduced = (step, values)
 
     def take(self, step: int, loss: Any) -> Optional[torch.Tensor]:
@@ -237,7 +238,7 @@ class LossFold:
         if not usable:
             self._say_unused(
                 "should_step()'s loss is not the tensor backward() ran on (AMP's scaler.scale(loss), "
-                "gradient accumulation), so they cannot ride in DDP's first gradient bucket"
+                "gradient accumulation), so they cannot ride in a DDP gradient bucket"
             )
         if usable and not self._mine and not self._said and self.rank == 0:
             self._said = True
@@ -263,7 +264,7 @@ class LossFold:
         return None
 
     def stop_flags(self, step: int) -> Optional[list[int]]:
-        """The stop check of step ``step`` from its first bucket: ``StopFlags.pack()`` order,
+        """The stop check of step ``step`` from its carrying bucket: ``StopFlags.pack()`` order,
         combined over the ranks as the check's all-reduce (max) would; ``None`` when not every rank
         sent its flags in it (no bucket this step, or a rank that wanted the all-reduce: the same
         answer on every rank)."""
@@ -277,7 +278,7 @@ class LossFold:
         return [*flags, int(max(values[n + 9 : 2 * n + 9])), int(values[n + 8])]
 
     def fingerprints(self, step: int) -> Optional[list[int]]:
-        """Every rank's replica fingerprint (by rank) carried in step ``step``'s first bucket, or
+        """Every rank's replica fingerprint (by rank) carried in step ``step``'s carrying bucket, or
         ``None`` when not every rank sent one (no bucket this step: the same answer on every rank)."""
         values = self._values(step)
         n = self.world_size
@@ -286,7 +287,7 @@ class LossFold:
         return [from_chunks(values[2 * n + 10 + 3 * r : 2 * n + 13 + 3 * r]) for r in range(n)]
 
     def straggler(self, step: int) -> Optional[list[int]]:
-        """The straggler report's exchange of step ``step`` from its first bucket, in
+        """The straggler report's exchange of step ``step`` from its carrying bucket, in
         ``StragglerDetector.pack()`` order as the stop check's all-reduce (max) would give it (the
         slowest step: the largest rank's), or ``None`` when not every rank sent its timings (the
         same answer on every rank)."""

@@ -109,6 +109,7 @@ class Catch:
         # clip_fold(torch_clip, *args, **kwargs): runs clip_grad_norm_ in its stead, with the
         # detectors' values in its all-reduce (trainguard.instability.clipfold); None: torch's
         self.clip_fold: Optional[Callable] = None
+        self._norms: list[Any] = []  # what clip_grad_norm_ returned in the current step (new_step())
 
     def install(self) -> None:
         """Wrap the collectives in ``torch.distributed``'s namespace (idempotent). torch's own
@@ -132,6 +133,17 @@ class Catch:
             torch.nn.utils.clip_grad_norm_, self._clip = self._clip, None
         self.clip_fold = None
         self.disarm()
+
+    def new_step(self) -> None:
+        """A step begins: forget the norms ``clip_grad_norm_`` returned in the one before."""
+        self._norms = []
+
+    def step_norm(self) -> Optional[Any]:
+        """The total gradient norm ``torch.nn.utils.clip_grad_norm_`` returned in the current step
+        (before clipping), when it was called exactly once since :meth:`new_step` (through the
+        module, with the wrapper installed), else ``None``. The Hugging Face Trainer clips (or takes
+        the norm) before its ``on_pre_optimizer_step``: ``should_step`` then needs no norm of its own."""
+        return self._norms[0] if len(self._norms) == 1 else None
 
     def arm(self, on_failure: Callable[[BaseException, str], bool], failed: Callable[[], bool]) -> None:
         """Catch lost peers in the script's collectives from now on (a survivor's mode)."""
@@ -167,7 +179,9 @@ class Catch:
         that runs instead of ``fn`` (given ``fn``)."""
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            return fn(*args, **kwargs) if self.clip_fold is None else self.clip_fold(fn, *args, **kwargs)
+            norm = fn(*args, **kwargs) if self.clip_fold is None else self.clip_fold(fn, *args, **kwargs)
+            self._norms.append(norm)
+            return norm
 
         @functools.wraps(fn)
         def clip(*args: Any, **kwargs: Any) -> Any:
@@ -203,13 +217,18 @@ class DDPHook:
         params: the model's parameters in the reducer's order (``ddp._build_params_for_reducer()``).
         before_last: called before the step's last bucket is sent (the Guard keeps this rank's
             step-boundary state there: after it, a peer may have the step's update).
-        extra: called with the step's first bucket (index 0, the first DDP sends; at most 1 MiB):
-            values to all-reduce with it (its dtype and device), or ``None``. The same number of
-            values on every rank. The sums go to ``reduced``. (:mod:`trainguard.instability.fold`.)
+        extra: called with the step's carrying bucket (:attr:`carrier`): values to all-reduce
+            with it (its dtype and device), or ``None``. The same number of values on every rank.
+            The sums go to ``reduced``. (:mod:`trainguard.instability.fold`.)
 
     Attributes:
         layout: ``[[parameter index, ...] per bucket]`` in bucket order, as last seen (empty
             before the first backward).
+        carrier: the index of the bucket that carries ``extra``'s values: 0 (the first DDP sends,
+            at most 1 MiB) until a layout is noted, then the smallest bucket of the last layout
+            noted (the fewest bytes copied to append them). Every rank notes the same layouts at
+            the same backward passes (DDP builds its buckets alike on every rank), so every rank
+            carries them in the same bucket.
     """
 
     LAYOUT_CALLS = (
@@ -226,7 +245,9 @@ class DDPHook:
     ):
         self.catch, self.before_last, self.extra, self.reduced = catch, before_last, extra, reduced
         self._index = {id(p): i for i, p in enumerate(params)}
+        self._numel = [p.numel() for p in params]
         self.layout: list[list[int]] = []
+        self.carrier = 0
         self._noting = self.LAYOUT_CALLS
 
     def rebuilt(self) -> None:
@@ -245,7 +266,7 @@ class DDPHook:
             done.set_result(buf)
             return done
         buf.div_(c10d.get_world_size())
-        extra = self.extra(buf) if self.extra is not None and bucket.index() == 0 else None
+        extra = self.extra(buf) if self.extra is not None and bucket.index() == self.carrier else None
         sent = buf if extra is None else torch.cat([buf, extra])
         fut = c10d.all_reduce(sent, async_op=True).get_future()
 
@@ -269,6 +290,8 @@ class DDPHook:
         self.layout.append([self._index[id(p)] for p in bucket.parameters()])
         if bucket.is_last():
             self._noting -= 1
+            sizes = [sum(self._numel[p] for p in params) for params in self.layout]
+            self.carrier = sizes.index(min(sizes))  # from the next backward pass on
 
 
 def is_own_hook(hook: Any) -> bool:

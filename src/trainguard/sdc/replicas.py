@@ -205,7 +205,7 @@ class ReplicaCheck:
 
     def carry(self, step: int) -> Optional[torch.Tensor]:
         """The fingerprint (0-dim ``int64``, on the parameters' device) to carry in step number
-        ``step``'s first gradient bucket: the one stashed at the step before it, else ``None``.
+        ``step``'s gradient buckets: the one stashed at the step before it, else ``None``.
         (Called from the DDP hook, in the backward.)"""
         pending = self.pending
         return pending[1] if pending is not None and pending[0] == step - 1 else None

@@ -3,7 +3,7 @@ max_duration`` or the SLURM job's end time), memory watchdog, save switch.
 
 Each rank computes its local flags; the Guard combines them across ranks in one small all-reduce
 (max), so every rank takes the same decision at the same step and none is left waiting in a save.
-With a DDP model they ride in the check step's first gradient bucket instead
+With a DDP model they ride in one of the check step's gradient buckets instead
 (:mod:`trainguard.instability.fold`), computed when the step's backward starts.
 """
 
