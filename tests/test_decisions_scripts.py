@@ -230,6 +230,18 @@ def test_draw_watch_stops_looking_after_a_few_clean_steps():
     assert not watch.next_step()
 
 
+def test_draw_watch_keeps_no_state_after_a_few_boundaries_when_no_one_asks():
+    """The framework callbacks call ``boundary()`` (in ``step_end()``) but never ``next_step()``:
+    the watch stops copying the generators after :data:`WATCHED_STEPS` boundaries all the same."""
+    watch = DrawWatch()
+    watch.before_loop()
+    for _ in range(WATCHED_STEPS):
+        watch.boundary()
+    torch.rand(1)
+    watch.boundary()  # past the watched steps: nothing kept, so nothing to compare
+    assert not watch.next_step()
+
+
 def test_config_from_env_ignores_the_scripts_arguments(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["train.py", "config/tiny.py", "--eval_interval=50", "--set", "x"])
     monkeypatch.setenv("TRAINGUARD_SET", "checkpoint.interval=7\nstop.check_interval=3")
