@@ -7,10 +7,12 @@ in a step adds to it rather than hiding in a sleep-until. ``--guard``: the READM
 same loop without trainguard. Rank 0 writes ``OUT`` (JSON): the wall time of each step after
 ``--warmup`` steps, and the collectives trainguard called on its own from the training thread
 during them (a collective whose nearest caller outside ``torch`` is trainguard's code and that is
-not DDP's bucket all-reduce in trainguard's communication hook). Then ``--count-syncs`` more steps,
+not DDP's bucket all-reduce in trainguard's communication hook, nor, with ``--fsdp2``, the loop's
+``clip_grad_norm_`` all-reduce that trainguard's wrapper runs). Then ``--count-syncs`` more steps,
 untimed, under a ``TorchFunctionMode`` that counts trainguard's tensor→host conversions (``item``,
 ``tolist``, ``__float__``...: each a device→host sync on a GPU; the RNG states the step boundary
-keeps are ``uint8`` host tensors on every device and are not counted).
+keeps, torch's ``uint8`` ones and NumPy's ``int64`` keys, are host tensors on every device, and
+the step boundary's encoding of them is not counted).
 
     trainguard run --nproc-per-node 2 benchmarks/_step_worker.py --out R.json [--guard] [--pad-ms 5] [--profile P]
 """
@@ -43,6 +45,8 @@ def _own(frame) -> bool:  # noqa: ANN001
         name = frame.f_globals.get("__name__", "")
         if frame.f_code.co_name == "hook" and name == "trainguard.rejoin.catch":
             return False  # DDP's gradient bucket, through trainguard's communication hook
+        if frame.f_code.co_name == "clip" and name == "trainguard.instability.clipfold":
+            return False  # the loop's clip_grad_norm_ all-reduce (FSDP2), through trainguard's wrapper
         if not name.startswith("torch") and name != "trainguard.rejoin.catch" and name != __name__:
             return name.startswith("trainguard")
         frame = frame.f_back
@@ -68,6 +72,7 @@ class CountSyncs(TorchFunctionMode):
             and args
             and torch.is_tensor(args[0])
             and args[0].dtype != torch.uint8
+            and sys._getframe(1).f_globals.get("__name__") != "trainguard.rejoin.boundary"
             and _own(sys._getframe(1))
         ):
             counting["syncs"] += 1
@@ -82,6 +87,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--pad-ms", type=float, default=0.0)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--fsdp2", action="store_true", help="fully_shard the model on a 1-D mesh instead of DDP")
     p.add_argument("--profile", default=None, help="rank 0 writes cProfile stats of its timed steps here")
     p.add_argument("--count-syncs", type=int, default=20, help="untimed steps after the timed ones, syncs counted")
     args, _ = p.parse_known_args()
@@ -94,7 +100,14 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     h = args.width
-    model = DDP(nn.Sequential(nn.Linear(64, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 10)))
+    model = nn.Sequential(nn.Linear(64, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 10))
+    if args.fsdp2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    else:
+        model = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)

@@ -23,7 +23,10 @@ own, even through trainguard's communication hook; the goal is 0). *host syncs /
 trainguard's tensor→host conversions per step, counted in ``steps / 10`` untimed steps after the timed ones
 (each a device→host sync on a GPU; goal: at most 1, the instability check's).
 
-    .venv/bin/python benchmarks/per_step_cost.py [--rounds 2] [--steps 300] [--ranks 2,4] [--step-ms 3,7,30] [--smoke]
+``--fsdp2``: the same MLP ``fully_shard``-ed on a 1-D mesh of the ranks instead of DDP; the loop's
+``clip_grad_norm_`` all-reduce is its own (trainguard's values ride in it).
+
+    .venv/bin/python benchmarks/per_step_cost.py [--rounds 2] [--steps 300] [--ranks 2,4] [--step-ms 3,7,30] [--fsdp2] [--smoke]
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 300; smoke 30)")
     p.add_argument("--ranks", default="2,4")
     p.add_argument("--step-ms", default="3,7,30")
+    p.add_argument("--fsdp2", action="store_true", help="the model fully_shard-ed on a 1-D mesh (FSDP2) instead of DDP")
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
     if args.smoke:
@@ -68,6 +72,8 @@ def _run(args: argparse.Namespace, tmp: Path, name: str, ranks: int, pad_ms: flo
     cmd += ["--count-syncs", str(args.count_syncs)]
     if guard:
         cmd += ["--guard"]
+    if args.fsdp2:
+        cmd += ["--fsdp2"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0 or not out.exists():
@@ -81,7 +87,8 @@ def main() -> int:
     from rich.table import Table
 
     med = statistics.median
-    table = Table(title=f"trainguard's cost per step — the README's loop, gloo DDP, rank 0, {args.rounds} round(s)")
+    model = "FSDP2" if args.fsdp2 else "DDP"
+    table = Table(title=f"trainguard's cost per step — the README's loop, gloo {model}, rank 0, {args.rounds} round(s)")
     cols = ("ranks", "target step", "plain (ms)", "trainguard (ms)", "ratio", "goal", "noise (plain/plain)")
     for col in (*cols, "own collectives / step", "host syncs / step"):
         table.add_column(col, justify="right")
