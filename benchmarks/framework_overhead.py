@@ -13,7 +13,10 @@ mostly fixed per step (the NaN/spike check's all-reduce and host sync, the gradi
 again because neither framework hands its own to callbacks), so the table also gives the added
 milliseconds and the step time from which that meets the goal.
 
-    .venv/bin/python benchmarks/framework_overhead.py [--trials 3] [--steps 300] [--hidden 512] [--smoke]
+``--step-ms 3,7,30``: each worker's step padded by a sleep (in both arms, in the step-time callback)
+to about each of those times, as ``per_step_cost.py`` does for the README's loop.
+
+    .venv/bin/python benchmarks/framework_overhead.py [--trials 3] [--steps 300] [--hidden 512] [--step-ms 3,7,30] [--smoke]
 """
 
 from __future__ import annotations
@@ -36,13 +39,13 @@ WORKERS = {"lightning": ROOT / "tests" / "lightning_worker.py", "hf": ROOT / "te
 GOAL = 1.01
 
 
-def step_time(framework: str, plain: bool, args: argparse.Namespace, tmp: Path) -> Optional[float]:
+def step_time(framework: str, plain: bool, args: argparse.Namespace, tmp: Path, pad_ms: float = 0.0) -> Optional[float]:
     """Median seconds per step of one launch; ``None`` if it failed (its log is printed)."""
     run = tmp / f"{framework}-{'off' if plain else 'on'}"
     shutil.rmtree(run, ignore_errors=True)
     times = tmp / "times.json"
     times.unlink(missing_ok=True)
-    env = {**os.environ, "WORKER_TIMES": str(times), "WORKER_HIDDEN": str(args.hidden)}
+    env = {**os.environ, "WORKER_TIMES": str(times), "WORKER_HIDDEN": str(args.hidden), "WORKER_PAD_MS": str(pad_ms)}
     if plain:
         env["WORKER_PLAIN"] = "1"
     script_args = [str(args.steps)] + ([str(tmp / "hf-out")] if framework == "hf" else [])
@@ -63,6 +66,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--hidden", type=int, default=512, help="the workers' width (512: ~30-60 ms steps on 2 CPU ranks)")
     p.add_argument("--frameworks", default="lightning,hf")
+    p.add_argument(
+        "--step-ms",
+        default="",
+        help="target step times, e.g. 3,7,30: each step padded by a sleep to about that long (from a first "
+        "calibration run without the callback; a target below the step's own time leaves it as it is); "
+        "default: the steps as they are",
+    )
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
     if args.smoke:
@@ -70,16 +80,22 @@ def main() -> int:
     rows, failed = [], False
     with tempfile.TemporaryDirectory(prefix="tg-framework-") as d:
         for framework in args.frameworks.split(","):
-            off, on = [], []
-            for _ in range(args.trials):
-                for plain, out in ((True, off), (False, on)):
-                    t = step_time(framework, plain, args, Path(d))
-                    failed |= t is None
-                    if t is not None:
-                        out.append(t)
-            if off and on:
-                a, b = statistics.median(off), statistics.median(on)
-                rows.append((framework, a, b, b / a))
+            pads = [0.0]
+            if args.step_ms:
+                own = step_time(framework, True, args, Path(d))
+                failed |= own is None
+                pads = [max(0.0, float(t) - own * 1e3) for t in args.step_ms.split(",")] if own else []
+            for pad in pads:
+                off, on = [], []
+                for _ in range(args.trials):
+                    for plain, out in ((True, off), (False, on)):
+                        t = step_time(framework, plain, args, Path(d), pad)
+                        failed |= t is None
+                        if t is not None:
+                            out.append(t)
+                if off and on:
+                    a, b = statistics.median(off), statistics.median(on)
+                    rows.append((framework, a, b, b / a))
     print(
         f"\nframework callback step overhead ({args.trials} trial(s) of {args.steps} steps, 2 gloo ranks, width {args.hidden})"
     )
