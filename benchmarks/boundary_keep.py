@@ -2,8 +2,11 @@
 
 Each step boundary, in-process recovery keeps the rank's own state (its data position and RNG
 streams: Python's, NumPy's, torch's) in memory and in a node-local file in ``/dev/shm``, so that a
-replacement can take it (:mod:`trainguard.rejoin.boundary`). This measures that keeping exactly as
-the Guard does it (``TrainState.state_dict(LOCAL_PARTS)`` and ``BoundaryState.keep``), with a
+replacement can take it (:mod:`trainguard.rejoin.boundary`), and at each step's start the
+optimizer's hyperparameters and the scheduler's state (:class:`~trainguard.rejoin.stepstart.StepStart`,
+put back when a step is done again). This measures that keeping exactly as the Guard does it
+(``StepStart.begin``, ``TrainState.state_dict(LOCAL_PARTS)`` and ``BoundaryState.keep``; AdamW with
+one parameter group and a ``LambdaLR``), with a
 draw from torch's generator between two boundaries as a step would make, against the same loop
 with the draw only, in blocks alternated ABBA, and gives the cost as a share of 3, 7 and 30 ms steps
 (goal of issue 32: ≤ 0.1 ms, so ≤ 1.4 % of a 7 ms step).
@@ -26,6 +29,7 @@ from _common import SMOKE_HELP
 
 from trainguard.rejoin.boundary import BoundaryState
 from trainguard.rejoin.rank import LOCAL_PARTS
+from trainguard.rejoin.stepstart import StepStart
 from trainguard.sampler import ResumableSampler
 from trainguard.state.trainstate import RNGState, TrainState
 
@@ -48,6 +52,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
         kept = BoundaryState(Path(d), 0)
         step = [0]
+        opt = torch.optim.AdamW(torch.nn.Linear(64, 64).parameters(), lr=1e-3)
+        start = StepStart(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), lambda: False)
 
         def bare() -> None:
             torch.rand(3)
@@ -55,6 +61,7 @@ def main() -> int:
         def keeping() -> None:
             torch.rand(3)
             step[0] += 1
+            start.begin()
             kept.keep({"step": step[0], **state.state_dict(LOCAL_PARTS)})
 
         per = {"bare": [], "keeping": []}
@@ -68,6 +75,7 @@ def main() -> int:
                 per[name].append((time.perf_counter() - t0) / args.steps * 1e6)
         size = sum(f.stat().st_size for f in Path(d).glob("rank0.boundary.*"))
         kept.close()
+        start.close()
     cost = statistics.median(k - b for k, b in zip(per["keeping"], per["bare"]))
     table = Table(title=f"in-process recovery: one step boundary kept (µs, median of {args.blocks} ABBA blocks)")
     for col in ("measure", "value", "goal"):
