@@ -335,3 +335,71 @@ def test_the_replica_fingerprints_in_the_bucket_are_every_ranks_or_none_on_every
         assert fold.fingerprints(9) is None
     assert all(a == answers[0] for a in answers), answers
     assert answers[0] == (None if None in sent else sent)
+
+
+# ------------------------------------------------------------------------------------------------
+# the carrying bucket: the smallest once the layout is known, bucket 0 again after a rebuild
+
+
+def _carrier_worker(rank: int, tmp: str, out) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=2)
+    fold = LossFold(rank, 2)
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 512))
+        plain = DDP(torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 512)), bucket_cap_mb=1e-4)
+        plain.module.load_state_dict(net.state_dict())
+        model = DDP(net, bucket_cap_mb=1e-4)  # a bucket per parameter: the last layer's first, its bias 512 floats
+        step = [0]
+        params, _ = model._build_params_for_reducer()
+        hook = DDPHook(CATCH, params, None, lambda b: fold.extra(step[0], b), lambda v: fold.reduced(step[0], v))
+        model.register_comm_hook(None, hook.hook)
+        fold.wire()
+        rows = []
+        for s in range(1, 9):
+            step[0] = s
+            if s == 6:
+                hook.rebuilt()  # as rebind_ddp does on every rank after a recovery
+            torch.manual_seed(100 * s + rank)
+            x = torch.randn(8, 4)
+            carrier = hook.carrier
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            plain(x).pow(2).mean().backward()
+            values = fold.take(s, loss)
+            same = all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+            rows.append((s, carrier, values[:2].tolist() if values is not None else None, loss.item(), same))
+            model.zero_grad()
+            plain.zero_grad()
+        out.put((rank, {"rows": rows, "sizes": [len(b) for b in hook.layout]}))
+    finally:
+        fold.close()
+        dist.destroy_process_group()
+
+
+def test_the_values_ride_in_the_smallest_bucket_once_the_layout_is_known_and_in_bucket_0_after_a_rebuild():
+    """Four buckets (a parameter each, the last layer's bias of 512 floats first): the values ride
+    in bucket 0 for the first backward passes, then in the smallest bucket (the first layer's bias,
+    2 floats) on every rank alike; after ``rebuilt()`` in bucket 0 again until the layout is noted
+    anew, as a replacement's new hook does. Each step's losses arrive in their slots, and the
+    gradients equal DDP's own all-reduce's."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        workers = mp.start_processes(_carrier_worker, args=(tmp, out), nprocs=2, start_method="spawn", join=False)
+        results = dict(out.get(timeout=60) for _ in range(2))
+        while not workers.join():
+            pass
+    carriers = [[c for _, c, *_ in results[r]["rows"]] for r in (0, 1)]
+    assert carriers[0] == carriers[1]
+    assert carriers[0][0] == 0 and carriers[0][5] == 0 and set(carriers[0][3:5]) == {2} and carriers[0][-1] == 2
+    for s in range(8):
+        losses = [results[r]["rows"][s][3] for r in (0, 1)]
+        assert results[0]["rows"][s][2] == results[1]["rows"][s][2] == pytest.approx(losses, rel=1e-6)
+        assert results[0]["rows"][s][4] and results[1]["rows"][s][4]

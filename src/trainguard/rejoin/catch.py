@@ -225,10 +225,11 @@ class DDPHook:
         layout: ``[[parameter index, ...] per bucket]`` in bucket order, as last seen (empty
             before the first backward).
         carrier: the index of the bucket that carries ``extra``'s values: 0 (the first DDP sends,
-            at most 1 MiB) until a layout is noted, then the smallest bucket of the last layout
-            noted (the fewest bytes copied to append them). Every rank notes the same layouts at
-            the same backward passes (DDP builds its buckets alike on every rank), so every rank
-            carries them in the same bucket.
+            at most 1 MiB) until a layout is noted after the hook was made or the reducer rebuilt
+            (:meth:`rebuilt`), then the smallest bucket of the last layout noted (the fewest bytes
+            copied to append them). Every rank notes the same layouts at the same backward passes
+            (DDP builds its buckets alike on every rank), so every rank carries them in the same
+            bucket.
     """
 
     LAYOUT_CALLS = (
@@ -251,8 +252,10 @@ class DDPHook:
         self._noting = self.LAYOUT_CALLS
 
     def rebuilt(self) -> None:
-        """The reducer was built again: note its layout for the next backward passes."""
-        self._noting = self.LAYOUT_CALLS
+        """The reducer was built again (in-process recovery, on every rank of the new group): note
+        its layout for the next backward passes, and carry the values in bucket 0 until then, as a
+        replacement's new hook does, so that every rank appends them to the same bucket."""
+        self._noting, self.carrier = self.LAYOUT_CALLS, 0
 
     def hook(self, state, bucket):  # type: ignore[no-untyped-def]  (DDP checks annotations: none here)
         """The hook DDP calls with each gradient bucket; a future of the reduced buffer."""
