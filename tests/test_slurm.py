@@ -187,9 +187,43 @@ def requeue_timing(run_dir: Path) -> list[dict]:
     return out
 
 
+def held_ranks(*steps: int) -> tuple[str, ...]:
+    """Overrides that make both ranks hold themselves (SIGSTOP) once they have trained each of
+    ``steps`` steps, and check for a stop after every step (so a signal the test sends while they
+    are held stops them in the step after SIGCONT)."""
+    hold = ", ".join(f"{{kind='rank_hung', rank={r}, step={s}}}" for s in steps for r in (0, 1))
+    return (
+        "stop.check_interval=1",
+        "supervisor.learn=false",  # the held ranks stay within the 180 s step timeout
+        "supervisor.stopped_grace=0",  # and stopped (SIGSTOP) is not taken for a hang here
+        f"faults.inject=[{hold}]",
+    )
+
+
+def _held(run: Path, n: int) -> list[dict]:
+    """Wait until ``n`` ``fault_injected`` events are written (both ranks held, per launch); return them."""
+    return wait_for(
+        lambda: (lambda f: f if len(f) >= n else None)(events(run, "fault_injected")),
+        timeout=TIMEOUT,
+        what=f"{n} ranks held",
+    )
+
+
+def _signalled(run: Path, before: int) -> None:
+    """Wait until the launcher has received (and forwarded) a signal after the ``before`` it had."""
+    wait_for(lambda: len(events(run, "signal_received")) > before, timeout=60, what="a signal at the launcher")
+
+
+def _cont(held: list[dict]) -> None:
+    for f in held:
+        try:
+            os.kill(f["pid"], signal.SIGCONT)
+        except ProcessLookupError:  # SLURM's SIGKILL after KillWait would have failed the test below
+            pass
+
+
 def test_time_limit_saves_before_end_time_requeues_and_matches_clean_run(tmp_path, jobs, clean_hash):
     run = tmp_path / "tl"
-    hold = "[{kind='rank_hung', rank=0, step=150}, {kind='rank_hung', rank=1, step=150}]"
     job = submit(
         jobs,
         run,
@@ -200,24 +234,16 @@ def test_time_limit_saves_before_end_time_requeues_and_matches_clean_run(tmp_pat
         overrides=(
             f"train.max_steps={STEPS}",
             "checkpoint.interval=50",
-            "stop.check_interval=1",
             "slurm.end_time_refresh=1",
             "slurm.end_margin=50",
-            "supervisor.learn=false",  # the held ranks stay within the 180 s step timeout
-            "supervisor.stopped_grace=0",  # and stopped (SIGSTOP) is not taken for a hang here
-            f"faults.inject={hold}",
+            *held_ranks(150),
         ),
     )
-    held = wait_for(
-        lambda: (lambda f: f if len(f) == 2 else None)(events(run, "fault_injected")),
-        timeout=TIMEOUT,
-        what="both ranks held at step 150",
-    )
+    held = _held(run, 2)
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=1"], check=True, timeout=30)
     changed = wait_for(lambda: events(run, "slurm_end_time_changed"), timeout=60, what="the new EndTime")[0]["details"]
     wait_for(lambda: time.time() > changed["ranks_end_time"], timeout=90, what="the ranks' new end time")
-    for f in held:
-        os.kill(f["pid"], signal.SIGCONT)
+    _cont(held)
     wait_for(lambda: events(run, "slurm_requeue"), timeout=120, what="the requeue at the time limit")
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=5"], check=True, timeout=30)
     tasks = wait_done(job)
@@ -244,35 +270,12 @@ def test_time_limit_saves_before_end_time_requeues_and_matches_clean_run(tmp_pat
     )
 
 
-def _held(run: Path, n: int) -> list[dict]:
-    """Wait until ``n`` ``fault_injected`` events are written (both ranks held, per launch); return them."""
-    return wait_for(
-        lambda: (lambda f: f if len(f) >= n else None)(events(run, "fault_injected")),
-        timeout=TIMEOUT,
-        what=f"{n} ranks held",
-    )
-
-
-def _signalled(run: Path, before: int) -> None:
-    """Wait until the launcher has received (and forwarded) a signal after the ``before`` it had."""
-    wait_for(lambda: len(events(run, "signal_received")) > before, timeout=60, what="a signal at the launcher")
-
-
-def _cont(held: list[dict]) -> None:
-    for f in held:
-        try:
-            os.kill(f["pid"], signal.SIGCONT)
-        except ProcessLookupError:  # SLURM's SIGKILL after KillWait would have failed the test below
-            pass
-
-
 def test_usr1_to_batch_shell_and_scontrol_requeue_resume_bitwise(tmp_path, jobs, clean_hash):
     # both ranks hold themselves (SIGSTOP) at step 150 in the first launch and at step 250 in the
     # second: each signal arrives while the job is running, however fast the machine (a 500-step
     # run could finish before the test's 'scontrol requeue'; CI saw it). The signal waits, pending,
     # in the stopped ranks; the test continues them once the launcher has forwarded it.
     run = tmp_path / "sig"
-    hold = ", ".join(f"{{kind='rank_hung', rank={r}, step={s}}}" for s in (150, 250) for r in (0, 1))
     job = submit(
         jobs,
         run,
@@ -281,10 +284,7 @@ def test_usr1_to_batch_shell_and_scontrol_requeue_resume_bitwise(tmp_path, jobs,
         overrides=(
             f"train.max_steps={STEPS}",
             "checkpoint.interval=50",
-            "stop.check_interval=1",  # a stop in the step after SIGCONT, not ~1 s (maybe the run's end) later
-            "supervisor.learn=false",  # the held ranks stay within the 180 s step timeout
-            "supervisor.stopped_grace=0",  # and stopped (SIGSTOP) is not taken for a hang here
-            f"faults.inject=[{hold}]",
+            *held_ranks(150, 250),
         ),
     )
     held = _held(run, 2)

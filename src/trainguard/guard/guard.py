@@ -350,9 +350,9 @@ class Guard:
             if self.inprocess.hook_ddp(in_progress, fold, inject) or clipfold.install(  # or FSDP2's norm
                 self.model, fold, in_progress, inject
             ):
-                self.recovery.fold.stop_source = self._stop_flags_to_fold
-                self.recovery.fold.fingerprint_source = self.sdc.carry  # the replica check rides too
-                self.recovery.fold.straggler_source = self._straggler_to_fold  # and the straggler report
+                fold.stop_source = self._stop_flags_to_fold
+                fold.fingerprint_source = self.sdc.carry  # the replica check rides too
+                fold.straggler_source = self._straggler_to_fold  # and the straggler report
         if self.rejoin.active:
             self.inprocess.catch_collectives(lambda: self.step + 1)
             check_shrinkable(cfg.elastic.min_ranks, self.world_size, self.sampler, self.ckpt.local is not None)
