@@ -14,14 +14,28 @@ untimed, under a ``TorchFunctionMode`` that counts trainguard's tensor→host co
 keeps, torch's ``uint8`` ones and NumPy's ``int64`` keys, are host tensors on every device, and
 the step boundary's encoding of them is not counted).
 
-    trainguard run --nproc-per-node 2 benchmarks/_step_worker.py --out R.json [--guard] [--pad-ms 5] [--profile P]
+``--paired K`` (with ``--guard``): both loops in the same processes, in blocks of ``K`` steps
+alternated plain, trainguard, trainguard, plain (ABBA): the plain loop trains a second DDP model of
+the same shape, with torch's own ``clip_grad_norm_`` (trainguard wraps the name
+``torch.nn.utils.clip_grad_norm_``), between two steps of the guarded loop's ``guard.steps``. The
+first ABBA round is a warm-up. Rank 0 writes each block's median wall step and its mean
+training-thread CPU time per step (``time.thread_time``): two blocks side by side see the same
+machine, which two launches do not. Collectives and host syncs are counted in ``--count-syncs``
+guarded steps after the timed blocks (counting walks the stack at every collective, which the
+timed steps must not pay). Everything else of trainguard (its threads, the warm spare, the
+launcher) runs through both kinds of block alike; ``per_step_cost.py``'s launch-alternated mode
+measures that part.
+
+    trainguard run --nproc-per-node 2 benchmarks/_step_worker.py --out R.json [--guard] [--pad-ms 5] [--paired 25] [--profile P]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
+import statistics
 import sys
 import threading
 import time
@@ -79,6 +93,76 @@ class CountSyncs(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _step_plain(model, opt, x, y, clip) -> None:  # noqa: ANN001
+    """One step of the plain loop (``clip``: torch's ``clip_grad_norm_``)."""
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    clip(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+def _paired(args: argparse.Namespace, model, opt, x, y, rank: int) -> None:  # noqa: ANN001
+    """``--paired``: plain and guarded blocks alternated in these processes (see the module doc)."""
+    from torch.nn.utils.clip_grad import clip_grad_norm_ as torch_clip  # not the name trainguard wraps
+
+    import trainguard
+
+    torch.manual_seed(0)
+    plain = copy.deepcopy(model.module) if isinstance(model, DDP) else None
+    if plain is None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        h = args.width
+        plain = nn.Sequential(nn.Linear(64, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 10))
+        plain = fully_shard(plain, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    else:
+        plain = DDP(plain)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    pad, k = args.pad_ms / 1e3, args.paired
+    order = ["plain", "guard", "guard", "plain"] * (args.rounds + 1)
+    blocks: list[dict] = []
+    wall, cpu = time.perf_counter, time.thread_time
+
+    def block(kind: str, run_step) -> None:  # noqa: ANN001
+        walls, cpus = [], []
+        for _ in range(k):
+            t0, c0 = wall(), cpu()
+            run_step()
+            time.sleep(pad)
+            walls.append(wall() - t0)
+            cpus.append(cpu() - c0)
+        blocks.append({"kind": kind, "wall": statistics.median(walls), "cpu": statistics.mean(cpus)})
+
+    with trainguard.Guard(trainguard.config_from_env(), model=model, optimizer=opt) as guard:
+        steps = iter(guard.steps(order.count("guard") * k + args.count_syncs))
+
+        def guarded() -> None:
+            next(steps)
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if guard.should_step(loss, grad_norm):
+                opt.step()
+            opt.zero_grad()
+            guard.step_end(loss=loss)
+
+        for kind in order:
+            block(kind, guarded if kind == "guard" else lambda: _step_plain(plain, plain_opt, x, y, torch_clip))
+        counting["on"] = True  # counted apart: the count's frame walk is not trainguard's cost
+        with CountSyncs():
+            for _ in range(args.count_syncs):
+                guarded()
+        counting["on"] = False
+        for _ in steps:  # the generator's end: the final save
+            pass
+    if rank == 0:
+        out = {"blocks": blocks[4:], "own_collectives": counting["own"] / args.count_syncs}
+        out["syncs"] = counting["syncs"] / args.count_syncs
+        Path(args.out).write_text(json.dumps(out))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -90,6 +174,10 @@ def main() -> None:
     p.add_argument("--fsdp2", action="store_true", help="fully_shard the model on a 1-D mesh instead of DDP")
     p.add_argument("--profile", default=None, help="rank 0 writes cProfile stats of its timed steps here")
     p.add_argument("--count-syncs", type=int, default=20, help="untimed steps after the timed ones, syncs counted")
+    p.add_argument(
+        "--paired", type=int, default=0, help="with --guard: ABBA blocks of this many steps, both loops in one job"
+    )
+    p.add_argument("--rounds", type=int, default=8, help="with --paired: ABBA rounds after the warm-up round")
     args, _ = p.parse_known_args()
     for name in COUNTED:  # before the Guard wraps them (in-process recovery's catching)
         fn = getattr(c10d, name)
@@ -136,6 +224,10 @@ def main() -> None:
                 prof.disable()
             mode.__enter__()  # the steps after it: syncs counted, not timed
 
+    if args.paired:
+        _paired(args, model, opt, x, y, rank)
+        dist.destroy_process_group()
+        return
     if args.guard:
         import trainguard
 
