@@ -37,7 +37,10 @@ the timed ones (launches: collectives during the timed steps).
 ``--fsdp2``: the same MLP ``fully_shard``-ed on a 1-D mesh of the ranks instead of DDP; the loop's
 ``clip_grad_norm_`` all-reduce is its own (trainguard's values ride in it).
 
-    .venv/bin/python benchmarks/per_step_cost.py [--rounds 10] [--steps 300] [--ranks 2,4] [--step-ms 3,7,30] [--launches] [--fsdp2] [--smoke]
+``--set KEY=VALUE``: a configuration override for both loops' runs (what a part of trainguard costs:
+``--set recovery.in_process=false`` leaves out the step-boundary keep and the warm spare).
+
+    .venv/bin/python benchmarks/per_step_cost.py [--rounds 10] [--steps 300] [--ranks 2,4] [--step-ms 3,7,30] [--launches] [--fsdp2] [--set K=V] [--smoke]
 """
 
 from __future__ import annotations
@@ -69,6 +72,13 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 300; smoke 30)")
     p.add_argument("--ranks", default="2,4")
     p.add_argument("--step-ms", default="3,7,30")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a configuration override for every run (repeatable), e.g. recovery.in_process=false",
+    )
     p.add_argument("--fsdp2", action="store_true", help="the model fully_shard-ed on a 1-D mesh (FSDP2) instead of DDP")
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
@@ -86,7 +96,7 @@ def _run(
 ) -> dict:
     out = tmp / f"{name}.json"
     cmd = _trainguard() + ["run", "--nproc-per-node", str(ranks), "--run-dir", str(tmp / name)]
-    cmd += [a for s in NO_SCHEDULED_SAVES for a in ("--set", s)] + [str(WORKER), "--out", str(out)]
+    cmd += [a for s in NO_SCHEDULED_SAVES + args.set for a in ("--set", s)] + [str(WORKER), "--out", str(out)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--pad-ms", str(pad_ms)]
     cmd += ["--count-syncs", str(args.count_syncs)]
     if guard:
