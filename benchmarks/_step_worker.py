@@ -32,7 +32,6 @@ measures that part.
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import json
 import statistics
@@ -93,6 +92,19 @@ class CountSyncs(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _model(args: argparse.Namespace) -> nn.Module:
+    """The MLP, seeded alike on every rank, under DDP (``--fsdp2``: ``fully_shard``-ed on a 1-D mesh)."""
+    torch.manual_seed(0)
+    h = args.width
+    model = nn.Sequential(nn.Linear(64, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 10))
+    if not args.fsdp2:
+        return DDP(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+
+
 def _step_plain(model, opt, x, y, clip) -> None:  # noqa: ANN001
     """One step of the plain loop (``clip``: torch's ``clip_grad_norm_``)."""
     loss = nn.functional.cross_entropy(model(x), y)
@@ -102,23 +114,24 @@ def _step_plain(model, opt, x, y, clip) -> None:  # noqa: ANN001
     opt.zero_grad()
 
 
+def _step_guarded(guard, model, opt, x, y) -> torch.Tensor:  # noqa: ANN001
+    """One step of the README's loop up to ``guard.step_end`` (the caller's): its loss."""
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if guard.should_step(loss, grad_norm):
+        opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def _paired(args: argparse.Namespace, model, opt, x, y, rank: int) -> None:  # noqa: ANN001
     """``--paired``: plain and guarded blocks alternated in these processes (see the module doc)."""
     from torch.nn.utils.clip_grad import clip_grad_norm_ as torch_clip  # not the name trainguard wraps
 
     import trainguard
 
-    torch.manual_seed(0)
-    plain = copy.deepcopy(model.module) if isinstance(model, DDP) else None
-    if plain is None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        h = args.width
-        plain = nn.Sequential(nn.Linear(64, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 10))
-        plain = fully_shard(plain, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    else:
-        plain = DDP(plain)
+    plain = _model(args)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
     pad, k = args.pad_ms / 1e3, args.paired
     order = ["plain", "guard", "guard", "plain"] * (args.rounds + 1)
@@ -140,13 +153,7 @@ def _paired(args: argparse.Namespace, model, opt, x, y, rank: int) -> None:  # n
 
         def guarded() -> None:
             next(steps)
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            if guard.should_step(loss, grad_norm):
-                opt.step()
-            opt.zero_grad()
-            guard.step_end(loss=loss)
+            guard.step_end(loss=_step_guarded(guard, model, opt, x, y))
 
         for kind in order:
             block(kind, guarded if kind == "guard" else lambda: _step_plain(plain, plain_opt, x, y, torch_clip))
@@ -186,16 +193,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    h = args.width
-    model = nn.Sequential(nn.Linear(64, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 10))
-    if args.fsdp2:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        model = fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    else:
-        model = DDP(model)
+    model = _model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
@@ -234,12 +232,7 @@ def main() -> None:
         with trainguard.Guard(trainguard.config_from_env(), model=model, optimizer=opt) as guard:
             t0 = time.perf_counter()
             for step in guard.steps(args.steps):
-                loss = nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                if guard.should_step(loss, grad_norm):
-                    opt.step()
-                opt.zero_grad()
+                loss = _step_guarded(guard, model, opt, x, y)
                 time.sleep(pad)
                 guard.step_end(loss=loss)
                 timed(step, t0)
@@ -250,11 +243,7 @@ def main() -> None:
     else:
         t0 = time.perf_counter()
         for step in range(1, args.steps + 1):
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
+            _step_plain(model, opt, x, y, nn.utils.clip_grad_norm_)
             time.sleep(pad)
             timed(step, t0)
             t0 = time.perf_counter()
