@@ -104,9 +104,10 @@ def test_sigstopped_rank_is_detected_dumped_restarted_and_run_matches_clean(tmp_
     )
     d = check_hang(run, rank=1)
     # 59 steps × 2 ranks observed: the step timeout is learned, max(min_timeout, 3 × p99, longest)
-    # (tiny steps: the 2 s floor), no longer the configured 3 s; but a stopped rank is hung without
-    # waiting for it: once the launcher has seen it stopped for [supervisor] stopped_grace (0.3 s)
-    assert d["learned"] is True and MIN_TIMEOUT <= d["timeout"] < 3, d
+    # (tiny steps: the 2 s floor on a fast machine; a slow one's p99 bucket can reach 1 s, so no
+    # upper bound is asserted); but a stopped rank is hung without waiting for it: once the launcher
+    # has seen it stopped for [supervisor] stopped_grace (0.3 s)
+    assert d["learned"] is True and d["timeout"] >= MIN_TIMEOUT, d
     assert d["stopped_seconds"] >= STOPPED_GRACE and d["silent_seconds"] < d["timeout"], d
     assert only(run, "fault_injected")["step"] == 60
     check_recovered(run, code, clean)
