@@ -25,7 +25,7 @@ from trainguard.launcher.node_join import NodeRecord, host_of, number_newcomers
 from trainguard.launcher.replace import REPLACEMENT_MODULE, Replacer, replacement_command
 from trainguard.rejoin import regroup
 from trainguard.rejoin.auth import Seal
-from trainguard.rejoin.boundary import PLAIN, TORCH, BoundaryState, decode, encode, read
+from trainguard.rejoin.boundary import PARTS, PLAIN, TORCH, BoundaryState, decode, encode, read
 from trainguard.rejoin.protocol import Generation, RecoveryStore, connect, is_peer_failure, parse_address, serve
 from trainguard.sections import RecoverySection
 from trainguard.state.determinism import capture_rng
@@ -220,6 +220,31 @@ def test_boundary_encoding_round_trips_and_refuses_classes():
         decode(planted)
     with pytest.raises(ValueError, match="first byte"):
         decode(b"Z123")
+    with pytest.raises(ValueError, match="not blobs"):  # a kept boundary's parts must all be blobs
+        decode(PARTS + pickle.dumps((encode({"step": 1}), {"rng": 5})))
+    with pytest.raises(pickle.UnpicklingError, match="only built-in values"):  # and a part is a blob like any other
+        decode(PARTS + pickle.dumps((encode({"step": 1}), {"rng": PLAIN + pickle.dumps(Path("/etc"))})))
+
+
+def test_boundary_reuses_a_stable_entrys_encoding_only_for_the_very_same_object(tmp_path):
+    """Copy-on-change: a stable entry passed again as the same object is not encoded again (the
+    caller's promise: RNGState hands out the same dict only while no generator moved); any other
+    object is, and what a replacement reads is always what was kept."""
+    kept = BoundaryState(tmp_path, rank=0, stable=("rng",))
+    rng = {"torch": torch.get_rng_state(), "n": 1}
+    kept.keep({"step": 1, "sampler": {"position": 1}, "rng": rng})
+    rng["n"] = 2  # changed in place, against the promise: the encoding of step 1 is reused
+    kept.keep({"step": 2, "sampler": {"position": 2}, "rng": rng})
+    assert read(tmp_path, 0)[2]["rng"]["n"] == 1 and kept.restore(2)["sampler"] == {"position": 2}
+    moved = {"torch": torch.rand(3), "n": 3}  # a new object (a generator moved): encoded
+    kept.keep({"step": 3, "sampler": {"position": 3}, "rng": moved})
+    for got in (read(tmp_path, 0)[3], kept.restore(3)):
+        assert got["step"] == 3 and got["sampler"] == {"position": 3} and _same(got["rng"], moved)
+    kept.keep({"step": 4, "sampler": {"position": 4}})  # a boundary without the entry
+    assert kept.restore(4) == {"step": 4, "sampler": {"position": 4}}
+    kept.keep({"step": 5, "rng": moved})  # and after one without it: encoded again, no stale reuse
+    assert _same(read(tmp_path, 0)[5]["rng"], moved)
+    kept.close()
 
 
 def test_replacement_command_runs_the_script_through_the_replacement_module():

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from trainguard import ResumableSampler, seed_everything, state_hash
 from trainguard.state.determinism import capture_rng, restore_rng
+from trainguard.state.trainstate import RNGState
 
 
 def test_sampler_resumes_mid_epoch_and_across_epochs():
@@ -89,6 +90,44 @@ def test_python_state_read_from_memory_equals_getstate_after_any_draws(ops):
         version, words, gauss = capture_rng()["python"]
         expected = random.getstate()
         assert (version, words, gauss) == (expected[0], struct.pack("<625I", *expected[1]), expected[2])
+
+
+ANY_OPS = {
+    **{f"python {k}": v for k, v in PYTHON_OPS.items()},
+    **{f"numpy {k}": v for k, v in NUMPY_OPS.items()},
+    "torch": lambda: torch.rand(2),
+    "torch seed": lambda: torch.manual_seed(3),
+    "nothing": lambda: None,
+}
+
+
+def _equal_rng(a: dict, b: dict) -> bool:
+    n, m = a["numpy"], b["numpy"]
+    return (
+        a["python"] == b["python"]
+        and torch.equal(a["torch"], b["torch"])
+        and torch.equal(n["keys"], m["keys"])
+        and all(n[k] == m[k] for k in ("kind", "pos", "has_gauss", "cached_gaussian"))
+    )
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.sampled_from(sorted(ANY_OPS)), max_size=15))
+def test_rng_state_is_copied_only_on_change_and_always_equals_a_fresh_capture(ops):
+    """RNGState.state_dict() hands out the dict of its last call while no generator moved (the
+    step-boundary keep then reuses its encoding), and after any sequence of draws, seeds and
+    restores it equals a fresh capture_rng()."""
+    seed_everything(4)
+    rng = RNGState()
+    before = rng.state_dict()
+    for op in ops:
+        ANY_OPS[op]()
+        now = rng.state_dict()
+        assert _equal_rng(now, capture_rng()), op
+        if op == "nothing":
+            assert now is before
+        before = now
+    assert rng.state_dict() is before  # asked again, nothing drawn: the same dict
 
 
 def test_python_state_round_trips_as_bytes_and_old_tuples_still_load():

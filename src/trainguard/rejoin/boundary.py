@@ -19,6 +19,12 @@ class or callable: nothing but built-in values and tensors can come out of a bou
 ``weights_only=True``. About 0.1 ms per step. A state holding anything else (a user's ``extra`` entry of another type) falls back to
 ``torch.save``/``torch.load(weights_only=True)``. The whole steady-state cost is measured by
 ``benchmarks/inprocess_overhead.py``.
+
+Copy-on-change: an entry named *stable* (the RNG states:
+:class:`~trainguard.state.trainstate.RNGState` hands out the same dict while no generator moved) is
+encoded apart from the others (:func:`encode_parts`), and when its value is the very object kept at
+the boundary before, that boundary's encoding is reused. A loop that draws no random number of the
+host's in a step then encodes only its step number and data position.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from ..checkpoint.local import deserialize, serialize
 
 PLAIN = b"P"  # first byte of a blob: pickled plain values (tensors as raw bytes)
 TORCH = b"T"  # first byte of a blob: torch.save
+PARTS = b"Q"  # first byte of a blob: a pickled dict of blobs, one per entry (encode_parts)
 
 
 class _Unsupported(Exception):
@@ -73,7 +80,7 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"a step-boundary blob may hold only built-in values, not {module}.{name}")
 
 
-def encode(state: dict[str, Any]) -> bytes:
+def encode(state: Any) -> bytes:
     """``state`` as bytes for :func:`decode` (plain pickle where it can, else ``torch.save``)."""
     buf = io.BytesIO()
     buf.write(PLAIN)
@@ -84,18 +91,39 @@ def encode(state: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-def decode(blob: bytes) -> dict[str, Any]:
-    """Inverse of :func:`encode` (tensors come back as fresh CPU tensors).
+def encode_parts(
+    state: dict[str, Any], stable: tuple[str, ...], reuse: dict[str, tuple[Any, bytes]]
+) -> tuple[bytes, dict[str, bytes]]:
+    """``state`` as bytes for :func:`decode`: its ``stable`` entries each encoded apart with
+    :func:`encode`, the others together. A stable entry whose value *is* (the same object)
+    ``reuse[key][0]`` takes ``reuse[key][1]`` as its encoding. Returns the bytes and
+    ``{stable key: the entry's encoding}``."""
+    rest = {key: value for key, value in state.items() if key not in stable}
+    apart = {}
+    for key in stable:
+        if key in state:
+            held = reuse.get(key)
+            apart[key] = held[1] if held is not None and held[0] is state[key] else encode(state[key])
+    return PARTS + pickle.dumps((encode(rest), apart), protocol=5), apart
+
+
+def decode(blob: bytes) -> Any:
+    """Inverse of :func:`encode` and :func:`encode_parts` (tensors come back as fresh CPU tensors).
 
     Raises:
         pickle.UnpicklingError: a plain blob names a class (it was not written by :func:`encode`).
-        ValueError: the blob is of neither kind.
+        ValueError: the blob is of none of the kinds.
     """
     kind, body = blob[:1], blob[1:]
     if kind == PLAIN:
         return _Unpickler(io.BytesIO(body)).load()
     if kind == TORCH:
         return deserialize(body)
+    if kind == PARTS:
+        rest, apart = _Unpickler(io.BytesIO(body)).load()
+        if not (isinstance(rest, bytes) and isinstance(apart, dict) and all(type(b) is bytes for b in apart.values())):
+            raise ValueError("not a step-boundary blob (its parts are not blobs)")
+        return {**decode(rest), **{key: decode(b) for key, b in apart.items()}}
     raise ValueError(f"not a step-boundary blob (first byte {kind!r})")
 
 
@@ -132,10 +160,19 @@ class BoundaryState:
         mirror: ``mirror(slot, data)`` is called with each slot write's bytes (header and state)
             once the file holds them, to keep a copy off this node (spare nodes); it returns once
             the copy is held, before the step's last collective is sent. ``None``: no copy.
+        stable: keys whose value, passed again as the very same object, is unchanged (the caller
+            never changes it in place): its encoding is reused (copy-on-change, see the module doc).
     """
 
-    def __init__(self, directory: Optional[Path], rank: int, mirror: Optional[Callable[[int, bytes], None]] = None):
-        self.directory, self.rank, self.mirror = directory, rank, mirror
+    def __init__(
+        self,
+        directory: Optional[Path],
+        rank: int,
+        mirror: Optional[Callable[[int, bytes], None]] = None,
+        stable: tuple[str, ...] = (),
+    ):
+        self.directory, self.rank, self.mirror, self.stable = directory, rank, mirror, stable
+        self._reuse: dict[str, tuple[Any, bytes]] = {}  # stable key -> (value, its encoding), last kept
         self._fds: list[int] = []  # the two slot files, opened at the first keep
         self._slot_of: dict[int, int] = {}  # step -> the slot holding it
         self.kept: dict[int, bytes] = {}  # step -> encoded state, the newest two
@@ -162,7 +199,9 @@ class BoundaryState:
         step = int(state["step"])
         older = [s for s in sorted(self.kept) if s < step][-1:]  # the boundary before this one
         self.kept = {s: self.kept[s] for s in older}
-        blob = self.kept[step] = encode(state)
+        blob, apart = encode_parts(state, self.stable, self._reuse)
+        self.kept[step] = blob
+        self._reuse = {key: (state[key], apart[key]) for key in apart}
         if self.directory is None:
             return
         if not self._fds:

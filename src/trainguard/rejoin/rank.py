@@ -104,7 +104,8 @@ class Rejoin:
                 store.decline(declined)
         self.dir = launch.recovery_dir
         mirror = self._mirror if self.active and launch.boundary_mirror else None
-        self.boundary = BoundaryState(self.dir if self.active else None, rank, mirror)
+        # "rng": RNGState hands out the same dict while no generator moved (copy-on-change)
+        self.boundary = BoundaryState(self.dir if self.active else None, rank, mirror, stable=("rng",))
         self.joining = self.active and launch.join is not None
         self.generation = launch.join if self.joining else 0
         self.failure: Optional[PeerFailure] = None

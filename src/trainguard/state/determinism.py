@@ -43,8 +43,12 @@ def _python_full() -> tuple[int, bytes, Optional[float]]:
 
 
 def _python_fast(offset: int) -> tuple[int, bytes, Optional[float]]:
-    raw = ctypes.string_at(id(random._inst) + offset, _PY_WORDS.size)  # position, then the words
-    return 3, raw[4:] + raw[:4], random._inst.gauss_next  # 3: random.Random.VERSION
+    return _python_of(ctypes.string_at(id(random._inst) + offset, _PY_WORDS.size), random._inst.gauss_next)
+
+
+def _python_of(raw: bytes, gauss: Optional[float]) -> tuple[int, bytes, Optional[float]]:
+    """Python's state from its object's memory: the position, then the words."""
+    return 3, raw[4:] + raw[:4], gauss  # 3: random.Random.VERSION
 
 
 @functools.cache
@@ -90,7 +94,12 @@ def _numpy_fast(gauss_at: int) -> Optional[dict[str, Any]]:
     if not isinstance(bitgen, np.random.MT19937):
         return None
     mt = ctypes.string_at(bitgen.ctypes.state_address, _MT_BYTES)
-    has_gauss, gauss = struct.unpack("=i4xd", ctypes.string_at(id(np.random.mtrand._rand) + gauss_at - 8, 16))
+    return _numpy_of(mt, ctypes.string_at(id(np.random.mtrand._rand) + gauss_at - 8, 16))
+
+
+def _numpy_of(mt: bytes, gauss_raw: bytes) -> dict[str, Any]:
+    """NumPy's state from the MT19937 bytes and the 16 bytes of ``has_gauss`` and the Gaussian."""
+    has_gauss, gauss = struct.unpack("=i4xd", gauss_raw)
     return {
         "kind": "MT19937",
         "keys": torch.from_numpy(np.frombuffer(mt, np.uint32, _MT_KEYS).astype(np.int64)),
@@ -136,6 +145,44 @@ def _numpy_state() -> dict[str, Any]:
     """NumPy's global (legacy) generator's state, as :func:`capture_rng` gives it."""
     offset = _gauss_offset()
     return (_numpy_fast(offset) if offset is not None else None) or _numpy_full()
+
+
+def rng_fingerprint() -> Optional[tuple[Any, ...]]:
+    """The raw state of every generator :func:`capture_rng` reads (about 10 kB of bytes without
+    CUDA): equal fingerprints mean equal captures, so a capture can be reused while the generators
+    have not moved (:class:`~trainguard.state.trainstate.RNGState`), and :func:`capture_of` turns
+    one into the capture without reading the generators again. Python's and NumPy's states read
+    from memory as :func:`capture_rng` reads them; ``None`` where that fast read is unavailable
+    (another interpreter or layout, a NumPy bit generator other than MT19937)."""
+    py_at, gauss_at = _python_offset(), _gauss_offset()
+    if py_at is None or gauss_at is None:
+        return None
+    bitgen = np.random.get_bit_generator()
+    if not isinstance(bitgen, np.random.MT19937):
+        return None
+    parts = [
+        ctypes.string_at(id(random._inst) + py_at, _PY_WORDS.size),
+        random._inst.gauss_next,
+        ctypes.string_at(bitgen.ctypes.state_address, _MT_BYTES),
+        ctypes.string_at(id(np.random.mtrand._rand) + gauss_at - 8, 16),
+        torch.get_rng_state().numpy().tobytes(),
+    ]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        parts += [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+    return tuple(parts)
+
+
+def capture_of(fingerprint: tuple[Any, ...]) -> dict[str, Any]:
+    """What :func:`capture_rng` returned when :func:`rng_fingerprint` gave ``fingerprint``."""
+    py, gauss, mt, numpy_gauss, cpu, *cuda = fingerprint
+    state = {"python": _python_of(py, gauss), "numpy": _numpy_of(mt, numpy_gauss), "torch": _uint8(cpu)}
+    if cuda:
+        state["cuda"] = [_uint8(b) for b in cuda]
+    return state
+
+
+def _uint8(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def capture_rng() -> dict[str, Any]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional, Protocol, runtime_checkable
 
-from .determinism import capture_rng, restore_rng
+from .determinism import capture_of, capture_rng, restore_rng, rng_fingerprint
 
 
 @runtime_checkable
@@ -31,10 +31,28 @@ class Stateful(Protocol):
 
 
 class RNGState:
-    """The random number generators of Python, NumPy, torch (CPU) and CUDA, as one Stateful."""
+    """The random number generators of Python, NumPy, torch (CPU) and CUDA, as one Stateful.
+
+    Copy-on-change: :meth:`state_dict` hands out the same dict while no generator has moved since
+    its last call (compared by :func:`~trainguard.state.determinism.rng_fingerprint`, about 10 kB
+    of raw bytes), so callers read it and never change it. A loop whose random numbers are drawn
+    elsewhere (data loader workers, a generator of its own, the GPU's) then pays a fingerprint per
+    step boundary, not a capture, and the step-boundary keep reuses its encoding
+    (:class:`~trainguard.rejoin.boundary.BoundaryState`'s ``stable`` keys).
+    """
+
+    def __init__(self) -> None:
+        self._kept: tuple[Optional[tuple[Any, ...]], Optional[dict[str, Any]]] = (None, None)
 
     def state_dict(self) -> dict[str, Any]:
-        return capture_rng()
+        fingerprint = rng_fingerprint()
+        if fingerprint is None:
+            return capture_rng()
+        kept_fingerprint, kept = self._kept
+        if kept is None or fingerprint != kept_fingerprint:
+            kept = capture_of(fingerprint)
+            self._kept = (fingerprint, kept)
+        return kept
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         restore_rng(state)
