@@ -191,6 +191,23 @@ def test_writer_limits_and_misuse(tmp_path):
     w.close_file()
 
 
+def test_close_and_beat_is_close_then_beat_in_one_update(tmp_path):
+    w = HeartbeatWriter(tmp_path / "rank-0.hb")
+    r = HeartbeatReader(tmp_path / "rank-0.hb")
+    with pytest.raises(RuntimeError):
+        w.close_and_beat(3)
+    for step in (1, 2):
+        w.open("step")
+        assert r.state().section == "step"
+        w.close_and_beat(step)  # the end of a step: the section recorded and left, the beat
+        state = r.state()
+        assert (state.section, state.step, state.beats) == ("", step, step + 1)  # + the writer's first beat
+        assert state.beat_time >= state.last_closed > 0
+        assert r.histograms()["step"][0] == step
+    r.close()
+    w.close_file()
+
+
 HAMMER = LOAD + textwrap.dedent("""
     print("ready", flush=True)
     end = time.monotonic() + float(sys.argv[3])

@@ -661,8 +661,7 @@ class Guard:
         if self._rolled_back:  # the step was undone: steps() yields the checkpoint's step next
             self._rolled_back = False
             if self.heartbeat is not None:
-                self.heartbeat.close()
-                self.heartbeat.beat(self.step)
+                self.heartbeat.close_and_beat(self.step)
             return
         self.step += 1
         if self.faults.sdc_pending:  # a bit flips in a parameter, after the optimizer step
@@ -683,8 +682,7 @@ class Guard:
         if self.faults.pending:  # inside the step section: an injected hang is a hang mid-step
             self.faults.at(self.step, "step")
         if self.heartbeat is not None:
-            self.heartbeat.close()
-            self.heartbeat.beat(self.step)
+            self.heartbeat.close_and_beat(self.step)
         if self.ping is not None and self.ping.failed is not None:
             raise health.PeerLostError(self.ping.failed)
         for h in self.hooks:

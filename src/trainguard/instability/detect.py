@@ -145,20 +145,17 @@ class Detector:
         may be ``None``) with the other ranks' and return the verdict. A collective, unless ``fold``
         (a DDP model's: :mod:`.fold`) carried the losses in one of the step's gradient buckets: call
         on every rank."""
-        loss_t = loss.detach().reshape(()).float() if torch.is_tensor(loss) else torch.tensor(float(loss))
         has_grad = grad_norm is not None
         if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP2's clip_grad_norm_): its value, as a plain tensor
             grad_norm = grad_norm.full_tensor()
-        if torch.is_tensor(grad_norm):
-            grad_t = grad_norm.detach().reshape(()).float().to(loss_t.device)
-        else:
-            grad_t = torch.tensor(float(grad_norm) if has_grad else 0.0, device=loss_t.device)
         n = self.world_size
         folded = fold.take(step, loss) if fold is not None and n > 1 else None
         if folded is not None:  # the one host sync; DDP's gradients, so their norm, are alike on every rank
-            *values, grad = torch.cat([folded.to(grad_t.device), grad_t.reshape(1)]).tolist()
+            *values, grad = torch.cat([folded, _scalar(grad_norm, folded.device).reshape(1)]).tolist()
             if fold.usable(values):
                 return self._verdict(step, values[:n], [grad] * n if has_grad else None)
+        loss_t = loss.detach().reshape(()).float() if torch.is_tensor(loss) else torch.tensor(float(loss))
+        grad_t = _scalar(grad_norm, loss_t.device)
         if n > 1 and dist.is_available() and dist.is_initialized():
             packed = torch.zeros(2 * n, device=loss_t.device)  # rank r's loss and gradient norm in slots r, n + r
             packed[self.rank] = loss_t
@@ -224,6 +221,14 @@ class Detector:
     def load_state_dict(self, state: dict[str, list[float]]) -> None:
         self.loss_stats.load_state_dict(state.get("loss", []))
         self.grad_stats.load_state_dict(state.get("grad_norm", []))
+
+
+def _scalar(value: Any, device: torch.device) -> torch.Tensor:
+    """A 0-dim float32 tensor on ``device`` of a gradient norm (a tensor, a float, or ``None``: 0)."""
+    if torch.is_tensor(value):
+        value = value.detach().reshape(())
+        return value if value.dtype == torch.float32 and value.device == device else value.to(device, torch.float32)
+    return torch.tensor(0.0 if value is None else float(value), device=device)
 
 
 def _mean(values: list[float]) -> float:

@@ -140,6 +140,20 @@ class HeartbeatWriter:
         Raises:
             RuntimeError: no section is open.
         """
+        seconds = self._leave()
+        self._publish()
+        return seconds
+
+    def close_and_beat(self, step: int) -> None:
+        """:meth:`close` and :meth:`beat` in one update of the record (the end of a step).
+
+        Raises:
+            RuntimeError: no section is open.
+        """
+        self._leave()
+        self.beat(step)
+
+    def _leave(self) -> float:
         if not self._stack:
             raise RuntimeError("close() without an open section")
         name, entered = self._stack.pop()
@@ -149,7 +163,6 @@ class HeartbeatWriter:
         if self._stack:  # the outer section's time leaves out this one's: a slow eval is the eval's, not the step's
             outer, outer_entered = self._stack[-1]
             self._stack[-1] = (outer, outer_entered + (now - entered))
-        self._publish()
         return now - entered
 
     @contextmanager
