@@ -266,9 +266,13 @@ def test_hang_on_second_node_is_detected_there_both_nodes_restart_and_match_clea
     assert len(resumed) == 1 and resumed[0]["pid"] not in first_pids, resumed
     # the newest checkpoint before the restart: 50; 60 when the stack dump's SIGCONT let the
     # stopped rank finish the step-60 save its peer was waiting in before it was killed; 40 when
-    # step 50's background save was still in flight when rank 1 stopped
+    # step 50's background save was still in flight when rank 1 stopped. The restart resumes from
+    # the newest on disk: the last one reported, or the next when its background save committed on
+    # disk after its event's last chance (rank 0 reports a commit at a step boundary, and it waits in
+    # step 60's collective; seen once in the soak, 2026-11-28: events up to 40, resumed from 50)
     committed = [e["step"] for e in training_events(run, "checkpoint_committed") if e["time"] < resumed[0]["time"]]
-    assert committed[-1] >= 40 and resumed[0]["details"]["first_step"] == committed[-1], committed
+    first = resumed[0]["details"]["first_step"]
+    assert committed[-1] >= 40 and first in (committed[-1], committed[-1] + 10) and first <= 60, (first, committed)
 
     for pid, exit_ in exits_by_agent(run, agents).items():
         assert exit_["code"] == 0, (pid, exit_)
@@ -307,7 +311,12 @@ def test_rank_killed_on_either_node_is_replaced_in_process_across_nodes(tmp_path
 
 
 @pytest.mark.soak  # over 40 s on 2 cores: scripts/test_soak.sh (CI)
-def test_a_3_rank_job_that_lost_a_rank_goes_on_as_2_and_a_returning_node_makes_it_3_in_place(tmp_path):
+# interval 1: the growth lands on a save step. Found by the soak (2026-11-28, a growth at step 1100
+# with interval 20): the ranks that grew saved that step, which the newcomer, joining after it, does
+# not; from then on the writer groups' collectives were paired wrongly, the checkpoints held two
+# ranks' files of three, and the final save hung
+@pytest.mark.parametrize("interval", [20, 1])
+def test_a_3_rank_job_that_lost_a_rank_goes_on_as_2_and_a_returning_node_makes_it_3_in_place(tmp_path, interval):
     """``--nnodes 1:2``: the first node trains alone with 3 ranks (4 sequences each). Rank 1 dies:
     ``elastic.min_ranks = 2``, no spare, no regrow, so ranks 0 and 2 go on in place as 2 ranks of 6
     (no restart). A node (1 rank) comes back while they run: the first node's agent joins the new
@@ -321,7 +330,7 @@ def test_a_3_rank_job_that_lost_a_rank_goes_on_as_2_and_a_returning_node_makes_i
         "train.max_steps=1000000",  # runs until stopped
         "train.batch_size=4",
         "data.max_bytes=2000000",  # 57,000 sequences: the epoch does not end however fast the steps are
-        "checkpoint.interval=20",
+        f"checkpoint.interval={interval}",
         "recovery.in_process=true",
         "launcher.spares=0",
         "elastic.min_ranks=2",

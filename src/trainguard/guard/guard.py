@@ -697,6 +697,8 @@ class Guard:
             return
         if flags.reason is not None:
             self._stop(flags.reason)
+        if flags.grow:  # grew in place at this boundary (_check): the newcomers start after it and do
+            return  # not save it, so neither do we (the save switch stays set for the next check)
         if flags.save_switch:
             self.save("save_switch")
             if self.rank == 0:
