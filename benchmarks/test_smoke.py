@@ -52,7 +52,7 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "inprocess_overhead.py": ([], ["steady-state step time with in-process recovery", "| on, warm spare", "overhead"]),
     "membership_scale.py": ([], ["membership decisions at scale", " 4096 ", "flat in the world size: met"]),
     "sdc_overhead.py": ([], ["SDC replica check vs a training step", "default interval (100)"]),
-    "boundary_keep.py": ([], ["one step boundary kept", "share of a 30 ms step"]),
+    "boundary_keep.py": ([], ["one step boundary kept", "draws no host random number", "share of 3 / 7 / 30 ms"]),
     "snapshot_stall.py": ([], ["a sharded model's snapshot vs the asynchronous save", "| snapshot |", "loopback"]),
     "per_step_cost.py": ([], ["trainguard's cost per step", "own collectives / step", "load average"]),
     # one framework (the Hugging Face path runs in tests/test_hf.py)
