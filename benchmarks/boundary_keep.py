@@ -8,7 +8,7 @@ put back when a step is done again). This measures that keeping exactly as the G
 (``StepStart.begin``, ``TrainState.state_dict(LOCAL_PARTS)`` and ``BoundaryState.keep``; AdamW with
 one parameter group and a ``LambdaLR``), in two kinds of step: one that draws from torch's CPU
 generator (the RNG states are captured and encoded again), and one that draws no random number of
-the host's (a loop whose data loader workers, own generator or GPU draw them: copy-on-change
+the host's (a loop whose data loader workers or own generator draw them: copy-on-change
 reuses the kept RNG states, :class:`~trainguard.state.trainstate.RNGState`). Each against the same
 loop without the keeping, in blocks alternated ABBA; the cost as a share of 3, 7 and 30 ms steps
 (goal of issue 32: ≤ 0.1 ms, so ≤ 1.4 % of a 7 ms step).

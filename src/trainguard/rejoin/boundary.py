@@ -43,7 +43,7 @@ from ..checkpoint.local import deserialize, serialize
 
 PLAIN = b"P"  # first byte of a blob: pickled plain values (tensors as raw bytes)
 TORCH = b"T"  # first byte of a blob: torch.save
-PARTS = b"Q"  # first byte of a blob: a pickled dict of blobs, one per entry (encode_parts)
+PARTS = b"Q"  # first byte of a blob: the pickled (blob of the other entries, {stable key: its blob}) (encode_parts)
 
 
 class _Unsupported(Exception):

@@ -36,9 +36,10 @@ class RNGState:
     Copy-on-change: :meth:`state_dict` hands out the same dict while no generator has moved since
     its last call (compared by :func:`~trainguard.state.determinism.rng_fingerprint`, about 10 kB
     of raw bytes), so callers read it and never change it. A loop whose random numbers are drawn
-    elsewhere (data loader workers, a generator of its own, the GPU's) then pays a fingerprint per
-    step boundary, not a capture, and the step-boundary keep reuses its encoding
-    (:class:`~trainguard.rejoin.boundary.BoundaryState`'s ``stable`` keys).
+    elsewhere (data loader workers, a generator of its own) then pays a fingerprint per step
+    boundary, not a capture, and the step-boundary keep reuses its encoding
+    (:class:`~trainguard.rejoin.boundary.BoundaryState`'s ``stable`` keys). A draw from any of
+    them, a CUDA generator's included (dropout on the GPU), means a new capture at the next call.
     """
 
     def __init__(self) -> None:
