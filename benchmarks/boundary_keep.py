@@ -75,7 +75,7 @@ def main() -> int:
                         fn()
                     per[name].append((time.perf_counter() - t0) / args.steps * 1e6)
             costs[kind] = statistics.median(k - b for k, b in zip(per["keeping"], per["bare"]))
-        sizes = sum(f.stat().st_size for f in Path(d).glob("rank0.boundary.*"))
+        size = sum(f.stat().st_size for f in Path(d).glob("rank0.boundary.*"))
         kept.close()
         start.close()
     table = Table(title=f"in-process recovery: one step boundary kept (median of {args.blocks} ABBA blocks)")
@@ -86,7 +86,7 @@ def main() -> int:
         shares = " / ".join(f"{cost / (ms * 1e3) * 100:.2f} %" for ms in (3, 7, 30))
         table.add_row(kind, f"{mark}{cost:.1f}", f"≤ {GOAL_US:.0f}", shares)
     Console(width=120).print(table)
-    print(f"boundary files: {sizes} bytes (two slots)")
+    print(f"boundary files: {size} bytes (two slots)")
     print(f"load average {os.getloadavg()[0]:.2f}")
     return 0
 

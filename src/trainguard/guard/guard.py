@@ -693,12 +693,10 @@ class Guard:
         if self.rank == 0:
             self.recovery.after_step(self.step)
         flags = self._check() if self.step >= self._next_check else StopFlags()
-        if flags is None:  # recovered in-process: the replacement starts after this boundary, so do we
+        if flags is None:  # the group changed in place: its newcomers start after this boundary, so do we
             return
         if flags.reason is not None:
             self._stop(flags.reason)
-        if flags.grow:  # grew in place at this boundary (_check): the newcomers start after it and do
-            return  # not save it, so neither do we (the save switch stays set for the next check)
         if flags.save_switch:
             self.save("save_switch")
             if self.rank == 0:
@@ -729,8 +727,9 @@ class Guard:
     def _check(self) -> Optional[StopFlags]:
         """The stop check: one all-reduce (max) of every rank's stop flags, its proposed next check
         step and, on report checks, its straggler timings, unless the flags rode in the step's
-        first DDP bucket (:meth:`_stop_flags_to_fold`); returns the agreed flags (``None``: a peer
-        was lost and replaced in-process instead)."""
+        first DDP bucket (:meth:`_stop_flags_to_fold`); returns the agreed flags, or ``None`` when
+        the group changed in place at this boundary (a lost peer replaced, or grown back): its
+        newcomers start after it, so the rest of it (a save, the save switch) waits for the next."""
         if self.faults.pending:
             self.faults.at(self.step, "stop_check")
         report = self.straggler.due(self.step)
@@ -764,6 +763,7 @@ class Guard:
             )
         if flags.grow and flags.reason is None:  # a stop wins: that generation is left to form
             self._grow(flags.grow)
+            return None
         return flags
 
     # ------------------------------------------------------------------------------------------

@@ -43,7 +43,12 @@ def _python_full() -> tuple[int, bytes, Optional[float]]:
 
 
 def _python_fast(offset: int) -> tuple[int, bytes, Optional[float]]:
-    return _python_of(ctypes.string_at(id(random._inst) + offset, _PY_WORDS.size), random._inst.gauss_next)
+    return _python_of(_python_raw(offset), random._inst.gauss_next)
+
+
+def _python_raw(offset: int) -> bytes:
+    """The memory of Python's generator at ``offset`` in its object (see :func:`_python_offset`)."""
+    return ctypes.string_at(id(random._inst) + offset, _PY_WORDS.size)
 
 
 def _python_of(raw: bytes, gauss: Optional[float]) -> tuple[int, bytes, Optional[float]]:
@@ -93,8 +98,14 @@ def _numpy_fast(gauss_at: int) -> Optional[dict[str, Any]]:
     bitgen = np.random.get_bit_generator()  # NumPy >= 1.25
     if not isinstance(bitgen, np.random.MT19937):
         return None
+    return _numpy_of(*_numpy_raw(bitgen, gauss_at))
+
+
+def _numpy_raw(bitgen: np.random.MT19937, gauss_at: int) -> tuple[bytes, bytes]:
+    """The MT19937 state's bytes, and the 16 bytes of ``has_gauss`` and the cached Gaussian of the
+    legacy ``RandomState`` (``gauss_at``: see :func:`_gauss_offset`)."""
     mt = ctypes.string_at(bitgen.ctypes.state_address, _MT_BYTES)
-    return _numpy_of(mt, ctypes.string_at(id(np.random.mtrand._rand) + gauss_at - 8, 16))
+    return mt, ctypes.string_at(id(np.random.mtrand._rand) + gauss_at - 8, 16)
 
 
 def _numpy_of(mt: bytes, gauss_raw: bytes) -> dict[str, Any]:
@@ -161,10 +172,9 @@ def rng_fingerprint() -> Optional[tuple[Any, ...]]:
     if not isinstance(bitgen, np.random.MT19937):
         return None
     parts = [
-        ctypes.string_at(id(random._inst) + py_at, _PY_WORDS.size),
+        _python_raw(py_at),
         random._inst.gauss_next,
-        ctypes.string_at(bitgen.ctypes.state_address, _MT_BYTES),
-        ctypes.string_at(id(np.random.mtrand._rand) + gauss_at - 8, 16),
+        *_numpy_raw(bitgen, gauss_at),
         torch.get_rng_state().numpy().tobytes(),
     ]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
