@@ -172,25 +172,24 @@ class Detector:
         cfg, fired = self.cfg, []
         bad_loss = [r for r, v in enumerate(losses) if not math.isfinite(v)]
         bad_grad = [r for r, v in enumerate(grads) if not math.isfinite(v)] if grads is not None else []
-        loss = _mean([v for v in losses if math.isfinite(v)])
-        grad = _mean([v for v in grads if math.isfinite(v)]) if grads is not None else math.nan
+        loss = _mean([v for v in losses if math.isfinite(v)] if bad_loss else losses)
+        grad = (_mean([v for v in grads if math.isfinite(v)] if bad_grad else grads)) if grads is not None else math.nan
         if bad_loss:
             fired.append("nonfinite_loss")
         if bad_grad:
             fired.append("nonfinite_grad")
+        mean_loss, std_loss = self.loss_stats.mean_std()
+        mean_grad = self.grad_stats.mean_std()[0]
         ready = len(self.loss_stats) >= cfg.min_history
         thresholds = {
             "loss": self.loss_stats.threshold(cfg.loss_spike_factor) if ready else math.nan,
-            "grad_norm": cfg.grad_spike_factor * self.grad_stats.mean_std()[0]
-            if ready and len(self.grad_stats)
-            else math.nan,
+            "grad_norm": cfg.grad_spike_factor * mean_grad if ready and len(self.grad_stats) else math.nan,
         }
         if ready and not bad_loss and loss > thresholds["loss"]:
             fired.append("loss_spike")
         if ready and not bad_grad and grad > thresholds["grad_norm"]:
             fired.append("grad_spike")
-        alone = sorted({bad[0] for bad in (bad_loss, bad_grad) if len(bad) == 1})
-        mean_loss, std_loss = self.loss_stats.mean_std()
+        alone = sorted({bad[0] for bad in (bad_loss, bad_grad) if len(bad) == 1}) if fired else None
         return Verdict(
             step,
             fired,
@@ -202,7 +201,7 @@ class Detector:
             {
                 "loss_mean": mean_loss,
                 "loss_std": std_loss,
-                "grad_norm_mean": self.grad_stats.mean_std()[0],
+                "grad_norm_mean": mean_grad,
                 "history": len(self.loss_stats),
             },
         )

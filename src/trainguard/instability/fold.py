@@ -68,6 +68,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Optional
 
+import numpy
 import torch
 
 from .. import console
@@ -146,6 +147,8 @@ class LossFold:
         self._said = False
         self.wired = False  # a DDP hook (or FSDP2's clip_grad_norm_) carries the values (wire())
         self.carrier = ""  # what carries them, for the console (wire())
+        self._host_np: Any = None  # the host buffer of extra() (_host_values)
+        self._host_t = torch.zeros(0)  # the same memory, as a tensor
 
     @property
     def size(self) -> int:
@@ -177,13 +180,17 @@ class LossFold:
 
     def extra(self, step: int, bucket: torch.Tensor) -> Optional[torch.Tensor]:
         """The values to append to step ``step``'s carrying bucket (``bucket``: its buffer), or
-        ``None`` for a bucket that is not float32 (the same on every rank)."""
+        ``None`` for a bucket that is not float32 (the same on every rank).
+
+        On a CPU bucket the tensor returned is this fold's own buffer, filled in place (a
+        ``torch.tensor`` built from a list costs more than the rest of this method): valid until
+        the next call, so callers copy it (``torch.cat``, a slice assignment), as they all do."""
         noted = noted_loss()
         self._sent = (step, noted[0] if noted is not None else None)
         if bucket.dtype != torch.float32:
             return None
         n = self.world_size
-        host = [0.0] * self.size  # what the host knows, in one copy to the bucket's device
+        host = self._host_values()
         host[n], host[n + 1] = float(noted is not None), float(self._matched)
         flags = self.stop_source(step) if self.stop_source is not None else None
         if flags is not None:  # StopFlags.pack(): 5 flags, next_interval, grow
@@ -196,7 +203,11 @@ class LossFold:
             at = 5 * n + 11 + 3 * self.rank
             host[5 * n + 10] = 1.0
             host[at : at + 3] = [timings[0], timings[1 + self.rank], timings[1 + n + self.rank]]
-        values = torch.tensor(host, dtype=bucket.dtype, device=bucket.device)
+        on_cpu = bucket.device.type == "cpu"
+        if noted is not None and on_cpu and noted[1] == 1.0:  # into the buffer's slot (a view), as the index below
+            self._host_t[self.rank : self.rank + 1].copy_(noted[0].detach().reshape(1))
+            noted = None
+        values = self._host_t if on_cpu else self._host_t.to(bucket.device)  # one copy to the bucket's device
         if noted is not None:  # device values: no host copy
             loss, factor = noted
             v = loss.detach().to(device=bucket.device, dtype=bucket.dtype)
@@ -205,6 +216,16 @@ class LossFold:
             at = 2 * n + 10 + 3 * self.rank
             values[at : at + 3] = chunks(fp).to(device=values.device, dtype=values.dtype)
         return values
+
+    def _host_values(self) -> Any:
+        """This fold's host buffer of :attr:`size` float32 zeros (a NumPy array; :attr:`_host_t`
+        is the same memory as a tensor), made again when the size changed (:meth:`renumber`)."""
+        if self._host_np is None or self._host_np.shape[0] != self.size:
+            self._host_np = numpy.zeros(self.size, dtype=numpy.float32)
+            self._host_t = torch.from_numpy(self._host_np)
+        else:
+            self._host_np.fill(0.0)
+        return self._host_np
 
     def reduced(self, step: int, values: torch.Tensor) -> None:
         """The hook's all-reduce of step ``step``'s carrying bucket completed: ``values`` are the sums."""
