@@ -24,7 +24,10 @@ counts every tensor→host conversion (``item``, ``tolist``, ``__bool__``, ``__f
 ``numpy``, ``cpu``) and wrappers count ``torch.distributed`` collectives, per call after the
 first (whose values no bucket carries yet).
 
-    .venv/bin/python benchmarks/instability_overhead.py [--quick | --smoke] [--steps N] [--rounds R] [--hidden H]
+``--step-ms 3`` (7, 30) pads every step of every loop with the same sleep, so that the plain step
+lasts about that long, as a GPU step whose host work is this loop's; ``--ranks 4`` runs 4 ranks.
+
+    .venv/bin/python benchmarks/instability_overhead.py [--quick | --smoke] [--steps N] [--rounds R] [--hidden H] [--step-ms MS] [--ranks N]
 """
 
 from __future__ import annotations
@@ -54,10 +57,18 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="ABCDDCBA rounds (default 6, quick 1, smoke 1)")
     p.add_argument("--hidden", type=int, default=None, help="MLP width (sets the step time; default 1024, smoke 64)")
     p.add_argument("--batch", type=int, default=None, help="samples per rank per step (default 64, smoke 8)")
+    p.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2)")
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=None,
+        help="pad every step of every loop with a sleep to about this long (the plain step's compute "
+        "measured first; default: no pad, the compute's own step; width 128 unless --hidden)",
+    )
     args = p.parse_args()
     args.steps = args.steps or (4 if args.smoke else 20 if args.quick else 40)
     args.rounds = args.rounds or (1 if args.smoke or args.quick else 6)
-    args.hidden = args.hidden or (64 if args.smoke else 1024)
+    args.hidden = args.hidden or (64 if args.smoke else 128 if args.step_ms else 1024)
     args.batch = args.batch or (8 if args.smoke else 64)
     args.warmup = 2 if args.smoke else 20
     return args
@@ -82,9 +93,16 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         loss.backward()
         return loss, torch.nn.utils.clip_grad_norm_(ddp.module.parameters(), 1.0)  # the loss backward() ran on
 
+    warm = []
     for _ in range(args.warmup):  # warm-up
+        t0 = clock()
         forward_backward()
         opt.step()
+        warm.append(clock() - t0)
+    # --step-ms: the same sleep after every step of every loop, from the slowest rank's plain compute
+    compute = torch.tensor(statistics.median(warm[len(warm) // 2 :]))  # past the first steps (buckets rebuilt)
+    dist.all_reduce(compute, op=dist.ReduceOp.MAX)
+    pad = max(args.step_ms / 1e3 - compute.item(), 0.0) if args.step_ms else 0.0
 
     def own_model() -> tuple:
         """A DDP model of its own (trainguard's hook goes on it), the plain module's copy."""
@@ -111,6 +129,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
             yield
             forward_backward()
             opt.step()
+            time.sleep(pad)
         yield
 
     def guarded(variant: str, guard_box: list):
@@ -129,6 +148,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
             if variant != "detectors" or guard.should_step(loss, norm):
                 own_opt.step()
             guard.step_end(loss=loss)
+            time.sleep(pad)
             yield
         guard.shutdown.uninstall()
         guard.events.close()
@@ -170,7 +190,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         setattr(dist, name, fn)
     dist.barrier()
     if rank == 0:
-        Path(tmp, "result.json").write_text(json.dumps({"wall": wall, "cpu": cpu, "counts": counts}))
+        result = {"wall": wall, "cpu": cpu, "counts": counts, "compute_ms": compute.item() * 1e3}
+        Path(tmp, "result.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
@@ -182,7 +203,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="tg-bench-instab-") as tmp:
         t0 = time.perf_counter()
-        mp.spawn(_worker, args=(2, args, tmp), nprocs=2, join=True)
+        mp.spawn(_worker, args=(args.ranks, args, tmp), nprocs=args.ranks, join=True)
         seconds = time.perf_counter() - t0
         res = json.loads(Path(tmp, "result.json").read_text())
 
@@ -203,8 +224,9 @@ def main() -> int:
         return (f"{'[green]' if r <= GOAL else '[red]'}{r:.4f}×") if goal else f"{r:.4f}×"
 
     table = Table(
-        title=f"Instability detectors — 2 gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
+        title=f"Instability detectors — {args.ranks} gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
         f"{args.rounds}× ABCDDCBA blocks of {args.steps} steps, rank 0"
+        + (f", steps padded to {args.step_ms:g} ms (compute {res['compute_ms']:.1f})" if args.step_ms else "")
     )
     for col in (
         "measure",
