@@ -141,7 +141,8 @@ def spawn_pair(worker: Callable, args: Any, prefix: str) -> tuple[dict, float]:
 def timed_block(guard: Any, n: int, step: Callable[[Any], Any]) -> tuple[list[float], list[float]]:
     """Run ``guard.steps(n + 1)`` to its end (so that the Guard finishes: ping stopped, ranks leave
     together), each step ``loss = step(guard)`` then ``guard.step_end(loss)``, both timed; then
-    uninstall the Guard's signal handlers and close its event log.
+    close the Guard (``guard.close()``: its signal handlers, event log, checkpoint threads and
+    process groups, so that no block runs beside the ones before it).
 
     Returns:
         (wall seconds, CPU seconds) of each step but the first (it includes the Guard's start).
@@ -154,8 +155,7 @@ def timed_block(guard: Any, n: int, step: Callable[[Any], Any]) -> tuple[list[fl
         guard.step_end(loss=loss.detach())
         times.append(clock() - t0)
         cpus.append(cpu_clock() - c0)
-    guard.shutdown.uninstall()
-    guard.events.close()
+    guard.close()  # its checkpoint threads and process groups too (steps() stopped the ping)
     return times[1:], cpus[1:]
 
 

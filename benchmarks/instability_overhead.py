@@ -150,8 +150,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
             guard.step_end(loss=loss)
             time.sleep(pad)
             yield
-        guard.shutdown.uninstall()
-        guard.events.close()
+        guard.close()  # its checkpoint threads and process groups too (steps() stopped the ping)
 
     for _ in range(args.rounds):
         for variant in ("plain", "guard", "detectors", "reference", "reference", "detectors", "guard", "plain"):

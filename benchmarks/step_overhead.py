@@ -126,8 +126,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
             cpus.append(c_now - c_prev)
             t_prev, c_prev = now, c_now
         t_end = clock()
-        guard.shutdown.uninstall()
-        guard.events.close()
+        guard.close()  # its checkpoint threads and process groups too (steps() stopped the ping)
         wall["guarded"].append(times[1:])
         cpu["guarded"].append(cpus[1:])
         step_end_us.extend(v * 1e6 for v in inside[1:])
