@@ -222,6 +222,8 @@ def test_boundary_encoding_round_trips_and_refuses_classes():
         decode(b"Z123")
     with pytest.raises(ValueError, match="not blobs"):  # a kept boundary's parts must all be blobs
         decode(PARTS + pickle.dumps((encode({"step": 1}), {"rng": 5})))
+    with pytest.raises(ValueError, match="not blobs"):  # or {item: blob}
+        decode(PARTS + pickle.dumps((encode({"step": 1}), {"rng": {"torch": 5}})))
     with pytest.raises(pickle.UnpicklingError, match="only built-in values"):  # and a part is a blob like any other
         decode(PARTS + pickle.dumps((encode({"step": 1}), {"rng": PLAIN + pickle.dumps(Path("/etc"))})))
 
@@ -244,6 +246,16 @@ def test_boundary_reuses_a_stable_entrys_encoding_only_for_the_very_same_object(
     assert kept.restore(4) == {"step": 4, "sampler": {"position": 4}}
     kept.keep({"step": 5, "rng": moved})  # and after one without it: encoded again, no stale reuse
     assert _same(read(tmp_path, 0)[5]["rng"], moved)
+    # by item (a generator that did not move beside one that did): a new dict whose item is the
+    # very object kept before reuses that item's encoding (shown by changing it in place, against
+    # the promise); an item that was replaced in the old dict after its encoding is encoded again
+    kept.keep({"step": 6, "rng": moved})
+    as_kept = moved["torch"].clone()
+    moved["torch"].add_(1)
+    moved["n"] = 7
+    kept.keep({"step": 7, "rng": {"torch": moved["torch"], "n": 7, "new": 1}})
+    for got in (read(tmp_path, 0)[7]["rng"], kept.restore(7)["rng"]):
+        assert torch.equal(got["torch"], as_kept) and got["n"] == 7 and got["new"] == 1
     kept.close()
 
 

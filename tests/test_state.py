@@ -115,8 +115,9 @@ def _equal_rng(a: dict, b: dict) -> bool:
 @given(st.lists(st.sampled_from(sorted(ANY_OPS)), max_size=15))
 def test_rng_state_is_copied_only_on_change_and_always_equals_a_fresh_capture(ops):
     """RNGState.state_dict() hands out the dict of its last call while no generator moved (the
-    step-boundary keep then reuses its encoding), and after any sequence of draws, seeds and
-    restores it equals a fresh capture_rng()."""
+    step-boundary keep then reuses its encoding), the entry of its last call for each generator
+    that did not move, and after any sequence of draws, seeds and restores it equals a fresh
+    capture_rng()."""
     seed_everything(4)
     rng = RNGState()
     before = rng.state_dict()
@@ -126,6 +127,9 @@ def test_rng_state_is_copied_only_on_change_and_always_equals_a_fresh_capture(op
         assert _equal_rng(now, capture_rng()), op
         if op == "nothing":
             assert now is before
+        for generator in ("python", "numpy", "torch"):  # by generator: one that op did not touch keeps its entry
+            if not op.startswith(generator):
+                assert now[generator] is before[generator], (op, generator)
         before = now
     assert rng.state_dict() is before  # asked again, nothing drawn: the same dict
 

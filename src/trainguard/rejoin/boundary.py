@@ -21,10 +21,12 @@ class or callable: nothing but built-in values and tensors can come out of a bou
 ``benchmarks/inprocess_overhead.py``.
 
 Copy-on-change: an entry named *stable* (the RNG states:
-:class:`~trainguard.state.trainstate.RNGState` hands out the same dict while no generator moved) is
-encoded apart from the others (:func:`encode_parts`), and when its value is the very object kept at
-the boundary before, that boundary's encoding is reused. A loop that draws no random number of the
-host's in a step then encodes only its step number and data position.
+:class:`~trainguard.state.trainstate.RNGState` hands out the same dict while no generator moved,
+and the same entry of a generator that did not move) is encoded apart from the others
+(:func:`encode_parts`), by generator, and when its value is the very object kept at the boundary
+before, that boundary's encoding is reused. A loop that draws no random number of the host's in a
+step then encodes only its step number and data position; one that draws from one generator (a
+CUDA generator's dropout) encodes that generator's state alone.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from ..checkpoint.local import deserialize, serialize
 
 PLAIN = b"P"  # first byte of a blob: pickled plain values (tensors as raw bytes)
 TORCH = b"T"  # first byte of a blob: torch.save
-PARTS = b"Q"  # first byte of a blob: the pickled (blob of the other entries, {stable key: its blob}) (encode_parts)
+PARTS = b"Q"  # first byte of a blob: the pickled (blob of the other entries, {stable key: its blob, or {item: blob}}) (encode_parts)
 
 
 class _Unsupported(Exception):
@@ -92,19 +94,41 @@ def encode(state: Any) -> bytes:
 
 
 def encode_parts(
-    state: dict[str, Any], stable: tuple[str, ...], reuse: dict[str, tuple[Any, bytes]]
-) -> tuple[bytes, dict[str, bytes]]:
+    state: dict[str, Any], stable: tuple[str, ...], reuse: dict[str, tuple[Any, Any, Any]]
+) -> tuple[bytes, dict[str, tuple[Any, Any, Any]]]:
     """``state`` as bytes for :func:`decode`: its ``stable`` entries each encoded apart with
-    :func:`encode`, the others together. A stable entry whose value *is* (the same object)
-    ``reuse[key][0]`` takes ``reuse[key][1]`` as its encoding. Returns the bytes and
-    ``{stable key: the entry's encoding}``."""
+    :func:`encode`, the others together. A stable entry whose value is a ``dict`` (the RNG states,
+    by generator) is encoded item by item.
+
+    Reuse, by identity (the caller's promise: a stable value or item is never changed in place): a
+    stable entry whose value *is* the value of ``reuse[key]`` takes its encoding whole; else each
+    item of a ``dict`` that *is* the item of that name when ``reuse[key]`` was encoded takes that
+    item's encoding (a generator that did not move, beside one that did).
+
+    Returns:
+        the bytes, and the ``reuse`` mapping for the next call: ``{stable key: (value, its
+        encoding: bytes, or {item name: bytes} for a dict, the items as they were encoded)}``.
+    """
     rest = {key: value for key, value in state.items() if key not in stable}
-    apart = {}
+    kept: dict[str, tuple[Any, Any, Any]] = {}
     for key in stable:
-        if key in state:
-            held = reuse.get(key)
-            apart[key] = held[1] if held is not None and held[0] is state[key] else encode(state[key])
-    return PARTS + pickle.dumps((encode(rest), apart), protocol=5), apart
+        if key not in state:
+            continue
+        value, held = state[key], reuse.get(key)
+        if held is not None and held[0] is value:
+            kept[key] = held
+        elif type(value) is dict:
+            old_items, old = (held[2], held[1]) if held is not None and type(held[1]) is dict else ({}, {})
+            items = dict(value)
+            kept[key] = (
+                value,
+                {n: old[n] if n in old and old_items.get(n) is v else encode(v) for n, v in items.items()},
+                items,
+            )
+        else:
+            kept[key] = (value, encode(value), None)
+    apart = {key: encoding for key, (_, encoding, _) in kept.items()}
+    return PARTS + pickle.dumps((encode(rest), apart), protocol=5), kept
 
 
 def decode(blob: bytes) -> Any:
@@ -121,10 +145,19 @@ def decode(blob: bytes) -> Any:
         return deserialize(body)
     if kind == PARTS:
         rest, apart = _Unpickler(io.BytesIO(body)).load()
-        if not (isinstance(rest, bytes) and isinstance(apart, dict) and all(type(b) is bytes for b in apart.values())):
+        if not (isinstance(rest, bytes) and isinstance(apart, dict) and all(map(_is_part, apart.values()))):
             raise ValueError("not a step-boundary blob (its parts are not blobs)")
-        return {**decode(rest), **{key: decode(b) for key, b in apart.items()}}
+        return {**decode(rest), **{key: _decode_part(part) for key, part in apart.items()}}
     raise ValueError(f"not a step-boundary blob (first byte {kind!r})")
+
+
+def _is_part(part: Any) -> bool:
+    """A stable entry's encoding in a ``PARTS`` blob: a blob, or ``{item name: blob}``."""
+    return type(part) is bytes or (type(part) is dict and all(type(b) is bytes for b in part.values()))
+
+
+def _decode_part(part: Any) -> Any:
+    return decode(part) if type(part) is bytes else {name: decode(b) for name, b in part.items()}
 
 
 def path_of(directory: Path, rank: int, slot: int) -> Path:
@@ -172,7 +205,7 @@ class BoundaryState:
         stable: tuple[str, ...] = (),
     ):
         self.directory, self.rank, self.mirror, self.stable = directory, rank, mirror, stable
-        self._reuse: dict[str, tuple[Any, bytes]] = {}  # stable key -> (value, its encoding), last kept
+        self._reuse: dict[str, tuple[Any, Any, Any]] = {}  # stable key -> (value, its encoding, items), last kept
         self._fds: list[int] = []  # the two slot files, opened at the first keep
         self._slot_of: dict[int, int] = {}  # step -> the slot holding it
         self.kept: dict[int, bytes] = {}  # step -> encoded state, the newest two
@@ -199,9 +232,8 @@ class BoundaryState:
         step = int(state["step"])
         older = [s for s in sorted(self.kept) if s < step][-1:]  # the boundary before this one
         self.kept = {s: self.kept[s] for s in older}
-        blob, apart = encode_parts(state, self.stable, self._reuse)
+        blob, self._reuse = encode_parts(state, self.stable, self._reuse)
         self.kept[step] = blob
-        self._reuse = {key: (state[key], apart[key]) for key in apart}
         if self.directory is None:
             return
         if not self._fds:

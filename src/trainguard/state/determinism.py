@@ -17,7 +17,7 @@ import json
 import random
 import struct
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -182,12 +182,28 @@ def rng_fingerprint() -> Optional[tuple[Any, ...]]:
     return tuple(parts)
 
 
-def capture_of(fingerprint: tuple[Any, ...]) -> dict[str, Any]:
-    """What :func:`capture_rng` returned when :func:`rng_fingerprint` gave ``fingerprint``."""
+def capture_of(
+    fingerprint: tuple[Any, ...], before: Optional[tuple[tuple[Any, ...], dict[str, Any]]] = None
+) -> dict[str, Any]:
+    """What :func:`capture_rng` returned when :func:`rng_fingerprint` gave ``fingerprint``.
+
+    ``before``: an earlier ``(fingerprint, capture_of(fingerprint))``; each generator whose raw
+    state is the same in both keeps that capture's entry, the very object (copy-on-change by
+    generator: a loop that draws from one generator builds and encodes that one's state alone)."""
+    old_fp, old = before if before is not None and len(before[0]) == len(fingerprint) else (None, {})
     py, gauss, mt, numpy_gauss, cpu, *cuda = fingerprint
-    state = {"python": _python_of(py, gauss), "numpy": _numpy_of(mt, numpy_gauss), "torch": _uint8(cpu)}
+
+    def entry(name: str, lo: int, hi: Optional[int], build: Callable[[], Any]) -> Any:
+        same = old_fp is not None and name in old and old_fp[lo:hi] == fingerprint[lo:hi]
+        return old[name] if same else build()
+
+    state = {
+        "python": entry("python", 0, 2, lambda: _python_of(py, gauss)),
+        "numpy": entry("numpy", 2, 4, lambda: _numpy_of(mt, numpy_gauss)),
+        "torch": entry("torch", 4, 5, lambda: _uint8(cpu)),
+    }
     if cuda:
-        state["cuda"] = [_uint8(b) for b in cuda]
+        state["cuda"] = entry("cuda", 5, None, lambda: [_uint8(b) for b in cuda])
     return state
 
 

@@ -38,8 +38,10 @@ class RNGState:
     of raw bytes), so callers read it and never change it. A loop whose random numbers are drawn
     elsewhere (data loader workers, a generator of its own) then pays a fingerprint per step
     boundary, not a capture, and the step-boundary keep reuses its encoding
-    (:class:`~trainguard.rejoin.boundary.BoundaryState`'s ``stable`` keys). A draw from any of
-    them, a CUDA generator's included (dropout on the GPU), means a new capture at the next call.
+    (:class:`~trainguard.rejoin.boundary.BoundaryState`'s ``stable`` keys). A draw from one of
+    them (a CUDA generator's dropout on the GPU, say) means a new dict at the next call, in which
+    each generator that did not move keeps its entry, the very object: the keep encodes the moved
+    one's state alone.
     """
 
     def __init__(self) -> None:
@@ -51,7 +53,7 @@ class RNGState:
             return capture_rng()
         kept_fingerprint, kept = self._kept
         if kept is None or fingerprint != kept_fingerprint:
-            kept = capture_of(fingerprint)
+            kept = capture_of(fingerprint, (kept_fingerprint, kept) if kept is not None else None)
             self._kept = (fingerprint, kept)
         return kept
 
