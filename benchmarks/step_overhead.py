@@ -17,12 +17,19 @@ threads; time spent descheduled or blocked is not counted, so it is much less se
 load on the machine); the time spent inside ``guard.step_end()`` per call; and the Guard's per-run
 fixed cost (setup + the end-of-run state hash, without the final save) and the final save, for information.
 
-    .venv/bin/python benchmarks/step_overhead.py [--quick | --smoke] [--steps N] [--rounds R] [--hidden H]
+Each guarded block trains a DDP model of its own (a copy of the plain loop's module, with its own
+AdamW), as a job has: trainguard's communication hook goes on a DDP model once, so Guards made in
+turn on one DDP model would leave the first one's hook on it, in every later block of every
+variant. ``--step-ms 3`` (7, 30) pads every step of every variant with the same sleep, so that the
+plain step lasts about that long; ``--ranks 4`` runs 4 ranks.
+
+    .venv/bin/python benchmarks/step_overhead.py [--quick | --smoke] [--steps N] [--rounds R] [--hidden H] [--step-ms MS] [--ranks N]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -51,10 +58,18 @@ def _parse() -> argparse.Namespace:
         action="store_false",
         help="skip the reference variant (plain loop + one bare 4-int all_reduce per step)",
     )
+    p.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2)")
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=None,
+        help="pad every step of every variant with a sleep to about this long (the plain step measured "
+        "first; default: no pad; width 128 unless --hidden)",
+    )
     args = p.parse_args()
     args.steps = args.steps or (4 if args.smoke else 30 if args.quick else 40)
     args.rounds = args.rounds or (1 if args.smoke else 2 if args.quick else 8)
-    args.hidden = args.hidden or (64 if args.smoke else 768)
+    args.hidden = args.hidden or (64 if args.smoke else 128 if args.step_ms else 768)
     args.batch = args.batch or (8 if args.smoke else 64)
     args.warmup = 2 if args.smoke else 20
     return args
@@ -65,21 +80,29 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     import torch.distributed as dist
     import torch.nn as nn
     from _common import ddp_mlp
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import trainguard
     from trainguard.events import read_events
 
     model, ddp, opt, x, y = ddp_mlp(rank, world, tmp, args.hidden, args.batch, lr=1e-4)
 
-    def train_step() -> torch.Tensor:
+    def train_step(ddp=ddp, opt=opt) -> torch.Tensor:  # noqa: ANN001
         loss = nn.functional.cross_entropy(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         return loss
 
+    warm = []
     for _ in range(args.warmup):  # warm-up: allocator, gloo buffers, DDP buckets
+        t0 = time.perf_counter()
         train_step()
+        warm.append(time.perf_counter() - t0)
+    # --step-ms: the same sleep after every step of every variant, from the slowest rank's plain step
+    compute = torch.tensor(statistics.median(warm[len(warm) // 2 :]))
+    dist.all_reduce(compute, op=dist.ReduceOp.MAX)
+    pad = max(args.step_ms / 1e3 - compute.item(), 0.0) if args.step_ms else 0.0
 
     n = args.steps
     wall = {"plain": [], "guarded": [], "collective": []}  # per block: per-step wall seconds
@@ -101,6 +124,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
             loss = loss.detach()  # same work as the guarded loop minus step_end
             if variant == "collective":  # reference: what the Guard's per-step stop check costs by itself
                 dist.all_reduce(torch.tensor([0, 0, 0, 0], dtype=torch.int64), op=dist.ReduceOp.MAX)
+            time.sleep(pad)
             now, c_now = clock(), cpu_clock()
             times.append(now - t_prev)
             cpus.append(c_now - c_prev)
@@ -112,16 +136,19 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         cfg = trainguard.load_config(
             None, [f"run.dir={tmp}/guard-{block}", *NO_SCHEDULED_SAVES, f"stop.check_interval={args.check_interval}"]
         )
+        module = copy.deepcopy(model)  # a DDP model of its own: this Guard's communication hook goes on it
+        own, own_opt = DDP(module), torch.optim.AdamW(module.parameters(), lr=1e-4)
         t_start = clock()
-        guard = trainguard.Guard(cfg, model=ddp, optimizer=opt)
+        guard = trainguard.Guard(cfg, model=own, optimizer=own_opt)
         times, cpus, inside = [], [], []
         t_prev, c_prev = clock(), cpu_clock()
         for _step in guard.steps(n):
-            loss = train_step()
+            loss = train_step(own, own_opt)
             t0 = clock()
             guard.step_end(loss=loss.detach())
+            inside.append(clock() - t0)
+            time.sleep(pad)
             now, c_now = clock(), cpu_clock()
-            inside.append(now - t0)
             times.append(now - t_prev)
             cpus.append(c_now - c_prev)
             t_prev, c_prev = now, c_now
@@ -160,6 +187,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
                     "step_end_us": step_end_us,
                     "fixed_ms": fixed_ms,
                     "final_save_ms": final_save_ms,
+                    "compute_ms": compute.item() * 1e3,
                 }
             )
         )
@@ -174,7 +202,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="tg-bench-overhead-") as tmp:
         t0 = time.perf_counter()
-        mp.spawn(_worker, args=(2, args, tmp), nprocs=2, join=True)
+        mp.spawn(_worker, args=(args.ranks, args, tmp), nprocs=args.ranks, join=True)
         wall = time.perf_counter() - t0
         res = json.loads(Path(tmp, "result.json").read_text())
 
@@ -211,8 +239,9 @@ def main() -> int:
         return f"{'[green]' if r <= GOAL else '[red]'}{r:.4f}×"
 
     table = Table(
-        title=f"Guard step overhead — 2 gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
+        title=f"Guard step overhead — {args.ranks} gloo ranks, DDP MLP width {args.hidden}, batch {args.batch}, "
         f"{args.rounds}× {'ABCCBA' if args.reference else 'ABBA'} blocks of {args.steps} steps, rank 0"
+        + (f", steps padded to {args.step_ms:g} ms (compute {res['compute_ms']:.1f})" if args.step_ms else "")
     )
     for col in ("measure", "plain loop", "with Guard", "ratio", "goal"):
         table.add_column(col, justify="left" if col == "measure" else "right")
