@@ -16,7 +16,9 @@ milliseconds and the step time from which that meets the goal.
 ``--step-ms 3,7,30``: each worker's step padded by a sleep (in both arms, in the step-time callback)
 to about each of those times, as ``per_step_cost.py`` does for the README's loop.
 
-    .venv/bin/python benchmarks/framework_overhead.py [--trials 3] [--steps 300] [--hidden 512] [--step-ms 3,7,30] [--smoke]
+``--ranks 4``: 4 ranks per job.
+
+    .venv/bin/python benchmarks/framework_overhead.py [--trials 3] [--steps 300] [--hidden 512] [--step-ms 3,7,30] [--ranks N] [--smoke]
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def step_time(framework: str, plain: bool, args: argparse.Namespace, tmp: Path, 
     if plain:
         env["WORKER_PLAIN"] = "1"
     script_args = [str(args.steps)] + ([str(tmp / "hf-out")] if framework == "hf" else [])
-    cmd = _trainguard() + ["run", "--nproc-per-node", "2", "--run-dir", str(run), str(WORKERS[framework])]
+    cmd = _trainguard() + ["run", "--nproc-per-node", str(args.ranks), "--run-dir", str(run), str(WORKERS[framework])]
     # the frameworks decline in-process recovery (on by default): no warm spare competing for the cores
     cmd += script_args + ["--set", "checkpoint.interval=100", "--set", "recovery.in_process=false"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
@@ -73,6 +75,7 @@ def main() -> int:
         "calibration run without the callback; a target below the step's own time leaves it as it is); "
         "default: the steps as they are",
     )
+    p.add_argument("--ranks", type=int, default=2, help="ranks of each job (default 2)")
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
     if args.smoke:
@@ -97,7 +100,7 @@ def main() -> int:
                     a, b = statistics.median(off), statistics.median(on)
                     rows.append((framework, a, b, b / a))
     print(
-        f"\nframework callback step overhead ({args.trials} trial(s) of {args.steps} steps, 2 gloo ranks, width {args.hidden})"
+        f"\nframework callback step overhead ({args.trials} trial(s) of {args.steps} steps, {args.ranks} gloo ranks, width {args.hidden})"
     )
     print(
         "| framework | step without (ms) | step with TrainguardCallback (ms) | ratio | goal | added per step (ms) | step for the goal (ms) |"

@@ -14,7 +14,9 @@ Step time = rank 0's ``mark`` event (after step ``--steps`` / 3, once start-up, 
 spare's, is over) → its ``end`` event, per step. Overhead = median on / median off − 1 (goal ≤ 1 %).
 The kill and hang recoveries themselves are timed by ``recovery_compare.py``.
 
-    .venv/bin/python benchmarks/inprocess_overhead.py [--trials 6] [--steps 300] [--smoke]
+``--ranks 4`` runs 4 ranks (on 2 cores each rank shares its core with another).
+
+    .venv/bin/python benchmarks/inprocess_overhead.py [--trials 6] [--steps 300] [--step-ms MS] [--ranks N] [--smoke]
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def step_time(args: argparse.Namespace, name: str, run_dir: Path) -> Optional[fl
     cmd = _trainguard() + [
         "run",
         "--nproc-per-node",
-        "2",
+        str(args.ranks),
         "--run-dir",
         str(run_dir),
         str(WORKER),
@@ -79,6 +81,7 @@ def main() -> int:
     p.add_argument("--step-ms", type=float, default=None, help="pad every step to this (default 30, smoke 10)")
     p.add_argument("--steps", type=int, default=None, help="steps of the job (default 300, smoke 60)")
     p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--ranks", type=int, default=2, help="ranks of the job (default 2)")
     args = p.parse_args()
     args.trials = args.trials or (1 if args.smoke else 6)
     args.step_ms = args.step_ms or (10.0 if args.smoke else 30.0)
@@ -98,7 +101,7 @@ def main() -> int:
     ok = {n: [x * 1e3 for x in v if x is not None] for n, v in times.items()}
     print(
         f"\nsteady-state step time with in-process recovery (ms/step, median [min–max] of {args.trials}; steps "
-        f"{args.steps // 3}–{args.steps} of {args.steps}, padded to {args.step_ms:.0f} ms; 2 gloo ranks)"
+        f"{args.steps // 3}–{args.steps} of {args.steps}, padded to {args.step_ms:.0f} ms; {args.ranks} gloo ranks)"
     )
     print(f"| {'configuration':<14} | {'ms/step':>24} | {'/ off':>6} |")
     print(f"|{'-' * 16}|{'-' * 26}|{'-' * 8}|")

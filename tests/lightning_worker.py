@@ -111,7 +111,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
-        val_check_interval=20,
+        val_check_interval=min(20, len(data) // (8 * world)),  # at most an epoch (4 ranks: 16 batches each)
         num_sanity_val_steps=0,
         callbacks=callbacks,
     )
