@@ -11,8 +11,8 @@ loops, in a mirrored order so that drift and ordering effects cancel:
 * D, reference: B plus one bare 6-float ``all_reduce`` and one ``tolist()`` per step, the
   collective and sync the detectors need by design, without their logic (order ABCDDCBA).
 
-Each guarded block gets a DDP model of its own (a copy of the plain loop's module, weights and
-all, with its own AdamW), as a job has: trainguard's communication hook goes on a DDP model once,
+Each guarded block gets a DDP model of its own (a copy of the warmed-up module, weights and all,
+with its own AdamW), and the plain loop one copy for all its blocks, as a job has: trainguard's communication hook goes on a DDP model once,
 so Guards made in turn on one DDP model would all but the first miss it, and with it the fold (the
 detectors' values riding in a gradient bucket, :mod:`trainguard.instability.fold`). So C pays what
 the README's loop pays: no collective of the detectors' own and one host sync per step.
@@ -124,11 +124,13 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         wall[variant].append(times[2:])  # drop the Guard's first yield (setup) and the first step
         cpu[variant].append(cpus[2:])
 
+    plain_ddp, plain_opt = own_model()  # A on a copy too: its CPU ran above B's on the first DDP model
+
     def plain():
         for _ in range(n + 1):
             yield
-            forward_backward()
-            opt.step()
+            forward_backward(plain_ddp, plain_opt)
+            plain_opt.step()
             time.sleep(pad)
         yield
 
