@@ -10,7 +10,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from trainguard.events import read_events
 
@@ -120,6 +120,44 @@ def block_args(
     args.batch = args.batch or (8 if args.smoke else 64)
     args.warmup_blocks = 0 if args.smoke else 2
     return args
+
+
+def add_pad_args(p: argparse.ArgumentParser) -> None:
+    """``--ranks`` (default 2) and ``--step-ms`` (each step of every variant padded with the same
+    sleep, :func:`step_pad`) for a benchmark of alternated step blocks."""
+    p.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2)")
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=None,
+        help="pad every step of every variant with a sleep to about this long (the plain step measured "
+        "first; default: no pad; width 128 unless --hidden)",
+    )
+
+
+def step_pad(warm: list[float], step_ms: Optional[float]) -> tuple[float, float]:
+    """``(pad, compute)`` seconds: ``compute`` is the slowest rank's median plain step over the
+    second half of ``warm`` (its warm-up steps' seconds, past DDP's bucket rebuild; an all-reduce),
+    ``pad`` the sleep that makes a step last about ``step_ms`` (0 without it, or when the compute
+    is longer already)."""
+    import torch
+    import torch.distributed as dist
+
+    compute = torch.tensor(statistics.median(warm[len(warm) // 2 :]))
+    dist.all_reduce(compute, op=dist.ReduceOp.MAX)
+    return (max(step_ms / 1e3 - compute.item(), 0.0) if step_ms else 0.0), compute.item()
+
+
+def ddp_copy(model: Any, lr: float) -> tuple[Any, Any]:
+    """A DDP model of its own around a copy of ``model`` (weights and all) and an AdamW on it:
+    trainguard's communication hook goes on a DDP model once, so each Guard needs its own."""
+    import copy
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    module = copy.deepcopy(model)
+    return DDP(module), torch.optim.AdamW(module.parameters(), lr=lr)
 
 
 def spawn_pair(worker: Callable, args: Any, prefix: str) -> tuple[dict, float]:

@@ -33,7 +33,6 @@ lasts about that long, as a GPU step whose host work is this loop's; ``--ranks 4
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -42,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import NO_SCHEDULED_SAVES, SMOKE_HELP
+from _common import NO_SCHEDULED_SAVES, SMOKE_HELP, add_pad_args
 
 GOAL = 1.01
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu")
@@ -57,14 +56,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="ABCDDCBA rounds (default 6, quick 1, smoke 1)")
     p.add_argument("--hidden", type=int, default=None, help="MLP width (sets the step time; default 1024, smoke 64)")
     p.add_argument("--batch", type=int, default=None, help="samples per rank per step (default 64, smoke 8)")
-    p.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2)")
-    p.add_argument(
-        "--step-ms",
-        type=float,
-        default=None,
-        help="pad every step of every loop with a sleep to about this long (the plain step's compute "
-        "measured first; default: no pad, the compute's own step; width 128 unless --hidden)",
-    )
+    add_pad_args(p)
     args = p.parse_args()
     args.steps = args.steps or (4 if args.smoke else 20 if args.quick else 40)
     args.rounds = args.rounds or (1 if args.smoke or args.quick else 6)
@@ -78,8 +70,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
-    from _common import ddp_mlp
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from _common import ddp_copy, ddp_mlp, step_pad
     from torch.overrides import TorchFunctionMode
 
     import trainguard
@@ -99,15 +90,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         forward_backward()
         opt.step()
         warm.append(clock() - t0)
-    # --step-ms: the same sleep after every step of every loop, from the slowest rank's plain compute
-    compute = torch.tensor(statistics.median(warm[len(warm) // 2 :]))  # past the first steps (buckets rebuilt)
-    dist.all_reduce(compute, op=dist.ReduceOp.MAX)
-    pad = max(args.step_ms / 1e3 - compute.item(), 0.0) if args.step_ms else 0.0
-
-    def own_model() -> tuple:
-        """A DDP model of its own (trainguard's hook goes on it), the plain module's copy."""
-        module = copy.deepcopy(model)
-        return DDP(module), torch.optim.AdamW(module.parameters(), lr=1e-5)
+    pad, compute = step_pad(warm, args.step_ms)  # --step-ms: the same sleep after every step
 
     n, block = args.steps, [0]
     wall = {"plain": [], "guard": [], "detectors": [], "reference": []}
@@ -124,7 +107,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         wall[variant].append(times[2:])  # drop the Guard's first yield (setup) and the first step
         cpu[variant].append(cpus[2:])
 
-    plain_ddp, plain_opt = own_model()  # A on a copy too: its CPU ran above B's on the first DDP model
+    plain_ddp, plain_opt = ddp_copy(model, lr=1e-5)  # A on a copy too: its CPU ran above B's on the first DDP model
 
     def plain():
         for _ in range(n + 1):
@@ -137,7 +120,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     def guarded(variant: str, guard_box: list):
         cfg = trainguard.load_config(None, [f"run.dir={tmp}/run-{block[0]}", *NO_SCHEDULED_SAVES])
         block[0] += 1
-        own, own_opt = own_model()
+        own, own_opt = ddp_copy(model, lr=1e-5)
         guard = trainguard.Guard(cfg, model=own, optimizer=own_opt)
         guard_box.append(guard)
         yield
@@ -191,7 +174,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         setattr(dist, name, fn)
     dist.barrier()
     if rank == 0:
-        result = {"wall": wall, "cpu": cpu, "counts": counts, "compute_ms": compute.item() * 1e3}
+        result = {"wall": wall, "cpu": cpu, "counts": counts, "compute_ms": compute * 1e3}
         Path(tmp, "result.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -29,7 +29,6 @@ plain step lasts about that long; ``--ranks 4`` runs 4 ranks.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -38,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import NO_SCHEDULED_SAVES, SMOKE_HELP
+from _common import NO_SCHEDULED_SAVES, SMOKE_HELP, add_pad_args
 
 GOAL = 1.01
 
@@ -58,14 +57,7 @@ def _parse() -> argparse.Namespace:
         action="store_false",
         help="skip the reference variant (plain loop + one bare 4-int all_reduce per step)",
     )
-    p.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2)")
-    p.add_argument(
-        "--step-ms",
-        type=float,
-        default=None,
-        help="pad every step of every variant with a sleep to about this long (the plain step measured "
-        "first; default: no pad; width 128 unless --hidden)",
-    )
+    add_pad_args(p)
     args = p.parse_args()
     args.steps = args.steps or (4 if args.smoke else 30 if args.quick else 40)
     args.rounds = args.rounds or (1 if args.smoke else 2 if args.quick else 8)
@@ -79,8 +71,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
-    from _common import ddp_mlp
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from _common import ddp_copy, ddp_mlp, step_pad
 
     import trainguard
     from trainguard.events import read_events
@@ -99,10 +90,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         t0 = time.perf_counter()
         train_step()
         warm.append(time.perf_counter() - t0)
-    # --step-ms: the same sleep after every step of every variant, from the slowest rank's plain step
-    compute = torch.tensor(statistics.median(warm[len(warm) // 2 :]))
-    dist.all_reduce(compute, op=dist.ReduceOp.MAX)
-    pad = max(args.step_ms / 1e3 - compute.item(), 0.0) if args.step_ms else 0.0
+    pad, compute = step_pad(warm, args.step_ms)  # --step-ms: the same sleep after every step
 
     n = args.steps
     wall = {"plain": [], "guarded": [], "collective": []}  # per block: per-step wall seconds
@@ -136,8 +124,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         cfg = trainguard.load_config(
             None, [f"run.dir={tmp}/guard-{block}", *NO_SCHEDULED_SAVES, f"stop.check_interval={args.check_interval}"]
         )
-        module = copy.deepcopy(model)  # a DDP model of its own: this Guard's communication hook goes on it
-        own, own_opt = DDP(module), torch.optim.AdamW(module.parameters(), lr=1e-4)
+        own, own_opt = ddp_copy(model, lr=1e-4)  # this Guard's communication hook goes on it
         t_start = clock()
         guard = trainguard.Guard(cfg, model=own, optimizer=own_opt)
         times, cpus, inside = [], [], []
@@ -187,7 +174,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
                     "step_end_us": step_end_us,
                     "fixed_ms": fixed_ms,
                     "final_save_ms": final_save_ms,
-                    "compute_ms": compute.item() * 1e3,
+                    "compute_ms": compute * 1e3,
                 }
             )
         )

@@ -182,6 +182,16 @@ def rng_fingerprint() -> Optional[tuple[Any, ...]]:
     return tuple(parts)
 
 
+# rng_fingerprint()'s parts by generator, and each generator's entry of the capture built from them
+_SPANS = (("python", slice(0, 2)), ("numpy", slice(2, 4)), ("torch", slice(4, 5)), ("cuda", slice(5, None)))
+_BUILD: dict[str, Callable[[tuple[Any, ...]], Any]] = {
+    "python": lambda parts: _python_of(*parts),
+    "numpy": lambda parts: _numpy_of(*parts),
+    "torch": lambda parts: _uint8(parts[0]),
+    "cuda": lambda parts: [_uint8(b) for b in parts],
+}
+
+
 def capture_of(
     fingerprint: tuple[Any, ...], before: Optional[tuple[tuple[Any, ...], dict[str, Any]]] = None
 ) -> dict[str, Any]:
@@ -190,20 +200,12 @@ def capture_of(
     ``before``: an earlier ``(fingerprint, capture_of(fingerprint))``; each generator whose raw
     state is the same in both keeps that capture's entry, the very object (copy-on-change by
     generator: a loop that draws from one generator builds and encodes that one's state alone)."""
-    old_fp, old = before if before is not None and len(before[0]) == len(fingerprint) else (None, {})
-    py, gauss, mt, numpy_gauss, cpu, *cuda = fingerprint
-
-    def entry(name: str, lo: int, hi: Optional[int], build: Callable[[], Any]) -> Any:
-        same = old_fp is not None and name in old and old_fp[lo:hi] == fingerprint[lo:hi]
-        return old[name] if same else build()
-
-    state = {
-        "python": entry("python", 0, 2, lambda: _python_of(py, gauss)),
-        "numpy": entry("numpy", 2, 4, lambda: _numpy_of(mt, numpy_gauss)),
-        "torch": entry("torch", 4, 5, lambda: _uint8(cpu)),
-    }
-    if cuda:
-        state["cuda"] = entry("cuda", 5, None, lambda: [_uint8(b) for b in cuda])
+    old_fp, old = before if before is not None and len(before[0]) == len(fingerprint) else ((), {})
+    state = {}
+    for name, span in _SPANS:
+        parts = fingerprint[span]
+        if parts:  # no "cuda" entry without CUDA
+            state[name] = old[name] if name in old and old_fp[span] == parts else _BUILD[name](parts)
     return state
 
 
