@@ -263,7 +263,7 @@ class InProcess:
         if gen.replaced:  # a framework's replacement sets its loop up at this step (trainguard.hf)
             self.rejoin.store.survivors_at(gen.number, place.step)
         if self.sharded is not None:
-            return self._recover_sharded(gen, place, redo)
+            return self._recover_sharded(gen, place, redo, current)
         if gen.left:
             place = self._resize(gen, place)
         regroup.release_ddp(self.model)
@@ -432,7 +432,7 @@ class InProcess:
         )
         return Met(place, ping, gen)
 
-    def _recover_sharded(self, gen: Generation, place: Place, redo: bool) -> Met:
+    def _recover_sharded(self, gen: Generation, place: Place, redo: bool, current: Optional[dict]) -> Met:
         """A survivor's recovery of a sharded model: the new group, FSDP moved onto it, the lost
         shards from replicas or every rank rolled back to the newest common snapshot
         (:meth:`ShardedRecovery.meet`; ``steps_lost``: the completed steps trained again)."""
@@ -442,9 +442,11 @@ class InProcess:
         regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout)
         sharded.rebind(self.model)
         self._regrouped()
-        met = self._on_new_group(gen, self.sharded.meet(gen, place, holdings, redo=redo))
-        redo_step = place.step + 1 if redo and self.sharded.restored is None else None
-        self._finished(gen, met, steps_lost=place.step - met.place.step, redo_step=redo_step)
+        met = self._on_new_group(gen, self.sharded.meet(gen, place, holdings, redo=redo, current=current))
+        redo = redo and self.sharded.restored is None and met.place.step == place.step  # else it took the step
+        self._finished(
+            gen, met, steps_lost=max(0, place.step - met.place.step), redo_step=place.step + 1 if redo else None
+        )
         if met.place.rank == 0 and self.sharded.restored is None:
             console.say(
                 f"recovered in-process at step {met.place.step}: the lost shards from their replicas, no step lost"

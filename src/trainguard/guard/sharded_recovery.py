@@ -110,26 +110,36 @@ class ShardedRecovery:
     # the meeting
 
     def meet(
-        self, gen: Generation, place: Place, holdings: Optional[dict], redo: bool = False, kept: Optional[dict] = None
+        self,
+        gen: Generation,
+        place: Place,
+        holdings: Optional[dict],
+        redo: bool = False,
+        kept: Optional[dict] = None,
+        current: Optional[dict] = None,
     ) -> Place:
         """Both sides, on the new group (``holdings``: a survivor's; ``None`` on a replacement, with
-        its lost rank's step boundaries ``kept``). With HSDP, survivors at one step and the lost
-        rank's boundary of it: each lost shard from a surviving replica, the step redone
-        (``redo``) or not, nothing trained again (:meth:`_take_replicas`). Else every rank rolls
-        back to the newest common snapshot (:meth:`_roll_back`). Then the hosts from the lowest
-        survivor, and the snapshot copies on a new group, starting with this step's. Returns the
-        rank's place after it.
+        its lost rank's step boundaries ``kept``). With HSDP, when :func:`~trainguard.rejoin.sharded.replica_plan`
+        finds one: each lost shard from a surviving replica, the step redone (``redo``) or not,
+        a survivor one step behind taking the completed step (``current``: its own state at the
+        end of the step it abandoned), nothing trained again (:meth:`_take_replicas`). Else every
+        rank rolls back to the newest common snapshot (:meth:`_roll_back`). Then the hosts from
+        the lowest survivor, and the snapshot copies on a new group, starting with this step's.
+        Returns the rank's place after it.
 
         Raises:
             RegroupError: no snapshot every rank can roll back to.
         """
         joining = holdings is None
-        agreed = tgdist.all_reduce_max([-1, -(1 << 62)] if joining else [place.step, -place.step])
-        step, lowest = agreed[0], -agreed[1]
-        sources = sharded.replica_sources(self.model, set(gen.replaced))
-        lacking = tgdist.all_reduce_max([int(joining and step not in (kept or {}))])[0]
-        if sources is not None and step == lowest and not lacking:
-            place = self._take_replicas(place, step, sources, redo, kept)
+        said = tgdist.gather_objects((None, sorted(kept or ())) if joining else (place.step, current is not None))
+        plan = sharded.replica_plan(
+            sharded.replica_sets(self.model),
+            steps={r: s for r, (s, _) in enumerate(said) if s is not None},
+            takers={r for r, (s, takes) in enumerate(said) if s is not None and takes},
+            kept={r: set(k) for r, (s, k) in enumerate(said) if s is None},
+        )
+        if plan is not None:
+            place = self._take_replicas(place, plan, redo, kept, current)
         else:
             place = self._roll_back(gen, place, holdings)
         src = min(set(range(gen.world_size)) - set(gen.replaced))
@@ -160,31 +170,35 @@ class ShardedRecovery:
         return replace(place, step=done.step)
 
     def _take_replicas(
-        self, place: Place, step: int, sources: dict[int, int], redo: bool, kept: Optional[dict]
+        self, place: Place, plan: sharded.ReplicaPlan, redo: bool, kept: Optional[dict], current: Optional[dict]
     ) -> Place:
-        """HSDP: each replacement takes its shard and the shared state from a surviving replica
-        (:func:`~trainguard.rejoin.rollback.from_replicas`) and its own state from its lost rank's
-        boundary of ``step``; survivors that abandoned the step go back to its start first."""
-        joining, self.restored = kept is not None, None
-        if not joining and redo:
+        """HSDP: each replacement, and each survivor behind, takes its shard and the shared state
+        from a surviving replica (:func:`~trainguard.rejoin.rollback.from_replicas`); a replacement
+        its own state from its lost rank's boundary of ``plan.step``, a survivor behind from where
+        it left the step (``current``), kept as its boundary. Survivors at ``plan.step`` that
+        abandoned the next step go back to its start first."""
+        joining, behind, self.restored = kept is not None, place.rank in plan.behind, None
+        if not joining and redo and not behind:
             self.train_state.load_state_dict(self.rejoin.boundary.restore(place.step))
             if self.step_start is not None:
                 self.step_start.restore()
         parts = [n for n in self.train_state.parts if n not in LOCAL_PARTS]
-        shared = self.train_state.state_dict(parts) if place.rank in sources.values() else {}
+        sending = place.rank in plan.sources.values()
+        shared = self.train_state.state_dict(parts) if sending else {}
         t0 = time.perf_counter()
-        received, moved = from_replicas(self.model, self.optimizer, place.rank, sources, shared)
+        received, moved = from_replicas(self.model, self.optimizer, place.rank, plan.sources, shared)
         if joining:
-            self.train_state.load_state_dict({**received, **kept[step]})
-            return replace(place, step=step)
-        if place.rank in sources.values():
-            to = [r for r, s in sources.items() if s == place.rank]
+            self.train_state.load_state_dict({**received, **kept[plan.step]})
+        elif behind:
+            self.train_state.load_state_dict({**received, **current})
+            self.rejoin.keep({"step": plan.step, **self.train_state.state_dict(LOCAL_PARTS)})
+        elif sending:
             self.events.emit(
                 "state_transferred",
                 place.step,
                 rank=place.rank,
-                to_ranks=to,
+                to_ranks=[r for r, s in plan.sources.items() if s == place.rank],
                 bytes=moved,
                 seconds=round(time.perf_counter() - t0, 4),
             )
-        return place
+        return replace(place, step=plan.step)

@@ -27,6 +27,7 @@ public ``FSDPModule.reset_iter_state()`` (torch 2.13) puts it back (:func:`reset
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
@@ -149,14 +150,6 @@ def replica_sets(model: torch.nn.Module) -> Optional[list[list[int]]]:
     return [list(col) for col in layouts.pop()]
 
 
-def replica_sources(model: torch.nn.Module, lost: set[int]) -> Optional[dict[int, int]]:
-    """For each lost rank, the lowest surviving rank holding the same shard (HSDP,
-    :func:`sources_from`); ``None`` when the model has no replicas or a lost rank's every replica
-    is lost too."""
-    sets = replica_sets(model)
-    return None if sets is None else sources_from(sets, lost)
-
-
 def sources_from(sets: list[list[int]], lost: set[int]) -> Optional[dict[int, int]]:
     """For each rank of ``lost``, the lowest rank outside ``lost`` in its replica set (``sets``: the
     ranks holding each shard); ``None`` when one has no such rank."""
@@ -167,3 +160,53 @@ def sources_from(sets: list[list[int]], lost: set[int]) -> Optional[dict[int, in
             return None
         sources[r] = min(alive)
     return sources
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """An HSDP recovery that loses no completed step.
+
+    Attributes:
+        step: the step boundary every rank ends at (the newest a survivor reached).
+        sources: each rank that lacks its shard of ``step`` (a replacement, or a survivor behind)
+            -> the surviving replica at ``step`` that sends it.
+        behind: the survivors one step back, which abandoned ``step`` after a peer completed it.
+    """
+
+    step: int
+    sources: dict[int, int]
+    behind: frozenset[int]
+
+
+def replica_plan(
+    sets: Optional[list[list[int]]], steps: dict[int, int], takers: set[int], kept: dict[int, set[int]]
+) -> Optional[ReplicaPlan]:
+    """Decide whether the lost shards can come from replicas, and from which (every rank computes
+    the same from the same gathered facts).
+
+    A collective that lost a peer can complete on some ranks and fail on others (gloo's ring), so
+    the survivors may be one step apart. Those behind take the completed step as a replacement
+    does: their shard from a replica that completed it, their own state (data position, random
+    streams) as they left the step (they ran its forward and backward).
+
+    Args:
+        sets: the ranks holding each shard (:func:`replica_sets`; ``None``: plain FSDP).
+        steps: each survivor's step boundary, ``{rank: step}``.
+        takers: the survivors that can take a completed step (they kept their own state at the
+            end of the step they abandoned; a framework's loop cannot skip its step).
+        kept: each replacement's lost rank's kept boundaries, ``{rank: {step, ...}}``.
+
+    Returns:
+        The plan, or ``None`` (roll back to the newest common snapshot instead) when the model has
+        no replicas, no rank survived, the survivors are more than one step apart, one behind
+        cannot take the step, a replacement lacks its lost rank's boundary of it, or some shard
+        has no replica at it.
+    """
+    if sets is None or not steps:
+        return None
+    step = max(steps.values())
+    behind = {r for r, s in steps.items() if s < step}
+    if min(steps.values()) < step - 1 or behind - takers or any(step not in k for k in kept.values()):
+        return None
+    sources = sources_from(sets, set(kept) | behind)
+    return None if sources is None else ReplicaPlan(step, sources, frozenset(behind))
