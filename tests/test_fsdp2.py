@@ -26,9 +26,9 @@ IN_PROCESS = ("recovery.in_process=true", f"recovery.snapshot_interval={SNAPSHOT
 LOGGED = ("train.log_interval=1", "checkpoint.interval=20")  # a step number on the console at every step
 
 
-def fsdp2(run: Path, *overrides: str, extra: tuple[str, ...] = (), nproc: int = 2):
+def fsdp2(run: Path, *overrides: str, extra: tuple[str, ...] = (), nproc: int = 2, script: Path = FSDP2):
     return launch(
-        run, f"train.max_steps={STEPS}", "model.n_layers=2", *overrides, script=FSDP2, extra=extra, nproc=nproc
+        run, f"train.max_steps={STEPS}", "model.n_layers=2", *overrides, script=script, extra=extra, nproc=nproc
     )
 
 
@@ -110,6 +110,35 @@ def test_hsdp_rank_killed_takes_its_shard_from_its_replica_no_step_lost(tmp_path
     # behind (a collective that completed on some ranks only; tests/test_shards.py)
     received = {r: e["rank"] for e in events(run, "state_transferred") for r in e["details"]["to_ranks"]}
     assert victim in received and all(src == (r + 2) % 4 for r, src in received.items()), received
+    assert final_hash(run) == fsdp2_clean_hash(4, 2)
+
+
+@pytest.mark.soak  # 4 ranks on 2 cores: scripts/test_soak.sh (CI)
+def test_hsdp_a_survivor_one_step_behind_takes_the_completed_step_from_its_replica(
+    tmp_path, fsdp2_clean_hash, monkeypatch
+):
+    """HSDP on 4 ranks; rank 3 dies in step 13 after its last collective, while rank 0 still waits
+    on it (tests/hsdp_behind_worker.py): ranks 1 and 2 complete step 13, rank 0
+    abandons it. Rank 0 takes step 13 from its shard's replica (rank 2), rank 3's replacement from
+    rank 1: no snapshot restored, no step lost, nothing redone on rank 0, bitwise."""
+    monkeypatch.setenv("TG_BEHIND_STEP", "13")
+    monkeypatch.setenv("TG_BEHIND_DIR", str(tmp_path))
+    run = tmp_path / "run"
+    args = (*LOGGED, *IN_PROCESS, "fsdp.replicas=2")
+    proc = fsdp2(run, *args, nproc=4, script=REPO / "tests" / "hsdp_behind_worker.py")
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert not events(run, "group_restart") and not events(run, "snapshot_restored")
+    behind = [e["details"]["during"] for e in events(run, "recovery_started") if e["rank"] == 0]
+    assert behind == ["dist.broadcast"], behind  # in step 13, before its update
+    received = {r: e["rank"] for e in events(run, "state_transferred") for r in e["details"]["to_ranks"]}
+    assert received == {0: 2, 3: 1}, received
+    finished = {e["rank"]: e for e in events(run, "recovery_finished")}
+    assert {r: (e["step"], e["details"]["steps_lost"]) for r, e in finished.items()} == {
+        0: (13, 0),
+        1: (13, 0),
+        2: (13, 0),
+    }, finished
+    assert finished[0]["details"]["redo_step"] is None  # it took step 13: nothing done again
     assert final_hash(run) == fsdp2_clean_hash(4, 2)
 
 
