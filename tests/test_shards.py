@@ -143,5 +143,6 @@ def test_a_replica_plan_ends_every_rank_at_the_newest_step_from_a_rank_that_hold
     assert (plan is not None) == feasible
     if plan is not None:
         assert plan.step == top and set(plan.sources) == lacking
+        assert plan.behind == frozenset(r for r, s in steps.items() if s < top)
         for r, src in plan.sources.items():
             assert steps.get(src) == top and src in holder[r] and src not in lacking

@@ -581,8 +581,9 @@ class Guard:
 
         Raises:
             RegroupError, the collective's error: the ranks cannot be recovered in-process (no new
-                generation within ``[recovery] timeout``, survivors one step apart: this rank exits
-                and the launcher restarts the group).
+                generation within ``[recovery] timeout``, DDP survivors one step apart: this rank
+                exits and the launcher restarts the group; a sharded model rolls back to a snapshot
+                instead).
         """
         if self.rejoin.failure is None or (self.step_start is not None and self.step_start.applied):
             return False

@@ -244,8 +244,10 @@ class InProcess:
         send it the state; with ``redo`` restore this rank's step-boundary state so that the step
         runs again from the same batch and random numbers. Call after :meth:`started`, with the
         old group's ping stopped and no save in flight. ``take_completed``: a rank that abandoned
-        the step takes it from a survivor that completed it (:meth:`_meet`); ``False`` (a
-        framework's loop, which cannot skip the step it is in): that is refused instead.
+        the step takes it from a survivor that completed it (:meth:`_meet`; a sharded model:
+        :func:`~trainguard.rejoin.sharded.replica_plan`); ``False`` (a framework's loop, which
+        cannot skip the step it is in): that is refused instead (a sharded model rolls back to a
+        snapshot).
 
         Raises:
             the collective's error: no new generation within ``[recovery] timeout`` (this rank
@@ -434,7 +436,8 @@ class InProcess:
 
     def _recover_sharded(self, gen: Generation, place: Place, redo: bool, current: Optional[dict]) -> Met:
         """A survivor's recovery of a sharded model: the new group, FSDP moved onto it, the lost
-        shards from replicas or every rank rolled back to the newest common snapshot
+        shards (and a survivor's one step behind, ``current``: its own state as it left the step)
+        from replicas, or every rank rolled back to the newest common snapshot
         (:meth:`ShardedRecovery.meet`; ``steps_lost``: the completed steps trained again)."""
         if gen.left:
             raise regroup.RegroupError("a sharded model's group does not shrink in place (its shards would move)")
