@@ -18,9 +18,10 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import psutil
 import pytest
@@ -361,5 +362,56 @@ def test_a_silent_rank_seen_stopped_for_stopped_grace_is_hung_long_before_its_ti
             w.close_file()
         log.close()
         for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_rank_waiting_for_a_busy_one_is_not_hung_in_the_moment_that_one_moves_on(node):
+    """Rank 0 computes past its timeout (busy: slow, not hung) while rank 1 waits for it in the
+    step's collective. Rank 0 moves on to the next step a moment before the collective completes on
+    rank 1: rank 1 is not hung then (its silence counts from the last poll that saw it waiting),
+    but it is once it stays silent for its own timeout after that."""
+    monitor, (a, b), run_dir, hb_root = node
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    asleep = subprocess.Popen(["sleep", "60"])
+    try:
+        agent = LiveAgent({0: busy.pid, 1: asleep.pid})
+        for w in (a, b):
+            w.beat(29)
+            w.open("step")
+        started = time.monotonic()
+        while (
+            time.monotonic() - started < 1.3
+        ):  # within the timeout; the CPU meter fills its window (1 s) past start-up
+            for w in (a, b):
+                w.close()
+                w.beat(29)
+                w.open("step")
+            assert monitor.poll(agent) is None
+            time.sleep(0.05)
+        for w in (a, b):
+            w.close()
+            w.beat(30)
+            w.open("step")
+        wait_until(lambda: monitor.poll(agent) is None and list(read_events(run_dir, "slow_section")))
+        (slow,) = [e["details"] for e in read_events(run_dir, "slow_section")]
+        assert (slow["rank"], slow["waiting_ranks"]) == (10, [11]), slow
+        assert monitor.poll(agent) is None
+        a.close()
+        a.beat(31)  # rank 0 moves on; the collective has not completed on rank 1 yet
+        a.open("step")
+        assert monitor.poll(agent) is None
+        assert not list(read_events(run_dir, "hang_detected"))
+
+        def rank_0_steps_on() -> Optional[str]:
+            a.close()
+            a.beat(32)
+            a.open("step")
+            return monitor.poll(agent)
+
+        reason = wait_until(rank_0_steps_on)  # rank 1 never moves: hung after its own 0.3 s
+        assert "rank 11" in reason and "rank 10" not in reason, reason
+    finally:
+        for p in (busy, asleep):
             p.kill()
             p.wait()

@@ -8,7 +8,8 @@ process the monitor has seen stopped (state ``T``: SIGSTOP) for ``[supervisor] s
 (0.3 s) is hung at once, without waiting for that timeout (:class:`.evidence.StopWatch`). A rank over its
 timeout whose main thread keeps computing is *busy*, not hung (:mod:`.evidence`): a
 ``slow_section`` event and one console line, and neither it nor the ranks waiting for it are
-touched; unless it is stuck in place: its main thread's stack, dumped once per timeout, stayed the
+touched (a waiting rank's silence counts from the last poll that saw it waiting: when the busy
+rank moves on, the collective completes on it a moment later); unless it is stuck in place: its main thread's stack, dumped once per timeout, stayed the
 same for ``[supervisor] spin_factor`` (5) × its timeout (a loop that never ends; real work moves
 between lines over five of its own timeouts). With several nodes a busy rank's node says so to the
 others through the shared recovery store (:meth:`HangMonitor.share_busy`): their silent ranks are
@@ -131,6 +132,8 @@ class HangMonitor:
         self.cpu = CpuMeter()
         self.stopped = StopWatch()
         self._slow: dict[int, float] = {}  # local rank -> start of the silence last reported as slow_section
+        # local rank -> the last poll that found it waiting for a busy rank: its silence counts from then
+        self._waited_until: dict[int, float] = {}
         self._spin: dict[int, Spin] = {}  # local rank -> its busy silence's stack dumps (see _stuck)
         self._save_failed = False  # the last write of timeouts.json failed (warned once)
         self._killed: dict[int, float] = {}  # pid -> monotonic time this monitor SIGKILLed it (a hung rank)
@@ -159,6 +162,7 @@ class HangMonitor:
         self._frozen = False
         self._replaced_at, self._withdrawn = {}, set()
         self.cpu, self.stopped, self._slow, self._spin = CpuMeter(), StopWatch(), {}, {}
+        self._waited_until = {}
         self._killed, self.unkillable = {}, []
 
     def rank_replaced(self, local_rank: int) -> None:
@@ -289,10 +293,18 @@ class HangMonitor:
             and not self._stuck(h, pids.get(h.worker.local_rank), now)
         ]
         if busy and self.cfg.busy_evidence:
-            self._report_slow(busy, [h for h in hung if h not in busy], pids, now)
+            self._report_slow(busy, self._waiting(hung, busy, now), pids, now)
             self._tell_busy()
             return None
         if self.cfg.busy_evidence and self._waiting_elsewhere(hung):
+            self._waiting(hung, [], now)
+            return None
+        # a rank that waited for a busy one until lately is silent since then (that one's
+        # collective is still completing on it): not hung before its own timeout from then
+        hung = [
+            h for h in hung if h.stopped or now - self._waited_until.get(h.worker.local_rank, float("-inf")) > h.limit
+        ]
+        if not hung:
             return None
         # learn from what the ranks recorded up to now, not from steps stalled by this hang
         self._learn()
@@ -409,6 +421,15 @@ class HangMonitor:
         if other is None:
             self._waited = None
         return other is not None
+
+    def _waiting(self, hung: list[HangHit], busy: list[HangHit], now: float) -> list[HangHit]:
+        """The silent ranks of ``hung`` that are not ``busy``: they wait for a busy rank in a
+        collective. Noted at ``now``: when the busy rank moves on, the collective completes on
+        them a moment later, and until then their silence is the busy rank's, not theirs."""
+        waiting = [h for h in hung if h not in busy]
+        for h in waiting:
+            self._waited_until[h.worker.local_rank] = now
+        return waiting
 
     def _report_slow(self, busy: list[HangHit], waiting: list[HangHit], pids: dict[int, int], now: float) -> None:
         """A ``slow_section`` event (with the busy rank's stacks) and one console line, once per
