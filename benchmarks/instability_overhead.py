@@ -12,10 +12,11 @@ loops, in a mirrored order so that drift and ordering effects cancel:
   collective and sync the detectors need by design, without their logic (order ABCDDCBA).
 
 Each guarded block gets a DDP model of its own (a copy of the warmed-up module, weights and all,
-with its own AdamW), and the plain loop one copy for all its blocks, as a job has: trainguard's communication hook goes on a DDP model once,
-so Guards made in turn on one DDP model would all but the first miss it, and with it the fold (the
-detectors' values riding in a gradient bucket, :mod:`trainguard.instability.fold`). So C pays what
-the README's loop pays: no collective of the detectors' own and one host sync per step.
+with its own AdamW), and the plain loop one copy for all its blocks, as a job has: trainguard's
+communication hook goes on a DDP model once, so Guards made in turn on one DDP model would all
+but the first miss it, and with it the fold (the detectors' values riding in a gradient bucket,
+:mod:`trainguard.instability.fold`). So C pays what the README's loop pays: no collective of the
+detectors' own and one host sync per step.
 
 Reported (rank 0): median per-step wall time of each loop and the ratios C/B (the detectors' own
 cost, the goal) and C/A (the whole Guard), plus CPU-time ratios (less sensitive to other load).

@@ -446,7 +446,10 @@ class InProcess:
         sharded.rebind(self.model)
         self._regrouped()
         met = self._on_new_group(gen, self.sharded.meet(gen, place, holdings, redo=redo, current=current))
-        redo = redo and self.sharded.restored is None and met.place.step == place.step  # else it took the step
+        took = self.sharded.restored is None and met.place.step > place.step  # one step behind, it took the step
+        if took:
+            self.keep_boundary(met.place.step)
+        redo = redo and self.sharded.restored is None and not took
         self._finished(
             gen, met, steps_lost=max(0, place.step - met.place.step), redo_step=place.step + 1 if redo else None
         )

@@ -175,8 +175,8 @@ class ShardedRecovery:
         """HSDP: each replacement, and each survivor behind, takes its shard and the shared state
         from a surviving replica (:func:`~trainguard.rejoin.rollback.from_replicas`); a replacement
         its own state from its lost rank's boundary of ``plan.step``, a survivor behind from where
-        it left the step (``current``), kept as its boundary. Survivors at ``plan.step`` that
-        abandoned the next step go back to its start first."""
+        it left the step (``current``; the caller keeps it as its boundary). Survivors at
+        ``plan.step`` that abandoned the next step go back to its start first."""
         joining, behind, self.restored = kept is not None, place.rank in plan.behind, None
         if not joining and redo and not behind:
             self.train_state.load_state_dict(self.rejoin.boundary.restore(place.step))
@@ -191,7 +191,6 @@ class ShardedRecovery:
             self.train_state.load_state_dict({**received, **kept[plan.step]})
         elif behind:
             self.train_state.load_state_dict({**received, **current})
-            self.rejoin.keep({"step": plan.step, **self.train_state.state_dict(LOCAL_PARTS)})
         elif sending:
             self.events.emit(
                 "state_transferred",
