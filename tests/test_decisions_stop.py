@@ -25,11 +25,15 @@ import torch.nn.functional as F
 
 import trainguard
 from trainguard import dist as tgdist
+from trainguard.checkpoint.checkpointer import Checkpointer
 from trainguard.events import EventLog, read_events
+from trainguard.faults import FaultInjector
+from trainguard.guard.stop_check import STEP_SECONDS_DECAY, StopCheck
 from trainguard.health.straggler import StragglerDetector
+from trainguard.instability.fold import LossFold
 from trainguard.launch_env import END_TIME, END_TIME_FILE, LAUNCH_TIME
 from trainguard.outcomes import Requeue
-from trainguard.sections import MemorySection, StopSection, StragglerSection
+from trainguard.sections import CheckpointSection, FaultSpec, MemorySection, StopSection, StragglerSection
 from trainguard.slurm.endtime import write_end_time
 from trainguard.stop.conditions import StopConditions, StopFlags
 from trainguard.stop.memory import MemoryWatchdog
@@ -395,3 +399,77 @@ def test_guard_stops_on_the_memory_watchdog(tmp_path, group):
     assert out.reason == "memory" and committed(run) == {7: "memory"}
     assert [e["step"] for e in events(run, "memory_watchdog")] == [7]
     assert events(run, "stop_requested")[0]["details"]["limits"]["rss_limit"] == 1048576
+
+
+# ------------------------------------------------------------------------------------------------
+# the Guard's stop check (trainguard.guard.stop_check): in the step's collective, or its own all-reduce
+
+
+def _stop_checks(tmp_path: Path, intervals: list[int], faults: list[FaultSpec]) -> tuple[list[StopCheck], list]:
+    """One StopCheck per rank (world size ``len(intervals)``), each proposing ``check_interval``
+    ``intervals[r]``, with its own LossFold; returns them and what to close."""
+    n, checks, closing = len(intervals), [], []
+    for r, interval in enumerate(intervals):
+        (tmp_path / f"r{r}").mkdir()
+        log = EventLog(tmp_path / f"r{r}", r)
+        ckpt = Checkpointer(CheckpointSection(), tmp_path / f"r{r}", log, torch.nn.Linear(2, 2), None, r, n)
+        injector = FaultInjector(faults, r, n, 0, log)
+        injector.arm(100)
+        straggler = StragglerDetector(StragglerSection(), r, n, ["h"] * n, log, tmp_path / f"r{r}")
+        stop = conditions(tmp_path / f"r{r}", check_interval=interval)
+        check = StopCheck(stop, ckpt, straggler, LossFold(r, n), injector, None, r)
+        check.fold.stop_source, check.fold.straggler_source = check.flags_to_fold, check.straggler_to_fold
+        checks.append(check)
+        closing += [ckpt, log]
+    return checks, closing
+
+
+def _collective(checks: list[StopCheck], step: int) -> None:
+    """The step's collective: every rank's values summed, as the DDP hook's all-reduce does."""
+    total = torch.stack([c.fold.extra(step, torch.zeros(3)) for c in checks]).sum(0)
+    for c in checks:
+        c.fold.reduced(step, total.clone())
+
+
+@pytest.mark.parametrize(
+    "faults, folded",
+    [
+        ([], True),  # every rank's flags rode in the step's collective: no all-reduce of the check's own
+        ([FaultSpec(kind="rank_hung", rank=1, step=5, section="stop_check")], False),  # rank 1 needs its own
+    ],
+)
+def test_the_stop_check_agrees_on_the_flags_in_the_steps_collective_or_in_its_own_all_reduce(
+    tmp_path, group, faults, folded
+):
+    """Two ranks proposing the next check in 3 and 12 steps agree on 12 where the flags rode in
+    the step's collective. Where one rank's could not (a fault injected into the check), no rank
+    uses the collective's: each all-reduces its own (the world-size-1 group here returns a rank's
+    own, so rank 0 ends at its own 3, which shows the all-reduce ran)."""
+    checks, closing = _stop_checks(tmp_path, [3, 12], faults)
+    try:
+        assert [c.due(5) and c.folds(5) for c in checks] == [True, folded]
+        _collective(checks, 5)
+        agreed = [c.agree(5) for c in checks]
+        assert [flags.reason for flags, _ in agreed] == [None, None]
+        assert [c.next_check for c in checks] == ([17, 17] if folded else [8, 17])
+        assert not checks[0].due(7) and checks[0].due(checks[0].next_check)
+    finally:
+        for part in closing:
+            part.close()
+
+
+def test_the_step_time_the_stop_check_goes_by_is_the_longest_recent_step_decaying(tmp_path):
+    checks, closing = _stop_checks(tmp_path, [1], [])
+    try:
+        (check,) = checks
+        check.step_took(0.5)
+        check.step_took(0.1)  # one fast step does not make the time limit forget the slow one
+        assert check.step_seconds == pytest.approx(0.5 * STEP_SECONDS_DECAY)
+        for _ in range(200):
+            check.step_took(0.1)
+        assert check.step_seconds == pytest.approx(0.1)
+        check.step_took(2.0)
+        assert check.step_seconds == 2.0
+    finally:
+        for part in closing:
+            part.close()

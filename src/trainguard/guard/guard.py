@@ -42,7 +42,6 @@ is released by :meth:`Guard.close` (or leaving ``with Guard(...)``); closing twi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import logging
 import os
@@ -93,6 +92,7 @@ from . import edge, inprocess
 from .inprocess import InProcess, Met, Place
 from .resume import DRAWN_BEFORE_LOOP, Resume
 from .sdc_response import SDCAction, SDCResponse
+from .stop_check import StopCheck
 
 log = logging.getLogger(__name__)
 
@@ -182,12 +182,11 @@ class Guard:
         self._ran_step: Optional[bool] = False  # run_step called in the first step (None once checked)
         self.inprocess: Optional[InProcess] = None
         self.hosts: list[str] = []
-        self._step_seconds = 0.0
+        self.stop_check: Optional[StopCheck] = None
         self._t_last = time.perf_counter()
         self._awaiting_step_end = False
         self._arm_at_step = False  # a replacement catches the script's collectives from its first step
         self._rolled_back = False  # should_step() rolled back: the next step_end() does not count
-        self._next_check = 0  # step at which the stop flags are next exchanged (agreed by all ranks)
         self._last_progress = time.monotonic()
         self._last_ckpt_line = -console.CHECKPOINT_LINE_SECONDS  # monotonic time of the last checkpoint line
         self._closed = False
@@ -289,6 +288,15 @@ class Guard:
             self.events,
             self.run_dir,
         )
+        self.stop_check = StopCheck(
+            self.stop,
+            self.ckpt,
+            self.straggler,
+            self.recovery.fold,
+            self.faults,
+            self.rejoin.growth_pending if cfg.elastic.min_ranks else None,
+            self.rank,
+        )
         self.micro = MicroBatcher(
             cfg.oom,
             self.model,
@@ -350,9 +358,9 @@ class Guard:
             if self.inprocess.hook_ddp(in_progress, fold, inject) or clipfold.install(  # or FSDP2's norm
                 self.model, fold, in_progress, inject
             ):
-                fold.stop_source = self._stop_flags_to_fold
+                fold.stop_source = self.stop_check.flags_to_fold
                 fold.fingerprint_source = self.sdc.carry  # the replica check rides too
-                fold.straggler_source = self._straggler_to_fold  # and the straggler report
+                fold.straggler_source = self.stop_check.straggler_to_fold  # and the straggler report
         if self.rejoin.active:
             self.inprocess.catch_collectives(lambda: self.step + 1)
             check_shrinkable(cfg.elastic.min_ranks, self.world_size, self.sampler, self.ckpt.local is not None)
@@ -361,30 +369,6 @@ class Guard:
                 f"rollback.skip_batches={cfg.rollback.skip_batches} needs a sampler with a skip_batches(n) "
                 f"method; {type(self.sampler).__name__} has none (use trainguard.ResumableSampler, or 0)"
             )
-
-    def _stop_flags_to_fold(self, step: int) -> Optional[list[int]]:
-        """This rank's stop flags for the check at the end of step number ``step``, to ride in its
-        first DDP bucket (:mod:`~trainguard.instability.fold`), or ``None`` where the check is not
-        due then, or needs its own all-reduce (a fault injected in the stop check). (Called from
-        the DDP hook, in the backward.)"""
-        return self._local_stop_flags(step).pack() if self._check_folds(step) else None
-
-    def _straggler_to_fold(self, step: int) -> Optional[list[int]]:
-        """This rank's straggler timings for a report at the end of step number ``step``, to ride
-        beside the stop flags, or ``None`` where no report is due then. (From the DDP hook.)"""
-        return self.straggler.pack(step) if self._check_folds(step) and self.straggler.due(step) else None
-
-    def _check_folds(self, step: int) -> bool:
-        """Whether the stop check at the end of step number ``step`` is due and rides in its bucket."""
-        return step >= self._next_check and not self.faults.due_at(step, "stop_check")
-
-    def _local_stop_flags(self, step: int) -> StopFlags:
-        """This rank's stop flags at step ``step`` (with rank 0's pending growth)."""
-        ahead = self.stop.next_interval(self._step_seconds)
-        mine = self.stop.local_flags(self._step_seconds, self.ckpt.estimated_save_seconds(), ahead, step)
-        if self.rank == 0 and self.cfg.elastic.min_ranks:  # a spare (regrow) or a node may join in place
-            mine = dataclasses.replace(mine, grow=self.rejoin.growth_pending())
-        return mine
 
     def _inject_at_backward(self) -> tuple[float, float]:
         """(loss factor, gradient factor) of the numeric faults due at this backward (see
@@ -668,8 +652,7 @@ class Guard:
         if self.faults.sdc_pending:  # a bit flips in a parameter, after the optimizer step
             self.faults.corrupt(self.step, self.model)
         now = time.perf_counter()
-        # a decaying maximum: a slow step is remembered for a while (for the time limit)
-        self._step_seconds = max(now - self._t_last, 0.98 * self._step_seconds)
+        self.stop_check.step_took(now - self._t_last)
         self.straggler.record_step(now - self._t_last)
         self._t_last = now
         self.last_loss = loss
@@ -693,7 +676,7 @@ class Guard:
         self._saved(self.ckpt.poll())  # finalize a background save that has finished (before its known-good verdict)
         if self.rank == 0:
             self.recovery.after_step(self.step)
-        flags = self._check() if self.step >= self._next_check else StopFlags()
+        flags = self._check() if self.stop_check.due(self.step) else StopFlags()
         if flags is None:  # the group changed in place: its newcomers start after this boundary, so do we
             return
         if flags.reason is not None:
@@ -726,33 +709,22 @@ class Guard:
         return ShardSnapshots(self.model, self.optimizer, interval, self.rank, self.world_size, local_world_size)
 
     def _check(self) -> Optional[StopFlags]:
-        """The stop check: one all-reduce (max) of every rank's stop flags, its proposed next check
-        step and, on report checks, its straggler timings, unless the flags rode in the step's
-        first DDP bucket (:meth:`_stop_flags_to_fold`); returns the agreed flags, or ``None`` when
-        the group changed in place at this boundary (a lost peer replaced, or grown back): its
-        newcomers start after it, so the rest of it (a save, the save switch) waits for the next."""
+        """The stop check (:meth:`StopCheck.agree`) and what the Guard does with it: the progress
+        event, a stop for stragglers; returns the agreed flags, or ``None`` when the group changed
+        in place at this boundary (a lost peer replaced, or grown back): its newcomers start after
+        it, so the rest of it (a save, the save switch) waits for the next."""
         if self.faults.pending:
             self.faults.at(self.step, "stop_check")
-        report = self.straggler.due(self.step)
-        agreed = self.recovery.fold.stop_flags(self.step)  # carried in a DDP bucket, if every rank's was
-        if agreed is not None and report:
-            timings = self.recovery.fold.straggler(self.step)
-            agreed = None if timings is None else agreed + timings
-        if agreed is None:
-            mine = self._local_stop_flags(self.step).pack()
-            try:
-                agreed = tgdist.all_reduce_max(mine + (self.straggler.pack(self.step) if report else []))
-            except Exception as e:
-                if not self.rejoin.caught(e, "stop_check", self.step):
-                    raise
-                self._recover_after_update()  # the step is complete: check again at the next one
-                return None
-        flags = StopFlags.unpack(agreed)
-        self._next_check = self.step + flags.next_interval
-        slow = self.straggler.unpack(self.step, agreed[StopFlags.size() :]) if report else []
+        try:
+            flags, slow = self.stop_check.agree(self.step)
+        except Exception as e:
+            if not self.rejoin.caught(e, "stop_check", self.step):
+                raise
+            self._recover_after_update()  # the step is complete: check again at the next one
+            return None
         if self.rank == 0 and time.monotonic() - self._last_progress >= PROGRESS_SECONDS:
             self._last_progress = time.monotonic()
-            self.events.emit("progress", self.step, step_seconds=round(self._step_seconds, 6))
+            self.events.emit("progress", self.step, step_seconds=round(self.stop_check.step_seconds, 6))
         if slow and self.cfg.straggler.stop_if_detected:
             if self.rank == 0:
                 self.straggler.write_exclude(slow)
@@ -890,13 +862,19 @@ class Guard:
 
     def _place(self) -> Place:
         return Place(
-            self.step, self.rank, self.world_size, tuple(self.hosts), self._next_check, self.straggler.next_report
+            self.step,
+            self.rank,
+            self.world_size,
+            tuple(self.hosts),
+            self.stop_check.next_check,
+            self.straggler.next_report,
         )
 
     def _take(self, met: Met) -> None:
         """Take the place and the liveness ping a recovery, growth or join ended with."""
         p = met.place
-        self.step, self.rank, self.world_size, self._next_check = p.step, p.rank, p.world_size, p.next_check
+        self.step, self.rank, self.world_size = p.step, p.rank, p.world_size
+        self.stop_check.next_check = p.next_check
         self.hosts = list(p.hosts)
         self.straggler.set_hosts(self.hosts)
         self.straggler.next_report = p.next_report
@@ -905,7 +883,16 @@ class Guard:
     def _renumber(self, rank: int, world_size: int, hosts: list[str]) -> None:
         """This process is rank ``rank`` of ``world_size`` from now on (a shrink or a growth in place)."""
         self.events.renumber(rank)
-        for part in (self.ckpt, self.recovery, self.sdc, self.sdc_response, self.micro, self.reruns, self.resumer):
+        for part in (
+            self.ckpt,
+            self.recovery,
+            self.sdc,
+            self.sdc_response,
+            self.micro,
+            self.reruns,
+            self.resumer,
+            self.stop_check,
+        ):
             part.renumber(rank, world_size)
         self.straggler.renumber(rank, world_size, hosts)
         self.fidelity.renumber(world_size)
