@@ -55,6 +55,7 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "boundary_keep.py": ([], ["one step boundary kept", "draws no host random number", "share of 3 / 7 / 30 ms"]),
     "snapshot_stall.py": ([], ["a sharded model's snapshot vs the asynchronous save", "| snapshot |", "loopback"]),
     "per_step_cost.py": ([], ["trainguard's cost per step", "own collectives / step", "load average"]),
+    "comm_hook_cost.py": ([], ["riding in a gradient bucket", "trainguard's hook", "load average"]),
     # one framework (the Hugging Face path runs in tests/test_hf.py)
     "framework_overhead.py": (["--frameworks", "lightning"], ["framework callback step overhead", "| lightning |"]),
 }
