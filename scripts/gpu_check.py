@@ -83,7 +83,7 @@ def nccl_abort() -> bool:
     Seen on an H100 (torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-27): the abort did not free it within
     90 s, with blocking or nonblocking (``TORCH_NCCL_USE_COMM_NONBLOCKING=1``) communicator init. The
     collective waits in communicator creation there, which abort does not reach; hence reported, not
-    required."""
+    required. The same on an H200 (torch 2.11.0+cu130, 2026-11-28); every other check held there."""
     import subprocess
 
     try:
