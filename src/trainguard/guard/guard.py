@@ -522,10 +522,10 @@ class Guard:
             if self.rejoin.failure is not None:  # a peer was lost in this step: it is done again
                 self.recovery.refuse()
                 return False
-            if self.rejoin.keeping and self.rejoin.boundary.step != step:  # before the last collective
-                self.inprocess.keep_boundary(
-                    step
-                )  # (see rejoin.boundary; DDP's backward may have kept it: rejoin.catch)
+            # this rank's step boundary, before the last collective (see rejoin.boundary), unless
+            # DDP's backward kept it before its last bucket (rejoin.catch)
+            if self.rejoin.keeping and self.rejoin.boundary.step != step:
+                self.inprocess.keep_boundary(step)
             if self.faults.pending:
                 self.faults.at(self.step, "should_step")
             if grad_norm is None:  # the norm the step's clip_grad_norm_ returned (the HF Trainer's), if any
