@@ -30,11 +30,10 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from _common import SMOKE_HELP
+from _common import SMOKE_HELP, spawn_pair
 
 ARMS = ("built-in", "minimal Python hook", "trainguard's hook")
 
@@ -51,7 +50,7 @@ def _parse() -> argparse.Namespace:
     return args
 
 
-def _worker(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
+def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -61,9 +60,9 @@ def _worker(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
     from trainguard.rejoin.catch import CATCH, DDPHook
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
 
-    def model() -> DDP:
+    def model() -> DDP:  # _step_worker.py's MLP, as per_step_cost.py measures
         torch.manual_seed(0)
         return DDP(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10)))
 
@@ -74,7 +73,7 @@ def _worker(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
 
     builtin, python, guarded = model(), model(), model()
     python.register_comm_hook(None, minimal)
-    fold, step = LossFold(rank, 2), [0]
+    fold, step = LossFold(rank, world), [0]
     params, _ = guarded._build_params_for_reducer()
     hook = DDPHook(CATCH, params, None, lambda b: fold.extra(step[0], b), lambda v: fold.reduced(step[0], v))
     guarded.register_comm_hook(None, hook.hook)
@@ -107,21 +106,17 @@ def _worker(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
                     cpu[name].append(statistics.mean(times))
         results[str(pad_ms)] = {name: statistics.median(v) for name, v in cpu.items()}
     if rank == 0:
-        Path(out).write_text(json.dumps(results))
+        Path(tmp, "result.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
 def main() -> int:
     args = _parse()
-    import torch.multiprocessing as mp
     from rich.console import Console
     from rich.table import Table
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory(prefix="tg-bench-hook-") as tmp:
-        out = Path(tmp) / "out.json"
-        mp.spawn(_worker, args=(args, f"file://{tmp}/init", str(out)), nprocs=2, join=True)
-        results = json.loads(out.read_text())
+    results, _ = spawn_pair(_worker, args, "tg-bench-hook-")
     table = Table(
         title=f"riding in a gradient bucket: a DDP communication hook's CPU per step, 2 gloo ranks, rank 0, "
         f"{args.rounds} ABCCBA round(s) of {args.steps} steps"

@@ -38,8 +38,8 @@ class StopCheck:
         stop: this rank's stop conditions (the flags and the proposed check interval).
         ckpt: the checkpointer (its estimated save seconds: a time limit leaves room for the save).
         straggler: the straggler detector (its timings ride with the flags on report steps).
-        fold: the values that ride in the step's collective (:meth:`Fold.stop_flags`,
-            :meth:`Fold.straggler`: ``None`` when they did not ride this step).
+        fold: the values that ride in the step's collective (:meth:`LossFold.stop_flags`,
+            :meth:`LossFold.straggler`: ``None`` when they did not ride this step).
         faults: the fault injector (a fault injected into the stop check needs its own all-reduce).
         growth_pending: ``() -> int``: on rank 0 with ``[elastic] min_ranks``, the generation a
             spare or node may grow into in place (0: none); ``None`` when growth is off.

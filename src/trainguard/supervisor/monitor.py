@@ -5,14 +5,15 @@ record (a memory read, no system call) and compares how long the rank has been i
 section (or out of any section, or, before its first heartbeat, since the group started) with the
 timeout in force for it (:class:`~trainguard.supervisor.timeouts.TimeoutBook`). A silent rank whose
 process the monitor has seen stopped (state ``T``: SIGSTOP) for ``[supervisor] stopped_grace``
-(0.3 s) is hung at once, without waiting for that timeout (:class:`.evidence.StopWatch`). A rank over its
-timeout whose main thread keeps computing is *busy*, not hung (:mod:`.evidence`): a
+(0.3 s) is hung at once, without waiting for that timeout (:class:`.evidence.StopWatch`). A rank
+over its timeout whose main thread keeps computing is *busy*, not hung (:mod:`.evidence`): a
 ``slow_section`` event and one console line, and neither it nor the ranks waiting for it are
 touched (a waiting rank's silence counts from the last poll that saw it waiting: when the busy
 rank moves on, the collective completes on it a moment later); unless it is stuck in place: its
-main thread's stack, dumped once per timeout, stayed the same for ``[supervisor] spin_factor`` (5) × its timeout (a loop that never ends; real work moves
-between lines over five of its own timeouts). With several nodes a busy rank's node says so to the
-others through the shared recovery store (:meth:`HangMonitor.share_busy`): their silent ranks are
+main thread's stack, dumped once per timeout, stayed the same for ``[supervisor] spin_factor``
+(5) × its timeout (a loop that never ends; real work moves between lines over five of its own
+timeouts). With several nodes a busy rank's node says so to the others through the shared
+recovery store (:meth:`HangMonitor.share_busy`): their silent ranks are
 waiting for it in a collective, not hung. Any other rank over its timeout is hung:
 
 1. its Python stacks (all threads) are dumped: SIGUSR2 makes the rank's ``faulthandler`` write
