@@ -380,9 +380,8 @@ def test_a_rank_waiting_for_a_busy_one_is_not_hung_in_the_moment_that_one_moves_
             w.beat(29)
             w.open("step")
         started = time.monotonic()
-        while (
-            time.monotonic() - started < 1.3
-        ):  # within the timeout; the CPU meter fills its window (1 s) past start-up
+        # within the timeout; the CPU meter fills its window (1 s) past start-up
+        while time.monotonic() - started < 1.3:
             for w in (a, b):
                 w.close()
                 w.beat(29)
