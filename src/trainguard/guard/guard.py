@@ -1098,6 +1098,8 @@ class Guard:
         self.heartbeat = None
         CATCH.uninstall()
         ALIGN.close()
+        if self.inprocess is not None:
+            self.inprocess.close()
         if self.rejoin is not None and collective:  # a rank that fails alone leaves its state to its replacement
             self.rejoin.close()
         elif self.rejoin is not None:

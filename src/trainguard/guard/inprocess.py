@@ -26,6 +26,7 @@ from ..events import EventLog
 from ..instability.fold import LossFold
 from ..rejoin import regroup, sever, sharded
 from ..rejoin.align import ALIGN, wait_bound
+from ..rejoin.buffers import BufferSync, has_buffers
 from ..rejoin.catch import CATCH, DDPHook
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
@@ -168,6 +169,7 @@ class InProcess:
         # (the progress rule), with the step boundary of the meeting; a survivor's finish to say then
         self._stepping: Optional[tuple[int, int]] = None
         self._unsettled: Optional[Unsettled] = None
+        self.buffer_sync: Optional[BufferSync] = None  # DDP's buffer broadcast, where a lost peer is caught
 
     # ------------------------------------------------------------------------------------------
     # catching and keeping
@@ -205,7 +207,18 @@ class InProcess:
         )
         self.model.register_comm_hook(None, self.ddp_hook.hook)
         fold.wire(inject)
+        if self.rejoin.active and has_buffers(self.model):  # a redo starts from the step's buffers
+            self.buffer_sync = BufferSync(self.model, CATCH)
+            if self.step_start is not None:
+                self.step_start.also(self.buffer_sync)
         return True
+
+    def close(self) -> None:
+        """Give back what this component took of the model that can be given back (DDP's buffer
+        broadcast; DDP keeps a communication hook for good)."""
+        if self.buffer_sync is not None:
+            self.buffer_sync.close()
+            self.buffer_sync = None
 
     def arm_catch(self, step_in_progress: Callable[[], int]) -> None:
         """Catch a lost peer in the script's ``torch.distributed`` calls from now on."""
