@@ -91,14 +91,14 @@ def decide(backend: Optional[str], in_process: InProcessValue) -> BackendPolicy:
         return BackendPolicy(
             in_process=False,
             abort=False,
-            declined=f'not verified on NCCL here, group restart; [recovery] in_process = "{EXPERIMENTAL}" opts in',
+            declined=f'not verified on NCCL here; [recovery] in_process = "{EXPERIMENTAL}" opts in',
         )
     if all(n in VERIFIED for n in names):
         return BackendPolicy(in_process=True, abort=experimental)
     return BackendPolicy(
         in_process=False,
         abort=False,
-        declined=f"not verified on backend {backend!r} here (gloo only; NCCL with {EXPERIMENTAL!r}), group restart",
+        declined=f'not verified on backend "{backend}" here, only on gloo and, with "{EXPERIMENTAL}", NCCL',
     )
 
 
