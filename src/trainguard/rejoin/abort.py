@@ -68,7 +68,7 @@ TORCH_MEMBERS = (
 NCCL_MEMBERS = (
     ("torch.distributed", "ProcessGroupNCCL._group_start"),
     ("torch.distributed", "ProcessGroupNCCL._group_end"),
-    ("torch.distributed", "ProcessGroupNCCL.Options"),
+    ("torch.distributed", "ProcessGroupNCCL.Options.config"),
 )
 
 
