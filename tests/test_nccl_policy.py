@@ -211,6 +211,7 @@ def test_abort_ends_a_gloo_collective_blocked_on_a_stopped_peer_and_the_group_is
         wait_for(lambda: psutil.Process(peer.pid).status() == psutil.STATUS_STOPPED, 10, "rank 1 stopped")
         published = time.time()
         launcher.publish(Generation(1, "127.0.0.1", gen_store.port, (1,), 2))
+        (tmp_path / "published").write_text(f"{published:.6f}")  # for a look at the times after the test
         replacement = start("replacement")
         assert replacement.wait(90) == 0, (tmp_path / "replacement.log").read_text()[-3000:]
         assert survivor.wait(30) == 0, (tmp_path / "survivor.log").read_text()[-3000:]
