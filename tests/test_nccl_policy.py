@@ -228,3 +228,44 @@ def test_abort_ends_a_gloo_collective_blocked_on_a_stopped_peer_and_the_group_is
     assert published <= said["ended"] < published + 1.0, (said, published)
     assert said["initialized_after_clear"] is False  # the old world dropped before the new group
     assert (tmp_path / "survivor.hash").read_text() == (tmp_path / "replacement.hash").read_text()
+
+
+# (the generation the launcher publishes, whether the rank's main thread entered it first) -> who aborts
+TRIGGERS = [
+    (Generation(1, "127.0.0.1", 1, (1,), 2), False, "watcher"),  # a lost rank replaced
+    (Generation(1, "127.0.0.1", 1, (), 1, left=(1,)), False, "watcher"),  # a shrink: the group goes on without it
+    (Generation(1, "127.0.0.1", 1, (2,), 3, grown=(2,)), False, None),  # a growth: met at a step boundary
+    (Generation(1, "127.0.0.1", 1, (1,), 2), True, "recovery"),  # the rank caught the loss and got there first
+]
+
+
+@pytest.mark.parametrize(("gen", "main_first", "by"), TRIGGERS)
+def test_the_watcher_aborts_once_per_lost_generation_and_never_a_newer_group(gen, main_first, by):
+    """The abort watcher on a real recovery store (no process group in this process: nothing to
+    abort, what is decided is who aborts and when): a generation that replaces or drops ranks is
+    aborted once, by the watcher unless the main thread entered it first (then by the main
+    thread, and the watcher leaves the new generation's groups alone); a growth is not aborted."""
+    key = secrets.token_bytes(32)
+    server = serve()
+    launcher = RecoveryStore(server, 1, Seal(key))
+    current = {"generation": 0}
+    watcher = abort.CommAbort(f"127.0.0.1:{server.port}", 1, Seal(key), lambda: current["generation"], set)
+    try:
+        assert not watcher.aborted()
+        if main_first:
+            current["generation"] = 1  # the main thread has the generation (Rejoin.wait_generation) ...
+            watcher.before_regroup(1)  # ... and aborts the old world itself before the new group
+        launcher.publish(gen)
+        if by == "watcher":
+            wait_for(lambda: watcher.last is not None, 10, "the watcher's abort")
+            assert watcher.aborted()  # any collective error from now on is the lost peer
+            current["generation"] = 1
+            watcher.before_regroup(1)  # the main thread: done already, not again
+        else:
+            # the watcher's look is every 0.1 s: two looks, and it has not aborted (again)
+            deadline = time.monotonic() + 0.3
+            wait_for(lambda: time.monotonic() > deadline, 5, "two looks")
+        assert (watcher.last.by if watcher.last else None) == by
+        assert not watcher.aborted()
+    finally:
+        watcher.stop()

@@ -58,9 +58,11 @@ LOOK = 0.1  # seconds between looks for a published generation
 #     groups the abort ends (the default group, DDP's, trainguard's own, the script's new_group()s)
 #   distributed_c10d._abort_process_group(): aborts every group and clears torch's registry of
 #     them without the shutdown that waits for peers (the main thread, before the new group)
+#   ProcessGroup._get_backend(device): a group's backend for CUDA (its ProcessGroupNCCL, if any)
 TORCH_MEMBERS = (
     ("torch.distributed.distributed_c10d", "_world.pg_names"),
     ("torch.distributed.distributed_c10d", "_abort_process_group"),
+    ("torch.distributed", "ProcessGroup._get_backend"),
 )
 # With NCCL built in: ProcessGroupNCCL._group_start/_group_end (ncclGroupStart/End around the
 # aborts, as torch's _abort_process_group does) and ProcessGroupNCCL.Options.config.blocking (0:
