@@ -92,25 +92,27 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 - the collective's error is what is measured
         error = e
     ended, waited = time.time(), time.perf_counter() - t0
-    last = watcher.last
     said = {
         "ended": ended,
         "waited": waited,
         "error": None if error is None else f"{type(error).__name__}: {str(error)[:200]}",
         "peer_failure": error is not None and is_peer_failure(error),
-        "aborted": watcher.aborted(),
-        "groups": last.groups if last else 0,
-        "cut": last.cut if last else 0,
-        "abort_ms": round(last.seconds * 1000, 3) if last else None,
-        "by": last.by if last else None,
+        "aborted": watcher.aborted(),  # as Rejoin.caught asks it, at once
     }
     store = RecoveryStore(connect(*parse_address(address)), 1, seal)
     gen = store.wait(1, 60)
     generation = gen.number
     regroup.release_ddp(net)
     t1 = time.perf_counter()
-    watcher.before_regroup(gen.number)
+    watcher.before_regroup(gen.number)  # after the watcher's abort returned: its record is complete
     said["clear_ms"] = round((time.perf_counter() - t1) * 1000, 3)
+    last = watcher.last
+    said.update(
+        groups=last.groups if last else 0,
+        cut=last.cut if last else 0,
+        abort_ms=round(last.seconds * 1000, 3) if last else None,
+        by=last.by if last else None,
+    )
     said["initialized_after_clear"] = dist.is_initialized()
     regroup.rebuild_default_group(gen, "gloo", 60, **abort.init_options("gloo"))  # waits for the replacement
     regroup.rebind_ddp(net)

@@ -200,7 +200,8 @@ class CommAbort:
         ports: the ports the group's ranks listen on (:attr:`~.rank.Rejoin.group_ports`).
 
     Attributes:
-        last: what the last abort did (:class:`Aborted`), ``None`` before one.
+        last: what the last abort did (:class:`Aborted`), ``None`` before one (set once the abort
+            returned: the collective it ends may return first; :meth:`before_regroup` waits for it).
     """
 
     def __init__(
@@ -231,8 +232,8 @@ class CommAbort:
         with self._lock:
             if number <= self._done:
                 return None
+            self._done = number  # first: the collective the abort ends already counts as the lost peer
             self.last = abort_groups(self._ports(), by)
-            self._done = number
             return self.last
 
     def before_regroup(self, number: int) -> None:
