@@ -24,7 +24,8 @@ What runs where:
 * Only the backends are aborted from the thread (``ProcessGroup.abort()``, NCCL's inside one
   ``ncclGroupStart``/``ncclGroupEnd`` so that aborting several communicators cannot deadlock,
   pytorch issue 119797); torch's registry of groups is left as it is, so the main thread's next
-  collective fails on the aborted group (and is caught) instead of finding no group at all.
+  collective fails on the aborted group (and is caught) instead of finding no group at all (on
+  gloo measured; on NCCL expected, not yet run on two GPUs).
 * **gloo**: ``ProcessGroup.abort()`` does not end a collective blocked on a silent peer (torch
   2.13, measured: the collective ran on to gloo's timeout), so the abort also cuts the group's TCP
   connections (:func:`.sever.cut`): the blocked collective then fails within ~10 ms. This is how
