@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .. import console
+from .. import compat, console
 from .. import dist as tgdist
 from ..atomic import write_atomic
 from ..events import EventLog
@@ -219,8 +219,9 @@ class Checkpointer:
         for t in tiers:
             self.saved[t] = step
         if self.pool is not None and self.asynchronous and not blocking:
-            snap, deferred = self.snapshot.take(state, defer=self._changes_only_in_step())
-            versions = [src._version for _, src in deferred]
+            defer = self._changes_only_in_step() if compat.has_tensor_version() else (lambda t: False)
+            snap, deferred = self.snapshot.take(state, defer=defer)
+            versions = [compat.tensor_version(src) for _, src in deferred]
             self._copied, self._copy_wait, self._pending_step = threading.Event(), 0.0, step
             blocked = time.perf_counter() - t0
             self.pending = self.pool.submit(
@@ -245,7 +246,7 @@ class Checkpointer:
         edit through ``.data`` is not counted), then write, refusing the commit if one did."""
         try:
             copy_pairs(deferred)
-            changed = sum(src._version != v for (_, src), v in zip(deferred, versions))
+            changed = sum(compat.tensor_version(src) != v for (_, src), v in zip(deferred, versions))
         finally:
             self._copied.set()  # type: ignore[union-attr]
         refuse = (

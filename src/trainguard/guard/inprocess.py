@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import console, health
+from .. import compat, console, health
 from .. import dist as tgdist
 from ..config import Config
 from ..events import EventLog
@@ -163,9 +163,9 @@ class InProcess:
         before the last bucket, and catches a lost peer once :meth:`arm_catch` ran. ``False``
         (nothing done): not a DDP model, or one with a communication hook already (the script's
         own, or an earlier Guard's on the same model: DDP takes one)."""
-        if not isinstance(self.model, DDP) or getattr(self.model, "_comm_hooks", None):
+        params = compat.ddp_reducer_params(self.model) if isinstance(self.model, DDP) else None
+        if params is None or compat.ddp_comm_hooks(self.model) != []:  # compat: None where torch lacks it
             return False
-        params, _ = self.model._build_params_for_reducer()
         self.ddp_hook = DDPHook(
             CATCH,
             params,

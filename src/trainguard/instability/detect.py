@@ -27,6 +27,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import compat
 from ..sections import InstabilitySection
 from .fold import LossFold
 
@@ -118,7 +119,7 @@ def total_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norms = torch._foreach_norm(grads)
+    norms = compat.foreach_norm(grads)
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
 
