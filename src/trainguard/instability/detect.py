@@ -154,7 +154,7 @@ class Detector:
         if folded is not None:  # the one host sync; DDP's gradients, so their norm, are alike on every rank
             *values, grad = torch.cat([folded, _scalar(grad_norm, folded.device).reshape(1)]).tolist()
             if fold.usable(values):
-                return self._verdict(step, values[:n], [grad] * n if has_grad else None)
+                return self._verdict(step, values[fold.layout.slot("loss")], [grad] * n if has_grad else None)
         loss_t = loss.detach().reshape(()).float() if torch.is_tensor(loss) else torch.tensor(float(loss))
         grad_t = _scalar(grad_norm, loss_t.device)
         if n > 1 and dist.is_available() and dist.is_initialized():
