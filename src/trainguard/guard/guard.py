@@ -58,14 +58,13 @@ from ..checkpoint.checkpointer import Checkpointer, SaveResult
 from ..checkpoint.store import Checkpoint
 from ..config import Config, ConfigError, config_from_argv, dump_config, load_config
 from ..events import EventLog, Hook
-from ..exitcodes import exit_bad_input
 from ..faults import FaultInjector
 from ..health.straggler import StragglerDetector
 from ..instability import clipfold
 from ..instability.recovery import Recovery, Rollback
 from ..launch_env import LaunchEnv
 from ..oom import MicroBatcher
-from ..outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw
+from ..outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw, exit_bad_input
 from ..rejoin import sever, sharded, shrink
 from ..rejoin.auth import report_forged
 from ..rejoin.catch import CATCH

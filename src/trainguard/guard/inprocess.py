@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,39 +32,8 @@ from ..rejoin.shards import ShardSnapshots
 from ..rejoin.stepstart import StepStart
 from ..state.reshard import resharded_rank_state
 from ..state.trainstate import TrainState
+from .place import Met, Place  # re-exported: Place and Met lived here
 from .sharded_recovery import ShardedRecovery
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where a rank stands in its group: what in-process recovery can change.
-
-    Attributes:
-        step: completed steps (``guard.step``).
-        rank, world_size: this process's rank and the group's size.
-        hosts: the host of each rank (``world_size`` names).
-        next_check: the step of the next stop check (agreed by all ranks).
-        next_report: the step of the next straggler report.
-    """
-
-    step: int
-    rank: int
-    world_size: int
-    hosts: tuple[str, ...]
-    next_check: int
-    next_report: int
-
-
-@dataclass(frozen=True)
-class Met:
-    """The outcome of a recovery, a growth or a join: the rank's new :class:`Place`, the liveness
-    ping started on the new group (``None``: no ping), the generation, and whether the abandoned
-    step is done again (``redo``: the Guard's ``steps()`` yields it again)."""
-
-    place: Place
-    ping: Optional[health.LivenessPing]
-    gen: Generation
-    redo: bool = False
 
 
 def declined(framework: Optional[str], model: torch.nn.Module) -> Optional[str]:
