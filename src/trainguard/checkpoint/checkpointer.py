@@ -451,16 +451,20 @@ class Checkpointer:
             self.group = tgdist.new_cpu_group()
 
     def close(self, wait: bool = True) -> Optional[SaveResult]:
-        """Finish the save in flight (its result is returned), stop the writer and deleter threads,
-        remove the optimizer hook and destroy the writer's process group. Safe to call twice.
+        """Finish the save in flight (its result is returned), stop the writer and deleter threads
+        and wait until they ended, remove the optimizer hook and destroy the writer's process
+        group. Safe to call twice.
 
         ``wait=False`` (this rank failed alone): do not wait for a save in flight, which may be
         waiting for its peers; its thread is left to end with the process and its group is kept.
+        With none in flight the writer's thread is joined all the same (it ends at once), and the
+        deleter's always (a deletion waits for no peer).
         """
         result = self.wait() if wait else None
+        idle = self.pending is None
         for pool in (self.pool, self.deleter):
             if pool is not None:
-                pool.shutdown(wait=wait)
+                pool.shutdown(wait=wait or idle or pool is self.deleter)
         self.pool = self.deleter = None
         if self._hook is not None:
             self._hook.remove()

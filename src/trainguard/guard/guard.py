@@ -1065,6 +1065,7 @@ class Guard:
         checkpoint threads, destroy their process groups, remove optimizer and gradient hooks,
         restore the previous signal handlers, unmap the heartbeat record, close the event log.
         Safe to call twice; ``with Guard(...) as guard:`` calls it."""
+        console.restore_excepthook()  # also after a failure's release, which keeps it for the error
         if self._closed:
             return
         self._closed = True
