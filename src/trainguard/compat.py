@@ -14,11 +14,14 @@ from here. ``tests/test_compat.py`` walks the syntax tree of every module of ``s
 fails on a private name of another package used anywhere else, and checks every listed member
 against the installed torch and transformers. Lightning: trainguard uses none of its private names.
 
-When each is checked: the members of a module or class (:attr:`Private.on_objects` false) at
-first use, by the function here that uses them (a fallback then, or a refusal); attributes that
-only objects carry (an FSDP state's param groups, an agent's worker group) on the object, where it
-is first used (:func:`missing_on`). :func:`missing_members` checks them all at once (the test,
-``trainguard`` diagnostics).
+When each is checked: where it is first needed, by the function here that uses it, which falls
+back or refuses there. DDP's and FSDP2's members before in-process recovery is counted on (the
+Guard's start: :func:`~trainguard.rejoin.regroup.check_rebindable` turns a missing one into a
+group restart), torch elastic's when the launcher's agent is built
+(:mod:`~trainguard.launcher.torch_agent`), the others at their first call. Attributes that only
+objects carry (an FSDP state's param groups, an agent's worker group) are checked on the object
+(:func:`missing_on`). :func:`missing_members` checks every member of a module or class at once
+(``tests/test_compat.py``, against the installed packages).
 """
 
 from __future__ import annotations
