@@ -80,24 +80,35 @@ class Private:
 
 _RESTART = "refused: in-process recovery steps aside, the launcher restarts the group (RegroupError)"
 _ELASTIC = "refused: the launcher does not start (ElasticIncompatible)"
+_CLIP = "fallback: torch's own clip_grad_norm_ runs, should_step all-reduces"
+_RERUN = "refused: the step is not run again (Incompatible)"
+_AGENT_METHODS = (
+    "_invoke_run",
+    "_stop_workers",
+    "_initialize_workers",
+    "_rendezvous",
+    "_assign_worker_ranks",
+    "_monitor_workers",
+    "_exit_barrier",
+    "_shutdown",
+)
 
+
+def _each(owner: str, names: tuple[str, ...], used_in: str, missing: str, on_objects: bool = False) -> tuple:
+    return tuple(Private(owner, n, (used_in,), missing, on_objects) for n in names)
+
+
+_HOOKED = ("guard/inprocess.py", "rejoin/regroup.py")
 MEMBERS: tuple[Private, ...] = (
     # DDP: trainguard's communication hook and a reducer built again on a new group
-    Private(
-        DDP,
-        "_comm_hooks",
-        ("guard/inprocess.py", "rejoin/regroup.py"),
-        "fallback: no trainguard hook (the detectors all-reduce; recovery restarts the group)",
-        True,
-    ),
+    Private(DDP, "_comm_hooks", _HOOKED, "fallback: no trainguard hook (the detectors all-reduce); " + _RESTART, True),
     Private(
         DDP,
         "_build_params_for_reducer",
-        ("guard/inprocess.py", "rejoin/regroup.py"),
+        _HOOKED,
         "fallback: no trainguard hook (the detectors all-reduce); " + _RESTART,
     ),
-    Private(DDP, "_build_debug_param_to_name_mapping", ("rejoin/regroup.py",), _RESTART),
-    Private(DDP, "_ddp_init_helper", ("rejoin/regroup.py",), _RESTART),
+    *_each(DDP, ("_build_debug_param_to_name_mapping", "_ddp_init_helper"), "rejoin/regroup.py", _RESTART),
     Private(
         DIST,
         "_compute_bucket_assignment_by_size",
@@ -112,8 +123,7 @@ MEMBERS: tuple[Private, ...] = (
         FSDP_STATE, "_is_root", ("rejoin/sharded.py",), "fallback: every FSDP module's iteration state is reset", True
     ),
     Private(MESH, "_get_root_mesh", ("rejoin/sharded.py",), _RESTART),
-    Private(MESH, "_dim_group_names", ("rejoin/sharded.py",), _RESTART, True),
-    Private(MESH, "_pg_registry", ("rejoin/sharded.py",), _RESTART, True),
+    *_each(MESH, ("_dim_group_names", "_pg_registry"), "rejoin/sharded.py", _RESTART, True),
     # gradient norms as torch computes them
     Private(
         "torch",
@@ -121,23 +131,11 @@ MEMBERS: tuple[Private, ...] = (
         ("instability/clipfold.py", "instability/detect.py"),
         "fallback: one torch.linalg.vector_norm per tensor",
     ),
-    Private(
+    *_each(
         FOREACH,
-        "_group_tensors_by_device_and_dtype",
-        ("instability/clipfold.py",),
-        "fallback: torch's own clip_grad_norm_ runs, should_step all-reduces",
-    ),
-    Private(
-        FOREACH,
-        "_has_foreach_support",
-        ("instability/clipfold.py",),
-        "fallback: torch's own clip_grad_norm_ runs, should_step all-reduces",
-    ),
-    Private(
-        FOREACH,
-        "_device_has_foreach_support",
-        ("instability/clipfold.py",),
-        "fallback: torch's own clip_grad_norm_ runs, should_step all-reduces",
+        ("_group_tensors_by_device_and_dtype", "_has_foreach_support", "_device_has_foreach_support"),
+        "instability/clipfold.py",
+        _CLIP,
     ),
     # state: the hash of a DTensor shard, the background save's change check, the spare's preload
     Private(
@@ -156,27 +154,17 @@ MEMBERS: tuple[Private, ...] = (
         "torch", "_dynamo", ("rejoin/replacement.py",), "fallback: a warm spare imports it later, at DDP's constructor"
     ),
     # torch elastic: trainguard's agent (launcher/torch_agent.py overrides and reads these)
-    *(
-        Private(AGENT, m, ("launcher/torch_agent.py",), _ELASTIC)
-        for m in (
-            "_invoke_run",
-            "_stop_workers",
-            "_initialize_workers",
-            "_rendezvous",
-            "_assign_worker_ranks",
-            "_monitor_workers",
-            "_exit_barrier",
-            "_shutdown",
-        )
-    ),
-    *(
-        Private(AGENT, a, ("launcher/torch_agent.py",), _ELASTIC, True)
-        for a in ("_worker_group", "_remaining_restarts", "_pcontext", "_store")
+    *_each(AGENT, _AGENT_METHODS, "launcher/torch_agent.py", _ELASTIC),
+    *_each(
+        AGENT,
+        ("_worker_group", "_remaining_restarts", "_pcontext", "_store"),
+        "launcher/torch_agent.py",
+        _ELASTIC,
+        True,
     ),
     Private(PCONTEXT, "_running_local_ranks", ("launcher/torch_agent.py",), _ELASTIC, True),
     # the Hugging Face Trainer: a step run again after a lost peer was replaced
-    Private(TRAINER, "_get_num_items_in_batch", ("hf.py",), "refused: the step is not run again (Incompatible)"),
-    Private(TRAINER, "_clip_grad_norm", ("hf.py",), "refused: the step is not run again (Incompatible)"),
+    *_each(TRAINER, ("_get_num_items_in_batch", "_clip_grad_norm"), "hf.py", _RERUN),
 )
 
 
