@@ -104,18 +104,20 @@ def test_policy_invariants(backend, value):
 
 
 def test_installed_torch_has_the_members_the_abort_uses():
-    """The private torch names of rejoin/abort.py exist in the installed torch; where NCCL is not
-    built in (this CPU build) its members are reported missing, and the abort path is then declined
-    with a reason naming them."""
-    assert abort.missing_torch_members(nccl=False) == []
+    """The private torch names the abort uses (listed in trainguard/compat.py) exist in the installed
+    torch; where NCCL is not built in (this CPU build) its members are reported missing, and the
+    abort path is then declined with a reason naming them."""
+    from trainguard import compat
+
+    assert compat.missing_abort(nccl=False) == []
     assert abort.why_unsupported("gloo") is None
     import torch.distributed as dist
 
     if dist.is_nccl_available():
-        assert abort.missing_torch_members(nccl=True) == []
+        assert compat.missing_abort(nccl=True) == []
     else:
-        missing = abort.missing_torch_members(nccl=True)
-        assert missing == [f"{m}.{a}" for m, a in abort.NCCL_MEMBERS]
+        missing = compat.missing_abort(nccl=True)
+        assert missing == ["ProcessGroupNCCL._group_start", "ProcessGroupNCCL._group_end"]
         why = abort.why_unsupported("nccl")
         assert why is not None and "ProcessGroupNCCL._group_start" in why and "communicator abort" in why
     assert abort.init_options("gloo") == {}  # eager NCCL creation only for NCCL (and only with a GPU)

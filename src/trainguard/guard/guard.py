@@ -58,14 +58,13 @@ from ..checkpoint.checkpointer import Checkpointer, SaveResult
 from ..checkpoint.store import Checkpoint
 from ..config import Config, ConfigError, config_from_argv, dump_config, load_config
 from ..events import EventLog, Hook
-from ..exitcodes import exit_bad_input
 from ..faults import FaultInjector
 from ..health.straggler import StragglerDetector
 from ..instability import clipfold
 from ..instability.recovery import Recovery, Rollback
 from ..launch_env import LaunchEnv
 from ..oom import MicroBatcher
-from ..outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw
+from ..outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw, exit_bad_input
 from ..rejoin import sever, sharded, shrink
 from ..rejoin.align import ALIGN, SHOULD_STEP, STOP_CHECK
 from ..rejoin.auth import report_forged
@@ -1076,6 +1075,7 @@ class Guard:
         checkpoint threads, destroy their process groups, remove optimizer and gradient hooks,
         restore the previous signal handlers, unmap the heartbeat record, close the event log.
         Safe to call twice; ``with Guard(...) as guard:`` calls it."""
+        console.restore_excepthook()  # also after a failure's release, which keeps it for the error
         if self._closed:
             return
         self._closed = True

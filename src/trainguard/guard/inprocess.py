@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import console, health
+from .. import compat, console, health
 from .. import dist as tgdist
 from ..config import Config
 from ..events import EventLog
@@ -34,29 +34,8 @@ from ..rejoin.shards import ShardSnapshots
 from ..rejoin.stepstart import StepStart
 from ..state.reshard import resharded_rank_state
 from ..state.trainstate import TrainState
+from .place import Met, Place  # re-exported: Place and Met lived here
 from .sharded_recovery import ShardedRecovery
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where a rank stands in its group: what in-process recovery can change.
-
-    Attributes:
-        step: completed steps (``guard.step``).
-        rank, world_size: this process's rank and the group's size.
-        hosts: the host of each rank (``world_size`` names).
-        next_check: the step of the next stop check (agreed by all ranks).
-        next_report: the step of the next straggler report.
-        step_seconds: the rank's step time (seconds, the stop check's decaying mean; 0: unknown).
-    """
-
-    step: int
-    rank: int
-    world_size: int
-    hosts: tuple[str, ...]
-    next_check: int
-    next_report: int
-    step_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -79,18 +58,6 @@ class Unsettled:
     redo_step: Optional[int]
     at: float
     said: str = ""
-
-
-@dataclass(frozen=True)
-class Met:
-    """The outcome of a recovery, a growth or a join: the rank's new :class:`Place`, the liveness
-    ping started on the new group (``None``: no ping), the generation, and whether the abandoned
-    step is done again (``redo``: the Guard's ``steps()`` yields it again)."""
-
-    place: Place
-    ping: Optional[health.LivenessPing]
-    gen: Generation
-    redo: bool = False
 
 
 def recovery_policy(in_process: backend_policy.InProcessValue) -> backend_policy.BackendPolicy:
@@ -209,9 +176,9 @@ class InProcess:
         before the last bucket, and catches a lost peer once :meth:`arm_catch` ran. ``False``
         (nothing done): not a DDP model, or one with a communication hook already (the script's
         own, or an earlier Guard's on the same model: DDP takes one)."""
-        if not isinstance(self.model, DDP) or getattr(self.model, "_comm_hooks", None):
+        params = compat.ddp_reducer_params(self.model) if isinstance(self.model, DDP) else None
+        if params is None or compat.ddp_comm_hooks(self.model) != []:  # compat: None where torch lacks it
             return False
-        params, _ = self.model._build_params_for_reducer()
         self.ddp_hook = DDPHook(
             CATCH,
             params,

@@ -31,14 +31,13 @@ What runs where:
   connections (:func:`.sever.cut`): the blocked collective then fails within ~10 ms. This is how
   the abort path runs without a GPU (the tests).
 
-Every private torch name used here is in :data:`TORCH_MEMBERS` / :data:`NCCL_MEMBERS`, checked
-against the installed torch (:func:`missing_torch_members`; ``tests/test_nccl_policy.py``): where
-one is missing, in-process recovery is declined at start with that reason (a group restart).
+Every private torch name used here is reached through :mod:`trainguard.compat` (its one checked
+list; :func:`trainguard.compat.missing_abort`): where one is missing, in-process recovery is
+declined at start with that reason (a group restart).
 """
 
 from __future__ import annotations
 
-import importlib
 import threading
 import time
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import compat
 from . import sever
 from .auth import Seal
 from .protocol import RecoveryStore, connect, parse_address
@@ -54,52 +54,12 @@ from .protocol import RecoveryStore, connect, parse_address
 TIMEOUT = 2.0  # seconds a store call may take: the thread must be out of it soon after stop()
 LOOK = 0.1  # seconds between looks for a published generation
 
-# The private torch members this module uses (torch 2.13), as (module, dotted attribute):
-#   distributed_c10d._world.pg_names: every process group of this process ({group: name}), the
-#     groups the abort ends (the default group, DDP's, trainguard's own, the script's new_group()s)
-#   distributed_c10d._abort_process_group(): aborts every group and clears torch's registry of
-#     them without the shutdown that waits for peers (the main thread, before the new group)
-#   ProcessGroup._get_backend(device): a group's backend for CUDA (its ProcessGroupNCCL, if any)
-TORCH_MEMBERS = (
-    ("torch.distributed.distributed_c10d", "_world.pg_names"),
-    ("torch.distributed.distributed_c10d", "_abort_process_group"),
-    ("torch.distributed", "ProcessGroup._get_backend"),
-)
-# With NCCL built in: ProcessGroupNCCL._group_start/_group_end (ncclGroupStart/End around the
-# aborts, as torch's _abort_process_group does) and ProcessGroupNCCL.Options.config.blocking (0:
-# non-blocking communicators, which an abort reaches while they are being created)
-NCCL_MEMBERS = (
-    ("torch.distributed", "ProcessGroupNCCL._group_start"),
-    ("torch.distributed", "ProcessGroupNCCL._group_end"),
-    ("torch.distributed", "ProcessGroupNCCL.Options.config"),
-)
-
-
-def _resolve(module: str, dotted: str) -> Any:
-    obj: Any = importlib.import_module(module)
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def missing_torch_members(nccl: Optional[bool] = None) -> list[str]:
-    """The members of :data:`TORCH_MEMBERS` (and :data:`NCCL_MEMBERS` when ``nccl``; default:
-    when NCCL is built in) the installed torch lacks, as ``"module.attribute"``."""
-    nccl = dist.is_nccl_available() if nccl is None else nccl
-    missing = []
-    for module, dotted in TORCH_MEMBERS + (NCCL_MEMBERS if nccl else ()):
-        try:
-            _resolve(module, dotted)
-        except (AttributeError, ImportError):
-            missing.append(f"{module}.{dotted}")
-    return missing
-
 
 def why_unsupported(backend: Optional[str]) -> Optional[str]:
     """Why the abort path cannot run with this torch (a reason to decline in-process recovery), or ``None``."""
     from .backend_policy import is_nccl
 
-    missing = missing_torch_members(nccl=is_nccl(backend) or None)
+    missing = compat.missing_abort(nccl=is_nccl(backend) or dist.is_nccl_available())
     if missing:
         return f"torch {torch.__version__} lacks {', '.join(missing)} (communicator abort)"
     return None
@@ -119,10 +79,7 @@ class Aborted:
 
 def world_groups() -> list[dist.ProcessGroup]:
     """Every process group of this process, the newest first (the order torch aborts them in)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    names = dict(c10d._world.pg_names)
-    return sorted(names, key=lambda pg: names[pg], reverse=True)
+    return compat.process_groups()
 
 
 def _nccl_backend(groups: list[dist.ProcessGroup]) -> Any:
@@ -131,7 +88,7 @@ def _nccl_backend(groups: list[dist.ProcessGroup]) -> Any:
         return None
     for pg in sorted(groups, key=lambda g: g is not dist.group.WORLD):
         try:
-            backend = pg._get_backend(torch.device("cuda"))
+            backend = compat.group_backend(pg, torch.device("cuda"))
         except RuntimeError:
             continue
         if isinstance(backend, dist.ProcessGroupNCCL):
@@ -148,18 +105,13 @@ def abort_groups(ports: set[int], by: str = "watcher") -> Aborted:
     groups = world_groups()
     nccl = _nccl_backend(groups)
     n = 0
-    if nccl is not None:
-        nccl._group_start()
-    try:
+    with compat.nccl_group(nccl):
         for pg in groups:
             try:
                 pg.abort()
                 n += 1
             except RuntimeError:
                 pass
-    finally:
-        if nccl is not None:
-            nccl._group_end()
     cut = sever.cut(ports)
     return Aborted(n, cut, time.perf_counter() - t0, by)
 
@@ -169,9 +121,7 @@ def clear_world() -> None:
     shutting them down (an NCCL shutdown waits for the lost peer), so that ``init_process_group``
     can create the new one."""
     if dist.is_available() and dist.is_initialized():
-        from torch.distributed import distributed_c10d as c10d
-
-        c10d._abort_process_group()
+        compat.drop_process_groups()
 
 
 def init_options(backend: Optional[str]) -> dict[str, Any]:
@@ -273,14 +223,11 @@ class CommAbort:
 
 
 __all__ = [
-    "NCCL_MEMBERS",
-    "TORCH_MEMBERS",
     "Aborted",
     "CommAbort",
     "abort_groups",
     "clear_world",
     "init_options",
-    "missing_torch_members",
     "why_unsupported",
     "world_groups",
 ]
