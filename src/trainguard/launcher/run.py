@@ -289,7 +289,7 @@ def _run_agent(
     monitor = HangMonitor(cfg, run_dir, hb_root, events) if cfg.supervisor.enabled else None
     replacer = None
     if cfg.recovery.in_process and max_nodes * opts.nproc_per_node > 1:  # one rank: no survivor to send the state
-        from ..rejoin.auth import KeyFileError, Seal, launch_key
+        from ..rejoin.auth import KeyFileError, Seal, launch_key, new_nonce
         from ..rejoin.protocol import listen_address
         from .replace import Replacer
 
@@ -303,7 +303,7 @@ def _run_agent(
             events,
             opts.script,
             _node_local_dir("trainguard-rejoin-"),
-            Seal(key),
+            Seal(key, new_nonce()),  # a nonce per launch: no value of an earlier launch opens
             host=host,
             bind=host if max_nodes == 1 else listen_address(host),
             spares=cfg.launcher.spares,
@@ -322,6 +322,7 @@ def _run_agent(
         recovery_store=replacer.address if replacer else None,
         recovery_dir=replacer.boundary_dir if replacer else None,
         recovery_key=replacer.seal.key if replacer else None,
+        recovery_nonce=replacer.seal.nonce if replacer else b"",
     )
     os.environ.update(to_ranks.to_environ())
     omp_threads = _omp_threads(opts.nproc_per_node)

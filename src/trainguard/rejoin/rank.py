@@ -96,7 +96,7 @@ class Rejoin:
         self.store: Optional[RecoveryStore] = None
         if offered:
             host, port = parse_address(launch.recovery_store)  # type: ignore[arg-type]
-            seal = Seal(launch.recovery_key)  # type: ignore[arg-type]
+            seal = Seal(launch.recovery_key, launch.recovery_nonce)  # type: ignore[arg-type]
             store = RecoveryStore(connect(host, port, cfg.timeout), launch.recovery_group, seal, on_forged)
             if self.active:
                 self.store = store
