@@ -125,7 +125,7 @@ class Replacer:
         """The recovery keys of the current group start, shared by every node (after :meth:`share`)."""
         return RecoveryStore(self.shared, self.attempt, self.group_seal, self._forged)
 
-    def _forged(self, key: str, why: str = "forged") -> None:
+    def _forged(self, key: str, why: str = "") -> None:
         """A value in a store did not carry this launch's seal: refused; said once per key."""
         if key not in self._refused:
             self._refused.add(key)

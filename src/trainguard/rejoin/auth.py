@@ -161,20 +161,20 @@ class Seal:
 WHAT = {
     "replayed": "a value sealed in another launch (a replay) was refused",
     "forged": "a value without this launch's seal was refused",
+    "": "a value without this launch's seal (forged, or replayed from another launch) was refused",
 }
 
 
-def report_forged(events, key: str, why: str = "forged") -> None:
+def report_forged(events, key: str, why: str = "") -> None:
     """Tell of a refused value: a ``security`` event (``events``: an
-    :class:`~trainguard.events.EventLog`; fields ``key``, ``what`` and ``why``: ``forged`` or
-    ``replayed``, see :meth:`Seal.why`) and a console warning."""
+    :class:`~trainguard.events.EventLog`; fields ``key``, ``what`` and, where the reader told
+    them apart (:meth:`Seal.why`), ``why``: ``forged`` or ``replayed``) and a console warning."""
     from .. import console
 
-    events.emit("security", key=key, why=why, what=WHAT.get(why, WHAT["forged"]))
+    events.emit("security", key=key, what=WHAT.get(why, WHAT[""]), **({"why": why} if why else {}))
     console.warn(
-        f"refused a {why} value in the recovery store (key {key}): a process without the launch's key wrote it"
-        if why != "replayed"
-        else f"refused a value replayed from another launch in the recovery store (key {key})"
+        f"refused a value in the recovery store (key {key}): {WHAT.get(why, WHAT[''])}; "
+        "a process without this launch's key and nonce wrote it"
     )
 
 
@@ -183,7 +183,7 @@ def reporter(events):
     readers that poll a key would otherwise tell of the same value at every look."""
     told: set[str] = set()
 
-    def tell(key: str, why: str = "forged") -> None:
+    def tell(key: str, why: str = "") -> None:
         if key not in told:
             told.add(key)
             report_forged(events, key, why)
