@@ -1,4 +1,14 @@
-"""Small helpers over ``torch.distributed`` that also work in a single process without a group."""
+"""Small helpers over ``torch.distributed`` that also work in a single process without a group.
+
+The object collectives (:func:`broadcast_object`, :func:`gather_objects`) never unpickle what a
+peer sent with plain pickle, as ``torch.distributed``'s ``broadcast_object_list`` and
+``all_gather_object`` do: whoever joins a group's store can be a peer (the stores of the first
+generation are torch's, not sealed). They carry the object as a step-boundary blob
+(:func:`trainguard.rejoin.boundary.encode`) in a ``uint8`` tensor, read back by an unpickler that
+refuses every class and callable but its own tensor constructor (or ``torch.load(weights_only=True)``
+for what the plain encoding does not carry): built-in values, tuples, dicts with any keys and CPU
+tensors come back; anything else raises on the receiving rank instead of running.
+"""
 
 from __future__ import annotations
 
@@ -64,22 +74,76 @@ def all_reduce_max(values: list[int], group: Any = None) -> list[int]:
     return t.tolist()
 
 
+def _device(group: Any) -> torch.device:
+    """Where a collective's tensors live: the current CUDA device on NCCL, else the CPU."""
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    )
+
+
+def _bytes_tensor(data: bytes, length: int, device: torch.device) -> torch.Tensor:
+    """``data`` in a ``uint8`` tensor of ``length`` bytes (zero-padded) on ``device``."""
+    t = torch.zeros(length, dtype=torch.uint8)
+    if data:
+        t[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return t.to(device)
+
+
+def _from_tensor(t: torch.Tensor, length: int) -> Any:
+    """The object in the first ``length`` bytes of ``t`` (:func:`~trainguard.rejoin.boundary.decode`).
+
+    Raises:
+        pickle.UnpicklingError: the bytes name a class or callable (not sent by this module).
+    """
+    from .rejoin.boundary import decode
+
+    return decode(t[:length].cpu().numpy().tobytes())
+
+
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
-    """Send a picklable object from global rank ``src`` to every rank (of ``group``) and return it."""
+    """Send ``obj`` from global rank ``src`` to every rank (of ``group``) and return it (``src``
+    gets ``obj`` itself, the others a copy). Built-in values, containers and CPU tensors travel
+    (see the module's docstring); two collectives: the length, then the bytes.
+
+    Raises:
+        pickle.UnpicklingError: on a receiving rank, what arrived names a class (a peer that is
+            not this module sent it).
+    """
     if not is_dist():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+    from .rejoin.boundary import encode
+
+    device, mine = _device(group), dist.get_rank() == src
+    data = encode(obj) if mine else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    length = int(size.item())
+    buf = _bytes_tensor(data, length, device)
+    dist.broadcast(buf, src=src, group=group)
+    return obj if mine else _from_tensor(buf, length)
 
 
 def gather_objects(obj: Any, group: Any = None) -> list[Any]:
-    """All-gather one picklable object per rank (of ``group``); returns the list indexed by rank."""
+    """All-gather one object per rank (of ``group``); returns the list indexed by rank (group
+    rank), each a copy as it travelled (see the module's docstring). Two collectives: the lengths,
+    then the bytes (padded to the longest).
+
+    Raises:
+        pickle.UnpicklingError: what a peer sent names a class.
+    """
     if not is_dist():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    from .rejoin.boundary import encode
+
+    device, data = _device(group), encode(obj)
+    n = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device), group=group)
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(lengths)
+    bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
+    dist.all_gather(bufs, _bytes_tensor(data, longest, device), group=group)
+    return [_from_tensor(b, length) for b, length in zip(bufs, lengths)]
 
 
 def new_cpu_group() -> Any:
