@@ -334,7 +334,8 @@ def _run_agent(
         }
     )
     standalone = max_nodes == 1 and not opts.rdzv_endpoint
-    endpoint = "localhost:0" if standalone else opts.rdzv_endpoint
+    rdzv_store = _loopback_rendezvous_store() if standalone else None  # held for the launch's life
+    endpoint = f"127.0.0.1:{rdzv_store.port}" if rdzv_store is not None else opts.rdzv_endpoint
     if not endpoint:
         raise ConfigError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
     max_restarts = cfg.launcher.max_restarts if opts.max_restarts is None else opts.max_restarts
@@ -350,7 +351,7 @@ def _run_agent(
         run_id=run_id,
         min_nodes=min_nodes,
         max_nodes=min_nodes if spare_nodes else max_nodes,
-        local_addr=opts.local_addr,
+        local_addr="127.0.0.1" if standalone else opts.local_addr,  # one node: the workers meet on loopback
         **_rdzv_configs(opts.rdzv_conf),
     )
     command = _rank_command(opts)
@@ -520,3 +521,29 @@ def _touch(path: Path) -> None:
 
 
 __all__ = ["LaunchOptions", "RunDirLocked", "launch", "parse_nnodes"]
+
+
+def _loopback_rendezvous_store():
+    """One node: the server of torch's rendezvous store, listening on loopback only. torch's c10d
+    rendezvous creates its ``TCPStore`` server on every interface; this one is bound here
+    (``master_listen_fd``, as :func:`~trainguard.rejoin.protocol.serve`) and made *multi-tenant*,
+    so the ``TCPStore`` torch then opens on the same port in this process takes it over (torch
+    keeps one server per port for multi-tenant stores). Read ``.port``; keep it alive."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        multi_tenant=True,
+        timeout=timedelta(seconds=60),
+        master_listen_fd=sock.detach(),
+    )
