@@ -3,19 +3,119 @@
 The object collectives (:func:`broadcast_object`, :func:`gather_objects`) never unpickle what a
 peer sent with plain pickle, as ``torch.distributed``'s ``broadcast_object_list`` and
 ``all_gather_object`` do: whoever joins a group's store can be a peer (the stores of the first
-generation are torch's, not sealed). They carry the object as a step-boundary blob
-(:func:`trainguard.rejoin.boundary.encode`) in a ``uint8`` tensor, read back by an unpickler that
-refuses every class and callable but its own tensor constructor (or ``torch.load(weights_only=True)``
-for what the plain encoding does not carry): built-in values, tuples, dicts with any keys and CPU
-tensors come back; anything else raises on the receiving rank instead of running.
+generation are torch's, not sealed). They carry the object in a ``uint8`` tensor,
+pickled so that only built-in values, CPU tensors (as raw bytes, as the step-boundary blobs of
+:mod:`trainguard.rejoin.boundary`), paths and trainguard's own dataclasses (by name and fields,
+rebuilt without calling their code) are in it, and read back by an unpickler that refuses every
+other class and callable. What that encoding does not carry (a user's object among the values)
+goes as ``torch.save`` and comes back through ``torch.load(weights_only=True)``, which refuses
+classes outside torch's allow-list; a refusal raises on the receiving rank instead of running.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import io
+import pickle
+from pathlib import Path, PurePath
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+PLAIN, TORCH = b"P", b"T"  # first byte of what travels: the restricted pickle, or torch.save
+
+
+def _path(text: str) -> Path:
+    """A path that travelled (the only callable besides :func:`_dataclass` and the tensor one)."""
+    return Path(text)
+
+
+def _dataclass(name: str, fields: dict[str, Any]) -> Any:
+    """An instance of trainguard's dataclass ``name`` (``module:qualname``) with ``fields`` set,
+    built without calling its ``__init__``.
+
+    Raises:
+        pickle.UnpicklingError: ``name`` is not a dataclass of trainguard's.
+    """
+    module, _, qualname = name.partition(":")
+    cls = getattr(importlib.import_module(module), qualname, None) if module.startswith("trainguard.") else None
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise pickle.UnpicklingError(f"{name} is not one of trainguard's dataclasses")
+    obj = object.__new__(cls)
+    for key, value in fields.items():
+        object.__setattr__(obj, key, value)
+    return obj
+
+
+class _Unsupported(Exception):
+    """A value the restricted pickle does not carry (it goes as ``torch.save``)."""
+
+
+class _Pickler(pickle.Pickler):
+    """Built-in values as pickle does; CPU tensors, paths and trainguard's dataclasses as calls
+    of the three constructors the unpickler allows; anything else raises :class:`_Unsupported`."""
+
+    def reducer_override(self, obj: Any) -> Any:  # pickle's hook, for every non-built-in value
+        from .rejoin.boundary import tensor_from_bytes
+
+        if obj is tensor_from_bytes or obj is _path or obj is _dataclass:
+            return NotImplemented  # pickled by reference
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad:
+            data = obj.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            return tensor_from_bytes, (str(obj.dtype).removeprefix("torch."), tuple(obj.shape), data)
+        if isinstance(obj, PurePath):
+            return _path, (str(obj),)
+        cls = type(obj)
+        if dataclasses.is_dataclass(obj) and cls.__module__.startswith("trainguard."):
+            fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            return _dataclass, (f"{cls.__module__}:{cls.__qualname__}", fields)
+        raise _Unsupported(cls.__name__)
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):  # noqa: D102 (pickle's hook)
+        from .rejoin import boundary
+
+        allowed = {
+            (boundary.__name__, "tensor_from_bytes"): boundary.tensor_from_bytes,
+            (__name__, "_path"): _path,
+            (__name__, "_dataclass"): _dataclass,
+        }
+        if (module, name) not in allowed:
+            raise pickle.UnpicklingError(f"an object sent between ranks may not name {module}.{name}")
+        return allowed[(module, name)]
+
+
+def encode(obj: Any) -> bytes:
+    """``obj`` as bytes for :func:`decode` (the restricted pickle where it can, else ``torch.save``)."""
+    buf = io.BytesIO()
+    buf.write(PLAIN)
+    try:
+        _Pickler(buf, protocol=5).dump(obj)
+    except _Unsupported:
+        out = io.BytesIO()
+        out.write(TORCH)
+        torch.save(obj, out)
+        return out.getvalue()
+    return buf.getvalue()
+
+
+def decode(data: bytes) -> Any:
+    """Inverse of :func:`encode`.
+
+    Raises:
+        pickle.UnpicklingError: the bytes name a class or callable :func:`encode` does not write,
+            or (``torch.save``) one outside ``torch.load(weights_only=True)``'s allow-list.
+        ValueError: not bytes :func:`encode` wrote.
+    """
+    kind, body = data[:1], data[1:]
+    if kind == PLAIN:
+        return _Unpickler(io.BytesIO(body)).load()
+    if kind == TORCH:
+        return torch.load(io.BytesIO(body), weights_only=True)
+    raise ValueError(f"not an object sent by trainguard.dist (first byte {kind!r})")
 
 
 def is_dist() -> bool:
@@ -90,13 +190,11 @@ def _bytes_tensor(data: bytes, length: int, device: torch.device) -> torch.Tenso
 
 
 def _from_tensor(t: torch.Tensor, length: int) -> Any:
-    """The object in the first ``length`` bytes of ``t`` (:func:`~trainguard.rejoin.boundary.decode`).
+    """The object in the first ``length`` bytes of ``t`` (:func:`decode`).
 
     Raises:
         pickle.UnpicklingError: the bytes name a class or callable (not sent by this module).
     """
-    from .rejoin.boundary import decode
-
     return decode(t[:length].cpu().numpy().tobytes())
 
 
@@ -111,8 +209,6 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """
     if not is_dist():
         return obj
-    from .rejoin.boundary import encode
-
     device, mine = _device(group), dist.get_rank() == src
     data = encode(obj) if mine else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
@@ -133,8 +229,6 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
     """
     if not is_dist():
         return [obj]
-    from .rejoin.boundary import encode
-
     device, data = _device(group), encode(obj)
     n = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
