@@ -48,7 +48,7 @@ from ..events import EventLog, read_events
 from ..exitcodes import ExitCode
 from ..launch_env import READY_DIR, LaunchEnv
 from ..rejoin.shrink import min_ranks_error
-from ..rundir import prepare_run_dir
+from ..rundir import check_private, prepare_run_dir
 from ..slurm import finished
 from ..slurm.endtime import EndTimeRefresher, end_time_file, remove_stale, write_end_time
 from ..slurm.info import SLURMInfo
@@ -131,6 +131,7 @@ def launch(opts: LaunchOptions) -> int:
     if too_large:
         raise ConfigError(too_large)
     run_dir = Path(opts.run_dir).resolve()
+    os.umask(0o077)  # the launch's files and its ranks' are their owner's only (docs/recovery.md)
     prepare_run_dir(run_dir)
 
     job_id = None if max_nodes == 1 else (opts.rdzv_id or "trainguard")
@@ -143,19 +144,21 @@ def launch(opts: LaunchOptions) -> int:
 def _checkpoint_dir_lock(cfg: Config, run_dir: Path, job_id: Optional[str]) -> contextlib.AbstractContextManager:
     """The lock of a ``[checkpoint] dir`` outside the run directory (the run directory's lock
     covers one inside it): two runs that share one would delete each other's checkpoints and
-    temporary directories.
+    temporary directories. The directory is created with mode 0700; one that exists must be
+    private (:func:`~trainguard.rundir.check_private`).
 
     Raises:
-        ConfigError: the directory cannot be created.
+        ConfigError: the directory cannot be created, or another user could write it.
     """
     root = Path(cfg.checkpoint.dir)
     root = root if root.is_absolute() else run_dir / root
-    if root.resolve().is_relative_to(run_dir.resolve()):
-        return contextlib.nullcontext()
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as e:
         raise ConfigError(f"checkpoint.dir {root} cannot be created: {e.strerror or e}") from None
+    check_private(root, "checkpoint.dir")
+    if root.resolve().is_relative_to(run_dir.resolve()):
+        return contextlib.nullcontext()
     return RunDirLock(root / ".launch.lock", job_id, what="checkpoint dir")
 
 
