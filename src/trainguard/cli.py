@@ -170,14 +170,22 @@ def watch(
     run_dir: Path = typer.Argument(..., help="run directory"),
     overrides: list[str] = typer.Option([], "--set", help="threshold key=value, e.g. min_days=3 (repeatable)"),
     notify: list[str] = typer.Option(
-        [], "--notify", help="apprise URL to notify (repeatable): mailto://..., slack://..., json://..."
+        [],
+        "--notify",
+        help="apprise URL to notify (repeatable): mailto://..., slack://..., json://...; "
+        "visible to every user in ps: prefer --notify-file or TRAINGUARD_NOTIFY for URLs with secrets",
+    ),
+    notify_file: Optional[Path] = typer.Option(
+        None, "--notify-file", help="file (mode 0600) with apprise URLs, one per line; also: TRAINGUARD_NOTIFY"
     ),
     every: Optional[str] = typer.Option(None, "--every", help="repeat every interval (60, '5m'); default: one pass"),
 ) -> None:
     """Check disk space and inodes, the SLURM job, a silent (hung) run and node memory; notify once per condition."""
     from .watch import main as watch_main
 
-    raise typer.Exit(watch_main(run_dir, list(overrides), list(notify), every, once=every is None))
+    raise typer.Exit(
+        watch_main(run_dir, list(overrides), list(notify), every, once=every is None, notify_file=notify_file)
+    )
 
 
 slurm_app = typer.Typer(
