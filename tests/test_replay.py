@@ -116,3 +116,55 @@ def test_a_store_offer_from_another_round_is_refused(tmp_path):
     except dist.DistStoreError:
         pass
     assert told == [(node_join.STORE_KEY, "forged")]
+
+
+def test_a_forged_join_offer_on_two_loopback_nodes_is_refused_and_the_node_joins_in_place(tmp_path):
+    """Two nodes on loopback (``--nnodes 1:2``, in-process recovery, ``elastic.min_ranks``): node 0
+    trains alone with 2 ranks; before node 1 arrives, a co-tenant that found torch's rendezvous
+    store (the endpoint) and its key names writes, for the next round, a join offer for either
+    group rank that points the joining node's workers at its own address. Node 1's agent refuses
+    it (a ``security`` event for its ``trainguard/join/N`` key), takes the host's sealed offer
+    and its 2 workers join the running group in place as ranks 2 and 3."""
+    from test_multinode import _kill_tree, finish_both, job_address, logs, start_agent
+
+    from trainguard.launcher.node_join import JOIN_KEY, NODE_KEY, NodeJoin
+    from trainguard.rejoin.protocol import Generation
+
+    run = tmp_path / "run"
+    endpoint, rdzv_id = job_address()
+    settings = (
+        "train.max_steps=1000000",
+        "train.batch_size=4",
+        "data.max_bytes=2000000",
+        "checkpoint.interval=20",
+        "recovery.in_process=true",
+        "launcher.spares=0",
+        "elastic.min_ranks=2",
+        "elastic.regrow=false",
+    )
+    agents = [start_agent(run, 0, endpoint, rdzv_id, *settings, nnodes="1:2", nproc=2)]
+    try:
+        wait_for(lambda: events(run, "checkpoint_committed"), what="node 0 training")
+        rdzv = connect(*parse_address(endpoint), 30)
+        prefix = f"torch.rendezvous.{rdzv_id}."
+        rounds = [int(k[len(prefix) :].split("/")[0]) for k in rdzv.list_keys() if k.startswith(prefix)]
+        evil = NodeJoin("10.6.6.6:6666", 1, Generation(1, "10.6.6.6", 6666, (2, 3), 4, grown=(2, 3)), (2, 3), "00")
+        for rank in (0, 1):  # the joining node's group rank in the next round is torch's choice
+            rdzv.set(f"{prefix}{max(rounds) + 1}/{JOIN_KEY.format(rank)}", evil.to_json())
+        agents.append(start_agent(run, 1, endpoint, rdzv_id, *settings, nnodes="1:2", nproc=2))
+        wait_for(lambda: events(run, "group_grown"), what="the grow to 4 ranks", timeout=180)
+        for agent in agents:
+            agent.send_signal(signal.SIGTERM)
+        codes = finish_both(run, agents)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                _kill_tree(agent)
+    assert codes == [75, 75], logs(run)
+    refused = [e for e in events(run, "security") if e["pid"] == agents[1].pid]
+    assert [e["details"]["key"] for e in refused] in ([JOIN_KEY.format(0)], [JOIN_KEY.format(1)]), logs(run)
+    assert not [k for k in (NODE_KEY.format(0), NODE_KEY.format(1)) if k in str(refused)]
+    [grow] = events(run, "group_grown")
+    assert grow["details"]["joined"] == [2, 3] and grow["details"]["world_size"] == 4, grow
+    for kind in ("group_restart", "recovery_fallback", "membership_restart"):
+        assert not events(run, kind), (kind, logs(run))
