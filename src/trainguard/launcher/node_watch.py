@@ -53,7 +53,7 @@ class NodeWatch:
         self._lost, self.replaced, self.registry, self._records = set(), 0, None, {}
         if group_world_size <= 1:
             return
-        self.registry = NodeRegistry(replacer.shared, replacer.group_seal, replacer._forged)
+        self.registry = NodeRegistry(replacer.shared, replacer.group_seal, replacer.forged)
         me = agent_id()
         self.registry.set_active(group_rank, ActiveNode(socket.gethostname(), me, ranks))
         if self._beat is None or self._beat.address != replacer.address:

@@ -123,9 +123,9 @@ class Replacer:
 
     def recovery_store(self) -> RecoveryStore:
         """The recovery keys of the current group start, shared by every node (after :meth:`share`)."""
-        return RecoveryStore(self.shared, self.attempt, self.group_seal, self._forged)
+        return RecoveryStore(self.shared, self.attempt, self.group_seal, self.forged)
 
-    def _forged(self, key: str, why: str = "") -> None:
+    def forged(self, key: str, why: str = "") -> None:
         """A value in a store did not carry this launch's seal: refused; said once per key."""
         if key not in self._refused:
             self._refused.add(key)
@@ -154,18 +154,18 @@ class Replacer:
         """
         rdzv_seal = self.seal.under(b"")  # the round's values: bound to the round's challenges instead
         records = node_join.announce(
-            rdzv_store, group_rank, group_world_size, False, nproc, rdzv_seal, self.serves_rendezvous, self._forged
+            rdzv_store, group_rank, group_world_size, False, nproc, rdzv_seal, self.serves_rendezvous, self.forged
         )
         host = node_join.host_of(records)
         running = records[host].running
-        join = node_join.read_offer(rdzv_store, group_rank, records, rdzv_seal, self._forged) if running else None
+        join = node_join.read_offer(rdzv_store, group_rank, records, rdzv_seal, self.forged) if running else None
         if join is not None:
             shared = StoreOffer(join.address, join.group, join.nonce)
         elif group_rank == node_join.leader(records):
             shared = StoreOffer(self.local_address, next_group(self.server), self.seal.nonce.hex())
             node_join.offer_store(rdzv_store, records, shared, rdzv_seal)
         else:
-            shared = node_join.read_store(rdzv_store, records, rdzv_seal, self._forged)
+            shared = node_join.read_store(rdzv_store, records, rdzv_seal, self.forged)
         address, number = shared.address, shared.group
         self.group_seal = self.seal.under(bytes.fromhex(shared.nonce))
         if address == self.local_address:
@@ -211,7 +211,7 @@ class Replacer:
             ValueError: another node says its group runs too.
         """
         rdzv_seal = self.seal.under(b"")
-        records = node_join.announce(rdzv_store, group_rank, group_world_size, True, 0, rdzv_seal, False, self._forged)
+        records = node_join.announce(rdzv_store, group_rank, group_world_size, True, 0, rdzv_seal, False, self.forged)
         newcomers = node_join.number_newcomers(records, node_join.host_of(records), world_size)
         ranks = tuple(r for node in sorted(newcomers) for r in newcomers[node])
         if not ranks:
@@ -260,7 +260,7 @@ class Replacer:
         return [
             sid
             for sid, p in self.spares.items()
-            if p.poll() is None and spare_ready(self.server, sid, self.seal, self._forged)
+            if p.poll() is None and spare_ready(self.server, sid, self.seal, self.forged)
         ]
 
     def shrink(self, left: list[int], world_size: int) -> Generation:

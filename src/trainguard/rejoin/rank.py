@@ -119,6 +119,7 @@ class Rejoin:
                 lambda: self.generation,
                 self.failed,
                 lambda: self.group_ports,
+                on_forged,
             )
 
     def renumber(self, rank: int) -> None:
