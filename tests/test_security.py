@@ -12,6 +12,8 @@ import threading
 
 import psutil
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trainguard.launch_env import RECOVERY_KEY, LaunchEnv, assignment
 from trainguard.rejoin.auth import KEY_FILE, KeyFileError, Seal, launch_key
@@ -239,3 +241,31 @@ def test_node_records_in_the_rendezvous_store_are_sealed():
     thread.join(30)
     assert told == [(node_join.NODE_KEY.format(1), "forged")]
     assert result[0][1] == mine and not result[0][0].running
+
+
+def test_a_forged_ready_of_a_spare_is_not_taken_and_is_told():
+    """The launcher's read of a spare's ready word refuses (and tells of) one without the seal."""
+    server = serve()
+    told: list[str] = []
+    connect("127.0.0.1", server.port).set("spares/4/ready", b"1")
+    assert not spare_ready(server, 4, SEAL, told.append) and told == ["spares/4/ready"]
+    server.set("spares/4/ready", SEAL.seal("spares/4/ready", "1"))
+    assert spare_ready(server, 4, SEAL, told.append) and told == ["spares/4/ready"]
+
+
+@given(
+    name=st.text(min_size=1, max_size=40),
+    value=st.binary(max_size=200),
+    ours=st.binary(min_size=16, max_size=16),
+    theirs=st.binary(min_size=16, max_size=16),
+)
+def test_a_value_opens_only_under_the_nonce_and_name_it_was_sealed_for(name, value, ours, theirs):
+    """Property: a value sealed in one launch (nonce) opens there under its own name only, never in
+    a launch with another nonce, where it is told apart as a replay."""
+    sealed = SEAL.under(theirs).seal(name, value)
+    assert SEAL.under(theirs).open(name, sealed) == value
+    assert SEAL.under(theirs).open(name + "x", sealed) is None
+    if ours != theirs:
+        assert SEAL.under(ours).open(name, sealed) is None
+        assert SEAL.under(ours).why(name, sealed) == "replayed"
+    assert Seal(bytes(32), theirs).why(name, sealed) == "forged"  # another run's key

@@ -10,14 +10,20 @@ HMAC-SHA256 under a secret that never travels through a store:
   event log is; nodes with run directories of their own get different keys, refuse each other's
   values and restart the group instead of recovering in-process); the launcher hands it to its ranks and spares in their environment
   (``TRAINGUARD_RECOVERY_KEY``), which only the same user (and root) can read;
-* a sealed value is ``HEX(HMAC(secret, key name + NUL + value)) ":" value``: the MAC covers the
-  full key name (with its group start prefix), so a value cannot be replayed under another key
-  or into another start of the group.
+* a *nonce* per launch: 16 random bytes each launcher draws when it starts (:func:`new_nonce`),
+  handed to its ranks and spares like the key (``TRAINGUARD_RECOVERY_NONCE``; the values of the
+  shared recovery store are bound to the nonce of the launcher that serves it, which the other
+  nodes take from its sealed offer, :mod:`trainguard.launcher.node_join`);
+* a sealed value is ``NONCE_HEX ":" HEX(HMAC(secret, nonce + key name + NUL + value)) ":" value``
+  (:class:`Seal`): the MAC covers the launch's nonce and the full key name (with its group start
+  prefix), so a value cannot be replayed into another launch (the key names, ``attempt1/gen/1``,
+  ``spares/1``, repeat from launch to launch, and the key file is reused), under another key or
+  into another start of the group.
 
 A value whose seal does not verify is treated as absent, and the reader's ``on_forged`` callback
-is told (a ``security`` event). What is not covered: the store's atomic counters (``add``: a
-forged increment only skips generation numbers, which makes a recovery time out into a group
-restart) and torch's own rendezvous store.
+is told (a ``security`` event, :func:`report_forged`). What is not covered: the store's atomic
+counters (``add``: a forged increment only skips generation numbers, which makes a recovery time
+out into a group restart) and torch's own keys in its rendezvous store.
 """
 
 from __future__ import annotations
@@ -93,7 +99,7 @@ def new_nonce() -> bytes:
 class Seal:
     """Seals and opens values under one key and one launch's nonce.
 
-    A sealed value is ``NONCE_HEX ":" HEX(HMAC(key, nonce + NUL + name + NUL + value)) ":" value``:
+    A sealed value is ``NONCE_HEX ":" HEX(HMAC(key, len(nonce) + nonce + name + NUL + value)) ":" value``:
     the MAC binds the launch's nonce and the full key name, so a value recorded in another launch
     (another nonce; the key names repeat from launch to launch: ``attempt1/gen/1``, ``spares/1``)
     or under another key does not open. The nonce travels in the clear so that a refusal can say
@@ -119,7 +125,7 @@ class Seal:
         return Seal(self.key, nonce)
 
     def _mac(self, nonce: bytes, name: str, value: bytes) -> bytes:
-        message = nonce + b"\0" + name.encode() + b"\0" + value
+        message = bytes([len(nonce)]) + nonce + name.encode() + b"\0" + value  # the nonce length-prefixed
         return hmac.new(self.key, message, hashlib.sha256).hexdigest().encode()
 
     def seal(self, name: str, value: str | bytes) -> bytes:
