@@ -263,6 +263,7 @@ def _slurm(
     ),
 ) -> None:
     """Write the sbatch script for SCRIPT (script) or write it into the run dir and sbatch it (submit)."""
+    from .atomic import write_atomic
     from .config import Config, ConfigError, load_config, split_cli_args
     from .slurm import script as sbatch
 
@@ -320,8 +321,8 @@ def _slurm(
             typer.echo(text, nl=False)
             return
         path = output or Path(run_dir) / "slurm-job.sh"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_atomic(path, text)  # mode 0600, as every file trainguard writes (it may be in the run dir)
         if not submitting:
             typer.echo(f"trainguard: wrote {path}", err=True)
             return
