@@ -70,12 +70,12 @@ from . import compat
 from . import dist as tgdist
 from .checkpoint.store import Checkpoint, CheckpointStore
 from .config import Config, config_from_env
-from .events import Hook
+from .events import EventLog, Hook
 from .guard import Guard
 from .instability import fold
 from .launch_env import LaunchEnv
 from .outcomes import BadInput
-from .rejoin.auth import Seal
+from .rejoin.auth import Seal, reporter
 from .rejoin.protocol import RecoveryStore, connect, parse_address
 from .rejoin.rank import lost_boundaries
 from .state.determinism import capture_rng, restore_rng
@@ -146,8 +146,9 @@ def join_checkpoint(config: Config, launch: LaunchEnv, newest: Optional[Checkpoi
     rank = int(os.environ["RANK"])
     if newest is None:
         raise RuntimeError("no committed checkpoint yet to set the Trainer up from: the group restarts")
-    seal = Seal(launch.recovery_key or b"")
-    store = RecoveryStore(connect(*parse_address(launch.recovery_store)), launch.recovery_group, seal)
+    seal = Seal(launch.recovery_key or b"", launch.recovery_nonce)
+    refused = reporter(EventLog(config.run.dir))  # a security event per refused value
+    store = RecoveryStore(connect(*parse_address(launch.recovery_store)), launch.recovery_group, seal, refused)
     step = store.survivors_step(launch.join, config.recovery.timeout)
     if step is None:
         raise RuntimeError(f"the survivors did not say their step within {config.recovery.timeout} s")

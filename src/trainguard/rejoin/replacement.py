@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import compat
 from ..events import EventLog
-from ..launch_env import RANK_VARIABLES, RECOVERY_KEY, RUN_DIR, LaunchEnv
+from ..launch_env import RANK_VARIABLES, RECOVERY_KEY, RECOVERY_NONCE, RUN_DIR, LaunchEnv
 from ..outcomes import BadInput
 from .auth import Seal, report_forged
 from .catch import CATCH, LOCAL
@@ -65,7 +65,9 @@ class Assignment:
     def __init__(self, spare_id: int):
         self.spare_id = spare_id
         self.store = spare_store_from_environ()
-        self.seal = Seal(bytes.fromhex(os.environ.get(RECOVERY_KEY, "")))
+        self.seal = Seal(
+            bytes.fromhex(os.environ.get(RECOVERY_KEY, "")), bytes.fromhex(os.environ.get(RECOVERY_NONCE, ""))
+        )
         self.taken = False
         self._environ_class = type(os.environ)
 
@@ -108,7 +110,7 @@ def join_at_init(spare_id: Optional[int]) -> None:
             assignment.take()
         launch = LaunchEnv.from_environ()
         if launch.join is not None and launch.recovery_store:
-            seal = Seal(launch.recovery_key or b"")
+            seal = Seal(launch.recovery_key or b"", launch.recovery_nonce)
             store = RecoveryStore(
                 connect(*parse_address(launch.recovery_store)), launch.recovery_group, seal, _report_forged
             )
