@@ -780,6 +780,7 @@ class Guard:
         self.sdc.last_good = self.step  # every replica loaded the same state
         if self.rejoin.keeping:
             self.inprocess.keep_boundary(self.step)
+        self.inprocess.began(self.step)  # the launcher hears of the first completed step (the progress rule)
         self.inprocess.snapshot(self.step, now=True)  # a sharded model's first in-memory snapshot
         self.ping = health.start(
             self.cfg.health,

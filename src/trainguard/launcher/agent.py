@@ -253,9 +253,10 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         finally:
             self.restore_args()  # a node that joined a running group: the launch's own command next time
             os.environ.pop(JOIN, None)
+        group = self.worker_group
         if self.replacer is not None:
             self.replacer.fill_spares(*self.worker_command(0))
-        group = self.worker_group
+            self.replacer.started(group.workers[0].world_size)  # settles at its first completed step
         local = frozenset(w.local_rank for w in self.workers())
         self.machine.feed(GroupStarted(group.workers[0].world_size, local))
         if self.monitor is not None:

@@ -501,6 +501,12 @@ class Replacer:
             return TimedOut(why)
         return None
 
+    def started(self, world_size: int) -> None:
+        """A new start of the group with ``world_size`` ranks: it settles until every rank has
+        completed a step (generation 0's counter; no bound: a first step may compile for minutes)."""
+        now = time.monotonic()
+        self.settling = Settling(0, world_size, now, float("inf"), float("inf"))
+
     def _settle(self) -> Optional[Settled | SettleTimedOut]:
         """The progress rule's watch of :attr:`settling`: :class:`~.membership.Settled` (a
         ``recovery_settled`` event) once every rank of the generation completed a step after it,
@@ -512,7 +518,8 @@ class Replacer:
         store, now = self.recovery_store(), time.monotonic()
         if store.steps_after(s.number) >= s.world_size:
             self.settling = None
-            self.events.emit("recovery_settled", generation=s.number, seconds=round(now - s.since, 4))
+            if s.number > 0:  # generation 0: a new start of the group, no recovery
+                self.events.emit("recovery_settled", generation=s.number, seconds=round(now - s.since, 4))
             return Settled()
         if now <= s.deadline:
             return None
