@@ -78,6 +78,7 @@ from ..rundir import prepare_run_dir
 from ..sdc.crosscheck import StepInputs
 from ..sdc.replicas import Mismatch, ReplicaCheck
 from ..sdc.rerun import StepRerun
+from ..state.buckets import BucketLayout
 from ..state.determinism import state_hash
 from ..state.fidelity import DrawWatch, ResumeFidelity
 from ..state.reshard import ElasticState, rank_batch
@@ -309,6 +310,7 @@ class Guard:
             lambda step: self.inprocess.keep_before_last_bucket(step),  # (built below)
         )
         self.fidelity, self.draws = ResumeFidelity(self.world_size), DrawWatch()
+        layout = BucketLayout(self.model, lambda: self.inprocess.bucket_layout(), self.world_size)  # (built below)
         self.elastic = ElasticState(self.world_size)
         # what a checkpoint holds per rank besides the tensors (the order is the load order: RNG last)
         self.train_state = TrainState(
@@ -320,6 +322,7 @@ class Guard:
                 "instability": self.recovery,
                 "oom": self.micro,
                 "fidelity": self.fidelity,
+                "buckets": layout,
                 "elastic": self.elastic,
                 "rng": RNGState(),
             }
@@ -896,6 +899,7 @@ class Guard:
             part.renumber(rank, world_size)
         self.straggler.renumber(rank, world_size, hosts)
         self.fidelity.renumber(world_size)
+        self.train_state.parts["buckets"].renumber(world_size)
         shrink.reshard(self.sampler, rank, world_size)
         self.rank, self.world_size, self.hosts = rank, world_size, list(hosts)
 

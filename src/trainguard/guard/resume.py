@@ -96,6 +96,10 @@ class Resume:
             self.not_bitwise(step, f"changed since the checkpoint was saved: {', '.join(self.fidelity.changed)}")
         if drawn:
             self.not_bitwise(step, DRAWN_BEFORE_LOOP)
+        buckets = self.train_state.parts.get("buckets")
+        cause = buckets.impose() if buckets is not None else None  # DDP's rebuilt bucket layout (state.buckets)
+        if cause is not None:
+            self.not_bitwise(step, cause)
         return Resumed(step, Checkpoint(point.step, path), point.checkpoint)
 
     def load(self, point: ResumePoint) -> int:
