@@ -462,9 +462,16 @@ class Guard:
                     f"checkpoint.interval ({c.interval}) is larger than max_steps ({max_steps}) and "
                     "checkpoint.save_final is false: the persistent tier would never save"
                 )
+            joining = self.rejoin.joining
             self._begin()
             self.faults.arm(max_steps)
             self.faults.watch_activations(self.model, lambda: self.step + 1)
+            # nanoGPT's prefetch: a first batch drawn before the generators were restored (state.fidelity)
+            self.draws.watch_first_step(
+                self.model,
+                joining or self.resumed_from is not None,
+                lambda cause: self.resumer.not_bitwise(self.step, cause, say=joining),
+            )
         return self.step
 
     def step_begin(self) -> None:

@@ -141,9 +141,10 @@ class Resume:
         self.ckpt.discard_local_after(target.step, why)
         return step
 
-    def not_bitwise(self, step: int, cause: str) -> None:
+    def not_bitwise(self, step: int, cause: str, say: bool = False) -> None:
         """Warn that a resume cannot be bitwise identical (see :mod:`trainguard.state.fidelity`): an event
-        from this rank, one console line from rank 0."""
+        from this rank, one console line from rank 0 (``say``: from this rank, whichever it is: an
+        in-process replacement, the only rank that resumed)."""
         self.events.emit("resume_not_bitwise", step, rank=self.rank, cause=cause)
-        if self.rank == 0:
+        if self.rank == 0 or say:
             console.warn(f"a resume cannot be bitwise identical: {cause}")
