@@ -3,7 +3,8 @@
 ``python nanogpt_worker.py MAX_ITERS``: seed, model (with dropout), DDP, optimizer, then the very first
 batch fetched with ``torch.randint`` *before* the Guard exists, as upstream nanoGPT fetches it before
 its loop; inside each step the forward, then the next micro-batch fetched right away (while the GPU
-would be busy), then the backward. Two micro-batches a step. Rank 0 prints ``step N/M loss L``.
+would be busy), then the backward. Two micro-batches a step. Every rank prints a ``preamble:`` line
+first (as nanoGPT dumps its config before it reads ``RANK``); rank 0 prints ``step N/M loss L``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class TinyLM(nn.Module):
 
 def main() -> None:
     max_iters = int(sys.argv[1])
-    cfg = trainguard.config_from_env()
+    print(f"preamble: max_iters={max_iters}, {ACCUM} micro-batches of {BATCH}", flush=True)  # nanoGPT's config dump
+    cfg = trainguard.config_from_env()  # (reads the rank's variables: a warm spare waits here for its rank)
     data = torch.randint(0, 256, (50_000,), generator=torch.Generator().manual_seed(0))
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -56,3 +56,8 @@ def test_an_in_process_replacement_in_a_prefetching_loop_says_it_is_not_bitwise(
     assert [e["rank"] for e in events(run, "rank_replaced")] == [1] and not events(run, "group_restart")
     found = causes(run)
     assert [r for _, r, _ in found] == [1] and PREFETCH in found[0][2], found
+    # the warm spares ran the preamble too (the one that took rank 1, the one started after): their
+    # output before taking a rank is in their own files, not on the console
+    assert Path(f"{run}.log").read_text().count("preamble:") == 2
+    spare_logs = sorted((run / "spares").glob("spare-*.log"))
+    assert spare_logs and all("preamble:" in p.read_text() for p in spare_logs), spare_logs
