@@ -110,6 +110,7 @@ class Assignment:
         os.environ.update(wait_for_assignment(self.store, self.spare_id, self.seal, _report_forged))
         if self.output is not None:
             self.output.release()
+        rank_zero_follows()
 
     def watch_environ(self) -> None:
         """Make ``os.environ`` (and so ``os.getenv``) take the assignment before it answers a
@@ -123,6 +124,63 @@ class Assignment:
                 return original.__getitem__(self, key)
 
         os.environ.__class__ = Watched
+
+
+# frameworks whose import reads the rank (Lightning's ``rank_zero_only``, at import time: a spare
+# watching os.environ would wait inside the import and import them only once assigned, 5-9 s of a
+# Lightning recovery on 2 cores: torchmetrics, transformers, matplotlib) or takes seconds; a warm
+# spare imports them in advance when the script imports them (by the module its imports name first)
+FRAMEWORKS = {
+    "lightning": "lightning.pytorch",
+    "pytorch_lightning": "pytorch_lightning",
+    "transformers": "transformers",
+    "trainguard.lightning": "trainguard.lightning",
+    "trainguard.hf": "trainguard.hf",
+}
+
+
+def frameworks_of(script: Path) -> list[str]:
+    """The :data:`FRAMEWORKS` modules that ``script`` imports at its top level (read from its
+    syntax tree, not run); ``[]`` when it cannot be read or parsed."""
+    import ast
+
+    try:
+        tree = ast.parse(script.read_text(errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+    found = []
+    for name in names:
+        for prefix, module in FRAMEWORKS.items():
+            if (name == prefix or name.startswith(prefix + ".")) and module not in found:
+                found.append(module)
+    return found
+
+
+def import_in_advance(modules: list[str]) -> None:
+    """Import ``modules`` now (a warm spare, before it watches ``os.environ``); one that fails to
+    import is left to the script (which then fails as it would)."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - the script's own import reports it
+            pass
+
+
+def rank_zero_follows() -> None:
+    """Lightning's ``rank_zero_only.rank`` (set from the environment when Lightning was imported,
+    in advance: the spare's values) to the assigned rank; Lightning's strategy sets it again at
+    its set-up, this covers the Trainer's construction before it."""
+    module = sys.modules.get("lightning_utilities.core.rank_zero")
+    if module is not None and os.environ.get("RANK", "").isdigit():
+        module.rank_zero_only.rank = int(os.environ["RANK"])
 
 
 def quiet_spare(spare_id: int) -> Optional[QuietOutput]:
@@ -183,6 +241,8 @@ def main(argv: list[str]) -> None:
 
     import trainguard.guard  # noqa: F401
 
+    if spare is not None:
+        import_in_advance(frameworks_of(Path(argv[0])))
     join_at_init(spare, output)
     CATCH.install()
     CATCH.mode = LOCAL  # until the Guard joined the survivors
