@@ -3,6 +3,7 @@ real signals and kills (tests/lightning_worker.py)."""
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -168,3 +169,6 @@ def test_a_restart_from_the_checkpoint_of_a_validation_step_is_bitwise(
     assert [e["details"]["from_step"] for e in events(run, "resume")] == [resumed_from]
     assert not events(run, "resume_not_bitwise")
     assert final_hash(run) == final_hash(clean)
+    # fit's validation is timed in its own section (trainer.training is False while it runs)
+    sections = json.loads((clean / "timeouts.json").read_text())["sections"]
+    assert sections.get("validation", {}).get("count", 0) >= 1, sorted(sections)
