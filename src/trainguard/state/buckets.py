@@ -44,7 +44,7 @@ class BucketLayout:
         self.world_size = world_size
 
     def state_dict(self) -> dict[str, Any]:
-        return {"layout": self.current() or []}
+        return {"layout": [list(bucket) for bucket in self.current() or []]}  # a copy: the hook notes in place
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loaded = [list(map(int, bucket)) for bucket in state.get("layout") or []] or None

@@ -120,6 +120,7 @@ class DrawWatch:
         self._left = WATCHED_STEPS
         self._state: Optional[tuple] = _generators()  # at the Guard's creation
         self._first: Optional[dict[str, Any]] = None  # watch_first_step's states
+        self._drawn_before_loop = False  # before_loop found a draw (reported: the first step is not watched)
         self._hooks: list[Any] = []
 
     def watch_first_step(self, model: Any, restored: bool, report: Callable[[str], None]) -> None:
@@ -128,8 +129,8 @@ class DrawWatch:
         pre-hook and a forward hook on ``model``, removed at the step's end. ``report(cause)`` is
         called at that end when the shape is found; nothing is watched where ``restored`` is false
         (a fresh run trains on the batch its fresh seed drew, as it should)."""
-        if not restored or not hasattr(model, "register_forward_pre_hook"):
-            return
+        if not restored or self._drawn_before_loop or not hasattr(model, "register_forward_pre_hook"):
+            return  # (a draw between the Guard and the loop was reported already: the same first batch)
         self._first = {"start": _generators(), "at_forward": None, "after_forward": None, "report": report}
         self._hooks = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
 
@@ -156,6 +157,7 @@ class DrawWatch:
         were drawn since the Guard was created."""
         moved = self._state is not None and not _same(self._state, _generators())
         self._state = None
+        self._drawn_before_loop = moved
         return moved
 
     def boundary(self) -> None:
