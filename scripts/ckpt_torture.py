@@ -155,7 +155,7 @@ def child_main(
     if inject:
         inject_bug(inject)
     torch.set_num_threads(1)
-    from trainguard.exitcodes import exit_bad_input
+    from trainguard.outcomes import exit_bad_input
 
     try:
         cfg = trainguard.load_config(

@@ -62,6 +62,8 @@ def test_script_collectives_are_caught_and_completed_locally_but_not_trainguards
             raise dist.DistNetworkError("Connection reset by peer")
 
         dist.all_reduce = broken  # what the wrapper calls through to
+        found = {name: getattr(dist, name) for name in catch.COLLECTIVES}  # what the Catch finds in place
+        found_clip = torch.nn.utils.clip_grad_norm_
         c.arm(lambda e, where: seen.append(where) or True, lambda: bool(seen))
         t = torch.tensor([2.0])
         dist.all_reduce(t)  # this module is the script here
@@ -76,9 +78,10 @@ def test_script_collectives_are_caught_and_completed_locally_but_not_trainguards
             dist.all_reduce(t)  # disarmed: calls through
     finally:
         c.uninstall()
+        left = {name: getattr(dist, name) for name in catch.COLLECTIVES}
         dist.all_reduce = real
         dist.destroy_process_group()
-    assert dist.all_reduce is real
+    assert left == found and torch.nn.utils.clip_grad_norm_ is found_clip  # uninstall put back what it found
 
 
 def test_own_hook_is_told_from_a_scripts():

@@ -11,7 +11,9 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import sys
 import threading
+import time
 from collections import Counter
 from typing import Optional
 
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import trainguard
+from trainguard.rejoin.catch import COLLECTIVES
 from trainguard.supervisor.stacks import STACK_SIGNAL
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -32,20 +35,56 @@ def group():
     dist.destroy_process_group()
 
 
+def replaced() -> list[str]:
+    """The process-wide objects a Guard may replace that are not torch's (or Python's) own now:
+    ``torch.distributed``'s collectives and ``init_process_group``, DDP's bucket assignment and
+    constructor, ``clip_grad_norm_``, ``Tensor.backward``, ``os.environ``'s class. Compared with
+    where torch defines them, not with an earlier census: a patch that a Guard never undid would
+    be in every later census of this process too."""
+    from torch.distributed import distributed_c10d
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.utils import clip_grad
+
+    own = {n: getattr(distributed_c10d, n) for n in (*COLLECTIVES, "init_process_group")}
+    own["_compute_bucket_assignment_by_size"] = torch._C._distributed_c10d._compute_bucket_assignment_by_size
+    out = [f"torch.distributed.{n}" for n, fn in own.items() if getattr(dist, n, None) is not fn]
+    if torch.nn.utils.clip_grad_norm_ is not clip_grad.clip_grad_norm_:
+        out.append("torch.nn.utils.clip_grad_norm_")
+    for name, fn, where in (
+        ("torch.Tensor.backward", torch.Tensor.backward, "torch._tensor.Tensor.backward"),
+        (
+            "DistributedDataParallel.__init__",
+            DistributedDataParallel.__init__,
+            "torch.nn.parallel.distributed.DistributedDataParallel.__init__",
+        ),
+    ):
+        if f"{fn.__module__}.{fn.__qualname__}" != where:
+            out.append(name)
+    if type(os.environ) is not os._Environ:
+        out.append("os.environ's class")
+    return out
+
+
 def census(opt: torch.optim.Optimizer) -> dict:
-    """What a Guard could leave behind: threads, signal handlers, optimizer hooks, open files."""
+    """What a Guard could leave behind: threads, signal handlers, optimizer hooks, open files, and
+    the process-wide objects it replaced (by identity)."""
     return {
         "threads": sorted(t.name for t in threading.enumerate()),
         "handlers": [signal.getsignal(s) for s in SIGNALS],
         "optimizer_hooks": (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)),
         "open_files": sorted(_target(fd) for fd in os.listdir("/proc/self/fd")),
+        "replaced": replaced(),
+        "excepthook": sys.excepthook,
     }
 
 
 def left_behind(before: dict, after: dict) -> dict:
     """What ``after`` has that ``before`` had not (files: by what they point to; an outcome also
-    destroys the default process group, so files may be fewer, never more)."""
+    destroys the default process group, so files may be fewer, never more; process-wide objects:
+    those not torch's own, and ``sys.excepthook`` if it is not the one before)."""
     extra = {k: after[k] for k in ("threads", "handlers", "optimizer_hooks") if after[k] != before[k]}
+    extra.update({"replaced": after["replaced"]} if after["replaced"] else {})
+    extra.update({"excepthook": after["excepthook"]} if after["excepthook"] is not before["excepthook"] else {})
     files = Counter(after["open_files"]) - Counter(before["open_files"])
     return {**extra, **({"open_files": sorted(files.elements())} if files else {})}
 
@@ -94,15 +133,15 @@ def test_build_run_close_build_again_leaves_nothing_behind(tmp_path, group, monk
     monkeypatch.setenv("TRAINGUARD_HEARTBEAT_DIR", str(tmp_path / "hb"))  # attach the heartbeat as under trainguard run
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    train(
-        trainguard.Guard(config(tmp_path / "warm"), model=model, optimizer=opt), model, opt, 1
-    )  # torch's own lazy threads/files
+    with trainguard.Guard(config(tmp_path / "warm"), model=model, optimizer=opt) as warm:
+        train(warm, model, opt, 1)  # torch's own lazy threads/files
     before = census(opt)
 
     for attempt in range(2):
         guard = trainguard.Guard(config(tmp_path / f"run{attempt}"), model=model, optimizer=opt)
         during = census(opt)
         assert during["optimizer_hooks"] != before["optimizer_hooks"] and during["handlers"] != before["handlers"]
+        assert "torch.distributed.all_reduce" in during["replaced"]  # the census sees what a Guard replaces
         seen: set[str] = set()
         train(guard, model, opt, 7, seen)
         assert "trainguard-ckpt" in {n.split("_")[0] for n in seen}, seen  # the async writer ran
@@ -144,3 +183,65 @@ def test_bad_input_is_raised_printed_and_releases_what_was_installed(tmp_path, g
     assert "trainguard: error: checkpoint.interval (10)" in capsys.readouterr().err
     guard.close()
     assert left_behind(before, census(opt)) == {}
+
+
+def test_sys_excepthook_is_trainguards_while_a_guard_is_open_and_the_previous_one_after_close(
+    tmp_path, group, monkeypatch
+):
+    """The Guard tells an uncaught lost-peer error in one line (console.quiet_peer_loss, through
+    sys.excepthook); its close puts back the hook it found, also after a failure's release (which
+    keeps trainguard's for the error on its way out)."""
+
+    def scripts_own(kind, exc, tb):
+        sys.__excepthook__(kind, exc, tb)
+
+    monkeypatch.setattr(sys, "excepthook", scripts_own)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = trainguard.Guard(config(tmp_path / "run0"), model=model, optimizer=opt)
+    assert sys.excepthook is not scripts_own  # trainguard's, which calls the script's for other errors
+    guard.close()
+    assert sys.excepthook is scripts_own
+    with pytest.raises(RuntimeError, match="boom"):
+        with trainguard.Guard(config(tmp_path / "run1"), model=model, optimizer=opt) as guard:
+            raise RuntimeError("boom")  # a crash: the Guard releases what needs no peer, the error goes on
+    assert sys.excepthook is not scripts_own  # kept for the error on its way out
+    guard.close()
+    assert sys.excepthook is scripts_own
+
+
+def _slow_thread_exit(frame, event, arg):
+    """A thread trace (threading.settrace) under which a thread pool's worker takes half a second
+    to end once told to, as on a loaded machine where it gets no CPU that long (seen at load 4)."""
+    if event != "call" or frame.f_code.co_name != "_worker" or "concurrent.futures" not in frame.f_globals["__name__"]:
+        return None
+
+    def on_return(frame, event, arg):
+        if event == "return":
+            time.sleep(0.5)  # not a wait for anything: the thread's own slowness
+        return on_return
+
+    return on_return
+
+
+def test_a_checkpointer_closed_without_waiting_still_joins_its_idle_writer_thread(tmp_path, group):
+    """close(wait=False), as a failure's release runs it, with no save in flight: the writer's
+    thread has ended when close returns, however slow it is to end (the Guard's close after it
+    has nothing left to join)."""
+    from trainguard.checkpoint.checkpointer import Checkpointer
+    from trainguard.events import EventLog
+    from trainguard.sections import CheckpointSection
+
+    log = EventLog(tmp_path, 0)
+    threading.settrace(_slow_thread_exit)  # for the threads started from now on: the writer's
+    try:
+        ckpt = Checkpointer(CheckpointSection(async_save=True), tmp_path, log, torch.nn.Linear(2, 2), None, 0, 1)
+    finally:
+        threading.settrace(None)
+    try:
+        writers = [t for t in threading.enumerate() if t.name.startswith("trainguard-ckpt_")]
+        assert writers, "the writer's thread starts with the Checkpointer"
+        ckpt.close(wait=False)
+        assert not [t.name for t in writers if t.is_alive()]
+    finally:
+        log.close()

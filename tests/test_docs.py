@@ -5,7 +5,8 @@
   sections, arrays of tables);
 * ``docs/events.md`` documents every event kind the code emits, with every keyword field;
 * relative links in ``README.md`` and ``docs/`` point at files and headings that exist;
-* the README's first commands and exit-code table match the scripts and ``ExitCode``.
+* the README's first commands and exit-code table match the scripts and ``ExitCode``;
+* ``benchmarks/README.md`` has one short row per benchmark script.
 
 Fast (no torch launch): it only imports the config schema and parses source files.
 """
@@ -232,3 +233,18 @@ def test_design_md_has_the_membership_state_machines_current_table():
     doc = membership.__doc__
     table = doc[doc.index("=====") : doc.index("\n", doc.rindex("====="))]
     assert table in (DOCS / "design.md").read_text(), "copy the table of launcher/membership.py into docs/design.md"
+
+
+def test_benchmarks_readme_has_one_short_row_per_benchmark():
+    """benchmarks/README.md: each benchmark script one table row of six short cells (script,
+    measures, baseline, goal, last result, date); history lives in git, not in the table."""
+    bench = ROOT / "benchmarks"
+    scripts = sorted(p.name for p in bench.glob("*.py") if not p.name.startswith(("_", "test_")))
+    rows = [line for line in (bench / "README.md").read_text().splitlines() if line.startswith("| `")]
+    named = [re.match(r"\| `([^`]+)`", row).group(1) for row in rows]
+    assert sorted(named) == scripts, f"one row per benchmark script: {sorted(named)} != {scripts}"
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        assert len(cells) == 6, f"script | measures | baseline | goal | last result | date: {row[:80]}"
+        assert all(len(c) <= 120 for c in cells), f"a cell longer than 120 characters (history goes to git): {row[:80]}"
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}|—", cells[5]), f"the date of the last result, or —: {cells[5]!r}"

@@ -1,5 +1,6 @@
 """torch elastic's private members that the launcher relies on exist on the installed torch, and only
-trainguard/launcher/torch_agent.py touches them. Real objects: a c10d rendezvous on loopback, an agent,
+trainguard/launcher/torch_agent.py touches them (trainguard/compat.py lists them, with every other
+private name trainguard uses: tests/test_compat.py checks the whole of src/ likewise). Real objects: a c10d rendezvous on loopback, an agent,
 and a started worker process; no launch."""
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from conftest import REPO
+from trainguard import compat
 from trainguard.launcher import torch_agent as elastic
 
 SRC = REPO / "src" / "trainguard"
-PRIVATE = set(elastic.AGENT_METHODS + elastic.AGENT_ATTRIBUTES)
+PRIVATE = {p.name for p in compat.MEMBERS if p.owner in (compat.AGENT, compat.PCONTEXT)}
 
 
 @pytest.fixture
@@ -73,6 +75,11 @@ def _private_uses(path) -> set[str]:
     return found
 
 
+def test_the_adapters_lists_are_compats():
+    assert set(elastic.AGENT_METHODS + elastic.AGENT_ATTRIBUTES) | {"_running_local_ranks"} == PRIVATE
+    assert "_running_local_ranks" in elastic.PCONTEXT_ATTRIBUTES
+
+
 def test_only_the_adapter_touches_them():
     users = {str(p.relative_to(SRC)): uses for p in SRC.rglob("*.py") if (uses := _private_uses(p))}
-    assert set(users) == {"launcher/torch_agent.py"}, users
+    assert set(users) == {"launcher/torch_agent.py", "compat.py"}, users  # compat: the list of their names

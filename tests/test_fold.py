@@ -20,6 +20,7 @@ from conftest import events, finish, launch
 from trainguard.instability import fold as fold_module
 from trainguard.instability.detect import Detector
 from trainguard.instability.fold import LossFold
+from trainguard.instability.foldlayout import FIELDS, FoldLayout
 from trainguard.rejoin.catch import CATCH, DDPHook
 from trainguard.sdc.replicas import chunks, fingerprint_tensor, from_chunks
 from trainguard.sections import InstabilitySection
@@ -158,7 +159,9 @@ def test_the_values_of_one_step_leave_nothing_behind_in_the_next_steps():
         second = fold.extra(8, torch.zeros(10))
     finally:
         fold_module._noted = None
-    assert first[1] == 0.5 and first[2 + 2] == 1 and first[2 * 2 + 9] == 1 and first[5 * 2 + 10] == 1
+    at = fold.layout
+    assert first[at.index("loss", 1)] == 0.5 and first[at.index("stop_sent")] == 1
+    assert first[at.index("fingerprint_sent")] == 1 and first[at.index("straggler_sent")] == 1
     assert second.tolist() == [0.0] * fold.size
 
 
@@ -430,3 +433,74 @@ def test_the_values_ride_in_the_smallest_bucket_once_the_layout_is_known_and_in_
         losses = [results[r]["rows"][s][3] for r in (0, 1)]
         assert results[0]["rows"][s][2] == results[1]["rows"][s][2] == pytest.approx(losses, rel=1e-6)
         assert results[0]["rows"][s][4] and results[1]["rows"][s][4]
+
+
+# ------------------------------------------------------------------------------------------------
+# the wire format (trainguard.instability.foldlayout): declared once, every value comes back
+
+
+@given(n=st.integers(1, 64))
+def test_the_layout_tiles_the_vector_field_after_field_and_rank_after_rank(n):
+    at = FoldLayout.of(n)
+    assert at.size == 8 * n + 11 and FoldLayout.of(n) is at
+    covered = []
+    for f in FIELDS:
+        whole = at.slot(f.name)
+        covered += range(whole.start, whole.stop)
+        if f.per_rank:
+            parts = [at.slot(f.name, r) for r in range(n)]
+            assert [i for p in parts for i in range(p.start, p.stop)] == list(range(whole.start, whole.stop))
+            assert all(p.stop - p.start == f.width for p in parts)
+    assert covered == list(range(at.size))  # in FIELDS order, no gap, no overlap
+    with pytest.raises(ValueError):
+        at.slot("loss", n)
+    with pytest.raises(ValueError):
+        at.index("stop_flags")
+
+
+losses = st.one_of(st.floats(width=32, allow_nan=False), st.sampled_from([math.nan, math.inf, -math.inf]))
+rank_sends = st.tuples(
+    losses,
+    st.tuples(st.lists(st.integers(0, 1), min_size=5, max_size=5), st.integers(1, 10_000), st.integers(0, 1)),
+    fingerprints64,
+    st.tuples(st.integers(0, (1 << 24) - 1), st.integers(0, (1 << 24) - 1), st.integers(0, 10_000)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(2, 5), sends=st.lists(rank_sends, min_size=5, max_size=5))
+def test_every_field_round_trips_through_the_sum_at_once(n, sends):
+    """Every rank sends everything in one vector: its loss, stop flags, fingerprint and straggler
+    timings. Summed as the all-reduce sums, every rank reads back every rank's loss exactly
+    (NaN and infinity included), the flags' max, every fingerprint exactly and the timings' max:
+    the fields do not overlap and each is read where it was written."""
+    sends = sends[:n]
+    packs = [[*flags, interval, grow if r == 0 else 0] for r, (_, (flags, interval, grow), _, _) in enumerate(sends)]
+    timings = []
+    for r, (*_, (slowest, median, score)) in enumerate(sends):
+        pack = [slowest] + [0] * (2 * n)
+        pack[1 + r], pack[1 + n + r] = median, score
+        timings.append(pack)
+    folds = [LossFold(r, n) for r in range(n)]
+    loss_tensors = [torch.tensor(loss, dtype=torch.float32) for loss, *_ in sends]
+    sent = []
+    for r, fold in enumerate(folds):
+        fold.stop_source = lambda step, p=packs[r]: p
+        fold.fingerprint_source = lambda step, fp=sends[r][2]: torch.tensor(fp)
+        fold.straggler_source = lambda step, t=timings[r]: t
+        fold_module._noted = (weakref.ref(loss_tensors[r]), 1.0)
+        try:
+            sent.append(fold.extra(3, torch.zeros(1)).clone())
+        finally:
+            fold_module._noted = None
+    total = torch.stack(sent).sum(0)
+    for fold in folds:
+        fold.reduced(3, total.clone())
+        values = fold.take(3, torch.tensor(0.0)).tolist()
+        fold.usable(values)  # should_step's host copy, which the checks after it read
+        got = values[fold.layout.slot("loss")]
+        want = [t.item() for t in loss_tensors]  # each exactly, NaN included (-0.0 + 0 is 0.0, as any sum gives)
+        assert all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(got, want)), (got, want)
+        assert fold.stop_flags(3) == [max(p[i] for p in packs) for i in range(7)]
+        assert fold.fingerprints(3) == [fp for _, _, fp, _ in sends]
+        assert fold.straggler(3) == [max(col) for col in zip(*timings)]

@@ -1,10 +1,12 @@
 """Light imports: the operator commands (``trainguard --help``, ``report``, ``watch``, ``slurm script``)
 and ``import trainguard`` load no torch; the package's public names resolve lazily; a missing
 optional extra (matplotlib, apprise) is named by the feature that needs it. Every check runs a
-real interpreter in a subprocess, so what the test process imported itself does not count."""
+real interpreter in a subprocess, so what the test process imported itself does not count. And
+trainguard's modules import one another without a cycle (read from their syntax trees)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -278,3 +280,95 @@ def test_checkpoints_lists_whole_paths(run_dir):
     proc = run(cli("checkpoints", str(run_dir), "--verify", "size"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert str(deep / "step-00000010") in proc.stdout, proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# no import cycles among trainguard's modules
+
+PACKAGE = REPO / "src" / "trainguard"
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """``{module: the trainguard modules it imports}`` (``from . import x`` names the submodule ``x``
+    where there is one, else the package). Every import counts: at the top, under ``if
+    TYPE_CHECKING:`` (a type checker follows it) and inside functions (a lazy import is still a
+    dependency: one of the two modules should not need the other)."""
+    files = {_module_name(p, root): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    edges.add(sub if sub in files else base)
+        graph[name] = {e for e in edges if e in files and e != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of more than one module (Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_cycles_through_lazy_and_type_checking_imports_and_none_in_a_chain(tmp_path):
+    pkg = tmp_path / "trainguard"
+    (pkg / "guard").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "guard" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import x\n")
+    (pkg / "b.py").write_text("def f():\n    from . import a  # lazy\n")
+    (pkg / "c.py").write_text("from . import b\n")  # a chain into the cycle, not part of it
+    (pkg / "guard" / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .e import P\n")
+    (pkg / "guard" / "e.py").write_text("from .. import c\nfrom . import d\n")
+    graph = import_graph(pkg)
+    assert graph["trainguard.a"] == {"trainguard.b"} and graph["trainguard.guard.e"] == {
+        "trainguard.c",
+        "trainguard.guard.d",
+    }
+    assert sorted(cycles(graph)) == [["trainguard.a", "trainguard.b"], ["trainguard.guard.d", "trainguard.guard.e"]]
+
+
+def test_trainguards_modules_import_one_another_without_a_cycle():
+    graph = import_graph()
+    assert "trainguard.guard.place" in graph["trainguard.guard.sharded_recovery"]
+    assert cycles(graph) == []

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainguard import ResumableSampler, seed_everything, state_hash
-from trainguard.state.determinism import capture_rng, restore_rng
+from trainguard.state.determinism import capture_rng, restore_rng, rng_fingerprint
 from trainguard.state.trainstate import RNGState
 
 
@@ -85,6 +85,7 @@ def test_python_state_read_from_memory_equals_getstate_after_any_draws(ops):
     """capture_rng() reads Python's generator from its object's memory (state.determinism._PythonGlobal);
     after any sequence of draws it equals random.getstate()."""
     random.seed(2)
+    assert rng_fingerprint() is not None  # the memory read is on (else getstate() is compared with itself)
     for op in ops:
         PYTHON_OPS[op]()
         version, words, gauss = capture_rng()["python"]

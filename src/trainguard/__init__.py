@@ -36,7 +36,7 @@ _LAZY_NAMES: dict[str, str] = {
     "Hook": ".events",
     "read_events": ".events",
     "ExitCode": ".exitcodes",
-    "exit_bad_input": ".exitcodes",
+    "exit_bad_input": ".outcomes",
     "Guard": ".guard",
     "Outcome": ".outcomes",
     "Requeue": ".outcomes",
@@ -57,9 +57,9 @@ if TYPE_CHECKING:  # what static tools see; at run time these resolve lazily thr
     from .checkpoint import Checkpoint, CheckpointMismatchError, CheckpointStore
     from .config import Config, ConfigError, Section, config_from_argv, config_from_env, load_config
     from .events import EventLog, Hook, read_events
-    from .exitcodes import ExitCode, exit_bad_input
+    from .exitcodes import ExitCode
     from .guard import Guard
-    from .outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw
+    from .outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw, exit_bad_input
     from .sampler import ResumableSampler
     from .state.determinism import seed_everything, state_hash
 

@@ -94,6 +94,8 @@ def quiet_torch_elastic(decision_codes: tuple[int, ...]) -> None:
 
 # (is it a lost peer?, record it) of the newest quiet_peer_loss() call; the hook itself is installed once
 _peer_loss: Optional[tuple[Callable[[BaseException], bool], Callable[[str, str], None]]] = None
+# (trainguard's hook, the sys.excepthook it replaced) while installed
+_installed: Optional[tuple[Callable, Callable]] = None
 
 
 def _peer_loss_hook(previous: Callable) -> Callable:
@@ -118,8 +120,21 @@ def quiet_peer_loss(is_peer_loss: Callable[[BaseException], bool], record: Calla
     before and the launcher's own line tells the restart) is told in one line instead of its
     traceback, below ``verbose``; ``record(error, traceback)`` keeps the traceback (the Guard writes
     it as a ``peer_lost`` event). Other errors keep Python's (and torch's) traceback. Installed once
-    per process (``sys.excepthook``); a later call replaces the two callables."""
-    global _peer_loss
-    if _peer_loss is None:
-        sys.excepthook = _peer_loss_hook(sys.excepthook)
+    per process (``sys.excepthook``); a later call replaces the two callables;
+    :func:`restore_excepthook` puts the previous hook back."""
+    global _peer_loss, _installed
+    if _installed is None or sys.excepthook is not _installed[0]:  # not yet, or replaced since
+        _installed = (_peer_loss_hook(sys.excepthook), sys.excepthook)
+        sys.excepthook = _installed[0]
     _peer_loss = (is_peer_loss, record)
+
+
+def restore_excepthook() -> None:
+    """Undo :func:`quiet_peer_loss` (the Guard's ``close()``): ``sys.excepthook`` is again the hook
+    it replaced, and every uncaught error gets its traceback. Where the script replaced
+    ``sys.excepthook`` since (wrapping trainguard's), that stays, and trainguard's calls through.
+    Safe to call twice."""
+    global _peer_loss, _installed
+    _peer_loss = None
+    if _installed is not None and sys.excepthook is _installed[0]:
+        sys.excepthook, _installed = _installed[1], None

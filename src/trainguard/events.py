@@ -18,10 +18,13 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 from . import console
 from .launch_env import LaunchEnv
+
+if TYPE_CHECKING:  # this module imports no torch at run time (the CLI reads events without it)
+    import torch
 
 
 class EventLog:
@@ -152,8 +155,11 @@ class Hook:
     def on_train_begin(self, guard: Any) -> None:
         """After resume, before the first step. ``guard.step`` is the first step to run."""
 
-    def on_step_end(self, guard: Any, step: int, loss: Optional[float]) -> None:
-        """After ``guard.step_end()``; ``step`` is the number of completed steps."""
+    def on_step_end(self, guard: Any, step: int, loss: Optional[Union[float, torch.Tensor]]) -> None:
+        """After ``guard.step_end()``; ``step`` is the number of completed steps; ``loss`` is what
+        ``step_end`` was given, as given: usually the step's loss tensor (0-dim, on the training
+        device: ``float(loss)`` copies it to the host, a synchronization on CUDA, which trainguard
+        does not do for you), a float, or ``None``."""
 
     def on_checkpoint_save(self, guard: Any, step: int, path: Path) -> None:
         """After a checkpoint is committed (visible to ``latest_valid()``)."""

@@ -12,13 +12,13 @@
 schedulers and wrappers commonly treat as "retry". 76 is the next free code below 128, chosen so
 that it never collides with a signal death (128 + N) or Python's generic error (1); 77 is the
 next one. The launcher never ends with 77: it reads a rank's 77 as that rank lost.
+
+This module imports nothing of trainguard's (:mod:`trainguard.outcomes`, which raises them, imports it).
 """
 
 from __future__ import annotations
 
 import enum
-import sys
-from typing import Any, NoReturn, Optional
 
 
 class ExitCode(enum.IntEnum):
@@ -39,15 +39,3 @@ def describe(code: int) -> str:
         return ExitCode(code).name.lower()
     except ValueError:
         return f"error {code}"
-
-
-def exit_bad_input(message: str, events: Optional[Any] = None) -> NoReturn:
-    """For a script's own edge (its ``main``): print ``trainguard: error: message`` to stderr,
-    record a ``bad_input`` event in ``events`` (an :class:`~trainguard.events.EventLog`, if given),
-    and raise :class:`~trainguard.outcomes.BadInput` (exit code 2 when uncaught)."""
-    from .outcomes import BadInput
-
-    print(f"trainguard: error: {message}", file=sys.stderr, flush=True)
-    if events is not None:
-        events.emit("bad_input", message=message)
-    raise BadInput(message)

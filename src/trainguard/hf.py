@@ -66,6 +66,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+from . import compat
 from . import dist as tgdist
 from .checkpoint.store import Checkpoint, CheckpointStore
 from .config import Config, config_from_env
@@ -352,13 +353,13 @@ class TrainguardCallback(TrainerCallback):
         model = t.model_wrapped
         self._losses, self._loss = [], None
         model.zero_grad(set_to_none=True)
-        items = t._get_num_items_in_batch(self._batches, t.args.device)
+        items = compat.trainer_num_items_in_batch(t, self._batches, t.args.device)
         for i, inputs in enumerate(self._batches):
             last = i == len(self._batches) - 1
             with contextlib.nullcontext() if last else t.accelerator.no_sync(model):
                 t.training_step(model, inputs, items)
         if t.args.max_grad_norm is not None and t.args.max_grad_norm > 0:
-            t._clip_grad_norm(model)
+            compat.trainer_clip_grad_norm(t, model)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         ok = self.guard.should_step(self._step_loss())

@@ -21,7 +21,8 @@ This module imports nothing heavy (no torch): the CLI and the launcher use it to
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, NoReturn, Optional
 
 from .exitcodes import ExitCode
 
@@ -86,3 +87,13 @@ class BadInput(Outcome):
 
     def __init__(self, message: str, **details: Any):
         super().__init__("bad_input", message, **details)
+
+
+def exit_bad_input(message: str, events: Optional[Any] = None) -> NoReturn:
+    """For a script's own edge (its ``main``): print ``trainguard: error: message`` to stderr,
+    record a ``bad_input`` event in ``events`` (an :class:`~trainguard.events.EventLog`, if given),
+    and raise :class:`BadInput` (exit code 2 when uncaught)."""
+    print(f"trainguard: error: {message}", file=sys.stderr, flush=True)
+    if events is not None:
+        events.emit("bad_input", message=message)
+    raise BadInput(message)

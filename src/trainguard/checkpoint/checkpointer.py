@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .. import console
+from .. import compat, console
 from .. import dist as tgdist
 from ..atomic import write_atomic
 from ..events import EventLog
@@ -219,8 +219,9 @@ class Checkpointer:
         for t in tiers:
             self.saved[t] = step
         if self.pool is not None and self.asynchronous and not blocking:
-            snap, deferred = self.snapshot.take(state, defer=self._changes_only_in_step())
-            versions = [src._version for _, src in deferred]
+            defer = self._changes_only_in_step() if compat.has_tensor_version() else (lambda t: False)
+            snap, deferred = self.snapshot.take(state, defer=defer)
+            versions = [compat.tensor_version(src) for _, src in deferred]
             self._copied, self._copy_wait, self._pending_step = threading.Event(), 0.0, step
             blocked = time.perf_counter() - t0
             self.pending = self.pool.submit(
@@ -245,7 +246,7 @@ class Checkpointer:
         edit through ``.data`` is not counted), then write, refusing the commit if one did."""
         try:
             copy_pairs(deferred)
-            changed = sum(src._version != v for (_, src), v in zip(deferred, versions))
+            changed = sum(compat.tensor_version(src) != v for (_, src), v in zip(deferred, versions))
         finally:
             self._copied.set()  # type: ignore[union-attr]
         refuse = (
@@ -450,16 +451,20 @@ class Checkpointer:
             self.group = tgdist.new_cpu_group()
 
     def close(self, wait: bool = True) -> Optional[SaveResult]:
-        """Finish the save in flight (its result is returned), stop the writer and deleter threads,
-        remove the optimizer hook and destroy the writer's process group. Safe to call twice.
+        """Finish the save in flight (its result is returned), stop the writer and deleter threads
+        and wait until they ended, remove the optimizer hook and destroy the writer's process
+        group. Safe to call twice.
 
         ``wait=False`` (this rank failed alone): do not wait for a save in flight, which may be
         waiting for its peers; its thread is left to end with the process and its group is kept.
+        With none in flight the writer's thread is joined all the same (it ends at once), and the
+        deleter's always (a deletion waits for no peer).
         """
         result = self.wait() if wait else None
+        idle = self.pending is None
         for pool in (self.pool, self.deleter):
             if pool is not None:
-                pool.shutdown(wait=wait)
+                pool.shutdown(wait=wait or idle or pool is self.deleter)
         self.pool = self.deleter = None
         if self._hook is not None:
             self._hook.remove()

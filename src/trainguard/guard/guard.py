@@ -58,15 +58,15 @@ from ..checkpoint.checkpointer import Checkpointer, SaveResult
 from ..checkpoint.store import Checkpoint
 from ..config import Config, ConfigError, config_from_argv, dump_config, load_config
 from ..events import EventLog, Hook
-from ..exitcodes import exit_bad_input
 from ..faults import FaultInjector
 from ..health.straggler import StragglerDetector
 from ..instability import clipfold
 from ..instability.recovery import Recovery, Rollback
 from ..launch_env import LaunchEnv
 from ..oom import MicroBatcher
-from ..outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw
+from ..outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw, exit_bad_input
 from ..rejoin import sever, sharded, shrink
+from ..rejoin.align import ALIGN, SHOULD_STEP, STOP_CHECK
 from ..rejoin.auth import report_forged
 from ..rejoin.catch import CATCH
 from ..rejoin.protocol import is_peer_failure
@@ -207,7 +207,8 @@ class Guard:
         console.quiet_peer_loss(
             is_peer_failure, lambda error, text: events.emit("peer_lost", error=error, traceback=text)
         )
-        declined = inprocess.declined(self._framework, self.model) if cfg.recovery.in_process else None
+        policy = inprocess.recovery_policy(cfg.recovery.in_process)  # by the default group's backend (NCCL: restart)
+        declined = inprocess.declined(self._framework, self.model, policy) if cfg.recovery.in_process else None
         self.rejoin = Rejoin(
             cfg.recovery,
             launch,
@@ -215,6 +216,7 @@ class Guard:
             keep_in_memory=cfg.sdc.on_instability == "rerun",
             declined=declined,
             on_forged=lambda key: report_forged(events, key),
+            abort_comms=policy.abort,
         )
         if self.rank == 0:
             inprocess.say_where_it_applies(self.rejoin, cfg.recovery.in_process, launch.recovery_store, self.world_size)
@@ -542,6 +544,8 @@ class Guard:
                 grad_norm = CATCH.step_norm()
             if self.faults.numeric_pending:
                 loss, grad_norm = self.faults.numeric(step, loss, grad_norm, self.model)
+            if ALIGN.open:  # after an in-process recovery: does this rank line up with the survivors?
+                ALIGN.at(SHOULD_STEP, alone_ok=False)
             try:
                 verdict = self.recovery.observe(step, loss, grad_norm)
                 if self.reruns.pending(step):  # the re-run of an unstable step
@@ -642,6 +646,8 @@ class Guard:
         """
         with self._edge():
             self._step_end(loss)
+            # the first step after an in-process recovery: tell the launcher (the progress rule)
+            self.inprocess.step_completed(self.step, self.rank, self.world_size)
         self.draws.boundary()
 
     def _step_end(self, loss: Any) -> None:
@@ -725,6 +731,8 @@ class Guard:
         it, so the rest of it (a save, the save switch) waits for the next."""
         if self.faults.pending:
             self.faults.at(self.step, "stop_check")
+        if ALIGN.open:  # after an in-process recovery: does this rank line up with the survivors?
+            ALIGN.at(STOP_CHECK, alone_ok=False)
         try:
             flags, slow = self.stop_check.agree(self.step)
         except Exception as e:
@@ -878,6 +886,7 @@ class Guard:
             tuple(self.hosts),
             self.stop_check.next_check,
             self.straggler.next_report,
+            self.stop_check.step_seconds,
         )
 
     def _take(self, met: Met) -> None:
@@ -1077,6 +1086,7 @@ class Guard:
         checkpoint threads, destroy their process groups, remove optimizer and gradient hooks,
         restore the previous signal handlers, unmap the heartbeat record, close the event log.
         Safe to call twice; ``with Guard(...) as guard:`` calls it."""
+        console.restore_excepthook()  # also after a failure's release, which keeps it for the error
         if self._closed:
             return
         self._closed = True
@@ -1100,6 +1110,9 @@ class Guard:
         detach_supervisor(self.heartbeat)
         self.heartbeat = None
         CATCH.uninstall()
+        ALIGN.close()
+        if self.inprocess is not None:
+            self.inprocess.close()
         if self.rejoin is not None and collective:  # a rank that fails alone leaves its state to its replacement
             self.rejoin.close()
         elif self.rejoin is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -24,9 +24,7 @@ from ..rejoin.rollback import from_replicas, roll_back
 from ..rejoin.shards import ShardSnapshots
 from ..rejoin.stepstart import StepStart
 from ..state.trainstate import TrainState
-
-if TYPE_CHECKING:
-    from .inprocess import Place
+from .place import Place
 
 
 class ShardedRecovery:

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import compat
 from .. import dist as tgdist
 from ..events import EventLog
 
@@ -40,10 +41,7 @@ class PeerLostError(RuntimeError):
 
 
 def _default_store() -> Optional[dist.Store]:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, AttributeError, ValueError):
-        return None
+    return compat.default_store()
 
 
 class LivenessPing:

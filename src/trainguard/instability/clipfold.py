@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from .. import compat
+
 
 def foldable_mesh(tensors: Iterable[Any]) -> Optional[Any]:
     """The device mesh when every tensor of ``tensors`` is a DTensor sharded (only ``Shard``
@@ -59,19 +61,18 @@ def _partial_norms(grads: list[Any], p: float, foreach: Optional[bool]) -> Optio
     """The stack of each gradient's ``p``-norm over this rank's shard (a DTensor of placement
     ``_NormPartial(p)``), computed as ``torch.nn.utils.get_total_norm`` does before its last norm
     (grouped by device and dtype, ``foreach`` where torch would), or ``None`` where torch would
-    raise (``foreach=True`` on a device without it: torch's own clip then says so)."""
-    from torch.utils._foreach_utils import (
-        _device_has_foreach_support,
-        _group_tensors_by_device_and_dtype,
-        _has_foreach_support,
-    )
-
+    raise (``foreach=True`` on a device without it: torch's own clip then says so) or torch lacks
+    the helpers of ``get_total_norm`` (:func:`trainguard.compat.foreach_utils`)."""
+    utils = compat.foreach_utils()
+    if utils is None:  # torch lacks its helpers: its own clip runs
+        return None
+    group_by_device_and_dtype, has_foreach_support, device_has_foreach_support = utils
     norms: list[Any] = []
-    for (device, _), ([tensors], _) in _group_tensors_by_device_and_dtype([grads]).items():
-        if (foreach is None and _has_foreach_support(tensors, device)) or (
-            foreach and _device_has_foreach_support(device)
+    for (device, _), ([tensors], _) in group_by_device_and_dtype([grads]).items():
+        if (foreach is None and has_foreach_support(tensors, device)) or (
+            foreach and device_has_foreach_support(device)
         ):
-            norms.extend(torch._foreach_norm(tensors, p))
+            norms.extend(compat.foreach_norm(tensors, p))
         elif foreach:
             return None
         else:

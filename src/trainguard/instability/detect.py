@@ -27,6 +27,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import compat
 from ..sections import InstabilitySection
 from .fold import LossFold
 
@@ -118,7 +119,7 @@ def total_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norms = torch._foreach_norm(grads)
+    norms = compat.foreach_norm(grads)
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
 
@@ -153,7 +154,7 @@ class Detector:
         if folded is not None:  # the one host sync; DDP's gradients, so their norm, are alike on every rank
             *values, grad = torch.cat([folded, _scalar(grad_norm, folded.device).reshape(1)]).tolist()
             if fold.usable(values):
-                return self._verdict(step, values[:n], [grad] * n if has_grad else None)
+                return self._verdict(step, values[fold.layout.slot("loss")], [grad] * n if has_grad else None)
         loss_t = loss.detach().reshape(()).float() if torch.is_tensor(loss) else torch.tensor(float(loss))
         grad_t = _scalar(grad_norm, loss_t.device)
         if n > 1 and dist.is_available() and dist.is_initialized():

@@ -5,15 +5,13 @@ model they ride in an all-reduce the step runs anyway: trainguard's communicatio
 (:class:`~trainguard.rejoin.catch.DDPHook`) appends ``8 × world_size + 11`` values to one bucket
 (its *carrier*: the first bucket DDP sends, at most 1 MiB, until the bucket layout is known, then
 the smallest bucket, so that the copy the appending costs is small; every bucket is sent after
-the forward, hence the loss, is done) and hands the reduced values back here::
+the forward, hence the loss, is done) and hands the reduced values back here. Their layout is
+declared once, in :mod:`.foldlayout` (:data:`~.foldlayout.FIELDS`, :class:`~.foldlayout.FoldLayout`)::
 
-    [loss in rank 0's slot, ..., loss in rank n-1's slot, 1 (a loss was noted), 1 (last step matched),
-     1 (stop flags sent), signal, kill switch, time limit, memory, save switch, grow,
-     next check interval in rank 0's slot, ..., in rank n-1's slot,
-     1 (a replica fingerprint sent), rank 0's fingerprint in 3 chunks, ..., rank n-1's in 3 chunks,
-     1 (straggler timings sent), rank 0's (slowest step, window median, individual score), ..., rank n-1's]
+    loss[n] noted matched stop_sent stop_flags[5] grow next_interval[n]
+    fingerprint_sent fingerprint[3n] straggler_sent straggler[3n]
 
-The second line and the slots after it are the stop check's flags (:class:`~trainguard.stop.conditions.StopFlags`)
+The fields from ``stop_sent`` to ``next_interval`` are the stop check's flags (:class:`~trainguard.stop.conditions.StopFlags`)
 on the steps where it is due (the step is agreed by every rank): the 0/1 flags summed (more than
 0: set on some rank, as the check's max), ``grow`` set by rank 0 alone, the proposed next check
 interval per rank (its maximum is taken). With them the stop check needs no all-reduce either
@@ -73,6 +71,7 @@ import torch
 
 from .. import console
 from ..sdc.replicas import chunks, from_chunks
+from .foldlayout import FoldLayout
 
 _original_backward: Optional[Callable[..., Any]] = None
 _noted: Optional[tuple[weakref.ref, float]] = None  # the last 0-dim tensor backward() ran on, its loss factor
@@ -135,6 +134,7 @@ class LossFold:
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
+        self.layout = FoldLayout.of(world_size)  # where each value lies in the carried vector
         self._sent: Optional[tuple[int, Optional[torch.Tensor]]] = None  # (step, the loss folded)
         self._host: Optional[tuple[int, list[float]]] = None  # (step, the summed values on the host)
         self.stop_source: Optional[Callable[[int], Optional[list[int]]]] = None  # this rank's packed stop flags
@@ -153,12 +153,12 @@ class LossFold:
     @property
     def size(self) -> int:
         """Values appended to the carrying bucket (see the module doc): ``8 × world size + 11``."""
-        return 8 * self.world_size + 11
+        return self.layout.size
 
     def renumber(self, rank: int, world_size: int) -> None:
         """This rank is ``rank`` of ``world_size`` from now on; the next step all-reduces (no rank
         has matched in the new group yet)."""
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.layout = rank, world_size, FoldLayout.of(world_size)
         self._matched, self._sent, self._reduced, self._host = False, None, None, None
 
     def wire(
@@ -189,32 +189,33 @@ class LossFold:
         self._sent = (step, noted[0] if noted is not None else None)
         if bucket.dtype != torch.float32:
             return None
-        n = self.world_size
+        at, me = self.layout, self.rank
         host = self._host_values()
-        host[n], host[n + 1] = float(noted is not None), float(self._matched)
+        host[at.index("noted")], host[at.index("matched")] = float(noted is not None), float(self._matched)
         flags = self.stop_source(step) if self.stop_source is not None else None
         if flags is not None:  # StopFlags.pack(): 5 flags, next_interval, grow
-            host[n + 2 : n + 9] = [1, *flags[:5], flags[6]]
-            host[n + 9 + self.rank] = flags[5]
+            host[at.index("stop_sent")] = 1.0
+            host[at.slot("stop_flags")] = flags[:5]
+            host[at.index("grow")] = flags[6]
+            host[at.index("next_interval", me)] = flags[5]
         fp = self.fingerprint_source(step) if self.fingerprint_source is not None else None
-        host[2 * n + 9] = float(fp is not None)
+        host[at.index("fingerprint_sent")] = float(fp is not None)
         timings = self.straggler_source(step) if self.straggler_source is not None else None
         if timings is not None:  # StragglerDetector.pack(): slowest, medians by rank, scores by rank
-            at = 5 * n + 11 + 3 * self.rank
-            host[5 * n + 10] = 1.0
-            host[at : at + 3] = [timings[0], timings[1 + self.rank], timings[1 + n + self.rank]]
+            n = self.world_size
+            host[at.index("straggler_sent")] = 1.0
+            host[at.slot("straggler", me)] = [timings[0], timings[1 + me], timings[1 + n + me]]
         on_cpu = bucket.device.type == "cpu"
         if noted is not None and on_cpu and noted[1] == 1.0:  # into the buffer's slot (a view), as the index below
-            self._host_t[self.rank : self.rank + 1].copy_(noted[0].detach().reshape(1))
+            self._host_t[at.slot("loss", me)].copy_(noted[0].detach().reshape(1))
             noted = None
         values = self._host_t if on_cpu else self._host_t.to(bucket.device)  # one copy to the bucket's device
         if noted is not None:  # device values: no host copy
             loss, factor = noted
             v = loss.detach().to(device=bucket.device, dtype=bucket.dtype)
-            values[self.rank] = v if factor == 1.0 else v * factor
+            values[at.index("loss", me)] = v if factor == 1.0 else v * factor
         if fp is not None:
-            at = 2 * n + 10 + 3 * self.rank
-            values[at : at + 3] = chunks(fp).to(device=values.device, dtype=values.dtype)
+            values[at.slot("fingerprint", me)] = chunks(fp).to(device=values.device, dtype=values.dtype)
         return values
 
     def _host_values(self) -> Any:
@@ -252,10 +253,10 @@ class LossFold:
         """Whether the taken ``values`` (on the host) stand for the step's losses: every rank noted
         a loss and every rank's loss matched at the previous step (the same answer on every rank).
         Says once when they cannot be used for this loop."""
-        n = self.world_size
+        n, at = self.world_size, self.layout
         if self._host is not None:
             self._host = (self._host[0], values)
-        usable = values[n] == n and values[n + 1] == n
+        usable = values[at.index("noted")] == n and values[at.index("matched")] == n
         if not usable:
             self._say_unused(
                 "should_step()'s loss is not the tensor backward() ran on (AMP's scaler.scale(loss), "
@@ -292,29 +293,27 @@ class LossFold:
         values = self._values(step)
         if values is None:
             return None
-        n = self.world_size
-        if values[n + 2] != n:
+        at = self.layout
+        if values[at.index("stop_sent")] != self.world_size:
             return None
-        flags = [int(v > 0) for v in values[n + 3 : n + 8]]
-        return [*flags, int(max(values[n + 9 : 2 * n + 9])), int(values[n + 8])]
+        flags = [int(v > 0) for v in values[at.slot("stop_flags")]]
+        return [*flags, int(max(values[at.slot("next_interval")])), int(values[at.index("grow")])]
 
     def fingerprints(self, step: int) -> Optional[list[int]]:
         """Every rank's replica fingerprint (by rank) carried in step ``step``'s carrying bucket, or
         ``None`` when not every rank sent one (no bucket this step: the same answer on every rank)."""
-        values = self._values(step)
-        n = self.world_size
-        if values is None or values[2 * n + 9] != n:
+        values, n, at = self._values(step), self.world_size, self.layout
+        if values is None or values[at.index("fingerprint_sent")] != n:
             return None
-        return [from_chunks(values[2 * n + 10 + 3 * r : 2 * n + 13 + 3 * r]) for r in range(n)]
+        return [from_chunks(values[at.slot("fingerprint", r)]) for r in range(n)]
 
     def straggler(self, step: int) -> Optional[list[int]]:
         """The straggler report's exchange of step ``step`` from its carrying bucket, in
         ``StragglerDetector.pack()`` order as the stop check's all-reduce (max) would give it (the
         slowest step: the largest rank's), or ``None`` when not every rank sent its timings (the
         same answer on every rank)."""
-        values = self._values(step)
-        n = self.world_size
-        if values is None or values[5 * n + 10] != n:
+        values, n, at = self._values(step), self.world_size, self.layout
+        if values is None or values[at.index("straggler_sent")] != n:
             return None
-        slots = [[int(v) for v in values[5 * n + 11 + 3 * r : 5 * n + 14 + 3 * r]] for r in range(n)]
+        slots = [[int(v) for v in values[at.slot("straggler", r)]] for r in range(n)]
         return [max(s[0] for s in slots)] + [s[1] for s in slots] + [s[2] for s in slots]

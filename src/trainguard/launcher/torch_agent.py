@@ -4,7 +4,8 @@
 ``LocalElasticAgent`` and needs more of it than its public API (``run()``) gives. Every private
 member it uses is reached here and only here, behind a public name on :class:`ElasticAdapter`;
 the members are listed in :data:`AGENT_METHODS`, :data:`AGENT_ATTRIBUTES` and
-:data:`PCONTEXT_ATTRIBUTES`. They are not a stable API: a torch release may rename or remove any
+:data:`PCONTEXT_ATTRIBUTES`, taken from :data:`trainguard.compat.MEMBERS` (the one list of the
+private names trainguard uses). They are not a stable API: a torch release may rename or remove any
 of them. So the adapter checks them when an agent is built (:class:`ElasticIncompatible` names the
 missing member and the torch version), ``tests/test_elastic_adapter.py`` checks them against the
 installed torch, and ``pyproject.toml`` admits only the torch releases CI has run (2.13).
@@ -20,7 +21,9 @@ import torch
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, Worker, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-# LocalElasticAgent (and SimpleElasticAgent) methods used or overridden here:
+from .. import compat
+
+# LocalElasticAgent (and SimpleElasticAgent) methods used or overridden here (listed in trainguard.compat):
 #   _invoke_run: the monitor loop that run() calls (overridden: runs monitor_loop())
 #   _stop_workers: what torch's own code calls to stop the group (overridden: runs stop_group())
 #   _initialize_workers: rendezvous + start of the group; _monitor_workers: one poll of the group
@@ -28,28 +31,19 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 #   _rendezvous: the rendezvous part of _initialize_workers (extended: runs after_rendezvous() before
 #   the workers start); _assign_worker_ranks: its exchange of the nodes' worker counts, which a node
 #   that joins the running group in place waits on (join_round() takes part in it)
-AGENT_METHODS = (
-    "_invoke_run",
-    "_stop_workers",
-    "_initialize_workers",
-    "_rendezvous",
-    "_assign_worker_ranks",
-    "_monitor_workers",
-    "_exit_barrier",
-    "_shutdown",
-)
+AGENT_METHODS = compat.members(compat.AGENT, on_objects=False)
 # attributes LocalElasticAgent.__init__ sets: the worker group, the restarts left, the process context,
 # the rendezvous round's store (the exit barrier's)
-AGENT_ATTRIBUTES = ("_worker_group", "_remaining_restarts", "_pcontext", "_store")
+AGENT_ATTRIBUTES = compat.members(compat.AGENT, on_objects=True)
 # of the process context of workers started from a binary (SubprocessContext): {local_rank: handler}
 # whose handler.proc is the worker's subprocess.Popen; the program, {local_rank: args} and
 # {local_rank: env} each worker was started with (in-process recovery starts a replacement alike);
 # {local_rank: path} of each worker's stderr file (teed there by the logs spec); the set of local
-# ranks its poll still watches (a slot readmitted after a shrink is added back)
-PCONTEXT_ATTRIBUTES = ("subprocess_handlers", "entrypoint", "args", "envs", "stderrs", "_running_local_ranks")
+# ranks its poll still watches (a slot readmitted after a shrink is added back: private, in compat)
+PCONTEXT_ATTRIBUTES = ("subprocess_handlers", "entrypoint", "args", "envs", "stderrs") + compat.members(compat.PCONTEXT)
 
 
-class ElasticIncompatible(RuntimeError):
+class ElasticIncompatible(compat.Incompatible):
     """The installed torch lacks a private member of torch elastic that trainguard's launcher uses
     (the message names it and the torch version)."""
 

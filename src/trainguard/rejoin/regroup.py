@@ -1,8 +1,7 @@
 """Rebuilding the process groups in a live process, and moving state from survivors' memory.
 
-The one module that touches DDP's private members (listed in :data:`DDP_MEMBERS`; checked by
-``tests/test_rejoin.py`` against the installed torch, as the launcher's torch elastic members are).
-A DDP model keeps its module, parameters and hooks; only its reducer (the object that buckets and
+DDP's private members that this needs are reached through :mod:`trainguard.compat` (which lists
+and checks them). A DDP model keeps its module, parameters and hooks; only its reducer (the object that buckets and
 all-reduces gradients) is built again on the new default group, exactly as DDP's constructor builds
 it, so the survivors and a freshly started replacement hold reducers in the same state (both
 rebuild their buckets after the first step, as at a start).
@@ -19,19 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .. import compat, console
 from . import sharded
 from .boundary import decode, encode
 from .catch import is_own_hook
 from .protocol import Generation
-
-# DistributedDataParallel members used to build a fresh reducer on a new group (torch 2.13):
-#   _build_params_for_reducer(): (parameters, expect_sparse_gradient) as the constructor computes
-#   _build_debug_param_to_name_mapping(parameters), _ddp_init_helper(...): the constructor's reducer set-up
-#   (which computes its buckets with torch.distributed._compute_bucket_assignment_by_size: replaced for
-#   that call to keep a layout)
-#   _comm_hooks: hooks registered with register_comm_hook: trainguard's own (rejoin.catch) is registered again
-#     on the fresh reducer; one of the script's would be lost (not supported)
-DDP_MEMBERS = ("_build_params_for_reducer", "_build_debug_param_to_name_mapping", "_ddp_init_helper")
 
 
 class RegroupError(RuntimeError):
@@ -39,12 +30,13 @@ class RegroupError(RuntimeError):
     falls back to a group restart."""
 
 
-def missing_ddp_members() -> list[str]:
-    """The members of :data:`DDP_MEMBERS` the installed torch lacks, as ``"DistributedDataParallel.x"``."""
-    return [f"DistributedDataParallel.{m}" for m in DDP_MEMBERS if not callable(getattr(DDP, m, None))]
+def missing_ddp_members(model: Optional[torch.nn.Module] = None) -> list[str]:
+    """The private DDP members :func:`rebind_ddp` needs that the installed torch lacks (with
+    ``model``: also on it), as ``"DistributedDataParallel.x"`` (:func:`trainguard.compat.missing_ddp`)."""
+    return compat.missing_ddp(model)
 
 
-def rebuild_default_group(gen: Generation, backend: str, timeout: float) -> None:
+def rebuild_default_group(gen: Generation, backend: str, timeout: float, **options: Any) -> None:
     """Destroy this process's groups and create the default group of generation ``gen`` on its store.
 
     The group is created the way a replacement's script creates it (``init_process_group`` with
@@ -54,6 +46,8 @@ def rebuild_default_group(gen: Generation, backend: str, timeout: float) -> None
 
     Args:
         timeout: seconds for the group's collectives and for meeting the other ranks.
+        options: more keyword arguments for ``init_process_group`` (NCCL's eager creation:
+            :func:`~trainguard.rejoin.abort.init_options`).
     Raises:
         RuntimeError, torch.distributed.DistError: the group could not be formed (a peer did not come).
     """
@@ -66,7 +60,7 @@ def rebuild_default_group(gen: Generation, backend: str, timeout: float) -> None
     os.environ.update(
         {"MASTER_ADDR": gen.host, "MASTER_PORT": str(gen.port), "TORCHELASTIC_USE_AGENT_STORE": str(True)}
     )
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **options)
 
 
 def release_ddp(model: torch.nn.Module) -> None:
@@ -85,19 +79,24 @@ def check_rebindable(model: torch.nn.Module) -> None:
 
     Raises:
         RegroupError: DTensor parameters that FSDP2 cannot be re-bound for (tensor parallelism, a
-            slice of a larger mesh: :func:`~trainguard.rejoin.sharded.why_not_rebindable`), or a
-            DDP communication hook of the script's own.
+            slice of a larger mesh: :func:`~trainguard.rejoin.sharded.why_not_rebindable`), a
+            DDP communication hook of the script's own, or torch lacks a DDP member used here.
     """
     why = sharded.why_not_rebindable(model)
     if why is not None:
         raise RegroupError(why)
+    missing = missing_ddp_members(model) if isinstance(model, DDP) else []
+    if missing:
+        raise RegroupError(f"torch {torch.__version__} lacks {', '.join(missing)}: in-process recovery of DDP")
     if isinstance(model, DDP) and script_comm_hook(model):
         raise RegroupError("a DDP communication hook is registered: in-process recovery cannot carry it over")
 
 
 def script_comm_hook(model: DDP) -> bool:
-    """Whether the script registered a communication hook of its own on ``model`` (not trainguard's)."""
-    return any(not is_own_hook(hook) for hook, _ in getattr(model, "_comm_hooks", ()))
+    """Whether the script registered a communication hook of its own on ``model`` (not trainguard's;
+    where torch does not list the hooks, assumed: in-process recovery cannot see one to carry over)."""
+    hooks = compat.ddp_comm_hooks(model)
+    return hooks is None or any(not is_own_hook(hook) for hook, _ in hooks)
 
 
 def rebind_ddp(model: torch.nn.Module, layout: Optional[list[list[int]]] = None) -> None:
@@ -110,27 +109,25 @@ def rebind_ddp(model: torch.nn.Module, layout: Optional[list[list[int]]] = None)
             so that the gradients' sums round as before (with three or more ranks, where each
             gradient sits in a bucket decides the order of the sum). ``None``: DDP's initial layout.
     Raises:
-        RegroupError: the model has communication hooks, or torch lacks a member used here.
+        RegroupError: the model has communication hooks, or torch lacks a member used here
+            (:func:`trainguard.compat.missing_ddp`).
     """
     if not isinstance(model, DDP):
         return
-    missing = missing_ddp_members()
+    missing = missing_ddp_members(model)
     if missing:
         raise RegroupError(f"torch {torch.__version__} lacks {', '.join(missing)}: in-process recovery of DDP")
     if script_comm_hook(model):
         raise RegroupError("a DDP communication hook is registered: in-process recovery cannot carry it over")
-    own = list(model._comm_hooks)
+    own = compat.ddp_comm_hooks(model) or []
     model.process_group = dist.group.WORLD
-    params, sparse = model._build_params_for_reducer()
-    compute = dist._compute_bucket_assignment_by_size
-    if layout:  # DDP's constructor reverses the list it computes: hand it the layout reversed
-        cap = model.bucket_bytes_cap
-        dist._compute_bucket_assignment_by_size = lambda *a, **k: (list(reversed(layout)), [cap] * len(layout))
-    try:
-        model._ddp_init_helper(params, sparse, model._build_debug_param_to_name_mapping(params), model.static_graph)
-    finally:
-        dist._compute_bucket_assignment_by_size = compute
-    model._comm_hooks.clear()
+    if not compat.rebuild_reducer(model, layout) and layout:
+        console.say(
+            f"torch {torch.__version__} lacks torch.distributed._compute_bucket_assignment_by_size: the rebuilt "
+            "DDP reducer starts with DDP's initial bucket layout (with 3 or more ranks its sums may round "
+            "differently from before the recovery)"
+        )
+    compat.clear_comm_hooks(model)
     for hook, state in own:
         model.register_comm_hook(state, hook)
         hook.__self__.rebuilt()  # trainguard's DDPHook (script_comm_hook refused any other)

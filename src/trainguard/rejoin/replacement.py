@@ -35,6 +35,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import compat
 from ..events import EventLog
 from ..launch_env import RANK_VARIABLES, RECOVERY_KEY, RUN_DIR, LaunchEnv
 from ..outcomes import BadInput
@@ -237,7 +238,7 @@ def main(argv: list[str]) -> None:
     skip_initial_broadcast()
     # imported lazily otherwise, after the spare was assigned: the rank-side stack, and torch._dynamo,
     # which DistributedDataParallel's constructor imports (0.7 s on this machine)
-    import torch._dynamo  # noqa: F401
+    compat.preload_dynamo()
 
     import trainguard.guard  # noqa: F401
 

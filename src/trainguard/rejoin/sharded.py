@@ -10,16 +10,17 @@ from its top (same shape, same dimension names, same order of group creation), p
 mesh at them, and has FSDP resolve its groups again. The parameters, their shards, the optimizer
 and its state stay where they are.
 
-The one module that touches FSDP2's and the mesh's private members (listed in
-:data:`FSDP_MEMBERS`; :func:`missing_members` checks them against the installed torch):
+FSDP2's and the mesh's private members are reached through :mod:`trainguard.compat` (which lists
+them; :func:`missing_members` checks them on the model's objects before a recovery relies on them):
 
-* ``DeviceMesh._dim_group_names``, ``DeviceMesh._pg_registry``: the names of the mesh's groups
-  and the registry ``get_group`` reads under ``torch.compile``;
-* ``FSDPModule._get_fsdp_state()._fsdp_param_groups``, each group's ``mesh_info``,
-  ``post_forward_mesh_info`` and ``fsdp_params`` (each with its own ``mesh_info``): the objects
-  whose ``__post_init__`` resolves ``shard_process_group`` / ``replicate_process_group`` from the
-  mesh. (A separate reduce-scatter group set by ``set_separate_reduce_scatter_group`` is dropped:
-  FSDP then reduce-scatters on the shard group.)
+* ``DeviceMesh._dim_group_names``, ``DeviceMesh._pg_registry``, ``DeviceMesh._get_root_mesh``:
+  the names of the mesh's groups, the registry ``get_group`` reads under ``torch.compile``, and
+  the mesh a slice was cut from;
+* ``FSDPModule._get_fsdp_state()._fsdp_param_groups`` (and the state's ``_is_root``), each group's
+  ``mesh_info``, ``post_forward_mesh_info`` and ``fsdp_params`` (each with its own ``mesh_info``
+  and ``sharded_param``): the objects whose ``__post_init__`` resolves ``shard_process_group`` /
+  ``replicate_process_group`` from the mesh. (A separate reduce-scatter group set by
+  ``set_separate_reduce_scatter_group`` is dropped: FSDP then reduce-scatters on the shard group.)
 
 A step that failed mid-forward or mid-backward leaves FSDP's per-iteration state undefined; the
 public ``FSDPModule.reset_iter_state()`` (torch 2.13) puts it back (:func:`reset`).
@@ -32,8 +33,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-FSDP_MEMBERS = ("_get_fsdp_state", "reset_iter_state")
-MESH_MEMBERS = ("_dim_group_names", "_pg_registry")
+from .. import compat
 
 
 def _fsdp_module_class() -> Optional[type]:
@@ -57,7 +57,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 def _param_groups(model: torch.nn.Module) -> Iterator[Any]:
     for m in fsdp_modules(model):
-        yield from m._get_fsdp_state()._fsdp_param_groups
+        yield from compat.fsdp_param_groups(m)
 
 
 def _mesh_infos(model: torch.nn.Module) -> list[Any]:
@@ -74,12 +74,11 @@ def _mesh_infos(model: torch.nn.Module) -> list[Any]:
 
 
 def missing_members(model: torch.nn.Module) -> list[str]:
-    """The private members this module uses that the installed torch lacks (empty: all there)."""
+    """The private members this module uses that the installed torch lacks on ``model``'s FSDP
+    modules and meshes (empty: all there; :func:`trainguard.compat.missing_fsdp`)."""
     mods = fsdp_modules(model)
-    missing = [f"FSDPModule.{m}" for m in FSDP_MEMBERS if mods and not hasattr(mods[0], m)]
-    for info in _mesh_infos(model) if not missing else []:
-        missing += [f"DeviceMesh.{m}" for m in MESH_MEMBERS if not hasattr(info.mesh, m)]
-    return sorted(set(missing))
+    missing = compat.missing_fsdp(mods, [])
+    return missing or compat.missing_fsdp([], [info.mesh for info in _mesh_infos(model)])
 
 
 def why_not_rebindable(model: torch.nn.Module) -> Optional[str]:
@@ -88,16 +87,16 @@ def why_not_rebindable(model: torch.nn.Module) -> Optional[str]:
     a mesh that is a slice of a larger mesh, a torch without the members used here."""
     if not is_sharded(model):
         return None
+    missing = missing_members(model)  # first: what follows reads them
+    if missing:
+        return f"torch {torch.__version__} lacks {', '.join(missing)}: in-process recovery of FSDP2"
     managed = {id(fp.sharded_param) for g in _param_groups(model) for fp in g.fsdp_params}
     if not fsdp_modules(model) or any(
         type(p).__name__ == "DTensor" and id(p) not in managed for p in model.parameters()
     ):
         return "DTensor parameters outside FSDP2 (tensor parallelism): in-process recovery re-binds DDP and FSDP2 only"
-    missing = missing_members(model)
-    if missing:
-        return f"torch {torch.__version__} lacks {', '.join(missing)}: in-process recovery of FSDP2"
     for info in _mesh_infos(model):
-        if info.mesh._get_root_mesh() is not info.mesh:
+        if not compat.mesh_is_root(info.mesh):
             return "FSDP2 on a slice of a larger device mesh: in-process recovery re-binds whole meshes only"
     return None
 
@@ -112,8 +111,7 @@ def rebind(model: torch.nn.Module) -> None:
     meshes = {id(i.mesh): i.mesh for i in infos}
     for mesh in meshes.values():
         fresh = init_device_mesh(mesh.device_type, tuple(mesh.mesh.shape), mesh_dim_names=mesh.mesh_dim_names)
-        mesh._dim_group_names = list(fresh._dim_group_names)
-        mesh._pg_registry.update(fresh._pg_registry)
+        compat.mesh_take_groups(mesh, fresh)
     for info in infos:
         info.__post_init__()  # resolves shard_process_group / replicate_process_group from the mesh again
     reset(model)
@@ -125,8 +123,7 @@ def reset(model: torch.nn.Module) -> None:
     the interrupted step's gradients dropped). Errors of collectives on the old group that it
     waits for are ignored: that group is gone."""
     for m in fsdp_modules(model):
-        state = m._get_fsdp_state()
-        if getattr(state, "_is_root", None) is False:
+        if compat.fsdp_is_root(m) is False:
             continue
         try:
             m.reset_iter_state()

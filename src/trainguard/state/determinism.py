@@ -339,10 +339,10 @@ def _tensor_header(key: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
     the global tensor hash differently.
     """
     if hasattr(t, "to_local") and hasattr(t, "placements"):  # DTensor
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from .. import compat
 
         local = t.to_local()
-        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        _, offset = compat.local_shape_and_offset(t)
         header = (
             f"{key}:{t.dtype}:{list(t.shape)}:mesh={list(t.device_mesh.shape)}:"
             f"placements={[str(p) for p in t.placements]}:local={list(local.shape)}:offset={list(offset)}\n"
