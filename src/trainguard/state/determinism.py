@@ -39,11 +39,11 @@ _CPYTHON = sys.implementation.name == "cpython"
 @functools.cache
 def _gil_held_reads() -> bool:
     """Whether a memory read of Python's generator is atomic with respect to its methods: a build
-    with the GIL (or a free-threaded build that re-enabled it: it is never disabled again). On a
-    free-threaded build without the GIL, ``random.getstate()`` takes the generator object's
-    critical section, which Python code cannot take: there the state is read with ``getstate()``.
-    ``ctypes.string_at`` is a ``PYFUNCTYPE`` call, so it copies with the GIL held."""
-    return not sysconfig.get_config_var("Py_GIL_DISABLED") or getattr(sys, "_is_gil_enabled", lambda: True)()
+    with the GIL. On a free-threaded build (``Py_GIL_DISABLED``) ``random.getstate()`` takes the
+    generator object's critical section, which Python code cannot take: there the state is read
+    with ``getstate()`` (even where the GIL was enabled again at run time: the build decides).
+    ``ctypes.string_at`` is a ``PYFUNCTYPE`` call, so on a GIL build it copies with the GIL held."""
+    return not sysconfig.get_config_var("Py_GIL_DISABLED")
 
 
 # Python's ``random`` state words (624 and the position) as little-endian uint32: packing them costs
