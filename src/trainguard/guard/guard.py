@@ -78,6 +78,7 @@ from ..rundir import prepare_run_dir
 from ..sdc.crosscheck import StepInputs
 from ..sdc.replicas import Mismatch, ReplicaCheck
 from ..sdc.rerun import StepRerun
+from ..state.buckets import BucketLayout
 from ..state.determinism import state_hash
 from ..state.fidelity import DrawWatch, ResumeFidelity
 from ..state.reshard import ElasticState, rank_batch
@@ -311,6 +312,7 @@ class Guard:
             lambda step: self.inprocess.keep_before_last_bucket(step),  # (built below)
         )
         self.fidelity, self.draws = ResumeFidelity(self.world_size), DrawWatch()
+        layout = BucketLayout(self.model, lambda: self.inprocess.bucket_layout(), self.world_size)  # (built below)
         self.elastic = ElasticState(self.world_size)
         # what a checkpoint holds per rank besides the tensors (the order is the load order: RNG last)
         self.train_state = TrainState(
@@ -322,6 +324,7 @@ class Guard:
                 "instability": self.recovery,
                 "oom": self.micro,
                 "fidelity": self.fidelity,
+                "buckets": layout,
                 "elastic": self.elastic,
                 "rng": RNGState(),
             }
@@ -461,9 +464,16 @@ class Guard:
                     f"checkpoint.interval ({c.interval}) is larger than max_steps ({max_steps}) and "
                     "checkpoint.save_final is false: the persistent tier would never save"
                 )
+            joining = self.rejoin.joining
             self._begin()
             self.faults.arm(max_steps)
             self.faults.watch_activations(self.model, lambda: self.step + 1)
+            # nanoGPT's prefetch: a first batch drawn before the generators were restored (state.fidelity)
+            self.draws.watch_first_step(
+                self.model,
+                joining or self.resumed_from is not None,
+                lambda cause: self.resumer.not_bitwise(self.step, cause, say=joining),
+            )
         return self.step
 
     def step_begin(self) -> None:
@@ -906,6 +916,7 @@ class Guard:
             part.renumber(rank, world_size)
         self.straggler.renumber(rank, world_size, hosts)
         self.fidelity.renumber(world_size)
+        self.train_state.parts["buckets"].renumber(world_size)
         shrink.reshard(self.sampler, rank, world_size)
         self.rank, self.world_size, self.hosts = rank, world_size, list(hosts)
 

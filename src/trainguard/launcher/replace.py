@@ -430,8 +430,8 @@ class Replacer:
             pids={r: p.pid for r, p in procs.items()},
             warm=warm,
         )
-        if self._template is not None:
-            self.fill_spares(*self._template)
+        # the next spare starts once this generation joined (poll): started now, its imports and the
+        # script's preamble would take CPU from the replacement's set-up and the survivors' recovery
         return procs
 
     def replace_node(
@@ -492,6 +492,8 @@ class Replacer:
                 by = ", ".join(f"rank {r} by a {how} (pid {self._pids.get(r)})" for r in self.pending.replaced)
                 console.say(f"replaced in-process: {by} in {seconds:.2f} s; the other ranks kept their processes")
             self.pending, self._node = None, None
+            if self._template is not None:  # [launcher] spares waiting again, started after the recovery
+                self.fill_spares(*self._template)
             return Joined()
         if self.pending.grown and self._deadline == float("inf") and store.accepted(self.pending.number):
             self._deadline = time.monotonic() + self.cfg.timeout + 5.0
