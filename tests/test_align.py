@@ -99,10 +99,11 @@ def _call_site_here() -> str:
     return script_site("dist.barrier", sys._getframe(0))
 
 
-def test_a_site_names_the_op_and_the_script_frames_innermost_first():
+def test_a_site_names_the_op_and_the_innermost_frame_outside_trainguard():
     site = _call_site_here()
-    assert site.startswith("dist.barrier at ") and "test_align.py" in site and "(_call_site_here)" in site
+    assert site.startswith("dist.barrier at ") and "test_align.py" in site and site.endswith("(_call_site_here)")
     assert site != script_site("dist.barrier", sys._getframe(0))  # another line, another site
+    assert _call_site_here() == site  # the same call from elsewhere: the same site (only the innermost frame)
     assert align.wait_bound(0.01) == align.WAIT_FLOOR and align.wait_bound(10.0) == 30.0
 
 
