@@ -88,15 +88,16 @@ def trainguard_cmd() -> list[str]:
     return [sys.executable, "-m", "trainguard.cli"]
 
 
-def launch(shape: Shape, run: Path, settings: tuple[str, ...] = (), hash_file: Optional[Path] = None):
+def launch(shape: Shape, run: Path, settings: tuple[str, ...] = (), steps: int = 60):
     """Start ``trainguard run --nproc-per-node 2 --run-dir RUN --set ... SCRIPT ARGS`` (trainguard's
-    settings before the script, so the script's own command line stays its own); stdout and
-    stderr go to ``RUN.log``; its own session, so :func:`stop` can end it and its ranks."""
+    settings before the script, so the script's own command line stays its own) for ``steps``
+    optimizer steps; rank 0 writes the final weights' hash to ``RUN.hash``; stdout and stderr go to
+    ``RUN.log``; its own session, so :func:`stop` can end it and its ranks."""
     run.parent.mkdir(parents=True, exist_ok=True)
     sets = [x for s in (*BASE_SETTINGS, *shape.settings, *settings) for x in ("--set", s)]
     cmd = [*trainguard_cmd(), "run", "--nproc-per-node", "2", "--run-dir", str(run), *sets]
     cmd += [str(ZOO / shape.script), *shape.args]
-    env = {**os.environ, **shape.env, "ZOO_HASH_FILE": str(hash_file or f"{run}.hash")}
+    env = {**os.environ, **shape.env, "ZOO_HASH_FILE": f"{run}.hash", "ZOO_STEPS": str(steps)}
     src = str(REPO / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log = open(f"{run}.log", "wb")
@@ -146,9 +147,9 @@ def hash_of(path: Path) -> Optional[str]:
         return None
 
 
-def clean_run(shape: Shape, run: Path, timeout: float = 300) -> Optional[str]:
+def clean_run(shape: Shape, run: Path, timeout: float = 300, steps: int = 60) -> Optional[str]:
     """One uninterrupted launch; rank 0's final weights hash (``None``: it did not finish with 0)."""
-    proc = launch(shape, run)
+    proc = launch(shape, run, steps=steps)
     try:
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -193,7 +194,7 @@ def fault_trial(
     rng = random.Random(seed)
     at, victim = rng.randint(15, steps - 15), rng.randrange(2)
     trial = Trial(shape.name, fault, seed, victim=victim, run=str(run))
-    proc = launch(shape, run, settings)
+    proc = launch(shape, run, settings, steps)
     lines = StepLines(Path(f"{run}.log"))
     deadline = time.monotonic() + timeout
     try:
