@@ -38,6 +38,8 @@ from trainguard.launcher.membership import (
     Replace,
     ReplaceNode,
     Restart,
+    Settled,
+    SettleTimedOut,
     Shrink,
     State,
     StopGraceExpired,
@@ -126,7 +128,7 @@ def test_a_failure_while_a_generation_forms_falls_back_and_restarts():
     assert decided == [Replace((1,))] and state.forming == "replace" and state.replacements == 1
     state, decided = run(state, Look({0: -9, 1: RUNNING}))
     assert decided == [
-        Fallback("a rank failed while the last (replace) generation was still forming"),
+        Fallback("a rank failed while the last (replace) generation was still forming", failed=True),
         KillSurvivors(),
         Collect(),
     ]
@@ -143,17 +145,103 @@ def test_a_failure_beside_a_decision_code_while_a_generation_forms_abandons_it()
     assert decided == [Replace((2,))]
     state, decided = run(state, Look({0: RUNNING, 1: -9, 2: 75}))
     assert decided == [
-        Fallback("a rank failed while the last (replace) generation was still forming"),
+        Fallback("a rank failed while the last (replace) generation was still forming", failed=True),
         KillSurvivors(),
         Collect(),
     ]
 
 
-def test_joined_lets_the_next_failure_be_replaced_and_the_budget_counts_ranks():
-    state, decided = run(group(max_replacements=2), Look({0: RUNNING, 1: -9}), Joined(), Look({0: -9, 1: RUNNING}))
+def test_a_settled_recovery_lets_the_next_failure_be_replaced_and_the_budget_counts_ranks():
+    state, decided = run(
+        group(max_replacements=2), Look({0: RUNNING, 1: -9}), Joined(), Settled(), Look({0: -9, 1: RUNNING})
+    )
     assert decided == [Replace((1,)), Replace((0,))] and state.replacements == 2
-    state, decided = run(state, Joined(), Look({0: RUNNING, 1: -9}))
+    state, decided = run(state, Joined(), Settled(), Look({0: RUNNING, 1: -9}))
     assert decided[0] == Fallback("in-process replacement budget spent (2)")
+
+
+# ---- the progress rule: a recovery is done only when the group completed a step with it ---------
+
+SETTLING = run(group(), Look({0: RUNNING, 1: -9}), Joined())[0]  # replaced and formed, no step yet
+NOT_SETTLED = "a rank failed before the group completed a step after the last (replace) recovery"
+
+
+@pytest.mark.parametrize(
+    "state,event,expected",
+    [
+        # a failure of a survivor or of the replacement before a completed step: the recovery failed
+        (SETTLING, Look({0: -9, 1: RUNNING}), [Fallback(NOT_SETTLED, failed=True), KillSurvivors(), Collect()]),
+        (SETTLING, Look({0: RUNNING, 1: 1}), [Fallback(NOT_SETTLED, failed=True), KillSurvivors(), Collect()]),
+        # even with budget and spares left, and beside a requeue code
+        (SETTLING, Look({0: 75, 1: -9}), [Fallback(NOT_SETTLED, failed=True), KillSurvivors(), Collect()]),
+        # the bound passed without a completed step
+        (
+            SETTLING,
+            SettleTimedOut("no step within 30 s"),
+            [Fallback("no step within 30 s", failed=True), Restart("in-process recovery failed: no step within 30 s")],
+        ),
+        # a hang before the first step: no waiting for the killed rank's replacement
+        (
+            SETTLING,
+            Hang("rank 1 silent"),
+            [Fallback("a rank hung during the last (replace) recovery", failed=True), Restart("rank 1 silent")],
+        ),
+        # a lost node before the first step, with a spare node waiting
+        (
+            SETTLING,
+            NodeLost("node 1 lost", 1, (1,), spare=True),
+            [Fallback("node 1 lost during the last (replace) recovery", failed=True), Restart("node 1 lost")],
+        ),
+        # nothing grows back or joins in place before the first step
+        (
+            run(group(4, min_ranks=2, regrow=True), Look({0: RUNNING, 1: RUNNING, 2: -9, 3: RUNNING}), Joined())[0],
+            Idle(1),
+            [],
+        ),
+        (run(group(min_ranks=1), NodesWaiting(1), Joined())[0], NodesWaiting(1), []),
+        # settled: the next failure is a new fault, replaced again
+        (run(SETTLING, Settled())[0], Look({0: -9, 1: RUNNING}), [Replace((0,))]),
+        # a late bound after settling, a restart or an end decides nothing
+        (run(SETTLING, Settled())[0], SettleTimedOut("late"), []),
+        # another node's agent published a generation: this node's failures restart until it settles
+        (
+            run(group(4), Followed(4))[0],
+            Look({0: RUNNING, 1: -9}),
+            [
+                Fallback(
+                    "a rank failed before the group completed a step after the last (followed) recovery", failed=True
+                ),
+                KillSurvivors(),
+                Collect(),
+            ],
+        ),
+        (run(group(4), Followed(4), Settled())[0], Look({0: RUNNING, 1: -9}), [Replace((1,))]),
+    ],
+    ids=[
+        "survivor-fails",
+        "replacement-fails",
+        "beside-a-decision-code",
+        "bound-passed",
+        "hang",
+        "node-lost",
+        "no-grow-back",
+        "no-admit",
+        "settled-then-replaced",
+        "late-bound",
+        "followed",
+        "followed-settled",
+    ],
+)
+def test_progress_rule(state, event, expected):
+    assert decide(state, event)[1] == tuple(expected)
+
+
+def test_a_failed_recovery_restarts_from_the_checkpoint_and_the_next_group_starts_clean():
+    state, decided = run(SETTLING, Look({0: RUNNING, 1: -9}), Collected({0: -9, 1: -9}))
+    assert decided[-1] == Restart("rank failure (exit codes {0: -9, 1: -9})")
+    assert state.settling is None and state.forming is None and state.restarts == 1
+    state, decided = run(state, GroupStarted(2, frozenset({0, 1})), Look({0: RUNNING, 1: -9}))
+    assert decided == [Replace((1,))]  # a new start of the group: in-process recovery again
 
 
 # ---- Collected, Finished, TimedOut, stops ------------------------------------------------------
@@ -181,7 +269,7 @@ def test_joined_lets_the_next_failure_be_replaced_and_the_budget_counts_ranks():
             group(),
             TimedOut("generation 1 did not form within 65 s"),
             [
-                Fallback("generation 1 did not form within 65 s", formed=True),
+                Fallback("generation 1 did not form within 65 s", failed=True),
                 Restart("in-process recovery failed: generation 1 did not form within 65 s"),
             ],
         ),
@@ -209,7 +297,10 @@ def test_a_hang_waits_for_the_killed_ranks_exit_unless_unkillable_or_not_in_proc
     assert decide(group(), Hang("hang: rank 1 silent", unkillable=True))[1] == (Restart("hang: rank 1 silent"),)
     assert decide(group(in_process=False), Hang("h"))[1] == (Restart("h"),)
     forming = run(group(), Look({0: RUNNING, 1: -9}))[0]
-    assert decide(forming, Hang("h"))[1] == (Restart("h"),)
+    assert decide(forming, Hang("h"))[1] == (
+        Fallback("a rank hung during the last (replace) recovery", failed=True),
+        Restart("h"),
+    )
 
 
 # ---- nodes, shrink and grow back ---------------------------------------------------------------
@@ -234,13 +325,13 @@ def test_a_shrunk_group_grows_back_when_a_spare_is_ready_within_the_budget():
     state, decided = run(group(4, min_ranks=2, regrow=True), Look({0: RUNNING, 1: RUNNING, 2: -9, 3: -9}))
     assert decided == [Shrink((2, 3))] and state.world_size == 2 and state.withdrawn == {2, 3}
     assert run(state, Idle(1))[1] == []  # the shrink is still forming
-    state, decided = run(state, Joined(), Idle(0), Idle(1))
+    assert run(state, Joined(), Idle(1))[1] == []  # formed, no step completed yet (the progress rule)
+    state, decided = run(state, Joined(), Settled(), Idle(0), Idle(1))
     assert decided == [GrowBack((2,))] and state.world_size == 3 and state.withdrawn == {3}
-    state, decided = run(state, Joined(), Idle(5))
+    state, decided = run(state, Joined(), Settled(), Idle(5))
     assert decided == [GrowBack((3,))] and state.world_size == 4 and not state.withdrawn
-    assert run(group(4, min_ranks=2), Look({0: RUNNING, 1: RUNNING, 2: -9, 3: RUNNING}), Joined(), Idle(1))[1] == [
-        Shrink((2,))
-    ]  # no regrow: stays smaller
+    no_regrow = (Look({0: RUNNING, 1: RUNNING, 2: -9, 3: RUNNING}), Joined(), Settled(), Idle(1))
+    assert run(group(4, min_ranks=2), *no_regrow)[1] == [Shrink((2,))]  # no regrow: stays smaller
 
 
 @pytest.mark.parametrize(
@@ -250,7 +341,11 @@ def test_a_shrunk_group_grows_back_when_a_spare_is_ready_within_the_budget():
         (group(4), NodeLost("lost", 1, (2, 3), spare=False), [Restart("lost")]),
         (group(4, in_process=False), NodeLost("lost", 1, (2, 3), spare=True), [Restart("lost")]),
         (group(4, max_replacements=1), NodeLost("lost", 1, (2, 3), spare=True), [Restart("lost")]),
-        (run(group(4), Look({0: RUNNING, 1: -9}))[0], NodeLost("lost", 1, (2, 3), spare=True), [Restart("lost")]),
+        (
+            run(group(4), Look({0: RUNNING, 1: -9}))[0],
+            NodeLost("lost", 1, (2, 3), spare=True),
+            [Fallback("lost during the last (replace) recovery", failed=True), Restart("lost")],
+        ),
         (run(group(4), StopRequested("SIGTERM"))[0], NodeLost("lost", 1, (2, 3), spare=True), [Restart("lost")]),
         (
             group(4, max_restarts=0),
@@ -267,8 +362,11 @@ def test_node_lost_rules(state, event, expected):
 def test_a_replaced_node_forms_then_the_next_loss_is_taken_too():
     state, decided = run(group(4), NodeLost("lost", 1, (2, 3), spare=True))
     assert decided == [ReplaceNode(1, (2, 3))] and state.forming == "replace" and state.replacements == 2
-    assert run(state, NodeLost("again", 1, (2, 3), spare=True))[1] == [Restart("again")]  # still forming
-    state, decided = run(state, Joined(), NodeLost("again", 1, (2, 3), spare=True))
+    assert run(state, NodeLost("again", 1, (2, 3), spare=True))[1] == [
+        Fallback("again during the last (replace) recovery", failed=True),
+        Restart("again"),
+    ]  # still forming
+    state, decided = run(state, Joined(), Settled(), NodeLost("again", 1, (2, 3), spare=True))
     assert decided == [ReplaceNode(1, (2, 3))] and state.replacements == 4
 
 
@@ -363,7 +461,9 @@ def events(n: int):
         st.builds(Collected, st.fixed_dictionaries({0: st.sampled_from([-9, 1, 75, 2])}), st.none(), progress),
         st.just(Finished()),
         st.just(Joined()),
+        st.just(Settled()),
         st.builds(TimedOut, st.just("did not form"), progress),
+        st.builds(SettleTimedOut, st.just("no step"), progress),
         st.builds(Hang, st.just("hang"), st.booleans(), progress),
         st.just(StopRequested("SIGTERM")),
         st.just(StopGraceExpired()),
@@ -421,8 +521,81 @@ def test_invariants_hold_over_random_event_sequences(case):
         if before.ended is not None:
             assert decided == ()
         if any(isinstance(d, (Restart, End, MembershipRestart)) for d in decided):
-            assert after.forming is None
+            assert after.forming is None and after.settling is None
         assert after.world_size >= 0 and not (after.local & after.withdrawn)
+
+
+FAILURES = (Look, Hang, NodeLost, TimedOut, SettleTimedOut)
+
+
+def _is_failure(event, state: State) -> bool:
+    """A failure the progress rule speaks of: a lost rank, a hang, a lost node, a bound passed."""
+    if isinstance(event, Look):
+        return any(c not in (None, 0, 75, 2, 76) and r not in state.withdrawn for r, c in event.codes.items())
+    if isinstance(event, SettleTimedOut):  # the agent sees it only while a formed generation settles
+        return state.settling is not None
+    return isinstance(event, FAILURES[1:])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario())
+def test_progress_rule_holds_over_random_event_sequences(case):
+    """The progress rule (DESIGN.md invariant 10): between two completed steps (``Settled``, or a
+    new start of the group) there is at most one recovery in place; a failure after one and before
+    a completed step never leads to another, and always ends the group (its survivors killed and
+    collected, a restart, or the end of the launch) with the recovery said to have failed."""
+    state, sequence = case
+    machine = Machine(state)
+    open_recovery = False  # a membership change was decided and no step completed since
+    for event in sequence:
+        before = machine.state
+        decided = machine.feed(event)
+        changes = [d for d in decided if isinstance(d, MEMBERSHIP_CHANGES)]
+        if isinstance(event, (Settled, GroupStarted)):
+            open_recovery = False
+        if changes:
+            assert not open_recovery, (event, before)  # at most one between two completed steps
+            open_recovery = True
+            continue
+        if open_recovery and before.ended is None and _is_failure(event, before) and before.recovering:
+            ends_group = (KillSurvivors, Collect, Restart, End)
+            assert any(isinstance(d, ends_group) for d in decided), (event, before, decided)
+            assert (
+                any(isinstance(d, Fallback) and d.failed for d in decided)
+                or before.stop is not None
+                or any(isinstance(d, End) for d in decided)
+            ), (event, before, decided)
+        if any(isinstance(d, (Restart, End, MembershipRestart)) for d in decided):
+            open_recovery = False
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 8), st.lists(st.tuples(st.integers(0, 7), st.booleans()), min_size=1, max_size=40))
+def test_no_sequence_of_recoveries_repeats_without_a_completed_step(n, faults):
+    """Progress: a rank fails in every poll and the group completes a step after a recovery only
+    when the draw says so; every replacement is followed by a completed step before the next one,
+    and the launch ends (76) within the restart budget however the draws fall."""
+    limits = Limits(max_replacements=100, max_restarts=3)
+    machine = Machine(initial(limits, n, frozenset(range(n))))
+    steps_since_replace = None  # completed-step rounds since the last Replace (None: none pending)
+    for victim, completes in faults:
+        codes = {r: (-9 if r == victim % n else None) for r in range(n)}
+        decided = machine.feed(Look(codes))
+        if any(isinstance(d, Replace) for d in decided):
+            assert steps_since_replace in (None, 1), "a second replacement before a completed step"
+            steps_since_replace = 0
+            machine.feed(Joined())
+            if completes:
+                machine.feed(Settled())
+                steps_since_replace = 1
+        if any(isinstance(d, Collect) for d in decided):
+            machine.feed(Collected({victim % n: -9}))
+            machine.feed(GroupStarted(n, frozenset(range(n))))
+            steps_since_replace = None
+        if machine.state.ended is not None:
+            break
+    restarts = sum(isinstance(d, Restart) for d in machine.decided)
+    assert restarts <= limits.max_restarts
 
 
 @settings(max_examples=200, deadline=None)

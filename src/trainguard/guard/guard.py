@@ -67,6 +67,7 @@ from ..launch_env import LaunchEnv
 from ..oom import MicroBatcher
 from ..outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw
 from ..rejoin import sever, sharded, shrink
+from ..rejoin.align import ALIGN, SHOULD_STEP, STOP_CHECK
 from ..rejoin.auth import report_forged
 from ..rejoin.catch import CATCH
 from ..rejoin.protocol import is_peer_failure
@@ -532,6 +533,8 @@ class Guard:
                 grad_norm = CATCH.step_norm()
             if self.faults.numeric_pending:
                 loss, grad_norm = self.faults.numeric(step, loss, grad_norm, self.model)
+            if ALIGN.open:  # after an in-process recovery: does this rank line up with the survivors?
+                ALIGN.at(SHOULD_STEP, alone_ok=False)
             try:
                 verdict = self.recovery.observe(step, loss, grad_norm)
                 if self.reruns.pending(step):  # the re-run of an unstable step
@@ -632,6 +635,8 @@ class Guard:
         """
         with self._edge():
             self._step_end(loss)
+            # the first step after an in-process recovery: tell the launcher (the progress rule)
+            self.inprocess.step_completed(self.step, self.rank, self.world_size)
         self.draws.boundary()
 
     def _step_end(self, loss: Any) -> None:
@@ -715,6 +720,8 @@ class Guard:
         it, so the rest of it (a save, the save switch) waits for the next."""
         if self.faults.pending:
             self.faults.at(self.step, "stop_check")
+        if ALIGN.open:  # after an in-process recovery: does this rank line up with the survivors?
+            ALIGN.at(STOP_CHECK, alone_ok=False)
         try:
             flags, slow = self.stop_check.agree(self.step)
         except Exception as e:
@@ -868,6 +875,7 @@ class Guard:
             tuple(self.hosts),
             self.stop_check.next_check,
             self.straggler.next_report,
+            self.stop_check.step_seconds,
         )
 
     def _take(self, met: Met) -> None:
@@ -1089,6 +1097,7 @@ class Guard:
         detach_supervisor(self.heartbeat)
         self.heartbeat = None
         CATCH.uninstall()
+        ALIGN.close()
         if self.rejoin is not None and collective:  # a rank that fails alone leaves its state to its replacement
             self.rejoin.close()
         elif self.rejoin is not None:

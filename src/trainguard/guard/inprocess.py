@@ -25,6 +25,7 @@ from ..config import Config
 from ..events import EventLog
 from ..instability.fold import LossFold
 from ..rejoin import regroup, sever, sharded
+from ..rejoin.align import ALIGN, wait_bound
 from ..rejoin.catch import CATCH, DDPHook
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
@@ -45,6 +46,7 @@ class Place:
         hosts: the host of each rank (``world_size`` names).
         next_check: the step of the next stop check (agreed by all ranks).
         next_report: the step of the next straggler report.
+        step_seconds: the rank's step time (seconds, the stop check's decaying mean; 0: unknown).
     """
 
     step: int
@@ -53,6 +55,29 @@ class Place:
     hosts: tuple[str, ...]
     next_check: int
     next_report: int
+    step_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Unsettled:
+    """A survivor's recovery that met its generation and awaits its first completed step (the
+    progress rule): what its ``recovery_finished`` event and console line then say.
+
+    Attributes:
+        gen: the generation met.
+        boundary: the step boundary of the meeting (completed steps).
+        steps_lost: completed steps trained again (a sharded model's rollback; else 0).
+        redo_step: the interrupted step done again (1-based), ``None`` if none.
+        at: ``time.time()`` of the fault (the failure caught on this rank).
+        said: what the lowest survivor prints once the step completes (``""``: nothing).
+    """
+
+    gen: Generation
+    boundary: int
+    steps_lost: int
+    redo_step: Optional[int]
+    at: float
+    said: str = ""
 
 
 @dataclass(frozen=True)
@@ -138,6 +163,11 @@ class InProcess:
         self.backend = tgdist.backend()
         self.ddp_hook: Optional[DDPHook] = None  # trainguard's DDP communication hook
         self.own_state_from: Optional[str] = None  # a replacement: where the lost rank's own state came from
+        self.survivors_step_seconds = 0.0  # a replacement: the survivors' step time, from the transfer
+        # the generation this rank met and whose first completed step it has not told the launcher of
+        # (the progress rule), with the step boundary of the meeting; a survivor's finish to say then
+        self._stepping: Optional[tuple[int, int]] = None
+        self._unsettled: Optional[Unsettled] = None
 
     # ------------------------------------------------------------------------------------------
     # catching and keeping
@@ -264,6 +294,7 @@ class InProcess:
             )
         if gen.replaced:  # a framework's replacement sets its loop up at this step (trainguard.hf)
             self.rejoin.store.survivors_at(gen.number, place.step)
+            self.rejoin.store.survivors_step_time(gen.number, place.step_seconds)  # the launcher's bound
         if self.sharded is not None:
             return self._recover_sharded(gen, place, redo, current)
         if gen.left:
@@ -280,10 +311,10 @@ class InProcess:
         redo = redo and met.place.step == place.step  # else it took the completed step from a peer
         if gen.left:
             self.rejoin.store.joined(gen.number, met.place.rank)
-        self._finished(gen, met, steps_lost=0, redo_step=place.step + 1 if redo else None)
-        if met.place.rank == 0:
-            console.say(f"recovered in-process at step {met.place.step}: no completed step lost")
-        self.rejoin.done()
+        redone = f"step {place.step + 1} done again" if redo else "nothing done again"
+        self._settle(
+            gen, met, steps_lost=0, redo_step=place.step + 1 if redo else None, said=f"no completed step lost, {redone}"
+        )
         return replace(met, redo=redo)
 
     def grow(self, number: int, place: Place) -> Met:
@@ -305,6 +336,8 @@ class InProcess:
         regroup.rebind_ddp(self.model, self.bucket_layout())
         self._regrouped()
         met = self._meet(gen, place)
+        self._stepping = (gen.number, met.place.step)
+        ALIGN.survivor(self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == 0)
         if met.place.rank == 0:
             self.events.emit(
                 "group_grown",
@@ -331,8 +364,12 @@ class InProcess:
         return self._meet(gen, place, kept)
 
     def joined(self, met: Met, seconds: float) -> None:
-        """The replacement or newcomer of :meth:`join` is in: tell the launcher, write its event."""
+        """The replacement or newcomer of :meth:`join` is in: tell the launcher, write its event;
+        its collectives are compared with the survivors' until they line up (:mod:`~trainguard.rejoin.align`)."""
         self.rejoin.store.joined(met.gen.number, met.place.rank)
+        self._stepping = (met.gen.number, met.place.step)
+        wait = wait_bound(self.survivors_step_seconds)
+        ALIGN.replacement(self.rejoin.store, met.gen.number, met.place.step, met.place.rank, wait, self._alone)
         said = dict(rank=met.place.rank, generation=met.gen.number, pid=os.getpid(), seconds=round(seconds, 4))
         if met.place.rank in met.gen.grown:
             self.events.emit("rank_joined", met.place.step, **said)
@@ -409,21 +446,64 @@ class InProcess:
             place = self._transfer(gen, place, step, kept, src, current if behind else None)
         return self._on_new_group(gen, place)
 
-    def _finished(self, gen: Generation, met: Met, steps_lost: int, redo_step: Optional[int]) -> None:
-        """A survivor's ``recovery_finished`` event (``steps_lost``: completed steps trained again;
-        ``redo_step``: the step done again, ``None`` if none)."""
+    def _settle(self, gen: Generation, met: Met, steps_lost: int, redo_step: Optional[int], said: str) -> None:
+        """A survivor met ``gen``: the recovery is finished once the group completes a step with it
+        (:meth:`step_completed`); the lowest survivor names its first collective from now on
+        (:mod:`~trainguard.rejoin.align`). ``steps_lost``: completed steps trained again;
+        ``redo_step``: the step done again, ``None`` if none; ``said``: the console's words then."""
+        lowest = min(set(range(met.place.world_size)) - set(gen.replaced))
+        self._stepping = (gen.number, met.place.step)
+        self._unsettled = Unsettled(
+            gen, met.place.step, steps_lost, redo_step, self.rejoin.failure.at, said if met.place.rank == lowest else ""
+        )
+        if gen.replaced:
+            ALIGN.survivor(self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == lowest)
+        self.rejoin.done()
+
+    def step_completed(self, step: int, rank: int, world_size: int) -> None:
+        """Completed step ``step`` ended on this rank (the Guard's ``step_end``; ``rank`` and
+        ``world_size`` as now). The first one after a meeting tells the launcher (the progress
+        rule: :meth:`~trainguard.rejoin.protocol.RecoveryStore.stepped`), and a survivor's recovery
+        is finished: its ``recovery_finished`` event (``seconds`` from the fault to this step) and
+        the lowest survivor's console line. Nothing otherwise (two attribute reads).
+
+        Raises:
+            AlignmentError: a replacement's first step ended while the survivors wait at a
+                collective it did not reach (:meth:`~trainguard.rejoin.align.Alignment.step_end`).
+        """
+        if ALIGN.open:
+            ALIGN.step_end(step)
+        if self._stepping is None or step <= self._stepping[1]:
+            return
+        number, _ = self._stepping
+        self._stepping = None
+        self.rejoin.store.stepped(number)
+        u, self._unsettled = self._unsettled, None
+        if u is None:
+            return
+        seconds = time.time() - u.at
         self.events.emit(
             "recovery_finished",
-            met.place.step,
-            rank=met.place.rank,
-            generation=gen.number,
-            replaced=list(gen.replaced),
-            left=list(gen.left),
-            world_size=met.place.world_size,
-            seconds=round(time.time() - self.rejoin.failure.at, 4),
-            steps_lost=steps_lost,
-            redo_step=redo_step,
+            u.boundary,
+            rank=rank,
+            generation=u.gen.number,
+            replaced=list(u.gen.replaced),
+            left=list(u.gen.left),
+            world_size=world_size,
+            seconds=round(seconds, 4),
+            first_step=step,
+            steps_lost=u.steps_lost,
+            redo_step=u.redo_step,
         )
+        if u.said:
+            console.say(
+                f"recovered in-process: step {step} completed on the new group {seconds:.2f} s after the fault; {u.said}"
+            )
+
+    def _alone(self, mine: str, theirs: str) -> None:
+        """A replacement ran the collective at ``mine`` alone: the survivors wait at ``theirs``."""
+        self.events.emit("collective_alone", site=mine, survivors_at=theirs)
+        console.say(f"rank {self.rejoin.rank} (a replacement) ran {mine} alone: the survivors are at {theirs}")
 
     def _on_new_group(self, gen: Generation, place: Place) -> Met:
         """The end of every meeting: note the new group's ports (cut on a lost peer), start its ping."""
@@ -450,19 +530,15 @@ class InProcess:
         if took:
             self.keep_boundary(met.place.step)
         redo = redo and self.sharded.restored is None and not took
-        self._finished(
-            gen, met, steps_lost=max(0, place.step - met.place.step), redo_step=place.step + 1 if redo else None
-        )
-        if met.place.rank == 0 and self.sharded.restored is None:
-            console.say(
-                f"recovered in-process at step {met.place.step}: the lost shards from their replicas, no step lost"
+        if self.sharded.restored is None:
+            said = "the lost shards from their replicas, no completed step lost"
+        else:
+            said = (
+                f"every rank rolled back in memory to the snapshot of step {met.place.step} "
+                f"({place.step - met.place.step} completed step(s) trained again; no file read)"
             )
-        elif met.place.rank == 0:
-            console.say(
-                f"recovered in-process: every rank rolled back in memory to the snapshot of step {met.place.step} "
-                f"({place.step - met.place.step} completed step(s) to train again; no file read)"
-            )
-        self.rejoin.done()
+        lost = max(0, place.step - met.place.step)
+        self._settle(gen, met, steps_lost=lost, redo_step=place.step + 1 if redo else None, said=said)
         return met
 
     def _transfer(
@@ -486,12 +562,14 @@ class InProcess:
         parts = [n for n in self.train_state.parts if gen.grown or n not in LOCAL_PARTS]
         shared = {
             "layout": self.bucket_layout(),
+            "step_seconds": place.step_seconds,
             "hosts": list(place.hosts),
             "next_check": step + 1,
             "next_report": place.next_report,
             "state": self.train_state.state_dict(parts) if place.rank == src else None,
         }
         packet, moved = regroup.transfer_state(self.model, self.optimizer, src, shared)
+        self.survivors_step_seconds = float(packet.get("step_seconds") or 0.0)
         if joining:
             if packet["layout"]:  # the survivors' buckets, so that the sums round as theirs do
                 regroup.rebind_ddp(self.model, packet["layout"])

@@ -8,9 +8,11 @@ monitor loop in place of ``_invoke_run``:
   once (after SIGCONT, for a stopped one): they cannot finish a collective or a save without the
   dead peer, and torch's own close would SIGTERM them and wait up to 30 s;
 * with in-process recovery (``replacer``, :mod:`.replace`), a rank that dies while the others run
-  (or that the hang supervisor killed) is replaced by a new process and the survivors keep running; a second failure while that
-  generation forms, a spent replacement budget or a generation that does not form in time fall
-  back to the group restart above (``recovery_fallback``);
+  (or that the hang supervisor killed) is replaced by a new process and the survivors keep running; a spent
+  replacement budget falls back to the group restart above (``recovery_fallback``), and so does,
+  by the progress rule, any failure of a recovery before the group has completed a step with it:
+  a second failure while the generation forms or before that step, a generation that does not
+  form in time, no completed step within the bound (``recovery_failed``);
 * a rank that exits with a *decision* code is not restarted: 75 (requeue: the ranks stopped and
   saved), 2 (bad input), 76 (give up) end the launch with that code;
 * SIGTERM, SIGUSR1 and SIGINT to the launcher are forwarded to every local rank, which saves and
@@ -72,6 +74,8 @@ from .membership import (
     Replace,
     ReplaceNode,
     Restart,
+    Settled,
+    SettleTimedOut,
     Shrink,
     StopGraceExpired,
     StopRequested,
@@ -295,8 +299,10 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             progress = self.replacer.poll()
             if isinstance(progress, TimedOut):
                 return self._carry_out(self.machine.feed(TimedOut(progress.why, self._progress())))
-            if isinstance(progress, Joined):
-                self.machine.feed(Joined())
+            if isinstance(progress, SettleTimedOut):
+                return self._carry_out(self.machine.feed(SettleTimedOut(progress.why, self._progress())))
+            if isinstance(progress, (Joined, Settled)):
+                self.machine.feed(progress)
             found = (
                 self.nodes.lost(self.worker_group.group_rank, self.worker_group.group_world_size)
                 if self.nodes
@@ -351,9 +357,8 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         """Do what the state machine decided, in order (``procs``/``codes``: the poll's look;
         ``result``: torch's, once collected); the launch's result when it ends, else ``None``."""
         for d in decisions:
-            if isinstance(d, Fallback) and d.formed:  # why did the survivors not complete it?
-                self.events.emit("recovery_fallback", reason=d.why, stacks=self._dump_survivors("recovery"))
-                console.say(f"in-process recovery failed ({d.why}): restarting the group")
+            if isinstance(d, Fallback) and d.failed:
+                self._recovery_failed(d.why, codes)
             elif isinstance(d, Fallback):
                 lost = {r: c for r, c in (codes or {}).items() if failed(c)}
                 self.events.emit("recovery_fallback", reason=d.why, exit_codes=lost)
@@ -388,11 +393,29 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
                     return self._carry_out(self.machine.feed(AdmitFailed(why, self._progress())))
                 if self.replacer.pending is None:  # the arriving nodes left before the round formed
                     self.machine.feed(Joined())
+                    self.machine.feed(Settled())  # nothing changed: no step to wait for
             elif isinstance(d, GrowBack):
                 self._grow_back(d.ranks)
             elif isinstance(d, End):
                 return self._end(d, result)
         return None
+
+    def _recovery_failed(self, why: str, codes: Optional[dict[int, Optional[int]]]) -> None:
+        """A recovery in place did not lead to a completed step (the progress rule): say why once,
+        with what a rank said of it (:meth:`Replacer.why_failed`), the seconds since it began, the
+        exit codes and the survivors' stacks; the group restart follows."""
+        said = self.replacer.why_failed() if self.replacer is not None else None
+        seconds = self.replacer.recovery_seconds() if self.replacer is not None else None
+        lost = {r: c for r, c in (codes or {}).items() if failed(c)}
+        self.events.emit(
+            "recovery_failed",
+            reason=why,
+            rank_said=said,
+            seconds=None if seconds is None else round(seconds, 4),
+            exit_codes=lost,
+            stacks=self._dump_survivors("recovery"),
+        )
+        console.say(f"in-process recovery failed ({why}{'; ' + said if said else ''}): the group restarts")
 
     def _collected(self, result: RunResult) -> Decisions:
         """Torch's result after **Collect**, as the next event's decisions."""

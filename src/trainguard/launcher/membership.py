@@ -16,16 +16,22 @@ event                decisions (first rule that applies)
                      **Fallback** (why) + **KillSurvivors** + **Collect**; any other exit that is
                      not 0 → **KillSurvivors** (on a failure; with **Fallback** first while a
                      generation forms) + **Collect**; every rank exited →
-                     **Collect**; else nothing. ``can_replace``: no generation forming, the
-                     replacement budget not spent, the ranks did not decline, a rank survives.
+                     **Collect**; else nothing. ``can_replace``: no generation forming or
+                     settling (the progress rule), the replacement budget not spent, the ranks did
+                     not decline, a rank survives.
 ``Collected``        (torch's result of a failed group) 75 while regrowing → **MembershipRestart**;
                      a decision code or a stop → **End** (its code); a script error → **End**
                      (its code); else **Restart** or **End** 76 (budget, give-up rule).
 ``Finished``         → **End** 0.
-``Joined``           the generation formed: nothing forms any more.
+``Joined``           the generation formed: nothing forms any more; the recovery *settles* until
+                     the group completes a step with it.
+``Settled``          every rank completed a step after the generation formed: the recovery is done.
 ``TimedOut``         the generation did not form → **Fallback** + **Restart** / **End** 76.
-``Hang``             in-process recovery can take it and no rank is unkillable → nothing (the
-                     killed rank's exit is the next ``Look``'s); else **Restart** / **End** 76.
+``SettleTimedOut``   no completed step within the bound after the generation formed →
+                     **Fallback** + **Restart** / **End** 76.
+``Hang``             in-process recovery can take it (nothing forming or settling) and no rank is
+                     unkillable → nothing (the killed rank's exit is the next ``Look``'s); else
+                     (**Fallback** while a recovery forms or settles) + **Restart** / **End** 76.
 ``StopRequested``    → **Forward** (the ranks save and exit with 75).
 ``StopGraceExpired`` → **End** 75.
 ``NodesWaiting``     not while regrowing; no in-place join (``min_ranks`` 0) →
@@ -36,9 +42,18 @@ event                decisions (first rule that applies)
                      no stop → **GrowBack**.
 ``NodeLost``         another node vanished: a spare node waits, in-process recovery on, nothing
                      forming, no stop, budget left → **ReplaceNode**; else **Restart** / **End** 76.
-``Followed``         another node's agent changed the membership: the world size follows.
-``GroupStarted``     a new start of the group: nothing forms, no slot withdrawn.
+``Followed``         another node's agent changed the membership: the world size follows, and the
+                     group settles (the progress rule holds on every node).
+``GroupStarted``     a new start of the group: nothing forms or settles, no slot withdrawn.
 ===================  ==========================================================================
+
+**The progress rule.** A recovery in place (**Replace**, **ReplaceNode**, **Shrink**, **GrowBack**,
+**Admit**) counts as done only when the new group has completed a step (**Settled**, every rank
+past ``step_end`` of a step after the generation formed). Until then a failure of any rank, a hang,
+a lost node or the bound's expiry means the recovery failed: **Fallback** (``failed``) and the group
+restarts from the newest checkpoint at once, never another replacement. So between two completed
+steps there is at most one recovery in place, and a recovery that does not lead to a step costs
+the group restart it replaced plus the bound at most.
 
 **Restart** spends one of ``max_restarts``; when none is left, or the give-up rule (the same step
 failing again, no progress: :class:`GiveUpRule`, from the facts the event carries) says so, the decision is **End** 76 instead. After an **End** every event
@@ -149,6 +164,9 @@ class State:
         withdrawn: local ranks the group went on without (a shrink), until they grow back.
         forming: the kind of the generation this agent published that has not formed yet
             (``"replace"``, ``"shrink"``, ``"grow"``, ``"admit"``), or ``None``.
+        settling: the kind of the generation that formed (or that another node's agent
+            published: ``"followed"``) and with which the group has not completed a step yet, or
+            ``None`` (the progress rule).
         replacements: ranks replaced or grown back so far in this launch.
         restarts: group restarts so far.
         stop: the stop signal forwarded to the ranks (its name), or ``None``.
@@ -162,6 +180,7 @@ class State:
     local: frozenset[int]
     withdrawn: frozenset[int] = frozenset()
     forming: Optional[str] = None
+    settling: Optional[str] = None
     replacements: int = 0
     restarts: int = 0
     stop: Optional[str] = None
@@ -172,6 +191,11 @@ class State:
     @property
     def restarts_left(self) -> int:
         return self.limits.max_restarts - self.restarts
+
+    @property
+    def recovering(self) -> Optional[str]:
+        """The kind of the recovery in place under way (forming, or formed and not settled), or ``None``."""
+        return self.forming or self.settling
 
 
 # ---- events ------------------------------------------------------------------------------------
@@ -221,8 +245,21 @@ class Joined:
 
 
 @dataclass(frozen=True)
+class Settled:
+    """Every rank of the group completed a step after the last generation formed."""
+
+
+@dataclass(frozen=True)
 class TimedOut:
     """The generation this agent published did not form (``why``)."""
+
+    why: str
+    progress: Progress = Progress()
+
+
+@dataclass(frozen=True)
+class SettleTimedOut:
+    """The group did not complete a step within the bound after the last generation formed (``why``)."""
 
     why: str
     progress: Progress = Progress()
@@ -307,7 +344,9 @@ Event = Union[
     Collected,
     Finished,
     Joined,
+    Settled,
     TimedOut,
+    SettleTimedOut,
     Hang,
     StopRequested,
     StopGraceExpired,
@@ -371,10 +410,12 @@ class CheckpointFirst:
 @dataclass(frozen=True)
 class Fallback:
     """In-process recovery does not take this failure (``why``): say so (``recovery_fallback``);
-    ``formed``: it had started, and its generation did not form."""
+    ``failed``: a recovery in place had started and did not lead to a completed step (its
+    generation did not form, or a rank failed or hung before the group completed a step with it):
+    ``recovery_failed``."""
 
     why: str
-    formed: bool = False
+    failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -462,8 +503,8 @@ def decide(state: State, event: Event) -> tuple[State, Decisions]:
 
 def why_not_in_process(state: State, lost: list[int], codes: Mapping[int, Optional[int]], declined: Optional[str]):
     """Why in-process recovery cannot take the failure of the local ranks ``lost``, or ``None``."""
-    if state.forming is not None:
-        return f"a rank failed while the last ({state.forming}) generation was still forming"
+    if state.recovering is not None:
+        return _failed_recovery(state)
     if state.replacements + len(lost) > state.limits.max_replacements:
         return f"in-process replacement budget spent ({state.limits.max_replacements})"
     if declined is not None:
@@ -471,6 +512,13 @@ def why_not_in_process(state: State, lost: list[int], codes: Mapping[int, Option
     if len(lost) == len(codes) == state.world_size:
         return "no rank survived to send the state"
     return None
+
+
+def _failed_recovery(state: State) -> str:
+    """Why a failure now means the recovery in place under way failed (the progress rule)."""
+    if state.forming is not None:
+        return f"a rank failed while the last ({state.forming}) generation was still forming"
+    return f"a rank failed before the group completed a step after the last ({state.settling}) recovery"
 
 
 def _look(state: State, event: Look) -> tuple[State, Decisions]:
@@ -498,9 +546,9 @@ def _look(state: State, event: Look) -> tuple[State, Decisions]:
             return replace(state, forming="replace", replacements=state.replacements + len(lost)), (
                 Replace(tuple(lost)),
             )
-        decided.append(Fallback(why))
-    if lost and state.forming is not None and not decided:  # a stop or a decision code: the generation is abandoned
-        decided.append(Fallback(f"a rank failed while the last ({state.forming}) generation was still forming"))
+        decided.append(Fallback(why, failed=state.recovering is not None))
+    if lost and state.recovering is not None and not decided:  # a stop or a decision code: the recovery is abandoned
+        decided.append(Fallback(_failed_recovery(state), failed=True))
     if lost:
         return state, (*decided, KillSurvivors(), Collect())
     if all(c is not None for c in codes.values()) or any(c not in (None, 0) for c in codes.values()):
@@ -518,19 +566,22 @@ def _restart_or_end(state: State, reason: str, progress: Progress) -> tuple[Stat
         return _end(
             state, GIVE_UP, f"restart budget ({state.limits.max_restarts}) spent: {reason}", "restart_budget_spent"
         )
-    new = replace(state, restarts=state.restarts + 1, forming=None, regrowing=False, withdrawn=frozenset())
+    new = replace(
+        state, restarts=state.restarts + 1, forming=None, settling=None, regrowing=False, withdrawn=frozenset()
+    )
     return new, (Restart(reason),)
 
 
 def _end(state: State, code: int, reason: str, kind: str = "", cause: str = "") -> tuple[State, Decisions]:
-    return replace(state, ended=(code, reason), forming=None), (End(code, reason, kind, cause),)
+    return replace(state, ended=(code, reason), forming=None, settling=None), (End(code, reason, kind, cause),)
 
 
 def _collected(state: State, event: Collected) -> tuple[State, Decisions]:
     codes = dict(event.codes)
     decision = next((c for c in DECISION_CODES if c in codes.values()), None)
     if state.regrowing and decision == REQUEUE and state.stop is None:
-        return replace(state, regrowing=False, forming=None, withdrawn=frozenset()), (MembershipRestart(),)
+        new = replace(state, regrowing=False, forming=None, settling=None, withdrawn=frozenset())
+        return new, (MembershipRestart(),)
     if decision is not None or state.stop is not None:
         code = decision if decision is not None else REQUEUE
         return _end(state, code, END_MEANINGS[code])
@@ -544,21 +595,35 @@ def _finished(state: State, event: Finished) -> tuple[State, Decisions]:
 
 
 def _joined(state: State, event: Joined) -> tuple[State, Decisions]:
-    return replace(state, forming=None), ()
+    return replace(state, forming=None, settling=state.forming or state.settling), ()
+
+
+def _settled(state: State, event: Settled) -> tuple[State, Decisions]:
+    return replace(state, settling=None), ()
 
 
 def _timed_out(state: State, event: TimedOut) -> tuple[State, Decisions]:
     new, decided = _restart_or_end(
         replace(state, forming=None), f"in-process recovery failed: {event.why}", event.progress
     )
-    return new, (Fallback(event.why, formed=True), *decided)
+    return new, (Fallback(event.why, failed=True), *decided)
+
+
+def _settle_timed_out(state: State, event: SettleTimedOut) -> tuple[State, Decisions]:
+    if state.settling is None:  # settled, restarted or ended meanwhile
+        return state, ()
+    new, decided = _restart_or_end(state, f"in-process recovery failed: {event.why}", event.progress)
+    return new, (Fallback(event.why, failed=True), *decided)
 
 
 def _hang(state: State, event: Hang) -> tuple[State, Decisions]:
-    takes = state.limits.in_process and state.forming is None and state.replacements < state.limits.max_replacements
+    takes = state.limits.in_process and state.recovering is None and state.replacements < state.limits.max_replacements
     if takes and not event.unkillable:
         return state, ()  # the killed rank's exit code comes in a later Look: it is replaced then
-    return _restart_or_end(state, event.reason, event.progress)
+    new, decided = _restart_or_end(state, event.reason, event.progress)
+    if state.recovering is None:
+        return new, decided
+    return new, (Fallback(f"a rank hung during the last ({state.recovering}) recovery", failed=True), *decided)
 
 
 def _stop(state: State, event: StopRequested) -> tuple[State, Decisions]:
@@ -577,7 +642,7 @@ def _nodes(state: State, event: NodesWaiting) -> tuple[State, Decisions]:
         return replace(state, regrowing=True), (CheckpointFirst(event.count),)
     if event.abandoned:
         return _restart_or_end(state, "the group restarted on another node", event.progress)
-    if state.forming is None and state.stop is None:
+    if state.recovering is None and state.stop is None:
         return replace(state, forming="admit"), (Admit(event.count),)
     return state, ()
 
@@ -593,7 +658,7 @@ def _idle(state: State, event: Idle) -> tuple[State, Decisions]:
         or not state.withdrawn
         or state.stop is not None
         or state.regrowing
-        or state.forming is not None
+        or state.recovering is not None
     ):
         return state, ()
     slots = tuple(sorted(state.withdrawn)[: min(event.spares_ready, room)])
@@ -614,7 +679,7 @@ def _node_lost(state: State, event: NodeLost) -> tuple[State, Decisions]:
     takes = (
         event.spare
         and state.limits.in_process
-        and state.forming is None
+        and state.recovering is None
         and state.stop is None
         and not state.regrowing
         and state.replacements + len(event.ranks) <= state.limits.max_replacements
@@ -622,11 +687,14 @@ def _node_lost(state: State, event: NodeLost) -> tuple[State, Decisions]:
     if takes:
         new = replace(state, forming="replace", replacements=state.replacements + len(event.ranks))
         return new, (ReplaceNode(event.node, event.ranks),)
-    return _restart_or_end(replace(state, forming=None), event.why, event.progress)
+    new, decided = _restart_or_end(replace(state, forming=None), event.why, event.progress)
+    if state.recovering is None:
+        return new, decided
+    return new, (Fallback(f"{event.why} during the last ({state.recovering}) recovery", failed=True), *decided)
 
 
 def _followed(state: State, event: Followed) -> tuple[State, Decisions]:
-    return replace(state, world_size=event.world_size), ()
+    return replace(state, world_size=event.world_size, settling=state.settling or "followed"), ()
 
 
 def _started(state: State, event: GroupStarted) -> tuple[State, Decisions]:
@@ -636,6 +704,7 @@ def _started(state: State, event: GroupStarted) -> tuple[State, Decisions]:
         local=frozenset(event.local),
         withdrawn=frozenset(),
         forming=None,
+        settling=None,
         regrowing=False,
     )
     return new, ()
@@ -646,7 +715,9 @@ _RULES = {
     Collected: _collected,
     Finished: _finished,
     Joined: _joined,
+    Settled: _settled,
     TimedOut: _timed_out,
+    SettleTimedOut: _settle_timed_out,
     Hang: _hang,
     StopRequested: _stop,
     StopGraceExpired: _grace,

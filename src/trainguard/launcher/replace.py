@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -49,12 +50,33 @@ from ..rejoin.protocol import (
 )
 from ..sections import RecoverySection
 from . import node_join
-from .membership import Joined, TimedOut
+from .membership import Joined, Settled, SettleTimedOut, TimedOut
 from .node_join import NodeJoin
 
 REPLACEMENT_MODULE = "trainguard.rejoin.replacement"
+SETTLE_STEPS = 3  # the first step after a recovery may take this many of the survivors' step times
 SHARED_KEY = "trainguard/recovery_store"  # in the rendezvous store: node 0's recovery store address
 GROUP_KEY = "trainguard/recovery_group"  # and the number of this group start, under which its keys go
+
+
+@dataclass(frozen=True)
+class Settling:
+    """A generation that formed (or that another node's agent published) and with which the group
+    has not completed a step yet (the progress rule, :mod:`.membership`).
+
+    Attributes:
+        number, world_size: the generation and its ranks (each says :meth:`RecoveryStore.stepped`).
+        since: ``time.monotonic()`` when the recovery began (the replacements were started, or
+            the generation was first seen).
+        deadline: ``time.monotonic()`` past which the recovery has failed.
+        bound: the seconds from the forming to the deadline (said when it passes).
+    """
+
+    number: int
+    world_size: int
+    since: float
+    deadline: float
+    bound: float
 
 
 class Replacer:
@@ -108,6 +130,7 @@ class Replacer:
         self.seen = 0  # the newest generation whose membership this agent has taken (follow())
         self._mine: set[int] = set()  # numbers of the generations this agent drew
         self.pending: Optional[Generation] = None
+        self.settling: Optional[Settling] = None  # formed, no completed step yet (the progress rule)
         self._deadline = 0.0
         self._started = 0.0
         self._stores: list = []  # the generations' stores (kept alive while their groups may use them)
@@ -168,6 +191,7 @@ class Replacer:
         elif address != self.address:
             self.address, self.shared = address, connect(*parse_address(address), self.cfg.timeout)
         self.attempt, self.generation, self.pending, self.owed = number, 0, None, 0
+        self.settling = None
         self.seen, self._mine = (join.generation.number if join else 0), set()
         self._stores.clear()
         for sid in list(self.spares)[self.want_spares :]:  # started to grow back the previous group
@@ -178,6 +202,7 @@ class Replacer:
         """Say in the shared store that this start of the group is given up (this agent restarts its
         workers), so that no other agent takes an arriving node into it; nothing when the store's
         node is gone."""
+        self.pending, self.settling = None, None
         try:
             self.recovery_store().abandon()
         except (RuntimeError, dist.DistError):
@@ -336,6 +361,8 @@ class Replacer:
             self.seen = gen.number
             if gen.number not in self._mine:
                 found.append(gen)
+                now, bound = time.monotonic(), 2 * self.cfg.timeout + 5.0  # it may still be forming there
+                self.settling = Settling(gen.number, gen.world_size, now, now + bound, bound)
         return found
 
     @staticmethod
@@ -422,16 +449,21 @@ class Replacer:
         )
         return gen
 
-    def poll(self) -> Optional[Joined | TimedOut]:
+    def poll(self) -> Optional[Joined | TimedOut | Settled | SettleTimedOut]:
         """Follow a forming generation: :class:`~.membership.Joined` once every member joined (a
         ``generation_joined`` event), :class:`~.membership.TimedOut` with why recovery failed (not
         finished within ``[recovery] timeout`` + 5 s; for a grow, from the ranks' agreement on it),
-        ``None`` while it forms or when none does."""
+        ``None`` while it forms or when none does; then follow it until the group has completed a
+        step with it (:meth:`_settle`)."""
         if self.pending is None:
-            return None
+            return self._settle()
         store = self.recovery_store()
         if store.all_joined(self.pending):
-            seconds = time.monotonic() - self._started
+            now = time.monotonic()
+            seconds = now - self._started
+            hint = store.step_time(self.pending.number) or 0.0
+            bound = max(self.cfg.timeout, SETTLE_STEPS * hint)
+            self.settling = Settling(self.pending.number, self.pending.world_size, self._started, now + bound, bound)
             self.events.emit(
                 "generation_joined",
                 generation=self.pending.number,
@@ -456,6 +488,43 @@ class Replacer:
             self.pending, self._node = None, None
             return TimedOut(why)
         return None
+
+    def _settle(self) -> Optional[Settled | SettleTimedOut]:
+        """The progress rule's watch of :attr:`settling`: :class:`~.membership.Settled` (a
+        ``recovery_settled`` event) once every rank of the generation completed a step after it,
+        :class:`~.membership.SettleTimedOut` once its deadline passed, else ``None``. One store
+        look per poll while a recovery settles, none otherwise."""
+        s = self.settling
+        if s is None:
+            return None
+        store, now = self.recovery_store(), time.monotonic()
+        if store.steps_after(s.number) >= s.world_size:
+            self.settling = None
+            self.events.emit("recovery_settled", generation=s.number, seconds=round(now - s.since, 4))
+            return Settled()
+        if now <= s.deadline:
+            return None
+        self.settling = None
+        why = f"the group completed no step within {s.bound:.0f} s after generation {s.number} formed"
+        gave_up = store.gave_up(s.number)
+        return SettleTimedOut(f"{why} ({gave_up})" if gave_up else why)
+
+    def why_failed(self) -> Optional[str]:
+        """Why a rank gave up the recovery under way (forming or settling), as it said in the
+        recovery store (:meth:`RecoveryStore.give_up`), or ``None``."""
+        gen = self.pending or self.settling
+        if gen is None:
+            return None
+        try:
+            return self.recovery_store().gave_up(gen.number)
+        except (RuntimeError, dist.DistError):
+            return None
+
+    def recovery_seconds(self) -> Optional[float]:
+        """Seconds since the recovery under way began (its replacements were started), or ``None``."""
+        if self.pending is not None:
+            return time.monotonic() - self._started
+        return time.monotonic() - self.settling.since if self.settling is not None else None
 
     def close(self) -> None:
         """Stop the spares, remove the boundary directory."""

@@ -25,6 +25,9 @@ instead of raising out of the script:
   on the replacement alone, so they cannot pair with the survivors' recovery collectives; what a
   broadcast would have sent comes with the state from the survivors instead (the model, the
   optimizer, the RNG streams).
+* **A replacement after it joined**, until its collectives line up with the survivors'
+  (:mod:`.align`): a script collective at another place than the survivors' next one completes
+  on it alone too; DDP's backward at another place fails the recovery at once.
 
 The step whose collective failed is not applied (an optimizer pre-hook drops its gradients; see
 :mod:`trainguard.rejoin.stepstart`) and is done again after the recovery.
@@ -43,6 +46,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from .align import ALIGN, DDP_BACKWARD, script_site
 
 # the public collectives of torch.distributed wrapped for the script's calls
 COLLECTIVES = (
@@ -161,6 +166,8 @@ class Catch:
                 return fn(*args, **kwargs)
             if self.mode == LOCAL or self.failed():
                 return complete_locally(name, args, kwargs)
+            if ALIGN.open and not ALIGN.at(script_site(f"dist.{name}", sys._getframe(1)), alone_ok=True):
+                return complete_locally(name, args, kwargs)  # a replacement's, the survivors are not at it
             try:
                 return fn(*args, **kwargs)
             except Exception as e:
@@ -263,6 +270,8 @@ class DDPHook:
             self._note(bucket)
         if bucket.is_last() and self.before_last is not None:
             self.before_last()
+        if ALIGN.open:  # after a meeting: the survivors' first collective, or a replacement's check
+            ALIGN.at(DDP_BACKWARD, alone_ok=False)
         if self.catch.failed():
             done: torch.futures.Future = torch.futures.Future()
             done.set_result(buf)

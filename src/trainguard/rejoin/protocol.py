@@ -12,8 +12,19 @@ launcher: a restart for a node that joined is a new start though torch's restart
 * ``abandoned``: written by an agent that restarts its workers (a group restart): the others'
   ranks belong to a group that no longer forms, and a node that arrives is not taken into it.
 * ``gen/{g}/joined/{rank}``: written by a replacement once it holds the transferred state (after
-  a shrink: by every rank of the smaller group); the launcher counts a recovery as finished when
+  a shrink: by every rank of the smaller group); the launcher counts the generation as formed when
   every member has written it.
+* ``gen/{g}/stepped``: a counter each rank of generation ``g`` adds 1 to when it has completed its
+  first step after joining it; the launcher counts the recovery as done (the progress rule,
+  :mod:`trainguard.launcher.membership`) when it reaches the generation's world size. (A counter:
+  not sealed, as ``generations`` is not.)
+* ``gen/{g}/step_seconds``: the survivors' step time, written by the lowest survivor before it
+  meets the replacements: the launcher's bound on the first step after the generation forms.
+* ``gen/{g}/site``: where the survivors' first collective after the meeting is
+  (:mod:`.align`), written by the lowest survivor when it reaches it; a replacement compares its
+  own collectives with it.
+* ``gen/{g}/failed``: why a rank of generation ``g`` gave the recovery up (the launcher's
+  ``recovery_failed`` event quotes it).
 
 and, for warm spares (not tied to a group attempt): ``spares/{id}/ready``, written by spare ``id``
 once it waits in the script's ``init_process_group`` (its imports and set-up done), and
@@ -336,6 +347,41 @@ class RecoveryStore:
         """Replacement: the copy :meth:`mirror_boundary` left of slot ``slot`` of ``rank``, ``None``
         when there is none (or it is forged)."""
         return self._get(f"boundary/{rank}/{slot}")
+
+    def stepped(self, number: int) -> None:
+        """Rank: this rank completed its first step after joining generation ``number``."""
+        self.store.add(self.prefix + f"gen/{number}/stepped", 1)
+
+    def steps_after(self, number: int) -> int:
+        """Launcher: how many ranks completed a step after joining generation ``number`` (:meth:`stepped`)."""
+        return int(self.store.add(self.prefix + f"gen/{number}/stepped", 0))
+
+    def survivors_step_time(self, number: int, seconds: float) -> None:
+        """Lowest survivor: its step time (seconds, the decaying mean) as it meets generation ``number``."""
+        self._set(f"gen/{number}/step_seconds", f"{seconds:.6f}")
+
+    def step_time(self, number: int) -> Optional[float]:
+        """Launcher: the survivors' step time of :meth:`survivors_step_time`, ``None`` if not written."""
+        value = self._get(f"gen/{number}/step_seconds")
+        return None if value is None else float(value)
+
+    def reached(self, number: int, site: str) -> None:
+        """Lowest survivor: the survivors' first collective after meeting generation ``number`` is at ``site``."""
+        self._set(f"gen/{number}/site", site)
+
+    def survivors_site(self, number: int, timeout: float) -> Optional[str]:
+        """Replacement: the site of :meth:`reached`, or ``None`` after ``timeout`` seconds."""
+        value = self._wait(f"gen/{number}/site", timeout)
+        return None if value is None else value.decode()
+
+    def give_up(self, number: int, reason: str) -> None:
+        """Rank: the recovery into generation ``number`` failed on this rank (``reason``)."""
+        self._set(f"gen/{number}/failed", reason)
+
+    def gave_up(self, number: int) -> Optional[str]:
+        """Launcher: why a rank gave up the recovery into generation ``number``, ``None`` if none did."""
+        value = self._get(f"gen/{number}/failed")
+        return None if value is None else value.decode()
 
     def joined(self, number: int, rank: int) -> None:
         """Replacement: say that rank ``rank`` holds its state in generation ``number``."""

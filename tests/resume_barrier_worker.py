@@ -1,0 +1,66 @@
+"""An outside job's shape that in-process recovery met badly (issue 43): it reads ``RANK`` before
+``init_process_group``, builds DDP and the Guard, resumes with ``steps = guard.steps(n);
+first = next(steps)``, runs ``dist.barrier()`` once, then loops with a plain ``loss.backward()``,
+``opt.step()`` and ``guard.step_end``. A replacement of a lost rank runs that barrier after it has
+joined; the survivors are in their step's DDP all-reduce (tests/test_align.py).
+
+``--misalign``: a replacement (``TRAINGUARD_JOIN`` set) skips the logging all-reduce that every
+other rank runs before its backward in the first step after the join, so its collectives can never
+line up with the survivors' (the recovery must fail in seconds and the group restart).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainguard
+
+RANK = int(os.environ.get("RANK", 0))
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))
+MISALIGN = "--misalign" in sys.argv
+
+
+def main() -> None:
+    argv = [a for a in sys.argv[1:] if a != "--misalign"]
+    cfg = trainguard.config_from_argv(argv=argv)
+    max_steps = 120
+    gen = torch.Generator().manual_seed(99)
+    x_all = torch.randn(2048, 8, generator=gen)
+    y_all = (x_all @ torch.randn(8, 1, generator=gen)).sin()
+    x, y = x_all[RANK::WORLD_SIZE], y_all[RANK::WORLD_SIZE]
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    sampler = trainguard.ResumableSampler(len(x), 0, 1, seed=cfg.run.seed)
+    guard = trainguard.Guard(cfg, model=ddp, optimizer=opt, sampler=sampler)
+    steps = guard.steps(max_steps)
+    step = next(steps, None)
+    dist.barrier()  # once, after resuming: the survivors of a lost rank passed theirs long ago
+    joined_at = guard.step if os.environ.get("TRAINGUARD_JOIN") else None
+    while step is not None:
+        idx = sampler.take(16)
+        loss = F.mse_loss(ddp(x[idx]), y[idx])
+        logged = loss.detach().clone()
+        if not (MISALIGN and joined_at is not None and guard.step == joined_at):
+            dist.all_reduce(logged)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if RANK == 0:
+            print(f"step {step + 1}/{max_steps} loss {logged.item() / WORLD_SIZE:.5f}", flush=True)
+        guard.step_end(loss=logged)
+        step = next(steps, None)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
