@@ -14,7 +14,9 @@ random fraction of a step (0-20 ms) sends one rank (seeded random) SIGKILL, or S
   off), ``failed`` (the launch did not exit 0 in time);
 * ``seconds``: from the fault to the first step line printed after the launcher or a rank reacted
   to it (its first ``recovery_started``, ``rank_replaced``, ``hang_detected``, ``group_restart``,
-  ``recovery_fallback``, ``recovery_failed`` or ``workers_failed`` event after the fault);
+  ``recovery_fallback``, ``recovery_failed`` or ``workers_failed`` event after the fault); when the
+  group restarted, after the restarted group's ``workers_started`` (a survivor may still print a
+  step before its group is torn down);
 * ``redone``: completed steps trained again: the newest step printed before the fault minus the
   step before the first one printed after it;
 * ``bitwise``: rank 0's final weights hash (``ZOO_HASH_FILE``) equals the clean run's;
@@ -224,6 +226,9 @@ def fault_trial(
     kinds = {e["kind"] for e in after}
     trial.replaced = sum(e["kind"] == "rank_replaced" for e in events)
     reacted = min((e["time"] for e in after if e["kind"] in REACTIONS), default=t_fault)
+    restarted = [e["time"] for e in after if e["kind"] == "workers_started"]
+    if restarted:  # the group restarted: training again is its first step (not a survivor's last ones)
+        reacted = max(restarted)
     again = [(t, s) for t, s in lines.lines if t > reacted]
     if again:
         trial.seconds = again[0][0] - t_fault
