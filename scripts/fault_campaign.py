@@ -487,6 +487,11 @@ def check(trial, run, sentinel, faults, rounds, corrupted, clean, seed, mounted=
                 violations.append("a rank hung and no hang was detected")
         elif evidence[kind] and not any(seen[k] for k in evidence[kind]):
             violations.append(f"no event accounts for the {kind} fault")
+    # the progress rule: one replacement per lost rank at most (a recovery that does not lead to a
+    # completed step restarts the group; it never replaces again)
+    lost = sum(kind in ("kill", "hang") for kind, _, _ in faults) + kinds.count("sigkill_rank")
+    if seen["rank_replaced"] > lost + kinds.count("sigkill_launcher") * 4:
+        violations.append(f"{seen['rank_replaced']} rank_replaced events for {lost} lost rank(s)")
     if "sigkill_launcher" in kinds and started > nodes and seen["launch"] <= nodes:
         violations.append("the relaunch after the launcher's SIGKILL left no launch event")
     notes, slow_violations = slow_io_verdicts(ev, faults)

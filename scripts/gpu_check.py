@@ -1,6 +1,7 @@
 """The CUDA paths, once, on a machine with an NVIDIA GPU: NVML health, a real CUDA out-of-memory
-recovered by the Guard's micro-batch split, pinned host staging for async saves, and a Guard run
-on the GPU with async checkpoints. Prints one line per check; exit 0 when every check held.
+recovered by the Guard's micro-batch split, pinned host staging for async saves, the NCCL
+communicator abort and re-creation of in-process recovery's ``"nccl-experimental"`` mode (one
+rank), and a Guard run on the GPU with async checkpoints. Prints one line per check; exit 0 when every check held.
 
     python scripts/gpu_check.py RUN_DIR      # (PYTHONPATH=src from a checkout)
 
@@ -96,6 +97,152 @@ def nccl_abort() -> bool:
     return any("ended=True" in ln for ln in lines)
 
 
+ABORT_STEPS, ABORT_AT = 12, 5  # the abort check's training steps, and the step before which it aborts
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _abort_child() -> int:
+    """The abort check's child (``gpu_check.py --nccl-abort-child``): prints one JSON line.
+
+    One NCCL rank, its group made as in-process recovery makes the new group
+    (:func:`trainguard.rejoin.abort.init_options`: eager on the device, non-blocking
+    communicators). A DDP model trains :data:`ABORT_STEPS` steps; before step :data:`ABORT_AT` a
+    long chain of matmuls is queued and an all-reduce behind it, and another thread aborts every
+    group (:func:`trainguard.rejoin.abort.abort_groups`, what the abort watcher does) while the
+    all-reduce is still queued. The main thread then drops the old world
+    (:func:`~trainguard.rejoin.abort.clear_world`), makes the group again, re-binds DDP
+    (:func:`trainguard.rejoin.regroup.rebind_ddp`) and trains on. The parameters must equal a run
+    of the same steps without the abort."""
+    import hashlib
+    import json
+    import os
+    import threading
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainguard.rejoin import abort, regroup
+
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        print("gpu_check --nccl-abort-child: no CUDA device or no NCCL in this torch; nothing to check")
+        return 0
+    torch.cuda.set_device(0)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1"})
+
+    def group() -> None:
+        os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group("nccl", **abort.init_options("nccl"))
+
+    def model() -> DDP:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1)).cuda()
+        return DDP(net)
+
+    def train(net: DDP, opt: torch.optim.Optimizer, steps: range) -> None:
+        for s in steps:
+            g = torch.Generator(device="cuda").manual_seed(s)
+            x = torch.randn(64, 512, device="cuda", generator=g)
+            net(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    def digest(net: DDP) -> str:
+        return hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in net.parameters())).hexdigest()
+
+    out: dict = {}
+    group()
+    ref = model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    train(ref, opt, range(ABORT_STEPS))
+    out["reference"] = digest(ref)
+    dist.destroy_process_group()
+
+    group()
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    train(net, opt, range(ABORT_AT))
+    a = torch.randn(8192, 8192, device="cuda")
+    t0 = time.perf_counter()
+    for _ in range(40):  # about a second of work queued on the stream
+        a = torch.tanh(a @ a)
+    probe = torch.ones(1, device="cuda")
+    work = dist.all_reduce(probe, async_op=True)  # queued behind the matmuls
+    out["queued_s"] = round(time.perf_counter() - t0, 4)
+    done: dict = {}
+
+    def aborter() -> None:
+        done["result"] = abort.abort_groups(set())
+
+    th = threading.Thread(target=aborter, daemon=True)
+    t0 = time.perf_counter()
+    th.start()
+    th.join(60)
+    out["abort_returned"] = not th.is_alive()
+    out["abort_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+    out["groups_aborted"] = done["result"].groups if "result" in done else None
+    try:
+        work.wait()
+        torch.cuda.synchronize()
+        out["queued_all_reduce"] = f"completed, value {probe.item()}"
+    except Exception as e:  # noqa: BLE001 - what the aborted collective does is the finding
+        out["queued_all_reduce"] = f"{type(e).__name__}: {str(e)[:160]}"
+    out["after_abort_s"] = round(time.perf_counter() - t0, 4)
+    regroup.release_ddp(net)
+    t0 = time.perf_counter()
+    abort.clear_world()
+    group()
+    regroup.rebind_ddp(net)
+    check = torch.ones(1, device="cuda")
+    dist.all_reduce(check)
+    torch.cuda.synchronize()
+    out["reinit_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+    train(net, opt, range(ABORT_AT, ABORT_STEPS))
+    out["with_abort"] = digest(net)
+    out["equal"] = out["with_abort"] == out["reference"]
+    dist.destroy_process_group()
+    print("ABORT-RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+def nccl_abort_requeue() -> bool:
+    """The communicator abort of in-process recovery on one GPU (``[recovery] in_process =
+    "nccl-experimental"``, docs/recovery.md, NCCL), in a child process under a 180 s limit (an abort
+    that does not return must not hang the check): see :func:`_abort_child`. Prints the abort's
+    and the re-creation's cost in ms and whether training after them equals a run without them.
+    Not run yet on a GPU (written 2026-11-29 in a session that was lent none)."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}  # torch's note on aborting process groups
+    cmd = [sys.executable, __file__, "--nccl-abort-child"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    except subprocess.TimeoutExpired:
+        print("nccl abort + re-init: the child did not end within 180 s (an abort or a re-creation hung)")
+        return False
+    found = [ln for ln in done.stdout.splitlines() if ln.startswith("ABORT-RESULT ")]
+    if not found:
+        lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+        tail = "\n  ".join(lines[-8:])
+        print(f"nccl abort + re-init: the child failed (exit {done.returncode}):\n  {tail}")
+        return False
+    r = json.loads(found[0].removeprefix("ABORT-RESULT "))
+    print(
+        f"nccl abort + re-init: abort {r['abort_ms']} ms ({r['groups_aborted']} group(s), returned "
+        f"{r['abort_returned']}); the queued all-reduce: {r['queued_all_reduce']}; re-created eagerly + DDP "
+        f"re-bound + all-reduce {r['reinit_ms']} ms; training after it equal to a run without: {r['equal']}"
+    )
+    return bool(r["abort_returned"] and r["equal"])
+
+
 def ddp_hook_cuda() -> bool:
     """One NCCL rank: trainguard's DDP communication hook (in-process recovery's catch of a lost peer
     in backward, :class:`trainguard.rejoin.catch.DDPHook`) on CUDA gradients gives the same gradients
@@ -180,9 +327,14 @@ def version_check_cuda(run_dir: str) -> bool:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--nccl-abort-child"]:
+        return _abort_child()
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; nothing to check")
+        print("gpu_check: no CUDA device; nothing to check (run it on a machine with an NVIDIA GPU)")
         return 0
+    if len(sys.argv) != 2:
+        print("usage: python scripts/gpu_check.py RUN_DIR", file=sys.stderr)
+        return 2
     ok = True
     print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
     report = gpu_report()
@@ -213,6 +365,7 @@ def main() -> int:
     ok &= ddp_hook_cuda()
     ok &= version_check_cuda(sys.argv[1])
     nccl_abort()  # reported, not required: what NCCL's abort does here is the finding
+    ok &= nccl_abort_requeue()
 
     cfg = trainguard.Config()
     cfg.run.dir = sys.argv[1]

@@ -7,6 +7,8 @@ joined; the survivors are in their step's DDP all-reduce (tests/test_align.py).
 ``--misalign``: a replacement (``TRAINGUARD_JOIN`` set) skips the logging all-reduce that every
 other rank runs before its backward in the first step after the join, so its collectives can never
 line up with the survivors' (the recovery must fail in seconds and the group restart).
+``--batchnorm``: the model has a batch norm layer, so DDP's forward starts with a broadcast of its
+buffers (``broadcast_buffers``, on by default): the survivors' first collective after the meeting.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import trainguard
 RANK = int(os.environ.get("RANK", 0))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))
 MISALIGN = "--misalign" in sys.argv
+BATCHNORM = "--batchnorm" in sys.argv
 
 
 def main() -> None:
-    argv = [a for a in sys.argv[1:] if a != "--misalign"]
+    argv = [a for a in sys.argv[1:] if a not in ("--misalign", "--batchnorm")]
     cfg = trainguard.config_from_argv(argv=argv)
     max_steps = 120
     gen = torch.Generator().manual_seed(99)
@@ -37,7 +40,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     torch.manual_seed(5)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    norm = [torch.nn.BatchNorm1d(64)] if BATCHNORM else []
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), *norm, torch.nn.Tanh(), torch.nn.Linear(64, 1))
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     sampler = trainguard.ResumableSampler(len(x), 0, 1, seed=cfg.run.seed)

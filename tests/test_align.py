@@ -128,20 +128,29 @@ def clean(tmp_path_factory) -> str:
     return shared_hash(tmp_path_factory, "resume_barrier", lambda run_dir: _run(run_dir))
 
 
-def test_a_barrier_after_resuming_runs_alone_on_the_replacement_and_recovery_is_bitwise(tmp_path, clean):
+@pytest.mark.parametrize(
+    ("args", "survivors_at"),
+    [((), "dist.all_reduce"), (("--batchnorm",), "DDP's buffer broadcast (forward)")],
+    ids=["plain", "batchnorm"],
+)
+def test_a_barrier_after_resuming_runs_alone_on_the_replacement_and_recovery_is_bitwise(
+    tmp_path, tmp_path_factory, args, survivors_at
+):
     """The issue's outside job: rank 1 is SIGKILLed at step 50; its warm spare joins, runs the
     script's barrier after ``next(steps)`` alone (``collective_alone``: the survivors wait at the
-    step's all-reduce), meets them there, and the run finishes in-process with one replacement and
-    the clean weights (before: the barrier met the survivor's all-reduce, gloo's 30 s timeout, and a
-    new replacement every 30 s without end)."""
+    step's logging all-reduce, or, with a batch norm layer, at DDP's buffer broadcast in its
+    forward), meets them there, and the run finishes in-process with one replacement and the clean
+    weights (before: the barrier met the survivor's all-reduce, gloo's 30 s timeout, and a new
+    replacement every 30 s without end)."""
+    clean = shared_hash(tmp_path_factory, "resume_barrier" + "".join(args), lambda d: _run(d, args=args))
     run = tmp_path / "run"
-    proc = _run(run, inject=("--inject", "rank_killed:rank=1,step=50,section=step"))
+    proc = _run(run, inject=("--inject", "rank_killed:rank=1,step=50,section=step"), args=args)
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
     assert len(events(run, "rank_replaced")) == 1
     assert not events(run, "group_restart") and not events(run, "recovery_failed")
     alone = events(run, "collective_alone")
     assert [e["rank"] for e in alone] == [1] and "dist.barrier" in alone[0]["details"]["site"]
-    assert "dist.all_reduce" in alone[0]["details"]["survivors_at"]
+    assert survivors_at in alone[0]["details"]["survivors_at"]
     settled = events(run, "recovery_settled")
     assert len(settled) == 1 and settled[0]["details"]["seconds"] < 30
     done = events(run, "recovery_finished")

@@ -432,7 +432,7 @@ def test_rank_killed_from_outside_at_a_random_step(tmp_path, clean_hash, seed, k
 def test_second_kill_during_recovery_falls_back_to_group_restart(tmp_path, clean_hash):
     """Rank 1 SIGKILLs itself at step 77 (no spare); its cold replacement is SIGKILLed while it
     starts, before the generation forms: the launcher falls back to today's group restart from the
-    newest checkpoint (``recovery_fallback``), which still ends with the clean result."""
+    newest checkpoint (``recovery_failed``: the progress rule), which still ends with the clean result."""
     run = tmp_path / "run"
     proc = launch(
         run,
@@ -448,7 +448,7 @@ def test_second_kill_during_recovery_falls_back_to_group_restart(tmp_path, clean
     )
     os.kill(int(started[0]["details"]["pids"]["1"]), signal.SIGKILL)  # it is importing torch: seconds
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
-    fallback = events(run, "recovery_fallback")
+    fallback = events(run, "recovery_failed")
     seen = [
         (e["kind"], e["rank"], e["details"]) for e in events(run) if "recovery" in e["kind"] or "failed" in e["kind"]
     ]

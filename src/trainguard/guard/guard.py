@@ -207,7 +207,8 @@ class Guard:
         console.quiet_peer_loss(
             is_peer_failure, lambda error, text: events.emit("peer_lost", error=error, traceback=text)
         )
-        declined = inprocess.declined(self._framework, self.model) if cfg.recovery.in_process else None
+        policy = inprocess.recovery_policy(cfg.recovery.in_process)  # by the default group's backend (NCCL: restart)
+        declined = inprocess.declined(self._framework, self.model, policy) if cfg.recovery.in_process else None
         self.rejoin = Rejoin(
             cfg.recovery,
             launch,
@@ -215,6 +216,7 @@ class Guard:
             keep_in_memory=cfg.sdc.on_instability == "rerun",
             declined=declined,
             on_forged=lambda key: report_forged(events, key),
+            abort_comms=policy.abort,
         )
         if self.rank == 0:
             inprocess.say_where_it_applies(self.rejoin, cfg.recovery.in_process, launch.recovery_store, self.world_size)
@@ -1098,6 +1100,8 @@ class Guard:
         self.heartbeat = None
         CATCH.uninstall()
         ALIGN.close()
+        if self.inprocess is not None:
+            self.inprocess.close()
         if self.rejoin is not None and collective:  # a rank that fails alone leaves its state to its replacement
             self.rejoin.close()
         elif self.rejoin is not None:

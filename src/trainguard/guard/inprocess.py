@@ -24,8 +24,9 @@ from .. import dist as tgdist
 from ..config import Config
 from ..events import EventLog
 from ..instability.fold import LossFold
-from ..rejoin import regroup, sever, sharded
+from ..rejoin import abort, backend_policy, regroup, sever, sharded
 from ..rejoin.align import ALIGN, wait_bound
+from ..rejoin.buffers import BufferSync, has_buffers
 from ..rejoin.catch import CATCH, DDPHook
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
@@ -92,11 +93,25 @@ class Met:
     redo: bool = False
 
 
-def declined(framework: Optional[str], model: torch.nn.Module) -> Optional[str]:
+def recovery_policy(in_process: backend_policy.InProcessValue) -> backend_policy.BackendPolicy:
+    """The recovery for this job's default group under ``[recovery] in_process``
+    (:func:`~trainguard.rejoin.backend_policy.decide`); the abort path declined where the
+    installed torch lacks a member it uses (:func:`~trainguard.rejoin.abort.why_unsupported`)."""
+    policy = backend_policy.decide(tgdist.backend(), in_process)
+    why = abort.why_unsupported(tgdist.backend()) if policy.abort else None
+    return replace(policy, in_process=False, abort=False, declined=why) if why else policy
+
+
+def declined(
+    framework: Optional[str], model: torch.nn.Module, policy: Optional[backend_policy.BackendPolicy] = None
+) -> Optional[str]:
     """Why in-process recovery does not apply to this loop, ``None`` if it does: a framework
-    drives it, or the model cannot be moved to a new group (:func:`~trainguard.rejoin.regroup.check_rebindable`)."""
+    drives it, the backend's ``policy`` declines it (:func:`recovery_policy`: NCCL by default), or
+    the model cannot be moved to a new group (:func:`~trainguard.rejoin.regroup.check_rebindable`)."""
     if framework is not None:
         return f"{framework} owns the process group and the training loop"
+    if policy is not None and policy.declined is not None:
+        return policy.declined
     try:
         regroup.check_rebindable(model)
     except regroup.RegroupError as e:
@@ -168,6 +183,7 @@ class InProcess:
         # (the progress rule), with the step boundary of the meeting; a survivor's finish to say then
         self._stepping: Optional[tuple[int, int]] = None
         self._unsettled: Optional[Unsettled] = None
+        self.buffer_sync: Optional[BufferSync] = None  # DDP's buffer broadcast, where a lost peer is caught
 
     # ------------------------------------------------------------------------------------------
     # catching and keeping
@@ -205,7 +221,18 @@ class InProcess:
         )
         self.model.register_comm_hook(None, self.ddp_hook.hook)
         fold.wire(inject)
+        if self.rejoin.active and has_buffers(self.model):  # a redo starts from the step's buffers
+            self.buffer_sync = BufferSync(self.model, CATCH)
+            if self.step_start is not None:
+                self.step_start.also(self.buffer_sync)
         return True
+
+    def close(self) -> None:
+        """Give back what this component took of the model that can be given back (DDP's buffer
+        broadcast; DDP keeps a communication hook for good)."""
+        if self.buffer_sync is not None:
+            self.buffer_sync.close()
+            self.buffer_sync = None
 
     def arm_catch(self, step_in_progress: Callable[[], int]) -> None:
         """Catch a lost peer in the script's ``torch.distributed`` calls from now on."""
@@ -300,7 +327,8 @@ class InProcess:
         if gen.left:
             place = self._resize(gen, place)
         regroup.release_ddp(self.model)
-        regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout)
+        self._abort_old(gen)
+        regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout, **abort.init_options(self.backend))
         regroup.rebind_ddp(self.model, self.bucket_layout())
         self._regrouped()
         if redo:  # back to the step's start before any state is sent from here
@@ -505,6 +533,12 @@ class InProcess:
         self.events.emit("collective_alone", site=mine, survivors_at=theirs)
         console.say(f"rank {self.rejoin.rank} (a replacement) ran {mine} alone: the survivors are at {theirs}")
 
+    def _abort_old(self, gen: Generation) -> None:
+        """With the abort path on (:mod:`~trainguard.rejoin.abort`): the old world's communicators
+        aborted (by the watcher already, or now) and dropped, before ``gen``'s group is created."""
+        if self.rejoin.comm_abort is not None:
+            self.rejoin.comm_abort.before_regroup(gen.number)
+
     def _on_new_group(self, gen: Generation, place: Place) -> Met:
         """The end of every meeting: note the new group's ports (cut on a lost peer), start its ping."""
         self.rejoin.group_ports = {p for ps in tgdist.gather_objects(sever.listening_ports()) for p in ps}
@@ -522,7 +556,8 @@ class InProcess:
         if gen.left:
             raise regroup.RegroupError("a sharded model's group does not shrink in place (its shards would move)")
         holdings = self.sharded.holdings()  # before the old group goes: a copy that arrived counts
-        regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout)
+        self._abort_old(gen)
+        regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout, **abort.init_options(self.backend))
         sharded.rebind(self.model)
         self._regrouped()
         met = self._on_new_group(gen, self.sharded.meet(gen, place, holdings, redo=redo, current=current))

@@ -28,7 +28,8 @@ A *site* is the operation and the chain of the script's frames that called it, i
 (``dist.barrier at train.py:57 (main) < train.py:90 (<module>)``), up to the script's top-level code;
 frames of trainguard are left out (a replacement runs the script under
 :mod:`trainguard.rejoin.replacement`). DDP's backward and trainguard's own collectives have fixed
-names. Frames, not a count, identify a collective: a collective called from the same line on both
+names, and so has DDP's buffer broadcast at the start of its forward (a model with buffers, such as
+batch norm's running statistics, and ``broadcast_buffers``). Frames, not a count, identify a collective: a collective called from the same line on both
 sides is the same one.
 
 One process-wide :data:`ALIGN` (a process has one default group); the Guard opens the window after
@@ -45,6 +46,7 @@ from .. import console
 from .protocol import RecoveryStore
 
 DDP_BACKWARD = "DDP's gradient all-reduce (backward)"
+DDP_FORWARD = "DDP's buffer broadcast (forward)"
 SHOULD_STEP = "trainguard's should_step"
 STOP_CHECK = "trainguard's stop check"
 END = "the end of the step (no collective in it)"

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from ..launch_env import LaunchEnv
 from ..sections import RecoverySection
 from . import sever
+from .abort import CommAbort
 from .auth import Seal
 from .boundary import BoundaryState, parse_slot
 from .boundary import read as read_boundaries
@@ -77,6 +78,8 @@ class Rejoin:
         declined: why in-process recovery does not apply to this loop (a framework owns the
             group, a sharded model); rank 0 tells the launcher (:meth:`RecoveryStore.decline`).
         on_forged: told the key of a store value that did not carry the launch's seal (refused).
+        abort_comms: abort this rank's communicators when the launcher publishes a loss
+            (:class:`~.abort.CommAbort`; ``[recovery] in_process = "nccl-experimental"``).
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class Rejoin:
         keep_in_memory: bool = False,
         declined: Optional[str] = None,
         on_forged: Forged = lambda key: None,
+        abort_comms: bool = False,
     ):
         self.cfg, self.rank = cfg, rank
         offered = bool(cfg.in_process and launch.recovery_store and launch.recovery_key)
@@ -120,6 +124,10 @@ class Rejoin:
                 self.failed,
                 lambda: self.group_ports,
             )
+        self.comm_abort: Optional[CommAbort] = None  # NCCL: the survivors' communicators aborted (see :mod:`.abort`)
+        if self.active and abort_comms:
+            args = (launch.recovery_store, launch.recovery_group, seal)
+            self.comm_abort = CommAbort(*args, lambda: self.generation, lambda: self.group_ports)
 
     def renumber(self, rank: int) -> None:
         """This process is rank ``rank`` from now on (the group shrank in place): its boundary
@@ -137,7 +145,8 @@ class Rejoin:
     def caught(self, exc: BaseException, during: str, step: int) -> bool:
         """Whether ``exc`` is a lost peer that recovery handles (then it is recorded for
         :meth:`wait_generation`); ``False``: the caller re-raises it."""
-        if not self.active or not is_peer_failure(exc):
+        aborted = self.comm_abort is not None and self.comm_abort.aborted()  # any error after it is the loss
+        if not self.active or not (is_peer_failure(exc) or aborted):
             return False
         if self.failure is None:
             # without its traceback: the frames would keep the failed collective's work, and with it
@@ -216,6 +225,9 @@ class Rejoin:
         if self.notice is not None:
             self.notice.stop()
             self.notice = None
+        if self.comm_abort is not None:
+            self.comm_abort.stop()
+            self.comm_abort = None
 
     def close(self) -> None:
         """Remove this rank's boundary file, stop the lost-node watcher."""

@@ -44,7 +44,7 @@ def missing_ddp_members() -> list[str]:
     return [f"DistributedDataParallel.{m}" for m in DDP_MEMBERS if not callable(getattr(DDP, m, None))]
 
 
-def rebuild_default_group(gen: Generation, backend: str, timeout: float) -> None:
+def rebuild_default_group(gen: Generation, backend: str, timeout: float, **options: Any) -> None:
     """Destroy this process's groups and create the default group of generation ``gen`` on its store.
 
     The group is created the way a replacement's script creates it (``init_process_group`` with
@@ -54,6 +54,8 @@ def rebuild_default_group(gen: Generation, backend: str, timeout: float) -> None
 
     Args:
         timeout: seconds for the group's collectives and for meeting the other ranks.
+        options: more keyword arguments for ``init_process_group`` (NCCL's eager creation:
+            :func:`~trainguard.rejoin.abort.init_options`).
     Raises:
         RuntimeError, torch.distributed.DistError: the group could not be formed (a peer did not come).
     """
@@ -66,7 +68,7 @@ def rebuild_default_group(gen: Generation, backend: str, timeout: float) -> None
     os.environ.update(
         {"MASTER_ADDR": gen.host, "MASTER_PORT": str(gen.port), "TORCHELASTIC_USE_AGENT_STORE": str(True)}
     )
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **options)
 
 
 def release_ddp(model: torch.nn.Module) -> None:

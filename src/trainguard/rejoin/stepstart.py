@@ -38,6 +38,7 @@ class StepStart:
         self.applied = False  # optimizer.step() ran in this step with the group's gradients
         self._groups: list[dict[str, Any]] = []
         self._scheduler: Optional[dict[str, Any]] = None
+        self._also: list[Any] = []  # more of the step's start: objects with new_step() and restore()
         self._hooks = []
         if optimizer is not None:
             self._hooks = [
@@ -45,10 +46,18 @@ class StepStart:
                 optimizer.register_step_post_hook(self._after_step),
             ]
 
+    def also(self, part: Any) -> None:
+        """Keep and restore ``part`` with the step's start too (``part.new_step()`` at
+        :meth:`begin`, ``part.restore()`` at :meth:`restore`): a DDP model's buffers
+        (:class:`~trainguard.rejoin.buffers.BufferSync`)."""
+        self._also.append(part)
+
     def begin(self) -> None:
         """A step begins: keep the hyperparameters (``lr``, ``betas``, ...: every parameter-group
         entry but the parameters) and the scheduler's state. About 20 µs for one group."""
         self.applied = False
+        for part in self._also:
+            part.new_step()
         if self.optimizer is not None:
             self._groups = [
                 {k: copy.copy(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
@@ -63,6 +72,8 @@ class StepStart:
                 group.update(kept)
         if self.scheduler is not None and self._scheduler is not None:
             self.scheduler.load_state_dict(_copy(self._scheduler))
+        for part in self._also:
+            part.restore()
 
     def close(self) -> None:
         """Remove the optimizer hooks."""
