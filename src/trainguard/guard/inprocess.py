@@ -31,7 +31,7 @@ from ..rejoin.catch import CATCH, DDPHook
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.shards import ShardSnapshots
-from ..rejoin.stepstart import StepStart
+from ..rejoin.stepstart import StepStart, schedulers_not_kept
 from ..state.reshard import resharded_rank_state
 from ..state.trainstate import TrainState
 from .place import Met, Place  # re-exported: Place and Met lived here
@@ -302,6 +302,7 @@ class InProcess:
             self.train_state.load_state_dict(self.rejoin.boundary.restore(place.step))
             if self.step_start is not None:
                 self.step_start.restore()
+                self._say_stray_schedulers(place)
         met = self._meet(gen, place, current=current)
         redo = redo and met.place.step == place.step  # else it took the completed step from a peer
         if gen.left:
@@ -501,6 +502,20 @@ class InProcess:
             console.say(
                 f"recovered in-process: step {step} completed on the new group {seconds:.2f} s after the fault; {u.said}"
             )
+
+    def _say_stray_schedulers(self, place: Place) -> None:
+        """A step done again steps the schedulers the Guard was not given twice: say so
+        (``resume_not_bitwise`` and a console line from rank 0)."""
+        stray = schedulers_not_kept(self.optimizer, self.step_start.scheduler)
+        if not stray:
+            return
+        cause = (
+            f"the optimizer's scheduler(s) {', '.join(stray)} were not given to the Guard (scheduler=): the step done "
+            "again steps them twice, and a checkpoint does not hold their state"
+        )
+        self.events.emit("resume_not_bitwise", place.step, rank=place.rank, cause=cause)
+        if place.rank == 0:
+            console.warn(f"a resume cannot be bitwise identical: {cause}")
 
     def _alone(self, mine: str, theirs: str) -> None:
         """A replacement ran the collective at ``mine`` alone: the survivors wait at ``theirs``."""
