@@ -53,13 +53,19 @@ class _Unsupported(Exception):
     """A value the restricted pickle does not carry (it goes as ``torch.save``)."""
 
 
+def tensor_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
+    """A CPU tensor of ``dtype`` (``"int64"``, ...) and ``shape`` from its raw bytes (C order): the
+    constructor of a tensor in what ranks send each other and in a step-boundary blob
+    (:mod:`trainguard.rejoin.boundary`)."""
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(shape)
+
+
 class _Pickler(pickle.Pickler):
     """Built-in values as pickle does; CPU tensors, paths and trainguard's dataclasses as calls
     of the three constructors the unpickler allows; anything else raises :class:`_Unsupported`."""
 
     def reducer_override(self, obj: Any) -> Any:  # pickle's hook, for every non-built-in value
-        from .rejoin.boundary import tensor_from_bytes
-
         if obj is tensor_from_bytes or obj is _path or obj is _dataclass:
             return NotImplemented  # pickled by reference
         if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad:
@@ -76,10 +82,8 @@ class _Pickler(pickle.Pickler):
 
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):  # noqa: D102 (pickle's hook)
-        from .rejoin import boundary
-
         allowed = {
-            (boundary.__name__, "tensor_from_bytes"): boundary.tensor_from_bytes,
+            (__name__, "tensor_from_bytes"): tensor_from_bytes,
             (__name__, "_path"): _path,
             (__name__, "_dataclass"): _dataclass,
         }

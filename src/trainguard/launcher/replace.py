@@ -72,7 +72,8 @@ class Settling:
             completed step (the same bound from the forming): a failure until then is the
             recovery's (a replacement whose script went on from another data position than the
             survivors' completes a step and fails at the next collective that differs), and the
-            group restarts instead of replacing a rank again. 0: none (a new start of the group).
+            group restarts instead of replacing a rank again. 0: none (a new start of the group, a
+            shrink: no process ran the script from its top).
         stepped: every rank completed a step after it (the recovery waits out its probation).
     """
 
@@ -483,8 +484,10 @@ class Replacer:
             seconds = now - self._started
             hint = store.step_time(self.pending.number) or 0.0
             bound = max(self.cfg.timeout, SETTLE_STEPS * hint)
+            # a probation only where new processes ran the script from its top (not after a shrink)
+            probation = now + bound if self.pending.replaced else 0.0
             self.settling = Settling(
-                self.pending.number, self.pending.world_size, self._started, now + bound, bound, now + bound
+                self.pending.number, self.pending.world_size, self._started, now + bound, bound, probation
             )
             self.events.emit(
                 "generation_joined",

@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..checkpoint.local import deserialize, serialize
+from ..dist import tensor_from_bytes  # the only callable a plain boundary blob may name
 
 PLAIN = b"P"  # first byte of a blob: pickled plain values (tensors as raw bytes)
 TORCH = b"T"  # first byte of a blob: torch.save
@@ -50,13 +51,6 @@ PARTS = b"Q"  # first byte of a blob: the pickled (blob of the other entries, {s
 
 class _Unsupported(Exception):
     """A value the plain encoding does not carry (the blob falls back to ``torch.save``)."""
-
-
-def tensor_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
-    """A CPU tensor of ``dtype`` (``"int64"``, ...) and ``shape`` from its raw bytes (C order): the
-    only callable a plain boundary blob may name."""
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    return flat.view(getattr(torch, dtype)).reshape(shape)
 
 
 class _Pickler(pickle.Pickler):
@@ -77,7 +71,7 @@ class _Pickler(pickle.Pickler):
 
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):  # noqa: D102 (pickle's hook)
-        if (module, name) == (__name__, "tensor_from_bytes"):
+        if (module, name) == (tensor_from_bytes.__module__, "tensor_from_bytes"):
             return tensor_from_bytes
         raise pickle.UnpicklingError(f"a step-boundary blob may hold only built-in values, not {module}.{name}")
 
