@@ -49,15 +49,23 @@ def test_a_relaunch_of_a_prefetching_loop_says_its_resume_is_not_bitwise(tmp_pat
     assert final_hash(run) != final_hash(clean)  # what it says: the first resumed step trained on another batch
 
 
-def test_an_in_process_replacement_in_a_prefetching_loop_says_it_is_not_bitwise(tmp_path):
+def test_an_in_process_recovery_in_a_prefetching_loop_is_said_and_fails_into_a_restart(tmp_path):
+    """nanoGPT's order, rank 1 killed in step 12: its replacement says its first batch came from the
+    fresh seed (``resume_not_bitwise``, on the console too); the survivor's step done again gets the
+    batch it prefetched for the next step, not the interrupted one's, so the recovery fails at once
+    (rejoin.redo_check: ``recovery_failed``, quoting the rank) and the group restarts from the
+    checkpoint, instead of training on with other data."""
     run = tmp_path / "run"
     proc = nanogpt(run, extra=("--inject", "rank_killed:rank=1,step=12"), in_process=True)
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
-    assert [e["rank"] for e in events(run, "rank_replaced")] == [1] and not events(run, "group_restart")
-    found = causes(run)
-    assert [r for _, r, _ in found] == [1] and PREFETCH in found[0][2], found
-    # the warm spares ran the preamble too (the one that took rank 1, the one started after): their
-    # output before taking a rank is in their own files, not on the console
-    assert Path(f"{run}.log").read_text().count("preamble:") == 2
+    assert [e["rank"] for e in events(run, "rank_replaced")] == [1]
+    first = [(a, r, c) for a, r, c in causes(run) if a == 0]
+    assert [r for _, r, _ in first] == [1] and PREFETCH in first[0][2], first
+    failed = events(run, "recovery_failed")
+    assert len(failed) == 1 and "other inputs than the interrupted attempt" in (failed[0]["details"]["rank_said"] or "")
+    assert len(events(run, "group_restart")) == 1
+    log = Path(f"{run}.log").read_text()
+    assert "a resume cannot be bitwise identical" in log and "other inputs than the interrupted attempt" in log
+    # the warm spares ran the preamble too: their output before taking a rank is in their own files
     spare_logs = sorted((run / "spares").glob("spare-*.log"))
     assert spare_logs and all("preamble:" in p.read_text() for p in spare_logs), spare_logs

@@ -311,6 +311,8 @@ class InProcess:
             if self.step_start is not None:
                 self.step_start.restore()
                 self._say_stray_schedulers(place, gen)
+            if gen.left and self.redo_check is not None:  # fewer ranks: each takes another share of the data
+                self.redo_check.forget()
         met = self._meet(gen, place, current=current)
         redo = redo and met.place.step == place.step  # else it took the completed step from a peer
         if gen.left:
