@@ -354,8 +354,11 @@ class Guard:
             lambda: self.elastic.base_world_size,
             shards=self._shard_snapshots(launch.local_world_size),
         )
-        CATCH.install()  # the norm clip_grad_norm_ returns is noted for should_step (CATCH.step_norm)
-        if self.world_size > 1:  # the detectors' values ride in a DDP gradient bucket (instability.fold)
+        CATCH.install_clip()  # the norm clip_grad_norm_ returns is noted for should_step (CATCH.step_norm)
+        # a lost peer is caught in the script's collectives and DDP's backward only where it can be
+        # recovered in-process; the detectors' values ride in DDP's buckets only with that hook
+        if self.rejoin.active and self.world_size > 1:
+            CATCH.install()
             in_progress, fold, inject = (lambda: self.step + 1), self.recovery.fold, self._inject_at_backward
             if self.inprocess.hook_ddp(in_progress, fold, inject) or clipfold.install(  # or FSDP2's norm
                 self.model, fold, in_progress, inject
@@ -363,7 +366,7 @@ class Guard:
                 fold.stop_source = self.stop_check.flags_to_fold
                 fold.fingerprint_source = self.sdc.carry  # the replica check rides too
                 fold.straggler_source = self.stop_check.straggler_to_fold  # and the straggler report
-        if self.rejoin.active:
+        if self.rejoin.active and self.world_size > 1:
             self.inprocess.catch_collectives(lambda: self.step + 1)
             check_shrinkable(cfg.elastic.min_ranks, self.world_size, self.sampler, self.ckpt.local is not None)
         if cfg.rollback.skip_batches and self.sampler is not None and not hasattr(self.sampler, "skip_batches"):

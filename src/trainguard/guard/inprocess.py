@@ -27,7 +27,7 @@ from ..instability.fold import LossFold
 from ..rejoin import abort, backend_policy, regroup, sever, sharded
 from ..rejoin.align import ALIGN, wait_bound
 from ..rejoin.buffers import BufferSync, has_buffers
-from ..rejoin.catch import CATCH, DDPHook
+from ..rejoin.catch import CATCH, DDPHook, is_own_hook
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.shards import ShardSnapshots
@@ -173,11 +173,20 @@ class InProcess:
         """Give a DDP model trainguard's communication hook (:class:`~trainguard.rejoin.catch.DDPHook`):
         it carries ``fold``'s values in one bucket (:mod:`~trainguard.instability.fold`;
         ``inject``: the fault injector's numeric faults at the backward), keeps the step boundary
-        before the last bucket, and catches a lost peer once :meth:`arm_catch` ran. ``False``
-        (nothing done): not a DDP model, or one with a communication hook already (the script's
-        own, or an earlier Guard's on the same model: DDP takes one)."""
+        before the last bucket, and catches a lost peer once :meth:`arm_catch` ran.
+
+        A hook of the script's own composes with it: one registered before the Guard is taken over
+        (the reducer is built again, as :func:`~trainguard.rejoin.regroup.rebind_ddp` builds it,
+        with trainguard's hook, which calls the script's); one registered after it
+        (``model.register_comm_hook``, intercepted on this instance until :meth:`close`) is called
+        by trainguard's from the next backward on. Either way the detectors' values no longer ride
+        in the buckets (``should_step`` all-reduces them) and rank 0 says so once.
+
+        ``False`` (nothing done): not a DDP model, torch does not list its hooks, or it has
+        trainguard's hook already (an earlier Guard's on the same model: DDP takes one)."""
         params = compat.ddp_reducer_params(self.model) if isinstance(self.model, DDP) else None
-        if params is None or compat.ddp_comm_hooks(self.model) != []:  # compat: None where torch lacks it
+        hooks = compat.ddp_comm_hooks(self.model) if params is not None else None  # compat: None where torch lacks it
+        if params is None or hooks is None or any(is_own_hook(h) for h, _ in hooks) or len(hooks) > 1:
             return False
         self.ddp_hook = DDPHook(
             CATCH,
@@ -186,7 +195,13 @@ class InProcess:
             lambda buf: fold.extra(step_in_progress(), buf),
             lambda values: fold.reduced(step_in_progress(), values),
         )
+        if hooks:  # the script's, registered before the Guard: trainguard's calls it
+            hook, state = hooks[0]
+            compat.clear_comm_hooks(self.model)
+            compat.rebuild_reducer(self.model)
+            self._delegate(hook, state)
         self.model.register_comm_hook(None, self.ddp_hook.hook)
+        self.model.register_comm_hook = self._script_hook  # an instance attribute: removed at close()
         fold.wire(inject)
         if self.rejoin.active and has_buffers(self.model):  # a redo starts from the step's buffers
             self.buffer_sync = BufferSync(self.model, CATCH)
@@ -194,12 +209,33 @@ class InProcess:
                 self.step_start.also(self.buffer_sync)
         return True
 
+    def _script_hook(self, state: Any, hook: Callable) -> None:
+        """``model.register_comm_hook(state, hook)`` called by the script after the Guard: trainguard's
+        hook calls ``hook`` from the next backward on (DDP takes one hook per model)."""
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: the hook must be callable, got {type(hook).__name__}")
+        if self.ddp_hook.delegate is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once")
+        self._delegate(hook, state)
+
+    def _delegate(self, hook: Callable, state: Any) -> None:
+        self.ddp_hook.delegate = (hook, state)
+        if self.rejoin.rank == 0:
+            name = getattr(hook, "__qualname__", type(hook).__name__)
+            console.say(
+                f"the script's DDP communication hook {name} reduces the gradients, called from trainguard's "
+                "(a lost peer is caught in it); the instability detectors' values no longer ride in its "
+                "buckets: should_step() all-reduces them (one small all-reduce a step)"
+            )
+
     def close(self) -> None:
         """Give back what this component took of the model that can be given back (DDP's buffer
-        broadcast; DDP keeps a communication hook for good)."""
+        broadcast, the interception of ``register_comm_hook``; DDP keeps a communication hook for
+        good: trainguard's, calling the script's if it has one)."""
         if self.buffer_sync is not None:
             self.buffer_sync.close()
             self.buffer_sync = None
+        vars(self.model).pop("register_comm_hook", None)
 
     def arm_catch(self, step_in_progress: Callable[[], int]) -> None:
         """Catch a lost peer in the script's ``torch.distributed`` calls from now on."""
