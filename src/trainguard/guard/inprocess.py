@@ -34,6 +34,7 @@ from ..rejoin.shards import ShardSnapshots
 from ..rejoin.stepstart import StepStart
 from ..state.reshard import resharded_rank_state
 from ..state.trainstate import TrainState
+from .keeper import Keeper
 from .place import Met, Place  # re-exported: Place and Met lived here
 from .sharded_recovery import ShardedRecovery
 
@@ -118,6 +119,7 @@ class InProcess:
         base_world_size: the world size the run started with (for ``world_size_changed``).
         shards: a sharded model's in-memory snapshots (:mod:`~trainguard.rejoin.shards`): its
             recovery goes through :class:`~.sharded_recovery.ShardedRecovery`.
+        keeper: keeps this rank's own state at a step boundary (default: one over ``train_state``).
     """
 
     def __init__(
@@ -134,11 +136,13 @@ class InProcess:
         on_ping_failure: Callable[[str], None],
         base_world_size: Callable[[], int],
         shards: Optional[ShardSnapshots] = None,
+        keeper: Optional[Keeper] = None,
     ):
         self.cfg, self.rejoin, self.model, self.optimizer = cfg, rejoin, model, optimizer
         self.train_state, self.events, self.step_start = train_state, events, step_start
         self._renumber, self._regrouped, self._on_ping_failure = renumber, regrouped, on_ping_failure
         self._base_world_size = base_world_size
+        self.keeper = keeper if keeper is not None else Keeper(rejoin, train_state)
         self.sharded = (
             ShardedRecovery(shards, model, optimizer, train_state, rejoin, events, step_start) if shards else None
         )
@@ -242,16 +246,12 @@ class InProcess:
         CATCH.arm(lambda e, where: self.rejoin.caught(e, where, step_in_progress()), self.rejoin.failed)
 
     def keep_boundary(self, step: int) -> None:
-        """Keep this rank's own state as the boundary of step ``step`` (see :mod:`~trainguard.rejoin.boundary`)."""
-        self.rejoin.keep({"step": step, **self.train_state.state_dict(LOCAL_PARTS)})
+        """Keep this rank's own state as the boundary of step ``step`` (:meth:`.keeper.Keeper.keep`)."""
+        self.keeper.keep(step)
 
     def keep_before_last_bucket(self, step: int) -> None:
-        """DDP's hook or ``guard.run_step`` is about to send step ``step``'s last gradient bucket:
-        keep this rank's own state as its boundary, since after the send a peer may complete the
-        step (``should_step`` runs no collective when the detectors' values ride in that bucket).
-        Kept again when the bucket is sent again (``run_step``'s retry after out-of-memory)."""
-        if self.rejoin.keeping and self.rejoin.failure is None:
-            self.keep_boundary(step)
+        """Before step ``step``'s last gradient bucket is sent (:meth:`.keeper.Keeper.before_last_bucket`)."""
+        self.keeper.before_last_bucket(step)
 
     def bucket_layout(self) -> Optional[list[list[int]]]:
         """DDP's current bucket layout, as trainguard's hook last saw it (``None`` without it)."""
