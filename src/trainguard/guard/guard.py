@@ -64,7 +64,7 @@ from .. import console, health
 from .. import dist as tgdist
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.store import Checkpoint
-from ..config import Config, ConfigError, dump_config
+from ..config import Config, ConfigError, config_from_argv, dump_config, load_config
 from ..events import EventLog, Hook
 from ..faults import FaultInjector
 from ..health.straggler import StragglerDetector
@@ -72,7 +72,7 @@ from ..instability import clipfold
 from ..instability.recovery import Recovery, Rollback
 from ..launch_env import LaunchEnv
 from ..oom import MicroBatcher
-from ..outcomes import BadInput, Outcome, Requeue
+from ..outcomes import BadInput, Outcome, Requeue, exit_bad_input
 from ..rejoin import sever, sharded
 from ..rejoin.align import ALIGN, SHOULD_STEP
 from ..rejoin.auth import report_forged
@@ -962,7 +962,14 @@ class Guard:
         if exc is None or (isinstance(exc, Outcome) and exc.collective):
             self.close()
         else:  # a crash: the peers may not come to a collective
-            self._release(collective=False)
+            self.abandon()
+
+    def abandon(self) -> None:
+        """After a crash on this rank (an error that is not a trainguard outcome): release what the
+        Guard installed without a collective (the peers may not come to one) and without waiting
+        for a background save. :meth:`close` afterwards puts back ``sys.excepthook`` (kept for the
+        error on its way out)."""
+        self._release(collective=False)
 
     # ------------------------------------------------------------------------------------------
     # saving and stopping (self.stops)
