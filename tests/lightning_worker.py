@@ -3,7 +3,8 @@
 ``python lightning_worker.py MAX_STEPS [--set key=value ...]``: a two-layer regression model with
 dropout, AdamW and a warm-up scheduler, trained by ``pytorch_lightning.Trainer`` with DDP on the CPU
 (gloo), guarded by :class:`trainguard.lightning.TrainguardCallback`. The data position is a
-:class:`trainguard.ResumableSampler`. A validation loop runs every 20 steps.
+:class:`trainguard.ResumableSampler`. A validation loop runs every 20 steps (``WORKER_VAL_EVERY=N``:
+every N steps; ``WORKER_VAL_EPOCHS=N``: at the end of every N-th epoch instead).
 
 For ``benchmarks/framework_overhead.py``: ``WORKER_HIDDEN`` sets the hidden width (default 64),
 ``WORKER_PLAIN=1`` leaves the callback out, ``WORKER_TIMES=PATH`` makes rank 0 write each step's
@@ -101,6 +102,10 @@ def main() -> None:
         callbacks.append(guarded := TrainguardCallback(cfg, sampler=sampler))
         if "WORKER_HOLD" in os.environ:
             callbacks.append(HoldForSignal(int(os.environ["WORKER_HOLD"]), lambda: guarded.guard))
+    # at most an epoch (4 ranks: 16 batches each); WORKER_VAL_EVERY=N validates every N steps
+    val_every = int(os.environ.get("WORKER_VAL_EVERY", min(20, len(data) // (8 * world))))
+    if os.environ.get("WORKER_VAL_EPOCHS"):  # validate at epoch ends, every WORKER_VAL_EPOCHS epochs
+        val_every = None
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
@@ -111,7 +116,8 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
-        val_check_interval=min(20, len(data) // (8 * world)),  # at most an epoch (4 ranks: 16 batches each)
+        val_check_interval=val_every,
+        check_val_every_n_epoch=int(os.environ.get("WORKER_VAL_EPOCHS", 1)),
         num_sanity_val_steps=0,
         callbacks=callbacks,
     )

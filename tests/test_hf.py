@@ -81,6 +81,9 @@ def test_a_loss_spike_rolls_back_and_a_relaunch_resumes_the_trainer_steps_ahead(
     assert events(run, "resume")[-1]["details"]["from_step"] == 41 and not events(run, "group_restart")
     # the Trainer ran its 60 steps; trainguard kept 50 of them
     assert events(run, "end")[-1]["step"] == 50
+    # trainguard's saves (every 10 steps) print no "Writing model shards" bar (disable_tqdm=True): issue 44
+    log = Path(f"{run}.log").read_text()
+    assert len(events(run, "checkpoint_committed")) >= 5 and "Writing model shards" not in log
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ real signals and kills (tests/lightning_worker.py)."""
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -141,3 +142,33 @@ def test_killed_ranks_are_replaced_in_process_the_survivors_kept_and_the_run_bit
     assert {e["details"]["steps_lost"] for e in finished} == {0}
     assert final_hash(run) == final_hash(clean)
     assert events(run, "end")[-1]["step"] == steps
+
+
+@pytest.mark.parametrize(
+    "validation, kill_at, resumed_from",
+    [({"WORKER_VAL_EVERY": "10"}, 13, 10), ({"WORKER_VAL_EPOCHS": "1"}, 35, 32)],
+    ids=["val_check_interval", "check_val_every_n_epoch"],
+)
+def test_a_restart_from_the_checkpoint_of_a_validation_step_is_bitwise(
+    tmp_path, monkeypatch, validation, kill_at, resumed_from
+):
+    """issue 44: a checkpoint taken at a validation step (at the step's end, before Lightning's
+    validation of it) resumed in new processes (the group restart after rank 1's SIGKILL reloads it
+    as a relaunch does): the resumed run does not validate that step again, so the draw of the
+    validation DataLoader's seed must not be part of the training's random stream. Validation
+    every 10 steps or at each epoch's end (32 batches a rank), a checkpoint every 5 or 8 steps."""
+    for key, value in validation.items():
+        monkeypatch.setenv(key, value)
+    clean, run = tmp_path / "clean", tmp_path / "run"
+    interval = 5 if "WORKER_VAL_EVERY" in validation else 8
+    sync = (f"checkpoint.interval={interval}", "checkpoint.async_save=false")  # committed before the next step
+    steps = 40
+    assert finish(lightning(clean, *sync, steps=steps)) == 0, Path(f"{clean}.log").read_text()[-3000:]
+    kill = ("--inject", f"rank_killed:rank=1,step={kill_at}")
+    assert finish(lightning(run, *sync, extra=kill, steps=steps)) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert [e["details"]["from_step"] for e in events(run, "resume")] == [resumed_from]
+    assert not events(run, "resume_not_bitwise")
+    assert final_hash(run) == final_hash(clean)
+    # fit's validation is timed in its own section (trainer.training is False while it runs)
+    sections = json.loads((clean / "timeouts.json").read_text())["sections"]
+    assert sections.get("validation", {}).get("count", 0) >= 1, sorted(sections)

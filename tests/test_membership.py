@@ -241,7 +241,13 @@ def test_a_failed_recovery_restarts_from_the_checkpoint_and_the_next_group_start
     assert decided[-1] == Restart("rank failure (exit codes {0: -9, 1: -9})")
     assert state.settling is None and state.forming is None and state.restarts == 1
     state, decided = run(state, GroupStarted(2, frozenset({0, 1})), Look({0: RUNNING, 1: -9}))
-    assert decided == [Replace((1,))]  # a new start of the group: in-process recovery again
+    assert decided == [  # before the new group's first step no rank holds a state to send
+        Fallback("a rank failed before the group completed its first step (no rank holds a state to send yet)"),
+        KillSurvivors(),
+        Collect(),
+    ]
+    state, decided = run(state, Collected({0: -9, 1: -9}), GroupStarted(2, frozenset({0, 1})), Settled())
+    assert run(state, Look({0: RUNNING, 1: -9}))[1] == [Replace((1,))]  # trained a step: in-process again
 
 
 # ---- Collected, Finished, TimedOut, stops ------------------------------------------------------

@@ -70,6 +70,9 @@ def test_sigstop_hang_in_the_same_script_is_caught_within_the_learned_timeout(tm
     assert d["learned"] and delay <= d["timeout"] + 1.0, (delay, d)
     assert len(events(run, "group_restart")) == 1 and events(run, "resume")
     assert not events(run, "resume_not_bitwise")
+    # a stopped rank computes nothing: no advice to move its work into a section (issue 44)
+    reasons = [e["details"]["reason"] for e in events(run, "group_unhealthy")]
+    assert reasons and not any("section(" in r for r in reasons), reasons
 
 
 @pytest.mark.soak  # moved out of the README suite to keep it under 15 min on 2 cores; CI runs it in the soak step

@@ -12,6 +12,8 @@ import threading
 
 import psutil
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trainguard.launch_env import RECOVERY_KEY, LaunchEnv, assignment
 from trainguard.rejoin.auth import KEY_FILE, KeyFileError, Seal, launch_key
@@ -171,3 +173,99 @@ def test_a_node_hears_of_another_nodes_slow_rank_only_if_recent_sealed_and_not_i
     peers = BusyPeers(node0, 0, 2)
     peers.tell()  # now: node 1 hears it within BUSY_FRESH
     assert BusyPeers(node1, 1, 2).busy_node() == 0
+
+
+def test_a_forged_or_replayed_join_offer_is_refused_and_the_hosts_is_taken():
+    """Two nodes on loopback trade their records in a rendezvous round's store (torch's: anyone who
+    reaches it writes its keys). A co-tenant leaves the joining node a join offer that points its
+    workers at its own store: unsealed, then one sealed with the launch's key for another round (a
+    replay). Both are refused (told with the key; the joining node waits on) and the host's offer,
+    sealed for this round, is taken."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    from trainguard.launcher import node_join
+
+    rdzv = serve()
+    host_view, joining_view, attacker = (dist.PrefixStore("round7", connect("127.0.0.1", rdzv.port)) for _ in range(3))
+    gen = Generation(1, "127.0.0.1", 4242, (1,), 2, grown=(1,))
+    real = node_join.NodeJoin("127.0.0.1:5555", 1, gen, (1,), "ab" * 16)
+    evil = node_join.NodeJoin("10.6.6.6:6666", 1, Generation(1, "10.6.6.6", 6666, (1,), 2, grown=(1,)), (1,), "")
+    told: list[tuple[str, str]] = []
+    with ThreadPoolExecutor(2) as pool:
+        host = pool.submit(node_join.announce, host_view, 0, 2, True, 0, SEAL)
+        mine = pool.submit(node_join.announce, joining_view, 1, 2, False, 1, SEAL)
+        records, joining_records = host.result(timeout=60), mine.result(timeout=60)
+        assert records == joining_records and records[0].running
+        key = node_join.JOIN_KEY.format(1)
+        attacker.set(key, evil.to_json())  # unsealed
+        offer = pool.submit(
+            node_join.read_offer, joining_view, 1, joining_records, SEAL, lambda k, w: told.append((k, w))
+        )
+        while len(told) < 1:
+            threading.Event().wait(0.01)
+        old_round = [node_join.NodeRecord(True, 0, challenge="00" * 16), joining_records[1]]
+        node_join.offer(attacker, 1, evil, old_round, SEAL)  # sealed with the key, for another round
+        while len(told) < 2:
+            threading.Event().wait(0.01)
+        assert not offer.done()
+        node_join.offer(host_view, 1, real, records, SEAL)
+        assert offer.result(timeout=30) == real
+    assert told == [(key, "forged"), (key, "forged")]
+
+
+def test_node_records_in_the_rendezvous_store_are_sealed():
+    """A node's record (whether its group runs, how many workers) is sealed: a forged one saying
+    'my group runs' is refused, told, and the real one is read once it is written."""
+    import torch.distributed as dist
+
+    from trainguard.launcher import node_join
+
+    rdzv = serve()
+    view = dist.PrefixStore("round3", connect("127.0.0.1", rdzv.port))
+    told: list[tuple[str, str]] = []
+    view.set(node_join.NODE_KEY.format(1), json.dumps({"running": True, "nproc": 64, "host": "evil"}))
+    result: list = []
+    thread = threading.Thread(
+        target=lambda: result.append(
+            node_join.announce(view, 0, 2, False, 1, SEAL, on_forged=lambda k, w: told.append((k, w)))
+        )
+    )
+    thread.start()
+    while not told:
+        threading.Event().wait(0.01)
+    other = dist.PrefixStore("round3", connect("127.0.0.1", rdzv.port))
+    mine = node_join.NodeRecord(False, 2, "n1", False, "cd" * 16)
+    other.set(node_join.NODE_KEY.format(1), SEAL.seal(node_join.NODE_KEY.format(1), json.dumps(mine.__dict__)))
+    thread.join(30)
+    assert told == [(node_join.NODE_KEY.format(1), "forged")]
+    assert result[0][1] == mine and not result[0][0].running
+
+
+def test_a_forged_ready_of_a_spare_is_not_taken_and_is_told():
+    """The launcher's read of a spare's ready word refuses (and tells of) one without the seal."""
+    server = serve()
+    told: list[str] = []
+    connect("127.0.0.1", server.port).set("spares/4/ready", b"1")
+    assert not spare_ready(server, 4, SEAL, told.append) and told == ["spares/4/ready"]
+    server.set("spares/4/ready", SEAL.seal("spares/4/ready", "1"))
+    assert spare_ready(server, 4, SEAL, told.append) and told == ["spares/4/ready"]
+
+
+@given(
+    name=st.text(min_size=1, max_size=40),
+    value=st.binary(max_size=200),
+    ours=st.binary(min_size=16, max_size=16),
+    theirs=st.binary(min_size=16, max_size=16),
+)
+def test_a_value_opens_only_under_the_nonce_and_name_it_was_sealed_for(name, value, ours, theirs):
+    """Property: a value sealed in one launch (nonce) opens there under its own name only, never in
+    a launch with another nonce, where it is told apart as a replay."""
+    sealed = SEAL.under(theirs).seal(name, value)
+    assert SEAL.under(theirs).open(name, sealed) == value
+    assert SEAL.under(theirs).open(name + "x", sealed) is None
+    if ours != theirs:
+        assert SEAL.under(ours).open(name, sealed) is None
+        assert SEAL.under(ours).why(name, sealed) == "replayed"
+    assert Seal(bytes(32), theirs).why(name, sealed) == "forged"  # another run's key

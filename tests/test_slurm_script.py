@@ -318,3 +318,59 @@ def test_finished_run_makes_a_relaunch_exit_at_once(tmp_path):
     # another command (more steps) trains on from the final checkpoint
     assert finish(launch(run, "train.max_steps=8")) == 0
     assert events(run, "finished_marker_ignored") and events(run, "resume")[-1]["details"]["from_step"] == 5
+
+
+INJECTED = "x\ntouch pwned"
+
+
+def _control_case(tmp_path: Path, option: str, char: str) -> tuple[list[str], str]:
+    """The ``trainguard slurm script`` arguments that put ``char`` into the value of ``option``,
+    and the option's name in the refusal."""
+    value = INJECTED.replace("\n", char)
+    run = str(tmp_path / "run")
+    script = str(REPO / "examples" / "gpt.py")
+    if option == "--run-dir":
+        return ["--run-dir", str(tmp_path / value), script], "--run-dir"
+    if option == "sbatch_args":
+        sets = "slurm.sbatch_args=[" + json.dumps(f"--mem=1G{char}touch pwned") + "]"
+        return ["--run-dir", run, "--set", sets, script], "[slurm] sbatch_args"
+    if option == "--set":
+        return ["--run-dir", run, "--set", f"slurm.job_name={json.dumps(value)}", script], "--job-name"
+    if option == "script":
+        odd = tmp_path / f"train{char}touch pwned.py"
+        odd.write_text("print('hi')\n")
+        return ["--run-dir", run, str(odd)], "the training script"
+    if option == "script argument":
+        return ["--run-dir", run, script, "--data", value], "a script argument"
+    return ["--run-dir", run, option, value, script], option
+
+
+@pytest.mark.parametrize(
+    "option",
+    ["--job-name", "--gres", "--partition", "--time", "--after", "--run-dir", "sbatch_args", "--set", "script"]
+    + ["script argument"],
+)
+@pytest.mark.parametrize("char", ["\n", "\r", "\x1b"])
+def test_slurm_script_refuses_control_characters_in_every_value_naming_the_option(tmp_path, option, char):
+    """``trainguard slurm script --job-name $'x\\ntouch pwned' ...`` wrote ``touch pwned`` as a line
+    of its own: every value the script is made of is refused with a control character in it
+    (exit code 2, the option named), and no script is written."""
+    args, name = _control_case(tmp_path, option, char)
+    out = tmp_path / "job.sh"
+    done = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "slurm", "script", "--output", str(out), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert name in done.stderr and f"holds the control character {char!r}" in done.stderr, done.stderr
+    assert not out.exists() and "touch pwned" not in done.stdout
+
+
+def test_nul_and_del_are_refused_too(tmp_path):
+    for char in ("\x00", "\x7f", "\t"):
+        with pytest.raises(ConfigError, match=r"--gres \(or \[slurm\] gres\) .*holds the control character"):
+            sbatch.validate(_opts(tmp_path, gres=f"gpu:8{char}x"), check_cluster=False)
+    assert sbatch.validate(_opts(tmp_path, gres="gpu:8", job_name="nächster-lauf"), check_cluster=False) == []

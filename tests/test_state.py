@@ -279,3 +279,95 @@ def test_state_hash_without_process_group_is_local():
         )
     assert state_hash(m) == by_hand.hexdigest()
     assert state_hash(m) != state_hash(m, opt)
+
+
+PCG_GUARD_SCRIPT = """
+import sys, numpy as np, torch, trainguard
+np.random.set_bit_generator(np.random.PCG64(1))
+cfg = trainguard.Config.model_validate({"run": {"dir": sys.argv[1]}, "checkpoint": {"interval": 2}})
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+guard = trainguard.Guard(cfg, model=model, optimizer=opt)
+for step in guard.steps(4):
+    x = torch.from_numpy(np.random.standard_normal((8, 4)).astype("float32"))  # a PCG64 draw per step
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    guard.step_end()
+print("draw after", float(np.random.random()), flush=True)
+"""
+
+
+def test_a_script_on_numpys_pcg64_runs_under_the_guard(tmp_path):
+    """issue 47: np.random.set_bit_generator(PCG64) made Guard(...) crash (get_state() returns a
+    dict there), and every RNG read warned. Now the run goes through, warnings made errors."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "pcg.py"
+    script.write_text(PCG_GUARD_SCRIPT)
+    env = {**os.environ, "PYTHONWARNINGS": "error::RuntimeWarning"}
+    first = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True, env=env
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+
+
+def test_a_pcg64_state_round_trips_through_weights_only_load():
+    old = np.random.get_bit_generator()
+    try:
+        np.random.set_bit_generator(np.random.PCG64(5))
+        np.random.standard_normal()  # a cached Gaussian too
+        state = capture_rng()
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        expected = np.random.standard_normal(3)
+        np.random.set_bit_generator(np.random.MT19937(2))  # another kind: the restore puts PCG64 back
+        restore_rng(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+        assert type(np.random.get_bit_generator()).__name__ == "PCG64"
+        assert np.array_equal(np.random.standard_normal(3), expected)
+        moved = RNGState().state_dict()
+        np.random.random()
+        assert RNGState().state_dict()["numpy"]["state"] != moved["numpy"]["state"]
+    finally:
+        np.random.set_bit_generator(old)
+
+
+def test_the_numpy_memory_read_waits_for_a_draw_holding_the_generators_lock():
+    """issue 47: the fast read of NumPy's state must hold the bit generator's lock, as its draws and
+    get_state() do. A thread holds the lock while it writes a new state in two halves (a draw in
+    progress, as a free-threaded build runs it beside the read); the capture taken meanwhile must be
+    the old state or the new one, never half of each."""
+    import ctypes
+    import threading
+
+    from trainguard.state.determinism import _MT_BYTES, _numpy_state
+
+    np.random.seed(0)
+    _numpy_state()  # the layout checks run once, before the lock is held
+    bitgen = np.random.get_bit_generator()
+    old = ctypes.string_at(bitgen.ctypes.state_address, _MT_BYTES)
+    new = bytes(b ^ 0xFF for b in old[:-4]) + old[-4:]
+    half = len(new) // 2
+    got: list[dict] = []
+    held, go = threading.Event(), threading.Event()
+
+    def draw_in_progress():
+        with bitgen.lock:
+            ctypes.memmove(bitgen.ctypes.state_address, new[:half], half)
+            held.set()
+            go.wait()
+            ctypes.memmove(bitgen.ctypes.state_address + half, new[half:], len(new) - half)
+
+    writer = threading.Thread(target=draw_in_progress)
+    writer.start()
+    held.wait()
+    reader = threading.Thread(target=lambda: got.append(_numpy_state()))
+    reader.start()
+    reader.join(timeout=1.0)  # unlocked, the read is done by now, with half of each state
+    go.set()
+    writer.join()
+    reader.join()
+    keys = got[0]["keys"].numpy().astype(np.uint32).tobytes()
+    assert keys in (old[:-4], new[:-4]), "a torn state: half the words before the draw, half after"
+    np.random.seed(0)

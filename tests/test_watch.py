@@ -232,7 +232,7 @@ def test_failed_notification_is_a_warning_and_retried(tmp_path, capsys):
 def test_bad_input_exits_2(tmp_path, capsys):
     assert main(tmp_path, [], ["notaservice://x"], None, True) == 2
     err = capsys.readouterr().err
-    assert "trainguard: error: invalid notification URL 'notaservice://x': apprise does not recognise it" in err
+    assert "trainguard: error: invalid notification URL 'notaservice://***': apprise does not recognise it" in err
     assert not (tmp_path / "watch_state.json").exists()  # nothing ran
 
     assert main(tmp_path, ["max_usd_percent=5"], [], None, True) == 2

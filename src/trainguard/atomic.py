@@ -5,6 +5,9 @@ The one routine for every small file trainguard replaces in place (run id, SLURM
 ``manifest.json`` when it is marked known-good). The protocol is the usual POSIX one: write a
 temporary file on the same filesystem, ``fsync`` it, ``rename(2)`` it over the target (atomic),
 then ``fsync`` the directory so that the rename itself survives a power loss.
+
+Every file is written with mode 0600 (owner only): these files sit in the run directory or a
+checkpoint directory, which are private too (:mod:`trainguard.rundir`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, tmp: Optional[str |
     """Replace ``path`` with ``data`` (text is UTF-8 encoded), atomically and durably.
 
     Writes the temporary file ``tmp`` (default ``.NAME.tmp-PID`` beside ``path``) and fsyncs it,
-    ``os.replace``\\s it over ``path``, then fsyncs ``path``'s directory (and ``tmp``'s, when it
+    ``os.replace``\\s it over ``path`` (mode 0600), then fsyncs ``path``'s directory (and ``tmp``'s, when it
     is another one: the rename removed an entry there). A crash leaves the old file or the new one,
     and a stale temporary file at most.
 
@@ -50,7 +53,8 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, tmp: Optional[str |
     path = Path(path)
     tmp = Path(tmp) if tmp is not None else path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        tmp.unlink(missing_ok=True)  # a stale one may have another mode
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())

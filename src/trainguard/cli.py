@@ -170,14 +170,22 @@ def watch(
     run_dir: Path = typer.Argument(..., help="run directory"),
     overrides: list[str] = typer.Option([], "--set", help="threshold key=value, e.g. min_days=3 (repeatable)"),
     notify: list[str] = typer.Option(
-        [], "--notify", help="apprise URL to notify (repeatable): mailto://..., slack://..., json://..."
+        [],
+        "--notify",
+        help="apprise URL to notify (repeatable): mailto://..., slack://..., json://...; "
+        "visible to every user in ps: prefer --notify-file or TRAINGUARD_NOTIFY for URLs with secrets",
+    ),
+    notify_file: Optional[Path] = typer.Option(
+        None, "--notify-file", help="file (mode 0600) with apprise URLs, one per line; also: TRAINGUARD_NOTIFY"
     ),
     every: Optional[str] = typer.Option(None, "--every", help="repeat every interval (60, '5m'); default: one pass"),
 ) -> None:
     """Check disk space and inodes, the SLURM job, a silent (hung) run and node memory; notify once per condition."""
     from .watch import main as watch_main
 
-    raise typer.Exit(watch_main(run_dir, list(overrides), list(notify), every, once=every is None))
+    raise typer.Exit(
+        watch_main(run_dir, list(overrides), list(notify), every, once=every is None, notify_file=notify_file)
+    )
 
 
 slurm_app = typer.Typer(
@@ -255,6 +263,7 @@ def _slurm(
     ),
 ) -> None:
     """Write the sbatch script for SCRIPT (script) or write it into the run dir and sbatch it (submit)."""
+    from .atomic import write_atomic
     from .config import Config, ConfigError, load_config, split_cli_args
     from .slurm import script as sbatch
 
@@ -312,8 +321,8 @@ def _slurm(
             typer.echo(text, nl=False)
             return
         path = output or Path(run_dir) / "slurm-job.sh"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_atomic(path, text)  # mode 0600, as every file trainguard writes (it may be in the run dir)
         if not submitting:
             typer.echo(f"trainguard: wrote {path}", err=True)
             return

@@ -1,11 +1,121 @@
-"""Small helpers over ``torch.distributed`` that also work in a single process without a group."""
+"""Small helpers over ``torch.distributed`` that also work in a single process without a group.
+
+The object collectives (:func:`broadcast_object`, :func:`gather_objects`) never unpickle what a
+peer sent with plain pickle, as ``torch.distributed``'s ``broadcast_object_list`` and
+``all_gather_object`` do: whoever joins a group's store can be a peer (the stores of the first
+generation are torch's, not sealed). They carry the object in a ``uint8`` tensor,
+pickled so that only built-in values, CPU tensors (as raw bytes, as the step-boundary blobs of
+:mod:`trainguard.rejoin.boundary`), paths and trainguard's own dataclasses (by name and fields,
+rebuilt without calling their code) are in it, and read back by an unpickler that refuses every
+other class and callable. What that encoding does not carry (a user's object among the values)
+goes as ``torch.save`` and comes back through ``torch.load(weights_only=True)``, which refuses
+classes outside torch's allow-list; a refusal raises on the receiving rank instead of running.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import io
+import pickle
+from pathlib import Path, PurePath
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+PLAIN, TORCH = b"P", b"T"  # first byte of what travels: the restricted pickle, or torch.save
+
+
+def _path(text: str) -> Path:
+    """A path that travelled (the only callable besides :func:`_dataclass` and the tensor one)."""
+    return Path(text)
+
+
+def _dataclass(name: str, fields: dict[str, Any]) -> Any:
+    """An instance of trainguard's dataclass ``name`` (``module:qualname``) with ``fields`` set,
+    built without calling its ``__init__``.
+
+    Raises:
+        pickle.UnpicklingError: ``name`` is not a dataclass of trainguard's.
+    """
+    module, _, qualname = name.partition(":")
+    cls = getattr(importlib.import_module(module), qualname, None) if module.startswith("trainguard.") else None
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise pickle.UnpicklingError(f"{name} is not one of trainguard's dataclasses")
+    obj = object.__new__(cls)
+    for key, value in fields.items():
+        object.__setattr__(obj, key, value)
+    return obj
+
+
+class _Unsupported(Exception):
+    """A value the restricted pickle does not carry (it goes as ``torch.save``)."""
+
+
+class _Pickler(pickle.Pickler):
+    """Built-in values as pickle does; CPU tensors, paths and trainguard's dataclasses as calls
+    of the three constructors the unpickler allows; anything else raises :class:`_Unsupported`."""
+
+    def reducer_override(self, obj: Any) -> Any:  # pickle's hook, for every non-built-in value
+        from .rejoin.boundary import tensor_from_bytes
+
+        if obj is tensor_from_bytes or obj is _path or obj is _dataclass:
+            return NotImplemented  # pickled by reference
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad:
+            data = obj.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            return tensor_from_bytes, (str(obj.dtype).removeprefix("torch."), tuple(obj.shape), data)
+        if isinstance(obj, PurePath):
+            return _path, (str(obj),)
+        cls = type(obj)
+        if dataclasses.is_dataclass(obj) and cls.__module__.startswith("trainguard."):
+            fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            return _dataclass, (f"{cls.__module__}:{cls.__qualname__}", fields)
+        raise _Unsupported(cls.__name__)
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):  # noqa: D102 (pickle's hook)
+        from .rejoin import boundary
+
+        allowed = {
+            (boundary.__name__, "tensor_from_bytes"): boundary.tensor_from_bytes,
+            (__name__, "_path"): _path,
+            (__name__, "_dataclass"): _dataclass,
+        }
+        if (module, name) not in allowed:
+            raise pickle.UnpicklingError(f"an object sent between ranks may not name {module}.{name}")
+        return allowed[(module, name)]
+
+
+def encode(obj: Any) -> bytes:
+    """``obj`` as bytes for :func:`decode` (the restricted pickle where it can, else ``torch.save``)."""
+    buf = io.BytesIO()
+    buf.write(PLAIN)
+    try:
+        _Pickler(buf, protocol=5).dump(obj)
+    except _Unsupported:
+        out = io.BytesIO()
+        out.write(TORCH)
+        torch.save(obj, out)
+        return out.getvalue()
+    return buf.getvalue()
+
+
+def decode(data: bytes) -> Any:
+    """Inverse of :func:`encode`.
+
+    Raises:
+        pickle.UnpicklingError: the bytes name a class or callable :func:`encode` does not write,
+            or (``torch.save``) one outside ``torch.load(weights_only=True)``'s allow-list.
+        ValueError: not bytes :func:`encode` wrote.
+    """
+    kind, body = data[:1], data[1:]
+    if kind == PLAIN:
+        return _Unpickler(io.BytesIO(body)).load()
+    if kind == TORCH:
+        return torch.load(io.BytesIO(body), weights_only=True)
+    raise ValueError(f"not an object sent by trainguard.dist (first byte {kind!r})")
 
 
 def is_dist() -> bool:
@@ -64,22 +174,70 @@ def all_reduce_max(values: list[int], group: Any = None) -> list[int]:
     return t.tolist()
 
 
+def _device(group: Any) -> torch.device:
+    """Where a collective's tensors live: the current CUDA device on NCCL, else the CPU."""
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    )
+
+
+def _bytes_tensor(data: bytes, length: int, device: torch.device) -> torch.Tensor:
+    """``data`` in a ``uint8`` tensor of ``length`` bytes (zero-padded) on ``device``."""
+    t = torch.zeros(length, dtype=torch.uint8)
+    if data:
+        t[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return t.to(device)
+
+
+def _from_tensor(t: torch.Tensor, length: int) -> Any:
+    """The object in the first ``length`` bytes of ``t`` (:func:`decode`).
+
+    Raises:
+        pickle.UnpicklingError: the bytes name a class or callable (not sent by this module).
+    """
+    return decode(t[:length].cpu().numpy().tobytes())
+
+
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
-    """Send a picklable object from global rank ``src`` to every rank (of ``group``) and return it."""
+    """Send ``obj`` from global rank ``src`` to every rank (of ``group``) and return it (``src``
+    gets ``obj`` itself, the others a copy). Built-in values, containers and CPU tensors travel
+    (see the module's docstring); two collectives: the length, then the bytes.
+
+    Raises:
+        pickle.UnpicklingError: on a receiving rank, what arrived names a class (a peer that is
+            not this module sent it).
+    """
     if not is_dist():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+    device, mine = _device(group), dist.get_rank() == src
+    data = encode(obj) if mine else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    length = int(size.item())
+    buf = _bytes_tensor(data, length, device)
+    dist.broadcast(buf, src=src, group=group)
+    return obj if mine else _from_tensor(buf, length)
 
 
 def gather_objects(obj: Any, group: Any = None) -> list[Any]:
-    """All-gather one picklable object per rank (of ``group``); returns the list indexed by rank."""
+    """All-gather one object per rank (of ``group``); returns the list indexed by rank (group
+    rank), each a copy as it travelled (see the module's docstring). Two collectives: the lengths,
+    then the bytes (padded to the longest).
+
+    Raises:
+        pickle.UnpicklingError: what a peer sent names a class.
+    """
     if not is_dist():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    device, data = _device(group), encode(obj)
+    n = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device), group=group)
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(lengths)
+    bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
+    dist.all_gather(bufs, _bytes_tensor(data, longest, device), group=group)
+    return [_from_tensor(b, length) for b, length in zip(bufs, lengths)]
 
 
 def new_cpu_group() -> Any:

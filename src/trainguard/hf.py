@@ -61,7 +61,7 @@ import random
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -70,12 +70,12 @@ from . import compat
 from . import dist as tgdist
 from .checkpoint.store import Checkpoint, CheckpointStore
 from .config import Config, config_from_env
-from .events import Hook
+from .events import EventLog, Hook
 from .guard import Guard
 from .instability import fold
 from .launch_env import LaunchEnv
 from .outcomes import BadInput
-from .rejoin.auth import Seal
+from .rejoin.auth import Seal, reporter
 from .rejoin.protocol import RecoveryStore, connect, parse_address
 from .rejoin.rank import lost_boundaries
 from .state.determinism import capture_rng, restore_rng
@@ -146,8 +146,9 @@ def join_checkpoint(config: Config, launch: LaunchEnv, newest: Optional[Checkpoi
     rank = int(os.environ["RANK"])
     if newest is None:
         raise RuntimeError("no committed checkpoint yet to set the Trainer up from: the group restarts")
-    seal = Seal(launch.recovery_key or b"")
-    store = RecoveryStore(connect(*parse_address(launch.recovery_store)), launch.recovery_group, seal)
+    seal = Seal(launch.recovery_key or b"", launch.recovery_nonce)
+    refused = reporter(EventLog(config.run.dir))  # a security event per refused value
+    store = RecoveryStore(connect(*parse_address(launch.recovery_store)), launch.recovery_group, seal, refused)
     step = store.survivors_step(launch.join, config.recovery.timeout)
     if step is None:
         raise RuntimeError(f"the survivors did not say their step within {config.recovery.timeout} s")
@@ -172,6 +173,23 @@ def join_checkpoint(config: Config, launch: LaunchEnv, newest: Optional[Checkpoi
     torch.save(_hf_rng_state(), directory / name)
     restore_rng(now)
     return directory
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' own progress bars (``save_pretrained``'s "Writing model shards", which
+    ``TrainingArguments(disable_tqdm=True)`` does not reach) off while trainguard saves, then back
+    as they were (the Trainer's training bar is tqdm's own: untouched)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if was:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def _calling_trainer() -> Any:
@@ -375,9 +393,10 @@ class TrainguardCallback(TrainerCallback):
         t = self._trainer
         rank = tgdist.rank()
         if rank == 0:
-            t["model"].save_pretrained(directory, safe_serialization=True)
-            if t.get("processing_class") is not None:
-                t["processing_class"].save_pretrained(directory)
+            with _no_progress_bars():  # save_pretrained's "Writing model shards" bar at every checkpoint
+                t["model"].save_pretrained(directory, safe_serialization=True)
+                if t.get("processing_class") is not None:
+                    t["processing_class"].save_pretrained(directory)
             _save_synced(t["optimizer"].state_dict(), directory / "optimizer.pt")
             if t.get("lr_scheduler") is not None:
                 _save_synced(t["lr_scheduler"].state_dict(), directory / "scheduler.pt")

@@ -34,6 +34,7 @@ RECOVERY_STORE = "TRAINGUARD_RECOVERY_STORE"
 RECOVERY_DIR = "TRAINGUARD_RECOVERY_DIR"
 RECOVERY_GROUP = "TRAINGUARD_RECOVERY_GROUP"
 RECOVERY_KEY = "TRAINGUARD_RECOVERY_KEY"  # never copied through a store (assignment() leaves it out)
+RECOVERY_NONCE = "TRAINGUARD_RECOVERY_NONCE"  # the launch's nonce (hex) bound into every sealed value
 BOUNDARY_MIRROR = "TRAINGUARD_BOUNDARY_MIRROR"  # "1": copy the step-boundary files into the recovery store
 SPARE_NODES = "TRAINGUARD_SPARE_NODES"  # "1": spare nodes may replace a lost node (the ranks watch for the word)
 # set by the launcher for one process only: a replacement of a lost rank (not in to_environ)
@@ -76,6 +77,7 @@ WRITTEN = (
     RECOVERY_DIR,
     RECOVERY_GROUP,
     RECOVERY_KEY,
+    RECOVERY_NONCE,
     BOUNDARY_MIRROR,
     SPARE_NODES,
 )
@@ -114,6 +116,8 @@ class LaunchEnv:
             a restart for a node that joined too, which torch's restart count does not).
         recovery_key: the launch's secret that seals the recovery store's values
             (``TRAINGUARD_RECOVERY_KEY``, hex; :mod:`trainguard.rejoin.auth`); not in ``repr``.
+        recovery_nonce: the launch's nonce bound into every sealed value (``TRAINGUARD_RECOVERY_NONCE``,
+            hex; the recovery store's launcher drew it; :class:`~trainguard.rejoin.auth.Seal`).
         boundary_mirror: copy each step-boundary file into the recovery store as well
             (``TRAINGUARD_BOUNDARY_MIRROR`` = ``1``): the launcher sets it on a node that a spare
             node may replace (every node but the recovery store's), whose files die with it.
@@ -139,6 +143,7 @@ class LaunchEnv:
     recovery_dir: Optional[Path] = None
     recovery_group: int = 0
     recovery_key: Optional[bytes] = field(default=None, repr=False)
+    recovery_nonce: bytes = b""
     boundary_mirror: bool = False
     spare_nodes: bool = False
     join: Optional[int] = None
@@ -171,6 +176,7 @@ class LaunchEnv:
             recovery_dir=_path(env, RECOVERY_DIR),
             recovery_group=_count(env, RECOVERY_GROUP, 0),
             recovery_key=_hex(env, RECOVERY_KEY),
+            recovery_nonce=_hex(env, RECOVERY_NONCE) or b"",
             boundary_mirror=env.get(BOUNDARY_MIRROR, "") == "1",
             spare_nodes=env.get(SPARE_NODES, "") == "1",
             join=_count(env, JOIN, None),
@@ -207,6 +213,7 @@ class LaunchEnv:
             RECOVERY_DIR: _text(self.recovery_dir),
             RECOVERY_GROUP: str(self.recovery_group) if self.recovery_group else "",
             RECOVERY_KEY: self.recovery_key.hex() if self.recovery_key else "",
+            RECOVERY_NONCE: self.recovery_nonce.hex(),
             BOUNDARY_MIRROR: "1" if self.boundary_mirror else "",
             SPARE_NODES: "1" if self.spare_nodes else "",
         }

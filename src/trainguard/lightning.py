@@ -18,11 +18,11 @@ launched by ``trainguard run --nproc-per-node 2 train.py``. One trainguard step 
 * ``on_train_start``: takes SIGTERM/SIGUSR1/SIGINT back from Lightning's handlers (registered
   just before; Lightning's SIGTERM handler runs a collective inside the handler).
 * ``on_train_batch_start``: opens the ``step`` section (:meth:`Guard.step_begin`); restores the
-  random number generators to the state the last step's training (or the resume) left, kept at
-  ``on_fit_start``, ``on_train_epoch_start`` and ``on_validation_start``: the draws of Lightning's
-  work between steps (set-up, a new epoch's DataLoader iterator and validation's, which draw base
-  seeds) do not move the training's streams, so a run resumed or recovered at any step draws what
-  the uninterrupted one drew.
+  random number generators to the state the last step's end (or the resume) left, kept at
+  ``on_fit_start`` and ``on_train_batch_end``: the draws of Lightning's work between steps
+  (set-up, a new epoch's DataLoader iterator and validation's, which draw base seeds) do not move
+  the training's streams, so a run resumed or recovered at any step (a validation step included:
+  the resumed run does not validate it again) draws what the uninterrupted one drew.
 * ``on_before_optimizer_step``: the NaN/spike check (:meth:`Guard.should_step`) on the loss
   Lightning passed to ``on_before_backward``. A peer lost in the step (in-process recovery, on by
   default): :meth:`Guard.recover_in_step` meets the lost rank's replacement on a new group, then
@@ -42,7 +42,8 @@ launched by ``trainguard run --nproc-per-node 2 train.py``. One trainguard step 
 * ``on_train_batch_end``: :meth:`Guard.step_end` — the agreed stop check, scheduled and
   emergency saves on every rank; a stop raises :class:`~trainguard.outcomes.Requeue` out of
   ``fit`` (exit code 75).
-* ``on_validation_start``/``end``: the ``validation`` section of the hang supervisor.
+* ``on_validation_start``/``end``: the ``validation`` section of the hang supervisor (fit's
+  validation: ``trainer.training`` is false while it runs).
 * ``on_train_end``: :meth:`Guard.finish` (final save, ``end`` event); ``on_exception`` and
   ``teardown`` release what the Guard installed.
 
@@ -159,7 +160,8 @@ class TrainguardCallback(pl.Callback):
         self.guard: Optional[Guard] = None
         self.extra_steps = 0
         self._max_steps = 0
-        self._rng: Optional[dict] = None
+        self._rng: Optional[dict] = None  # the generators' state to put back at the next batch's start
+        self._rngs = RNGState()  # copy-on-change: the same dict while no generator moved
         self._loss: Any = None
         self._rolled_back: Optional[tuple[dict, Optional[dict]]] = None
         self._batch: Any = None  # (batch, batch_idx) of the step in progress
@@ -194,17 +196,25 @@ class TrainguardCallback(pl.Callback):
         self._hold_rng()  # the new epoch's DataLoader iterator draws its base seed after this
 
     def _hold_rng(self) -> None:
-        """Keep the random number generators as they are now (the end of the last step's training),
-        to be put back at the next batch's start: what Lightning draws between steps (set-up, a new
-        epoch's DataLoader iterator, validation) does not move the training's streams, so that a
-        step's random numbers follow from the previous step's alone (a resume, a replacement)."""
+        """Keep the random number generators as they are now (the end of the last step, as its
+        checkpoint holds them, or the resume), to be put back at the next batch's start: what
+        Lightning draws between steps (set-up, a new epoch's DataLoader iterator, validation's
+        iterator, created before ``on_validation_start``) does not move the training's streams, so
+        that a step's random numbers follow from the previous step's alone (a resume, a
+        replacement). A run resumed from a validation step's checkpoint does not validate that step
+        again: its validation's draws must not count."""
         if self._rng is None:
-            self._rng = RNGState().state_dict()
+            self._rng = self._rngs.state_dict()
+
+    def _put_back_rng(self) -> None:
+        """The generators back where :meth:`_hold_rng` kept them (nothing to do, a fingerprint's
+        comparison, when nothing drew in between: the common step)."""
+        if self._rng is not None and self._rngs.state_dict() is not self._rng:
+            self._rngs.load_state_dict(self._rng)
+        self._rng = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
-        if self._rng is not None:
-            RNGState().load_state_dict(self._rng)
-            self._rng = None
+        self._put_back_rng()
         self.guard.step_begin()
         self._batch = (batch, batch_idx)
         self._fetched = self.sampler.state_dict() if self.sampler is not None and self.guard.in_process else None
@@ -259,6 +269,7 @@ class TrainguardCallback(pl.Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.guard.step_end(loss=loss.detach() if loss is not None else None)
         self._follow(trainer)
+        self._hold_rng()  # as the step's checkpoint holds them
 
     def _follow(self, trainer: pl.Trainer) -> None:
         """Keep Lightning's ``max_steps`` ahead of its ``global_step`` by the steps trainguard undid."""
@@ -266,8 +277,8 @@ class TrainguardCallback(pl.Callback):
         trainer.fit_loop.epoch_loop.max_steps = self._max_steps + self.extra_steps
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.guard is not None and trainer.training:
-            self._hold_rng()  # the validation DataLoader's iterator draws a seed
+        # fit's validation: ``trainer.training`` is False while it runs, so test the fit, not the stage
+        if self.guard is not None and trainer.state.fn == "fit":
             self._sections.enter_context(self.guard.section("validation"))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

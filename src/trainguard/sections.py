@@ -668,7 +668,7 @@ class RecoverySection(Section):
 
     in_process: Union[Literal["nccl-experimental"], bool] = Field(
         True,
-        description='replace a lost rank without restarting the survivors (trainguard run, two ranks or more; not under Lightning or the Hugging Face Trainer; FSDP2 models roll back to an in-memory snapshot, see snapshot_interval; a lost whole node is replaced by a spare node where one waits, see spare_nodes). Verified on gloo: a job whose default group is NCCL restarts the group on a lost rank (the launcher ends the survivors at once) unless "nccl-experimental", which replaces the rank in-process with the survivors\' communicators aborted (not yet verified on two GPUs; see docs/recovery.md, NCCL)',
+        description='replace a lost rank without restarting the survivors (trainguard run, two ranks or more; the Lightning and Hugging Face callbacks included; FSDP2 models roll back to an in-memory snapshot, see snapshot_interval; a lost whole node is replaced by a spare node where one waits, see spare_nodes). Verified on gloo: a job whose default group is NCCL restarts the group on a lost rank (the launcher ends the survivors at once) unless "nccl-experimental", which replaces the rank in-process with the survivors\' communicators aborted (not yet verified on two GPUs; see docs/recovery.md, NCCL)',
     )
     timeout: float = Field(
         30.0,

@@ -40,9 +40,10 @@ def describe_files(root: Path, names: list[str]) -> dict[str, dict]:
 
 
 def write_manifest(root: Path, step: int, files: dict[str, dict], meta: dict) -> None:
-    """Write ``root/manifest.json`` (fsynced) listing ``files``; ``meta`` is stored as is."""
+    """Write ``root/manifest.json`` (fsynced, mode 0600) listing ``files``; ``meta`` is stored as is."""
     body = {"format": FORMAT_VERSION, "step": step, "files": files, "meta": meta}
-    with open(root / MANIFEST, "w") as f:
+    (root / MANIFEST).unlink(missing_ok=True)
+    with open(os.open(root / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         json.dump(body, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())

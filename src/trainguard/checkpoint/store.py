@@ -100,9 +100,13 @@ class CheckpointStore:
         return None
 
     def check(self, ckpt: Checkpoint, verify: str = "full") -> Optional[str]:
-        """Why ``ckpt`` is not usable (``None`` if it is): manifest verification, and the
-        manifest's step must match the directory name (a renamed copy is refused)."""
-        reason = mf.verify(ckpt.path, verify)
+        """Why ``ckpt`` is not usable (``None`` if it is): the store, the checkpoint directory or
+        one of its files could be another user's (:func:`~trainguard.rundir.exposed`: their
+        manifest could be rewritten to match, and ``.metadata`` is unpickled on load), manifest
+        verification, and the manifest's step must match the directory name (a renamed copy is
+        refused)."""
+        reason = _exposed(self.root, ckpt.path)  # before anything in it is read
+        reason = reason or mf.verify(ckpt.path, verify)
         if reason is None:
             step = mf.read_manifest(ckpt.path)["step"]
             if step != ckpt.step:
@@ -177,11 +181,11 @@ class CheckpointStore:
 
     def begin(self, step: int) -> Path:
         """Create an empty temporary directory for a checkpoint at ``step`` and return it."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.tmp_path_for(step)
         if tmp.exists():
             shutil.rmtree(tmp)
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700)
         return tmp
 
     def commit(self, tmp: Path, step: int, files: dict[str, dict], meta: dict) -> Checkpoint:
@@ -197,6 +201,7 @@ class CheckpointStore:
         final = self.path_for(step)
         if final.exists():
             raise FileExistsError(f"checkpoint {final} already exists")
+        private(tmp)
         mf.write_manifest(tmp, step, files, meta)
         mf.fsync_path(tmp)
         tmp.rename(final)
@@ -240,3 +245,29 @@ def _verifies(ckpt: Checkpoint, verify: str) -> bool:
         return mf.verify(ckpt.path, verify) is None
     except mf.ReadError:
         return False
+
+
+def private(directory: Path) -> None:
+    """Make ``directory`` and the files in it (one level: a checkpoint is flat) its owner's only:
+    mode 0700 and 0600. What ``torch.distributed.checkpoint`` and ``torch.save`` wrote follows
+    the process's umask; a checkpoint is loaded only from a private directory (:meth:`CheckpointStore.check`).
+
+    Raises:
+        OSError: a mode cannot be changed.
+    """
+    directory.chmod(0o700)
+    for p in directory.iterdir():
+        if p.is_file() and not p.is_symlink():
+            p.chmod(0o600)
+
+
+def _exposed(root: Path, path: Path) -> Optional[str]:
+    """Why the checkpoint directory ``path`` in the store ``root`` could hold another user's
+    files, or ``None`` (:func:`~trainguard.rundir.exposed` of the store, the directory and each file)."""
+    from ..rundir import exposed
+
+    for p in (root, path, *sorted(path.iterdir())):
+        why = exposed(p) if not p.is_symlink() else "it is a symbolic link"
+        if why:
+            return f"{p.name if p != root else p} is not private: {why}"
+    return None

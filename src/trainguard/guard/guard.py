@@ -86,6 +86,7 @@ from ..rundir import prepare_run_dir
 from ..sdc.crosscheck import StepInputs
 from ..sdc.replicas import ReplicaCheck
 from ..sdc.rerun import StepRerun
+from ..state.buckets import BucketLayout
 from ..state.determinism import state_hash
 from ..state.fidelity import DrawWatch, ResumeFidelity
 from ..state.reshard import ElasticState, rank_batch
@@ -290,6 +291,7 @@ class Guard:
             cfg.oom, model, events, self.faults, self.straggler, rank, world_size, fold, keeper.before_last_bucket
         )
         self.fidelity, self.draws = ResumeFidelity(world_size), DrawWatch()
+        layout = BucketLayout(model, lambda: self.inprocess.bucket_layout(), world_size)  # (InProcess: built below)
         self.elastic = ElasticState(world_size)
         self.train_state = TrainState(
             {
@@ -300,6 +302,7 @@ class Guard:
                 "instability": self.recovery,
                 "oom": self.micro,
                 "fidelity": self.fidelity,
+                "buckets": layout,
                 "elastic": self.elastic,
                 "rng": own["rng"],
             }
@@ -336,7 +339,7 @@ class Guard:
             self.train_state,
             events,
             self.step_start,
-            Renumber(world, events, numbered, self.straggler, self.fidelity, self.sampler),
+            Renumber(world, events, numbered, self.straggler, (self.fidelity, layout), self.sampler),
             self.ckpt.regroup,
             self._on_ping_failure,
             lambda: self.elastic.base_world_size,
@@ -553,9 +556,16 @@ class Guard:
                     f"checkpoint.interval ({c.interval}) is larger than max_steps ({max_steps}) and "
                     "checkpoint.save_final is false: the persistent tier would never save"
                 )
+            joining = self.rejoin.joining
             self._begin()
             self.faults.arm(max_steps)
             self.faults.watch_activations(self.model, lambda: self.step + 1)
+            # nanoGPT's prefetch: a first batch drawn before the generators were restored (state.fidelity)
+            self.draws.watch_first_step(
+                self.model,
+                joining or self.resumed_from is not None,
+                lambda cause: self.resumer.not_bitwise(self.step, cause, say=joining),
+            )
         return self.step
 
     def step_begin(self) -> None:
@@ -825,6 +835,7 @@ class Guard:
         self.sdc.last_good = self.step  # every replica loaded the same state
         if self.rejoin.keeping:
             self.inprocess.keep_boundary(self.step)
+        self.inprocess.began(self.step)  # the launcher hears of the first completed step (the progress rule)
         self.inprocess.snapshot(self.step, now=True)  # a sharded model's first in-memory snapshot
         self.world.ping = health.start(
             self.cfg.health,

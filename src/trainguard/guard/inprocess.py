@@ -491,6 +491,13 @@ class InProcess:
             ALIGN.survivor(self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == lowest)
         self.rejoin.done()
 
+    def began(self, step: int) -> None:
+        """A rank of a new start of the group begins training at step boundary ``step``: its first
+        completed step tells the launcher too (before it, a lost rank restarts the group: no rank
+        holds a state to send yet)."""
+        if self.rejoin.active:
+            self._stepping = (self.rejoin.generation, step)
+
     def step_completed(self, step: int, rank: int, world_size: int) -> None:
         """Completed step ``step`` ended on this rank (the Guard's ``step_end``; ``rank`` and
         ``world_size`` as now). The first one after a meeting tells the launcher (the progress

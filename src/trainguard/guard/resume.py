@@ -96,6 +96,10 @@ class Resume:
             self.not_bitwise(step, f"changed since the checkpoint was saved: {', '.join(self.fidelity.changed)}")
         if drawn:
             self.not_bitwise(step, DRAWN_BEFORE_LOOP)
+        buckets = self.train_state.parts.get("buckets")
+        cause = buckets.impose() if buckets is not None else None  # DDP's rebuilt bucket layout (state.buckets)
+        if cause is not None:
+            self.not_bitwise(step, cause)
         return Resumed(step, Checkpoint(point.step, path), point.checkpoint)
 
     def load(self, point: ResumePoint) -> int:
@@ -137,9 +141,10 @@ class Resume:
         self.ckpt.discard_local_after(target.step, why)
         return step
 
-    def not_bitwise(self, step: int, cause: str) -> None:
+    def not_bitwise(self, step: int, cause: str, say: bool = False) -> None:
         """Warn that a resume cannot be bitwise identical (see :mod:`trainguard.state.fidelity`): an event
-        from this rank, one console line from rank 0."""
+        from this rank, one console line from rank 0 (``say``: from this rank, whichever it is: an
+        in-process replacement, the only rank that resumed)."""
         self.events.emit("resume_not_bitwise", step, rank=self.rank, cause=cause)
-        if self.rank == 0:
+        if self.rank == 0 or say:
             console.warn(f"a resume cannot be bitwise identical: {cause}")

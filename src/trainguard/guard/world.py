@@ -15,7 +15,6 @@ from typing import Any, Optional, Protocol
 from ..events import EventLog
 from ..health.straggler import StragglerDetector
 from ..rejoin import shrink
-from ..state.fidelity import ResumeFidelity
 
 
 class World:
@@ -60,7 +59,8 @@ class Renumber:
         events: the event log (events carry the new rank).
         parts: the parts that keep ``rank`` and ``world_size`` (``renumber(rank, world_size)``).
         straggler: the straggler detector (it keeps the hosts too).
-        fidelity: the resume-fidelity record (it keeps the world size).
+        sized: the parts that keep the world size only (``renumber(world_size)``: the
+            resume-fidelity record, the bucket layout).
         sampler: the script's sampler (``reshard(rank, world_size)``), or ``None``.
     """
 
@@ -70,17 +70,18 @@ class Renumber:
         events: EventLog,
         parts: tuple[Numbered, ...],
         straggler: StragglerDetector,
-        fidelity: ResumeFidelity,
+        sized: tuple[Any, ...],
         sampler: Optional[Any],
     ):
         self.world, self.events, self.parts = world, events, parts
-        self.straggler, self.fidelity, self.sampler = straggler, fidelity, sampler
+        self.straggler, self.sized, self.sampler = straggler, sized, sampler
 
     def __call__(self, rank: int, world_size: int, hosts: list[str]) -> None:
         self.events.renumber(rank)
         for part in self.parts:
             part.renumber(rank, world_size)
         self.straggler.renumber(rank, world_size, hosts)
-        self.fidelity.renumber(world_size)
+        for part in self.sized:
+            part.renumber(world_size)
         shrink.reshard(self.sampler, rank, world_size)
         self.world.rank, self.world.world_size, self.world.hosts = rank, world_size, list(hosts)

@@ -40,7 +40,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from .. import console
 from ..events import EventLog
 from ..exitcodes import ExitCode
-from ..launch_env import JOIN, RECOVERY_GROUP, RECOVERY_STORE
+from ..launch_env import JOIN, RECOVERY_GROUP, RECOVERY_NONCE, RECOVERY_STORE
 from ..supervisor.monitor import HangMonitor
 from . import script_error
 from .changes import MembershipChanges
@@ -211,7 +211,8 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         address, number, join = self.replacer.share(
             group.store, group.group_rank, group.group_world_size, group.spec.local_world_size
         )
-        os.environ.update({RECOVERY_STORE: address, RECOVERY_GROUP: str(number)})
+        nonce = self.replacer.group_seal.nonce.hex()  # the recovery store's launch nonce
+        os.environ.update({RECOVERY_STORE: address, RECOVERY_GROUP: str(number), RECOVERY_NONCE: nonce})
         if self.monitor is not None and group.group_world_size > 1:  # a slow rank's node tells the others
             self.monitor.share_busy(self.replacer.recovery_store(), group.group_rank, group.group_world_size)
         self._join = join
@@ -252,9 +253,10 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         finally:
             self.restore_args()  # a node that joined a running group: the launch's own command next time
             os.environ.pop(JOIN, None)
+        group = self.worker_group
         if self.replacer is not None:
             self.replacer.fill_spares(*self.worker_command(0))
-        group = self.worker_group
+            self.replacer.started(group.workers[0].world_size)  # settles at its first completed step
         local = frozenset(w.local_rank for w in self.workers())
         self.machine.feed(GroupStarted(group.workers[0].world_size, local))
         if self.monitor is not None:

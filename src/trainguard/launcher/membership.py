@@ -44,7 +44,9 @@ event                decisions (first rule that applies)
                      forming, no stop, budget left → **ReplaceNode**; else **Restart** / **End** 76.
 ``Followed``         another node's agent changed the membership: the world size follows, and the
                      group settles (the progress rule holds on every node).
-``GroupStarted``     a new start of the group: nothing forms or settles, no slot withdrawn.
+``GroupStarted``     a new start of the group: nothing forms, no slot withdrawn; it settles until
+                     its first completed step (before it no rank holds a state to send: a
+                     failure restarts the group).
 ===================  ==========================================================================
 
 **The progress rule.** A recovery in place (**Replace**, **ReplaceNode**, **Shrink**, **GrowBack**,
@@ -165,8 +167,8 @@ class State:
         forming: the kind of the generation this agent published that has not formed yet
             (``"replace"``, ``"shrink"``, ``"grow"``, ``"admit"``), or ``None``.
         settling: the kind of the generation that formed (or that another node's agent
-            published: ``"followed"``) and with which the group has not completed a step yet, or
-            ``None`` (the progress rule).
+            published: ``"followed"``; a new start of the group: ``"start"``) and with which the
+            group has not completed a step yet, or ``None`` (the progress rule).
         replacements: ranks replaced or grown back so far in this launch.
         restarts: group restarts so far.
         stop: the stop signal forwarded to the ranks (its name), or ``None``.
@@ -515,10 +517,18 @@ def why_not_in_process(state: State, lost: list[int], codes: Mapping[int, Option
 
 
 def _failed_recovery(state: State) -> str:
-    """Why a failure now means the recovery in place under way failed (the progress rule)."""
+    """Why a failure now cannot be recovered in place: the recovery under way failed (the progress
+    rule), or the group has not completed a step since it started."""
     if state.forming is not None:
         return f"a rank failed while the last ({state.forming}) generation was still forming"
+    if state.settling == "start":
+        return "a rank failed before the group completed its first step (no rank holds a state to send yet)"
     return f"a rank failed before the group completed a step after the last ({state.settling}) recovery"
+
+
+def _in_recovery(state: State) -> bool:
+    """A recovery in place is under way (forming, or settling after one; not a new start)."""
+    return state.forming is not None or state.settling not in (None, "start")
 
 
 def _look(state: State, event: Look) -> tuple[State, Decisions]:
@@ -546,8 +556,8 @@ def _look(state: State, event: Look) -> tuple[State, Decisions]:
             return replace(state, forming="replace", replacements=state.replacements + len(lost)), (
                 Replace(tuple(lost)),
             )
-        decided.append(Fallback(why, failed=state.recovering is not None))
-    if lost and state.recovering is not None and not decided:  # a stop or a decision code: the recovery is abandoned
+        decided.append(Fallback(why, failed=_in_recovery(state)))
+    if lost and _in_recovery(state) and not decided:  # a stop or a decision code: the recovery is abandoned
         decided.append(Fallback(_failed_recovery(state), failed=True))
     if lost:
         return state, (*decided, KillSurvivors(), Collect())
@@ -621,7 +631,7 @@ def _hang(state: State, event: Hang) -> tuple[State, Decisions]:
     if takes and not event.unkillable:
         return state, ()  # the killed rank's exit code comes in a later Look: it is replaced then
     new, decided = _restart_or_end(state, event.reason, event.progress)
-    if state.recovering is None:
+    if not _in_recovery(state):
         return new, decided
     return new, (Fallback(f"a rank hung during the last ({state.recovering}) recovery", failed=True), *decided)
 
@@ -688,7 +698,7 @@ def _node_lost(state: State, event: NodeLost) -> tuple[State, Decisions]:
         new = replace(state, forming="replace", replacements=state.replacements + len(event.ranks))
         return new, (ReplaceNode(event.node, event.ranks),)
     new, decided = _restart_or_end(replace(state, forming=None), event.why, event.progress)
-    if state.recovering is None:
+    if not _in_recovery(state):
         return new, decided
     return new, (Fallback(f"{event.why} during the last ({state.recovering}) recovery", failed=True), *decided)
 
@@ -704,7 +714,7 @@ def _started(state: State, event: GroupStarted) -> tuple[State, Decisions]:
         local=frozenset(event.local),
         withdrawn=frozenset(),
         forming=None,
-        settling=None,
+        settling="start",
         regrowing=False,
     )
     return new, ()

@@ -49,11 +49,11 @@ class NodeWatch:
         unless this node leads."""
         self.leading = replacer.address == replacer.local_address
         if self.leading:
-            write_atomic(self.events.path.parent / STORE_FILE, replacer.address)
+            write_atomic(self.events.path.parent / STORE_FILE, f"{replacer.address} {replacer.group_seal.nonce.hex()}")
         self._lost, self.replaced, self.registry, self._records = set(), 0, None, {}
         if group_world_size <= 1:
             return
-        self.registry = NodeRegistry(replacer.shared, replacer.seal)
+        self.registry = NodeRegistry(replacer.shared, replacer.group_seal, replacer.forged)
         me = agent_id()
         self.registry.set_active(group_rank, ActiveNode(socket.gethostname(), me, ranks))
         if self._beat is None or self._beat.address != replacer.address:

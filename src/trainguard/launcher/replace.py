@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .. import console
 from ..events import EventLog
-from ..launch_env import BOUNDARY_MIRROR, HEARTBEAT_DIR, JOIN, RECOVERY_DIR, RECOVERY_STORE
+from ..launch_env import BOUNDARY_MIRROR, HEARTBEAT_DIR, JOIN, RECOVERY_DIR, RECOVERY_NONCE, RECOVERY_STORE
 from ..rejoin.auth import Seal, report_forged
 from ..rejoin.protocol import (
     Generation,
@@ -51,12 +51,10 @@ from ..rejoin.protocol import (
 from ..sections import RecoverySection
 from . import node_join
 from .membership import Joined, Settled, SettleTimedOut, TimedOut
-from .node_join import NodeJoin
+from .node_join import NodeJoin, StoreOffer
 
 REPLACEMENT_MODULE = "trainguard.rejoin.replacement"
 SETTLE_STEPS = 3  # the first step after a recovery may take this many of the survivors' step times
-SHARED_KEY = "trainguard/recovery_store"  # in the rendezvous store: node 0's recovery store address
-GROUP_KEY = "trainguard/recovery_group"  # and the number of this group start, under which its keys go
 
 
 @dataclass(frozen=True)
@@ -87,9 +85,11 @@ class Replacer:
         events: the launcher's event log.
         script: the training script's path as it appears in the workers' command line.
         boundary_dir: the node-local directory of the ranks' step-boundary files (removed by :meth:`close`).
-        seal: the launch's secret (:mod:`trainguard.rejoin.auth`): every value this agent writes to
-            a store is sealed with it, every value it reads must verify (a value that does not is
-            refused with a ``security`` event).
+        seal: the launch's secret and this launcher's nonce (:mod:`trainguard.rejoin.auth`): every
+            value this agent writes to a store is sealed with it, every value it reads must verify
+            (a value that does not is refused with a ``security`` event). Its own spares' values
+            are bound to this launcher's nonce; the shared recovery store's to the nonce of the
+            launcher that serves it (:attr:`group_seal`, from :meth:`share`).
         host: this node's address for the stores, as the other nodes reach it (loopback on one node).
         bind: the address the stores listen on (default ``host``; see
             :func:`~trainguard.rejoin.protocol.listen_address`).
@@ -118,6 +118,7 @@ class Replacer:
         self.cfg, self.events, self.script, self.boundary_dir, self.host = cfg, events, script, boundary_dir, host
         self.min_ranks, self.regrow = min_ranks, regrow
         self.seal, self.bind = seal, host if bind is None else bind
+        self.group_seal = seal  # the shared recovery store's nonce (share())
         self._refused: set[str] = set()  # keys whose forged values were reported
         self.owed = 0  # spares started to grow back after a shrink, beyond [launcher] spares
         self.server = serve(self.bind)
@@ -145,13 +146,13 @@ class Replacer:
 
     def recovery_store(self) -> RecoveryStore:
         """The recovery keys of the current group start, shared by every node (after :meth:`share`)."""
-        return RecoveryStore(self.shared, self.attempt, self.seal, self._forged)
+        return RecoveryStore(self.shared, self.attempt, self.group_seal, self.forged)
 
-    def _forged(self, key: str) -> None:
+    def forged(self, key: str, why: str = "") -> None:
         """A value in a store did not carry this launch's seal: refused; said once per key."""
         if key not in self._refused:
             self._refused.add(key)
-            report_forged(self.events, key)
+            report_forged(self.events, key, why)
 
     def share(
         self, rdzv_store, group_rank: int, group_world_size: int, nproc: int
@@ -174,18 +175,22 @@ class Replacer:
             torch.distributed.DistStoreError: the other nodes' values did not come within the store's timeout.
             ValueError: two nodes say their groups run.
         """
-        records = node_join.announce(rdzv_store, group_rank, group_world_size, False, nproc, self.serves_rendezvous)
+        rdzv_seal = self.seal.under(b"")  # the round's values: bound to the round's challenges instead
+        records = node_join.announce(
+            rdzv_store, group_rank, group_world_size, False, nproc, rdzv_seal, self.serves_rendezvous, self.forged
+        )
         host = node_join.host_of(records)
-        join = node_join.read_offer(rdzv_store, group_rank) if records[host].running else None
+        running = records[host].running
+        join = node_join.read_offer(rdzv_store, group_rank, records, rdzv_seal, self.forged) if running else None
         if join is not None:
-            address, number = join.address, join.group
+            shared = StoreOffer(join.address, join.group, join.nonce)
         elif group_rank == node_join.leader(records):
-            address, number = self.local_address, next_group(self.server)
-            rdzv_store.set(SHARED_KEY, address)
-            rdzv_store.set(GROUP_KEY, str(number))
+            shared = StoreOffer(self.local_address, next_group(self.server), self.seal.nonce.hex())
+            node_join.offer_store(rdzv_store, records, shared, rdzv_seal)
         else:
-            address = rdzv_store.get(SHARED_KEY).decode()
-            number = int(rdzv_store.get(GROUP_KEY).decode())
+            shared = node_join.read_store(rdzv_store, records, rdzv_seal, self.forged)
+        address, number = shared.address, shared.group
+        self.group_seal = self.seal.under(bytes.fromhex(shared.nonce))
         if address == self.local_address:
             self.address, self.shared = address, self.server
         elif address != self.address:
@@ -230,7 +235,8 @@ class Replacer:
             torch.distributed.DistStoreError: the other nodes' records did not come within the store's timeout.
             ValueError: another node says its group runs too.
         """
-        records = node_join.announce(rdzv_store, group_rank, group_world_size, True, 0)
+        rdzv_seal = self.seal.under(b"")
+        records = node_join.announce(rdzv_store, group_rank, group_world_size, True, 0, rdzv_seal, False, self.forged)
         newcomers = node_join.number_newcomers(records, node_join.host_of(records), world_size)
         ranks = tuple(r for node in sorted(newcomers) for r in newcomers[node])
         if not ranks:
@@ -238,7 +244,8 @@ class Replacer:
         hosts = tuple(records[node].host for node in sorted(newcomers) for _ in newcomers[node])
         gen = self._next_generation(ranks, world_size + len(ranks), grown=ranks, hosts=hosts)
         for node, node_ranks in newcomers.items():
-            node_join.offer(rdzv_store, node, NodeJoin(self.address, self.attempt, gen, node_ranks))
+            join = NodeJoin(self.address, self.attempt, gen, node_ranks, self.group_seal.nonce.hex())
+            node_join.offer(rdzv_store, node, join, records, rdzv_seal)
         self._publish(gen)
         self._newcomers = []  # on the other nodes: their agents start them
         self.events.emit(
@@ -265,7 +272,8 @@ class Replacer:
         while len(self.spares) < self.want_spares + self.owed:
             self._spare_ids += 1
             cmd = replacement_command(argv, self.script, ["--spare", str(self._spare_ids)])
-            spare_env = {**os.environ, **env, RECOVERY_STORE: self.local_address}  # assigned here, by this agent
+            # assigned here, by this agent, under its own nonce (the assignment carries the group's)
+            spare_env = {**os.environ, **env, RECOVERY_STORE: self.local_address, RECOVERY_NONCE: self.seal.nonce.hex()}
             self.spares[self._spare_ids] = subprocess.Popen(cmd, env=spare_env, start_new_session=True)
 
     def declined(self) -> Optional[str]:
@@ -274,7 +282,11 @@ class Replacer:
 
     def ready_spares(self) -> list[int]:
         """Ids of the spares that are alive and wait for an assignment (their start-up done)."""
-        return [sid for sid, p in self.spares.items() if p.poll() is None and spare_ready(self.server, sid, self.seal)]
+        return [
+            sid
+            for sid, p in self.spares.items()
+            if p.poll() is None and spare_ready(self.server, sid, self.seal, self.forged)
+        ]
 
     def shrink(self, left: list[int], world_size: int) -> Generation:
         """Publish the generation in which the others go on without the global ranks ``left``
@@ -365,13 +377,13 @@ class Replacer:
                 self.settling = Settling(gen.number, gen.world_size, now, now + bound, bound)
         return found
 
-    @staticmethod
-    def _rank_env(env: dict[str, str], gen: Generation) -> dict[str, str]:
+    def _rank_env(self, env: dict[str, str], gen: Generation) -> dict[str, str]:
         """A new process's environment as a rank of ``gen``: as torch starts a worker (the
         launcher's environment, then the worker's ``env``), joining ``gen`` on its store."""
         return {
             **os.environ,
             **env,
+            RECOVERY_NONCE: self.group_seal.nonce.hex(),
             JOIN: str(gen.number),
             "MASTER_ADDR": gen.host,
             "MASTER_PORT": str(gen.port),
@@ -418,8 +430,8 @@ class Replacer:
             pids={r: p.pid for r, p in procs.items()},
             warm=warm,
         )
-        if self._template is not None:
-            self.fill_spares(*self._template)
+        # the next spare starts once this generation joined (poll): started now, its imports and the
+        # script's preamble would take CPU from the replacement's set-up and the survivors' recovery
         return procs
 
     def replace_node(
@@ -435,7 +447,7 @@ class Replacer:
         for (_, env), sid in zip(sorted(lost.items()), spare_ids):
             env = {k: v for k, v in self._rank_env(env, gen).items() if k not in (HEARTBEAT_DIR, RECOVERY_DIR)}
             env[BOUNDARY_MIRROR] = "1"
-            assign_spare(self.shared, sid, env, self.seal)
+            assign_spare(self.shared, sid, env, self.group_seal)
         self.recovery_store().node_lost(gen.number)  # ranks waiting on a silent host cut (rejoin.notice)
         self._publish(gen)
         self._warm, self._pids, self._node = list(gen.replaced), {}, host
@@ -480,6 +492,8 @@ class Replacer:
                 by = ", ".join(f"rank {r} by a {how} (pid {self._pids.get(r)})" for r in self.pending.replaced)
                 console.say(f"replaced in-process: {by} in {seconds:.2f} s; the other ranks kept their processes")
             self.pending, self._node = None, None
+            if self._template is not None:  # [launcher] spares waiting again, started after the recovery
+                self.fill_spares(*self._template)
             return Joined()
         if self.pending.grown and self._deadline == float("inf") and store.accepted(self.pending.number):
             self._deadline = time.monotonic() + self.cfg.timeout + 5.0
@@ -488,6 +502,12 @@ class Replacer:
             self.pending, self._node = None, None
             return TimedOut(why)
         return None
+
+    def started(self, world_size: int) -> None:
+        """A new start of the group with ``world_size`` ranks: it settles until every rank has
+        completed a step (generation 0's counter; no bound: a first step may compile for minutes)."""
+        now = time.monotonic()
+        self.settling = Settling(0, world_size, now, float("inf"), float("inf"))
 
     def _settle(self) -> Optional[Settled | SettleTimedOut]:
         """The progress rule's watch of :attr:`settling`: :class:`~.membership.Settled` (a
@@ -500,7 +520,8 @@ class Replacer:
         store, now = self.recovery_store(), time.monotonic()
         if store.steps_after(s.number) >= s.world_size:
             self.settling = None
-            self.events.emit("recovery_settled", generation=s.number, seconds=round(now - s.since, 4))
+            if s.number > 0:  # generation 0: a new start of the group, no recovery
+                self.events.emit("recovery_settled", generation=s.number, seconds=round(now - s.since, 4))
             return Settled()
         if now <= s.deadline:
             return None

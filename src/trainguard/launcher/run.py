@@ -48,7 +48,7 @@ from ..events import EventLog, read_events
 from ..exitcodes import ExitCode
 from ..launch_env import READY_DIR, LaunchEnv
 from ..rejoin.shrink import min_ranks_error
-from ..rundir import prepare_run_dir
+from ..rundir import check_private, prepare_run_dir
 from ..slurm import finished
 from ..slurm.endtime import EndTimeRefresher, end_time_file, remove_stale, write_end_time
 from ..slurm.info import SLURMInfo
@@ -131,6 +131,7 @@ def launch(opts: LaunchOptions) -> int:
     if too_large:
         raise ConfigError(too_large)
     run_dir = Path(opts.run_dir).resolve()
+    os.umask(0o077)  # the launch's files and its ranks' are their owner's only (docs/recovery.md)
     prepare_run_dir(run_dir)
 
     job_id = None if max_nodes == 1 else (opts.rdzv_id or "trainguard")
@@ -143,19 +144,21 @@ def launch(opts: LaunchOptions) -> int:
 def _checkpoint_dir_lock(cfg: Config, run_dir: Path, job_id: Optional[str]) -> contextlib.AbstractContextManager:
     """The lock of a ``[checkpoint] dir`` outside the run directory (the run directory's lock
     covers one inside it): two runs that share one would delete each other's checkpoints and
-    temporary directories.
+    temporary directories. The directory is created with mode 0700; one that exists must be
+    private (:func:`~trainguard.rundir.check_private`).
 
     Raises:
-        ConfigError: the directory cannot be created.
+        ConfigError: the directory cannot be created, or another user could write it.
     """
     root = Path(cfg.checkpoint.dir)
     root = root if root.is_absolute() else run_dir / root
-    if root.resolve().is_relative_to(run_dir.resolve()):
-        return contextlib.nullcontext()
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as e:
         raise ConfigError(f"checkpoint.dir {root} cannot be created: {e.strerror or e}") from None
+    check_private(root, "checkpoint.dir")
+    if root.resolve().is_relative_to(run_dir.resolve()):
+        return contextlib.nullcontext()
     return RunDirLock(root / ".launch.lock", job_id, what="checkpoint dir")
 
 
@@ -289,7 +292,7 @@ def _run_agent(
     monitor = HangMonitor(cfg, run_dir, hb_root, events) if cfg.supervisor.enabled else None
     replacer = None
     if cfg.recovery.in_process and max_nodes * opts.nproc_per_node > 1:  # one rank: no survivor to send the state
-        from ..rejoin.auth import KeyFileError, Seal, launch_key
+        from ..rejoin.auth import KeyFileError, Seal, launch_key, new_nonce
         from ..rejoin.protocol import listen_address
         from .replace import Replacer
 
@@ -303,7 +306,7 @@ def _run_agent(
             events,
             opts.script,
             _node_local_dir("trainguard-rejoin-"),
-            Seal(key),
+            Seal(key, new_nonce()),  # a nonce per launch: no value of an earlier launch opens
             host=host,
             bind=host if max_nodes == 1 else listen_address(host),
             spares=cfg.launcher.spares,
@@ -322,6 +325,7 @@ def _run_agent(
         recovery_store=replacer.address if replacer else None,
         recovery_dir=replacer.boundary_dir if replacer else None,
         recovery_key=replacer.seal.key if replacer else None,
+        recovery_nonce=replacer.seal.nonce if replacer else b"",
     )
     os.environ.update(to_ranks.to_environ())
     omp_threads = _omp_threads(opts.nproc_per_node)
@@ -333,7 +337,8 @@ def _run_agent(
         }
     )
     standalone = max_nodes == 1 and not opts.rdzv_endpoint
-    endpoint = "localhost:0" if standalone else opts.rdzv_endpoint
+    rdzv_store = _loopback_rendezvous_store() if standalone else None  # held for the launch's life
+    endpoint = f"127.0.0.1:{rdzv_store.port}" if rdzv_store is not None else opts.rdzv_endpoint
     if not endpoint:
         raise ConfigError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
     max_restarts = cfg.launcher.max_restarts if opts.max_restarts is None else opts.max_restarts
@@ -349,7 +354,7 @@ def _run_agent(
         run_id=run_id,
         min_nodes=min_nodes,
         max_nodes=min_nodes if spare_nodes else max_nodes,
-        local_addr=opts.local_addr,
+        local_addr="127.0.0.1" if standalone else opts.local_addr,  # one node: the workers meet on loopback
         **_rdzv_configs(opts.rdzv_conf),
     )
     command = _rank_command(opts)
@@ -519,3 +524,29 @@ def _touch(path: Path) -> None:
 
 
 __all__ = ["LaunchOptions", "RunDirLocked", "launch", "parse_nnodes"]
+
+
+def _loopback_rendezvous_store():
+    """One node: the server of torch's rendezvous store, listening on loopback only. torch's c10d
+    rendezvous creates its ``TCPStore`` server on every interface; this one is bound here
+    (``master_listen_fd``, as :func:`~trainguard.rejoin.protocol.serve`) and made *multi-tenant*,
+    so the ``TCPStore`` torch then opens on the same port in this process takes it over (torch
+    keeps one server per port for multi-tenant stores). Read ``.port``; keep it alive."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        multi_tenant=True,
+        timeout=timedelta(seconds=60),
+        master_listen_fd=sock.detach(),
+    )

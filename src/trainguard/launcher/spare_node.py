@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from .. import console
 from ..events import EventLog
-from ..launch_env import BOUNDARY_MIRROR, RECOVERY_STORE, SPARE_NODES
-from ..rejoin.auth import Seal
+from ..launch_env import BOUNDARY_MIRROR, RECOVERY_NONCE, RECOVERY_STORE, SPARE_NODES
+from ..rejoin.auth import Seal, reporter
 from ..rejoin.protocol import connect, parse_address, spare_ready
 from .nodes import STORE_FILE, Beat, NodeRegistry, agent_id
 from .replace import replacement_command
@@ -37,10 +37,11 @@ from .replace import replacement_command
 POLL = 0.1  # seconds between looks
 
 
-def find_store(run_dir: Path, seal: Seal, timeout: float) -> tuple[str, dist.TCPStore]:
-    """Node 0's recovery store, from ``RUN_DIR/.recovery-store``: its address and a connection,
-    once a store there answers with node 0's sealed record (a file an earlier launch left names a
-    store that is gone, or another one: waited past).
+def find_store(run_dir: Path, seal: Seal, timeout: float) -> tuple[str, dist.TCPStore, Seal]:
+    """Node 0's recovery store, from ``RUN_DIR/.recovery-store`` (``HOST:PORT NONCE``): its
+    address, a connection and the seal of its launch (``seal`` under the store's nonce), once a
+    store there answers with node 0's sealed record (a file an earlier launch left names a store
+    that is gone, or another one: waited past).
 
     Raises:
         TimeoutError: none answered within ``timeout`` seconds.
@@ -48,10 +49,11 @@ def find_store(run_dir: Path, seal: Seal, timeout: float) -> tuple[str, dist.TCP
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            address = (run_dir / STORE_FILE).read_text().strip()
+            address, _, nonce = (run_dir / STORE_FILE).read_text().strip().partition(" ")
             store = connect(*parse_address(address), 2.0)
-            if NodeRegistry(store, seal).active(0) is not None:
-                return address, store
+            theirs = seal.under(bytes.fromhex(nonce))
+            if NodeRegistry(store, theirs).active(0) is not None:
+                return address, store, theirs
         except (OSError, ValueError, RuntimeError, dist.DistError):
             pass
         time.sleep(0.5)
@@ -85,17 +87,19 @@ def serve(
     Raises:
         TimeoutError: node 0's store did not answer within ``timeout``.
     """
-    address, store = find_store(run_dir, seal, timeout)
-    registry = NodeRegistry(store, seal)
+    address, store, seal = find_store(run_dir, seal, timeout)
+    refused = reporter(events)
+    registry = NodeRegistry(store, seal, refused)
     me = registry.add_spare(os.uname().nodename, agent_id(), nproc)
     number = me.spare_ids[0] // 1_000_000
-    env = {**os.environ, RECOVERY_STORE: address, BOUNDARY_MIRROR: "1", SPARE_NODES: "1"}
+    nonce = seal.nonce.hex()
+    env = {**os.environ, RECOVERY_STORE: address, RECOVERY_NONCE: nonce, BOUNDARY_MIRROR: "1", SPARE_NODES: "1"}
     procs = {sid: _start(argv, script, sid, env) for sid in me.spare_ids}
     beat = Beat(address, me.agent)
     started, ready = time.monotonic(), False
     try:
         while (taken := registry.assignment(number)) is None:
-            if not ready and all(spare_ready(store, sid, seal) for sid in procs):
+            if not ready and all(spare_ready(store, sid, seal, refused) for sid in procs):
                 ready = True  # warm: every spare waits at the script's init_process_group
                 seconds = round(time.monotonic() - started, 3)
                 events.emit(

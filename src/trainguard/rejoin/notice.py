@@ -37,6 +37,7 @@ class LostNodeNotice:
         generation: the number of the generation this rank is in, read at each look.
         failed: whether this rank caught a lost peer in the current step (nothing to cut then).
         ports: the ports the group's ranks listen on (:attr:`~.rank.Rejoin.group_ports`).
+        on_forged: told the key of a value that did not verify (a ``security`` event).
     """
 
     def __init__(
@@ -47,8 +48,9 @@ class LostNodeNotice:
         generation: Callable[[], int],
         failed: Callable[[], bool],
         ports: Callable[[], set[int]],
+        on_forged: Callable[[str], None] = lambda key: None,
     ):
-        self.address, self.attempt, self.seal = address, attempt, seal
+        self.address, self.attempt, self.seal, self.on_forged = address, attempt, seal, on_forged
         self._generation, self._failed, self._ports = generation, failed, ports
         self.cuts = 0  # times the notice cut this rank's connections
         self._stop = threading.Event()
@@ -62,7 +64,9 @@ class LostNodeNotice:
         while not self._stop.is_set() and threading.main_thread().is_alive():
             try:
                 if store is None:
-                    store = RecoveryStore(connect(*parse_address(self.address), TIMEOUT), self.attempt, self.seal)
+                    store = RecoveryStore(
+                        connect(*parse_address(self.address), TIMEOUT), self.attempt, self.seal, self.on_forged
+                    )
                 self._look(store)
             except (RuntimeError, dist.DistError, OSError):  # the store is slow or gone (the launch ends)
                 store = None

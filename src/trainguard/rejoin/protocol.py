@@ -39,8 +39,9 @@ Each generation's process groups live on a store of their own (a fresh TCPStore 
 launcher starts per generation, :attr:`Generation.port`), so no key of an earlier generation can
 be read by a later one (stale peer addresses break gloo's connect, pytorch issue 135712).
 
-Every value above is sealed with the launch's secret (:mod:`.auth`): a value another process
-wrote is refused (treated as absent; ``on_forged`` is told). The stores listen on the launcher's
+Every value above is sealed with the launch's secret and bound to the launch's nonce (:mod:`.auth`):
+a value another process wrote, or one recorded in an earlier launch, is refused (treated as
+absent; ``on_forged`` is told). The stores listen on the launcher's
 address only (:func:`serve`: loopback on one node), not on every interface as a plain
 ``TCPStore`` server does.
 """
@@ -408,10 +409,16 @@ def assign_spare(store: dist.Store, spare_id: int, env: dict[str, str], seal: Se
     store.set(key, seal.seal(key, json.dumps(assignment(env))))
 
 
-def spare_ready(store: dist.Store, spare_id: int, seal: Seal) -> bool:
-    """Launcher: whether spare ``spare_id`` waits for its assignment (its start-up is done)."""
+def spare_ready(store: dist.Store, spare_id: int, seal: Seal, on_forged: Forged = _ignore) -> bool:
+    """Launcher: whether spare ``spare_id`` waits for its assignment (its start-up is done); a
+    value that does not verify is not (``on_forged`` is told its key)."""
     key = f"spares/{spare_id}/ready"
-    return store.check([key]) and seal.open(key, store.get(key)) is not None
+    if not store.check([key]):
+        return False
+    if seal.open(key, store.get(key)) is None:
+        on_forged(key)
+        return False
+    return True
 
 
 def wait_for_assignment(

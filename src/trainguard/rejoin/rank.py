@@ -100,7 +100,7 @@ class Rejoin:
         self.store: Optional[RecoveryStore] = None
         if offered:
             host, port = parse_address(launch.recovery_store)  # type: ignore[arg-type]
-            seal = Seal(launch.recovery_key)  # type: ignore[arg-type]
+            seal = Seal(launch.recovery_key, launch.recovery_nonce)  # type: ignore[arg-type]
             store = RecoveryStore(connect(host, port, cfg.timeout), launch.recovery_group, seal, on_forged)
             if self.active:
                 self.store = store
@@ -123,6 +123,7 @@ class Rejoin:
                 lambda: self.generation,
                 self.failed,
                 lambda: self.group_ports,
+                on_forged,
             )
         self.comm_abort: Optional[CommAbort] = None  # NCCL: the survivors' communicators aborted (see :mod:`.abort`)
         if self.active and abort_comms:

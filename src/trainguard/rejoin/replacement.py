@@ -13,7 +13,9 @@ The script runs as ``python SCRIPT ARG...`` would run it, with these differences
   assigns it a rank; it then takes that rank's environment (``RANK``, ``LOCAL_RANK``, the
   generation's store, ...) and goes on. Imports and everything the script does before that point
   are done in advance; whatever the script reads of its rank is the assigned rank's value (a data
-  shard chosen by ``RANK``, ``torch.cuda.set_device(LOCAL_RANK)``);
+  shard chosen by ``RANK``, ``torch.cuda.set_device(LOCAL_RANK)``). Until then its standard
+  output and error go to ``RUN_DIR/spares/spare-ID.log``, not the console (:class:`QuietOutput`:
+  the preamble's output, printed at the launch already, is not shown twice);
 * the script's own collectives complete on this process alone until the Guard has joined the
   survivors (:mod:`trainguard.rejoin.catch`): a barrier or a broadcast of a seed before the loop,
   which the survivors passed long ago, cannot pair with their recovery's collectives;
@@ -35,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import compat
 from ..events import EventLog
-from ..launch_env import RANK_VARIABLES, RECOVERY_KEY, RUN_DIR, LaunchEnv
+from ..launch_env import RANK_VARIABLES, RECOVERY_KEY, RECOVERY_NONCE, RUN_DIR, LaunchEnv
 from ..outcomes import BadInput
 from .auth import Seal, report_forged
 from .catch import CATCH, LOCAL
@@ -69,14 +71,46 @@ def _report_forged(key: str) -> None:
     report_forged(EventLog(os.environ[RUN_DIR]), key)
 
 
+class QuietOutput:
+    """A warm spare's standard output and error, kept off the console until it takes a rank: it runs
+    the script's preamble (a config dump, Lightning's banner) that the rank it replaces printed at
+    the launch already. Until :meth:`release` both file descriptors go to ``path`` (the run
+    directory's ``spares/spare-ID.log``: what a spare that fails before its assignment printed is
+    there); from then on, the console again. What the spare printed before is dropped from the
+    console, not replayed: it repeats the preamble."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._saved = {fd: os.dup(fd) for fd in (1, 2)}
+        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        for fd in self._saved:
+            os.dup2(log, fd)
+        os.close(log)
+
+    def release(self) -> None:
+        """Back to the console (the first call; later ones do nothing)."""
+        if not self._saved:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved in self._saved.items():
+            os.dup2(saved, fd)
+            os.close(saved)
+        self._saved = {}
+
+
 class Assignment:
     """A warm spare's rank, taken once from the launcher: at the script's first read of a
-    :data:`RANK_VARIABLES` variable (:meth:`watch_environ`) or at ``init_process_group``."""
+    :data:`RANK_VARIABLES` variable (:meth:`watch_environ`) or at ``init_process_group``.
+    ``output``: the spare's :class:`QuietOutput`, released once the rank is taken."""
 
-    def __init__(self, spare_id: int):
-        self.spare_id = spare_id
+    def __init__(self, spare_id: int, output: Optional[QuietOutput] = None):
+        self.spare_id, self.output = spare_id, output
         self.store = spare_store_from_environ()
-        self.seal = Seal(bytes.fromhex(os.environ.get(RECOVERY_KEY, "")))
+        self.seal = Seal(
+            bytes.fromhex(os.environ.get(RECOVERY_KEY, "")), bytes.fromhex(os.environ.get(RECOVERY_NONCE, ""))
+        )
         self.taken = False
         self._environ_class = type(os.environ)
 
@@ -88,6 +122,9 @@ class Assignment:
         self.taken = True
         os.environ.__class__ = self._environ_class  # stop watching
         os.environ.update(wait_for_assignment(self.store, self.spare_id, self.seal, _report_forged))
+        if self.output is not None:
+            self.output.release()
+        rank_zero_follows()
 
     def watch_environ(self) -> None:
         """Make ``os.environ`` (and so ``os.getenv``) take the assignment before it answers a
@@ -108,13 +145,78 @@ class Assignment:
             os.environ.__class__ = self._environ_class
 
 
-def join_at_init(spare_id: Optional[int]) -> None:
+# frameworks whose import reads the rank (Lightning's ``rank_zero_only``, at import time: a spare
+# watching os.environ would wait inside the import and import them only once assigned, 5-9 s of a
+# Lightning recovery on 2 cores: torchmetrics, transformers, matplotlib) or takes seconds; a warm
+# spare imports them in advance when the script imports them (by the module its imports name first)
+FRAMEWORKS = {
+    "lightning": "lightning.pytorch",
+    "pytorch_lightning": "pytorch_lightning",
+    "transformers": "transformers",
+    "trainguard.lightning": "trainguard.lightning",
+    "trainguard.hf": "trainguard.hf",
+}
+
+
+def frameworks_of(script: Path) -> list[str]:
+    """The :data:`FRAMEWORKS` modules that ``script`` imports at its top level (read from its
+    syntax tree, not run); ``[]`` when it cannot be read or parsed."""
+    import ast
+
+    try:
+        tree = ast.parse(script.read_text(errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+    found = []
+    for name in names:
+        for prefix, module in FRAMEWORKS.items():
+            if (name == prefix or name.startswith(prefix + ".")) and module not in found:
+                found.append(module)
+    return found
+
+
+def import_in_advance(modules: list[str]) -> None:
+    """Import ``modules`` now (a warm spare, before it watches ``os.environ``); one that fails to
+    import is left to the script (which then fails as it would)."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - the script's own import reports it
+            pass
+
+
+def rank_zero_follows() -> None:
+    """Lightning's ``rank_zero_only.rank`` (set from the environment when Lightning was imported,
+    in advance: the spare's values) to the assigned rank; Lightning's strategy sets it again at
+    its set-up, this covers the Trainer's construction before it."""
+    module = sys.modules.get("lightning_utilities.core.rank_zero")
+    if module is not None and os.environ.get("RANK", "").isdigit():
+        module.rank_zero_only.rank = int(os.environ["RANK"])
+
+
+def quiet_spare(spare_id: int) -> Optional[QuietOutput]:
+    """Spare ``spare_id``'s output into ``RUN_DIR/spares/spare-ID.log`` until it takes a rank
+    (:class:`QuietOutput`); ``None`` (the console) without a run directory in the environment."""
+    run_dir = os.environ.get(RUN_DIR)
+    return QuietOutput(Path(run_dir) / "spares" / f"spare-{spare_id}.log") if run_dir else None
+
+
+def join_at_init(spare_id: Optional[int], output: Optional[QuietOutput] = None) -> None:
     """Wrap this process's first ``init_process_group`` call: a warm spare (``spare_id``) takes
     its assignment from the launcher (at the latest there: see :class:`Assignment`); then a
     process that joins a generation (``TRAINGUARD_JOIN``) says it is ready
-    (:meth:`~.protocol.RecoveryStore.ready`): the ranks of a group that grows meet it only then."""
+    (:meth:`~.protocol.RecoveryStore.ready`): the ranks of a group that grows meet it only then.
+    ``output``: the spare's quiet output, released when it takes its rank."""
     original = dist.init_process_group
-    assignment = Assignment(spare_id) if spare_id is not None else None
+    assignment = Assignment(spare_id, output) if spare_id is not None else None
     if assignment is not None:
         assignment.watch_environ()
 
@@ -124,7 +226,7 @@ def join_at_init(spare_id: Optional[int]) -> None:
             assignment.take()
         launch = LaunchEnv.from_environ()
         if launch.join is not None and launch.recovery_store:
-            seal = Seal(launch.recovery_key or b"")
+            seal = Seal(launch.recovery_key or b"", launch.recovery_nonce)
             store = RecoveryStore(
                 connect(*parse_address(launch.recovery_store)), launch.recovery_group, seal, _report_forged
             )
@@ -151,6 +253,7 @@ def main(argv: list[str]) -> None:
     if not argv:
         print("usage: python -m trainguard.rejoin.replacement [--spare ID] SCRIPT [ARG...]", file=sys.stderr)
         raise BadInput("no script given")
+    output = quiet_spare(spare) if spare is not None else None  # before the imports: their warnings too
     skip_initial_broadcast()
     # imported lazily otherwise, after the spare was assigned: the rank-side stack, and torch._dynamo,
     # which DistributedDataParallel's constructor imports (0.7 s on this machine)
@@ -158,7 +261,9 @@ def main(argv: list[str]) -> None:
 
     import trainguard.guard  # noqa: F401
 
-    join_at_init(spare)
+    if spare is not None:
+        import_in_advance(frameworks_of(Path(argv[0])))
+    join_at_init(spare, output)
     CATCH.install()
     CATCH.mode = LOCAL  # until the Guard joined the survivors
     sys.argv = list(argv)

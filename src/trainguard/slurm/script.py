@@ -151,6 +151,45 @@ def partition_limit(name: str, scontrol: str = "scontrol") -> Optional[float]:
     return None
 
 
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # C0 control characters and DEL: a newline would start a line of its own
+
+
+def _values(opts: ScriptOptions) -> list[tuple[str, object]]:
+    """Every value the batch script is written from, with the option (or setting) that gave it."""
+    named: list[tuple[str, object]] = [
+        ("--job-name (or [slurm] job_name)", opts.job_name),
+        ("--gres (or [slurm] gres)", opts.gres),
+        ("--partition (or [slurm] partition)", opts.partition),
+        ("--time (or [slurm] time)", opts.time),
+        ("--after", opts.after),
+        ("--run-dir", opts.run_dir),
+        ("--config", opts.config),
+        ("the training script", opts.script),
+        ("the working directory", opts.workdir),
+        ("the Python interpreter", opts.python),
+    ]
+    named += [("[slurm] sbatch_args", a) for a in opts.sbatch_args]
+    named += [("--set", a) for a in opts.launcher_sets]
+    named += [("a script argument", a) for a in opts.script_args]
+    return named
+
+
+def refuse_control_characters(opts: ScriptOptions) -> None:
+    """Refuse a value holding a control character (newline, CR, NUL, another C0 one, DEL): in an
+    ``#SBATCH`` line or the ``srun`` line a newline starts a command of its own.
+
+    Raises:
+        ConfigError: names the option and the character.
+    """
+    for name, value in _values(opts):
+        found = CONTROL.search(str(value)) if value is not None else None
+        if found:
+            raise ConfigError(
+                f"{name} {str(value)!r}: holds the control character {found.group()!r}; the batch script takes "
+                "no control characters (a newline would start a command of its own)"
+            )
+
+
 def validate(opts: ScriptOptions, check_cluster: bool = True) -> list[str]:
     """Check the options; return notes for the user (empty when all is plain).
 
@@ -159,10 +198,12 @@ def validate(opts: ScriptOptions, check_cluster: bool = True) -> list[str]:
             without ``--time``, what its time limit is. Without SLURM commands on PATH, or when
             ``sinfo`` cannot reach the controller, the partition is not checked (a note says so).
     Raises:
-        ConfigError: a malformed time, a signal lead not below the time limit, an unknown
-            partition, a missing script, bad counts or ids.
+        ConfigError: a value with a control character (:func:`refuse_control_characters`), a
+            malformed time, a signal lead not below the time limit, an unknown partition, a
+            missing script, bad counts or ids.
     """
     notes: list[str] = []
+    refuse_control_characters(opts)
     if not Path(opts.script).is_file():
         raise ConfigError(f"training script {opts.script} does not exist")
     for name, value in (("--nodes", opts.nodes), ("--nproc-per-node", opts.nproc_per_node)):

@@ -14,9 +14,11 @@ import ctypes
 import functools
 import hashlib
 import json
+import pickle
 import random
 import struct
 import sys
+import sysconfig
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -32,6 +34,18 @@ def seed_everything(seed: int) -> None:
 
 # the memory reads below take id() for an object's address, which holds in CPython only
 _CPYTHON = sys.implementation.name == "cpython"
+
+
+@functools.cache
+def _gil_held_reads() -> bool:
+    """Whether a memory read of Python's generator is atomic with respect to its methods: a build
+    with the GIL. On a free-threaded build (``Py_GIL_DISABLED``) ``random.getstate()`` takes the
+    generator object's critical section, which Python code cannot take: there the state is read
+    with ``getstate()`` (even where the GIL was enabled again at run time: the build decides).
+    ``ctypes.string_at`` is a ``PYFUNCTYPE`` call, so on a GIL build it copies with the GIL held."""
+    return not sysconfig.get_config_var("Py_GIL_DISABLED")
+
+
 # Python's ``random`` state words (624 and the position) as little-endian uint32: packing them costs
 # about 10 µs, pickling the tuple of 625 ints about 40 µs
 _PY_WORDS = struct.Struct("<625I")
@@ -61,8 +75,9 @@ def _python_offset() -> Optional[int]:
     """Where CPython's generator object holds its state: the position (an int), then the 624 words,
     right after the object header; read as one block of memory, about 2 µs instead of
     ``random.getstate()`` and packing (25 µs). Checked against ``getstate()`` once; ``None`` where
-    it differs (another interpreter, another layout): ``getstate()`` is used every time."""
-    if not (_CPYTHON and sys.byteorder == "little" and random.Random.VERSION == 3):
+    it differs (another interpreter, another layout) or where the read could tear (a free-threaded
+    build: :func:`_gil_held_reads`): ``getstate()`` is used every time."""
+    if not (_CPYTHON and sys.byteorder == "little" and random.Random.VERSION == 3 and _gil_held_reads()):
         return None
     offset = object.__basicsize__
     return offset if _python_fast(offset) == _python_full() else None
@@ -80,6 +95,14 @@ _MT_BYTES = _MT_KEYS * 4 + 4
 
 
 def _numpy_full() -> dict[str, Any]:
+    """NumPy's global generator's state through ``get_state``: for MT19937 (NumPy's default) the
+    legacy fields; for another bit generator (``np.random.set_bit_generator(np.random.PCG64(1))``,
+    whose ``get_state()`` warns and returns a dict, not the legacy 5-tuple) ``{"kind": name,
+    "state": ...}``, the dict of ``get_state(legacy=False)`` with its arrays as
+    :func:`_encode` gives them."""
+    if not isinstance(np.random.get_bit_generator(), np.random.MT19937):
+        state = np.random.get_state(legacy=False)
+        return {"kind": state["bit_generator"], "state": _encode(state)}
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "kind": kind,
@@ -88,6 +111,47 @@ def _numpy_full() -> dict[str, Any]:
         "has_gauss": int(has_gauss),
         "cached_gaussian": float(cached),
     }
+
+
+def _encode(value: Any) -> Any:
+    """A bit generator's state with each array as ``{"array": uint8 tensor, "dtype", "shape"}``
+    (loads with ``weights_only=True``; Python ints of any size, PCG64's 128-bit ones, load too)."""
+    if isinstance(value, np.ndarray):
+        return {
+            "array": torch.from_numpy(value.view(np.uint8).copy()),
+            "dtype": str(value.dtype),
+            "shape": list(value.shape),
+        }
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    return value
+
+
+def _decode(value: Any) -> Any:
+    """The inverse of :func:`_encode`."""
+    if isinstance(value, dict) and set(value) == {"array", "dtype", "shape"}:
+        return value["array"].numpy().view(np.dtype(value["dtype"])).reshape(value["shape"]).copy()
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    return value
+
+
+def _restore_numpy(n: dict[str, Any]) -> None:
+    """Put NumPy's global generator back to ``n`` (from :func:`_numpy_full`/:func:`_numpy_fast`),
+    the saved kind of bit generator first where the global one is of another kind."""
+    kind = n["kind"]
+    if type(np.random.get_bit_generator()).__name__ != kind:
+        np.random.set_bit_generator(getattr(np.random, kind)())
+    if "state" in n:
+        np.random.set_state(_decode(n["state"]))
+    else:
+        np.random.set_state((kind, n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+
+
+def numpy_snapshot() -> bytes:
+    """NumPy's global generator's whole state as bytes (any bit generator; about 100 µs): equal
+    bytes, no draw in between. For comparisons where :func:`rng_fingerprint` is unavailable."""
+    return pickle.dumps(np.random.get_state(legacy=False))
 
 
 def _numpy_fast(gauss_at: int) -> Optional[dict[str, Any]]:
@@ -103,9 +167,11 @@ def _numpy_fast(gauss_at: int) -> Optional[dict[str, Any]]:
 
 def _numpy_raw(bitgen: np.random.MT19937, gauss_at: int) -> tuple[bytes, bytes]:
     """The MT19937 state's bytes, and the 16 bytes of ``has_gauss`` and the cached Gaussian of the
-    legacy ``RandomState`` (``gauss_at``: see :func:`_gauss_offset`)."""
-    mt = ctypes.string_at(bitgen.ctypes.state_address, _MT_BYTES)
-    return mt, ctypes.string_at(id(np.random.mtrand._rand) + gauss_at - 8, 16)
+    legacy ``RandomState`` (``gauss_at``: see :func:`_gauss_offset`), read holding the bit
+    generator's ``lock`` (as ``get_state()`` and every draw do): never a state half-way through a draw."""
+    with bitgen.lock:  # the lock RandomState's draws and get_state() hold (a free-threaded build runs them in parallel)
+        mt = ctypes.string_at(bitgen.ctypes.state_address, _MT_BYTES)
+        return mt, ctypes.string_at(id(np.random.mtrand._rand) + gauss_at - 8, 16)
 
 
 def _numpy_of(mt: bytes, gauss_raw: bytes) -> dict[str, Any]:
@@ -121,6 +187,8 @@ def _numpy_of(mt: bytes, gauss_raw: bytes) -> dict[str, Any]:
 
 
 def _same_numpy(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if "keys" not in a or "keys" not in b:
+        return False
     return torch.equal(a["keys"], b["keys"]) and all(
         a[k] == b[k] for k in ("kind", "pos", "has_gauss", "cached_gaussian")
     )
@@ -237,10 +305,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     """
     version, internal, gauss = state["python"]  # the words: bytes, or a tuple in older checkpoints
     random.setstate((version, _PY_WORDS.unpack(internal) if isinstance(internal, bytes) else tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state(
-        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
-    )
+    _restore_numpy(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

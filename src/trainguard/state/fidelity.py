@@ -22,17 +22,32 @@ reported as a ``resume_not_bitwise`` event and one console line (rank 0), never 
   (``X, Y = get_batch()`` before ``for step in guard.steps(...)``) draws that first batch, on a
   resume, from the fresh seed, before ``steps()`` restores the checkpoint's generators: the first
   resumed step trains on another batch. Reported on a resume only (a fresh run is not affected).
+* **A batch fetched before the Guard exists and the next one inside the step, after the forward**
+  (nanoGPT's ``train.py``: ``X, Y = get_batch()`` before its loop, ``X, Y = get_batch()`` right after
+  ``model(X, Y)``; :meth:`DrawWatch.watch_first_step`): the first draw is older than anything the
+  Guard sees, so it is found by its shape in the first step of a process that restored the
+  generators (a resume, an in-process replacement): no draw between the loop's start and the first
+  forward (the batch it trains on was in hand already), a draw after the step's last forward (the
+  next batch). That first step trained on a batch from the fresh seed: reported at its end.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 
+from .determinism import numpy_snapshot, rng_fingerprint
+
 WATCHED_STEPS = 3  # step boundaries at which DrawWatch looks (the pattern is the same every step)
+
+# why a restored process whose first step trained on a batch fetched before the loop is not bitwise
+PREFETCHED = (
+    "the first step's batch was fetched before the loop and the next one inside the step, after the forward "
+    "(nanoGPT's order): this process drew that first batch from the fresh seed, not from the generators it "
+    "resumed; fetch the first batch inside the loop (if x is None: x, y = get_batch()) or after guard.begin()"
+)
 
 
 def environment(world_size: int) -> dict[str, Any]:
@@ -76,16 +91,20 @@ class ResumeFidelity:
         self.changed = differences(state or {}, environment(self.world_size))
 
 
-def _generators() -> tuple[torch.Tensor, np.ndarray, int, object]:
+def _generators() -> tuple[Any, ...]:
     """The state of the generators a checkpoint restores (:func:`~trainguard.state.determinism.capture_rng`):
-    torch's CPU generator, NumPy's global one (its key and position), Python's ``random``."""
-    _, keys, pos, *_ = np.random.get_state()
-    return torch.get_rng_state(), keys.copy(), pos, random.getstate()
+    torch's CPU generator, NumPy's global one (any bit generator), Python's ``random``; the raw
+    bytes of :func:`~trainguard.state.determinism.rng_fingerprint` where it is available (about
+    10 µs), else each generator's public state (about 150 µs)."""
+    fingerprint = rng_fingerprint()
+    if fingerprint is not None:
+        return fingerprint
+    return torch.get_rng_state().numpy().tobytes(), numpy_snapshot(), random.getstate()
 
 
 def _same(a: tuple, b: tuple) -> bool:
     """Whether two :func:`_generators` states are equal (no draw from any of them in between)."""
-    return torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+    return a == b
 
 
 class DrawWatch:
@@ -100,18 +119,53 @@ class DrawWatch:
     def __init__(self) -> None:
         self._left = WATCHED_STEPS
         self._state: Optional[tuple] = _generators()  # at the Guard's creation
+        self._first: Optional[dict[str, Any]] = None  # watch_first_step's states
+        self._drawn_before_loop = False  # before_loop found a draw (reported: the first step is not watched)
+        self._hooks: list[Any] = []
+
+    def watch_first_step(self, model: Any, restored: bool, report: Callable[[str], None]) -> None:
+        """At the loop's start (after a resume or a replacement's join restored the generators):
+        watch this process's first step for nanoGPT's prefetch (see the module doc), by a forward
+        pre-hook and a forward hook on ``model``, removed at the step's end. ``report(cause)`` is
+        called at that end when the shape is found; nothing is watched where ``restored`` is false
+        (a fresh run trains on the batch its fresh seed drew, as it should)."""
+        if not restored or self._drawn_before_loop or not hasattr(model, "register_forward_pre_hook"):
+            return  # (a draw between the Guard and the loop was reported already: the same first batch)
+        self._first = {"start": _generators(), "at_forward": None, "after_forward": None, "report": report}
+        self._hooks = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+
+    def _pre(self, module: Any, args: Any) -> None:
+        if self._first is not None and self._first["at_forward"] is None:
+            self._first["at_forward"] = _generators()
+
+    def _post(self, module: Any, args: Any, out: Any) -> None:
+        if self._first is not None:
+            self._first["after_forward"] = _generators()
+
+    def _end_first_step(self) -> None:
+        first, self._first = self._first, None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if first is None or first["at_forward"] is None or first["after_forward"] is None:
+            return
+        if _same(first["start"], first["at_forward"]) and not _same(first["after_forward"], _generators()):
+            first["report"](PREFETCHED)
 
     def before_loop(self) -> bool:
         """At ``steps()`` start, before a resume restores the generators: whether random numbers
         were drawn since the Guard was created."""
         moved = self._state is not None and not _same(self._state, _generators())
         self._state = None
+        self._drawn_before_loop = moved
         return moved
 
     def boundary(self) -> None:
         """Keep the generators' state at this step boundary (about 10 KB of copies, 50 µs; only at
         the first :data:`WATCHED_STEPS` boundaries, so a loop that never asks :meth:`next_step`,
         as the framework callbacks do not, stops paying for it too)."""
+        if self._first is not None:
+            self._end_first_step()
         if self._left > 0:
             self._left -= 1
             self._state = _generators()

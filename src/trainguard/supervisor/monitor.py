@@ -44,6 +44,7 @@ from .. import console
 from ..checkpoint.store import CheckpointStore
 from ..config import Config
 from ..events import EventLog
+from .advice import is_stopped, section_advice
 from .evidence import LOOK_AFTER, CpuMeter, StopWatch
 from .heartbeat import OUT_OF_SECTION, HeartbeatReader, RankState, heartbeat_path
 from .peers import BusyPeers
@@ -311,11 +312,14 @@ class HangMonitor:
         self._learn()
         self._frozen = True
         detected_at = time.time()  # the events come after the stack dumps: they carry this poll's time
+        working: list[Optional[Path]] = []  # the stacks of the ranks not stopped (read before the kill)
         for h in hung:
             if not h.stopped:  # a stopped rank says nothing about the section's length
                 self.book.interrupted(h.section, h.silent)  # a restart gets twice as long there (timeouts)
             pid, stuck = pids.get(h.worker.local_rank), self._stuck_since(h, now)
             stacks = self.dump_stacks(h.worker.local_rank, h.worker.global_rank, pid)
+            if not h.stopped and not is_stopped(pid):  # a stopped rank computes nothing: no advice on its work
+                working.append(stacks)
             if pid is not None:  # unresponsive by definition: SIGTERM cannot reach a stuck main thread
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -338,13 +342,18 @@ class HangMonitor:
                 + "; killed"
                 + (f"; stacks in {stacks}" if stacks else "")
             )
-        return "; ".join(
-            f"hang: rank {h.worker.global_rank} silent {h.silent:.1f} s in '{h.section}' "
-            + (f"(stopped for {h.stopped:.1f} s)" if h.stopped else f"(timeout {h.limit:.1f} s)")
-            for h in hung
-        ) + (
-            " (work that takes longer than a step, such as an evaluation, belongs in "
-            'guard.section("eval"), whose timeout is learned apart)'
+        work = (
+            f" (if it is work longer than a step, such as an evaluation: {section_advice(working[0])})"
+            if working
+            else ""
+        )
+        return (
+            "; ".join(
+                f"hang: rank {h.worker.global_rank} silent {h.silent:.1f} s in '{h.section}' "
+                + (f"(stopped for {h.stopped:.1f} s)" if h.stopped else f"(timeout {h.limit:.1f} s)")
+                for h in hung
+            )
+            + work
         )
 
     def _stuck(self, h: HangHit, pid: Optional[int], now: float) -> bool:
@@ -454,7 +463,7 @@ class HangMonitor:
             console.say(
                 f"rank {h.worker.global_rank} is busy {h.silent:.1f} s in '{h.section}' past its "
                 f"timeout {h.limit:.1f} s (main thread at {100 * (share or 0):.0f} % of a core): slow, not hung; "
-                'put such work in guard.section("eval") so its time is learned apart'
+                + section_advice(stacks)
                 + (f"; stacks in {stacks}" if stacks else "")
             )
 

@@ -12,17 +12,27 @@ Forms known to work against local servers:
 
 apprise is the optional extra ``trainguard[watch]``, imported only when there is a URL to notify:
 a watch without URLs runs without it, one with URLs and no apprise is bad input (exit code 2).
+
+Secrets: a URL holds the channel's credentials (a webhook's token, an SMTP password). Given with
+``--notify`` or ``--set notify=...`` it is in the process list for every user of the machine, so
+the watch also reads URLs from a file of its owner's only (``--notify-file``, mode 0600:
+:func:`read_url_file`) and from the environment (``TRAINGUARD_NOTIFY``: :func:`urls_from_environ`).
+A URL is printed and recorded only masked (:func:`redact`).
 """
 
 from __future__ import annotations
 
-import re
+import os
+import stat
 from dataclasses import dataclass
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Mapping, Optional
+from urllib.parse import urlsplit
 
 from .errors import WatchError
 
-_PASSWORD = re.compile(r"(://[^:/@?#]*:)[^@/?#]*@")
+NOTIFY_ENV = "TRAINGUARD_NOTIFY"  # notification URLs, separated by whitespace
+MASK = "***"
 
 
 def _apprise() -> Any:
@@ -41,9 +51,76 @@ def _apprise() -> Any:
     return apprise
 
 
+def _host_is_a_host(url: str) -> bool:
+    """Whether apprise reads the host part of ``url`` as a host name (``json://HOST/...``,
+    ``mailto://HOST``) rather than as a credential (``slack://TOKEN_A/...``,
+    ``discord://WEBHOOK_ID/...``, ``tgram://BOT_TOKEN/...``): its plugin's URL template has a
+    ``host`` token. ``False`` when apprise is missing or does not know the URL."""
+    try:
+        import apprise
+
+        plugin = apprise.Apprise.instantiate(url)
+    except Exception:
+        return False
+    return plugin is not None and "host" in getattr(type(plugin), "template_tokens", {})
+
+
 def redact(url: str) -> str:
-    """The URL with a ``user:password@`` password replaced by ``***``."""
-    return _PASSWORD.sub(r"\1***@", url)
+    """``url`` with every part that can hold a secret replaced by ``***``: the password of
+    ``user:password@``, the whole ``user@host`` part when apprise reads the host as a credential
+    (see :func:`_host_is_a_host`; a port is kept with a host), every path segment (``json://``,
+    ``xml://`` and ``form://`` webhooks carry their secret there), every query value
+    (``?token=``) and the fragment. Keeps the scheme, the user, a real host and the query keys,
+    enough to tell the channels apart (``slack://***/***/***``, ``json://host:8080/***?token=***``).
+    """
+    if "://" not in url:
+        return MASK
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:  # a port that is no number (a token): keep the scheme alone
+        return f"{url.partition('://')[0]}://{MASK}"
+    netloc = ""
+    if parts.netloc and not _host_is_a_host(url):  # the user and the host are credentials here
+        netloc = MASK
+    elif parts.netloc:
+        if parts.username is not None:
+            netloc = parts.username + (f":{MASK}" if parts.password is not None else "") + "@"
+        netloc += (parts.hostname or "") + (f":{port}" if port is not None else "")
+    path = "/".join(MASK if segment else "" for segment in parts.path.split("/"))
+    query = "&".join(
+        f"{k}={MASK}" if sep else k for k, sep, _ in (q.partition("=") for q in parts.query.split("&") if q)
+    )
+    return f"{parts.scheme}://{netloc}{path}" + (f"?{query}" if query else "") + (f"#{MASK}" if parts.fragment else "")
+
+
+def read_url_file(path: Path) -> list[str]:
+    """The notification URLs in ``path``: one per line; blank lines and lines starting with ``#``
+    are skipped.
+
+    Raises:
+        WatchError: the file cannot be read, belongs to another user or can be read by others
+            than its owner (it holds credentials: ``chmod 600 FILE``).
+    """
+    path = Path(path)
+    try:
+        st = path.stat()
+        if st.st_uid != os.geteuid():
+            raise WatchError(f"--notify-file {path}: belongs to uid {st.st_uid}, not to this user")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise WatchError(
+                f"--notify-file {path}: others can read it (mode {oct(stat.S_IMODE(st.st_mode))}); "
+                f"it holds credentials: chmod 600 {path}"
+            )
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise WatchError(f"--notify-file {path}: {e.strerror or e}") from None
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+def urls_from_environ(env: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The notification URLs in ``TRAINGUARD_NOTIFY`` (separated by whitespace; none when unset)."""
+    return (os.environ if env is None else env).get(NOTIFY_ENV, "").split()
 
 
 @dataclass
@@ -77,11 +154,8 @@ class Notifier:
         return list(self.plugins)
 
     def shown(self, url: str) -> str:
-        """The URL as apprise prints it with secrets hidden."""
-        try:
-            return self.plugins[url].url(privacy=True)
-        except Exception:
-            return redact(url)
+        """The URL with its secrets masked (:func:`redact`)."""
+        return redact(url)
 
     def send(self, title: str, body: str, ok: bool, urls: Optional[list[str]] = None) -> list[Failure]:
         """Send to every URL (or those in ``urls``); return the failures, never raise.
@@ -99,10 +173,10 @@ class Notifier:
             try:
                 result = channel.notify(body=body, title=title, notify_type=kind)
             except Exception as e:  # a plugin bug must not stop the watch
-                failures.append(Failure(url, self.shown(url), f"{type(e).__name__}: {e}"))
+                failures.append(Failure(url, self.shown(url), f"{type(e).__name__}: {e}".replace(url, self.shown(url))))
                 continue
             if not result:
-                failures.append(Failure(url, self.shown(url), _reason(result)))
+                failures.append(Failure(url, self.shown(url), _reason(result).replace(url, self.shown(url))))
         return failures
 
 

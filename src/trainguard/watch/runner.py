@@ -26,7 +26,7 @@ from .errors import WatchError
 from .growth import growth_per_day, span_seconds
 from .hang import hang_condition
 from .memory import memory_condition
-from .notify import Notifier
+from .notify import NOTIFY_ENV, Notifier, read_url_file, redact, urls_from_environ
 from .slurm import job_condition
 from .state import WatchState, locked
 
@@ -129,22 +129,38 @@ def _check_run_dir(run_dir: Path) -> None:
         raise WatchError(f"{problem} (the watch keeps watch_state.json and its events there)")
 
 
-def main(run_dir: Path, overrides: list[str], notify: list[str], every: Optional[str], once: bool) -> int:
+def main(
+    run_dir: Path,
+    overrides: list[str],
+    notify: list[str],
+    every: Optional[str],
+    once: bool,
+    notify_file: Optional[Path] = None,
+) -> int:
     """``trainguard watch RUN_DIR``: one pass (``once``, or no interval set), else a pass every
     ``every`` (seconds or ``"5m"``; default the ``every`` setting) until SIGINT/SIGTERM.
 
     Args:
         run_dir: the run directory.
         overrides: ``key=value`` settings of :class:`WatchSection` (values read as TOML, else text).
-        notify: extra apprise URLs, added to the ``notify`` setting.
+        notify: extra apprise URLs, added to the ``notify`` setting (with those of ``notify_file``
+            and of ``TRAINGUARD_NOTIFY``, :mod:`.notify`).
         every: seconds between passes, overriding the ``every`` setting.
         once: one pass even if an interval is set.
+        notify_file: a file of its owner's only with one URL per line (``--notify-file``).
     Returns:
         0 (alerts are reported, not failures); 2 on bad input, with ``trainguard: error: ...`` on stderr.
     """
     run_dir = Path(run_dir)
     try:
         section = section_from_overrides(overrides)
+        if notify and any(redact(u) != u for u in notify):
+            print(
+                "trainguard: warning: a --notify URL holds a secret that every user sees in the process list; "
+                f"give it in a file of yours (--notify-file, mode 0600) or in {NOTIFY_ENV}",
+                file=sys.stderr,
+            )
+        notify = [*notify, *(read_url_file(notify_file) if notify_file is not None else []), *urls_from_environ()]
         if notify:
             section = section_from_overrides([], {**section.model_dump(), "notify": [*section.notify, *notify]})
         try:
