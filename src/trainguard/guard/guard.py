@@ -412,15 +412,20 @@ class Guard:
             self.section,
         )
         CATCH.install_clip()  # the norm clip_grad_norm_ returns is noted for should_step (CATCH.step_norm)
-        if catching:  # the collective catch and trainguard's DDP hook serve in-process recovery only
+        if catching:  # the collective catch serves in-process recovery only
             CATCH.install()
+        if world_size > 1:  # the detectors' values ride in a DDP gradient bucket (instability.fold), or FSDP2's norm
             in_progress, inject = (lambda: world.step + 1), self._inject_at_backward
-            # the detectors' values ride in a DDP gradient bucket (instability.fold), or FSDP2's norm
-            if self.inprocess.hook_ddp(in_progress, fold, inject) or clipfold.install(model, fold, in_progress, inject):
+            # trainguard's DDP hook: where it catches a lost peer, or notes the bucket layout a bitwise
+            # resume of three or more ranks needs (state.buckets)
+            hooked = (catching or world_size > 2) and self.inprocess.hook_ddp(in_progress, fold, inject)
+            if hooked or clipfold.install(model, fold, in_progress, inject):
                 fold.stop_source = self.stop_check.flags_to_fold
                 fold.fingerprint_source = self.sdc.carry  # the replica check rides too
                 fold.straggler_source = self.stop_check.straggler_to_fold  # and the straggler report
-            self.inprocess.catch_collectives(in_progress)
+        if catching:
+            self.inprocess.catch_collectives(lambda: world.step + 1)
+        if rejoin.active:
             check_shrinkable(cfg.elastic.min_ranks, world_size, self.sampler, self.ckpt.local is not None)
         if cfg.rollback.skip_batches and self.sampler is not None and not hasattr(self.sampler, "skip_batches"):
             raise BadInput(
