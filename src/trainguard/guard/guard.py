@@ -13,18 +13,12 @@ the step about to run, which equals ``guard.step``; that step's *number* is ``gu
 out of memory, injected faults) carry its number; a checkpoint "at step N" holds the state after N
 completed steps, and resuming from it yields N next.
 
-What happens at each step boundary (``step_end``), on every rank:
-
-1. the step counter advances and the step time is measured;
-2. about once a second (``[stop] check_seconds``, converted to steps from the measured step
-   time; or every ``[stop] check_interval`` steps) the stop flags of all ranks (signal, kill
-   switch, time limit, memory, save switch) and the next check step are combined in one
-   all-reduce (:class:`~trainguard.stop.conditions.StopFlags`), so all ranks decide alike at the same step;
-3. on a stop: save a checkpoint and raise :class:`~trainguard.outcomes.Requeue` (exit code 75);
-4. on the checkpoint interval or a save switch: save and keep training.
-
-When ``steps()`` runs out the Guard saves the final state and writes an ``end`` event carrying the
-SHA-256 of the model and optimizer state.
+At each step boundary (``step_end``), on every rank, the step is counted and timed; about once a
+second the stop flags of all ranks are combined in one all-reduce (:class:`~.stop_check.StopCheck`),
+so all ranks decide alike at the same step; a stop saves and raises
+:class:`~trainguard.outcomes.Requeue` (exit code 75); the checkpoint interval or a save switch
+saves and training goes on (docs/guard.md, "The step boundary"). When ``steps()`` runs out the
+Guard saves the final state and writes an ``end`` event carrying the SHA-256 of the state.
 
 **Outcomes.** Components raise typed outcomes (:mod:`trainguard.outcomes`: ``Requeue``,
 ``GiveUp``, ``BadInput``, each carrying its exit code) or return decisions (a rollback);
@@ -179,7 +173,7 @@ class Guard:
         self.shutdown: Optional[ShutdownHandler] = None
         self.ckpt: Optional[Checkpointer] = None
         self.heartbeat = None
-        for part in ("recovery", "micro", "faults", "step_inputs", "rejoin", "step_start", "inprocess"):
+        for part in ("recovery", "micro", "faults", "step_inputs", "rejoin", "step_start", "inprocess", "commits"):
             setattr(self, part, None)  # built in order below; close() releases those that were
         self._ran_step: Optional[bool] = False  # run_step called in the first step (None once checked)
         self._t_last = time.perf_counter()
@@ -919,7 +913,7 @@ class Guard:
             if not isinstance(o, BadInput):  # the others carry on without this rank
                 tgdist.destroy()  # a gloo group torn down during interpreter exit can abort the process
             return
-        if self.ckpt is not None:
+        if self.commits is not None:
             self.commits.wait()
         for h in self.hooks:
             h.on_train_end(self, o.reason)
@@ -941,7 +935,7 @@ class Guard:
         if self._closed:
             return
         self._closed = True
-        if self.ckpt is not None:
+        if self.commits is not None:  # (built after the checkpointer)
             self.commits.saved(self.ckpt.close())
         self.world.stop_ping()
         self._release(collective=True)
