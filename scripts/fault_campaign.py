@@ -206,7 +206,9 @@ def corrupt_newest(run: Path) -> Optional[str]:
 def mount_small_disk(path: Path) -> bool:
     """Mount a :data:`DISK_BYTES` tmpfs at ``path`` (root only); whether it is mounted."""
     path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(path)], capture_output=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES},mode=0700", "tmpfs", str(path)], capture_output=True
+    )
     return done.returncode == 0
 
 

@@ -99,10 +99,11 @@ def _call_site_here() -> str:
     return script_site("dist.barrier", sys._getframe(0))
 
 
-def test_a_site_names_the_op_and_the_script_frames_innermost_first():
+def test_a_site_names_the_op_and_the_innermost_frame_outside_trainguard():
     site = _call_site_here()
-    assert site.startswith("dist.barrier at ") and "test_align.py" in site and "(_call_site_here)" in site
+    assert site.startswith("dist.barrier at ") and "test_align.py" in site and site.endswith("(_call_site_here)")
     assert site != script_site("dist.barrier", sys._getframe(0))  # another line, another site
+    assert _call_site_here() == site  # the same call from elsewhere: the same site (only the innermost frame)
     assert align.wait_bound(0.01) == align.WAIT_FLOOR and align.wait_bound(10.0) == 30.0
 
 
@@ -151,8 +152,8 @@ def test_a_barrier_after_resuming_runs_alone_on_the_replacement_and_recovery_is_
     alone = events(run, "collective_alone")
     assert [e["rank"] for e in alone] == [1] and "dist.barrier" in alone[0]["details"]["site"]
     assert survivors_at in alone[0]["details"]["survivors_at"]
-    settled = events(run, "recovery_settled")
-    assert len(settled) == 1 and settled[0]["details"]["seconds"] < 30
+    settled = events(run, "recovery_settled")  # after its probation (30 s): the run may end before
+    assert len(settled) <= 1 and not events(run, "recovery_failed")
     done = events(run, "recovery_finished")
     assert len(done) == 1 and done[0]["details"]["first_step"] == done[0]["step"] + 1
     assert "recovered in-process: step" in Path(f"{run}.log").read_text()

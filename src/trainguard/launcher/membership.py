@@ -25,7 +25,8 @@ event                decisions (first rule that applies)
 ``Finished``         → **End** 0.
 ``Joined``           the generation formed: nothing forms any more; the recovery *settles* until
                      the group completes a step with it.
-``Settled``          every rank completed a step after the generation formed: the recovery is done.
+``Settled``          every rank completed a step after the generation formed, and its probation
+                     passed: the recovery is done.
 ``TimedOut``         the generation did not form → **Fallback** + **Restart** / **End** 76.
 ``SettleTimedOut``   no completed step within the bound after the generation formed →
                      **Fallback** + **Restart** / **End** 76.
@@ -51,7 +52,9 @@ event                decisions (first rule that applies)
 
 **The progress rule.** A recovery in place (**Replace**, **ReplaceNode**, **Shrink**, **GrowBack**,
 **Admit**) counts as done only when the new group has completed a step (**Settled**, every rank
-past ``step_end`` of a step after the generation formed). Until then a failure of any rank, a hang,
+past ``step_end`` of a step after the generation formed) and a probation has passed (the same
+bound, from the forming: a replacement whose script went on from another place than the survivors'
+completes a step and fails at its next collective that differs). Until then a failure of any rank, a hang,
 a lost node or the bound's expiry means the recovery failed: **Fallback** (``failed``) and the group
 restarts from the newest checkpoint at once, never another replacement. So between two completed
 steps there is at most one recovery in place, and a recovery that does not lead to a step costs
@@ -505,7 +508,7 @@ def decide(state: State, event: Event) -> tuple[State, Decisions]:
 
 def why_not_in_process(state: State, lost: list[int], codes: Mapping[int, Optional[int]], declined: Optional[str]):
     """Why in-process recovery cannot take the failure of the local ranks ``lost``, or ``None``."""
-    if state.recovering is not None:
+    if _in_recovery(state):
         return _failed_recovery(state)
     if state.replacements + len(lost) > state.limits.max_replacements:
         return f"in-process replacement budget spent ({state.limits.max_replacements})"
@@ -513,6 +516,8 @@ def why_not_in_process(state: State, lost: list[int], codes: Mapping[int, Option
         return f"in-process recovery does not apply: {declined}"
     if len(lost) == len(codes) == state.world_size:
         return "no rank survived to send the state"
+    if state.settling == "start":
+        return _failed_recovery(state)
     return None
 
 
@@ -523,7 +528,7 @@ def _failed_recovery(state: State) -> str:
         return f"a rank failed while the last ({state.forming}) generation was still forming"
     if state.settling == "start":
         return "a rank failed before the group completed its first step (no rank holds a state to send yet)"
-    return f"a rank failed before the group completed a step after the last ({state.settling}) recovery"
+    return f"a rank failed before the last ({state.settling}) recovery was done (a completed step and its probation)"
 
 
 def _in_recovery(state: State) -> bool:

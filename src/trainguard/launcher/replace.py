@@ -28,7 +28,7 @@ import os
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -66,8 +66,14 @@ class Settling:
         number, world_size: the generation and its ranks (each says :meth:`RecoveryStore.stepped`).
         since: ``time.monotonic()`` when the recovery began (the replacements were started, or
             the generation was first seen).
-        deadline: ``time.monotonic()`` past which the recovery has failed.
+        deadline: ``time.monotonic()`` past which the recovery has failed without a completed step.
         bound: the seconds from the forming to the deadline (said when it passes).
+        probation: ``time.monotonic()`` before which the recovery is not done even after a
+            completed step (the same bound from the forming): a failure until then is the
+            recovery's (a replacement whose script went on from another data position than the
+            survivors' completes a step and fails at the next collective that differs), and the
+            group restarts instead of replacing a rank again. 0: none (a new start of the group).
+        stepped: every rank completed a step after it (the recovery waits out its probation).
     """
 
     number: int
@@ -75,6 +81,8 @@ class Settling:
     since: float
     deadline: float
     bound: float
+    probation: float = 0.0
+    stepped: bool = False
 
 
 class Replacer:
@@ -374,7 +382,7 @@ class Replacer:
             if gen.number not in self._mine:
                 found.append(gen)
                 now, bound = time.monotonic(), 2 * self.cfg.timeout + 5.0  # it may still be forming there
-                self.settling = Settling(gen.number, gen.world_size, now, now + bound, bound)
+                self.settling = Settling(gen.number, gen.world_size, now, now + bound, bound, now + bound)
         return found
 
     def _rank_env(self, env: dict[str, str], gen: Generation) -> dict[str, str]:
@@ -475,7 +483,9 @@ class Replacer:
             seconds = now - self._started
             hint = store.step_time(self.pending.number) or 0.0
             bound = max(self.cfg.timeout, SETTLE_STEPS * hint)
-            self.settling = Settling(self.pending.number, self.pending.world_size, self._started, now + bound, bound)
+            self.settling = Settling(
+                self.pending.number, self.pending.world_size, self._started, now + bound, bound, now + bound
+            )
             self.events.emit(
                 "generation_joined",
                 generation=self.pending.number,
@@ -511,20 +521,26 @@ class Replacer:
 
     def _settle(self) -> Optional[Settled | SettleTimedOut]:
         """The progress rule's watch of :attr:`settling`: :class:`~.membership.Settled` (a
-        ``recovery_settled`` event) once every rank of the generation completed a step after it,
-        :class:`~.membership.SettleTimedOut` once its deadline passed, else ``None``. One store
-        look per poll while a recovery settles, none otherwise."""
+        ``recovery_settled`` event) once every rank of the generation completed a step after it
+        and its probation passed (:class:`Settling`), :class:`~.membership.SettleTimedOut` once
+        its deadline passed without that step, else ``None``. One store look per poll until the
+        step, none otherwise."""
         s = self.settling
         if s is None:
             return None
-        store, now = self.recovery_store(), time.monotonic()
-        if store.steps_after(s.number) >= s.world_size:
+        now = time.monotonic()
+        if not s.stepped and self.recovery_store().steps_after(s.number) >= s.world_size:
+            s = self.settling = replace(s, stepped=True)
+        if s.stepped and now < s.probation:
+            return None
+        if s.stepped:
             self.settling = None
             if s.number > 0:  # generation 0: a new start of the group, no recovery
                 self.events.emit("recovery_settled", generation=s.number, seconds=round(now - s.since, 4))
             return Settled()
         if now <= s.deadline:
             return None
+        store = self.recovery_store()
         self.settling = None
         why = f"the group completed no step within {s.bound:.0f} s after generation {s.number} formed"
         gave_up = store.gave_up(s.number)

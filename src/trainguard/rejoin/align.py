@@ -24,13 +24,13 @@ NCCL 10 min). This module finds it at once:
 * The window ends with the first step after the meeting: a survivor that reached no collective in
   it names :data:`END`, the end of the step.
 
-A *site* is the operation and the chain of the script's frames that called it, innermost first
-(``dist.barrier at train.py:57 (main) < train.py:90 (<module>)``), up to the script's top-level code;
-frames of trainguard are left out (a replacement runs the script under
-:mod:`trainguard.rejoin.replacement`). DDP's backward and trainguard's own collectives have fixed
+A *site* is the operation and the innermost frame that called it outside trainguard
+(``dist.barrier at train.py:57 (main)``); the frames above it are not compared, since a survivor
+that runs the interrupted step again inside a framework's step reaches the same call through other
+frames. DDP's backward and trainguard's own collectives have fixed
 names, and so has DDP's buffer broadcast at the start of its forward (a model with buffers, such as
-batch norm's running statistics, and ``broadcast_buffers``). Frames, not a count, identify a collective: a collective called from the same line on both
-sides is the same one.
+batch norm's running statistics, and ``broadcast_buffers``). A place, not a count, identifies a
+collective: a collective called from the same line on both sides is the same one.
 
 One process-wide :data:`ALIGN` (a process has one default group); the Guard opens the window after
 a meeting and closes it in ``close()``.
@@ -68,18 +68,16 @@ def wait_bound(step_seconds: float) -> float:
 
 
 def script_site(op: str, frame: Any) -> str:
-    """The site of the script's collective ``op`` called from ``frame``: the op and the chain of the
-    script's frames, innermost first, up to its top-level code (``__main__``'s ``<module>``)."""
-    parts = []
+    """The site of the script's collective ``op`` called from ``frame``: the op and the innermost
+    frame that is not trainguard's (file, line, function). Only that frame: a survivor may reach the
+    same call through other frames (the Hugging Face Trainer's step run again by trainguard's
+    callback after a lost peer was replaced)."""
     f = frame
-    while f is not None:
-        name = f.f_globals.get("__name__", "")
-        if name.partition(".")[0] not in _LEFT_OUT:
-            parts.append(f"{f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})")
-        if name == "__main__" and f.f_code.co_name == "<module>":
-            break
+    while f is not None and f.f_globals.get("__name__", "").partition(".")[0] in _LEFT_OUT:
         f = f.f_back
-    return f"{op} at " + " < ".join(parts)
+    if f is None:
+        return op
+    return f"{op} at {f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
 
 
 @dataclass
