@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, finish, launch
+from conftest import REPO, events, finish, launch
 
 WORKER = Path(__file__).parent / "comm_hook_worker.py"
 
@@ -76,3 +76,26 @@ def _float32_weights(tmp_path: Path) -> dict:
             p.grad = g0 / 2 + g1 / 2
         opt.step()
     return model.state_dict()
+
+
+def test_in_process_recovery_keeps_the_scripts_hook_across_a_regroup(tmp_path, plain):
+    """Rank 1 SIGKILLed at step 3 with the fp16 hook registered before the Guard: its replacement
+    joins rank 0 in-process, both reducers are built again on the new group with trainguard's hook
+    calling the script's, and the final weights still equal the hook alone without trainguard."""
+    run = tmp_path / "run"
+    proc = launch(
+        run,
+        "recovery.in_process=true",
+        script=WORKER,
+        tiny=False,
+        script_args=("before", str(tmp_path)),
+        extra=("--inject", "rank_killed:rank=1,step=3"),
+    )
+    log = Path(f"{run}.log")
+    assert finish(proc) == 0, log.read_text(errors="replace")[-3000:]
+    assert [e["rank"] for e in events(run, "rank_replaced")] == [1], log.read_text(errors="replace")[-3000:]
+    assert not events(run, "group_restart")
+    for rank in (0, 1):
+        mine = torch.load(tmp_path / f"weights-before-rank{rank}.pt", weights_only=True)
+        for k in plain:
+            assert torch.equal(mine[k], plain[k]), (rank, k)
