@@ -58,6 +58,7 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "comm_hook_cost.py": ([], ["riding in a gradient bucket", "trainguard's hook", "load average"]),
     # one framework (the Hugging Face path runs in tests/test_hf.py)
     "framework_overhead.py": (["--frameworks", "lightning"], ["framework callback step overhead", "| lightning |"]),
+    "zoo_kills.py": ([], ["zoo kills: 2 ranks", "| resume_barrier | in-process |", "goal: in-process"]),
 }
 NVRX = Path("/tmp/nvrx")  # recovery_compare.py's default --nvrx
 

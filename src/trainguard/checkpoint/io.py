@@ -199,6 +199,23 @@ def apply_state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     )
 
 
+def _with_saved_group_keys(state: dict[str, Any], reader: FileSystemReader) -> None:
+    """Add to ``state``'s optimizer parameter groups the entries the checkpoint holds and the live
+    optimizer lacks (``initial_lr``, which a learning-rate scheduler adds when it is built: a script
+    that builds its scheduler after the resume, from the resumed step, needs the saved one), so that
+    ``dcp.load`` (which reads only what its template names) brings them back as
+    ``Optimizer.load_state_dict`` would."""
+    groups = state.get("optim", {}).get("param_groups")
+    if not groups:
+        return
+    for key in reader.read_metadata().state_dict_metadata:
+        parts = key.split(".")
+        if len(parts) == 4 and parts[:2] == ["optim", "param_groups"] and parts[2].isdigit():
+            index, name = int(parts[2]), parts[3]
+            if index < len(groups) and name not in groups[index]:
+                groups[index][name] = None  # filled by dcp.load
+
+
 def saved_world_size(path: Path) -> Optional[int]:
     """The number of ranks that wrote the committed checkpoint ``path`` (``None``: not recorded)."""
     return mf.read_manifest(path).get("meta", {}).get("world_size")
@@ -246,7 +263,9 @@ def load_state(
         FileNotFoundError: the checkpoint has no state file for this rank.
     """
     state = model_optim_state(model, optimizer)
-    dcp.load(state, storage_reader=FileSystemReader(path))
+    reader = FileSystemReader(path)
+    _with_saved_group_keys(state, reader)
+    dcp.load(state, storage_reader=reader)
     apply_state(model, optimizer, state)
     with open(path / rank_file(tgdist.rank() if rank is None else rank), "rb") as f:
         return torch.load(f, weights_only=True)

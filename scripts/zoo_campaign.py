@@ -1,0 +1,102 @@
+"""The zoo's full fault campaign: every loop shape of ``tests/zoo`` killed at random moments and hung.
+
+For each shape (``tests/zoo/drive.py``'s ``SHAPES``): one uninterrupted launch for the final
+weights' hash, then ``--kills`` launches (default 3) with one rank SIGKILLed from outside at a
+seeded random step plus a random fraction of a step, and ``--hangs`` launches (default 1) with one
+rank SIGSTOPped from outside (the hang supervisor finds it stopped and kills it), all with the
+default recovery settings (in-process recovery, one warm spare) and ``checkpoint.interval=10``.
+When a fault ended in a group restart (``fallback``), the same fault (same seed) is run again with
+``recovery.in_process=false`` for the restart's own time, the bound a fallback must keep (+ 2 s).
+
+Prints one table row per fault: shape, fault, the step printed before it, path (in-process,
+fallback, failed), seconds from the fault to training again, completed steps redone, bitwise
+(final weights equal the uninterrupted run's), ``rank_replaced`` events, the fallback's reason;
+then one line per shape with the verdict of issue 43's rule ("in-process bitwise, or a fallback
+within the restart's time + 2 s with its reason on the console, never more than one replacement
+per fault"). Exits 1 when a fault broke the rule. Not run in CI (about 20 minutes on 2 cores for
+the 12 shapes); CI's soak step runs tests/test_zoo.py, one kill per shape.
+
+Run: ``python scripts/zoo_campaign.py [--kills 3] [--hangs 1] [--shapes nanogpt,fsdp2] [--seed 0]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "zoo"))
+
+import drive  # noqa: E402
+
+SLACK = 2.0  # seconds a fallback may take beyond the group restart's own time (issue 43)
+
+
+def verdict(t: drive.Trial, restart: drive.Trial | None) -> str:
+    """``ok`` or what broke the rule for one fault."""
+    if t.replaced > 1:
+        return f"{t.replaced} replacements for one fault"
+    if t.path == "in-process":
+        return "ok" if t.bitwise else "in-process but not bitwise"
+    if t.path == "fallback":
+        if not t.console_reason:
+            return "fallback without its reason on the console"
+        if restart is None or restart.seconds != restart.seconds:
+            return "fallback (no restart time to compare)"
+        if t.seconds > restart.seconds + SLACK:
+            return f"fallback {t.seconds:.1f} s > restart {restart.seconds:.1f} s + {SLACK:g} s"
+        return "ok" if t.bitwise else "fallback, not bitwise"
+    return f"{t.path} (exit {t.code})"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kills", type=int, default=3, help="SIGKILLs per shape (default 3)")
+    p.add_argument("--hangs", type=int, default=1, help="SIGSTOPs per shape (default 1)")
+    p.add_argument("--shapes", default=",".join(drive.SHAPES), help="comma-separated shape names (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="base of the per-fault seeds")
+    p.add_argument("--dir", type=Path, default=None, help="where the runs go (default: a new temporary directory)")
+    p.add_argument("--json", type=Path, default=None, help="also write every trial's fields here")
+    args = p.parse_args()
+    names = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in names if s not in drive.SHAPES]
+    if unknown:
+        print(f"zoo_campaign: error: unknown shape(s) {unknown}; known: {', '.join(drive.SHAPES)}", file=sys.stderr)
+        return 2
+    base = args.dir or Path(tempfile.mkdtemp(prefix="zoo-campaign-"))
+    trials: list[drive.Trial] = []
+    verdicts: dict[str, list[str]] = {}
+    for n, name in enumerate(names):
+        shape = drive.SHAPES[name]
+        clean = drive.clean_run(shape, base / name / "clean")
+        if clean is None:
+            print(f"{name}: the uninterrupted run failed: {base / name / 'clean'}.log", flush=True)
+            verdicts[name] = ["clean run failed"]
+            continue
+        faults = ["kill"] * args.kills + ["hang"] * args.hangs
+        for i, fault in enumerate(faults):
+            seed = args.seed * 100_000 + n * 100 + i
+            t = drive.fault_trial(shape, base / name / f"{fault}-{i}", seed, fault, clean=clean)
+            restart = None
+            if t.path == "fallback":
+                restart = drive.fault_trial(
+                    shape, base / name / f"{fault}-{i}-restart", seed, fault, settings=drive.RESTART, clean=clean
+                )
+            trials.append(t)
+            verdicts.setdefault(name, []).append(verdict(t, restart))
+            print(drive.table([t]).splitlines()[-1], f"→ {verdicts[name][-1]}", flush=True)
+    print(f"\nzoo campaign: {args.kills} kill(s) and {args.hangs} hang(s) per shape, 2 ranks, runs in {base}")
+    print(drive.table(trials))
+    print("\n| shape | verdict |\n|---|---|")
+    for name, vs in verdicts.items():
+        bad = [v for v in vs if v != "ok"]
+        print(f"| {name} | {'ok' if not bad else '; '.join(bad)} |")
+    if args.json:
+        args.json.write_text(json.dumps([t.row() for t in trials], indent=1))
+    return 1 if any(v != "ok" for vs in verdicts.values() for v in vs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""A resume restores the optimizer's parameter groups as ``Optimizer.load_state_dict`` would, also
+the entries the live optimizer lacks: ``initial_lr``, which a learning-rate scheduler adds when it
+is built. A script that builds its scheduler after the resume, from the resumed step (the zoo's
+start-step shape), took the restored learning rate as its base without it, and trained on with
+other learning rates than the uninterrupted run. One process, a real gloo group and
+``torch.distributed.checkpoint``."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from trainguard.checkpoint import io
+
+
+def test_a_resume_restores_initial_lr_that_the_live_optimizer_lacks(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        sched.step()
+        dcp.save(io.model_optim_state(model, opt), checkpoint_id=str(tmp_path / "ck"))
+        torch.save({}, tmp_path / "ck" / io.rank_file(0))
+        again = torch.nn.Linear(3, 2)
+        fresh = torch.optim.SGD(again.parameters(), lr=0.3)  # no scheduler yet: no initial_lr
+        io.load_state(tmp_path / "ck", again, fresh)
+        assert fresh.param_groups[0]["initial_lr"] == 0.3 and fresh.param_groups[0]["lr"] == 0.15
+        resumed = torch.optim.lr_scheduler.LambdaLR(fresh, lambda s: 0.5**s, last_epoch=0)  # built from the step
+        resumed.step()
+        assert fresh.param_groups[0]["lr"] == 0.3 * 0.5**2  # as the uninterrupted run's next step
+    finally:
+        dist.destroy_process_group()
