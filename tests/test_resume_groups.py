@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainguard.checkpoint import io
+from trainguard.rejoin.stepstart import schedulers_not_kept
 
 
 def test_a_resume_restores_initial_lr_that_the_live_optimizer_lacks(tmp_path):
@@ -34,3 +35,15 @@ def test_a_resume_restores_initial_lr_that_the_live_optimizer_lacks(tmp_path):
         assert fresh.param_groups[0]["lr"] == 0.3 * 0.5**2  # as the uninterrupted run's next step
     finally:
         dist.destroy_process_group()
+
+
+def test_schedulers_the_guard_was_not_given_are_found_at_a_redo():
+    """A step done again in-process steps a scheduler the Guard does not keep twice: the recovery
+    finds such schedulers of the optimizer (and says the run is not bitwise)."""
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    kept = torch.optim.lr_scheduler.StepLR(opt, 3)
+    assert schedulers_not_kept(opt, kept) == []
+    stray = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    assert schedulers_not_kept(opt, kept) == ["LambdaLR"] and schedulers_not_kept(opt, None) == ["LambdaLR", "StepLR"]
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert schedulers_not_kept(other, None) == [] and stray.optimizer is opt

@@ -807,7 +807,7 @@ class Guard:
             drawn = self.draws.before_loop()  # a replacement runs the script's start as a resume does
             self._t_last = self.recovering.join()
             if drawn:
-                self.resumer.not_bitwise(self.step, DRAWN_BEFORE_LOOP)
+                self.resumer.not_bitwise(self.step, DRAWN_BEFORE_LOOP, say=True)  # the replacement says it itself
             return
         kill = tgdist.all_reduce_max([int(self.stop.kill_switch())])[0]
         if kill:

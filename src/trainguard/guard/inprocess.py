@@ -30,8 +30,9 @@ from ..rejoin.buffers import BufferSync, has_buffers
 from ..rejoin.catch import CATCH, DDPHook, is_own_hook
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
+from ..rejoin.redo_check import RedoCheck
 from ..rejoin.shards import ShardSnapshots
-from ..rejoin.stepstart import StepStart
+from ..rejoin.stepstart import StepStart, schedulers_not_kept
 from ..state.reshard import resharded_rank_state
 from ..state.trainstate import TrainState
 from .keeper import Keeper
@@ -155,6 +156,10 @@ class InProcess:
         self._stepping: Optional[tuple[int, int]] = None
         self._unsettled: Optional[Unsettled] = None
         self.buffer_sync: Optional[BufferSync] = None  # DDP's buffer broadcast, where a lost peer is caught
+        self.redo_check: Optional[RedoCheck] = None  # a step done again must see the interrupted one's batch
+        if rejoin.active and step_start is not None and shards is None:
+            self.redo_check = RedoCheck(model, self._redo_differs)
+            step_start.also(self.redo_check)
 
     # ------------------------------------------------------------------------------------------
     # catching and keeping
@@ -239,6 +244,9 @@ class InProcess:
         if self.buffer_sync is not None:
             self.buffer_sync.close()
             self.buffer_sync = None
+        if self.redo_check is not None:
+            self.redo_check.close()
+            self.redo_check = None
         vars(self.model).pop("register_comm_hook", None)
 
     def arm_catch(self, step_in_progress: Callable[[], int]) -> None:
@@ -338,6 +346,7 @@ class InProcess:
             self.train_state.load_state_dict(self.rejoin.boundary.restore(place.step))
             if self.step_start is not None:
                 self.step_start.restore()
+                self._say_stray_schedulers(place, gen)
         met = self._meet(gen, place, current=current)
         redo = redo and met.place.step == place.step  # else it took the completed step from a peer
         if gen.left:
@@ -537,6 +546,35 @@ class InProcess:
             console.say(
                 f"recovered in-process: step {step} completed on the new group {seconds:.2f} s after the fault; {u.said}"
             )
+
+    def _redo_differs(self, why: str) -> None:
+        """A survivor's step done again got another batch (:class:`~trainguard.rejoin.redo_check.RedoCheck`):
+        the recovery fails; the launcher restarts the group (said here and in the recovery store).
+
+        Raises:
+            RegroupError: always.
+        """
+        reason = f"rank {self.rejoin.rank}: {why}"
+        console.say(f"in-process recovery failed: {reason}")
+        try:
+            self.rejoin.store.give_up(self.rejoin.generation, reason)
+        except Exception as e:  # the launcher's store may be gone: the exit says enough
+            console.warn(f"could not tell the launcher why ({e})")
+        raise regroup.RegroupError(reason)
+
+    def _say_stray_schedulers(self, place: Place, gen: Generation) -> None:
+        """A step done again steps the schedulers the Guard was not given twice: say so
+        (``resume_not_bitwise`` and a console line from the lowest surviving rank)."""
+        stray = schedulers_not_kept(self.optimizer, self.step_start.scheduler)
+        if not stray:
+            return
+        cause = (
+            f"the optimizer's scheduler(s) {', '.join(stray)} were not given to the Guard (scheduler=): the step done "
+            "again steps them twice, and a checkpoint does not hold their state"
+        )
+        self.events.emit("resume_not_bitwise", place.step, rank=place.rank, cause=cause)
+        if place.rank == min(set(range(place.world_size)) - set(gen.replaced)):
+            console.warn(f"a resume cannot be bitwise identical: {cause}")
 
     def _alone(self, mine: str, theirs: str) -> None:
         """A replacement ran the collective at ``mine`` alone: the survivors wait at ``theirs``."""

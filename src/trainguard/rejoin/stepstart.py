@@ -17,6 +17,7 @@ redone.
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 from typing import Any, Callable, Optional
 
@@ -89,6 +90,21 @@ class StepStart:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.applied = self.applied or not self.failed()
+
+
+def schedulers_not_kept(optimizer: Optional[torch.optim.Optimizer], kept: Any) -> list[str]:
+    """The learning-rate schedulers of ``optimizer`` other than ``kept`` (the one the Guard was
+    given): a step done again steps them twice (their state is neither saved nor put back), so
+    the run cannot stay bitwise. Their class names. Found through the garbage collector's
+    referrers of the optimizer: call it at a recovery, not every step."""
+    if optimizer is None:
+        return []
+    found = [
+        o
+        for o in gc.get_referrers(optimizer)
+        if isinstance(o, torch.optim.lr_scheduler.LRScheduler) and o is not kept and o.optimizer is optimizer
+    ]
+    return sorted(type(o).__name__ for o in found)
 
 
 def _copy(state: Any) -> Any:
