@@ -20,9 +20,9 @@ from typing import Optional
 import pytest
 import torch
 import torch.distributed as dist
+from patch_census import replaced
 
 import trainguard
-from trainguard.rejoin.catch import COLLECTIVES
 from trainguard.supervisor.stacks import STACK_SIGNAL
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -33,36 +33,6 @@ def group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
-
-
-def replaced() -> list[str]:
-    """The process-wide objects a Guard may replace that are not torch's (or Python's) own now:
-    ``torch.distributed``'s collectives and ``init_process_group``, DDP's bucket assignment and
-    constructor, ``clip_grad_norm_``, ``Tensor.backward``, ``os.environ``'s class. Compared with
-    where torch defines them, not with an earlier census: a patch that a Guard never undid would
-    be in every later census of this process too."""
-    from torch.distributed import distributed_c10d
-    from torch.nn.parallel import DistributedDataParallel
-    from torch.nn.utils import clip_grad
-
-    own = {n: getattr(distributed_c10d, n) for n in (*COLLECTIVES, "init_process_group")}
-    own["_compute_bucket_assignment_by_size"] = torch._C._distributed_c10d._compute_bucket_assignment_by_size
-    out = [f"torch.distributed.{n}" for n, fn in own.items() if getattr(dist, n, None) is not fn]
-    if torch.nn.utils.clip_grad_norm_ is not clip_grad.clip_grad_norm_:
-        out.append("torch.nn.utils.clip_grad_norm_")
-    for name, fn, where in (
-        ("torch.Tensor.backward", torch.Tensor.backward, "torch._tensor.Tensor.backward"),
-        (
-            "DistributedDataParallel.__init__",
-            DistributedDataParallel.__init__,
-            "torch.nn.parallel.distributed.DistributedDataParallel.__init__",
-        ),
-    ):
-        if f"{fn.__module__}.{fn.__qualname__}" != where:
-            out.append(name)
-    if type(os.environ) is not os._Environ:
-        out.append("os.environ's class")
-    return out
 
 
 def census(opt: torch.optim.Optimizer) -> dict:
@@ -141,7 +111,10 @@ def test_build_run_close_build_again_leaves_nothing_behind(tmp_path, group, monk
         guard = trainguard.Guard(config(tmp_path / f"run{attempt}"), model=model, optimizer=opt)
         during = census(opt)
         assert during["optimizer_hooks"] != before["optimizer_hooks"] and during["handlers"] != before["handlers"]
-        assert "torch.distributed.all_reduce" in during["replaced"]  # the census sees what a Guard replaces
+        # the census sees what a Guard replaces; the collective catch only where it serves (in-process
+        # recovery on more than one rank: tests/test_comm_hook.py's census), not on one rank
+        assert {"torch.nn.utils.clip_grad_norm_", "sys.excepthook"} <= set(during["replaced"]), during
+        assert "torch.distributed.all_reduce" not in during["replaced"]
         seen: set[str] = set()
         train(guard, model, opt, 7, seen)
         assert "trainguard-ckpt" in {n.split("_")[0] for n in seen}, seen  # the async writer ran
@@ -222,6 +195,33 @@ def _slow_thread_exit(frame, event, arg):
         return on_return
 
     return on_return
+
+
+def test_the_replacement_runners_patches_are_undone_when_its_script_ends(tmp_path):
+    """``python -m trainguard.rejoin.replacement`` replaces DDP's constructor, ``init_process_group``
+    and (a warm spare) ``os.environ``'s class for the script it runs; they are put back when the
+    script ends, as is the collective catch it installs."""
+    from trainguard.rejoin import replacement
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os, sys\n"
+        "sys.path.insert(0, os.environ['CENSUS_DIR'])\n"
+        "from patch_census import replaced\n"
+        "open(os.environ['CENSUS_OUT'], 'w').write(repr(replaced()))\n"
+    )
+    before = replaced()
+    environ_class = type(os.environ)
+    os.environ.update(CENSUS_DIR=os.path.dirname(__file__), CENSUS_OUT=str(tmp_path / "during"))
+    try:
+        replacement.main([str(script)])
+    finally:
+        for key in ("CENSUS_DIR", "CENSUS_OUT"):
+            os.environ.pop(key)
+    during = (tmp_path / "during").read_text()
+    assert "DistributedDataParallel.__init__" in during and "torch.distributed.init_process_group" in during
+    assert "torch.distributed.all_reduce" in during
+    assert replaced() == before == [] and type(os.environ) is environ_class
 
 
 def test_a_checkpointer_closed_without_waiting_still_joins_its_idle_writer_thread(tmp_path, group):

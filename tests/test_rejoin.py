@@ -485,8 +485,8 @@ def test_hung_rank_is_killed_by_the_supervisor_and_replaced_in_process(tmp_path,
 
 
 def test_models_that_cannot_be_rebound_are_refused_before_recovery(tmp_path):
-    """DTensor parameters FSDP2 does not manage (tensor parallelism) or a DDP communication hook:
-    RegroupError before any rank waits for a generation (the rank exits and the launcher restarts
+    """DTensor parameters FSDP2 does not manage (tensor parallelism), or a DDP communication hook
+    that trainguard's did not take over: RegroupError before any rank waits for a generation (the rank exits and the launcher restarts
     the group). An FSDP2 model is re-bound (tests/test_fsdp2.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -498,8 +498,9 @@ def test_models_that_cannot_be_rebound_are_refused_before_recovery(tmp_path):
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
         regroup.check_rebindable(ddp)
         ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())
+        regroup.check_rebindable(ddp)  # a script's hook: trainguard's takes it over (InProcess.hook_ddp)
         with pytest.raises(regroup.RegroupError, match="communication hook"):
-            regroup.check_rebindable(ddp)
+            regroup.rebind_ddp(ddp)  # one it did not take over cannot be carried to a new group
         mesh = init_device_mesh("cpu", (1,))
         regroup.check_rebindable(fully_shard(torch.nn.Linear(4, 2), mesh=mesh))  # FSDP2: fine
         tp = torch.nn.Linear(4, 2)

@@ -292,9 +292,9 @@ class TrainguardCallback(TrainerCallback):
             redo_in_step=True,
             framework=None if self._hf is not None else "the Hugging Face Trainer (not found to call back into)",
         )
-        if self._hf is not None and self.guard.rejoin.active:
+        if self._hf is not None and self.guard.in_process:
             self._wrap_trainer(self._hf)
-        if self.guard.rejoin.joining:
+        if self.guard.joining:
             self._join_dir = Path(config.run.dir) / ".hf-join" / f"rank-{self.guard.rank}"
         step = self.guard.begin(state.max_steps)
         self.guard.catch_peers()  # the step's first collective (the token count) comes before on_step_begin
@@ -336,12 +336,9 @@ class TrainguardCallback(TrainerCallback):
             return batches, items
 
         def training_step(*args: Any, **kwargs: Any) -> torch.Tensor:
-            try:
+            with self.guard.recoverable("backward"):
                 return train(*args, **kwargs)
-            except Exception as e:
-                if not self.guard.rejoin.caught(e, "backward", self.guard.step + 1):
-                    raise
-                return torch.zeros((), device=trainer.args.device)
+            return torch.zeros((), device=trainer.args.device)  # a lost peer: the step is run again
 
         trainer.get_batch_samples, trainer.training_step = get_batch_samples, training_step
 
@@ -371,7 +368,7 @@ class TrainguardCallback(TrainerCallback):
             for group in self._trainer["optimizer"].param_groups:
                 for p in group["params"]:
                     p.grad = None
-            self.guard.recovery.release()  # the Trainer calls optimizer.step() next: a no-op without gradients
+            self.guard.release_step()  # the Trainer calls optimizer.step() next: a no-op without gradients
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self._join_dir is not None:  # the Trainer has read it (its generators after the data skip)

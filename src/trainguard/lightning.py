@@ -190,7 +190,7 @@ class TrainguardCallback(pl.Callback):
         self._hold_rng()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.guard.shutdown.take_back()
+        self.guard.take_back_signals()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._hold_rng()  # the new epoch's DataLoader iterator draws its base seed after this
@@ -217,7 +217,7 @@ class TrainguardCallback(pl.Callback):
         self._put_back_rng()
         self.guard.step_begin()
         self._batch = (batch, batch_idx)
-        self._fetched = self.sampler.state_dict() if self.sampler is not None and self.guard.rejoin.active else None
+        self._fetched = self.sampler.state_dict() if self.sampler is not None and self.guard.in_process else None
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         # the very tensor backward() runs on (not a detached copy): should_step() then finds it
@@ -290,7 +290,7 @@ class TrainguardCallback(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._sections.close()
         if self.guard is not None and not isinstance(exception, Outcome):
-            self.guard.__exit__(type(exception), exception, None)  # a crash: release without waiting for peers
+            self.guard.abandon()  # a crash: release without waiting for peers
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.guard is not None:

@@ -114,6 +114,8 @@ class Checkpointer:
         background: whether scheduled saves may be written in the background (``None``:
             ``cfg.async_save`` is not ``False``); :attr:`asynchronous` turns false for good once a
             background copy saw its sources changed (see :data:`CHANGED_DURING_COPY`).
+        write_files: ``write(directory)``: more files for each persistent checkpoint, written on
+            every rank into its temporary directory before the commit (a framework's own; blocking saves).
     Raises:
         BadInput: ``[checkpoint.local] dir`` is not a writable directory.
     """
@@ -130,6 +132,7 @@ class Checkpointer:
         node_rank: int = 0,
         local_world_size: Optional[int] = None,
         background: Optional[bool] = None,
+        write_files: Optional[Callable[[Path], None]] = None,
     ):
         self.cfg, self.events, self.model, self.optimizer = cfg, events, model, optimizer
         self.rank, self.world_size = rank, world_size
@@ -179,7 +182,7 @@ class Checkpointer:
         self.state_bytes_guess = state_bytes(model, optimizer)  # for the save-time guess
         # more files for each persistent checkpoint, written on every rank into its temporary
         # directory before the commit (see write_checkpoint); blocking saves only
-        self.write_files: Optional[Callable[[Path], None]] = None
+        self.write_files = write_files
 
     # ------------------------------------------------------------------------------------------
     # saving

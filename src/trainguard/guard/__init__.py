@@ -1,7 +1,11 @@
 """The Guard (:mod:`trainguard.guard.guard`) and its components: the outcome edge
-(:mod:`~trainguard.guard.edge`), in-process recovery (:mod:`~trainguard.guard.inprocess`) and the
-response to silent data corruption (:mod:`~trainguard.guard.sdc_response`)."""
+(:mod:`~trainguard.guard.edge`), stop and save (:mod:`~trainguard.guard.saving`), rollbacks
+(:mod:`~trainguard.guard.rollback`), the replica check's flow (:mod:`~trainguard.guard.sdc_flow`)
+and the response to silent data corruption (:mod:`~trainguard.guard.sdc_response`), in-process
+recovery (:mod:`~trainguard.guard.inprocess`, :mod:`~trainguard.guard.recovering`), and the shared
+view of where a rank stands (:mod:`~trainguard.guard.world`)."""
 
-from .guard import PING_FAILURE_GRACE, PROGRESS_SECONDS, Guard
+from .guard import PING_FAILURE_GRACE, Guard
+from .saving import PROGRESS_SECONDS
 
 __all__ = ["Guard", "PING_FAILURE_GRACE", "PROGRESS_SECONDS"]

@@ -13,18 +13,12 @@ the step about to run, which equals ``guard.step``; that step's *number* is ``gu
 out of memory, injected faults) carry its number; a checkpoint "at step N" holds the state after N
 completed steps, and resuming from it yields N next.
 
-What happens at each step boundary (``step_end``), on every rank:
-
-1. the step counter advances and the step time is measured;
-2. about once a second (``[stop] check_seconds``, converted to steps from the measured step
-   time; or every ``[stop] check_interval`` steps) the stop flags of all ranks (signal, kill
-   switch, time limit, memory, save switch) and the next check step are combined in one
-   all-reduce (:class:`~trainguard.stop.conditions.StopFlags`), so all ranks decide alike at the same step;
-3. on a stop: save a checkpoint and raise :class:`~trainguard.outcomes.Requeue` (exit code 75);
-4. on the checkpoint interval or a save switch: save and keep training.
-
-When ``steps()`` runs out the Guard saves the final state and writes an ``end`` event carrying the
-SHA-256 of the model and optimizer state.
+At each step boundary (``step_end``), on every rank, the step is counted and timed; about once a
+second the stop flags of all ranks are combined in one all-reduce (:class:`~.stop_check.StopCheck`),
+so all ranks decide alike at the same step; a stop saves and raises
+:class:`~trainguard.outcomes.Requeue` (exit code 75); the checkpoint interval or a save switch
+saves and training goes on (docs/guard.md, "The step boundary"). When ``steps()`` runs out the
+Guard saves the final state and writes an ``end`` event carrying the SHA-256 of the state.
 
 **Outcomes.** Components raise typed outcomes (:mod:`trainguard.outcomes`: ``Requeue``,
 ``GiveUp``, ``BadInput``, each carrying its exit code) or return decisions (a rollback);
@@ -37,13 +31,21 @@ interpreter exit can abort the process, which the launcher would read as a crash
 **Lifetime.** Everything the Guard installs — signal handlers, optimizer and gradient hooks, the
 liveness-ping, checkpoint-writer and deleter threads, their process groups, the heartbeat record —
 is released by :meth:`Guard.close` (or leaving ``with Guard(...)``); closing twice is harmless.
+So is every process-wide patch it makes: ``clip_grad_norm_`` (the norm noted for ``should_step``),
+``sys.excepthook`` (a lost peer told in one line), and with in-process recovery on more than one
+rank ``torch.distributed``'s collectives, ``Tensor.backward`` and DDP's communication hook
+(:mod:`trainguard.rejoin.catch`).
+
+**Components.** The Guard builds its parts from their config sections and calls them at the
+step's points: stop and save (:mod:`.saving`), the replica check's flow (:mod:`.sdc_flow`),
+rollbacks (:mod:`.rollback`), in-process recovery (:mod:`.inprocess`, and the Guard's side of it,
+:mod:`.recovering`); they share one view of where this rank stands (:class:`.world.World`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import os
 import socket
 import time
@@ -54,7 +56,7 @@ import torch
 
 from .. import console, health
 from .. import dist as tgdist
-from ..checkpoint.checkpointer import Checkpointer, SaveResult
+from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.store import Checkpoint
 from ..config import Config, ConfigError, config_from_argv, dump_config, load_config
 from ..events import EventLog, Hook
@@ -64,19 +66,19 @@ from ..instability import clipfold
 from ..instability.recovery import Recovery, Rollback
 from ..launch_env import LaunchEnv
 from ..oom import MicroBatcher
-from ..outcomes import BadInput, GiveUp, Outcome, Requeue, Withdraw, exit_bad_input
-from ..rejoin import sever, sharded, shrink
-from ..rejoin.align import ALIGN, SHOULD_STEP, STOP_CHECK
+from ..outcomes import BadInput, Outcome, Requeue, exit_bad_input
+from ..rejoin import sever, sharded
+from ..rejoin.align import ALIGN, SHOULD_STEP
 from ..rejoin.auth import report_forged
 from ..rejoin.catch import CATCH
 from ..rejoin.protocol import is_peer_failure
-from ..rejoin.rank import Rejoin
+from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.shards import ShardSnapshots
 from ..rejoin.shrink import check_shrinkable
 from ..rejoin.stepstart import StepStart
 from ..rundir import prepare_run_dir
 from ..sdc.crosscheck import StepInputs
-from ..sdc.replicas import Mismatch, ReplicaCheck
+from ..sdc.replicas import ReplicaCheck
 from ..sdc.rerun import StepRerun
 from ..state.buckets import BucketLayout
 from ..state.determinism import state_hash
@@ -90,16 +92,17 @@ from ..supervisor.rank import attach as attach_supervisor
 from ..supervisor.rank import detach as detach_supervisor
 from ..supervisor.rank import enter_teardown
 from . import edge, inprocess
-from .inprocess import InProcess, Met, Place
+from .inprocess import InProcess
+from .keeper import Keeper
+from .recovering import Caught, Recovering
 from .resume import DRAWN_BEFORE_LOOP, Resume
-from .sdc_response import SDCAction, SDCResponse
+from .rollback import Rollbacks
+from .saving import Commits, StopAndSave
+from .sdc_flow import SDCFlow
+from .sdc_response import SDCResponse
 from .stop_check import StopCheck
+from .world import Renumber, World
 
-log = logging.getLogger(__name__)
-
-# Rank 0 writes a `progress` event (step, recent step time) at a stop check at most this often (seconds);
-# reports draw the run's timeline from these, the checkpoints and the incidents.
-PROGRESS_SECONDS = 10.0
 # After a failed liveness ping, seconds the main thread gets to reach a step boundary (and raise
 # PeerLostError there) before the hard deadline ends the process: it is most likely stuck in a
 # collective whose peer is gone.
@@ -158,217 +161,266 @@ class Guard:
         framework: Optional[str] = None,
     ):
         self.cfg = config
-        self._framework, self._redo_in_step = framework, redo_in_step
-        self._checkpoint_files = checkpoint_files
         self.model, self.optimizer, self.scheduler, self.sampler = model, optimizer, scheduler, sampler
         self.extra_state, self.shared_state = dict(extra_state or {}), dict(shared_state or {})
         self.hooks: list[Hook] = list(hooks)
-        self.rank, self.world_size = tgdist.rank(), tgdist.world_size()
+        self.world = World(tgdist.rank(), tgdist.world_size())
         self.run_dir = Path(config.run.dir)
-        self.step = 0
         self.last_loss: Any = None
         self.resumed_from: Optional[Checkpoint] = None
         self.state_sha256: Optional[str] = None
         self.events: Optional[EventLog] = None
         self.shutdown: Optional[ShutdownHandler] = None
         self.ckpt: Optional[Checkpointer] = None
-        self.recovery: Optional[Recovery] = None
-        self.micro: Optional[MicroBatcher] = None
-        self.faults: Optional[FaultInjector] = None
-        self.step_inputs: Optional[StepInputs] = None
         self.heartbeat = None
-        self.ping: Optional[health.LivenessPing] = None
-        self.rejoin: Optional[Rejoin] = None
-        self.step_start: Optional[StepStart] = None
+        for part in ("recovery", "micro", "faults", "step_inputs", "rejoin", "step_start", "inprocess", "commits"):
+            setattr(self, part, None)  # built in order below; close() releases those that were
         self._ran_step: Optional[bool] = False  # run_step called in the first step (None once checked)
-        self.inprocess: Optional[InProcess] = None
-        self.hosts: list[str] = []
-        self.stop_check: Optional[StopCheck] = None
         self._t_last = time.perf_counter()
         self._awaiting_step_end = False
-        self._arm_at_step = False  # a replacement catches the script's collectives from its first step
-        self._rolled_back = False  # should_step() rolled back: the next step_end() does not count
-        self._last_progress = time.monotonic()
-        self._last_ckpt_line = -console.CHECKPOINT_LINE_SECONDS  # monotonic time of the last checkpoint line
         self._closed = False
         self._edge = edge.Edge(self._leave)  # carries out an outcome once (see "Outcomes")
         with self._edge():
-            self._build()
+            self._build(checkpoint_files, redo_in_step, framework)
 
-    def _build(self) -> None:
-        cfg = self.cfg
+    # the shared view, as the Guard's public attributes
+    step = property(lambda self: self.world.step, lambda self, v: setattr(self.world, "step", v))
+    rank = property(lambda self: self.world.rank, doc="This process's rank (a shrink or growth renumbers it).")
+    world_size = property(lambda self: self.world.world_size, doc="The group's size now.")
+    hosts = property(lambda self: self.world.hosts, doc="Every rank's host (index = rank), from the start.")
+    ping = property(lambda self: self.world.ping, doc="The liveness ping of the current group, or ``None``.")
+
+    def _build(
+        self, checkpoint_files: Optional[Callable[[Path], None]], redo_in_step: bool, framework: Optional[str]
+    ) -> None:
+        cfg, world, model, optimizer = self.cfg, self.world, self.model, self.optimizer
+        rank, world_size = world.rank, world.world_size
         try:
             prepare_run_dir(self.run_dir)
         except ConfigError as e:
             raise BadInput(str(e)) from None
-        launch = LaunchEnv.from_environ()  # read once: the components get what they need of it
-        self.events = EventLog(self.run_dir, self.rank, attempt=launch.restart_count)
-        events = self.events
-        console.quiet_peer_loss(
-            is_peer_failure, lambda error, text: events.emit("peer_lost", error=error, traceback=text)
-        )
-        policy = inprocess.recovery_policy(cfg.recovery.in_process)  # by the default group's backend (NCCL: restart)
-        declined = inprocess.declined(self._framework, self.model, policy) if cfg.recovery.in_process else None
-        self.rejoin = Rejoin(
-            cfg.recovery,
-            launch,
-            self.rank,
-            keep_in_memory=cfg.sdc.on_instability == "rerun",
-            declined=declined,
-            on_forged=lambda key: report_forged(events, key),
-            abort_comms=policy.abort,
-        )
-        if self.rank == 0:
-            inprocess.say_where_it_applies(self.rejoin, cfg.recovery.in_process, launch.recovery_store, self.world_size)
-        self.reruns = StepRerun(cfg.sdc.on_instability == "rerun", self.rank, self.world_size)
-        self.step_inputs = StepInputs(self.model) if self.reruns.enabled and self.world_size > 1 else None
-        if self._checkpoint_files is not None and cfg.checkpoint.async_save is True:
+        if checkpoint_files is not None and cfg.checkpoint.async_save is True:
             raise BadInput(
                 "checkpoint.async_save = true cannot write this framework's own checkpoint files (they are "
                 'written from the live state during the save); set checkpoint.async_save = false or "auto"'
             )
+        launch = LaunchEnv.from_environ()  # read once: the components get what they need of it
+        self.events = events = EventLog(self.run_dir, rank, attempt=launch.restart_count)
+        console.quiet_peer_loss(
+            is_peer_failure, lambda error, text: events.emit("peer_lost", error=error, traceback=text)
+        )
+        policy = inprocess.recovery_policy(cfg.recovery.in_process)  # by the default group's backend (NCCL: restart)
+        declined = inprocess.declined(framework, model, policy) if cfg.recovery.in_process else None
+        rerun = cfg.sdc.on_instability == "rerun"
+        self.rejoin = rejoin = Rejoin(
+            cfg.recovery,
+            launch,
+            rank,
+            keep_in_memory=rerun,
+            declined=declined,
+            on_forged=lambda key: report_forged(events, key),
+            abort_comms=policy.abort,
+        )
+        catching = rejoin.active and world_size > 1  # where a lost peer is caught: the patches that serve it
+        if rank == 0:
+            inprocess.say_where_it_applies(rejoin, cfg.recovery.in_process, launch.recovery_store, world_size)
+        self.reruns = StepRerun(rerun, rank, world_size)
+        self.step_inputs = StepInputs(model) if rerun and world_size > 1 else None
+        background = cfg.checkpoint.async_save is True or (
+            cfg.checkpoint.async_save == "auto" and checkpoint_files is None
+        )
         self.ckpt = Checkpointer(
             cfg.checkpoint,
             self.run_dir,
-            self.events,
-            self.model,
-            self.optimizer,
-            self.rank,
-            self.world_size,
+            events,
+            model,
+            optimizer,
+            rank,
+            world_size,
             launch.group_rank,
             launch.local_world_size,
-            background=cfg.checkpoint.async_save is True
-            or (cfg.checkpoint.async_save == "auto" and self._checkpoint_files is None),
+            background=background,
+            write_files=checkpoint_files,
         )
         self.store = self.ckpt.store
-        self.ckpt.write_files = self._checkpoint_files
         self.shutdown = ShutdownHandler(
             cfg.preemption.signals, cfg.preemption.save_deadline, self._on_deadline
         ).install()
-        self.stop = StopConditions(
-            cfg.stop,
-            self.run_dir,
-            self.shutdown,
-            MemoryWatchdog(cfg.memory, self.events),
-            start_time=launch_start_time(launch),
-        )
+        memory = MemoryWatchdog(cfg.memory, events)
+        self.stop = StopConditions(cfg.stop, self.run_dir, self.shutdown, memory, start_time=launch_start_time(launch))
         self.heartbeat = attach_supervisor(launch)  # under trainguard run: heartbeat + stack dumps
         # a replacement of a lost rank counts as a later attempt of it: faults of the first attempt do not fire again
-        attempt = max(self.events.attempt, int(self.rejoin.joining))
-        self.faults = FaultInjector(cfg.faults.inject, self.rank, self.world_size, attempt, self.events)
+        attempt = max(events.attempt, int(rejoin.joining))
+        self.faults = FaultInjector(cfg.faults.inject, rank, world_size, attempt, events)
+        loss_scaler = any(isinstance(v, torch.amp.GradScaler) and v.is_enabled() for v in self.extra_state.values())
         self.recovery = Recovery(
             cfg.instability,
             cfg.rollback,
-            self.model,
-            self.optimizer,
+            model,
+            optimizer,
             self.sampler,
             self.store,
-            self.events,
+            events,
             self.run_dir,
-            self.rank,
-            self.world_size,
-            lambda: self.step + 1,
+            rank,
+            world_size,
+            lambda: world.step + 1,
             self._ask_hooks,
             cfg.checkpoint.verify,
-            loss_scaler=any(isinstance(v, torch.amp.GradScaler) and v.is_enabled() for v in self.extra_state.values()),
+            loss_scaler=loss_scaler,
         )
-        self.sdc = ReplicaCheck(cfg.sdc, self.model, self.rank, self.world_size, self.events)
+        fold = self.recovery.fold
+        self.sdc = ReplicaCheck(cfg.sdc, model, rank, world_size, events)
         self.sdc_response = SDCResponse(
-            cfg.sdc,
-            self.sdc,
-            self.reruns,
-            self.step_inputs,
-            self.events,
-            self.rejoin.active,
-            self.rank,
-            self.world_size,
+            cfg.sdc, self.sdc, self.reruns, self.step_inputs, events, rejoin.active, rank, world_size
         )
-        self.straggler = StragglerDetector(
-            cfg.straggler,
-            self.rank,
-            self.world_size,
-            [socket.gethostname()] * self.world_size,
-            self.events,
-            self.run_dir,
-        )
-        self.stop_check = StopCheck(
-            self.stop,
-            self.ckpt,
-            self.straggler,
-            self.recovery.fold,
-            self.faults,
-            self.rejoin.growth_pending if cfg.elastic.min_ranks else None,
-            self.rank,
-        )
-        self.micro = MicroBatcher(
-            cfg.oom,
-            self.model,
-            self.events,
-            self.faults,
-            self.straggler,
-            self.rank,
-            self.world_size,
-            self.recovery.fold,
-            lambda step: self.inprocess.keep_before_last_bucket(step),  # (built below)
-        )
-        self.fidelity, self.draws = ResumeFidelity(self.world_size), DrawWatch()
-        layout = BucketLayout(self.model, lambda: self.inprocess.bucket_layout(), self.world_size)  # (built below)
-        self.elastic = ElasticState(self.world_size)
+        hosts = [socket.gethostname()] * world_size
+        self.straggler = StragglerDetector(cfg.straggler, rank, world_size, hosts, events, self.run_dir)
+        growth = rejoin.growth_pending if cfg.elastic.min_ranks else None
+        self.stop_check = StopCheck(self.stop, self.ckpt, self.straggler, fold, self.faults, growth, rank)
         # what a checkpoint holds per rank besides the tensors (the order is the load order: RNG last)
+        own = {"sampler": self.sampler, "extra": TrainState(self.extra_state), "rng": RNGState()}
+        keeper = Keeper(rejoin, TrainState({n: own[n] for n in LOCAL_PARTS}))
+        self.micro = MicroBatcher(
+            cfg.oom, model, events, self.faults, self.straggler, rank, world_size, fold, keeper.before_last_bucket
+        )
+        self.fidelity, self.draws = ResumeFidelity(world_size), DrawWatch()
+        layout = BucketLayout(model, lambda: self.inprocess.bucket_layout(), world_size)  # (InProcess: built below)
+        self.elastic = ElasticState(world_size)
         self.train_state = TrainState(
             {
                 "scheduler": self.scheduler,
-                "sampler": self.sampler,
-                "extra": TrainState(self.extra_state),
+                "sampler": own["sampler"],
+                "extra": own["extra"],
                 "shared": TrainState(self.shared_state),
                 "instability": self.recovery,
                 "oom": self.micro,
                 "fidelity": self.fidelity,
                 "buckets": layout,
                 "elastic": self.elastic,
-                "rng": RNGState(),
+                "rng": own["rng"],
             }
         )
         self.resumer = Resume(
             self.ckpt,
             self.train_state,
             self.sampler,
-            self.events,
+            events,
             self.fidelity,
             self.draws,
             self.elastic,
             cfg.elastic.keep,
-            self.rank,
-            self.world_size,
+            rank,
+            world_size,
         )
-        if self.rejoin.active:
-            self.step_start = StepStart(self.optimizer, self.scheduler, self.rejoin.failed)
+        if rejoin.active:
+            self.step_start = StepStart(optimizer, self.scheduler, rejoin.failed)
+        numbered = (
+            self.ckpt,
+            self.recovery,
+            self.sdc,
+            self.sdc_response,
+            self.micro,
+            self.reruns,
+            self.resumer,
+            self.stop_check,
+        )
         self.inprocess = InProcess(
             cfg,
-            self.rejoin,
-            self.model,
-            self.optimizer,
+            rejoin,
+            model,
+            optimizer,
             self.train_state,
-            self.events,
+            events,
             self.step_start,
-            self._renumber,
+            Renumber(world, events, numbered, self.straggler, (self.fidelity, layout), self.sampler),
             self.ckpt.regroup,
             self._on_ping_failure,
             lambda: self.elastic.base_world_size,
-            shards=self._shard_snapshots(launch.local_world_size),
+            shards=self._shard_snapshots(launch.local_world_size) if catching else None,
+            keeper=keeper,
         )
-        CATCH.install()  # the norm clip_grad_norm_ returns is noted for should_step (CATCH.step_norm)
-        if self.world_size > 1:  # the detectors' values ride in a DDP gradient bucket (instability.fold)
-            in_progress, fold, inject = (lambda: self.step + 1), self.recovery.fold, self._inject_at_backward
-            if self.inprocess.hook_ddp(in_progress, fold, inject) or clipfold.install(  # or FSDP2's norm
-                self.model, fold, in_progress, inject
-            ):
+        self.commits = Commits(world, self.ckpt, self.recovery, self.hooks, self)
+        self.recovering = Recovering(
+            world,
+            rejoin,
+            self.inprocess,
+            self.stop_check,
+            self.straggler,
+            self.commits,
+            self.recovery,
+            self.sdc,
+            self.reruns,
+            self.shutdown,
+            self.section,
+            redo_in_step,
+        )
+        self.stops = StopAndSave(
+            cfg,
+            world,
+            self.ckpt,
+            self.commits,
+            self.stop_check,
+            self.stop,
+            self.shutdown,
+            self.faults,
+            self.straggler,
+            events,
+            self.recovering,
+            self.section,
+            self.train_state,
+        )
+        self.rollbacks = Rollbacks(
+            world,
+            self.resumer,
+            self.commits,
+            self.recovery,
+            self.sdc,
+            self.reruns,
+            self.inprocess,
+            rejoin,
+            optimizer,
+            self.sampler,
+            self.hooks,
+            self,
+            self.section,
+        )
+        self.sdc_flow = SDCFlow(
+            cfg,
+            world,
+            self.sdc,
+            self.sdc_response,
+            fold,
+            rejoin,
+            self.train_state,
+            self.recovery,
+            self.store,
+            self.commits,
+            self.rollbacks,
+            self.inprocess,
+            self.stops,
+            self.recovering,
+            self.straggler,
+            events,
+            self.heartbeat,
+            self.section,
+        )
+        CATCH.install_clip()  # the norm clip_grad_norm_ returns is noted for should_step (CATCH.step_norm)
+        if catching:  # the collective catch serves in-process recovery only
+            CATCH.install()
+        if world_size > 1:  # the detectors' values ride in a DDP gradient bucket (instability.fold), or FSDP2's norm
+            in_progress, inject = (lambda: world.step + 1), self._inject_at_backward
+            # trainguard's DDP hook: where it catches a lost peer, or notes the bucket layout a bitwise
+            # resume of three or more ranks needs (state.buckets)
+            hooked = (catching or world_size > 2) and self.inprocess.hook_ddp(in_progress, fold, inject)
+            if hooked or clipfold.install(model, fold, in_progress, inject):
                 fold.stop_source = self.stop_check.flags_to_fold
                 fold.fingerprint_source = self.sdc.carry  # the replica check rides too
                 fold.straggler_source = self.stop_check.straggler_to_fold  # and the straggler report
-        if self.rejoin.active:
-            self.inprocess.catch_collectives(lambda: self.step + 1)
-            check_shrinkable(cfg.elastic.min_ranks, self.world_size, self.sampler, self.ckpt.local is not None)
+        if catching:
+            self.inprocess.catch_collectives(lambda: world.step + 1)
+        if rejoin.active:
+            check_shrinkable(cfg.elastic.min_ranks, world_size, self.sampler, self.ckpt.local is not None)
         if cfg.rollback.skip_batches and self.sampler is not None and not hasattr(self.sampler, "skip_batches"):
             raise BadInput(
                 f"rollback.skip_batches={cfg.rollback.skip_batches} needs a sampler with a skip_batches(n) "
@@ -378,11 +430,50 @@ class Guard:
     def _inject_at_backward(self) -> tuple[float, float]:
         """(loss factor, gradient factor) of the numeric faults due at this backward (see
         :meth:`~trainguard.faults.FaultInjector.at_backward`; armed by :meth:`steps`)."""
-        return self.faults.at_backward(self.step + 1) if self.faults.numeric_pending else (1.0, 1.0)
+        return self.faults.at_backward(self.world.step + 1) if self.faults.numeric_pending else (1.0, 1.0)
 
     def section(self, name: str) -> contextlib.AbstractContextManager[None]:
         """``with guard.section("eval"): ...``: a named section the hang supervisor times (and learns)."""
         return self.heartbeat.section(name) if self.heartbeat is not None else contextlib.nullcontext()
+
+    def recoverable(self, where: str) -> Caught:
+        """``with guard.recoverable("backward") as lost: ...``: for an integration's own call into
+        the step (a framework's training step): a lost peer there under in-process recovery is
+        recorded at ``where`` in the step in progress and ends the block, ``lost`` then true (the
+        step is done again after the recovery); any other error propagates."""
+        return self.recovering.recoverable(where, self.world.step + 1)
+
+    @property
+    def in_process(self) -> bool:
+        """Whether in-process recovery is on for this run (``[recovery] in_process``, under
+        ``trainguard run``, not declined for this loop)."""
+        return self.rejoin.active
+
+    @property
+    def joining(self) -> bool:
+        """Whether this process is the replacement of a lost rank (or a newcomer) that joins the
+        survivors at :meth:`begin` instead of resuming from a checkpoint."""
+        return self.rejoin.joining
+
+    def release_step(self) -> None:
+        """After :meth:`should_step` returned ``False``: let ``optimizer.step()`` run in this step,
+        for a framework that calls it whatever a callback decided (the Hugging Face Trainer). Set
+        the gradients to ``None`` first, so that torch's optimizers leave the parameters alone."""
+        self.recovery.release()
+
+    def take_back_signals(self) -> None:
+        """Install the Guard's signal handlers again over a framework's, put in place after the
+        Guard (Lightning's at the start of ``fit``); :meth:`close` still restores the ones found first."""
+        self.shutdown.take_back()
+
+    def _shard_snapshots(self, local_world_size: int) -> Optional[ShardSnapshots]:
+        """In-memory snapshots for a sharded model (FSDP2) under in-process recovery, else ``None``."""
+        if not sharded.is_sharded(self.model):
+            return None
+        interval = self.cfg.recovery.snapshot_interval
+        return ShardSnapshots(
+            self.model, self.optimizer, interval, self.world.rank, self.world.world_size, local_world_size
+        )
 
     @classmethod
     def from_config(
@@ -546,25 +637,23 @@ class Guard:
                 loss, grad_norm = self.faults.numeric(step, loss, grad_norm, self.model)
             if ALIGN.open:  # after an in-process recovery: does this rank line up with the survivors?
                 ALIGN.at(SHOULD_STEP, alone_ok=False)
-            try:
+            with self.recovering.recoverable("should_step", step) as lost:
                 verdict = self.recovery.observe(step, loss, grad_norm)
                 if self.reruns.pending(step):  # the re-run of an unstable step
                     action = self.sdc_response.rerun_verdict(loss, self.model, self.hosts)
                     if action is not None:
-                        self._act_on_sdc(action)
+                        self.sdc_flow.act(action)
                         return False  # a persistent fault, acted on
                 elif self.recovery.unstable(verdict) and self.reruns.wants(step):
                     # before any policy: the hardware or the data?
-                    self._act_on_sdc(self.sdc_response.rerun(verdict, loss, self.model))
+                    self.sdc_flow.act(self.sdc_response.rerun(verdict, loss, self.model))
                     return False
                 decision = self.recovery.decide(verdict)
-            except Exception as e:
-                if not self.rejoin.caught(e, "should_step", step):
-                    raise
+            if lost:
                 self.recovery.refuse()
                 return False
             if isinstance(decision, Rollback):
-                self._roll_back(decision)
+                self.rollbacks.roll_back(decision)
                 return False
             return decision
 
@@ -586,7 +675,7 @@ class Guard:
         if self.rejoin.failure is None or (self.step_start is not None and self.step_start.applied):
             return False
         with self._edge():
-            self._recover(redo=True, take_completed=False)
+            self.recovering.recover(redo=True, take_completed=False)
         return True
 
     def catch_peers(self) -> None:
@@ -595,9 +684,7 @@ class Guard:
         :meth:`begin` complete on it alone). For a framework whose first collective of a step
         comes before its step-begin callback (:mod:`trainguard.hf`: the token count's all-gather).
         Does nothing on other ranks."""
-        if self._arm_at_step:
-            self._arm_at_step = False
-            self.inprocess.arm_catch(lambda: self.step + 1)
+        self.recovering.catch_peers()
 
     def run_step(
         self,
@@ -625,13 +712,9 @@ class Guard:
         """
         if self._ran_step is not None:
             self._ran_step = True
-        with self._edge():
-            try:
-                return self.micro.run(self.step + 1, step_fn, batch, backward)
-            except Exception as e:
-                if not self.rejoin.caught(e, "run_step", self.step + 1):
-                    raise
-                return torch.full((), float("nan"))  # the step is abandoned and done again
+        with self._edge(), self.recovering.recoverable("run_step", self.step + 1):
+            return self.micro.run(self.step + 1, step_fn, batch, backward)
+        return torch.full((), float("nan"))  # a lost peer: the step is abandoned and done again
 
     def step_end(self, loss: Any = None) -> None:
         """Close the current step: count it, then check stop and save conditions (see module doc).
@@ -657,10 +740,10 @@ class Guard:
             self._ran_step = None
         self.recovery.step_closed()
         if self.rejoin.failure is not None and not (self.step_start and self.step_start.applied):
-            self._recover(redo=True)  # a peer was lost before this step's update: steps() yields it again
-            self._rolled_back = True
-        if self._rolled_back:  # the step was undone: steps() yields the checkpoint's step next
-            self._rolled_back = False
+            self.recovering.recover(redo=True)  # a peer was lost before this step's update: steps() yields it again
+            self.world.rolled_back = True
+        if self.world.rolled_back:  # the step was undone: steps() yields the checkpoint's step next
+            self.world.rolled_back = False
             if self.heartbeat is not None:
                 self.heartbeat.close_and_beat(self.step)
             return
@@ -675,7 +758,7 @@ class Guard:
         if self.rejoin.keeping and self.rejoin.boundary.step != self.step:  # a loop without should_step
             self.inprocess.keep_boundary(self.step)
         if self.rejoin.failure is not None:  # the update was applied before the lost peer surfaced
-            self._recover_after_update()  # (a logging all-reduce after optimizer.step()): the step is complete
+            self.recovering.after_update()  # (a logging all-reduce after optimizer.step()): the step is complete
             return
         if not self._snapshot():
             return
@@ -687,16 +770,18 @@ class Guard:
             raise health.PeerLostError(self.ping.failed)
         for h in self.hooks:
             h.on_step_end(self, self.step, loss)
-        if self._replicas_differ():
+        if self.sdc_flow.replicas_differ():
             return  # rolled back: steps() yields the checkpoint's step next
-        self._saved(self.ckpt.poll())  # finalize a background save that has finished (before its known-good verdict)
+        self.commits.saved(
+            self.ckpt.poll()
+        )  # finalize a background save that has finished (before its known-good verdict)
         if self.rank == 0:
             self.recovery.after_step(self.step)
-        flags = self._check() if self.stop_check.due(self.step) else StopFlags()
+        flags = self.stops.check(self.sdc_flow.stop) if self.stop_check.due(self.step) else StopFlags()
         if flags is None:  # the group changed in place: its newcomers start after this boundary, so do we
             return
         if flags.reason is not None:
-            self._stop(flags.reason)
+            self.sdc_flow.stop(flags.reason)
         if flags.save_switch:
             self.save("save_switch")
             if self.rank == 0:
@@ -708,54 +793,11 @@ class Guard:
         """A sharded model's in-memory snapshot at this boundary (:meth:`InProcess.snapshot`);
         ``False``: a peer was lost in its copy and the ranks rolled back in-process (the step
         counter is the snapshot's)."""
-        try:
+        with self.recovering.recoverable("snapshot") as lost:
             self.inprocess.snapshot(self.step)
-        except Exception as e:
-            if not self.rejoin.caught(e, "snapshot", self.step):
-                raise
-            self._recover_after_update()
-            return False
-        return True
-
-    def _shard_snapshots(self, local_world_size: int) -> Optional[ShardSnapshots]:
-        """In-memory snapshots for a sharded model (FSDP2) under in-process recovery, else ``None``."""
-        if not (self.rejoin.active and self.world_size > 1 and sharded.is_sharded(self.model)):
-            return None
-        interval = self.cfg.recovery.snapshot_interval
-        return ShardSnapshots(self.model, self.optimizer, interval, self.rank, self.world_size, local_world_size)
-
-    def _check(self) -> Optional[StopFlags]:
-        """The stop check (:meth:`StopCheck.agree`) and what the Guard does with it: the progress
-        event, a stop for stragglers; returns the agreed flags, or ``None`` when the group changed
-        in place at this boundary (a lost peer replaced, or grown back): its newcomers start after
-        it, so the rest of it (a save, the save switch) waits for the next."""
-        if self.faults.pending:
-            self.faults.at(self.step, "stop_check")
-        if ALIGN.open:  # after an in-process recovery: does this rank line up with the survivors?
-            ALIGN.at(STOP_CHECK, alone_ok=False)
-        try:
-            flags, slow = self.stop_check.agree(self.step)
-        except Exception as e:
-            if not self.rejoin.caught(e, "stop_check", self.step):
-                raise
-            self._recover_after_update()  # the step is complete: check again at the next one
-            return None
-        if self.rank == 0 and time.monotonic() - self._last_progress >= PROGRESS_SECONDS:
-            self._last_progress = time.monotonic()
-            self.events.emit("progress", self.step, step_seconds=round(self.stop_check.step_seconds, 6))
-        if slow and self.cfg.straggler.stop_if_detected:
-            if self.rank == 0:
-                self.straggler.write_exclude(slow)
-            self._stop(
-                "straggler",
-                ranks=slow,
-                hosts=self.straggler.hosts_of(slow),
-                exclude_nodes=str(self.run_dir / "exclude_nodes"),
-            )
-        if flags.grow and flags.reason is None:  # a stop wins: that generation is left to form
-            self._grow(flags.grow)
-            return None
-        return flags
+        if lost:
+            self.recovering.after_update()
+        return not lost
 
     # ------------------------------------------------------------------------------------------
     # begin / end
@@ -763,13 +805,15 @@ class Guard:
     def _begin(self) -> None:
         if self.rejoin.joining:
             drawn = self.draws.before_loop()  # a replacement runs the script's start as a resume does
-            self._join()
+            self._t_last = self.recovering.join()
             if drawn:
                 self.resumer.not_bitwise(self.step, DRAWN_BEFORE_LOOP, say=True)  # the replacement says it itself
             return
         kill = tgdist.all_reduce_max([int(self.stop.kill_switch())])[0]
         if kill:
-            self._emit0("stop_requested", reason="kill_switch", before_training=True, path=str(self.stop.kill_path))
+            if self.rank == 0:
+                path = str(self.stop.kill_path)
+                self.events.emit("stop_requested", self.step, reason="kill_switch", before_training=True, path=path)
             raise Requeue("kill_switch", f"the kill switch {self.stop.kill_path} is set: not training")
         if self.rank == 0:
             dump_config(self.cfg, self.run_dir / "config.toml")
@@ -778,7 +822,7 @@ class Guard:
         self.inprocess.open_snapshots()  # a sharded model's snapshot copies: a group of their own
         ports = sever.listening_ports() if self.rejoin.active else []
         gathered = tgdist.gather_objects((host, ports))
-        hosts = self.hosts = [h for h, _ in gathered]
+        hosts = self.world.hosts = [h for h, _ in gathered]
         self.rejoin.group_ports = {p for _, ps in gathered for p in ps}  # cut on a lost peer (rejoin.sever)
         self.straggler.set_hosts(hosts)
         self.recovery.on_start()
@@ -792,7 +836,7 @@ class Guard:
             self.inprocess.keep_boundary(self.step)
         self.inprocess.began(self.step)  # the launcher hears of the first completed step (the progress rule)
         self.inprocess.snapshot(self.step, now=True)  # a sharded model's first in-memory snapshot
-        self.ping = health.start(
+        self.world.ping = health.start(
             self.cfg.health,
             self.store,
             self.cfg.checkpoint.keep_last,
@@ -805,14 +849,16 @@ class Guard:
             self.world_size,
             self._on_ping_failure,
         )
-        self._emit0(
-            "start",
-            world_size=self.world_size,
-            host=socket.gethostname(),
-            first_step=self.step,
-            resumed_from=str(self.resumed_from.path) if self.resumed_from else None,
-        )
         if self.rank == 0:
+            resumed_from = str(self.resumed_from.path) if self.resumed_from else None
+            self.events.emit(
+                "start",
+                self.step,
+                world_size=self.world_size,
+                host=socket.gethostname(),
+                first_step=self.step,
+                resumed_from=resumed_from,
+            )
             console.say(
                 f"run {self.run_dir}: "
                 + (
@@ -826,50 +872,26 @@ class Guard:
         for h in self.hooks:
             h.on_train_begin(self)
 
-    def _reload(self, target: Checkpoint, why: str) -> None:
-        """Load ``target`` into this process (a rollback; a collective): every replica holds the same state again."""
-        self.step = self.resumer.reload(target, why)
-        self.sdc.last_good = self.step
-        self.sdc.forget()
-        self.reruns.forget()
-        self.inprocess.snapshot(self.step, now=True, fresh=True)  # the abandoned steps' snapshots must not serve
-
-    def _roll_back(self, rb: Rollback) -> None:
-        """Carry out a rollback decision: reload the known-good checkpoint in this process."""
-        with self.section("rollback"):
-            self._saved(self.ckpt.wait())  # a save in flight would commit a step of the abandoned trajectory afterwards
-            target = self.recovery.rollback_target(rb)
-            lr_before = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None
-            position = self.sampler.state_dict() if self.sampler is not None else None  # after the bad step's batch
-            self._reload(target, f"rolled back from step {rb.from_step} to {target.step}")
-            self.recovery.rolled_back(rb, target, position, lr_before)
-            if self.rejoin.keeping:  # the state a replacement of a lost rank starts from: after the data skip
-                self.inprocess.keep_boundary(self.step)
-            self._rolled_back = True
-        for h in self.hooks:
-            h.on_rollback(self, rb.from_step, target.step)
-
     def _finish(self) -> None:
         self.inprocess.close_snapshots()
         if self.rejoin.failure is not None:  # lost after the last step's update (a framework's loop)
-            self._recover(redo=False)
-        if self.sdc.pending is not None:  # the last step's replica check: no next bucket carries it
-            self._settle_replicas(None)
+            self.recovering.recover(redo=False)
+        self.sdc_flow.settle_pending()  # the last step's replica check: no next bucket carries it
         if self.cfg.checkpoint.save_final:
             self.save("final")
-        self._saved(self.ckpt.close())
+        self.commits.saved(self.ckpt.close())
         digest = state_hash(self.model, self.optimizer)
         loss = (
             float(self.last_loss.detach() if torch.is_tensor(self.last_loss) else self.last_loss)
             if self.last_loss is not None
             else None
         )
-        self._emit0("end", state_sha256=digest, last_loss=loss)
         if self.rank == 0:
+            self.events.emit("end", self.step, state_sha256=digest, last_loss=loss)
             console.say(f"finished at step {self.step}; state sha256 {digest}")
         # leave together: a rank that tears its group down while a peer still finishes rank-0
         # work (the final commit) can make gloo abort in the peer at exit
-        self._stop_ping()
+        self.world.stop_ping()
         tgdist.barrier()
         enter_teardown(self.heartbeat)
         for h in self.hooks:
@@ -877,186 +899,8 @@ class Guard:
         self.state_sha256 = digest
 
     # ------------------------------------------------------------------------------------------
-    # in-process recovery (carried out by self.inprocess) and silent data corruption (self.sdc_response)
-
-    def _place(self) -> Place:
-        return Place(
-            self.step,
-            self.rank,
-            self.world_size,
-            tuple(self.hosts),
-            self.stop_check.next_check,
-            self.straggler.next_report,
-            self.stop_check.step_seconds,
-        )
-
-    def _take(self, met: Met) -> None:
-        """Take the place and the liveness ping a recovery, growth or join ended with."""
-        p = met.place
-        self.step, self.rank, self.world_size = p.step, p.rank, p.world_size
-        self.stop_check.next_check = p.next_check
-        self.hosts = list(p.hosts)
-        self.straggler.set_hosts(self.hosts)
-        self.straggler.next_report = p.next_report
-        self.ping = met.ping
-
-    def _renumber(self, rank: int, world_size: int, hosts: list[str]) -> None:
-        """This process is rank ``rank`` of ``world_size`` from now on (a shrink or a growth in place)."""
-        self.events.renumber(rank)
-        for part in (
-            self.ckpt,
-            self.recovery,
-            self.sdc,
-            self.sdc_response,
-            self.micro,
-            self.reruns,
-            self.resumer,
-            self.stop_check,
-        ):
-            part.renumber(rank, world_size)
-        self.straggler.renumber(rank, world_size, hosts)
-        self.fidelity.renumber(world_size)
-        self.train_state.parts["buckets"].renumber(world_size)
-        shrink.reshard(self.sampler, rank, world_size)
-        self.rank, self.world_size, self.hosts = rank, world_size, list(hosts)
-
-    def _recover(self, redo: bool, take_completed: bool = True) -> None:
-        """A peer was lost in this step: stop the ping and finish a save in flight (it fails on its
-        broken group; nothing commits), then meet the new generation (:meth:`InProcess.recover`).
-        ``redo``: the update of this step was not applied (the caller does not count the step);
-        ``take_completed``: as :meth:`InProcess.recover`.
-
-        Raises:
-            as :meth:`InProcess.recover` (this rank exits and the launcher restarts the group).
-        """
-        with self.section("recovery"):
-            self.inprocess.started(self._place())
-            if self.ping is not None:  # its group lost the peer too
-                self.ping.abandon()
-                self.ping = None
-            self._saved(self.ckpt.wait())
-            met = self.inprocess.recover(self._place(), redo, take_completed)
-            self._take(met)
-            self.reruns.forget()  # a replacement knows of no re-run in progress
-            self.sdc.forget()  # nor of a replica check stashed at the step before
-        self.shutdown.deadline_timer.cancel()  # armed by the ping's failure
-
-    def _recover_after_update(self) -> None:
-        """A peer was lost after this step's update was applied: the step is complete; recover now
-        (the next step starts on the new group), or, for a framework's loop (``redo_in_step``),
-        at the next step's :meth:`recover_in_step` (its first step is then done again)."""
-        if not self._redo_in_step:
-            self._recover(redo=False)
-
-    def _grow(self, number: int) -> None:
-        """The ranks agreed to grow back in place into generation ``number`` (:meth:`InProcess.grow`)."""
-        with self.section("recovery"):
-            self._stop_ping()  # a collective on the old group, at the same point on every rank
-            self._saved(self.ckpt.wait())
-            self._take(self.inprocess.grow(number, self._place()))
-            self.sdc.forget()  # the newcomers stashed no replica check
-
-    def _join(self) -> None:
-        """A replacement of a lost rank (or a newcomer) starts here instead of resuming (:meth:`InProcess.join`)."""
-        t0 = time.monotonic()
-        met = self.inprocess.join(self._place())
-        self._take(met)
-        # the script's collectives before its first step (a framework's set-up after this) complete alone
-        self._arm_at_step = True
-        self.recovery.rejoined()
-        self.inprocess.keep_boundary(self.step)
-        self.inprocess.joined(met, time.monotonic() - t0)
-        self._t_last = time.perf_counter()
-
-    def _replicas_differ(self) -> bool:
-        """The silent-data-corruption replica check at this boundary (see :mod:`trainguard.sdc.replicas`):
-        the verdict on the check stashed at the step before, whose fingerprints rode in this step's
-        first DDP bucket; then, on a check step, this step's fingerprint stashed for the next
-        step's bucket (with the DDP hook) or compared at once (an all-reduce). ``True`` when the
-        rest of the step boundary is skipped: it rolled back (the step counter is the
-        checkpoint's), or a peer was lost in it and replaced in-process."""
-        if self.sdc.pending is not None and self._settle_replicas(self.recovery.fold.fingerprints(self.step)):
-            return True
-        if not self.sdc.due(self.step):
-            return False
-        self.sdc.stash(self.step)
-        if self.recovery.fold.fingerprint_source is not None:
-            return False  # compared at the next step boundary, in that step's buckets
-        return self._settle_replicas(None)
-
-    def _settle_replicas(self, carried: Optional[list[int]]) -> bool:
-        """Judge the stashed replica check (``carried``: every rank's fingerprint from a gradient
-        bucket; ``None``: an all-reduce, a collective) and act on it; ``True`` as :meth:`_replicas_differ`."""
-        try:
-            step, m = self.sdc.settle(carried)
-        except Exception as e:
-            if not self.rejoin.caught(e, "sdc_check", self.step):
-                raise
-            self._recover_after_update()  # the step is complete: the next check compares the replicas
-            return True
-        action = self.sdc_response.judge(step, m, self.hosts)
-        if action is None:
-            return False
-        self._act_on_sdc(action)
-        return True
-
-    def _act_on_sdc(self, a: SDCAction) -> None:
-        """Carry out a silent-data-corruption action (:class:`~.sdc_response.SDCAction`), in its order.
-
-        Raises:
-            Withdraw: this rank is among the excluded ranks under ``replace``.
-            Requeue: ``exclude`` (after the stop's checkpoint).
-        """
-        if a.redo_step:
-            self.recovery.refuse()
-            self.train_state.load_state_dict(self.rejoin.boundary.restore(self.step))
-            self._rolled_back = True  # steps() yields the step again
-        if a.roll_back is not None:
-            self._roll_back_to_agreement(a.roll_back)
-        if not a.exclude:
-            return
-        ranks, hosts = list(a.exclude), list(a.hosts)
-        if self.rank == 0:
-            path = self.straggler.write_exclude(ranks)
-            step = self.step if a.step is None else a.step
-            self.events.emit("sdc_exclude", step, ranks=ranks, hosts=hosts, exclude_nodes=str(path), action=a.policy)
-        if a.policy == "replace":  # the bad ranks leave; the others meet their spares at the next collective
-            if self.rank in a.exclude:
-                raise Withdraw("sdc", a.message)
-            return
-        self._stop("sdc", ranks=ranks, hosts=hosts, exclude_nodes=str(self.run_dir / "exclude_nodes"))
-
-    def _roll_back_to_agreement(self, m: Mismatch) -> None:
-        """Reload the newest checkpoint at or before the last agreeing replica check on every rank
-        and set the newer ones aside (a save after the corruption may hold the bad replica's tensors).
-
-        Raises:
-            GiveUp: no valid checkpoint at or before that step.
-        """
-        with self.section("rollback"):
-            self._saved(self.ckpt.wait())
-            target = (
-                self.store.latest_valid(self.cfg.checkpoint.verify, before=m.last_good + 1) if self.rank == 0 else None
-            )
-            target = tgdist.broadcast_object(target)
-            if target is None:
-                raise GiveUp(
-                    "sdc",
-                    f"the replicas differ at step {self.step} and no checkpoint is at or before step {m.last_good}, "
-                    "where they last agreed",
-                )
-            from_step, why = self.step, f"silent data corruption found at step {self.step}"
-            if self.rank == 0:
-                self.store.set_aside_after(target.step, why)
-            self._reload(target, why)
-            if self.rejoin.keeping:
-                self.inprocess.keep_boundary(self.step)
-            self._emit0("sdc_rollback", from_step=from_step, to_step=target.step, path=str(target.path))
-        if self.heartbeat is not None:  # the step section was closed at this boundary already
-            self.heartbeat.beat(self.step)
-
-    # ------------------------------------------------------------------------------------------
     # leaving: an outcome carried out once (self._edge), close
+
     def _leave(self, o: Outcome) -> None:
         """Carry out outcome ``o`` (once, from :class:`~.edge.Edge`): alone (bad input, a rank
         that withdraws) without waiting for a peer; else finish the save in flight, tell the hooks,
@@ -1069,14 +913,14 @@ class Guard:
             if not isinstance(o, BadInput):  # the others carry on without this rank
                 tgdist.destroy()  # a gloo group torn down during interpreter exit can abort the process
             return
-        if self.ckpt is not None:
-            self._saved(self.ckpt.wait())
+        if self.commits is not None:
+            self.commits.wait()
         for h in self.hooks:
             h.on_train_end(self, o.reason)
         edge.announce(o, self.rank, self.step, self.events)
         enter_teardown(self.heartbeat)
         gc.freeze()  # skip the final collection over torch objects at exit (measured: 0.6 s → 0.1 s)
-        self._stop_ping()
+        self.world.stop_ping()
         tgdist.barrier()  # leave together, then tear the default group down before the interpreter exits
         self.close()
         tgdist.destroy()
@@ -1091,9 +935,9 @@ class Guard:
         if self._closed:
             return
         self._closed = True
-        if self.ckpt is not None:
-            self._saved(self.ckpt.close())
-        self._stop_ping()
+        if self.commits is not None:  # (built after the checkpointer)
+            self.commits.saved(self.ckpt.close())
+        self.world.stop_ping()
         self._release(collective=True)
 
     def _release(self, collective: bool) -> None:
@@ -1128,21 +972,22 @@ class Guard:
         if exc is None or (isinstance(exc, Outcome) and exc.collective):
             self.close()
         else:  # a crash: the peers may not come to a collective
-            self._release(collective=False)
+            self.abandon()
 
-    def _stop_ping(self) -> None:
-        if self.ping is not None:
-            self.ping.stop()
-            self.ping.close()
-            self.ping = None
+    def abandon(self) -> None:
+        """After a crash on this rank (an error that is not a trainguard outcome): release what the
+        Guard installed without a collective (the peers may not come to one) and without waiting
+        for a background save. :meth:`close` afterwards puts back ``sys.excepthook`` (kept for the
+        error on its way out)."""
+        self._release(collective=False)
 
     # ------------------------------------------------------------------------------------------
-    # saving and stopping
+    # saving and stopping (self.stops)
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's non-tensor training state: ``{"step": ..., **train_state}`` (scheduler, data
         position, extras, instability statistics and learning-rate ramp, micro-batch size, RNG)."""
-        return {"step": self.step, **self.train_state.state_dict()}
+        return self.stops.rank_state()
 
     def save(
         self, reason: str = "manual", tiers: tuple[str, ...] = ("persistent",), blocking: bool = True
@@ -1161,56 +1006,8 @@ class Guard:
         Raises:
             GiveUp: ``[checkpoint] max_failures`` failures in a row (exit 76).
         """
-        with self._edge(), self.section("checkpointing"):
-            if self.faults.pending:
-                self.faults.at(self.step, "checkpointing")
-            self._saved(self.ckpt.wait())  # the previous save's result: the same on every rank from here on
-            self.ckpt.check_failures(self.step)
-            try:
-                result = self.ckpt.save(self.step, reason, tiers, self.rank_state(), blocking)
-            except Exception as e:  # nothing was committed: the commit follows the last collective
-                if not self.rejoin.caught(e, "checkpointing", self.step):
-                    raise
-                self._recover_after_update()  # the step is complete; the next interval saves
-                return None
-            self._saved(result)
-        return result.checkpoint if result is not None else None
-
-    def _saved(self, r: Optional[SaveResult]) -> None:
-        """Act on a finished save: a committed checkpoint awaits its known-good verdict (rank 0),
-        retention runs (never the newest known-good), hooks hear of it."""
-        if r is None or r.checkpoint is None:
-            return
-        protect: set[int] = set()
-        if self.rank == 0:
-            if r.reason != "interval" or time.monotonic() - self._last_ckpt_line >= console.CHECKPOINT_LINE_SECONDS:
-                self._last_ckpt_line = time.monotonic()
-                console.say(f"checkpoint at step {r.step} committed ({r.reason}): {r.checkpoint.path}")
-            self.recovery.on_commit(r.checkpoint)
-            self.recovery.after_step(self.step)  # a background commit may land after the steps that make it known-good
-            protect = self.recovery.protected()
-        self.ckpt.retain(r, protect)
-        for h in self.hooks:
-            h.on_checkpoint_save(self, r.step, r.checkpoint.path)
-
-    def _stop(self, reason: str, **extra: Any) -> None:
-        details: dict[str, Any] = {"reason": reason, **extra}
-        if reason == "signal":
-            details.update(signal=self.shutdown.received, signal_time=self.shutdown.received_at)
-        elif reason == "time_limit":
-            details.update(
-                time_left=self.stop.time_left(), max_duration=self.cfg.stop.max_duration, end_time=self.stop.end_time
-            )
-        elif reason == "memory":
-            details.update(limits=self.cfg.memory.model_dump(exclude_none=True))
-        if self.sdc.pending is not None:  # this step's replica check, before its state is saved
-            self._settle_replicas(None)
-        self._emit0("stop_requested", **details)
-        if self.rank == 0:
-            why = f"{reason} {details['signal']}" if reason == "signal" else reason
-            console.say(f"stop requested at step {self.step} ({why}): saving, then exit 75 to be relaunched")
-        self.save(reason)
-        raise Requeue(reason, f"stopped at step {self.step} ({reason}), checkpoint saved: relaunch to resume")
+        with self._edge():
+            return self.stops.save(reason, tiers, blocking)
 
     def _on_ping_failure(self, why: str) -> None:
         # with in-process recovery the main thread may be waiting for the replacement: give it that long
@@ -1224,9 +1021,3 @@ class Guard:
         self.events.emit(
             "deadline_exit", self.step, deadline=self.cfg.preemption.save_deadline, signal=self.shutdown.received
         )
-
-    def _emit0(self, kind: str, step: Optional[int] = None, **details: Any) -> None:
-        """Emit an event from rank 0 only (for decisions all ranks share), at ``step`` (default:
-        the completed steps)."""
-        if self.rank == 0:
-            self.events.emit(kind, self.step if step is None else step, **details)

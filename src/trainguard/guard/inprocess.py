@@ -27,7 +27,7 @@ from ..instability.fold import LossFold
 from ..rejoin import abort, backend_policy, regroup, sever, sharded
 from ..rejoin.align import ALIGN, wait_bound
 from ..rejoin.buffers import BufferSync, has_buffers
-from ..rejoin.catch import CATCH, DDPHook
+from ..rejoin.catch import CATCH, DDPHook, is_own_hook
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.redo_check import RedoCheck
@@ -35,6 +35,7 @@ from ..rejoin.shards import ShardSnapshots
 from ..rejoin.stepstart import StepStart, schedulers_not_kept
 from ..state.reshard import resharded_rank_state
 from ..state.trainstate import TrainState
+from .keeper import Keeper
 from .place import Met, Place  # re-exported: Place and Met lived here
 from .sharded_recovery import ShardedRecovery
 
@@ -119,6 +120,7 @@ class InProcess:
         base_world_size: the world size the run started with (for ``world_size_changed``).
         shards: a sharded model's in-memory snapshots (:mod:`~trainguard.rejoin.shards`): its
             recovery goes through :class:`~.sharded_recovery.ShardedRecovery`.
+        keeper: keeps this rank's own state at a step boundary (default: one over ``train_state``).
     """
 
     def __init__(
@@ -135,11 +137,13 @@ class InProcess:
         on_ping_failure: Callable[[str], None],
         base_world_size: Callable[[], int],
         shards: Optional[ShardSnapshots] = None,
+        keeper: Optional[Keeper] = None,
     ):
         self.cfg, self.rejoin, self.model, self.optimizer = cfg, rejoin, model, optimizer
         self.train_state, self.events, self.step_start = train_state, events, step_start
         self._renumber, self._regrouped, self._on_ping_failure = renumber, regrouped, on_ping_failure
         self._base_world_size = base_world_size
+        self.keeper = keeper if keeper is not None else Keeper(rejoin, train_state)
         self.sharded = (
             ShardedRecovery(shards, model, optimizer, train_state, rejoin, events, step_start) if shards else None
         )
@@ -178,11 +182,20 @@ class InProcess:
         """Give a DDP model trainguard's communication hook (:class:`~trainguard.rejoin.catch.DDPHook`):
         it carries ``fold``'s values in one bucket (:mod:`~trainguard.instability.fold`;
         ``inject``: the fault injector's numeric faults at the backward), keeps the step boundary
-        before the last bucket, and catches a lost peer once :meth:`arm_catch` ran. ``False``
-        (nothing done): not a DDP model, or one with a communication hook already (the script's
-        own, or an earlier Guard's on the same model: DDP takes one)."""
+        before the last bucket, and catches a lost peer once :meth:`arm_catch` ran.
+
+        A hook of the script's own composes with it: one registered before the Guard is taken over
+        (the reducer is built again, as :func:`~trainguard.rejoin.regroup.rebind_ddp` builds it,
+        with trainguard's hook, which calls the script's); one registered after it
+        (``model.register_comm_hook``, intercepted on this instance until :meth:`close`) is called
+        by trainguard's from the next backward on. Either way the detectors' values no longer ride
+        in the buckets (``should_step`` all-reduces them) and rank 0 says so once.
+
+        ``False`` (nothing done): not a DDP model, torch does not list its hooks, or it has
+        trainguard's hook already (an earlier Guard's on the same model: DDP takes one)."""
         params = compat.ddp_reducer_params(self.model) if isinstance(self.model, DDP) else None
-        if params is None or compat.ddp_comm_hooks(self.model) != []:  # compat: None where torch lacks it
+        hooks = compat.ddp_comm_hooks(self.model) if params is not None else None  # compat: None where torch lacks it
+        if params is None or hooks is None or any(is_own_hook(h) for h, _ in hooks) or len(hooks) > 1:
             return False
         self.ddp_hook = DDPHook(
             CATCH,
@@ -191,7 +204,13 @@ class InProcess:
             lambda buf: fold.extra(step_in_progress(), buf),
             lambda values: fold.reduced(step_in_progress(), values),
         )
+        if hooks:  # the script's, registered before the Guard: trainguard's calls it
+            hook, state = hooks[0]
+            compat.clear_comm_hooks(self.model)
+            compat.rebuild_reducer(self.model)
+            self._delegate(hook, state)
         self.model.register_comm_hook(None, self.ddp_hook.hook)
+        self.model.register_comm_hook = self._script_hook  # an instance attribute: removed at close()
         fold.wire(inject)
         if self.rejoin.active and has_buffers(self.model):  # a redo starts from the step's buffers
             self.buffer_sync = BufferSync(self.model, CATCH)
@@ -199,31 +218,48 @@ class InProcess:
                 self.step_start.also(self.buffer_sync)
         return True
 
+    def _script_hook(self, state: Any, hook: Callable) -> None:
+        """``model.register_comm_hook(state, hook)`` called by the script after the Guard: trainguard's
+        hook calls ``hook`` from the next backward on (DDP takes one hook per model)."""
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: the hook must be callable, got {type(hook).__name__}")
+        if self.ddp_hook.delegate is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once")
+        self._delegate(hook, state)
+
+    def _delegate(self, hook: Callable, state: Any) -> None:
+        self.ddp_hook.delegate = (hook, state)
+        if self.rejoin.rank == 0:
+            name = getattr(hook, "__qualname__", type(hook).__name__)
+            console.say(
+                f"the script's DDP communication hook {name} reduces the gradients, called from trainguard's "
+                "(a lost peer is caught in it); the instability detectors' values no longer ride in its "
+                "buckets: should_step() all-reduces them (one small all-reduce a step)"
+            )
+
     def close(self) -> None:
         """Give back what this component took of the model that can be given back (DDP's buffer
-        broadcast; DDP keeps a communication hook for good)."""
+        broadcast, the interception of ``register_comm_hook``; DDP keeps a communication hook for
+        good: trainguard's, calling the script's if it has one)."""
         if self.buffer_sync is not None:
             self.buffer_sync.close()
             self.buffer_sync = None
         if self.redo_check is not None:
             self.redo_check.close()
             self.redo_check = None
+        vars(self.model).pop("register_comm_hook", None)
 
     def arm_catch(self, step_in_progress: Callable[[], int]) -> None:
         """Catch a lost peer in the script's ``torch.distributed`` calls from now on."""
         CATCH.arm(lambda e, where: self.rejoin.caught(e, where, step_in_progress()), self.rejoin.failed)
 
     def keep_boundary(self, step: int) -> None:
-        """Keep this rank's own state as the boundary of step ``step`` (see :mod:`~trainguard.rejoin.boundary`)."""
-        self.rejoin.keep({"step": step, **self.train_state.state_dict(LOCAL_PARTS)})
+        """Keep this rank's own state as the boundary of step ``step`` (:meth:`.keeper.Keeper.keep`)."""
+        self.keeper.keep(step)
 
     def keep_before_last_bucket(self, step: int) -> None:
-        """DDP's hook or ``guard.run_step`` is about to send step ``step``'s last gradient bucket:
-        keep this rank's own state as its boundary, since after the send a peer may complete the
-        step (``should_step`` runs no collective when the detectors' values ride in that bucket).
-        Kept again when the bucket is sent again (``run_step``'s retry after out-of-memory)."""
-        if self.rejoin.keeping and self.rejoin.failure is None:
-            self.keep_boundary(step)
+        """Before step ``step``'s last gradient bucket is sent (:meth:`.keeper.Keeper.before_last_bucket`)."""
+        self.keeper.before_last_bucket(step)
 
     def bucket_layout(self) -> Optional[list[list[int]]]:
         """DDP's current bucket layout, as trainguard's hook last saw it (``None`` without it)."""

@@ -33,9 +33,10 @@ The step whose collective failed is not applied (an optimizer pre-hook drops its
 :mod:`trainguard.rejoin.stepstart`) and is done again after the recovery.
 
 Not caught: a collective called with ``async_op=True`` by the script (its ``Work.wait()`` raises),
-and DDP's buffer broadcast in ``forward`` (models with buffers and ``broadcast_buffers=True``). A
-DDP model with a communication hook of the script's own gets no hook from here: in-process recovery
-is declined for it at start (:func:`trainguard.guard.inprocess.declined`).
+and DDP's buffer broadcast in ``forward`` (models with buffers and ``broadcast_buffers=True``).
+A DDP communication hook of the script's own (registered before or after the Guard) is called by
+trainguard's (:attr:`DDPHook.delegate`) instead of its own all-reduce: a lost peer is caught in it
+too, and the detectors' values do not ride in its buckets (``should_step`` all-reduces them).
 """
 
 from __future__ import annotations
@@ -116,14 +117,22 @@ class Catch:
         self._norms: list[Any] = []  # what clip_grad_norm_ returned in the current step (new_step())
 
     def install(self) -> None:
-        """Wrap the collectives in ``torch.distributed``'s namespace (idempotent). torch's own
-        modules call them through ``distributed_c10d`` and are not affected."""
+        """Wrap the collectives in ``torch.distributed``'s namespace and ``clip_grad_norm_``
+        (idempotent). torch's own modules call them through ``distributed_c10d`` and are not
+        affected. Only where a lost peer can be caught (in-process recovery, world size > 1, or a
+        replacement); :meth:`uninstall` puts them back."""
         for name in COLLECTIVES:
             fn = getattr(dist, name, None)
             if fn is None or name in self._originals:
                 continue
             self._originals[name] = fn
             setattr(dist, name, self._wrap(name, fn))
+        self.install_clip()
+
+    def install_clip(self) -> None:
+        """Wrap ``torch.nn.utils.clip_grad_norm_`` only (idempotent): the norm it returns in a step
+        is noted for ``should_step`` (:meth:`step_norm`; the Hugging Face Trainer clips before its
+        callback). Every Guard installs it; :meth:`uninstall` puts it back."""
         if self._clip is None:
             self._clip = torch.nn.utils.clip_grad_norm_
             torch.nn.utils.clip_grad_norm_ = self._wrap_clip(self._clip)
@@ -226,6 +235,9 @@ class DDPHook:
         extra: called with the step's carrying bucket (:attr:`carrier`): values to all-reduce
             with it (its dtype and device), or ``None``. The same number of values on every rank.
             The sums go to ``reduced``. (:mod:`trainguard.instability.fold`.)
+        delegate: ``(hook, state)``: the script's own communication hook, called as
+            ``hook(state, bucket)`` instead of this hook's all-reduce (``extra`` is then not
+            called); settable later (a registration after the Guard's, :meth:`InProcess.hook_ddp`).
 
     Attributes:
         layout: ``[[parameter index, ...] per bucket]`` in bucket order, as last seen (empty
@@ -249,8 +261,10 @@ class DDPHook:
         before_last: Optional[Callable[[], None]] = None,
         extra: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None,
         reduced: Callable[[torch.Tensor], None] = lambda values: None,
+        delegate: Optional[tuple[Callable, Any]] = None,
     ):
         self.catch, self.before_last, self.extra, self.reduced = catch, before_last, extra, reduced
+        self.delegate = delegate
         self._index = {id(p): i for i, p in enumerate(params)}
         self._numel = [p.numel() for p in params]
         self.layout: list[list[int]] = []
@@ -276,6 +290,8 @@ class DDPHook:
             done: torch.futures.Future = torch.futures.Future()
             done.set_result(buf)
             return done
+        if self.delegate is not None:
+            return self._delegated(bucket, buf)
         group = dist.group.WORLD
         buf.div_(group.size())
         extra = self.extra(buf) if self.extra is not None and bucket.index() == self.carrier else None
@@ -296,6 +312,30 @@ class DDPHook:
             self.reduced(out[buf.numel() :])
             return out[: buf.numel()]
 
+        return fut.then(reduced)
+
+    def _delegated(self, bucket: Any, buf: torch.Tensor) -> torch.futures.Future:
+        """The script's own hook reduces the bucket (``hook(state, bucket)``, its future as it
+        returns it); a lost peer in it is recorded as in trainguard's own all-reduce and the bucket
+        completes as it was. No detector values ride along (``should_step`` all-reduces them)."""
+        hook, state = self.delegate
+
+        def reduced(f: torch.futures.Future) -> torch.Tensor:
+            try:
+                return f.value()
+            except Exception as e:
+                if not self.catch.on_failure(e, "backward"):
+                    raise
+                return buf
+
+        try:
+            fut = hook(state, bucket)
+        except Exception as e:  # a hook that runs its collective synchronously
+            if not self.catch.on_failure(e, "backward"):
+                raise
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(buf)
+            return done
         return fut.then(reduced)
 
     def _note(self, bucket: Any) -> None:

@@ -79,8 +79,9 @@ def check_rebindable(model: torch.nn.Module) -> None:
 
     Raises:
         RegroupError: DTensor parameters that FSDP2 cannot be re-bound for (tensor parallelism, a
-            slice of a larger mesh: :func:`~trainguard.rejoin.sharded.why_not_rebindable`), a
-            DDP communication hook of the script's own, or torch lacks a DDP member used here.
+            slice of a larger mesh: :func:`~trainguard.rejoin.sharded.why_not_rebindable`), torch
+            does not list DDP's communication hooks, or lacks a DDP member used here. (A hook of
+            the script's own is taken over by trainguard's, which the rebuilt reducer keeps.)
     """
     why = sharded.why_not_rebindable(model)
     if why is not None:
@@ -88,8 +89,11 @@ def check_rebindable(model: torch.nn.Module) -> None:
     missing = missing_ddp_members(model) if isinstance(model, DDP) else []
     if missing:
         raise RegroupError(f"torch {torch.__version__} lacks {', '.join(missing)}: in-process recovery of DDP")
-    if isinstance(model, DDP) and script_comm_hook(model):
-        raise RegroupError("a DDP communication hook is registered: in-process recovery cannot carry it over")
+    if isinstance(model, DDP) and compat.ddp_comm_hooks(model) is None:
+        raise RegroupError(
+            f"torch {torch.__version__} does not list DDP's communication hooks: in-process recovery cannot "
+            "carry one over"
+        )
 
 
 def script_comm_hook(model: DDP) -> bool:
@@ -128,9 +132,9 @@ def rebind_ddp(model: torch.nn.Module, layout: Optional[list[list[int]]] = None)
             "differently from before the recovery)"
         )
     compat.clear_comm_hooks(model)
-    for hook, state in own:
-        model.register_comm_hook(state, hook)
-        hook.__self__.rebuilt()  # trainguard's DDPHook (script_comm_hook refused any other)
+    for hook, state in own:  # the class's method: the instance's intercepts the script's (InProcess.hook_ddp)
+        DDP.register_comm_hook(model, state, hook)
+        hook.__self__.rebuilt()  # trainguard's DDPHook, carrying the script's hook if it took one over
 
 
 def _broadcast_bytes(blob: Optional[bytes], src: int) -> bytes:

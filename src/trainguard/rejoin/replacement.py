@@ -30,7 +30,7 @@ import os
 import runpy
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -43,10 +43,21 @@ from .auth import Seal, report_forged
 from .catch import CATCH, LOCAL
 from .protocol import RecoveryStore, connect, parse_address, spare_store_from_environ, wait_for_assignment
 
+# what this module replaced process-wide, put back by undo() (the replacement's script has ended)
+_undo: list[Callable[[], None]] = []
+
+
+def undo() -> None:
+    """Put back everything this module replaced that is still replaced (``DistributedDataParallel.__init__``,
+    ``torch.distributed.init_process_group``, ``os.environ``'s class), the latest first; safe to call twice."""
+    while _undo:
+        _undo.pop()()
+
 
 def skip_initial_broadcast() -> None:
-    """Make ``DistributedDataParallel(...)`` default to ``init_sync=False`` in this process."""
+    """Make ``DistributedDataParallel(...)`` default to ``init_sync=False`` in this process (until :func:`undo`)."""
     original = DistributedDataParallel.__init__
+    _undo.append(lambda: setattr(DistributedDataParallel, "__init__", original))
 
     @functools.wraps(original)
     def init(self, *args, init_sync: bool = False, **kwargs):  # type: ignore[no-untyped-def]
@@ -127,6 +138,11 @@ class Assignment:
                 return original.__getitem__(self, key)
 
         os.environ.__class__ = Watched
+        _undo.append(self._stop_watching)
+
+    def _stop_watching(self) -> None:
+        if type(os.environ) is not self._environ_class:
+            os.environ.__class__ = self._environ_class
 
 
 # frameworks whose import reads the rank (Lightning's ``rank_zero_only``, at import time: a spare
@@ -219,6 +235,7 @@ def join_at_init(spare_id: Optional[int], output: Optional[QuietOutput] = None) 
         return original(*args, **kwargs)
 
     dist.init_process_group = init
+    _undo.append(lambda: setattr(dist, "init_process_group", original) if dist.init_process_group is init else None)
 
 
 def main(argv: list[str]) -> None:
@@ -251,7 +268,11 @@ def main(argv: list[str]) -> None:
     CATCH.mode = LOCAL  # until the Guard joined the survivors
     sys.argv = list(argv)
     sys.path.insert(0, str(Path(argv[0]).resolve().parent))
-    runpy.run_path(argv[0], run_name="__main__")
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    finally:  # the script has ended: nothing stays replaced (the Guard's close() put its own back)
+        CATCH.uninstall()
+        undo()
 
 
 if __name__ == "__main__":

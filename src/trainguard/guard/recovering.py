@@ -1,0 +1,167 @@
+"""The Guard's side of in-process recovery: where a lost peer is caught in the Guard's own calls
+(:meth:`Recovering.recoverable`), and what the Guard does around a meeting that
+:class:`~.inprocess.InProcess` carries out (its place handed over and taken back, the liveness
+ping, a save in flight, the state of the replica check and of a step re-run)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Optional
+
+from ..health.straggler import StragglerDetector
+from ..instability.recovery import Recovery
+from ..rejoin.rank import Rejoin
+from ..sdc.replicas import ReplicaCheck
+from ..sdc.rerun import StepRerun
+from ..stop.signals import ShutdownHandler
+from .inprocess import InProcess, Met, Place
+from .saving import Commits
+from .stop_check import StopCheck
+from .world import World
+
+
+class Caught:
+    """``with Caught(rejoin, where, step) as lost:`` (:meth:`Recovering.recoverable`): an error of
+    the block that is a lost peer (:meth:`Rejoin.caught` records it) ends the block; ``lost`` is
+    then true. Any other error propagates. (A class, not a ``contextlib`` generator: the Guard
+    enters one a few times per step.)"""
+
+    __slots__ = ("rejoin", "where", "step", "lost")
+
+    def __init__(self, rejoin: Rejoin, where: str, step: int):
+        self.rejoin, self.where, self.step, self.lost = rejoin, where, step, False
+
+    def __enter__(self) -> Caught:
+        return self
+
+    def __exit__(self, kind: Optional[type], error: Optional[BaseException], tb: object) -> bool:
+        if isinstance(error, Exception) and self.rejoin.caught(error, self.where, self.step):
+            self.lost = True
+            return True  # recorded: the block ends here
+        return False
+
+    def __bool__(self) -> bool:
+        return self.lost
+
+
+class Recovering:
+    """A lost peer caught in the Guard's calls, and the recoveries that follow.
+
+    Args:
+        world: the shared view (its step, rank, world size, hosts and ping are taken from a meeting).
+        rejoin: this rank's recovery state (``caught`` records a lost peer).
+        inprocess: carries out the meetings.
+        stop_check, straggler: their next check and report steps travel with the place.
+        commits: finishes a save in flight before a meeting.
+        recovery: the instability recovery (a replacement starts its statistics again).
+        sdc, reruns: forget a replica check stashed and a re-run in progress (a replacement knows of neither).
+        shutdown: its deadline timer (armed by a failed ping) is cancelled after a recovery.
+        section: the hang supervisor's named sections (``guard.section``).
+        redo_in_step: a framework's loop: a peer lost after the update is recovered at the next
+            step's ``recover_in_step``.
+    """
+
+    def __init__(
+        self,
+        world: World,
+        rejoin: Rejoin,
+        inprocess: InProcess,
+        stop_check: StopCheck,
+        straggler: StragglerDetector,
+        commits: Commits,
+        recovery: Recovery,
+        sdc: ReplicaCheck,
+        reruns: StepRerun,
+        shutdown: ShutdownHandler,
+        section: Callable[[str], contextlib.AbstractContextManager[None]],
+        redo_in_step: bool,
+    ):
+        self.world, self.rejoin, self.inprocess = world, rejoin, inprocess
+        self.stop_check, self.straggler, self.commits = stop_check, straggler, commits
+        self.recovery, self.sdc, self.reruns, self.shutdown = recovery, sdc, reruns, shutdown
+        self.section, self.redo_in_step = section, redo_in_step
+        self.arm_at_step = False  # a replacement catches the script's collectives from its first step
+
+    def recoverable(self, where: str, step: Optional[int] = None) -> Caught:
+        """``with recovering.recoverable("checkpointing") as lost: ...``: a lost peer in the block
+        under in-process recovery is recorded at ``where`` and step ``step`` (default: the
+        completed steps) and ends the block; ``lost`` is then true (:class:`Caught`)."""
+        return Caught(self.rejoin, where, self.world.step if step is None else step)
+
+    def place(self) -> Place:
+        """Where this rank stands, for a meeting."""
+        w = self.world
+        return Place(
+            w.step,
+            w.rank,
+            w.world_size,
+            tuple(w.hosts),
+            self.stop_check.next_check,
+            self.straggler.next_report,
+            self.stop_check.step_seconds,
+        )
+
+    def take(self, met: Met) -> None:
+        """Take the place and the liveness ping a recovery, growth or join ended with."""
+        p, w = met.place, self.world
+        w.step, w.rank, w.world_size = p.step, p.rank, p.world_size
+        self.stop_check.next_check = p.next_check
+        w.hosts = list(p.hosts)
+        self.straggler.set_hosts(w.hosts)
+        self.straggler.next_report = p.next_report
+        w.ping = met.ping
+
+    def recover(self, redo: bool, take_completed: bool = True) -> None:
+        """A peer was lost in this step: stop the ping and finish a save in flight (it fails on its
+        broken group; nothing commits), then meet the new generation (:meth:`InProcess.recover`).
+        ``redo``: the update of this step was not applied (the caller does not count the step);
+        ``take_completed``: as :meth:`InProcess.recover`.
+
+        Raises:
+            as :meth:`InProcess.recover` (this rank exits and the launcher restarts the group).
+        """
+        with self.section("recovery"):
+            self.inprocess.started(self.place())
+            if self.world.ping is not None:  # its group lost the peer too
+                self.world.ping.abandon()
+                self.world.ping = None
+            self.commits.wait()
+            self.take(self.inprocess.recover(self.place(), redo, take_completed))
+            self.reruns.forget()  # a replacement knows of no re-run in progress
+            self.sdc.forget()  # nor of a replica check stashed at the step before
+        self.shutdown.deadline_timer.cancel()  # armed by the ping's failure
+
+    def after_update(self) -> None:
+        """A peer was lost after this step's update was applied: the step is complete; recover now
+        (the next step starts on the new group), or, for a framework's loop (``redo_in_step``),
+        at the next step's ``recover_in_step`` (its first step is then done again)."""
+        if not self.redo_in_step:
+            self.recover(redo=False)
+
+    def grow(self, number: int) -> None:
+        """The ranks agreed to grow back in place into generation ``number`` (:meth:`InProcess.grow`)."""
+        with self.section("recovery"):
+            self.world.stop_ping()  # a collective on the old group, at the same point on every rank
+            self.commits.wait()
+            self.take(self.inprocess.grow(number, self.place()))
+            self.sdc.forget()  # the newcomers stashed no replica check
+
+    def join(self) -> float:
+        """A replacement of a lost rank (or a newcomer) starts here instead of resuming
+        (:meth:`InProcess.join`); returns ``time.perf_counter()`` at its end (the step timer's start)."""
+        t0 = time.monotonic()
+        met = self.inprocess.join(self.place())
+        self.take(met)
+        # the script's collectives before its first step (a framework's set-up after this) complete alone
+        self.arm_at_step = True
+        self.recovery.rejoined()
+        self.inprocess.keep_boundary(self.world.step)
+        self.inprocess.joined(met, time.monotonic() - t0)
+        return time.perf_counter()
+
+    def catch_peers(self) -> None:
+        """A replacement catches lost peers in the script's collectives from now on (once)."""
+        if self.arm_at_step:
+            self.arm_at_step = False
+            self.inprocess.arm_catch(lambda: self.world.step + 1)
