@@ -33,6 +33,10 @@ import _zoo  # noqa: E402
 import drive  # noqa: E402
 
 SLACK = 2.0  # seconds a fallback may take beyond the group restart's own time (issue 43)
+# ... plus this share of the restart's time here: the two launches run one after the other, beside
+# another soak test under CI's -n 2, and their restarts alone differ by seconds from run to run
+# (benchmarks/zoo_kills.py reports the strict comparison on a quiet machine)
+LOAD_SHARE = 0.25
 # not bitwise, if said at the resume: nanoGPT's prefetch before the loop; a scheduler built after the
 # resume and not given to the Guard (stepped twice when a step is done again in-process)
 MAY_SAY_NOT_BITWISE = {"nanogpt", "start_step_sched"}
@@ -117,4 +121,4 @@ def test_shape_killed_at_a_random_step_recovers_in_process_bitwise_or_falls_back
     assert t.bitwise or name in MAY_SAY_NOT_BITWISE, _explain(t)  # a restart resumes from a checkpoint
     restart = drive.fault_trial(shape, tmp_path / "restart", seed, "kill", settings=drive.RESTART, clean=clean)
     assert restart.path == "restart", _explain(restart)
-    assert t.seconds <= restart.seconds + SLACK, (t.seconds, restart.seconds, _explain(t))
+    assert t.seconds <= restart.seconds * (1 + LOAD_SHARE) + SLACK, (t.seconds, restart.seconds, _explain(t))
