@@ -61,6 +61,11 @@ def _worker(local_rank: int, tmp: str, out) -> None:
     finally:
         dist.destroy_process_group()
     out.put((local_rank, result))
+    out.close()
+    out.join_thread()  # the result is sent before the process leaves
+    os._exit(
+        0
+    )  # without torch's teardown, which aborts an exit now and then ("terminate called without an active exception")
 
 
 def test_object_collectives_carry_values_and_tensors_and_refuse_a_peers_pickle():
