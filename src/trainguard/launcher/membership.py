@@ -25,8 +25,7 @@ event                decisions (first rule that applies)
 ``Finished``         → **End** 0.
 ``Joined``           the generation formed: nothing forms any more; the recovery *settles* until
                      the group completes a step with it.
-``Settled``          every rank completed a step after the generation formed, and its probation
-                     passed: the recovery is done.
+``Settled``          every rank completed a step after the generation formed: the recovery is done.
 ``TimedOut``         the generation did not form → **Fallback** + **Restart** / **End** 76.
 ``SettleTimedOut``   no completed step within the bound after the generation formed →
                      **Fallback** + **Restart** / **End** 76.
@@ -52,9 +51,8 @@ event                decisions (first rule that applies)
 
 **The progress rule.** A recovery in place (**Replace**, **ReplaceNode**, **Shrink**, **GrowBack**,
 **Admit**) counts as done only when the new group has completed a step (**Settled**, every rank
-past ``step_end`` of a step after the generation formed) and a probation has passed (the same
-bound, from the forming: a replacement whose script went on from another place than the survivors'
-completes a step and fails at its next collective that differs). Until then a failure of any rank, a hang,
+past ``step_end`` of a step after the generation formed; the launcher's :class:`~.replace.Settling`
+can add a probation, unused by default). Until then a failure of any rank, a hang,
 a lost node or the bound's expiry means the recovery failed: **Fallback** (``failed``) and the group
 restarts from the newest checkpoint at once, never another replacement. So between two completed
 steps there is at most one recovery in place, and a recovery that does not lead to a step costs

@@ -383,7 +383,7 @@ class Replacer:
             if gen.number not in self._mine:
                 found.append(gen)
                 now, bound = time.monotonic(), 2 * self.cfg.timeout + 5.0  # it may still be forming there
-                self.settling = Settling(gen.number, gen.world_size, now, now + bound, bound, now + bound)
+                self.settling = Settling(gen.number, gen.world_size, now, now + bound, bound)
         return found
 
     def _rank_env(self, env: dict[str, str], gen: Generation) -> dict[str, str]:
@@ -484,8 +484,9 @@ class Replacer:
             seconds = now - self._started
             hint = store.step_time(self.pending.number) or 0.0
             bound = max(self.cfg.timeout, SETTLE_STEPS * hint)
-            # a probation only where new processes ran the script from its top (not after a shrink)
-            probation = now + bound if self.pending.replaced else 0.0
+            # no probation: a replacement whose script went on from another place shows at the
+            # survivors' step done again (rejoin.redo_check), before the first completed step
+            probation = 0.0
             self.settling = Settling(
                 self.pending.number, self.pending.world_size, self._started, now + bound, bound, probation
             )
