@@ -152,7 +152,7 @@ def test_a_barrier_after_resuming_runs_alone_on_the_replacement_and_recovery_is_
     alone = events(run, "collective_alone")
     assert [e["rank"] for e in alone] == [1] and "dist.barrier" in alone[0]["details"]["site"]
     assert survivors_at in alone[0]["details"]["survivors_at"]
-    settled = events(run, "recovery_settled")  # after its probation (30 s): the run may end before
+    settled = events(run, "recovery_settled")  # the launcher sees it at a poll: the run may end before
     assert len(settled) <= 1 and not events(run, "recovery_failed")
     done = events(run, "recovery_finished")
     assert len(done) == 1 and done[0]["details"]["first_step"] == done[0]["step"] + 1

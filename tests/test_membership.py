@@ -163,7 +163,7 @@ def test_a_settled_recovery_lets_the_next_failure_be_replaced_and_the_budget_cou
 # ---- the progress rule: a recovery is done only when the group completed a step with it ---------
 
 SETTLING = run(group(), Look({0: RUNNING, 1: -9}), Joined())[0]  # replaced and formed, no step yet
-NOT_SETTLED = "a rank failed before the last (replace) recovery was done (a completed step and its probation)"
+NOT_SETTLED = "a rank failed before the last (replace) recovery was done (a completed step)"
 
 
 @pytest.mark.parametrize(
@@ -209,7 +209,7 @@ NOT_SETTLED = "a rank failed before the last (replace) recovery was done (a comp
             Look({0: RUNNING, 1: -9}),
             [
                 Fallback(
-                    "a rank failed before the last (followed) recovery was done (a completed step and its probation)",
+                    "a rank failed before the last (followed) recovery was done (a completed step)",
                     failed=True,
                 ),
                 KillSurvivors(),

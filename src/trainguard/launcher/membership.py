@@ -51,8 +51,7 @@ event                decisions (first rule that applies)
 
 **The progress rule.** A recovery in place (**Replace**, **ReplaceNode**, **Shrink**, **GrowBack**,
 **Admit**) counts as done only when the new group has completed a step (**Settled**, every rank
-past ``step_end`` of a step after the generation formed; the launcher's :class:`~.replace.Settling`
-can add a probation, unused by default). Until then a failure of any rank, a hang,
+past ``step_end`` of a step after the generation formed). Until then a failure of any rank, a hang,
 a lost node or the bound's expiry means the recovery failed: **Fallback** (``failed``) and the group
 restarts from the newest checkpoint at once, never another replacement. So between two completed
 steps there is at most one recovery in place, and a recovery that does not lead to a step costs
@@ -526,7 +525,7 @@ def _failed_recovery(state: State) -> str:
         return f"a rank failed while the last ({state.forming}) generation was still forming"
     if state.settling == "start":
         return "a rank failed before the group completed its first step (no rank holds a state to send yet)"
-    return f"a rank failed before the last ({state.settling}) recovery was done (a completed step and its probation)"
+    return f"a rank failed before the last ({state.settling}) recovery was done (a completed step)"
 
 
 def _in_recovery(state: State) -> bool:

@@ -28,7 +28,7 @@ import os
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -68,13 +68,6 @@ class Settling:
             the generation was first seen).
         deadline: ``time.monotonic()`` past which the recovery has failed without a completed step.
         bound: the seconds from the forming to the deadline (said when it passes).
-        probation: ``time.monotonic()`` before which the recovery is not done even after a
-            completed step (the same bound from the forming): a failure until then is the
-            recovery's (a replacement whose script went on from another data position than the
-            survivors' completes a step and fails at the next collective that differs), and the
-            group restarts instead of replacing a rank again. 0: none (a new start of the group, a
-            shrink: no process ran the script from its top).
-        stepped: every rank completed a step after it (the recovery waits out its probation).
     """
 
     number: int
@@ -82,8 +75,6 @@ class Settling:
     since: float
     deadline: float
     bound: float
-    probation: float = 0.0
-    stepped: bool = False
 
 
 class Replacer:
@@ -484,12 +475,7 @@ class Replacer:
             seconds = now - self._started
             hint = store.step_time(self.pending.number) or 0.0
             bound = max(self.cfg.timeout, SETTLE_STEPS * hint)
-            # no probation: a replacement whose script went on from another place shows at the
-            # survivors' step done again (rejoin.redo_check), before the first completed step
-            probation = 0.0
-            self.settling = Settling(
-                self.pending.number, self.pending.world_size, self._started, now + bound, bound, probation
-            )
+            self.settling = Settling(self.pending.number, self.pending.world_size, self._started, now + bound, bound)
             self.events.emit(
                 "generation_joined",
                 generation=self.pending.number,
@@ -526,18 +512,14 @@ class Replacer:
     def _settle(self) -> Optional[Settled | SettleTimedOut]:
         """The progress rule's watch of :attr:`settling`: :class:`~.membership.Settled` (a
         ``recovery_settled`` event) once every rank of the generation completed a step after it
-        and its probation passed (:class:`Settling`), :class:`~.membership.SettleTimedOut` once
+        (:class:`Settling`), :class:`~.membership.SettleTimedOut` once
         its deadline passed without that step, else ``None``. One store look per poll until the
         step, none otherwise."""
         s = self.settling
         if s is None:
             return None
         now = time.monotonic()
-        if not s.stepped and self.recovery_store().steps_after(s.number) >= s.world_size:
-            s = self.settling = replace(s, stepped=True)
-        if s.stepped and now < s.probation:
-            return None
-        if s.stepped:
+        if self.recovery_store().steps_after(s.number) >= s.world_size:
             self.settling = None
             if s.number > 0:  # generation 0: a new start of the group, no recovery
                 self.events.emit("recovery_settled", generation=s.number, seconds=round(now - s.since, 4))
