@@ -9,6 +9,9 @@ other rank runs before its backward in the first step after the join, so its col
 line up with the survivors' (the recovery must fail in seconds and the group restart).
 ``--batchnorm``: the model has a batch norm layer, so DDP's forward starts with a broadcast of its
 buffers (``broadcast_buffers``, on by default): the survivors' first collective after the meeting.
+``--own-counter``: the loop counts its updates itself (timm's ``num_updates``, from the resumed
+step) and sets the learning rate from that count before each ``opt.step()``: a survivor that does
+a step again counts it twice (tests/test_loop_check.py).
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ RANK = int(os.environ.get("RANK", 0))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))
 MISALIGN = "--misalign" in sys.argv
 BATCHNORM = "--batchnorm" in sys.argv
+OWN_COUNTER = "--own-counter" in sys.argv
+FLAGS = ("--misalign", "--batchnorm", "--own-counter")
 
 
 def main() -> None:
-    argv = [a for a in sys.argv[1:] if a not in ("--misalign", "--batchnorm")]
+    argv = [a for a in sys.argv[1:] if a not in FLAGS]
     cfg = trainguard.config_from_argv(argv=argv)
     max_steps = 120
     gen = torch.Generator().manual_seed(99)
@@ -50,6 +55,7 @@ def main() -> None:
     step = next(steps, None)
     dist.barrier()  # once, after resuming: the survivors of a lost rank passed theirs long ago
     joined_at = guard.step if os.environ.get("TRAINGUARD_JOIN") else None
+    updates = guard.step  # --own-counter: the loop's own count of updates
     while step is not None:
         idx = sampler.take(16)
         loss = F.mse_loss(ddp(x[idx]), y[idx])
@@ -57,6 +63,10 @@ def main() -> None:
         if not (MISALIGN and joined_at is not None and guard.step == joined_at):
             dist.all_reduce(logged)
         loss.backward()
+        if OWN_COUNTER:
+            updates += 1
+            for group in opt.param_groups:
+                group["lr"] = 0.05 * (1 - updates / (2 * max_steps))
         opt.step()
         opt.zero_grad()
         if RANK == 0:

@@ -102,7 +102,7 @@ def _explain(t: drive.Trial) -> str:
 KNOWN_GAPS = {
     # the survivor's redone step waits in DDP's buffer broadcast for the replacement longer than the
     # learned step timeout (2 s here): the hang supervisor kills it, and the fallback takes ~2x a restart
-    "timm": "a survivor waiting for the replacement past the learned timeout is killed as hung",
+    "timm_": "a survivor waiting for the replacement past the learned timeout is killed as hung",
     # its restart is not bitwise and nothing says so: each epoch's DataLoader iterator draws a seed
     # from torch's generator between step_end and the next step, after the first steps' watch
     "imagenet_ddp": "a restart is not bitwise (a new epoch's DataLoader draw) and not said",

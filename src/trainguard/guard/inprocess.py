@@ -28,6 +28,7 @@ from ..rejoin import abort, backend_policy, regroup, sever, sharded
 from ..rejoin.align import ALIGN, wait_bound
 from ..rejoin.buffers import BufferSync, has_buffers
 from ..rejoin.catch import CATCH, DDPHook, is_own_hook
+from ..rejoin.loop_check import LoopCheck
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.redo_check import RedoCheck
@@ -519,6 +520,8 @@ class InProcess:
         Raises:
             AlignmentError: a replacement's first step ended while the survivors wait at a
                 collective it did not reach (:meth:`~trainguard.rejoin.align.Alignment.step_end`).
+            LoopDiverged: after a meeting, the ranks' optimizer hyperparameters differ
+                (:mod:`~trainguard.rejoin.loop_check`).
         """
         if ALIGN.open:
             ALIGN.step_end(step)
@@ -526,6 +529,9 @@ class InProcess:
             return
         number, _ = self._stepping
         self._stepping = None
+        if number > 0:  # after a meeting: do the ranks' loops still agree? (not at a new start)
+            scheduler = self.step_start.scheduler if self.step_start is not None else None
+            LoopCheck(self.rejoin.store, self.optimizer, scheduler).check(number, rank, world_size, step)
         self.rejoin.store.stepped(number)
         u, self._unsettled = self._unsettled, None
         if u is None:

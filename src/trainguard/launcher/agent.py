@@ -28,6 +28,7 @@ What it needs of torch's agent beyond ``run()`` comes through :mod:`trainguard.l
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -405,7 +406,10 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
     def _recovery_failed(self, why: str, codes: Optional[dict[int, Optional[int]]]) -> None:
         """A recovery in place did not lead to a completed step (the progress rule): say why once,
         with what a rank said of it (:meth:`Replacer.why_failed`), the seconds since it began, the
-        exit codes and the survivors' stacks; the group restart follows."""
+        exit codes and the survivors' stacks, then SIGKILL the live ranks: their state after a
+        failed recovery is not to be saved (a SIGTERM would ask for a checkpoint of it, and wait
+        ``kill_grace`` for ranks stuck in a collective); the group restart from the newest
+        checkpoint follows."""
         said = self.replacer.why_failed() if self.replacer is not None else None
         seconds = self.replacer.recovery_seconds() if self.replacer is not None else None
         lost = {r: c for r, c in (codes or {}).items() if failed(c)}
@@ -418,6 +422,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             stacks=self._dump_survivors("recovery"),
         )
         console.say(f"in-process recovery failed ({why}{'; ' + said if said else ''}): the group restarts")
+        self._kill_live(self.worker_processes())
 
     def _collected(self, result: RunResult) -> Decisions:
         """Torch's result after **Collect**, as the next event's decisions."""
@@ -496,16 +501,17 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
     def _kill_survivors_of_failure(self, procs: dict[int, subprocess.Popen], codes: dict[int, Optional[int]]) -> None:
         """If a rank has exited with a failure (not 0 or a decision code) in this poll's ``codes``,
         SIGCONT and SIGKILL the ranks still running in it (``procs``); torch then collects the group."""
-        if not any(failed(c) for c in codes.values()):
-            return
+        if any(failed(c) for c in codes.values()):
+            self._kill_live({r: p for r, p in procs.items() if codes[r] is None})
+
+    def _kill_live(self, procs: dict[int, subprocess.Popen]) -> None:
+        """SIGCONT and SIGKILL the ranks of ``procs`` that still run (noted as stopped by the launcher)."""
         for r, p in procs.items():
-            if codes[r] is None:
+            if p.poll() is None:
                 self._stopped_by_us.add(r)
                 for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, sig)
-                    except ProcessLookupError:
-                        pass
 
     def _script_error(self, result: RunResult) -> Optional[ScriptError]:
         """The failure is an error of the script before its first step (see :mod:`.script_error`)."""

@@ -26,9 +26,10 @@ event                decisions (first rule that applies)
 ``Joined``           the generation formed: nothing forms any more; the recovery *settles* until
                      the group completes a step with it.
 ``Settled``          every rank completed a step after the generation formed: the recovery is done.
-``TimedOut``         the generation did not form → **Fallback** + **Restart** / **End** 76.
-``SettleTimedOut``   no completed step within the bound after the generation formed →
-                     **Fallback** + **Restart** / **End** 76.
+``TimedOut``         the generation did not form (or a rank gave it up) → **Fallback** +
+                     **Restart** / **End** 76.
+``SettleTimedOut``   no completed step within the bound after the generation formed, or a rank
+                     gave the recovery up → **Fallback** + **Restart** / **End** 76.
 ``Hang``             in-process recovery can take it (nothing forming or settling) and no rank is
                      unkillable → nothing (the killed rank's exit is the next ``Look``'s); else
                      (**Fallback** while a recovery forms or settles) + **Restart** / **End** 76.
@@ -261,7 +262,8 @@ class TimedOut:
 
 @dataclass(frozen=True)
 class SettleTimedOut:
-    """The group did not complete a step within the bound after the last generation formed (``why``)."""
+    """The group did not complete a step within the bound after the last generation formed, or a
+    rank gave the recovery up before that step (``why``)."""
 
     why: str
     progress: Progress = Progress()

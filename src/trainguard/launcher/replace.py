@@ -57,6 +57,10 @@ REPLACEMENT_MODULE = "trainguard.rejoin.replacement"
 SETTLE_STEPS = 3  # the first step after a recovery may take this many of the survivors' step times
 
 
+# why a recovery failed when a rank gave it up (what the rank said follows)
+GAVE_UP = "a rank gave the recovery up"
+
+
 @dataclass(frozen=True)
 class Settling:
     """A generation that formed (or that another node's agent published) and with which the group
@@ -134,6 +138,7 @@ class Replacer:
         self.settling: Optional[Settling] = None  # formed, no completed step yet (the progress rule)
         self._deadline = 0.0
         self._started = 0.0
+        self._said: Optional[str] = None  # what the rank that gave the last recovery up said
         self._stores: list = []  # the generations' stores (kept alive while their groups may use them)
         self.want_spares = spares
         self.spares: dict[int, subprocess.Popen] = {}  # spare id -> waiting process
@@ -394,7 +399,7 @@ class Replacer:
         """Announce ``gen`` to the ranks and follow it in :meth:`poll`."""
         self.recovery_store().publish(gen)
         self.pending = gen
-        self._started = time.monotonic()
+        self._started, self._said = time.monotonic(), None
         # a grow is timed from the ranks' agreement (poll()): their next stop check may be a long step away
         self._deadline = float("inf") if gen.grown else self._started + self.cfg.timeout + 5.0
 
@@ -464,7 +469,8 @@ class Replacer:
     def poll(self) -> Optional[Joined | TimedOut | Settled | SettleTimedOut]:
         """Follow a forming generation: :class:`~.membership.Joined` once every member joined (a
         ``generation_joined`` event), :class:`~.membership.TimedOut` with why recovery failed (not
-        finished within ``[recovery] timeout`` + 5 s; for a grow, from the ranks' agreement on it),
+        finished within ``[recovery] timeout`` + 5 s, for a grow from the ranks' agreement on it; or
+        a rank gave it up),
         ``None`` while it forms or when none does; then follow it until the group has completed a
         step with it (:meth:`_settle`)."""
         if self.pending is None:
@@ -495,6 +501,9 @@ class Replacer:
             if self._template is not None:  # [launcher] spares waiting again, started after the recovery
                 self.fill_spares(*self._template)
             return Joined()
+        if (said := store.gave_up(self.pending.number)) is not None:  # at once, not at the rank's exit
+            self.pending, self._node, self._said = None, None, said
+            return TimedOut(GAVE_UP)
         if self.pending.grown and self._deadline == float("inf") and store.accepted(self.pending.number):
             self._deadline = time.monotonic() + self.cfg.timeout + 5.0
         if time.monotonic() > self._deadline:
@@ -507,37 +516,40 @@ class Replacer:
         """A new start of the group with ``world_size`` ranks: it settles until every rank has
         completed a step (generation 0's counter; no bound: a first step may compile for minutes)."""
         now = time.monotonic()
-        self.settling = Settling(0, world_size, now, float("inf"), float("inf"))
+        self.settling, self._said = Settling(0, world_size, now, float("inf"), float("inf")), None
 
     def _settle(self) -> Optional[Settled | SettleTimedOut]:
         """The progress rule's watch of :attr:`settling`: :class:`~.membership.Settled` (a
         ``recovery_settled`` event) once every rank of the generation completed a step after it
-        (:class:`Settling`), :class:`~.membership.SettleTimedOut` once
-        its deadline passed without that step, else ``None``. One store look per poll until the
-        step, none otherwise."""
+        (:class:`Settling`), :class:`~.membership.SettleTimedOut` once its deadline passed without
+        that step or a rank gave the recovery up (:meth:`RecoveryStore.give_up`: seen at once, not
+        at the rank's exit, which takes seconds of teardown), else ``None``. Two store looks per
+        poll until the step, none otherwise."""
         s = self.settling
         if s is None:
             return None
-        now = time.monotonic()
-        if self.recovery_store().steps_after(s.number) >= s.world_size:
+        now, store = time.monotonic(), self.recovery_store()
+        if store.steps_after(s.number) >= s.world_size:
             self.settling = None
             if s.number > 0:  # generation 0: a new start of the group, no recovery
                 self.events.emit("recovery_settled", generation=s.number, seconds=round(now - s.since, 4))
             return Settled()
+        if s.number > 0 and (said := store.gave_up(s.number)) is not None:  # at once, not at the rank's exit
+            self.settling, self._said = None, said
+            return SettleTimedOut(GAVE_UP)
         if now <= s.deadline:
             return None
-        store = self.recovery_store()
         self.settling = None
         why = f"the group completed no step within {s.bound:.0f} s after generation {s.number} formed"
         gave_up = store.gave_up(s.number)
         return SettleTimedOut(f"{why} ({gave_up})" if gave_up else why)
 
     def why_failed(self) -> Optional[str]:
-        """Why a rank gave up the recovery under way (forming or settling), as it said in the
-        recovery store (:meth:`RecoveryStore.give_up`), or ``None``."""
+        """Why a rank gave up the recovery under way (forming or settling) or the one that just
+        failed by it, as it said in the recovery store (:meth:`RecoveryStore.give_up`), or ``None``."""
         gen = self.pending or self.settling
         if gen is None:
-            return None
+            return self._said
         try:
             return self.recovery_store().gave_up(gen.number)
         except (RuntimeError, dist.DistError):

@@ -357,6 +357,16 @@ class RecoveryStore:
         """Launcher: how many ranks completed a step after joining generation ``number`` (:meth:`stepped`)."""
         return int(self.store.add(self.prefix + f"gen/{number}/stepped", 0))
 
+    def loop_state(self, number: int, rank: int, text: str) -> None:
+        """Rank: its optimizer's hyperparameters at its first completed step after joining
+        generation ``number`` (:mod:`.loop_check`, JSON, hundreds of bytes)."""
+        self._set(f"gen/{number}/loop/{rank}", text)
+
+    def others_loop_state(self, number: int, rank: int, timeout: float) -> Optional[str]:
+        """Rank: what rank ``rank`` wrote with :meth:`loop_state`, or ``None`` after ``timeout`` seconds."""
+        value = self._wait(f"gen/{number}/loop/{rank}", timeout)
+        return None if value is None else value.decode()
+
     def survivors_step_time(self, number: int, seconds: float) -> None:
         """Lowest survivor: its step time (seconds, the decaying mean) as it meets generation ``number``."""
         self._set(f"gen/{number}/step_seconds", f"{seconds:.6f}")

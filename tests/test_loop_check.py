@@ -1,0 +1,119 @@
+"""After an in-process recovery every rank's optimizer must agree (src/trainguard/rejoin/loop_check.py):
+a loop that counts its updates itself counts the step done again twice on the survivors, and its
+learning rate parts from the replacement's. The rule's pieces over real optimizers and schedulers and
+a real recovery store, then a real launch of such a loop (tests/resume_barrier_worker.py
+``--own-counter``, timm's ``num_updates``) with a rank killed."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import events, final_hash, finish, launch, shared_hash
+from trainguard.rejoin.auth import Seal
+from trainguard.rejoin.loop_check import LoopCheck, LoopDiverged, differences, loop_state
+from trainguard.rejoin.protocol import RecoveryStore, connect, serve
+
+WORKER = Path(__file__).resolve().parent / "resume_barrier_worker.py"
+
+
+def _optimizer(lr: float = 0.1) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=lr, weight_decay=0.01)
+
+
+def test_the_loop_state_holds_every_groups_hyperparameters_and_the_schedulers_counters_exactly():
+    opt = _optimizer()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    state = loop_state(opt, sched)
+    assert state["group 0.lr"] == 0.1 and state["group 0.betas"] == [0.9, 0.999]
+    assert state["group 0.weight_decay"] == 0.01 and state["scheduler.last_epoch"] == 0
+    assert not any("params" in k for k in state)
+    json.dumps(state)  # what the store carries
+    opt.step()
+    sched.step()
+    assert differences(loop_state(opt, sched), state) == [
+        "scheduler._step_count: 2 vs 1",
+        "scheduler.last_epoch: 1 vs 0",
+    ]
+    assert differences(loop_state(_optimizer()), loop_state(_optimizer())) == []
+    moved = _optimizer()
+    moved.param_groups[0]["lr"] = 0.1 + 2**-56  # one float step: an update counted twice moves the lr as little
+    assert differences(loop_state(moved), loop_state(_optimizer())) == ["group 0.lr: 0.10000000000000002 vs 0.1"]
+    assert loop_state(None) == {}
+    tensor_lr = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=torch.tensor(0.5))
+    assert loop_state(tensor_lr)["group 0.lr"] == 0.5
+
+
+def test_ranks_that_agree_pass_and_one_that_differs_fails_every_rank_and_says_which_value():
+    server = serve()
+    seal = Seal(b"k" * 32)
+    store = RecoveryStore(server, 1, seal)
+    LoopCheck(store, _optimizer()).check(1, 0, 1, 11)  # alone: nothing to compare
+    errors: dict[int, BaseException] = {}
+
+    def rank(r: int, lr: float, number: int) -> None:
+        own = RecoveryStore(connect("127.0.0.1", server.port), 1, seal)  # each rank its own client
+        try:
+            LoopCheck(own, _optimizer(lr)).check(number, r, 2, 11)
+        except LoopDiverged as e:
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(0, 0.1, 2)), threading.Thread(target=rank, args=(1, 0.1, 2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == {}
+    threads = [threading.Thread(target=rank, args=(0, 0.1, 3)), threading.Thread(target=rank, args=(1, 0.2, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(errors) == {0, 1}
+    assert "group 0.lr: 0.1 vs 0.2" in str(errors[0]) and "group 0.lr: 0.2 vs 0.1" in str(errors[1])
+    said = store.gave_up(3)
+    assert said is not None and "counters of its own" in said
+
+
+def _run(run_dir: Path, *inject: str):
+    return launch(
+        run_dir,
+        "checkpoint.interval=20",
+        "checkpoint.async_save=false",
+        script=WORKER,
+        tiny=False,
+        default_recovery=True,
+        extra=inject,
+        script_args=("--own-counter",),
+    )
+
+
+@pytest.mark.timeout(300)
+def test_a_loop_that_counts_its_updates_itself_fails_the_recovery_at_once_and_restarts_bitwise(
+    tmp_path, tmp_path_factory
+):
+    """Rank 1 is SIGKILLed in step 50; the survivor does the step again and counts it a second
+    time, so its learning rate is not its replacement's: at the end of that step both say so
+    (``recovery_failed`` quoting the value), the launcher restarts the group at once from the
+    checkpoint of step 40, and the run ends with the clean weights (before: ``recovered
+    in-process … no completed step lost``, the two replicas training at different rates, other
+    weights, nothing said)."""
+    clean = shared_hash(tmp_path_factory, "own_counter", lambda d: _run(d))
+    run = tmp_path / "run"
+    proc = _run(run, "--inject", "rank_killed:rank=1,step=50,section=step")
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert len(events(run, "rank_replaced")) == 1
+    failed = events(run, "recovery_failed")
+    assert len(failed) == 1, Path(f"{run}.log").read_text()[-3000:]
+    said = failed[0]["details"]["rank_said"] or ""
+    assert "optimizer differs" in said and "group 0.lr" in said, failed
+    assert failed[0]["details"]["reason"] == "a rank gave the recovery up"  # seen in the store, not at its exit
+    assert len(events(run, "group_restart")) == 1 and not events(run, "recovery_settled")
+    assert [e["details"]["from_step"] for e in events(run, "resume")][-1] == 40
+    log = Path(f"{run}.log").read_text()
+    assert "in-process recovery failed" in log and "counters of its own" in log
+    assert final_hash(run) == clean
