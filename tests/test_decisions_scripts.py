@@ -219,15 +219,21 @@ def test_draw_watch_finds_a_first_batch_drawn_before_the_loop():
     assert watch.before_loop()
 
 
-def test_draw_watch_stops_looking_after_a_few_clean_steps():
+def test_draw_watch_finds_a_new_epochs_dataloader_draw_far_into_a_steps_loop():
+    """An epoch loop (``for batch in loader`` inside the epoch loop, the ImageNet example's shape):
+    the ``DataLoader`` iterator of each new epoch draws its base seed from torch's generator
+    between one epoch's last ``step_end()`` and the next epoch's first step; found at the first
+    epoch's end, however many clean steps came before, and said once."""
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2)
     watch = DrawWatch()
     watch.before_loop()
-    for _ in range(WATCHED_STEPS):
-        watch.boundary()
-        assert not watch.next_step()
-    watch.boundary()
-    torch.rand(1)
-    assert not watch.next_step()
+    found = []
+    for _epoch in range(3):
+        for _batch in loader:  # the draw, as each epoch's iterator is created
+            found.append(watch.next_step())  # steps() resumes: the loop asks for the next step
+            watch.boundary()  # the step's end
+    assert found.count(True) == 1 and found.index(True) == 4  # epoch 1's first step, after 4 clean ones
+    assert WATCHED_STEPS < 4
 
 
 def test_draw_watch_keeps_no_state_after_a_few_boundaries_when_no_one_asks():

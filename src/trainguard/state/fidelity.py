@@ -12,11 +12,15 @@ reported as a ``resume_not_bitwise`` event and one console line (rank 0), never 
   ``deterministic`` and ``benchmark``) and the world size.
 * **Random numbers drawn between** ``step_end()`` **and the next step** (:class:`DrawWatch`): a
   loop that fetches the next batch after ``step_end()`` (``X, Y = get_batch()`` at the end of the
-  body) draws it after the state the checkpoint holds, so a resumed run draws a different batch.
-  For the first :data:`WATCHED_STEPS` steps the Guard keeps the state of the generators a
-  checkpoint restores (torch's CPU generator, NumPy's global one, Python's ``random``: a batch is
-  drawn with ``torch.randint`` in nanoGPT-shaped loops, with ``np.random`` in others) at each
-  ``step_end()`` and compares it when the next step begins.
+  body) draws it after the state the checkpoint holds, so a resumed run draws a different batch;
+  so does an epoch loop at each new epoch (``for batch in loader``: a ``DataLoader`` iterator draws
+  its base seed from torch's generator when it is created), and a resume inside that epoch creates
+  its iterator again, one draw more than the uninterrupted run. In a ``steps()`` loop the Guard
+  keeps the state of the generators a checkpoint restores (torch's CPU generator, NumPy's global
+  one, Python's ``random``: a batch is drawn with ``torch.randint`` in nanoGPT-shaped loops, with
+  ``np.random`` in others) at each ``step_end()`` and compares it when the next step begins (about
+  15 µs a step), until it finds a draw (said once) or the run ends; a loop that never asks for the
+  next step (a framework's callbacks) is watched for :data:`WATCHED_STEPS` steps.
 * **Random numbers drawn between creating the Guard and** ``guard.steps()`` (:class:`DrawWatch`
   too): a loop that fetches its first batch before the loop and the next one inside the step
   (``X, Y = get_batch()`` before ``for step in guard.steps(...)``) draws that first batch, on a
@@ -40,7 +44,14 @@ import torch
 
 from .determinism import numpy_snapshot, rng_fingerprint
 
-WATCHED_STEPS = 3  # step boundaries at which DrawWatch looks (the pattern is the same every step)
+WATCHED_STEPS = 3  # boundaries DrawWatch looks at in a loop that never asks next_step (a framework's)
+
+# why a draw between step_end() and the next step makes a resume not bitwise (DrawWatch.next_step)
+DRAWN_BETWEEN_STEPS = (
+    "random numbers were drawn between guard.step_end() and the next step (a batch fetched after step_end, or a "
+    "new epoch's DataLoader iterator, which draws its seed from torch's generator): the checkpoint's generator "
+    "state does not cover them; draw them inside the step"
+)
 
 # why a restored process whose first step trained on a batch fetched before the loop is not bitwise
 PREFETCHED = (
@@ -109,15 +120,18 @@ def _same(a: tuple, b: tuple) -> bool:
 
 class DrawWatch:
     """Finds random numbers drawn (from torch's CPU generator, NumPy's global one or Python's
-    ``random``) between ``step_end()`` and the next step, during the first :data:`WATCHED_STEPS`
-    steps of a process.
+    ``random``) between ``step_end()`` and the next step: at every boundary of a loop that asks
+    :meth:`next_step` (``steps()``), at the first :data:`WATCHED_STEPS` of one that does not.
 
     :meth:`boundary` at the end of ``step_end()``, :meth:`next_step` when the loop asks for the
-    next step; :meth:`next_step` returns ``True`` once, at the first boundary where the state moved.
+    next step; :meth:`next_step` returns ``True`` once, at the first boundary where the state
+    moved, and nothing is copied after that.
     """
 
     def __init__(self) -> None:
-        self._left = WATCHED_STEPS
+        self._left = WATCHED_STEPS  # boundaries left to watch while no one asked next_step
+        self._asked = False  # next_step was called: the loop is a steps() loop, watched throughout
+        self._found = False  # a draw was reported: no more looking
         self._state: Optional[tuple] = _generators()  # at the Guard's creation
         self._first: Optional[dict[str, Any]] = None  # watch_first_step's states
         self._drawn_before_loop = False  # before_loop found a draw (reported: the first step is not watched)
@@ -161,23 +175,22 @@ class DrawWatch:
         return moved
 
     def boundary(self) -> None:
-        """Keep the generators' state at this step boundary (about 10 KB of copies, 50 µs; only at
-        the first :data:`WATCHED_STEPS` boundaries, so a loop that never asks :meth:`next_step`,
-        as the framework callbacks do not, stops paying for it too)."""
+        """Keep the generators' state at this step boundary (about 10 µs: :func:`_generators`), in a
+        loop that asks :meth:`next_step`, until a draw was found; else only at the first
+        :data:`WATCHED_STEPS` boundaries, so a loop that never asks, as the framework callbacks do
+        not, stops paying for it."""
         if self._first is not None:
             self._end_first_step()
-        if self._left > 0:
-            self._left -= 1
-            self._state = _generators()
-        else:
-            self._state = None
+        self._left -= 1
+        watch = not self._found and (self._asked or self._left >= 0)
+        self._state = _generators() if watch else None
 
     def next_step(self) -> bool:
         """Whether random numbers were drawn since :meth:`boundary` (reported once)."""
+        self._asked = True
         if self._state is None:
             return False
         moved = not _same(self._state, _generators())
         self._state = None
-        if moved:
-            self._left = 0
+        self._found = self._found or moved
         return moved
