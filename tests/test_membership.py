@@ -217,6 +217,25 @@ NOT_SETTLED = "a rank failed before the last (replace) recovery was done (a comp
             ],
         ),
         (run(group(4), Followed(4), Settled())[0], Look({0: RUNNING, 1: -9}), [Replace((1,))]),
+        # settled at checkpoint 40, a hang before a newer one: the recovery's, a restart (not a replacement)
+        (
+            run(SETTLING, Settled(Progress(None, 40)))[0],
+            Hang("rank 1 silent", progress=Progress(52, 40)),
+            [
+                Fallback(
+                    "a rank hung after the last (replace) recovery, before a newer checkpoint "
+                    "(the loop may run its collectives apart since)",
+                    failed=True,
+                ),
+                Restart("rank 1 silent"),
+            ],
+        ),
+        # ... and after a newer checkpoint: a new fault, its killed rank replaced at the next look
+        (run(SETTLING, Settled(Progress(None, 40)))[0], Hang("rank 1 silent", progress=Progress(62, 60)), []),
+        # ... a rank that dies before it: a new fault too (a death is no sign of a misaligned loop)
+        (run(SETTLING, Settled(Progress(None, 40)))[0], Look({0: -9, 1: RUNNING}), [Replace((0,))]),
+        # a new start of the group that settles leaves nothing unproven
+        (run(group(), GroupStarted(2, frozenset({0, 1})), Settled())[0], Hang("h", progress=Progress(3, None)), []),
     ],
     ids=[
         "survivor-fails",
@@ -231,6 +250,10 @@ NOT_SETTLED = "a rank failed before the last (replace) recovery was done (a comp
         "late-bound",
         "followed",
         "followed-settled",
+        "hang-unproven",
+        "hang-proven",
+        "death-unproven",
+        "hang-after-start",
     ],
 )
 def test_progress_rule(state, event, expected):
@@ -468,7 +491,7 @@ def events(n: int):
         st.builds(Collected, st.fixed_dictionaries({0: st.sampled_from([-9, 1, 75, 2])}), st.none(), progress),
         st.just(Finished()),
         st.just(Joined()),
-        st.just(Settled()),
+        st.builds(Settled, progress),
         st.builds(TimedOut, st.just("did not form"), progress),
         st.builds(SettleTimedOut, st.just("no step"), progress),
         st.builds(Hang, st.just("hang"), st.booleans(), progress),
@@ -529,7 +552,12 @@ def test_invariants_hold_over_random_event_sequences(case):
             assert decided == ()
         if any(isinstance(d, (Restart, End, MembershipRestart)) for d in decided):
             assert after.forming is None and after.settling is None
+            assert after.unproven is None
         assert after.world_size >= 0 and not (after.local & after.withdrawn)
+        if isinstance(event, Hang) and before.ended is None and before.unproven is not None:
+            then, now = before.unproven[1], event.progress.newest_ckpt
+            if now is None or (then is not None and now <= then):  # no newer checkpoint: the recovery's hang
+                assert any(isinstance(d, (Restart, End)) for d in decided), (event, before, decided)
 
 
 FAILURES = (Look, Hang, NodeLost, TimedOut, SettleTimedOut)

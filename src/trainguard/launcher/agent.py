@@ -304,8 +304,10 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
                 return self._carry_out(self.machine.feed(TimedOut(progress.why, self._progress())))
             if isinstance(progress, SettleTimedOut):
                 return self._carry_out(self.machine.feed(SettleTimedOut(progress.why, self._progress())))
-            if isinstance(progress, (Joined, Settled)):
+            if isinstance(progress, Joined):
                 self.machine.feed(progress)
+            if isinstance(progress, Settled):  # with the newest checkpoint now (State.unproven)
+                self.machine.feed(Settled(self._progress()))
             found = (
                 self.nodes.lost(self.worker_group.group_rank, self.worker_group.group_world_size)
                 if self.nodes

@@ -25,14 +25,16 @@ event                decisions (first rule that applies)
 ``Finished``         → **End** 0.
 ``Joined``           the generation formed: nothing forms any more; the recovery *settles* until
                      the group completes a step with it.
-``Settled``          every rank completed a step after the generation formed: the recovery is done.
+``Settled``          every rank completed a step after the generation formed: the recovery is done,
+                     and *unproven* until a checkpoint newer than the newest at this moment commits.
 ``TimedOut``         the generation did not form (or a rank gave it up) → **Fallback** +
                      **Restart** / **End** 76.
 ``SettleTimedOut``   no completed step within the bound after the generation formed, or a rank
                      gave the recovery up → **Fallback** + **Restart** / **End** 76.
-``Hang``             in-process recovery can take it (nothing forming or settling) and no rank is
-                     unkillable → nothing (the killed rank's exit is the next ``Look``'s); else
-                     (**Fallback** while a recovery forms or settles) + **Restart** / **End** 76.
+``Hang``             in-process recovery can take it (nothing forming or settling, no unproven
+                     recovery) and no rank is unkillable → nothing (the killed rank's exit is the
+                     next ``Look``'s); else (**Fallback** while a recovery forms, settles or is
+                     unproven) + **Restart** / **End** 76.
 ``StopRequested``    → **Forward** (the ranks save and exit with 75).
 ``StopGraceExpired`` → **End** 75.
 ``NodesWaiting``     not while regrowing; no in-place join (``min_ranks`` 0) →
@@ -57,6 +59,15 @@ a lost node or the bound's expiry means the recovery failed: **Fallback** (``fai
 restarts from the newest checkpoint at once, never another replacement. So between two completed
 steps there is at most one recovery in place, and a recovery that does not lead to a step costs
 the group restart it replaced plus the bound at most.
+
+**A hang after a recovery, before a newer checkpoint.** A loop that keeps counters of its own (a
+batch index that decides when to all-reduce a logged loss) has them one step ahead on the survivors
+after a step done again; a collective that only some ranks run then hangs some steps later, after
+the recovery settled, and a replacement of the hung rank meets the same survivors with the same
+counters: a hang again. So a hang before a checkpoint newer than the recovery's commits is taken as
+the recovery's: **Fallback** (``failed``) and a group restart from that checkpoint, whose ranks all
+compute their counters afresh. A rank that dies (a ``Look``) is still replaced: a death is not the
+sign of a misaligned loop.
 
 **Restart** spends one of ``max_restarts``; when none is left, or the give-up rule (the same step
 failing again, no progress: :class:`GiveUpRule`, from the facts the event carries) says so, the decision is **End** 76 instead. After an **End** every event
@@ -176,6 +187,9 @@ class State:
         regrowing: the ranks were asked to checkpoint and stop for a membership change.
         ended: ``(exit code, reason)`` once the launch ends.
         give_up: the give-up rule and what earlier failures left in it.
+        unproven: ``(kind, newest checkpoint step)`` of the last recovery in place that settled,
+            with the newest committed checkpoint at that moment (``None``: none yet), until a
+            newer one commits: a hang until then restarts the group (see the module's doc).
     """
 
     limits: Limits
@@ -190,6 +204,7 @@ class State:
     regrowing: bool = False
     ended: Optional[tuple[int, str]] = None
     give_up: GiveUpRule = GiveUpRule()
+    unproven: Optional[tuple[str, Optional[int]]] = None
 
     @property
     def restarts_left(self) -> int:
@@ -249,7 +264,10 @@ class Joined:
 
 @dataclass(frozen=True)
 class Settled:
-    """Every rank of the group completed a step after the last generation formed."""
+    """Every rank of the group completed a step after the last generation formed (``progress``:
+    the newest committed checkpoint then, for :attr:`State.unproven`)."""
+
+    progress: Progress = Progress()
 
 
 @dataclass(frozen=True)
@@ -581,20 +599,27 @@ def _restart_or_end(state: State, reason: str, progress: Progress) -> tuple[Stat
             state, GIVE_UP, f"restart budget ({state.limits.max_restarts}) spent: {reason}", "restart_budget_spent"
         )
     new = replace(
-        state, restarts=state.restarts + 1, forming=None, settling=None, regrowing=False, withdrawn=frozenset()
+        state,
+        restarts=state.restarts + 1,
+        forming=None,
+        settling=None,
+        regrowing=False,
+        withdrawn=frozenset(),
+        unproven=None,
     )
     return new, (Restart(reason),)
 
 
 def _end(state: State, code: int, reason: str, kind: str = "", cause: str = "") -> tuple[State, Decisions]:
-    return replace(state, ended=(code, reason), forming=None, settling=None), (End(code, reason, kind, cause),)
+    ended = replace(state, ended=(code, reason), forming=None, settling=None, unproven=None)
+    return ended, (End(code, reason, kind, cause),)
 
 
 def _collected(state: State, event: Collected) -> tuple[State, Decisions]:
     codes = dict(event.codes)
     decision = next((c for c in DECISION_CODES if c in codes.values()), None)
     if state.regrowing and decision == REQUEUE and state.stop is None:
-        new = replace(state, regrowing=False, forming=None, settling=None, withdrawn=frozenset())
+        new = replace(state, regrowing=False, forming=None, settling=None, withdrawn=frozenset(), unproven=None)
         return new, (MembershipRestart(),)
     if decision is not None or state.stop is not None:
         code = decision if decision is not None else REQUEUE
@@ -613,7 +638,18 @@ def _joined(state: State, event: Joined) -> tuple[State, Decisions]:
 
 
 def _settled(state: State, event: Settled) -> tuple[State, Decisions]:
-    return replace(state, settling=None), ()
+    if state.settling in (None, "start"):  # no recovery in place (a new start of the group)
+        return replace(state, settling=None), ()
+    return replace(state, settling=None, unproven=(state.settling, event.progress.newest_ckpt)), ()
+
+
+def _unproven(state: State, progress: Progress) -> Optional[str]:
+    """The kind of a settled recovery that no newer checkpoint has proven yet, or ``None``."""
+    if state.unproven is None:
+        return None
+    kind, then = state.unproven
+    now = progress.newest_ckpt
+    return None if now is not None and (then is None or now > then) else kind
 
 
 def _timed_out(state: State, event: TimedOut) -> tuple[State, Decisions]:
@@ -631,13 +667,20 @@ def _settle_timed_out(state: State, event: SettleTimedOut) -> tuple[State, Decis
 
 
 def _hang(state: State, event: Hang) -> tuple[State, Decisions]:
+    unproven = _unproven(state, event.progress)
     takes = state.limits.in_process and state.recovering is None and state.replacements < state.limits.max_replacements
-    if takes and not event.unkillable:
+    if takes and not event.unkillable and unproven is None:
         return state, ()  # the killed rank's exit code comes in a later Look: it is replaced then
     new, decided = _restart_or_end(state, event.reason, event.progress)
-    if not _in_recovery(state):
-        return new, decided
-    return new, (Fallback(f"a rank hung during the last ({state.recovering}) recovery", failed=True), *decided)
+    if _in_recovery(state):
+        return new, (Fallback(f"a rank hung during the last ({state.recovering}) recovery", failed=True), *decided)
+    if unproven is not None:
+        why = (
+            f"a rank hung after the last ({unproven}) recovery, before a newer checkpoint "
+            "(the loop may run its collectives apart since)"
+        )
+        return new, (Fallback(why, failed=True), *decided)
+    return new, decided
 
 
 def _stop(state: State, event: StopRequested) -> tuple[State, Decisions]:
@@ -720,6 +763,7 @@ def _started(state: State, event: GroupStarted) -> tuple[State, Decisions]:
         forming=None,
         settling="start",
         regrowing=False,
+        unproven=None,
     )
     return new, ()
 
