@@ -269,3 +269,28 @@ def test_a_value_opens_only_under_the_nonce_and_name_it_was_sealed_for(name, val
         assert SEAL.under(ours).open(name, sealed) is None
         assert SEAL.under(ours).why(name, sealed) == "replayed"
     assert Seal(bytes(32), theirs).why(name, sealed) == "forged"  # another run's key
+
+
+def test_a_one_node_launch_listens_on_loopback_only(tmp_path):
+    """A one-node launch of the tiny GPT with in-process recovery (the default) and a warm spare:
+    once the ranks train, every listening socket of the launcher and of every process it started
+    (ranks, spares) is on 127.0.0.1. Before, rank 0 served its process group's store on every
+    interface (``*:PORT``); now the launcher serves it on loopback, a new one per group start
+    (``launcher.pg_store``), and every rank is its client."""
+    from conftest import events, finish, launch, wait_for
+
+    run = tmp_path / "run"
+    proc = launch(run, "checkpoint.interval=1000", "launcher.spares=1", default_recovery=True)
+    wait_for(lambda: events(run, "checkpoint_committed") or events(run, "start"), what="training")
+    wait_for(lambda: len(psutil.Process(proc.pid).children(recursive=True)) >= 3, what="ranks and a spare")
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    listening = []
+    for p in tree:
+        try:
+            listening += [(p.pid, c.laddr) for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            pass
+    proc.send_signal(15)
+    assert finish(proc) == 75, (run / "..").resolve()
+    assert len(listening) >= 3, listening  # the rendezvous, recovery and process-group stores at least
+    assert all(addr.ip == "127.0.0.1" for _, addr in listening), listening

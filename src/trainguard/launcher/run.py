@@ -12,7 +12,9 @@ What it adds to torchrun's behaviour:
   :class:`~trainguard.launch_env.LaunchEnv` defines;
 * ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: restarted gloo groups otherwise often fail in
   ``init_process_group`` with stale peer addresses in the shared TCPStore (pytorch issue 135712;
-  measured in MEASURED.md: this fix held in every trial);
+  measured in MEASURED.md: this fix held in every trial); on one node the ranks' process-group
+  store is instead a new one per group start, served by the launcher on loopback
+  (:mod:`.pg_store`: rank 0's own would listen on every interface);
 * the agent of :mod:`trainguard.launcher.agent` (decision exit codes, signal forwarding, events);
 * under SLURM (``SLURM_JOB_ID`` set): a ``slurm_info`` event (job, array task, nodes, restart count,
   time limit, end time); the job's EndTime minus ``[slurm] end_margin`` passed to the ranks
@@ -283,6 +285,7 @@ def _run_agent(
 
     from . import nodes
     from .agent import DECISION_CODES, TrainguardAgent
+    from .pg_store import LoopbackStores
 
     console.quiet_torch_elastic(DECISION_CODES)
 
@@ -358,12 +361,13 @@ def _run_agent(
         **_rdzv_configs(opts.rdzv_conf),
     )
     command = _rank_command(opts)
+    handler = rdzv_registry.get_rendezvous_handler(rdzv_params)
     spec = WorkerSpec(
         role="trainer",
         local_world_size=opts.nproc_per_node,
         entrypoint=command[0],
         args=tuple(command[1:]),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_params),
+        rdzv_handler=LoopbackStores(handler) if standalone else handler,
         max_restarts=max_restarts,
         monitor_interval=opts.monitor_interval or cfg.launcher.monitor_interval,
         local_addr=opts.local_addr,
