@@ -57,6 +57,9 @@ def group(n: int = 2, **limits) -> State:
     return initial(Limits(**limits), n, frozenset(range(n)))
 
 
+ENDING = "the group was ending (a rank finished training): nothing to recover in place"
+
+
 def run(state: State, *events) -> tuple[State, list]:
     """Feed ``events`` in order; the final state and every decision."""
     decided = []
@@ -99,6 +102,18 @@ def run(state: State, *events) -> tuple[State, list]:
             group(max_replacements=0),
             Look({0: RUNNING, 1: -9}),
             [Fallback("in-process replacement budget spent (0)"), KillSurvivors(), Collect()],
+        ),
+        # a rank that fails while the group ends (another finished, or tears down after the end):
+        # no replacement (it would meet no one); the restart resumes from the final checkpoint
+        (
+            group(),
+            Look({0: 0, 1: -6}),
+            [Fallback(ENDING), KillSurvivors(), Collect()],
+        ),
+        (
+            group(),
+            Look({0: RUNNING, 1: -6}, ending=True),
+            [Fallback(ENDING), KillSurvivors(), Collect()],
         ),
         # shrink: min_ranks allows it, one node, no spare ready
         (group(4, min_ranks=2), Look({0: RUNNING, 1: -9, 2: RUNNING, 3: RUNNING}), [Shrink((1,))]),
@@ -479,6 +494,7 @@ def looks(n: int):
         st.fixed_dictionaries({r: CODES for r in range(n)}),
         st.one_of(st.none(), st.just("declined")),
         st.integers(0, 2),
+        st.booleans(),
         st.booleans(),
     )
 

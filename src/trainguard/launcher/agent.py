@@ -256,7 +256,8 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             os.environ.pop(JOIN, None)
         group = self.worker_group
         if self.replacer is not None:
-            self.replacer.fill_spares(*self.worker_command(0))
+            # at a restart, the spares start once the group has completed a step (Replacer.fill_spares)
+            self.replacer.fill_spares(*self.worker_command(0), now=self.restart_count == 0)
             self.replacer.started(group.workers[0].world_size)  # settles at its first completed step
         local = frozenset(w.local_rank for w in self.workers())
         self.machine.feed(GroupStarted(group.workers[0].world_size, local))
@@ -325,6 +326,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             declined=self.replacer.declined() if failing else None,
             spares_ready=len(self.replacer.ready_spares()) if failing else 0,
             single_node=self.worker_group.group_world_size == 1,
+            ending=failing and self.monitor is not None and self.monitor.ending(),
         )
         decisions = self.machine.feed(look)
         if decisions:

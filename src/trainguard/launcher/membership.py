@@ -12,7 +12,7 @@ event                decisions (first rule that applies)
 ===================  ==========================================================================
 ``Look``             a rank failed, in-process recovery on, no stop, no decision code, and
                      ``can_replace`` → **Shrink** (one node, ``min_ranks`` allows it, no spare
-                     ready) or **Replace**; a failure in-process recovery cannot take →
+                     ready) or **Replace** (not while the group ends: a rank finished); a failure in-process recovery cannot take →
                      **Fallback** (why) + **KillSurvivors** + **Collect**; any other exit that is
                      not 0 → **KillSurvivors** (on a failure; with **Fallback** first while a
                      generation forms) + **Collect**; every rank exited →
@@ -228,12 +228,16 @@ class Look:
         declined: why the ranks declined in-process recovery (read from the store), or ``None``.
         spares_ready: warm spares waiting for an assignment.
         single_node: the group runs on this node only (only such a group shrinks: it renumbers ranks).
+        ending: a rank has left training (exited 0, or tearing down after the run's end): a
+            replacement would meet no one (a rank that fails in its interpreter's exit after the
+            final save restarts the group, which resumes from the final checkpoint and ends).
     """
 
     codes: Mapping[int, Optional[int]]
     declined: Optional[str] = None
     spares_ready: int = 0
     single_node: bool = True
+    ending: bool = False
 
 
 @dataclass(frozen=True)
@@ -523,10 +527,14 @@ def decide(state: State, event: Event) -> tuple[State, Decisions]:
     return rule(state, event)
 
 
-def why_not_in_process(state: State, lost: list[int], codes: Mapping[int, Optional[int]], declined: Optional[str]):
+def why_not_in_process(
+    state: State, lost: list[int], codes: Mapping[int, Optional[int]], declined: Optional[str], ending: bool = False
+):
     """Why in-process recovery cannot take the failure of the local ranks ``lost``, or ``None``."""
     if _in_recovery(state):
         return _failed_recovery(state)
+    if ending or any(c == 0 for c in codes.values()):
+        return "the group was ending (a rank finished training): nothing to recover in place"
     if state.replacements + len(lost) > state.limits.max_replacements:
         return f"in-process replacement budget spent ({state.limits.max_replacements})"
     if declined is not None:
@@ -558,7 +566,7 @@ def _look(state: State, event: Look) -> tuple[State, Decisions]:
     lost = sorted(r for r, c in codes.items() if failed(c))
     decided: list[Decision] = []
     if lost and state.limits.in_process and state.stop is None and not any(c in DECISION_CODES for c in codes.values()):
-        why = why_not_in_process(state, lost, codes, event.declined)
+        why = why_not_in_process(state, lost, codes, event.declined, event.ending)
         if why is None:
             shrinks = (
                 event.single_node

@@ -148,6 +148,7 @@ class Replacer:
         self._pids: dict[int, int] = {}  # {global rank: pid} of the pending generation's new processes
         self._node: Optional[str] = None  # the host of the spare node that the pending generation brings
         self._template: Optional[tuple[list[str], dict[str, str]]] = None
+        self._refill = False  # start the spares that are due once the group completes a step
 
     def recovery_store(self) -> RecoveryStore:
         """The recovery keys of the current group start, shared by every node (after :meth:`share`)."""
@@ -267,10 +268,16 @@ class Replacer:
         they have no handler until their Guard exists, and the others' agreed stop covers them)."""
         return set(self._newcomers) if self.pending is not None and self.pending.grown else set()
 
-    def fill_spares(self, argv: list[str], env: dict[str, str]) -> None:
+    def fill_spares(self, argv: list[str], env: dict[str, str], now: bool = True) -> None:
         """Keep ``[launcher] spares`` spares waiting; ``argv``/``env``: a worker's command line and
-        environment (its rank variables are replaced at assignment)."""
+        environment (its rank variables are replaced at assignment). ``now=False``: start them
+        once the group has completed a step (:meth:`poll` sees it settle): a restarted group's
+        ranks start faster without a spare's start-up (seconds of CPU: importing torch) beside
+        them, and before that step a lost rank restarts the group anyway (the progress rule)."""
         self._template = (argv, env)
+        if not now:
+            self._refill = True
+            return
         for sid, proc in list(self.spares.items()):
             if proc.poll() is not None:  # a spare that died (its script failed early): forget it
                 del self.spares[sid]
@@ -498,8 +505,7 @@ class Replacer:
                 by = ", ".join(f"rank {r} by a {how} (pid {self._pids.get(r)})" for r in self.pending.replaced)
                 console.say(f"replaced in-process: {by} in {seconds:.2f} s; the other ranks kept their processes")
             self.pending, self._node = None, None
-            if self._template is not None:  # [launcher] spares waiting again, started after the recovery
-                self.fill_spares(*self._template)
+            self._refill = True  # [launcher] spares waiting again, once the recovery settled
             return Joined()
         if (said := store.gave_up(self.pending.number)) is not None:  # at once, not at the rank's exit
             self.pending, self._node, self._said = None, None, said
@@ -531,6 +537,9 @@ class Replacer:
         now, store = time.monotonic(), self.recovery_store()
         if store.steps_after(s.number) >= s.world_size:
             self.settling = None
+            if self._refill and self._template is not None:
+                self._refill = False
+                self.fill_spares(*self._template)
             if s.number > 0:  # generation 0: a new start of the group, no recovery
                 self.events.emit("recovery_settled", generation=s.number, seconds=round(now - s.since, 4))
             return Settled()

@@ -49,7 +49,7 @@ from .evidence import LOOK_AFTER, CpuMeter, StopWatch
 from .heartbeat import OUT_OF_SECTION, HeartbeatReader, RankState, heartbeat_path
 from .peers import BusyPeers
 from .stacks import dump_stacks, main_stack, stack_path
-from .timeouts import INITIAL, TimeoutBook
+from .timeouts import INITIAL, TEARDOWN, TimeoutBook
 
 
 def attempt_dir(root: str | os.PathLike, attempt: int) -> Path:
@@ -208,15 +208,24 @@ class HangMonitor:
         steps = [s.step for s in self._last_states.values()]
         return min(steps) + 1 if steps else None
 
+    def _states(self) -> dict[int, Optional[RankState]]:
+        """``{local_rank: its record now}`` (the last consistent one mid-write; ``None``: none)."""
+        states: dict[int, Optional[RankState]] = {}
+        for local_rank in set(self._readers) | set(self._last_states):
+            reader = self._readers.get(local_rank)
+            states[local_rank] = (reader.state() if reader is not None else None) or self._last_states.get(local_rank)
+        return states
+
     def steps_done(self) -> dict[int, Optional[int]]:
         """``{local_rank: steps its current process completed}`` (heartbeats since it started;
         ``None``: no record, it never created its Guard), read now."""
-        done: dict[int, Optional[int]] = {}
-        for local_rank in set(self._readers) | set(self._last_states):
-            reader = self._readers.get(local_rank)
-            state = (reader.state() if reader is not None else None) or self._last_states.get(local_rank)
-            done[local_rank] = state.beats - 1 if state is not None else None  # the record starts with one beat
-        return done
+        # the record starts with one beat
+        return {r: (s.beats - 1 if s is not None else None) for r, s in self._states().items()}
+
+    def ending(self) -> bool:
+        """Whether a local rank has left training: its record is in the teardown section (after
+        the ``end`` event, or an outcome every rank carries out), read now."""
+        return any(s is not None and s.section == TEARDOWN for s in self._states().values())
 
     def newest_checkpoint(self) -> Optional[int]:
         """Step of the newest committed checkpoint directory (by name)."""
