@@ -84,7 +84,7 @@ def main() -> int:
         "| restart (s) | restart redone | restart bitwise | in-process / restart |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    met, worst = 0, float("-inf")
+    met, worst, worst_start = 0, float("-inf"), float("-inf")
     for name, arms in rows:
         ip, rs = arms["in-process"], arms["restart"]
         a, b = med(ip, "seconds"), med(rs, "seconds")
@@ -92,13 +92,16 @@ def main() -> int:
         bitwise = sum(t.bitwise for t in ip)
         met += all(t.path == "in-process" and t.bitwise and t.seconds <= 1.0 for t in ip)
         worst = max([worst] + [t.seconds - r.seconds for t, r in zip(ip, rs)])
+        # a fallback's own cost: the fault to its restarted group's start, against the restart's
+        worst_start = max([worst_start] + [t.to_restart - r.to_restart for t, r in zip(ip, rs) if t.path == "fallback"])
         print(
             f"| {name} | {paths} | {a:.2f} | {med(ip, 'redone'):g} | {bitwise}/{len(ip)} | {max(t.replaced for t in ip)} "
             f"| {b:.2f} | {med(rs, 'redone'):g} | {sum(t.bitwise for t in rs)}/{len(rs)} | {a / b:.3f}× |"
         )
     print(
         f"goal: in-process ≤ 1.0 s and bitwise on ≥ 10 of 12 shapes: {met} of {len(rows)}; worst case (in-process − "
-        f"restart) {worst:+.2f} s, goal ≤ +{SLACK:g} s; runs in {base}"
+        f"restart) {worst:+.2f} s, goal ≤ +{SLACK:g} s; the fallbacks' worst fault → restarted group's start "
+        f"against the restart's: {worst_start:+.2f} s; runs in {base}"
     )
     return 1 if failed and args.smoke else 0
 

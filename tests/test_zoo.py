@@ -33,9 +33,8 @@ import _zoo  # noqa: E402
 import drive  # noqa: E402
 
 SLACK = 2.0  # seconds a fallback may take beyond the group restart's own time (issue 43)
-# ... plus this share of the restart's time here: the two launches run one after the other, beside
-# another soak test under CI's -n 2, and their restarts alone differ by seconds from run to run
-# (benchmarks/zoo_kills.py reports the strict comparison on a quiet machine)
+# ... plus this share of the restart's whole time here: the two launches run one after the other,
+# beside another soak test under CI's -n 2 (benchmarks/zoo_kills.py reports the strict comparison)
 LOAD_SHARE = 0.25
 # not bitwise, if said at the resume: nanoGPT's prefetch before the loop (a scheduler built after the
 # resume and not given to the Guard, stepped twice when a step is done again in-process, now fails the
@@ -130,4 +129,8 @@ def test_shape_killed_at_a_random_step_recovers_in_process_bitwise_or_falls_back
     assert t.console_reason, _explain(t)
     restart = drive.fault_trial(shape, tmp_path / "restart", seed, "kill", settings=drive.RESTART, clean=clean)
     assert restart.path == "restart", _explain(restart)
-    assert t.seconds <= restart.seconds * (1 + LOAD_SHARE) + SLACK, (t.seconds, restart.seconds, _explain(t))
+    # the fallback's own cost: the fault to its restarted group's start, against the restart's; the
+    # two restarts' start-ups (seconds, and seconds apart under CI's load) are the same work
+    # (benchmarks/zoo_kills.py reports the whole kill -> training again of both)
+    limit = restart.to_restart + SLACK + LOAD_SHARE * restart.seconds
+    assert t.to_restart <= limit, (t.to_restart, restart.to_restart, t.seconds, restart.seconds, _explain(t))

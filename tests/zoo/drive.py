@@ -17,6 +17,8 @@ random fraction of a step (0-20 ms) sends one rank (seeded random) SIGKILL, or S
   ``recovery_fallback``, ``recovery_failed`` or ``workers_failed`` event after the fault); when the
   group restarted, after the restarted group's ``workers_started`` (a survivor may still print a
   step before its group is torn down);
+* ``to_restart``: when the group restarted, from the fault to the restarted group's
+  ``workers_started`` (what a fallback adds before the restart's own start-up);
 * ``redone``: completed steps trained again: the newest step printed before the fault minus the
   step before the first one printed after it;
 * ``bitwise``: rank 0's final weights hash (``ZOO_HASH_FILE``) equals the clean run's;
@@ -170,6 +172,7 @@ class Trial:
     fault_step: int = 0
     victim: int = -1
     seconds: float = float("nan")
+    to_restart: float = float("nan")
     redone: int = -1
     bitwise: bool = False
     replaced: int = 0
@@ -229,6 +232,7 @@ def fault_trial(
     restarted = [e["time"] for e in after if e["kind"] == "workers_started"]
     if restarted:  # the group restarted: training again is its first step (not a survivor's last ones)
         reacted = max(restarted)
+        trial.to_restart = reacted - t_fault
     again = [(t, s) for t, s in lines.lines if t > reacted]
     if again:
         trial.seconds = again[0][0] - t_fault
