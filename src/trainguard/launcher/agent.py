@@ -493,12 +493,17 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
 
     def _dump_survivors(self, tag: str) -> list[str]:
         """The Python stacks of every live rank of this node (why did a recovery not complete?),
-        as paths under ``RUN_DIR/stacks``; none without the hang supervisor."""
+        as paths under ``RUN_DIR/stacks``; none without the hang supervisor. A rank that exited or
+        that the hang supervisor killed is skipped (its dump would only wait ``stacks_wait`` for
+        nothing; a hung rank's stacks were taken before its kill)."""
         if self.monitor is None:
             return []
-        pids = self.worker_pids()
+        procs = self.worker_processes()
+        live = [w for w in self.workers() if w.local_rank in procs and procs[w.local_rank].poll() is None]
         paths = [
-            self.monitor.dump_stacks(w.local_rank, w.global_rank, pids.get(w.local_rank), tag) for w in self.workers()
+            self.monitor.dump_stacks(w.local_rank, w.global_rank, procs[w.local_rank].pid, tag)
+            for w in live
+            if not self.monitor.killed(procs[w.local_rank].pid)
         ]
         return [str(p) for p in paths if p is not None]
 

@@ -517,6 +517,10 @@ class HangMonitor:
             return
         self.book.set_live([r.histograms() for r in self._readers.values()])
 
+    def killed(self, pid: Optional[int]) -> bool:
+        """Whether this supervisor SIGKILLed process ``pid`` in the current group (a hung rank)."""
+        return pid in self._killed
+
     def dump_stacks(self, local_rank: int, global_rank: int, pid: Optional[int], tag: str = "") -> Optional[Path]:
         """Dump ``pid``'s stacks (see :func:`~.stacks.dump_stacks`) into
         ``RUN_DIR/stacks/attempt<A>-rank<R>[-tag].txt``; ``None`` if none could be taken."""
