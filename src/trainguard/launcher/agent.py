@@ -326,7 +326,9 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             declined=self.replacer.declined() if failing else None,
             spares_ready=len(self.replacer.ready_spares()) if failing else 0,
             single_node=self.worker_group.group_world_size == 1,
-            ending=failing and self.monitor is not None and self.monitor.ending(),
+            ending=failing
+            and self.monitor is not None
+            and self.monitor.ending(frozenset(r for r, c in codes.items() if c is not None)),
         )
         decisions = self.machine.feed(look)
         if decisions:

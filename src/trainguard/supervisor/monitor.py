@@ -222,10 +222,12 @@ class HangMonitor:
         # the record starts with one beat
         return {r: (s.beats - 1 if s is not None else None) for r, s in self._states().items()}
 
-    def ending(self) -> bool:
-        """Whether a local rank has left training: its record is in the teardown section (after
-        the ``end`` event, or an outcome every rank carries out), read now."""
-        return any(s is not None and s.section == TEARDOWN for s in self._states().values())
+    def ending(self, besides: frozenset[int] = frozenset()) -> bool:
+        """Whether a local rank other than those of ``besides`` (the failed ones: a rank that leaves
+        alone, SDC's exclusion, tears down too) has left training: its record is in the teardown
+        section (after the ``end`` event, or an outcome every rank carries out), read now."""
+        states = self._states().items()
+        return any(s is not None and s.section == TEARDOWN for r, s in states if r not in besides)
 
     def newest_checkpoint(self) -> Optional[int]:
         """Step of the newest committed checkpoint directory (by name)."""
