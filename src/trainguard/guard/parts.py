@@ -282,7 +282,7 @@ def build(
     )
     fold = recovery.fold
     p.sdc = sdc = ReplicaCheck(cfg.sdc, model, rank, world_size, events)
-    p.sdc_response = SDCResponse(cfg.sdc, sdc, p.reruns, p.step_inputs, events, rejoin.active, rank, world_size)
+    p.sdc_response = SDCResponse(cfg.sdc, sdc, p.reruns, p.step_inputs, events, rejoin.active, world)
     hosts = [socket.gethostname()] * world_size
     p.straggler = straggler = StragglerDetector(cfg.straggler, rank, world_size, hosts, events, run_dir)
     growth = rejoin.growth_pending if cfg.elastic.min_ranks else None
@@ -308,12 +308,10 @@ def build(
             "rng": own["rng"],
         }
     )
-    p.resumer = Resume(
-        ckpt, train_state, s.sampler, events, p.fidelity, p.draws, p.elastic, cfg.elastic.keep, rank, world_size
-    )
+    p.resumer = Resume(ckpt, train_state, s.sampler, events, p.fidelity, p.draws, p.elastic, cfg.elastic.keep, world)
     if rejoin.active:
         p.step_start = StepStart(optimizer, s.scheduler, rejoin.failed)
-    numbered = (ckpt, recovery, sdc, p.sdc_response, p.micro, p.reruns, p.resumer, p.stop_check)
+    numbered = (ckpt, recovery, sdc, p.micro, p.reruns, p.stop_check)  # (the resume and SDC response read world)
     elastic = p.elastic
     p.inprocess = ip = InProcess(
         cfg,
