@@ -103,6 +103,19 @@ def say_where_it_applies(rejoin: Rejoin, in_process: bool, recovery_store: Optio
         )
 
 
+class DDPHookSlot:
+    """Where trainguard's DDP communication hook is kept (``hook``), once :meth:`InProcess.hook_ddp`
+    registered it (``None`` before, or for good: not a DDP model). Made before the training state,
+    whose saved bucket layout (:class:`~trainguard.state.buckets.BucketLayout`) reads :meth:`layout`."""
+
+    def __init__(self) -> None:
+        self.hook: Optional[DDPHook] = None
+
+    def layout(self) -> Optional[list[list[int]]]:
+        """DDP's current bucket layout, as trainguard's hook last saw it (``None`` without it)."""
+        return self.hook.layout if self.hook is not None and self.hook.layout else None
+
+
 class InProcess:
     """In-process recovery of one rank: catching a lost peer in the script's own collectives,
     keeping the step-boundary state, and the three ways of meeting a new generation.
@@ -122,6 +135,7 @@ class InProcess:
         shards: a sharded model's in-memory snapshots (:mod:`~trainguard.rejoin.shards`): its
             recovery goes through :class:`~.sharded_recovery.ShardedRecovery`.
         keeper: keeps this rank's own state at a step boundary (default: one over ``train_state``).
+        ddp: where :meth:`hook_ddp` keeps trainguard's DDP hook (default: a slot of its own).
     """
 
     def __init__(
@@ -139,6 +153,7 @@ class InProcess:
         base_world_size: Callable[[], int],
         shards: Optional[ShardSnapshots] = None,
         keeper: Optional[Keeper] = None,
+        ddp: Optional[DDPHookSlot] = None,
     ):
         self.cfg, self.rejoin, self.model, self.optimizer = cfg, rejoin, model, optimizer
         self.train_state, self.events, self.step_start = train_state, events, step_start
@@ -149,7 +164,7 @@ class InProcess:
             ShardedRecovery(shards, model, optimizer, train_state, rejoin, events, step_start) if shards else None
         )
         self.backend = tgdist.backend()
-        self.ddp_hook: Optional[DDPHook] = None  # trainguard's DDP communication hook
+        self.ddp = ddp if ddp is not None else DDPHookSlot()  # trainguard's DDP communication hook
         self.own_state_from: Optional[str] = None  # a replacement: where the lost rank's own state came from
         self.survivors_step_seconds = 0.0  # a replacement: the survivors' step time, from the transfer
         # the generation this rank met and whose first completed step it has not told the launcher of
@@ -198,7 +213,7 @@ class InProcess:
         hooks = compat.ddp_comm_hooks(self.model) if params is not None else None  # compat: None where torch lacks it
         if params is None or hooks is None or any(is_own_hook(h) for h, _ in hooks) or len(hooks) > 1:
             return False
-        self.ddp_hook = DDPHook(
+        self.ddp.hook = hooked = DDPHook(
             CATCH,
             params,
             lambda: self.keep_before_last_bucket(step_in_progress()),
@@ -210,7 +225,7 @@ class InProcess:
             compat.clear_comm_hooks(self.model)
             compat.rebuild_reducer(self.model)
             self._delegate(hook, state)
-        self.model.register_comm_hook(None, self.ddp_hook.hook)
+        self.model.register_comm_hook(None, hooked.hook)
         self.model.register_comm_hook = self._script_hook  # an instance attribute: removed at close()
         fold.wire(inject)
         if self.rejoin.active and has_buffers(self.model):  # a redo starts from the step's buffers
@@ -224,12 +239,12 @@ class InProcess:
         hook calls ``hook`` from the next backward on (DDP takes one hook per model)."""
         if not callable(hook):
             raise TypeError(f"register_comm_hook: the hook must be callable, got {type(hook).__name__}")
-        if self.ddp_hook.delegate is not None:
+        if self.ddp.hook.delegate is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once")
         self._delegate(hook, state)
 
     def _delegate(self, hook: Callable, state: Any) -> None:
-        self.ddp_hook.delegate = (hook, state)
+        self.ddp.hook.delegate = (hook, state)
         if self.rejoin.rank == 0:
             name = getattr(hook, "__qualname__", type(hook).__name__)
             console.say(
@@ -264,7 +279,7 @@ class InProcess:
 
     def bucket_layout(self) -> Optional[list[list[int]]]:
         """DDP's current bucket layout, as trainguard's hook last saw it (``None`` without it)."""
-        return self.ddp_hook.layout if self.ddp_hook is not None and self.ddp_hook.layout else None
+        return self.ddp.layout()
 
     def open_snapshots(self) -> None:
         """At the start, on every rank (a collective): a sharded model's snapshot copies get a

@@ -19,6 +19,7 @@ from ..events import EventLog
 from ..state.fidelity import DrawWatch, ResumeFidelity
 from ..state.reshard import ElasticState, check_reshardable, resharded_rank_state
 from ..state.trainstate import TrainState
+from .world import World
 
 # why a resume (or a replacement's join) that found random numbers drawn before steps() is not bitwise
 DRAWN_BEFORE_LOOP = (
@@ -50,7 +51,7 @@ class Resume:
         fidelity, draws: what makes a resume not bitwise (:mod:`trainguard.state.fidelity`).
         elastic: the world size the run started with (:class:`~trainguard.state.reshard.ElasticState`).
         keep: ``[elastic] keep`` (for the console line of a reshard).
-        rank, world_size: this rank's place (:meth:`renumber` after a shrink or growth).
+        world: the shared view (this rank and the world size now: a shrink or growth renumbers it).
     """
 
     def __init__(
@@ -63,16 +64,11 @@ class Resume:
         draws: DrawWatch,
         elastic: ElasticState,
         keep: str,
-        rank: int,
-        world_size: int,
+        world: World,
     ):
         self.ckpt, self.train_state, self.sampler, self.events = ckpt, train_state, sampler, events
         self.fidelity, self.draws, self.elastic, self.keep = fidelity, draws, elastic, keep
-        self.rank, self.world_size = rank, world_size
-
-    def renumber(self, rank: int, world_size: int) -> None:
-        """This process is rank ``rank`` of ``world_size`` from now on."""
-        self.rank, self.world_size = rank, world_size
+        self.world = world
 
     def resume(self) -> Optional[Resumed]:
         """At ``steps()`` start: load the newest valid checkpoint of either tier (a collective);
@@ -89,7 +85,7 @@ class Resume:
             return None
         step = self.load(point)
         path = point.checkpoint.path if point.checkpoint is not None else self.ckpt.local_path(point.step)
-        if self.rank == 0:
+        if self.world.rank == 0:
             seconds = round(time.perf_counter() - t0, 4)
             self.events.emit("resume", step, path=str(path), from_step=point.step, tier=point.tier, seconds=seconds)
         if self.fidelity.changed:
@@ -110,26 +106,26 @@ class Resume:
             BadInput: the checkpoint does not fit the model, or the sampler cannot reshard.
         """
         saved = self.ckpt.written_by(point)
-        if saved != self.world_size:
-            check_reshardable(self.sampler, point.checkpoint.path, saved, self.world_size)
-            state = resharded_rank_state(self.ckpt.load(point, rank_state_of=0), self.rank)
+        if saved != self.world.world_size:
+            check_reshardable(self.sampler, point.checkpoint.path, saved, self.world.world_size)
+            state = resharded_rank_state(self.ckpt.load(point, rank_state_of=0), self.world.rank)
         else:
             state = self.ckpt.load(point)
         step = int(state["step"])
         self.train_state.load_state_dict(state)
         self.ckpt.loaded(point.tier, step)
-        if saved != self.world_size and self.rank == 0:
+        if saved != self.world.world_size and self.world.rank == 0:
             self.events.emit(
                 "world_size_changed",
                 step,
                 from_world_size=saved,
-                to_world_size=self.world_size,
+                to_world_size=self.world.world_size,
                 base_world_size=self.elastic.base_world_size,
                 keep=self.keep,
                 path=str(point.checkpoint.path),
             )
             console.say(
-                f"resuming on {self.world_size} rank(s) from a checkpoint of {saved}: data position carried "
+                f"resuming on {self.world.world_size} rank(s) from a checkpoint of {saved}: data position carried "
                 f"over, random number streams derived per rank, keep {self.keep.replace('_', ' ')}"
             )
         return step
@@ -145,6 +141,6 @@ class Resume:
         """Warn that a resume cannot be bitwise identical (see :mod:`trainguard.state.fidelity`): an event
         from this rank, one console line from rank 0 (``say``: from this rank, whichever it is: an
         in-process replacement, the only rank that resumed)."""
-        self.events.emit("resume_not_bitwise", step, rank=self.rank, cause=cause)
-        if self.rank == 0 or say:
+        self.events.emit("resume_not_bitwise", step, rank=self.world.rank, cause=cause)
+        if self.world.rank == 0 or say:
             console.warn(f"a resume cannot be bitwise identical: {cause}")

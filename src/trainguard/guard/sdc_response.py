@@ -23,6 +23,7 @@ from ..sdc.crosscheck import StepInputs, cross_check
 from ..sdc.replicas import Mismatch, ReplicaCheck
 from ..sdc.rerun import StepRerun, step_result
 from ..sections import SDCSection
+from .world import World
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class SDCResponse:
         step_inputs: the recorded inputs of the step (a re-run's cross-check), or ``None``.
         events: the event log.
         can_replace: in-process recovery is active (``replace`` needs it; else ``exclude``).
-        rank, world_size: this rank's place (:meth:`renumber` after a shrink or growth).
+        world: the shared view (this rank and the world size now: a shrink or growth renumbers it).
     """
 
     def __init__(
@@ -73,18 +74,13 @@ class SDCResponse:
         step_inputs: Optional[StepInputs],
         events: EventLog,
         can_replace: bool,
-        rank: int,
-        world_size: int,
+        world: World,
     ):
         self.cfg, self.check, self.reruns, self.step_inputs = cfg, check, reruns, step_inputs
-        self.events, self.can_replace, self.rank, self.world_size = events, can_replace, rank, world_size
-
-    def renumber(self, rank: int, world_size: int) -> None:
-        """This process is rank ``rank`` of ``world_size`` from now on."""
-        self.rank, self.world_size = rank, world_size
+        self.events, self.can_replace, self.world = events, can_replace, world
 
     def _emit0(self, kind: str, step: int, **details: Any) -> None:
-        if self.rank == 0:
+        if self.world.rank == 0:
             self.events.emit(kind, step, **details)
 
     # ------------------------------------------------------------------------------------------
@@ -116,7 +112,7 @@ class SDCResponse:
         value = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
         v = self.reruns.classify(step_result(loss, model), value)
         if v.suspect is not None and self.step_inputs is not None and not self.step_inputs.sharded:
-            fps = cross_check(self.step_inputs, v.suspect, self.rank, self.world_size)
+            fps = cross_check(self.step_inputs, v.suspect, self.world.rank, self.world.world_size)
             if fps is not None and fps[0] != fps[1]:
                 v = dataclasses.replace(v, verdict="persistent", ranks=[v.suspect], cross_check=fps)
             elif fps is not None:
@@ -136,7 +132,7 @@ class SDCResponse:
             suspect=v.suspect,
             cross_check=v.cross_check,
         )
-        if self.rank == 0 and v.verdict == "transient":
+        if self.world.rank == 0 and v.verdict == "transient":
             console.warn(
                 f"step {v.step} gave a different result when run again "
                 + (f"(the loss of ranks {v.ranks} changed)" if v.ranks else "(only the gradients changed)")
@@ -157,7 +153,7 @@ class SDCResponse:
         policy = self.cfg.on_persistent
         if policy == "replace" and not self.can_replace:
             policy = "exclude"
-        if self.rank == 0:
+        if self.world.rank == 0:
             console.warn(
                 f"silent data corruption: rank(s) {ranks} compute step {step} differently from their partner "
                 f"on the same inputs: a persistent fault; {policy}"
@@ -196,7 +192,7 @@ class SDCResponse:
             return None
         persistent = verdict == "persistent"
         policy = self.cfg.on_persistent if persistent else self.cfg.on_mismatch
-        if policy == "replace" and (not self.can_replace or len(m.ranks) == self.world_size):
+        if policy == "replace" and (not self.can_replace or len(m.ranks) == self.world.world_size):
             policy = "exclude"  # no in-process recovery, or no rank left to trust: stop and requeue instead
         named = [hosts[r] for r in m.ranks] if hosts else []
         self._emit0(
@@ -208,7 +204,7 @@ class SDCResponse:
             fingerprints=m.fingerprints,
             action=policy,
         )
-        if self.rank == 0:
+        if self.world.rank == 0:
             console.warn(
                 f"silent data corruption: the replicas of ranks {m.ranks} differ at step {step} "
                 f"(they agreed at step {m.last_good})"

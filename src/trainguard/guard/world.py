@@ -1,7 +1,8 @@
 """Where one rank stands, shared by the Guard and its components: one object, not copies.
 
 The Guard's components that it built for itself (:mod:`.recovering`, :mod:`.saving`,
-:mod:`.sdc_flow`, :mod:`.rollback`) hold the :class:`World` and read ``rank``, ``world_size``,
+:mod:`.sdc_flow`, :mod:`.rollback`, :mod:`.lifecycle`, :mod:`.boundary`, :mod:`.resume`,
+:mod:`.sdc_response`) hold the :class:`World` and read ``rank``, ``world_size``,
 ``hosts`` and ``step`` from it when they need them. The parts built from their own config sections
 (the checkpointer, the detectors, the replica check, ...) take their rank and world size as
 numbers; :class:`Renumber` tells every one of them at once when the group changes in place (a

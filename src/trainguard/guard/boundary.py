@@ -1,0 +1,188 @@
+"""The step's points (:class:`Boundary`): its opening, the update's check (``should_step``), and
+its close, the step boundary (``step_end``), as the Guard's public methods call them.
+
+At the boundary, on every rank: the step is counted and timed (unless it was undone: a rollback,
+a lost peer before its update, a step done again), this rank's state is kept for in-process
+recovery, a sharded model's snapshot is taken, the hang supervisor hears of the step, the hooks
+are told, the replica check is settled; then the stop check (about once a second, every rank
+alike) and the saves it or the checkpoint interval asks for (docs/guard.md, "The step boundary").
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+from .. import health
+from ..events import Hook
+from ..instability.recovery import Rollback
+from ..rejoin.align import ALIGN, SHOULD_STEP
+from ..rejoin.catch import CATCH
+from ..stop.conditions import StopFlags
+from .world import World
+
+
+class Boundary:
+    """Where a step opens, is checked before its update, and closes.
+
+    Args:
+        world: the shared view (the step counter, rank, hosts, the liveness ping).
+        parts: the Guard's :class:`~.parts.Parts` (read when called: the heartbeat record is
+            dropped at close).
+        model: the model (injected faults, the re-run's check).
+        hooks: the script's hooks (``on_step_end``); ``owner`` (the Guard) is passed to them.
+
+    Attributes:
+        last_loss: the last counted step's loss, as given (``guard.last_loss``).
+        awaiting: a step was opened and not closed yet.
+    """
+
+    def __init__(self, world: World, parts: Any, model: torch.nn.Module, hooks: list[Hook], owner: Any):
+        self.world, self.p, self.model, self.hooks, self.owner = world, parts, model, hooks, owner
+        self.last_loss: Any = None
+        self.awaiting = False
+        self._t_last = time.perf_counter()  # when the last step ended (seconds, perf_counter)
+        self._ran_step: Optional[bool] = False  # run_step called in the first step (None once checked)
+
+    def timed_from(self, started: float) -> None:
+        """The first step is timed from ``started`` (``time.perf_counter()``, seconds)."""
+        self._t_last = started
+
+    def ran_step(self) -> None:
+        """``run_step`` was called (the first step's check: does this loop call it?)."""
+        if self._ran_step is not None:
+            self._ran_step = True
+
+    def open(self) -> None:
+        """Open the step about to run (``guard.step_begin``)."""
+        p = self.p
+        self.awaiting = True
+        CATCH.new_step()
+        p.recovering.catch_peers()
+        if p.step_start is not None:
+            p.step_start.begin()
+        if p.heartbeat is not None and p.heartbeat.current is None:
+            p.heartbeat.open("step")  # the first step stays in "setup" (warm-up, compile)
+        if p.step_inputs is not None:
+            p.step_inputs.step_started()
+
+    def between(self) -> None:
+        """After a step of ``guard.steps()``, before the next one opens.
+
+        Raises:
+            RuntimeError: ``step_end`` was not called in the step.
+        """
+        if self.awaiting:
+            raise RuntimeError(f"guard.step_end() was not called in step {self.world.step}")
+        if self.p.draws.next_step():
+            self.p.resumer.not_bitwise(
+                self.world.step,
+                "random numbers were drawn between guard.step_end() and the next step (a batch fetched "
+                "after step_end?): the checkpoint's generator state does not cover them; draw them inside the step",
+            )
+
+    def should_step(self, loss: Any, grad_norm: Any) -> bool:
+        """The update's check (``guard.should_step``: see there); a collective."""
+        p, step = self.p, self.world.step + 1
+        if p.rejoin.failure is not None:  # a peer was lost in this step: it is done again
+            p.recovery.refuse()
+            return False
+        # this rank's step boundary, before the last collective (see rejoin.boundary), unless
+        # DDP's backward kept it before its last bucket (rejoin.catch)
+        if p.rejoin.keeping and p.rejoin.boundary.step != step:
+            p.inprocess.keep_boundary(step)
+        if p.faults.pending:
+            p.faults.at(self.world.step, "should_step")
+        if grad_norm is None:  # the norm the step's clip_grad_norm_ returned (the HF Trainer's), if any
+            grad_norm = CATCH.step_norm()
+        if p.faults.numeric_pending:
+            loss, grad_norm = p.faults.numeric(step, loss, grad_norm, self.model)
+        if ALIGN.open:  # after an in-process recovery: does this rank line up with the survivors?
+            ALIGN.at(SHOULD_STEP, alone_ok=False)
+        with p.recovering.recoverable("should_step", step) as lost:
+            verdict = p.recovery.observe(step, loss, grad_norm)
+            if p.reruns.pending(step):  # the re-run of an unstable step
+                action = p.sdc_response.rerun_verdict(loss, self.model, self.world.hosts)
+                if action is not None:
+                    p.sdc_flow.act(action)
+                    return False  # a persistent fault, acted on
+            elif p.recovery.unstable(verdict) and p.reruns.wants(step):
+                # before any policy: the hardware or the data?
+                p.sdc_flow.act(p.sdc_response.rerun(verdict, loss, self.model))
+                return False
+            decision = p.recovery.decide(verdict)
+        if lost:
+            p.recovery.refuse()
+            return False
+        if isinstance(decision, Rollback):
+            p.rollbacks.roll_back(decision)
+            return False
+        return decision
+
+    def close(self, loss: Any) -> None:
+        """The step boundary (``guard.step_end``: see there and the module doc)."""
+        p, world = self.p, self.world
+        self.awaiting = False
+        if self._ran_step is not None:  # the first step: does this loop call run_step? (said once)
+            p.inprocess.say_if_outside_run_step(self._ran_step)
+            self._ran_step = None
+        p.recovery.step_closed()
+        if p.rejoin.failure is not None and not (p.step_start and p.step_start.applied):
+            p.recovering.recover(redo=True)  # a peer was lost before this step's update: steps() yields it again
+            world.rolled_back = True
+        if world.rolled_back:  # the step was undone: steps() yields the checkpoint's step next
+            world.rolled_back = False
+            if p.heartbeat is not None:
+                p.heartbeat.close_and_beat(world.step)
+            return
+        world.step += 1
+        if p.faults.sdc_pending:  # a bit flips in a parameter, after the optimizer step
+            p.faults.corrupt(world.step, self.model)
+        now = time.perf_counter()
+        p.stop_check.step_took(now - self._t_last)
+        p.straggler.record_step(now - self._t_last)
+        self._t_last = now
+        self.last_loss = loss
+        if p.rejoin.keeping and p.rejoin.boundary.step != world.step:  # a loop without should_step
+            p.inprocess.keep_boundary(world.step)
+        if p.rejoin.failure is not None:  # the update was applied before the lost peer surfaced
+            p.recovering.after_update()  # (a logging all-reduce after optimizer.step()): the step is complete
+            return
+        if not self._snapshot():
+            return
+        if p.faults.pending:  # inside the step section: an injected hang is a hang mid-step
+            p.faults.at(world.step, "step")
+        if p.heartbeat is not None:
+            p.heartbeat.close_and_beat(world.step)
+        if world.ping is not None and world.ping.failed is not None:
+            raise health.PeerLostError(world.ping.failed)
+        for h in self.hooks:
+            h.on_step_end(self.owner, world.step, loss)
+        if p.sdc_flow.replicas_differ():
+            return  # rolled back: steps() yields the checkpoint's step next
+        p.commits.saved(p.ckpt.poll())  # finalize a background save that has finished (before its known-good verdict)
+        if world.rank == 0:
+            p.recovery.after_step(world.step)
+        flags = p.stops.check(p.sdc_flow.stop) if p.stop_check.due(world.step) else StopFlags()
+        if flags is None:  # the group changed in place: its newcomers start after this boundary, so do we
+            return
+        if flags.reason is not None:
+            p.sdc_flow.stop(flags.reason)
+        if flags.save_switch:
+            p.stops.save("save_switch")
+            if world.rank == 0:
+                p.stop.clear_save_switch()
+        elif tiers := p.ckpt.due(world.step):
+            p.stops.save("interval", tiers, blocking=not p.ckpt.asynchronous)
+
+    def _snapshot(self) -> bool:
+        """A sharded model's in-memory snapshot at this boundary (:meth:`InProcess.snapshot`);
+        ``False``: a peer was lost in its copy and the ranks rolled back in-process (the step
+        counter is the snapshot's)."""
+        with self.p.recovering.recoverable("snapshot") as lost:
+            self.p.inprocess.snapshot(self.world.step)
+        if lost:
+            self.p.recovering.after_update()
+        return not lost
