@@ -20,6 +20,7 @@ from ..events import Hook
 from ..instability.recovery import Rollback
 from ..rejoin.align import ALIGN, SHOULD_STEP
 from ..rejoin.catch import CATCH
+from ..state.fidelity import DRAWN_BETWEEN_STEPS
 from ..stop.conditions import StopFlags
 from .world import World
 
@@ -77,11 +78,7 @@ class Boundary:
         if self.awaiting:
             raise RuntimeError(f"guard.step_end() was not called in step {self.world.step}")
         if self.p.draws.next_step():
-            self.p.resumer.not_bitwise(
-                self.world.step,
-                "random numbers were drawn between guard.step_end() and the next step (a batch fetched "
-                "after step_end?): the checkpoint's generator state does not cover them; draw them inside the step",
-            )
+            self.p.resumer.not_bitwise(self.world.step, DRAWN_BETWEEN_STEPS)
 
     def should_step(self, loss: Any, grad_norm: Any) -> bool:
         """The update's check (``guard.should_step``: see there); a collective."""
