@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_align import _run as align_run
 
-from conftest import events, final_hash, finish, launch, shared_hash
+from conftest import events, final_hash, finish, shared_hash
 from trainguard.rejoin.auth import Seal
 from trainguard.rejoin.loop_check import LoopCheck, LoopDiverged, differences, loop_state
 from trainguard.rejoin.protocol import RecoveryStore, connect, serve
-
-WORKER = Path(__file__).resolve().parent / "resume_barrier_worker.py"
 
 
 def _optimizer(lr: float = 0.1) -> torch.optim.Optimizer:
@@ -62,17 +61,19 @@ def test_ranks_that_agree_pass_and_one_that_differs_fails_every_rank_and_says_wh
         except LoopDiverged as e:
             errors[r] = e
 
-    threads = [threading.Thread(target=rank, args=(0, 0.1, 2)), threading.Thread(target=rank, args=(1, 0.1, 2))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    def both(lr1: float, number: int) -> None:
+        threads = [
+            threading.Thread(target=rank, args=(0, 0.1, number)),
+            threading.Thread(target=rank, args=(1, lr1, number)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    both(0.1, 2)
     assert errors == {}
-    threads = [threading.Thread(target=rank, args=(0, 0.1, 3)), threading.Thread(target=rank, args=(1, 0.2, 3))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    both(0.2, 3)
     assert set(errors) == {0, 1}
     assert "group 0.lr: 0.1 vs 0.2" in str(errors[0]) and "group 0.lr: 0.2 vs 0.1" in str(errors[1])
     said = store.gave_up(3)
@@ -80,16 +81,8 @@ def test_ranks_that_agree_pass_and_one_that_differs_fails_every_rank_and_says_wh
 
 
 def _run(run_dir: Path, *inject: str):
-    return launch(
-        run_dir,
-        "checkpoint.interval=20",
-        "checkpoint.async_save=false",
-        script=WORKER,
-        tiny=False,
-        default_recovery=True,
-        extra=inject,
-        script_args=("--own-counter",),
-    )
+    """tests/test_align.py's launch of the resume-then-barrier worker, its loop counting its updates."""
+    return align_run(run_dir, inject=inject, args=("--own-counter",))
 
 
 @pytest.mark.timeout(300)
