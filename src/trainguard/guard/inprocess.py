@@ -588,7 +588,7 @@ class InProcess:
     def _say_stray_schedulers(self, place: Place, gen: Generation) -> None:
         """A step done again steps the schedulers the Guard was not given twice: say so
         (``resume_not_bitwise`` and a console line from the lowest surviving rank)."""
-        stray = schedulers_not_kept(self.optimizer, self.step_start.scheduler)
+        stray = schedulers_not_kept(self.optimizer, self.step_start.kept())
         if not stray:
             return
         cause = (
