@@ -149,6 +149,7 @@ class Replacer:
         self._node: Optional[str] = None  # the host of the spare node that the pending generation brings
         self._template: Optional[tuple[list[str], dict[str, str]]] = None
         self._refill = False  # start the spares that are due once the group completes a step
+        self._declined: Optional[str] = None  # why the ranks declined in-process recovery: no spares then
 
     def recovery_store(self) -> RecoveryStore:
         """The recovery keys of the current group start, shared by every node (after :meth:`share`)."""
@@ -275,6 +276,8 @@ class Replacer:
         ranks start faster without a spare's start-up (seconds of CPU: importing torch) beside
         them, and before that step a lost rank restarts the group anyway (the progress rule)."""
         self._template = (argv, env)
+        if self._declined is not None:  # a lost rank restarts the group: a spare would serve nothing
+            return
         if not now:
             self._refill = True
             return
@@ -535,6 +538,8 @@ class Replacer:
         if s is None:
             return None
         now, store = time.monotonic(), self.recovery_store()
+        if s.number == 0 and self._declined is None:  # a new start: did its ranks decline? (said before step 1)
+            self._stop_spares_if_declined(store)
         if store.steps_after(s.number) >= s.world_size:
             self.settling = None
             if self._refill and self._template is not None:
@@ -552,6 +557,27 @@ class Replacer:
         why = f"the group completed no step within {s.bound:.0f} s after generation {s.number} formed"
         gave_up = store.gave_up(s.number)
         return SettleTimedOut(f"{why} ({gave_up})" if gave_up else why)
+
+    def _stop_spares_if_declined(self, store: RecoveryStore) -> None:
+        """A new start of the group: if its ranks declined in-process recovery (NCCL without the
+        abort path, :mod:`~trainguard.rejoin.backend_policy`; rank 0 says it at its start), stop
+        the warm spares and start none from now on (a ``spares_stopped`` event and a console line):
+        a lost rank restarts the group, and a spare would hold a host's memory (a GPU's too, once
+        it has a CUDA context) for nothing. One store read per poll until it is found or the group
+        completed a step (declined ranks do not count their steps: then until the launch ends)."""
+        if self._declined is not None or (why := store.declined()) is None:
+            return
+        self._declined, self._refill = why, False
+        stopped = sorted(p.pid for p in self.spares.values())
+        for proc in self.spares.values():
+            proc.kill()
+            proc.wait()
+        self.spares.clear()
+        self.events.emit("spares_stopped", reason=why, pids=stopped)
+        if stopped:
+            console.say(
+                f"warm spares stopped: in-process recovery does not apply ({why}); a lost rank restarts the group"
+            )
 
     def why_failed(self) -> Optional[str]:
         """Why a rank gave up the recovery under way (forming or settling) or the one that just
