@@ -36,7 +36,7 @@ from ..rejoin.shards import ShardSnapshots
 from ..rejoin.stepstart import StepStart, schedulers_not_kept
 from ..state.reshard import resharded_rank_state
 from ..state.trainstate import TrainState
-from .keeper import Keeper
+from .keeper import CONFIRMED, Keeper
 from .place import Met, Place  # re-exported: Place and Met lived here
 from .sharded_recovery import ShardedRecovery
 
@@ -272,6 +272,11 @@ class InProcess:
     def keep_boundary(self, step: int) -> None:
         """Keep this rank's own state as the boundary of step ``step`` (:meth:`.keeper.Keeper.keep`)."""
         self.keeper.keep(step)
+
+    def confirm_boundary(self, step: int) -> None:
+        """At step ``step``'s end: keep its boundary again if this rank's own state moved after its
+        last gradient bucket (:meth:`.keeper.Keeper.confirm`)."""
+        self.keeper.confirm(step)
 
     def keep_before_last_bucket(self, step: int) -> None:
         """Before step ``step``'s last gradient bucket is sent (:meth:`.keeper.Keeper.before_last_bucket`)."""
@@ -599,6 +604,18 @@ class InProcess:
         if place.rank == min(set(range(place.world_size)) - set(gen.replaced)):
             console.warn(f"a resume cannot be bitwise identical: {cause}")
 
+    def _say_unconfirmed(self, rank: int, step: int) -> None:
+        """A replacement took a boundary kept before the step's last gradient bucket, and the
+        survivors' own state moved after that bucket (see :mod:`.keeper`): say the resume is not
+        bitwise (``resume_not_bitwise``, a console line)."""
+        cause = (
+            f"rank {rank} was lost after step {step}'s last gradient bucket and before the step's end, where the loop "
+            "moved its own state (random numbers drawn by an evaluation's DataLoader, a batch taken after the "
+            "backward): its replacement starts from the state before that move"
+        )
+        self.events.emit("resume_not_bitwise", step, rank=rank, cause=cause)
+        console.warn(f"a resume cannot be bitwise identical: {cause}")
+
     def _alone(self, mine: str, theirs: str) -> None:
         """A replacement ran the collective at ``mine`` alone: the survivors wait at ``theirs``."""
         self.events.emit("collective_alone", site=mine, survivors_at=theirs)
@@ -673,6 +690,7 @@ class InProcess:
             "next_check": step + 1,
             "next_report": place.next_report,
             "state": self.train_state.state_dict(parts) if place.rank == src else None,
+            "moved_after_bucket": self.keeper.moved_after_bucket(step),
         }
         packet, moved = regroup.transfer_state(self.model, self.optimizer, src, shared)
         self.survivors_step_seconds = float(packet.get("step_seconds") or 0.0)
@@ -683,6 +701,8 @@ class InProcess:
                 own = resharded_rank_state({**packet["state"], "step": step}, place.rank)
             else:
                 own = kept[step]
+                if packet["moved_after_bucket"] and not own.get(CONFIRMED, True):
+                    self._say_unconfirmed(place.rank, step)
             self.train_state.load_state_dict({**packet["state"], **own})
             place = replace(place, step=step)
         elif current is not None:
