@@ -400,7 +400,7 @@ class InProcess:
         self._regrouped()
         met = self._meet(gen, place)
         self._stepping = (gen.number, met.place.step)
-        ALIGN.survivor(self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == 0)
+        ALIGN.survivor(self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == 0, rank=met.place.rank)
         if met.place.rank == 0:
             self.events.emit(
                 "group_grown",
@@ -520,7 +520,9 @@ class InProcess:
             gen, met.place.step, steps_lost, redo_step, self.rejoin.failure.at, said if met.place.rank == lowest else ""
         )
         if gen.replaced:
-            ALIGN.survivor(self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == lowest)
+            ALIGN.survivor(
+                self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == lowest, rank=met.place.rank
+            )
         self.rejoin.done()
 
     def began(self, step: int) -> None:
@@ -543,7 +545,7 @@ class InProcess:
             LoopDiverged: after a meeting, the ranks' optimizer hyperparameters differ
                 (:mod:`~trainguard.rejoin.loop_check`).
         """
-        if ALIGN.open:
+        if ALIGN.active:
             ALIGN.step_end(step)
         if self._stepping is None or step <= self._stepping[1]:
             return

@@ -175,10 +175,12 @@ class Catch:
                 return fn(*args, **kwargs)
             if self.mode == LOCAL or self.failed():
                 return complete_locally(name, args, kwargs)
-            if ALIGN.open and not ALIGN.at(script_site(f"dist.{name}", sys._getframe(1)), alone_ok=True):
+            site = script_site(f"dist.{name}", sys._getframe(1)) if ALIGN.active else None
+            if site is not None and not ALIGN.at(site, alone_ok=True):
                 return complete_locally(name, args, kwargs)  # a replacement's, the survivors are not at it
             try:
-                return fn(*args, **kwargs)
+                with ALIGN.waiting(site):
+                    return fn(*args, **kwargs)
             except Exception as e:
                 if not self.on_failure(e, f"dist.{name}"):
                     raise
