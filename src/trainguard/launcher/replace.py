@@ -149,7 +149,9 @@ class Replacer:
         self._node: Optional[str] = None  # the host of the spare node that the pending generation brings
         self._template: Optional[tuple[list[str], dict[str, str]]] = None
         self._refill = False  # start the spares that are due once the group completes a step
-        self._declined: Optional[str] = None  # why in-process recovery no longer applies (declined, given up): no spares
+        self._declined: Optional[str] = (
+            None  # why in-process recovery no longer applies (declined, given up): no spares
+        )
 
     def recovery_store(self) -> RecoveryStore:
         """The recovery keys of the current group start, shared by every node (after :meth:`share`)."""
