@@ -67,6 +67,7 @@ def main() -> None:
         regroup.transfer_state(net, opt, 0, None)
         train_step(net, opt, 1)
         (out / "replacement.hash").write_text(params_hash(net))
+        dist.destroy_process_group()  # not left to the interpreter's exit (seen once: std::terminate there)
         return
     rank = 0 if role == "survivor" else 1
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
