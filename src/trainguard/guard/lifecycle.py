@@ -112,7 +112,6 @@ class Lifecycle:
         gathered = tgdist.gather_objects((host, ports))
         hosts = world.hosts = [h for h, _ in gathered]
         p.rejoin.group_ports = {port for _, ports in gathered for port in ports}  # cut on a lost peer (rejoin.sever)
-        p.straggler.set_hosts(hosts)
         p.recovery.on_start()
         resumed = p.resumer.resume()
         resumed_from = None

@@ -10,7 +10,6 @@ input found after the checkpointer and the signal handlers exist) leaves what wa
 from __future__ import annotations
 
 import contextlib
-import socket
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -227,7 +226,7 @@ def build(
     catching = rejoin.active and world_size > 1  # where a lost peer is caught: the patches that serve it
     if rank == 0:
         inprocess.say_where_it_applies(rejoin, cfg.recovery.in_process, launch.recovery_store, world_size)
-    p.reruns = StepRerun(rerun, rank, world_size)
+    p.reruns = StepRerun(rerun, world)
     p.step_inputs = StepInputs(model) if rerun and world_size > 1 else None
     background = cfg.checkpoint.async_save is True or (
         cfg.checkpoint.async_save == "auto" and s.checkpoint_files is None
@@ -238,8 +237,7 @@ def build(
         events,
         model,
         optimizer,
-        rank,
-        world_size,
+        world,
         launch.group_rank,
         launch.local_world_size,
         background=background,
@@ -273,24 +271,22 @@ def build(
         ckpt.store,
         events,
         run_dir,
-        rank,
-        world_size,
+        world,
         in_progress,
         lambda event: [h.on_instability(owner, dict(event)) for h in s.hooks],  # the hooks' say on an instability
         cfg.checkpoint.verify,
         loss_scaler=loss_scaler,
     )
     fold = recovery.fold
-    p.sdc = sdc = ReplicaCheck(cfg.sdc, model, rank, world_size, events)
+    p.sdc = sdc = ReplicaCheck(cfg.sdc, model, world, events)
     p.sdc_response = SDCResponse(cfg.sdc, sdc, p.reruns, p.step_inputs, events, rejoin.active, world)
-    hosts = [socket.gethostname()] * world_size
-    p.straggler = straggler = StragglerDetector(cfg.straggler, rank, world_size, hosts, events, run_dir)
+    p.straggler = straggler = StragglerDetector(cfg.straggler, world, events, run_dir)
     growth = rejoin.growth_pending if cfg.elastic.min_ranks else None
-    p.stop_check = StopCheck(p.stop, ckpt, straggler, fold, faults, growth, rank)
+    p.stop_check = StopCheck(p.stop, ckpt, straggler, fold, faults, growth, world)
     # what a checkpoint holds per rank besides the tensors (the order is the load order: RNG last)
     own = {"sampler": s.sampler, "extra": TrainState(s.extra_state), "rng": RNGState()}
     keeper = Keeper(rejoin, TrainState({n: own[n] for n in LOCAL_PARTS}))
-    p.micro = MicroBatcher(cfg.oom, model, events, faults, straggler, rank, world_size, fold, keeper.before_last_bucket)
+    p.micro = MicroBatcher(cfg.oom, model, events, faults, straggler, world, fold, keeper.before_last_bucket)
     p.fidelity, p.draws, p.elastic = ResumeFidelity(world_size), DrawWatch(), ElasticState(world_size)
     ddp = DDPHookSlot()  # trainguard's DDP hook, once InProcess.hook_ddp registers it: its bucket layout is saved
     layout = BucketLayout(model, ddp.layout, world_size)
@@ -311,7 +307,7 @@ def build(
     p.resumer = Resume(ckpt, train_state, s.sampler, events, p.fidelity, p.draws, p.elastic, cfg.elastic.keep, world)
     if rejoin.active:
         p.step_start = StepStart(optimizer, s.scheduler, rejoin.failed)
-    numbered = (ckpt, recovery, sdc, p.micro, p.reruns, p.stop_check)  # (the resume and SDC response read world)
+    resized = (fold, sdc, straggler, p.micro)  # what holds something sized for the group (every part reads world)
     elastic = p.elastic
     p.inprocess = ip = InProcess(
         cfg,
@@ -321,7 +317,7 @@ def build(
         train_state,
         events,
         p.step_start,
-        Renumber(world, events, numbered, straggler, (p.fidelity, layout), s.sampler),
+        Renumber(world, events, resized, (p.fidelity, layout), s.sampler),
         ckpt.regroup,
         on_ping_failure,
         lambda: elastic.base_world_size,
@@ -408,9 +404,10 @@ def build(
         # resume of three or more ranks needs (state.buckets)
         hooked = (catching or world_size > 2) and ip.hook_ddp(in_progress, fold, inject)
         if hooked or clipfold.install(model, fold, in_progress, inject):
-            fold.stop_source = p.stop_check.flags_to_fold
-            fold.fingerprint_source = sdc.carry  # the replica check rides too
-            fold.straggler_source = p.stop_check.straggler_to_fold  # and the straggler report
+            # the stop flags ride, and the replica check and the straggler report too
+            fold.connect(
+                stop=p.stop_check.flags_to_fold, fingerprint=sdc.carry, straggler=p.stop_check.straggler_to_fold
+            )
     if catching:
         ip.catch_collectives(in_progress)
     if rejoin.active:
