@@ -50,11 +50,13 @@ from ..stop.memory import MemoryWatchdog
 from ..stop.signals import ShutdownHandler
 from ..supervisor.rank import attach as attach_supervisor
 from ..supervisor.rank import detach as detach_supervisor
-from . import inprocess
+from . import applies
 from .boundary import Boundary
-from .inprocess import DDPHookSlot, InProcess
+from .ddp_hook import DDPCommHook
+from .inprocess import InProcess
 from .keeper import Keeper
 from .lifecycle import Lifecycle
+from .progress import Progress
 from .recovering import Recovering
 from .resume import Resume
 from .rollback import Rollbacks
@@ -111,6 +113,7 @@ class Parts:
         micro: micro-batches on out-of-memory. fidelity, draws: what a bitwise resume needs.
         elastic: the world size the run started with. train_state: what a rank saves besides tensors.
         resumer: the resume. step_start: the optimizer/scheduler at the step's start.
+        progress: the progress rule (the first completed step after a meeting).
         inprocess, recovering: in-process recovery, and the Guard's side of it.
         commits, stops: what follows a save; stop and save. rollbacks, sdc_flow: rollbacks and the
         replica check's flow. lifecycle: the start and end of training. boundary: the step's points.
@@ -138,6 +141,7 @@ class Parts:
     train_state: Optional[TrainState] = None
     resumer: Optional[Resume] = None
     step_start: Optional[StepStart] = None
+    progress: Optional[Progress] = None
     inprocess: Optional[InProcess] = None
     commits: Optional[Commits] = None
     recovering: Optional[Recovering] = None
@@ -211,8 +215,8 @@ def build(
     launch = LaunchEnv.from_environ()  # read once: the parts get what they need of it
     p.events = events = EventLog(run_dir, rank, attempt=launch.restart_count)
     console.quiet_peer_loss(is_peer_failure, lambda error, text: events.emit("peer_lost", error=error, traceback=text))
-    policy = inprocess.recovery_policy(cfg.recovery.in_process)  # by the default group's backend (NCCL: restart)
-    declined = inprocess.declined(s.framework, model, policy) if cfg.recovery.in_process else None
+    policy = applies.recovery_policy(cfg.recovery.in_process)  # by the default group's backend (NCCL: restart)
+    declined = applies.declined(s.framework, model, policy) if cfg.recovery.in_process else None
     rerun = cfg.sdc.on_instability == "rerun"
     p.rejoin = rejoin = Rejoin(
         cfg.recovery,
@@ -225,7 +229,7 @@ def build(
     )
     catching = rejoin.active and world_size > 1  # where a lost peer is caught: the patches that serve it
     if rank == 0:
-        inprocess.say_where_it_applies(rejoin, cfg.recovery.in_process, launch.recovery_store, world_size)
+        applies.say_where_it_applies(rejoin, cfg.recovery.in_process, launch.recovery_store, world_size)
     p.reruns = StepRerun(rerun, world)
     p.step_inputs = StepInputs(model) if rerun and world_size > 1 else None
     background = cfg.checkpoint.async_save is True or (
@@ -288,7 +292,7 @@ def build(
     keeper = Keeper(rejoin, TrainState({n: own[n] for n in LOCAL_PARTS}))
     p.micro = MicroBatcher(cfg.oom, model, events, faults, straggler, world, fold, keeper.before_last_bucket)
     p.fidelity, p.draws, p.elastic = ResumeFidelity(world_size), DrawWatch(), ElasticState(world_size)
-    ddp = DDPHookSlot()  # trainguard's DDP hook, once InProcess.hook_ddp registers it: its bucket layout is saved
+    ddp = DDPCommHook(model, rejoin)  # trainguard's DDP hook, once InProcess.hook_ddp installs it: its layout is saved
     layout = BucketLayout(model, ddp.layout, world_size)
     p.train_state = train_state = TrainState(
         {
@@ -309,6 +313,7 @@ def build(
         p.step_start = StepStart(optimizer, s.scheduler, rejoin.failed)
     resized = (fold, sdc, straggler, p.micro)  # what holds something sized for the group (every part reads world)
     elastic = p.elastic
+    p.progress = Progress(rejoin, optimizer, p.step_start, events)
     p.inprocess = ip = InProcess(
         cfg,
         rejoin,
@@ -321,6 +326,7 @@ def build(
         ckpt.regroup,
         on_ping_failure,
         lambda: elastic.base_world_size,
+        p.progress,
         shards=_shard_snapshots(cfg, script, world, launch.local_world_size) if catching else None,
         keeper=keeper,
         ddp=ddp,
