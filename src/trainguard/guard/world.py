@@ -45,6 +45,9 @@ class World(Ranks):
 
 
 class Resized(Protocol):
+    """A part that holds something sized or agreed for the group: ``group_resized()`` drops it
+    after the shared world changed size (the part reads the new rank and size from the world)."""
+
     def group_resized(self) -> None: ...
 
 
