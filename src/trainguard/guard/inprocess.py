@@ -119,7 +119,8 @@ class InProcess:
         inject: Optional[Callable[[], tuple[float, float]]] = None,
     ) -> bool:
         """Give a DDP model trainguard's communication hook (:meth:`.ddp_hook.DDPCommHook.install`),
-        keeping the step boundary before the last bucket and the step's buffers for a redo."""
+        keeping the step boundary before the last bucket and the step's buffers for a redo.
+        ``False``: nothing done (not a DDP model, or one that has trainguard's hook already)."""
         return self.ddp.install(step_in_progress, fold, self.keeper.before_last_bucket, self.step_start, inject)
 
     def close(self) -> None:
