@@ -12,11 +12,15 @@ buffers (``broadcast_buffers``, on by default): the survivors' first collective 
 ``--own-counter``: the loop counts its updates itself (timm's ``num_updates``, from the resumed
 step) and sets the learning rate from that count before each ``opt.step()``: a survivor that does
 a step again counts it twice (tests/test_loop_check.py).
+``--eval-draws``: dropout, and after every 10th update an evaluation whose ``DataLoader`` draws
+from torch's generator after the step's last gradient bucket; with ``--die-in-eval`` rank 1 of the
+first attempt kills itself inside the evaluation of step 50 (tests/test_boundary_confirm.py).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import torch
@@ -31,7 +35,9 @@ WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))
 MISALIGN = "--misalign" in sys.argv
 BATCHNORM = "--batchnorm" in sys.argv
 OWN_COUNTER = "--own-counter" in sys.argv
-FLAGS = ("--misalign", "--batchnorm", "--own-counter")
+EVAL_DRAWS = "--eval-draws" in sys.argv  # dropout, and an evaluation DataLoader after every 10th update
+DIE_IN_EVAL = "--die-in-eval" in sys.argv  # rank 1 of the first attempt SIGKILLs itself in the evaluation of step 50
+FLAGS = ("--misalign", "--batchnorm", "--own-counter", "--eval-draws", "--die-in-eval")
 
 
 def main() -> None:
@@ -46,7 +52,8 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(5)
     norm = [torch.nn.BatchNorm1d(64)] if BATCHNORM else []
-    model = torch.nn.Sequential(torch.nn.Linear(8, 64), *norm, torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    drop = [torch.nn.Dropout(0.1)] if EVAL_DRAWS else []
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), *norm, torch.nn.Tanh(), *drop, torch.nn.Linear(64, 1))
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     sampler = trainguard.ResumableSampler(len(x), 0, 1, seed=cfg.run.seed)
@@ -69,6 +76,12 @@ def main() -> None:
                 group["lr"] = 0.05 * (1 - updates / (2 * max_steps))
         opt.step()
         opt.zero_grad()
+        if EVAL_DRAWS and (step + 1) % 10 == 0:  # a DataLoader's iterator draws its seed from torch's generator
+            with guard.section("eval"):
+                sum(len(b) for b in torch.utils.data.DataLoader(range(8), batch_size=4))
+                first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+                if DIE_IN_EVAL and RANK == 1 and step + 1 == 50 and first_attempt and joined_at is None:
+                    os.kill(os.getpid(), signal.SIGKILL)  # after the step's last bucket, before its end
         if RANK == 0:
             print(f"step {step + 1}/{max_steps} loss {logged.item() / WORLD_SIZE:.5f}", flush=True)
         guard.step_end(loss=logged)

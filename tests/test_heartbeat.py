@@ -15,6 +15,7 @@ import pytest
 
 from trainguard import faults
 from trainguard.config import ConfigError, FaultSpec, SupervisorSection
+from trainguard.events import EventLog
 from trainguard.supervisor import heartbeat as hb
 from trainguard.supervisor.heartbeat import (
     BASE,
@@ -433,6 +434,18 @@ def test_parse_inject():
     assert s.after_seconds == 2.5 and s.step is None
     assert faults.parse_inject("random:seed=7").seed == 7
     assert faults.parse_inject("random").kind == "random"
+    later = faults.parse_inject("rank_killed:rank=0,step=70,attempt=1")
+    assert later.attempt == 1 and faults.parse_inject("rank_killed:rank=0,step=7").attempt is None
+
+
+def test_a_fault_fires_in_its_attempt(tmp_path):
+    """By default in the first attempt only; ``every_attempt`` in each; ``attempt=N`` in attempt N only."""
+    first = faults.parse_inject("rank_killed:rank=0,step=5")
+    every = faults.parse_inject("rank_killed:rank=0,step=6,every_attempt=true")
+    second = faults.parse_inject("rank_killed:rank=0,step=7,attempt=1")
+    log = EventLog(tmp_path, rank=0)
+    fired = {a: [s.step for s in faults.FaultInjector([first, every, second], 0, 2, a, log).specs] for a in (0, 1, 2)}
+    assert fired == {0: [5, 6], 1: [6, 7], 2: [6]}
 
 
 @pytest.mark.parametrize(
@@ -447,6 +460,7 @@ def test_parse_inject():
         ("rank_hung:rank=1,step=3,hang=forever", ["hang", "forever"]),
         ("rank_hung:rank=1,step=3,section=eval", ["section", "eval"]),
         ("rank_hung:rank=1,after_seconds=0", ["after_seconds"]),
+        ("rank_killed:rank=1,step=3,attempt=1,every_attempt=true", ["attempt and every_attempt"]),
     ],
 )
 def test_parse_inject_errors(text, words):

@@ -94,10 +94,16 @@ def test_a_loop_that_counts_its_updates_itself_fails_the_recovery_at_once_and_re
     (``recovery_failed`` quoting the value), the launcher restarts the group at once from the
     checkpoint of step 40, and the run ends with the clean weights (before: ``recovered
     in-process … no completed step lost``, the two replicas training at different rates, other
-    weights, nothing said)."""
+    weights, nothing said). The launcher stops its warm spares then; rank 0, killed in step 70
+    of the restarted group, is not replaced: the group restarts at once from step 60
+    (``recovery_fallback`` naming the failed recovery)."""
     clean = shared_hash(tmp_path_factory, "own_counter", lambda d: _run(d))
     run = tmp_path / "run"
-    proc = _run(run, "--inject", "rank_killed:rank=1,step=50,section=step")
+    # and rank 0 in step 70 of the restarted group: the loop's shape fails a recovery alike, so
+    # that loss restarts the group at once (no second replacement, no spare kept)
+    proc = _run(
+        run, "--inject", "rank_killed:rank=1,step=50,section=step", "--inject", "rank_killed:rank=0,step=70,attempt=1"
+    )
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
     assert len(events(run, "rank_replaced")) == 1
     failed = events(run, "recovery_failed")
@@ -105,8 +111,14 @@ def test_a_loop_that_counts_its_updates_itself_fails_the_recovery_at_once_and_re
     said = failed[0]["details"]["rank_said"] or ""
     assert "optimizer differs" in said and "group 0.lr" in said, failed
     assert failed[0]["details"]["reason"] == "a rank gave the recovery up"  # seen in the store, not at its exit
-    assert len(events(run, "group_restart")) == 1 and not events(run, "recovery_settled")
-    assert [e["details"]["from_step"] for e in events(run, "resume")][-1] == 40
+    assert not events(run, "recovery_settled")
+    assert [e["details"]["from_step"] for e in events(run, "resume")][-2:] == [40, 60]
+    restarts, fallback = events(run, "group_restart"), events(run, "recovery_fallback")
+    assert len(restarts) == 2 and len(fallback) == 1
+    assert "an in-process recovery of this launch failed by the loop's shape" in fallback[0]["details"]["reason"]
+    assert "optimizer differs" in fallback[0]["details"]["reason"]
+    stopped = events(run, "spares_stopped")
+    assert len(stopped) == 1 and stopped[0]["time"] < fallback[0]["time"]
     log = Path(f"{run}.log").read_text()
     assert "in-process recovery failed" in log and "counters of its own" in log
     assert final_hash(run) == clean

@@ -158,6 +158,12 @@ def test_a_declined_backend_restarts_the_group_at_once_killing_the_survivor(tmp_
     assert failed[0]["time"] - lost < 2.0
     assert not events(run, "recovery_started") and not events(run, "rank_replaced")
     assert [e["details"]["from_step"] for e in events(run, "resume")] == [10]
+    # the warm spare of the first launch was stopped at its first completed step, none started after
+    stopped = events(run, "spares_stopped")
+    assert len(stopped) == 1 and "not verified on backend" in stopped[0]["details"]["reason"]
+    assert len(stopped[0]["details"]["pids"]) == 1 and stopped[0]["time"] < lost
+    assert "warm spares stopped: in-process recovery does not apply" in log
+    assert not (run / "spares").exists() or all(f.stat().st_mtime < lost for f in (run / "spares").iterdir())
     assert events(run, "launch_exit")[-1]["details"]["code"] == 0
 
 

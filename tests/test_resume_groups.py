@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainguard.checkpoint import io
-from trainguard.rejoin.stepstart import schedulers_not_kept
+from trainguard.rejoin.stepstart import LOOK_BEGINS, StepStart, schedulers_not_kept
 
 
 def test_a_resume_restores_initial_lr_that_the_live_optimizer_lacks(tmp_path):
@@ -42,8 +42,39 @@ def test_schedulers_the_guard_was_not_given_are_found_at_a_redo():
     finds such schedulers of the optimizer (and says the run is not bitwise)."""
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     kept = torch.optim.lr_scheduler.StepLR(opt, 3)
-    assert schedulers_not_kept(opt, kept) == []
+    assert schedulers_not_kept(opt, [kept]) == []
     stray = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    assert schedulers_not_kept(opt, kept) == ["LambdaLR"] and schedulers_not_kept(opt, None) == ["LambdaLR", "StepLR"]
+    assert schedulers_not_kept(opt, [kept]) == ["LambdaLR"]
+    assert schedulers_not_kept(opt, []) == ["LambdaLR", "StepLR"]
     other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-    assert schedulers_not_kept(other, None) == [] and stray.optimizer is opt
+    assert schedulers_not_kept(other, []) == [] and stray.optimizer is opt
+
+
+def test_a_scheduler_built_after_the_resume_is_kept_and_put_back_at_a_redo():
+    """The start-step shape: ``next(guard.steps())`` resumes, then the loop builds a ``LambdaLR``
+    from the step it resumed at, not given to the Guard. The step start finds it at the next step
+    beginning and puts it back with the optimizer's hyperparameters, so a step done again steps it
+    once; one built after the first :data:`LOOK_BEGINS` beginnings is still named as not kept."""
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    start = StepStart(opt, None, lambda: False)
+    try:
+        start.begin()  # the resume's step
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 ** (7 + i))
+        opt.step()
+        sched.step()
+        sched.state_dict()  # its __dict__ made: the garbage collector refers to it through that dict
+        start.begin()  # the next step: the scheduler is found and its state kept
+        assert start.kept() == [sched] and schedulers_not_kept(opt, start.kept()) == []
+        lr, epoch = opt.param_groups[0]["lr"], sched.last_epoch
+        opt.step()
+        sched.step()  # the interrupted attempt moved it on
+        assert sched.last_epoch == epoch + 1 and opt.param_groups[0]["lr"] != lr
+        start.restore()
+        assert sched.last_epoch == epoch and opt.param_groups[0]["lr"] == lr
+        for _ in range(LOOK_BEGINS):
+            start.begin()
+        late = torch.optim.lr_scheduler.StepLR(opt, 2)
+        start.begin()
+        assert schedulers_not_kept(opt, start.kept()) == ["StepLR"] and late.optimizer is opt
+    finally:
+        start.close()

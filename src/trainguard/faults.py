@@ -39,7 +39,8 @@ A fault fires when the rank has completed ``step`` steps (at the end of the step
 ``should_step`` before its all-reduce, ``"stop_check"`` in the stop check after the step, when one
 is due then), or ``after_seconds`` after the
 Guard started (then from a timer thread: ``collective`` is not possible and SIGSTOP is used).
-By default it fires only in the first attempt (restart count 0); ``every_attempt`` makes it recur.
+By default it fires only in the first attempt (restart count 0); ``every_attempt`` makes it recur,
+``attempt=N`` moves it to attempt ``N`` (a second fault after the group restarted).
 Each firing first writes a ``fault_injected`` event, so reports can tell injected from real faults.
 """
 
@@ -142,13 +143,16 @@ class FaultInjector:
     Args:
         specs: all injections of the run (each rank keeps its own).
         rank, world_size: this rank and the job size (random draws use them).
-        attempt: the worker-group restart count (faults fire in attempt 0 unless ``every_attempt``).
+        attempt: the worker-group restart count (faults fire in attempt 0 unless ``every_attempt``
+            or ``attempt``).
         events: where the ``fault_injected`` events go.
     """
 
     def __init__(self, specs: list[FaultSpec], rank: int, world_size: int, attempt: int, events: EventLog):
         self.rank, self.world_size, self.attempt, self.events = rank, world_size, attempt, events
-        self.specs = [s for s in specs if attempt == 0 or s.every_attempt]
+        self.specs = [
+            s for s in specs if (attempt == 0 or s.every_attempt if s.attempt is None else attempt == s.attempt)
+        ]
         self.pending: list[FaultSpec] = []
         self.numeric_pending: list[FaultSpec] = []
         self.oom_pending: list[FaultSpec] = []

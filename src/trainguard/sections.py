@@ -394,6 +394,11 @@ class FaultSpec(Section):
     every_attempt: bool = Field(
         False, description="fire again after each restart (a recurring fault); default only in the first attempt"
     )
+    attempt: Optional[int] = Field(
+        None,
+        ge=0,
+        description="fire only in this attempt (the group's restart count: 1 is the first restart); not with every_attempt",
+    )
     seed: int = Field(0, description="random: the seed of the draw")
     factor: float = Field(
         10.0,
@@ -412,6 +417,12 @@ class FaultSpec(Section):
         "forward", description="oom: fail a real allocation inside the model's forward, or during backward"
     )
     seconds: float = Field(5.0, gt=0, description="slow_io: how long the main thread's slow I/O lasts (seconds)")
+
+    @model_validator(mode="after")
+    def _one_attempt_rule(self) -> FaultSpec:
+        if self.attempt is not None and self.every_attempt:
+            raise ValueError("attempt and every_attempt exclude each other (one attempt, or every one)")
+        return self
 
 
 class SDCSection(Section):

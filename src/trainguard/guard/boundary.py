@@ -144,6 +144,8 @@ class Boundary:
         self.last_loss = loss
         if p.rejoin.keeping and p.rejoin.boundary.step != world.step:  # a loop without should_step
             p.inprocess.keep_boundary(world.step)
+        elif p.rejoin.keeping:  # kept before the last bucket: did the loop move its own state since?
+            p.inprocess.confirm_boundary(world.step)
         if p.rejoin.failure is not None:  # the update was applied before the lost peer surfaced
             p.recovering.after_update()  # (a logging all-reduce after optimizer.step()): the step is complete
             return

@@ -93,7 +93,7 @@ class InProcess:
         )
         self.backend = tgdist.backend()
         self.ddp = ddp if ddp is not None else DDPCommHook(model, rejoin)  # trainguard's DDP communication hook
-        self.transfer = StateTransfer(model, optimizer, train_state, events, self.ddp.layout)
+        self.transfer = StateTransfer(model, optimizer, train_state, events, self.keeper, self.ddp.layout)
         self.own_state_from: Optional[str] = None  # a replacement: where the lost rank's own state came from
         self.redo_check: Optional[RedoCheck] = None  # a step done again must see the interrupted one's batch
         if rejoin.active and step_start is not None and shards is None:
@@ -139,6 +139,11 @@ class InProcess:
     def keep_boundary(self, step: int) -> None:
         """Keep this rank's own state as the boundary of step ``step`` (:meth:`.keeper.Keeper.keep`)."""
         self.keeper.keep(step)
+
+    def confirm_boundary(self, step: int) -> None:
+        """At step ``step``'s end: keep its boundary again if this rank's own state moved after its
+        last gradient bucket (:meth:`.keeper.Keeper.confirm`)."""
+        self.keeper.confirm(step)
 
     def bucket_layout(self) -> Optional[list[list[int]]]:
         """DDP's current bucket layout, as trainguard's hook last saw it (``None`` without it)."""
@@ -385,7 +390,7 @@ class InProcess:
     def _say_stray_schedulers(self, place: Place, gen: Generation) -> None:
         """A step done again steps the schedulers the Guard was not given twice: say so
         (``resume_not_bitwise`` and a console line from the lowest surviving rank)."""
-        stray = schedulers_not_kept(self.optimizer, self.step_start.scheduler)
+        stray = schedulers_not_kept(self.optimizer, self.step_start.kept())
         if not stray:
             return
         cause = (

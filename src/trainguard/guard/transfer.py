@@ -12,12 +12,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .. import console
 from ..events import EventLog
 from ..rejoin import regroup
 from ..rejoin.protocol import Generation
 from ..rejoin.rank import LOCAL_PARTS
 from ..state.reshard import resharded_rank_state
 from ..state.trainstate import TrainState
+from .keeper import CONFIRMED, Keeper
 from .place import Place
 
 
@@ -29,6 +31,8 @@ class StateTransfer:
         train_state: the Guard's named ``Stateful`` parts (the shared ones are sent; a newcomer
             derives its own from the source's).
         events: the event log (the source writes ``state_transferred``).
+        keeper: this rank's keeper of its own state at a step boundary (whether the state moved after
+            the step's last gradient bucket: a replacement that starts from before the move says so).
         layout: ``() -> bucket layout``: DDP's buckets as trainguard's hook last saw them (a
             replacement takes the survivors', so that its sums round as theirs do), ``None``: none.
 
@@ -43,10 +47,11 @@ class StateTransfer:
         optimizer: Optional[torch.optim.Optimizer],
         train_state: TrainState,
         events: EventLog,
+        keeper: Keeper,
         layout: Callable[[], Optional[list[list[int]]]],
     ):
         self.model, self.optimizer, self.train_state = model, optimizer, train_state
-        self.events, self.layout = events, layout
+        self.events, self.keeper, self.layout = events, keeper, layout
         self.survivors_step_seconds = 0.0
 
     def move(
@@ -75,6 +80,7 @@ class StateTransfer:
             "next_check": step + 1,
             "next_report": place.next_report,
             "state": self.train_state.state_dict(parts) if place.rank == src else None,
+            "moved_after_bucket": self.keeper.moved_after_bucket(step),
         }
         packet, moved = regroup.transfer_state(self.model, self.optimizer, src, shared)
         self.survivors_step_seconds = float(packet.get("step_seconds") or 0.0)
@@ -85,6 +91,8 @@ class StateTransfer:
                 own = resharded_rank_state({**packet["state"], "step": step}, place.rank)
             else:
                 own = kept[step]
+                if packet["moved_after_bucket"] and not own.get(CONFIRMED, True):
+                    self._say_unconfirmed(place.rank, step)
             self.train_state.load_state_dict({**packet["state"], **own})
             place = replace(place, step=step)
         elif current is not None:
@@ -102,3 +110,15 @@ class StateTransfer:
         return replace(
             place, hosts=tuple(packet["hosts"]), next_check=packet["next_check"], next_report=packet["next_report"]
         )
+
+    def _say_unconfirmed(self, rank: int, step: int) -> None:
+        """A replacement took a boundary kept before the step's last gradient bucket, and the
+        survivors' own state moved after that bucket (see :mod:`.keeper`): say the resume is not
+        bitwise (``resume_not_bitwise``, a console line)."""
+        cause = (
+            f"rank {rank} was lost after step {step}'s last gradient bucket and before the step's end, where the loop "
+            "moved its own state (random numbers drawn by an evaluation's DataLoader, a batch taken after the "
+            "backward): its replacement starts from the state before that move"
+        )
+        self.events.emit("resume_not_bitwise", step, rank=rank, cause=cause)
+        console.warn(f"a resume cannot be bitwise identical: {cause}")

@@ -149,6 +149,7 @@ class Replacer:
         self._node: Optional[str] = None  # the host of the spare node that the pending generation brings
         self._template: Optional[tuple[list[str], dict[str, str]]] = None
         self._refill = False  # start the spares that are due once the group completes a step
+        self._declined: Optional[str] = None  # why the ranks declined in-process recovery: no spares then
 
     def recovery_store(self) -> RecoveryStore:
         """The recovery keys of the current group start, shared by every node (after :meth:`share`)."""
@@ -275,6 +276,8 @@ class Replacer:
         ranks start faster without a spare's start-up (seconds of CPU: importing torch) beside
         them, and before that step a lost rank restarts the group anyway (the progress rule)."""
         self._template = (argv, env)
+        if self._declined is not None:  # a lost rank restarts the group: a spare would serve nothing
+            return
         if not now:
             self._refill = True
             return
@@ -289,8 +292,10 @@ class Replacer:
             self.spares[self._spare_ids] = subprocess.Popen(cmd, env=spare_env, start_new_session=True)
 
     def declined(self) -> Optional[str]:
-        """Why the ranks declined in-process recovery (:meth:`RecoveryStore.decline`), or ``None``."""
-        return self.recovery_store().declined()
+        """Why in-process recovery does not apply any more, or ``None``: the ranks declined it
+        (:meth:`RecoveryStore.decline`), or a recovery of this launch failed because a rank gave it
+        up (:meth:`_gave_up`)."""
+        return self._declined or self.recovery_store().declined()
 
     def ready_spares(self) -> list[int]:
         """Ids of the spares that are alive and wait for an assignment (their start-up done)."""
@@ -508,7 +513,8 @@ class Replacer:
             self._refill = True  # [launcher] spares waiting again, once the recovery settled
             return Joined()
         if (said := store.gave_up(self.pending.number)) is not None:  # at once, not at the rank's exit
-            self.pending, self._node, self._said = None, None, said
+            self.pending, self._node = None, None
+            self._gave_up(said)
             return TimedOut(GAVE_UP)
         if self.pending.grown and self._deadline == float("inf") and store.accepted(self.pending.number):
             self._deadline = time.monotonic() + self.cfg.timeout + 5.0
@@ -535,6 +541,8 @@ class Replacer:
         if s is None:
             return None
         now, store = time.monotonic(), self.recovery_store()
+        if s.number == 0 and self._declined is None:  # a new start: did its ranks decline? (said before step 1)
+            self._stop_spares_if_declined(store)
         if store.steps_after(s.number) >= s.world_size:
             self.settling = None
             if self._refill and self._template is not None:
@@ -544,7 +552,8 @@ class Replacer:
                 self.events.emit("recovery_settled", generation=s.number, seconds=round(now - s.since, 4))
             return Settled()
         if s.number > 0 and (said := store.gave_up(s.number)) is not None:  # at once, not at the rank's exit
-            self.settling, self._said = None, said
+            self.settling = None
+            self._gave_up(said)
             return SettleTimedOut(GAVE_UP)
         if now <= s.deadline:
             return None
@@ -552,6 +561,42 @@ class Replacer:
         why = f"the group completed no step within {s.bound:.0f} s after generation {s.number} formed"
         gave_up = store.gave_up(s.number)
         return SettleTimedOut(f"{why} ({gave_up})" if gave_up else why)
+
+    def _stop_spares_if_declined(self, store: RecoveryStore) -> None:
+        """A new start of the group: if its ranks declined in-process recovery (NCCL without the
+        abort path, :mod:`~trainguard.rejoin.backend_policy`; rank 0 says it at its start), stop
+        the warm spares and start none from now on (:meth:`_no_more_spares`). One store read per
+        poll until it is found or the group completed a step (declined ranks do not count their
+        steps: then until the launch ends)."""
+        if self._declined is None and (why := store.declined()) is not None:
+            self._no_more_spares(why, f"in-process recovery does not apply ({why})")
+
+    def _gave_up(self, said: str) -> None:
+        """A rank gave the recovery under way up (:meth:`RecoveryStore.give_up`): the step done
+        again got other inputs (:mod:`~trainguard.rejoin.redo_check`), the ranks' optimizers
+        differ after it (:mod:`~trainguard.rejoin.loop_check`), or the replacement's collectives
+        never met the survivors' (:mod:`~trainguard.rejoin.align`). Each is a property of the
+        script's loop, so the next recovery would fail the same way: from now on a lost rank
+        restarts the group at once (:meth:`declined`, a ``recovery_fallback`` with this reason),
+        and no warm spare is kept. For this launch only: a new launch (a requeue) tries again."""
+        self._said = said
+        why = f"an in-process recovery of this launch failed by the loop's shape ({said})"
+        self._no_more_spares(why, "an in-process recovery failed by the loop's shape")
+
+    def _no_more_spares(self, why: str, said: str) -> None:
+        """In-process recovery does not apply any more (``why``): stop the warm spares and start none
+        from now on (a ``spares_stopped`` event; the console line ``said`` when one was running):
+        a lost rank restarts the group, and a spare would hold a host's memory (a GPU's too, once it
+        has a CUDA context) for nothing."""
+        self._declined, self._refill = why, False
+        stopped = sorted(p.pid for p in self.spares.values())
+        for proc in self.spares.values():
+            proc.kill()
+            proc.wait()
+        self.spares.clear()
+        self.events.emit("spares_stopped", reason=why, pids=stopped)
+        if stopped:
+            console.say(f"warm spares stopped: {said}; a lost rank restarts the group")
 
     def why_failed(self) -> Optional[str]:
         """Why a rank gave up the recovery under way (forming or settling) or the one that just

@@ -12,6 +12,13 @@ were when the step began, and the step is done again after the recovery.
 A step whose update was applied before the failure surfaced (a logging all-reduce after
 ``optimizer.step()``) is complete: :attr:`StepStart.applied` tells the Guard so, and nothing is
 redone.
+
+Schedulers the Guard was not given (a loop that builds its ``LambdaLR`` from the step it resumed
+at, after ``next(guard.steps())``) are found at the first :data:`LOOK_BEGINS` step beginnings
+through the garbage collector's referrers of the optimizer (about 50 ms each with 300,000 Python
+objects alive: three times a run), and kept and put back alike. They are not checkpointed: a
+replacement or a restart builds them as the script does, and the loop check
+(:mod:`.loop_check`) compares the learning rate they set.
 """
 
 from __future__ import annotations
@@ -19,9 +26,14 @@ from __future__ import annotations
 import copy
 import gc
 import pickle
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
+
+# step beginnings at which the optimizer's other schedulers are looked for (a scheduler built after
+# the resume's first ``next(guard.steps())`` exists at the second)
+LOOK_BEGINS = 3
 
 
 class StepStart:
@@ -39,6 +51,9 @@ class StepStart:
         self.applied = False  # optimizer.step() ran in this step with the group's gradients
         self._groups: list[dict[str, Any]] = []
         self._scheduler: Optional[dict[str, Any]] = None
+        self._found: list[weakref.ref] = []  # the optimizer's schedulers the Guard was not given
+        self._kept_found: list[tuple[weakref.ref, dict[str, Any]]] = []
+        self._begins = 0
         self._also: list[Any] = []  # more of the step's start: objects with new_step() and restore()
         self._hooks = []
         if optimizer is not None:
@@ -65,6 +80,16 @@ class StepStart:
             ]
         if self.scheduler is not None:
             self._scheduler = _copy(self.scheduler.state_dict())
+        self._begins += 1
+        if self._begins <= LOOK_BEGINS and self.optimizer is not None:
+            known = self.kept()
+            self._found += [weakref.ref(s) for s in _schedulers_of(self.optimizer) if not any(s is k for k in known)]
+        self._kept_found = [(ref, _copy(s.state_dict())) for ref in self._found if (s := ref()) is not None]
+
+    def kept(self) -> list[Any]:
+        """The schedulers whose state this step start keeps: the Guard's and those found."""
+        found = [s for ref in self._found if (s := ref()) is not None]
+        return ([self.scheduler] if self.scheduler is not None else []) + found
 
     def restore(self) -> None:
         """Put the hyperparameters and the scheduler back as :meth:`begin` found them."""
@@ -73,6 +98,10 @@ class StepStart:
                 group.update(kept)
         if self.scheduler is not None and self._scheduler is not None:
             self.scheduler.load_state_dict(_copy(self._scheduler))
+        for ref, state in self._kept_found:
+            s = ref()
+            if s is not None:
+                s.load_state_dict(_copy(state))
         for part in self._also:
             part.restore()
 
@@ -92,19 +121,29 @@ class StepStart:
         self.applied = self.applied or not self.failed()
 
 
-def schedulers_not_kept(optimizer: Optional[torch.optim.Optimizer], kept: Any) -> list[str]:
-    """The learning-rate schedulers of ``optimizer`` other than ``kept`` (the one the Guard was
-    given): a step done again steps them twice (their state is neither saved nor put back), so
-    the run cannot stay bitwise. Their class names. Found through the garbage collector's
-    referrers of the optimizer: call it at a recovery, not every step."""
+def _schedulers_of(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The learning-rate schedulers stepping ``optimizer``, found through the garbage collector's
+    referrers of it and of the instance dictionaries among them (an object whose ``__dict__`` was
+    made, by ``state_dict()`` for one, is referred to through it): two passes over the live objects,
+    about 25 ms each with 300,000 of them, so not every step."""
+    direct = gc.get_referrers(optimizer)
+    dicts = [d for d in direct if type(d) is dict]
+    owners = gc.get_referrers(*dicts) if dicts else []
+    found: list[Any] = []
+    for o in direct + owners:
+        if isinstance(o, torch.optim.lr_scheduler.LRScheduler) and o.optimizer is optimizer:
+            if not any(o is f for f in found):
+                found.append(o)
+    return found
+
+
+def schedulers_not_kept(optimizer: Optional[torch.optim.Optimizer], kept: list[Any]) -> list[str]:
+    """The learning-rate schedulers of ``optimizer`` not in ``kept`` (:meth:`StepStart.kept`): a
+    step done again steps them twice (their state is neither saved nor put back), so the run
+    cannot stay bitwise. Their class names. Call it at a recovery, not every step."""
     if optimizer is None:
         return []
-    found = [
-        o
-        for o in gc.get_referrers(optimizer)
-        if isinstance(o, torch.optim.lr_scheduler.LRScheduler) and o is not kept and o.optimizer is optimizer
-    ]
-    return sorted(type(o).__name__ for o in found)
+    return sorted(type(o).__name__ for o in _schedulers_of(optimizer) if not any(o is k for k in kept))
 
 
 def _copy(state: Any) -> Any:
