@@ -24,6 +24,7 @@ from ..events import EventLog, Hook
 from ..faults import FaultInjector
 from ..health.straggler import StragglerDetector
 from ..instability import clipfold
+from ..instability.fold import LossFold
 from ..instability.recovery import Recovery
 from ..launch_env import LaunchEnv
 from ..oom import MicroBatcher
@@ -107,7 +108,9 @@ class Parts:
         reruns: a step done again (``[sdc] on_instability = "rerun"``); step_inputs: its inputs' check.
         ckpt, store: the checkpointer and its store. shutdown: the signal handlers and save deadline.
         stop: the stop conditions. heartbeat: the hang supervisor's record (under ``trainguard run``).
-        faults: injected faults. recovery: the instability recovery (and its fold).
+        faults: injected faults. fold: the values that ride in the step's collective (the
+        detectors', the stop check's, the replica check's, the straggler report's).
+        recovery: the instability recovery.
         sdc, sdc_response: the replica check and the response to silent data corruption.
         straggler: the straggler detector. stop_check: the stop check at step boundaries.
         micro: micro-batches on out-of-memory. fidelity, draws: what a bitwise resume needs.
@@ -129,6 +132,7 @@ class Parts:
     stop: Optional[StopConditions] = None
     heartbeat: Any = None
     faults: Optional[FaultInjector] = None
+    fold: Optional[LossFold] = None
     recovery: Optional[Recovery] = None
     sdc: Optional[ReplicaCheck] = None
     sdc_response: Optional[SDCResponse] = None
@@ -159,7 +163,7 @@ class Parts:
         event log. Safe to call twice."""
         if self.ckpt is not None:
             self.ckpt.close(wait=collective)
-        for part in (self.recovery, self.micro, self.faults, self.step_inputs, self.step_start):
+        for part in (self.fold, self.recovery, self.micro, self.faults, self.step_inputs, self.step_start):
             if part is not None:
                 part.close()
         if self.shutdown is not None:
@@ -265,6 +269,7 @@ def build(
     # a replacement of a lost rank counts as a later attempt of it: faults of the first attempt do not fire again
     attempt = max(events.attempt, int(rejoin.joining))
     p.faults = faults = FaultInjector(cfg.faults.inject, rank, world_size, attempt, events)
+    p.fold = fold = LossFold(world)  # wired to trainguard's DDP hook or FSDP2's norm below, where there is one
     loss_scaler = any(isinstance(v, torch.amp.GradScaler) and v.is_enabled() for v in s.extra_state.values())
     p.recovery = recovery = Recovery(
         cfg.instability,
@@ -280,8 +285,8 @@ def build(
         lambda event: [h.on_instability(owner, dict(event)) for h in s.hooks],  # the hooks' say on an instability
         cfg.checkpoint.verify,
         loss_scaler=loss_scaler,
+        fold=fold,
     )
-    fold = recovery.fold
     p.sdc = sdc = ReplicaCheck(cfg.sdc, model, world, events)
     p.sdc_response = SDCResponse(cfg.sdc, sdc, p.reruns, p.step_inputs, events, rejoin.active, world)
     p.straggler = straggler = StragglerDetector(cfg.straggler, world, events, run_dir)

@@ -114,6 +114,9 @@ class Recovery:
         loss_scaler: an enabled ``torch.amp.GradScaler`` is in use (fp16): non-finite gradients
             under a finite loss are its routine overflow, which ``scaler.step`` skips and answers
             by lowering the scale; they are not an instability (no event, no skip counted).
+        fold: where the detectors' values ride in the step's collective (:mod:`.fold`; the Guard's,
+            which the stop check, the replica check and the straggler report share, and which its
+            owner closes); default: one of this recovery's own (never carried: an all-reduce a step).
     """
 
     def __init__(
@@ -131,12 +134,13 @@ class Recovery:
         ask_hooks: Callable[[dict], list[Optional[str]]] = lambda event: [],
         verify: str = "full",
         loss_scaler: bool = False,
+        fold: Optional[LossFold] = None,
     ):
         self.cfg, self.rb, self.verify, self.loss_scaler = cfg, rb, verify, loss_scaler
         self.model, self.optimizer, self.sampler, self.store, self.events = model, optimizer, sampler, store, events
         self.run_dir, self.world, self.current_step, self.ask_hooks = run_dir, world, current_step, ask_hooks
         self.detector = Detector(cfg, world)
-        self.fold = LossFold(world)  # wired to trainguard's DDP hook where there is one (guard.inprocess)
+        self.fold = fold if fold is not None else LossFold(world)
         self._said_unfolded = False
         # the refusal runs before the ramp's pre-hook: a refused step must not leave the rate scaled
         self._hook = optimizer.register_step_pre_hook(self._refuse_rejected_step) if optimizer is not None else None
@@ -472,9 +476,7 @@ class Recovery:
         return not any(step < b <= end for b in self.bad_steps)
 
     def close(self) -> None:
-        """Remove the optimizer hooks (this one's and the ramp's) and the fold's ``backward``
-        wrapper. Safe to call twice."""
-        self.fold.close()
+        """Remove the optimizer hooks (this one's and the ramp's). Safe to call twice."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
