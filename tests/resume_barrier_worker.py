@@ -12,6 +12,13 @@ buffers (``broadcast_buffers``, on by default): the survivors' first collective 
 ``--own-counter``: the loop counts its updates itself (timm's ``num_updates``, from the resumed
 step) and sets the learning rate from that count before each ``opt.step()``: a survivor that does
 a step again counts it twice (tests/test_loop_check.py).
+``--log-by-counter``: the loop counts its updates itself and all-reduces its loss after the update
+when that count is even (timm's ``reduce_tensor`` at its log interval, decided by ``batch_idx``): a
+survivor that does a step again is one count ahead, and runs that collective in other steps than
+its replacement (tests/test_loop_check.py).
+``--val-after-end``: every 10 steps, after ``guard.step_end``, the loop all-reduces a validation
+loss (the zoo's val_allreduce shape): a survivor that met a replacement at the end of an abandoned
+step runs it before doing the step again (tests/test_align.py).
 ``--eval-draws``: dropout, and after every 10th update an evaluation whose ``DataLoader`` draws
 from torch's generator after the step's last gradient bucket; with ``--die-in-eval`` rank 1 of the
 first attempt kills itself inside the evaluation of step 50 (tests/test_boundary_confirm.py).
@@ -36,8 +43,18 @@ MISALIGN = "--misalign" in sys.argv
 BATCHNORM = "--batchnorm" in sys.argv
 OWN_COUNTER = "--own-counter" in sys.argv
 EVAL_DRAWS = "--eval-draws" in sys.argv  # dropout, and an evaluation DataLoader after every 10th update
+LOG_BY_COUNTER = "--log-by-counter" in sys.argv  # after the update, all-reduce the loss when its own count is even
+VAL_AFTER_END = "--val-after-end" in sys.argv  # every 10 steps after step_end, all-reduce a validation loss
 DIE_IN_EVAL = "--die-in-eval" in sys.argv  # rank 1 of the first attempt SIGKILLs itself in the evaluation of step 50
-FLAGS = ("--misalign", "--batchnorm", "--own-counter", "--eval-draws", "--die-in-eval")
+FLAGS = (
+    "--misalign",
+    "--batchnorm",
+    "--own-counter",
+    "--eval-draws",
+    "--die-in-eval",
+    "--log-by-counter",
+    "--val-after-end",
+)
 
 
 def main() -> None:
@@ -70,12 +87,15 @@ def main() -> None:
         if not (MISALIGN and joined_at is not None and guard.step == joined_at):
             dist.all_reduce(logged)
         loss.backward()
-        if OWN_COUNTER:
+        if OWN_COUNTER or LOG_BY_COUNTER:
             updates += 1
+        if OWN_COUNTER:
             for group in opt.param_groups:
                 group["lr"] = 0.05 * (1 - updates / (2 * max_steps))
         opt.step()
         opt.zero_grad()
+        if LOG_BY_COUNTER and updates % 2 == 0:  # timm's reduce_tensor at its log interval, by batch_idx
+            dist.all_reduce(loss.detach().clone())
         if EVAL_DRAWS and (step + 1) % 10 == 0:  # a DataLoader's iterator draws its seed from torch's generator
             with guard.section("eval"):
                 sum(len(b) for b in torch.utils.data.DataLoader(range(8), batch_size=4))
@@ -85,6 +105,9 @@ def main() -> None:
         if RANK == 0:
             print(f"step {step + 1}/{max_steps} loss {logged.item() / WORLD_SIZE:.5f}", flush=True)
         guard.step_end(loss=logged)
+        if VAL_AFTER_END and (step + 1) % 10 == 0:  # the hand-written DDP loop's validation, after step_end
+            with guard.section("eval"):
+                dist.all_reduce(loss.detach().clone())
         step = next(steps, None)
     dist.destroy_process_group()
 

@@ -180,3 +180,20 @@ def test_a_replacement_that_cannot_line_up_fails_in_seconds_and_the_group_restar
     assert [e["details"]["from_step"] for e in events(run, "resume")][-1] == 40
     assert "in-process recovery failed" in Path(f"{run}.log").read_text()
     assert final_hash(run) == clean
+
+
+def test_a_validation_after_step_end_in_the_abandoned_step_runs_alone_on_the_survivor(tmp_path, tmp_path_factory):
+    """The zoo's val_allreduce shape: every 10 steps, after ``guard.step_end``, the loop all-reduces
+    a validation loss. Rank 1 is killed at the end of step 49; the survivor loses it in step 50,
+    meets the replacement in that step's ``step_end`` and, before doing the step again, runs the
+    validation of the abandoned attempt, which the replacement (starting at step 50) never runs.
+    It completes on the survivor alone, so the survivors' first collective is the step's own and
+    the recovery is in-process and bitwise (before: the survivors named the validation's
+    all-reduce, the replacement reached DDP's backward, and the group restarted)."""
+    clean = shared_hash(tmp_path_factory, "resume_barrier--val-after-end", lambda d: _run(d, args=("--val-after-end",)))
+    run = tmp_path / "run"
+    proc = _run(run, inject=("--inject", "rank_killed:rank=1,step=49,section=step"), args=("--val-after-end",))
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert len(events(run, "rank_replaced")) == 1
+    assert not events(run, "group_restart") and not events(run, "recovery_failed"), events(run, "recovery_failed")
+    assert final_hash(run) == clean

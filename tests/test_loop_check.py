@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ import torch
 from test_align import _run as align_run
 
 from conftest import events, final_hash, finish, shared_hash
+from trainguard.rejoin.align import Alignment
 from trainguard.rejoin.auth import Seal
-from trainguard.rejoin.loop_check import LoopCheck, LoopDiverged, differences, loop_state
+from trainguard.rejoin.loop_check import STUCK, CollectivesParted, LoopCheck, LoopDiverged, differences, loop_state
 from trainguard.rejoin.protocol import RecoveryStore, connect, serve
 
 
@@ -80,6 +82,35 @@ def test_ranks_that_agree_pass_and_one_that_differs_fails_every_rank_and_says_wh
     assert said is not None and "counters of its own" in said
 
 
+def test_a_rank_stuck_in_a_collective_after_the_other_ended_the_step_parts_them_and_a_finished_one_does_not():
+    """The first step after a meeting: each rank says in the recovery store which of the script's
+    collectives it waits in (:meth:`Alignment.waiting`, cleared when it returns and when the step
+    ends). Rank 0 ended the step; rank 1 waits in one collective for :data:`STUCK` seconds: the
+    check fails (``CollectivesParted``, naming the site). A rank that came out of its collective and
+    wrote its state passes."""
+    server = serve()
+    seal = Seal(b"k" * 32)
+    store = RecoveryStore(server, 1, seal)
+    align = Alignment()
+    align.survivor(store, 4, 10, lowest=False, rank=1)
+    assert align.active and not align.open
+    with align.waiting("dist.all_reduce at train.py:9 (main)"):
+        assert store.waiting_site(4, 1) == "dist.all_reduce at train.py:9 (main)"
+        t0 = time.monotonic()
+        with pytest.raises(CollectivesParted, match=r"rank 1 has waited .* in dist.all_reduce at train.py:9"):
+            LoopCheck(store, _optimizer()).check(4, 0, 2, 11)
+        assert time.monotonic() - t0 < STUCK + 1.0
+    assert store.waiting_site(4, 1) is None  # out of it
+    align.step_end(10)
+    assert align.active  # the meeting's step boundary: not a step after it
+    align.step_end(11)
+    assert not align.active  # the first step after the meeting ended: nothing is watched
+    with align.waiting("dist.barrier at train.py:3 (main)"):
+        assert store.waiting_site(4, 1) is None
+    store.loop_state(5, 1, json.dumps(loop_state(_optimizer())))
+    LoopCheck(store, _optimizer()).check(5, 0, 2, 11)  # the same state, written: passes
+
+
 def _run(run_dir: Path, *inject: str):
     """tests/test_align.py's launch of the resume-then-barrier worker, its loop counting its updates."""
     return align_run(run_dir, inject=inject, args=("--own-counter",))
@@ -122,3 +153,24 @@ def test_a_loop_that_counts_its_updates_itself_fails_the_recovery_at_once_and_re
     log = Path(f"{run}.log").read_text()
     assert "in-process recovery failed" in log and "counters of its own" in log
     assert final_hash(run) == clean
+
+
+@pytest.mark.timeout(300)
+def test_a_collective_one_rank_runs_and_the_other_never_does_fails_the_recovery_in_seconds(tmp_path):
+    """timm's shape: the loop's own count decides when it all-reduces its logged loss after the
+    update. Rank 1 is killed at the end of step 50; the survivor does step 51 again and counts it
+    twice, so in that step it runs the all-reduce and its replacement does not. The replacement
+    ends the step, sees the survivor wait in a collective it never ran there (the recovery store
+    says where each rank waits in its first step), and fails the recovery within seconds (before:
+    the survivor's all-reduce paired with the replacement's next-step collectives and both waited
+    until the launcher's settle bound, 30 s); the group restarts from step 40."""
+    run = tmp_path / "run"
+    proc = align_run(run, inject=("--inject", "rank_killed:rank=1,step=50,section=step"), args=("--log-by-counter",))
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    failed = events(run, "recovery_failed")
+    assert len(failed) == 1, Path(f"{run}.log").read_text()[-3000:]
+    said = failed[0]["details"]["rank_said"] or ""
+    assert "rank 0 has waited" in said and "dist.all_reduce at" in said and "resume_barrier_worker.py" in said, said
+    joined = events(run, "generation_joined")[0]["time"]
+    assert failed[0]["time"] - joined < 10.0, failed[0]["time"] - joined  # the settle bound is 30 s
+    assert [e["details"]["from_step"] for e in events(run, "resume")][-1] == 40

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from trainguard.rejoin.replacement import FRAMEWORKS, frameworks_of
+from trainguard.rejoin.replacement import COMPILER, FRAMEWORKS, frameworks_of
 
 
 @pytest.mark.parametrize(
@@ -27,13 +27,16 @@ from trainguard.rejoin.replacement import FRAMEWORKS, frameworks_of
         ("def main():\n    import lightning\n", []),  # not at the top: left to the script
         ("from . import lightning\n", []),  # the script's own package
         ("this is not python(\n", []),
+        ("import torch\ndef main():\n    if compile:\n        model = torch.compile(model)\n", [COMPILER]),
+        ("from transformers import Trainer\nm = torch.compile(m)\n", ["transformers", COMPILER]),
+        ("model.compile()\nre.compile('x')\n", []),  # other objects' compile
     ],
 )
 def test_the_frameworks_a_script_imports_at_its_top(tmp_path, source, modules):
     script = tmp_path / "train.py"
     script.write_text(source)
     assert frameworks_of(script) == modules
-    assert all(m in FRAMEWORKS.values() for m in modules)
+    assert all(m in FRAMEWORKS.values() or m == COMPILER for m in modules)
 
 
 def test_a_spare_s_output_goes_to_its_file_until_it_takes_a_rank(tmp_path):

@@ -128,6 +128,7 @@ class Boundary:
         p.recovery.step_closed()
         if p.rejoin.failure is not None and not (p.step_start and p.step_start.applied):
             p.recovering.recover(redo=True)  # a peer was lost before this step's update: steps() yields it again
+            CATCH.abandon_tail()  # what the loop runs after this step_end ends the abandoned attempt
             world.rolled_back = True
         if world.rolled_back:  # the step was undone: steps() yields the checkpoint's step next
             world.rolled_back = False

@@ -263,7 +263,7 @@ class InProcess:
         self._regrouped()
         met = self._meet(gen, place)
         self.progress.met(gen.number, met.place.step)
-        ALIGN.survivor(self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == 0)
+        ALIGN.survivor(self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == 0, rank=met.place.rank)
         if met.place.rank == 0:
             self.events.emit(
                 "group_grown",

@@ -89,7 +89,9 @@ class Progress:
             gen, met.place.step, steps_lost, redo_step, self.rejoin.failure.at, said if met.place.rank == lowest else ""
         )
         if gen.replaced:
-            ALIGN.survivor(self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == lowest)
+            ALIGN.survivor(
+                self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == lowest, rank=met.place.rank
+            )
         self.rejoin.done()
 
     def began(self, step: int) -> None:
@@ -112,7 +114,7 @@ class Progress:
             LoopDiverged: after a meeting, the ranks' optimizer hyperparameters differ
                 (:mod:`~trainguard.rejoin.loop_check`).
         """
-        if ALIGN.open:
+        if ALIGN.active:
             ALIGN.step_end(step)
         if self._stepping is None or step <= self._stepping[1]:
             return

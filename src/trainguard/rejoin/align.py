@@ -38,7 +38,9 @@ a meeting and closes it in ``close()``.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -100,16 +102,26 @@ class Alignment:
 
     def __init__(self) -> None:
         self._window: Optional[_Window] = None
+        self._first: Optional[tuple[RecoveryStore, int, int, int]] = None  # (store, generation, after, rank)
 
     @property
     def open(self) -> bool:
         """Whether a window is open (a collective is compared or named)."""
         return self._window is not None
 
-    def survivor(self, store: RecoveryStore, number: int, after: int, lowest: bool) -> None:
-        """A survivor met generation ``number`` at step boundary ``after``: the lowest survivor
-        (``lowest``) names its first collective from now on; the others take no part."""
+    @property
+    def active(self) -> bool:
+        """Whether a window is open or the first step after a meeting is watched (:meth:`waiting`):
+        the script's collectives are looked at (:meth:`at`, :meth:`waiting`), and
+        :meth:`step_end` is due at the step's end."""
+        return self._window is not None or self._first is not None
+
+    def survivor(self, store: RecoveryStore, number: int, after: int, lowest: bool, rank: int = 0) -> None:
+        """A survivor (rank ``rank``) met generation ``number`` at step boundary ``after``: the lowest
+        survivor (``lowest``) names its first collective from now on; every survivor says which of
+        the script's collectives it is in until its first step ends (:meth:`waiting`)."""
         self._window = _Window(store, number, after, publisher=True) if lowest else None
+        self._first = (store, number, after, rank)
 
     def replacement(
         self,
@@ -124,10 +136,32 @@ class Alignment:
         compare its collectives with the survivors' from now on, waiting ``wait`` seconds at most
         for theirs (:func:`wait_bound`); ``on_alone(mine, theirs)`` is told each site run alone."""
         self._window = _Window(store, number, after, publisher=False, wait=wait, rank=rank, on_alone=on_alone)
+        self._first = (store, number, after, rank)
 
     def close(self) -> None:
         """No window any more (the Guard's ``close()``, a new recovery)."""
         self._window = None
+        self._first = None
+
+    @contextlib.contextmanager
+    def waiting(self, site: Optional[str]) -> Iterator[None]:
+        """Around one of the script's collectives at ``site`` in the first step after a meeting:
+        the recovery store says this rank is in it until it returns (two store writes), so that a
+        rank that ended the step can tell a collective it never runs (the loop check,
+        :mod:`.loop_check`). Nothing otherwise (``site`` ``None`` or no step watched)."""
+        first = self._first
+        if first is None or site is None:
+            yield
+            return
+        store, number, _, rank = first
+        store.waiting_at(number, rank, site)
+        try:
+            yield
+        finally:
+            try:
+                store.waiting_at(number, rank, "")
+            except Exception:  # noqa: BLE001 (the launcher's store gone: the collective's outcome says enough)
+                pass
 
     def at(self, site: str, alone_ok: bool) -> bool:
         """A collective at ``site`` is about to run: ``True``: run it; ``False`` (only when
@@ -165,6 +199,8 @@ class Alignment:
             AlignmentError: the survivors wait at a collective this replacement did not reach in
                 its first step.
         """
+        if self._first is not None and step > self._first[2]:
+            self._first = None
         w = self._window
         if w is None or step <= w.after:
             return

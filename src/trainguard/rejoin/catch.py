@@ -103,10 +103,13 @@ class Catch:
             this rank alone) or ``"catch"`` (a survivor: record a lost peer and go on).
         on_failure: ``(error, where) -> bool``: records a lost peer; ``False``: not one, re-raise.
         failed: ``() -> bool``: whether a lost peer was recorded in the current step.
+        tail: the step was abandoned and will be done again (:meth:`abandon_tail`): until the
+            next step begins, the script's collectives complete on this rank alone.
     """
 
     def __init__(self) -> None:
         self.mode = PASS
+        self.tail = False
         self.on_failure: Callable[[BaseException, str], bool] = lambda e, where: False
         self.failed: Callable[[], bool] = lambda: False
         self._originals: dict[str, Callable] = {}
@@ -148,8 +151,18 @@ class Catch:
         self.disarm()
 
     def new_step(self) -> None:
-        """A step begins: forget the norms ``clip_grad_norm_`` returned in the one before."""
+        """A step begins: forget the norms ``clip_grad_norm_`` returned in the one before; the
+        abandoned attempt's tail (:meth:`abandon_tail`) is over."""
         self._norms = []
+        self.tail = False
+
+    def abandon_tail(self) -> None:
+        """A survivor met a replacement at the end of an abandoned step that it does again next:
+        what the script runs between that ``step_end`` and the next step (a validation loss
+        all-reduced every N steps after ``step_end``) ends the abandoned attempt, which the
+        replacement, starting at the step done again, never runs; its collectives complete on
+        this rank alone until the step begins again (and run with every rank after the redo)."""
+        self.tail = True
 
     def step_norm(self) -> Optional[Any]:
         """The total gradient norm ``torch.nn.utils.clip_grad_norm_`` returned in the current step
@@ -173,12 +186,14 @@ class Catch:
         def collective(*args: Any, **kwargs: Any) -> Any:
             if self.mode == PASS or not _from_script(sys._getframe(1)):
                 return fn(*args, **kwargs)
-            if self.mode == LOCAL or self.failed():
+            if self.mode == LOCAL or self.failed() or self.tail:
                 return complete_locally(name, args, kwargs)
-            if ALIGN.open and not ALIGN.at(script_site(f"dist.{name}", sys._getframe(1)), alone_ok=True):
+            site = script_site(f"dist.{name}", sys._getframe(1)) if ALIGN.active else None
+            if site is not None and not ALIGN.at(site, alone_ok=True):
                 return complete_locally(name, args, kwargs)  # a replacement's, the survivors are not at it
             try:
-                return fn(*args, **kwargs)
+                with ALIGN.waiting(site):
+                    return fn(*args, **kwargs)
             except Exception as e:
                 if not self.on_failure(e, f"dist.{name}"):
                     raise

@@ -19,7 +19,12 @@ computes its counters from the same step. One store round trip per rank, once pe
 
 A rank whose state does not arrive within :data:`WAIT` is not compared (rank-local work at the
 step's end, such as rank 0's evaluation, can keep it): the launcher's settle bound covers a rank
-that never completes the step.
+that never completes the step. But a rank that waits all along in one of the script's collectives
+(:meth:`~.align.Alignment.waiting`, :data:`STUCK` seconds) while this one ended the step is in a
+collective this rank never ran in it: a loop whose own counter decides when it all-reduces a
+logged loss (timm's ``batch_idx``) is one step off on the survivors after a step done again, and
+the two would pair that collective with the next step's, hanging until the settle bound (30 s).
+The recovery fails then, at once (:class:`CollectivesParted`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from typing import Any
+import time
+from typing import Any, Optional
 
 from .. import console
 from .protocol import RecoveryStore
@@ -36,11 +42,18 @@ from .regroup import RegroupError
 # seconds a rank waits for another's loop state: the step's last collective lines the ranks up,
 # so they end it within milliseconds of each other, unless one does work of its own after it
 WAIT = 5.0
+STUCK = 1.0  # seconds another rank stays in one collective after this one ended the step: it is not in it
+POLL = 0.05  # seconds between two looks at the other rank
 
 
 class LoopDiverged(RegroupError):
     """The ranks' optimizer hyperparameters differ after an in-process recovery (see the module's
     doc): the recovery failed, the launcher restarts the group."""
+
+
+class CollectivesParted(LoopDiverged):
+    """Another rank waits in a collective that this rank, which ended the step, never ran in it
+    (see the module's doc): the recovery failed, the launcher restarts the group."""
 
 
 def _plain(value: Any) -> Any:
@@ -113,12 +126,42 @@ class LoopCheck:
         for other in range(world_size):
             if other == rank:
                 continue
-            text = self.store.others_loop_state(number, other, WAIT)
+            text = self._state_of(number, rank, other, step)
             if text is None:  # not within the wait: the settle bound covers it
                 continue
             diff = differences(mine, json.loads(text))
             if diff:
                 self._diverged(number, rank, other, step, diff)
+
+    def _state_of(self, number: int, rank: int, other: int, step: int) -> Optional[str]:
+        """Rank ``other``'s loop state, looked for every :data:`POLL` seconds for :data:`WAIT`
+        seconds (``None`` then), unless ``other`` stays :data:`STUCK` seconds in one collective.
+
+        Raises:
+            CollectivesParted: ``other`` waits in a collective this rank did not run in the step.
+        """
+        deadline, seen, since = time.monotonic() + WAIT, None, 0.0
+        while (text := self.store.loop_state_now(number, other)) is None:
+            now = time.monotonic()
+            site = self.store.waiting_site(number, other)
+            if site != seen:
+                seen, since = site, now
+            elif site is not None and now - since >= STUCK:
+                self._parted(number, rank, other, step, site, now - since)
+            if now > deadline:
+                return None
+            time.sleep(POLL)
+        return text
+
+    def _parted(self, number: int, rank: int, other: int, step: int, site: str, seconds: float) -> None:
+        """Say that ``other`` waits at ``site``, a collective this rank never ran in step ``step``
+        (console, recovery store), and raise :class:`CollectivesParted`."""
+        reason = (
+            f"rank {other} has waited {seconds:.1f} s in {site}, in step {step}, which rank {rank} ended without "
+            "running it: the ranks' loops are not at the same place (a counter of the loop's own, such as a "
+            "batch index that decides when to all-reduce a logged loss, moved on over the step done again)"
+        )
+        self._give_up(number, reason, CollectivesParted)
 
     def _diverged(self, number: int, rank: int, other: int, step: int, diff: list[str]) -> None:
         """Say the divergence (console, recovery store) and raise :class:`LoopDiverged`."""
@@ -128,9 +171,13 @@ class LoopCheck:
             f"({shown}; rank {rank}'s vs rank {other}'s): the loop keeps counters of its own (an update count, "
             "a batch index, a scheduler not given to the Guard) that moved on over the interrupted attempt"
         )
+        self._give_up(number, reason, LoopDiverged)
+
+    def _give_up(self, number: int, reason: str, error: type[LoopDiverged]) -> None:
+        """Say ``reason`` (console, the recovery store: the launcher restarts the group) and raise ``error``."""
         console.say(f"in-process recovery failed: {reason}; the group restarts from the checkpoint")
         try:
             self.store.give_up(number, reason)
         except Exception as e:  # the launcher's store may be gone: the exit says enough
             console.warn(f"could not tell the launcher why ({e})")
-        raise LoopDiverged(reason)
+        raise error(reason)

@@ -362,10 +362,20 @@ class RecoveryStore:
         generation ``number`` (:mod:`.loop_check`, JSON, hundreds of bytes)."""
         self._set(f"gen/{number}/loop/{rank}", text)
 
-    def others_loop_state(self, number: int, rank: int, timeout: float) -> Optional[str]:
-        """Rank: what rank ``rank`` wrote with :meth:`loop_state`, or ``None`` after ``timeout`` seconds."""
-        value = self._wait(f"gen/{number}/loop/{rank}", timeout)
+    def loop_state_now(self, number: int, rank: int) -> Optional[str]:
+        """Rank: what rank ``rank`` wrote with :meth:`loop_state`, ``None`` if nothing yet (no wait)."""
+        value = self._get(f"gen/{number}/loop/{rank}")
         return None if value is None else value.decode()
+
+    def waiting_at(self, number: int, rank: int, site: str) -> None:
+        """Rank: in its first step after joining generation ``number``, it is in the script's
+        collective at ``site`` (``""``: it left it; :meth:`~.align.Alignment.waiting`)."""
+        self._set(f"gen/{number}/waiting/{rank}", site)
+
+    def waiting_site(self, number: int, rank: int) -> Optional[str]:
+        """Rank: the collective rank ``rank`` is in (:meth:`waiting_at`), ``None`` when in none."""
+        value = self._get(f"gen/{number}/waiting/{rank}")
+        return value.decode() or None if value is not None else None
 
     def survivors_step_time(self, number: int, seconds: float) -> None:
         """Lowest survivor: its step time (seconds, the decaying mean) as it meets generation ``number``."""
