@@ -291,6 +291,7 @@ def version_check_cuda(run_dir: str) -> bool:
 
     from trainguard.checkpoint.checkpointer import CHANGED_DURING_COPY, Checkpointer
     from trainguard.events import EventLog
+    from trainguard.ranks import Ranks
     from trainguard.sections import CheckpointSection
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -302,7 +303,7 @@ def version_check_cuda(run_dir: str) -> bool:
         opt = torch.optim.Adam(model.parameters())
         model(torch.ones(8, 1024, device="cuda")).sum().backward()
         opt.step()
-        ckpt = Checkpointer(CheckpointSection(interval=1), root, EventLog(root, 0), model, opt, 0, 1)
+        ckpt = Checkpointer(CheckpointSection(interval=1), root, EventLog(root, 0), model, opt, Ranks(0, 1))
         hold = threading.Event()
         ckpt.pool.submit(hold.wait)  # the copy starts only after the edit
         ckpt.save(1, "interval", ("persistent",), {"step": 1}, blocking=False)

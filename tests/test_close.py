@@ -23,6 +23,7 @@ import torch.distributed as dist
 from patch_census import replaced
 
 import trainguard
+from trainguard.ranks import Ranks
 from trainguard.supervisor.stacks import STACK_SIGNAL
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -235,7 +236,7 @@ def test_a_checkpointer_closed_without_waiting_still_joins_its_idle_writer_threa
     log = EventLog(tmp_path, 0)
     threading.settrace(_slow_thread_exit)  # for the threads started from now on: the writer's
     try:
-        ckpt = Checkpointer(CheckpointSection(async_save=True), tmp_path, log, torch.nn.Linear(2, 2), None, 0, 1)
+        ckpt = Checkpointer(CheckpointSection(async_save=True), tmp_path, log, torch.nn.Linear(2, 2), None, Ranks(0, 1))
     finally:
         threading.settrace(None)
     try:

@@ -28,6 +28,7 @@ from trainguard.checkpoint.io import load_state
 from trainguard.checkpoint.store import Checkpoint, CheckpointStore
 from trainguard.events import EventLog, read_events
 from trainguard.instability.recovery import Recovery
+from trainguard.ranks import Ranks
 from trainguard.sections import CheckpointSection, InstabilitySection, RollbackSection
 
 NAN = float("nan")
@@ -137,7 +138,7 @@ def test_checkpointer_retains_after_a_commit_never_the_new_one_nor_the_protected
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.Adam(model.parameters())
     log = EventLog(tmp_path, 0)
-    ckpt = Checkpointer(CheckpointSection(interval=1, keep_last=1), tmp_path, log, model, opt, 0, 1)
+    ckpt = Checkpointer(CheckpointSection(interval=1, keep_last=1), tmp_path, log, model, opt, Ranks(0, 1))
     try:
         kept = []
         for step in (1, 2, 3, 4):
@@ -171,7 +172,7 @@ def _async_save_with(tmp_path: Path, edit) -> tuple[Checkpointer, SaveResult, di
     opt.step()
     at_save = {k: v.clone() for k, v in model.state_dict().items()}
     log = EventLog(tmp_path, 0)
-    ckpt = Checkpointer(CheckpointSection(interval=1), tmp_path, log, model, opt, 0, 1)
+    ckpt = Checkpointer(CheckpointSection(interval=1), tmp_path, log, model, opt, Ranks(0, 1))
     assert ckpt.asynchronous  # async_save = "auto" by default
     hold = threading.Event()
     ckpt.pool.submit(hold.wait)  # the writer starts this save's copy only after the edit
@@ -332,8 +333,7 @@ class Verdicts:
             self.store,
             self.events,
             run_dir,
-            0,
-            1,
+            Ranks(0, 1),
             lambda: 0,
         )
 

@@ -37,6 +37,7 @@ from trainguard.instability.recovery import (
     read_ledger,
 )
 from trainguard.outcomes import GiveUp
+from trainguard.ranks import Ranks
 from trainguard.sampler import ResumableSampler
 from trainguard.sections import InstabilitySection, RollbackSection
 
@@ -103,8 +104,7 @@ class Rig:
             self.store,
             self.events,
             run_dir,
-            0,
-            1,
+            Ranks(0, 1),
             lambda: self.step,
             self._ask,
             verify,

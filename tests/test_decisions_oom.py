@@ -26,6 +26,7 @@ from trainguard.faults import FaultInjector
 from trainguard.health.straggler import StragglerDetector
 from trainguard.oom import MicroBatcher
 from trainguard.outcomes import BadInput, GiveUp
+from trainguard.ranks import Ranks
 from trainguard.sections import OOMSection, StragglerSection
 
 BATCH = 8
@@ -80,8 +81,9 @@ class Rig:
         self.events = EventLog(run_dir, 0)
         self.faults = FaultInjector(list(faults), 0, 1, 0, self.events)
         self.faults.arm(1000)
-        straggler = StragglerDetector(StragglerSection(), 0, 1, ["localhost"], self.events, run_dir)
-        self.micro = MicroBatcher(OOMSection(**oom), model, self.events, self.faults, straggler, 0, 1)
+        world = Ranks(0, 1, ["localhost"])
+        straggler = StragglerDetector(StragglerSection(), world, self.events, run_dir)
+        self.micro = MicroBatcher(OOMSection(**oom), model, self.events, self.faults, straggler, world)
         self.sizes: dict[int, int] = {}  # micro-batch size after each step
 
     def step(self, step: int, n: int = BATCH, **kwargs: Any) -> torch.Tensor:

@@ -33,6 +33,7 @@ from trainguard.health.straggler import StragglerDetector
 from trainguard.instability.fold import LossFold
 from trainguard.launch_env import END_TIME, END_TIME_FILE, LAUNCH_TIME
 from trainguard.outcomes import Requeue
+from trainguard.ranks import Ranks
 from trainguard.sections import CheckpointSection, FaultSpec, MemorySection, StopSection, StragglerSection
 from trainguard.slurm.endtime import write_end_time
 from trainguard.stop.conditions import StopConditions, StopFlags
@@ -106,7 +107,7 @@ def test_straggler_scores_ride_in_the_same_vector_and_every_rank_names_the_same_
     """Two ranks' detectors (world size 2, no collective: the element-wise max is the all-reduce)."""
     cfg = StragglerSection(warmup_steps=0, min_samples=5, report_interval_steps=10)
     logs = [EventLog(tmp_path, r) for r in (0, 1)]
-    dets = [StragglerDetector(cfg, r, 2, ["fast-host", "slow-host"], logs[r], tmp_path) for r in (0, 1)]
+    dets = [StragglerDetector(cfg, Ranks(r, 2, ["fast-host", "slow-host"]), logs[r], tmp_path) for r in (0, 1)]
     for _ in range(6):
         dets[0].record_step(0.010)
         dets[1].record_step(0.025)
@@ -140,7 +141,7 @@ def test_individual_score_is_against_the_usual_window_not_one_lucky_one(tmp_path
     runs at 0.65-0.70 in CI); a real slowdown of the whole job (both ranks 5 → 8 ms) is flagged."""
     cfg = StragglerSection(warmup_steps=0, min_samples=5, report_interval_steps=5)
     logs = [EventLog(tmp_path, r) for r in (0, 1)]
-    dets = [StragglerDetector(cfg, r, 2, ["a", "b"], logs[r], tmp_path) for r in (0, 1)]
+    dets = [StragglerDetector(cfg, Ranks(r, 2, ["a", "b"]), logs[r], tmp_path) for r in (0, 1)]
     steady = [[0.005, 0.0051], [0.0035, 0.0036], [0.0052, 0.005], [0.005, 0.0049], [0.0053, 0.0052]]
     assert [_window(dets, 5 * (i + 1), w) for i, w in enumerate(steady)] == [[[], []]] * len(steady)
     assert events(tmp_path, "straggler_detected") == []
@@ -412,13 +413,14 @@ def _stop_checks(tmp_path: Path, intervals: list[int], faults: list[FaultSpec]) 
     for r, interval in enumerate(intervals):
         (tmp_path / f"r{r}").mkdir()
         log = EventLog(tmp_path / f"r{r}", r)
-        ckpt = Checkpointer(CheckpointSection(), tmp_path / f"r{r}", log, torch.nn.Linear(2, 2), None, r, n)
+        world = Ranks(r, n, ["h"] * n)
+        ckpt = Checkpointer(CheckpointSection(), tmp_path / f"r{r}", log, torch.nn.Linear(2, 2), None, world)
         injector = FaultInjector(faults, r, n, 0, log)
         injector.arm(100)
-        straggler = StragglerDetector(StragglerSection(), r, n, ["h"] * n, log, tmp_path / f"r{r}")
+        straggler = StragglerDetector(StragglerSection(), world, log, tmp_path / f"r{r}")
         stop = conditions(tmp_path / f"r{r}", check_interval=interval)
-        check = StopCheck(stop, ckpt, straggler, LossFold(r, n), injector, None, r)
-        check.fold.stop_source, check.fold.straggler_source = check.flags_to_fold, check.straggler_to_fold
+        check = StopCheck(stop, ckpt, straggler, LossFold(world), injector, None, world)
+        check.fold.connect(stop=check.flags_to_fold, straggler=check.straggler_to_fold)
         checks.append(check)
         closing += [ckpt, log]
     return checks, closing

@@ -21,6 +21,7 @@ from trainguard.instability import fold as fold_module
 from trainguard.instability.detect import Detector
 from trainguard.instability.fold import LossFold
 from trainguard.instability.foldlayout import FIELDS, FoldLayout
+from trainguard.ranks import Ranks
 from trainguard.rejoin.catch import CATCH, DDPHook
 from trainguard.sdc.replicas import chunks, fingerprint_tensor, from_chunks
 from trainguard.sections import InstabilitySection
@@ -43,7 +44,7 @@ def _worker(rank: int, tmp: str, shape: str, out) -> None:
         return real_all_reduce(*args, **kwargs)
 
     dist.all_reduce = counted
-    fold = LossFold(rank, 2)
+    fold = LossFold(Ranks(rank, 2))
     try:
         torch.manual_seed(0)
         model = DDP(torch.nn.Linear(4, 1))
@@ -52,7 +53,7 @@ def _worker(rank: int, tmp: str, shape: str, out) -> None:
         hook = DDPHook(CATCH, params, None, lambda b: fold.extra(step[0], b), lambda v: fold.reduced(step[0], v))
         model.register_comm_hook(None, hook.hook)
         fold.wire()
-        folded, plain = Detector(InstabilitySection(), rank, 2), Detector(InstabilitySection(), rank, 2)
+        folded, plain = Detector(InstabilitySection(), Ranks(rank, 2)), Detector(InstabilitySection(), Ranks(rank, 2))
         rows = []
         for s in range(1, STEPS + 1):
             step[0] = s
@@ -122,11 +123,13 @@ def test_a_backward_on_another_tensor_than_should_steps_loss_keeps_the_all_reduc
 
 
 def test_fold_values_are_not_taken_for_another_step_or_another_world_size():
-    fold = LossFold(0, 2)
+    world = Ranks(0, 2)
+    fold = LossFold(world)
     fold.reduced(3, torch.tensor([1.0, 0.5, 2.0, 2.0]))
     assert fold.take(4, torch.tensor(1.0)) is None
     fold.reduced(4, torch.tensor([1.0, 0.5, 2.0, 2.0]))
-    fold.renumber(0, 3)  # the group shrank or grew: the next step all-reduces
+    world.world_size = 3  # the group grew: the shared view changed, and the fold is told
+    fold.group_resized()  # the next step all-reduces
     assert fold.take(4, torch.tensor(1.0)) is None
 
 
@@ -134,7 +137,7 @@ def test_a_float32_bucket_carries_the_loss_in_this_ranks_slot_and_a_bf16_bucket_
     loss = torch.tensor(0.25)
     fold_module._noted = (weakref.ref(loss), 4.0)  # a loss_spike of 4 injected at the backward
     try:
-        fold = LossFold(1, 3)
+        fold = LossFold(Ranks(1, 3))
         values = fold.extra(7, torch.zeros(10))
         assert values.tolist()[:5] == [0.0, 1.0, 0.0, 1.0, 0.0]  # slots 0..2 (0.25 × 4), noted, matched
         assert not any(values.tolist()[5:])  # no stop flags: none sent
@@ -147,11 +150,13 @@ def test_the_values_of_one_step_leave_nothing_behind_in_the_next_steps():
     """extra() fills one buffer in place (no tensor built per step): a step that sends no stop
     flags, timings, fingerprint or loss after one that sent them all carries zeros there."""
     loss = torch.tensor(0.5)
-    fold = LossFold(1, 2)
+    fold = LossFold(Ranks(1, 2))
     sends = {7: ([1, 0, 1, 0, 0, 9, 0], [5, 6, 7, 8, 9], torch.tensor(2**40 + 3))}
-    fold.stop_source = lambda step: sends.get(step, (None,) * 3)[0]
-    fold.straggler_source = lambda step: sends.get(step, (None,) * 3)[1]
-    fold.fingerprint_source = lambda step: sends.get(step, (None,) * 3)[2]
+    fold.connect(
+        stop=lambda step: sends.get(step, (None,) * 3)[0],
+        straggler=lambda step: sends.get(step, (None,) * 3)[1],
+        fingerprint=lambda step: sends.get(step, (None,) * 3)[2],
+    )
     fold_module._noted = (weakref.ref(loss), 1.0)
     try:
         first = fold.extra(7, torch.zeros(10)).clone()
@@ -180,7 +185,7 @@ def test_every_rank_chooses_alike_and_uses_only_losses_its_loop_backed(n, shapes
     computed here as the all-reduce would. Invariants: all ranks find the values usable or none do;
     when usable, slot r is rank r's backed loss, and every rank backed should_step's loss the step
     before."""
-    folds = [LossFold(r, n) for r in range(n)]
+    folds = [LossFold(Ranks(r, n)) for r in range(n)]
     previous_all_same = False
     for s, row in enumerate(shapes, start=1):
         row = row[:n]
@@ -225,9 +230,9 @@ def test_the_stop_flags_in_the_bucket_are_the_checks_max_or_none_on_every_rank(n
     brought the values to the host first or not."""
     sends = sends[:n]
     packs = [None if p is None else [*p[0], p[1], p[2] if r == 0 else 0] for r, p in enumerate(sends)]
-    folds = [LossFold(r, n) for r in range(n)]
+    folds = [LossFold(Ranks(r, n)) for r in range(n)]
     for fold, pack in zip(folds, packs):
-        fold.stop_source = lambda step, pack=pack: pack
+        fold.connect(stop=lambda step, pack=pack: pack)
     total = torch.stack([fold.extra(5, torch.zeros(3)) for fold in folds]).sum(0)
     answers = []
     for fold in folds:
@@ -311,9 +316,9 @@ def test_the_straggler_timings_in_the_bucket_are_the_all_reduces_max_or_none_on_
         pack = [slowest] + [0] * (2 * n)
         pack[1 + r], pack[1 + n + r] = median, score
         packs.append(pack)
-    folds = [LossFold(r, n) for r in range(n)]
+    folds = [LossFold(Ranks(r, n)) for r in range(n)]
     for r, fold in enumerate(folds):
-        fold.straggler_source = lambda step, pack=packs[r], r=r: None if r == missing or step != 4 else pack
+        fold.connect(straggler=lambda step, pack=packs[r], r=r: None if r == missing or step != 4 else pack)
     total = torch.stack([fold.extra(4, torch.zeros(3)) for fold in folds]).sum(0)
     answers = []
     for fold in folds:
@@ -350,9 +355,9 @@ def test_the_replica_fingerprints_in_the_bucket_are_every_ranks_or_none_on_every
     same answer: every rank's fingerprint exactly (by rank) when all sent one, else ``None`` (the
     caller all-reduces)."""
     sent = sent[:n]
-    folds = [LossFold(r, n) for r in range(n)]
+    folds = [LossFold(Ranks(r, n)) for r in range(n)]
     for fold, fp in zip(folds, sent):
-        fold.fingerprint_source = lambda step, fp=fp: torch.tensor(fp) if fp is not None and step == 8 else None
+        fold.connect(fingerprint=lambda step, fp=fp: torch.tensor(fp) if fp is not None and step == 8 else None)
     total = torch.stack([fold.extra(8, torch.zeros(3)) for fold in folds]).sum(0)
     answers = []
     for fold in folds:
@@ -373,7 +378,7 @@ def _carrier_worker(rank: int, tmp: str, out) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=2)
-    fold = LossFold(rank, 2)
+    fold = LossFold(Ranks(rank, 2))
     try:
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 512))
@@ -483,13 +488,15 @@ def test_every_field_round_trips_through_the_sum_at_once(n, sends):
         pack = [slowest] + [0] * (2 * n)
         pack[1 + r], pack[1 + n + r] = median, score
         timings.append(pack)
-    folds = [LossFold(r, n) for r in range(n)]
+    folds = [LossFold(Ranks(r, n)) for r in range(n)]
     loss_tensors = [torch.tensor(loss, dtype=torch.float32) for loss, *_ in sends]
     sent = []
     for r, fold in enumerate(folds):
-        fold.stop_source = lambda step, p=packs[r]: p
-        fold.fingerprint_source = lambda step, fp=sends[r][2]: torch.tensor(fp)
-        fold.straggler_source = lambda step, t=timings[r]: t
+        fold.connect(
+            stop=lambda step, p=packs[r]: p,
+            fingerprint=lambda step, fp=sends[r][2]: torch.tensor(fp),
+            straggler=lambda step, t=timings[r]: t,
+        )
         fold_module._noted = (weakref.ref(loss_tensors[r]), 1.0)
         try:
             sent.append(fold.extra(3, torch.zeros(1)).clone())

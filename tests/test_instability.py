@@ -20,6 +20,7 @@ from conftest import REPO, events, finish, launch
 from trainguard.config import ConfigError, load_config
 from trainguard.exitcodes import ExitCode
 from trainguard.instability.detect import Detector, RunningStats
+from trainguard.ranks import Ranks
 from trainguard.sampler import ResumableSampler
 from trainguard.sections import InstabilitySection
 
@@ -59,7 +60,7 @@ def test_running_stats_threshold_is_mean_plus_factor_std_with_floor():
 
 def test_detector_single_rank_nonfinite_and_spike():
     cfg = InstabilitySection(min_history=5, window=50)
-    det = Detector(cfg, rank=0, world_size=1)
+    det = Detector(cfg, Ranks(0, 1))
     for i in range(5):
         v = det.observe(i + 1, torch.tensor(2.0 + 0.01 * i), torch.tensor(1.0))
         assert v.healthy

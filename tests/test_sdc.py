@@ -12,6 +12,7 @@ import torch
 from conftest import events, final_hash, finish, launch
 from trainguard.events import EventLog, read_events
 from trainguard.faults import FaultInjector, grow_bit, parse_inject
+from trainguard.ranks import Ranks
 from trainguard.report import build_report, load_events
 from trainguard.sdc.crosscheck import StepInputs
 from trainguard.sdc.replicas import ReplicaCheck, fingerprint, flip_bit, odd_ones_out
@@ -56,7 +57,7 @@ def test_the_odd_ranks_out_are_named_by_majority():
 def test_a_step_rerun_tells_a_changed_result_from_the_same_one():
     """One rank (the collective is an identity): the same result again is ``data``; a changed
     loss is ``transient`` naming the rank, changed gradients alone name none; a step is re-run once."""
-    rerun = StepRerun(True, 0, 1)
+    rerun = StepRerun(True, Ranks(0, 1))
     assert rerun.wants(7) and not rerun.pending(7)
     rerun.begin(7, (11, 22))
     assert rerun.pending(7) and not rerun.wants(7)  # the re-run itself is not re-run
@@ -71,7 +72,7 @@ def test_a_step_rerun_tells_a_changed_result_from_the_same_one():
     assert v.verdict == "transient" and v.ranks == []
     rerun.begin(10, (1, 2))
     rerun.forget()  # a rollback or a lost peer abandons it
-    assert not rerun.pending(10) and not StepRerun(False, 0, 1).wants(10)
+    assert not rerun.pending(10) and not StepRerun(False, Ranks(0, 1)).wants(10)
     with pytest.raises(RuntimeError, match="without a re-run"):
         rerun.classify((1, 2), 4.5)
 
@@ -223,7 +224,7 @@ def test_a_flipped_bit_in_one_replica_is_found_and_rolled_back_to_a_clean_result
 def test_one_rank_has_no_replica_to_compare(tmp_path):
     """One rank: the check is off, and an ``sdc_check_off`` event says why (no step is ever due)."""
     log = EventLog(tmp_path, 0)
-    check = ReplicaCheck(SDCSection(check_interval=5), torch.nn.Linear(2, 2), 0, 1, log)
+    check = ReplicaCheck(SDCSection(check_interval=5), torch.nn.Linear(2, 2), Ranks(0, 1), log)
     log.close()
     assert not check.active and not any(check.due(s) for s in range(1, 21))
     (off,) = [e for e in read_events(tmp_path) if e["kind"] == "sdc_check_off"]
@@ -231,7 +232,7 @@ def test_one_rank_has_no_replica_to_compare(tmp_path):
     (tmp_path / "off").mkdir()
     log = EventLog(tmp_path / "off", 0)
     assert not ReplicaCheck(
-        SDCSection(check_interval=0), torch.nn.Linear(2, 2), 0, 2, log
+        SDCSection(check_interval=0), torch.nn.Linear(2, 2), Ranks(0, 2), log
     ).active  # by choice: no event
     log.close()
     assert not list(read_events(tmp_path / "off"))

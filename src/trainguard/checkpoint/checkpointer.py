@@ -50,6 +50,7 @@ from ..atomic import write_atomic
 from ..events import EventLog
 from ..health.preflight import PreflightError, check_writable, state_bytes
 from ..outcomes import BadInput, GiveUp
+from ..ranks import RankView
 from ..sections import CheckpointSection
 from . import CheckpointMismatchError, CheckpointStore, check_compatible, load_state
 from . import manifest as mf
@@ -108,9 +109,10 @@ class Checkpointer:
         run_dir: the run directory (``cfg.dir`` is relative to it unless absolute).
         events: the rank's event log.
         model, optimizer: what is saved through DCP (the optimizer may be ``None``).
-        rank, world_size: this rank and the group size.
+        world: this rank and the group size, read at each use (:class:`~trainguard.ranks.RankView`:
+            the Guard's shared world, which a shrink changes; the local tier takes them at construction).
         node_rank, local_world_size: this node's index and its number of ranks (the local tier's
-            ``{node}`` and its replication peer); ``local_world_size`` ``None``: ``world_size``.
+            ``{node}`` and its replication peer); ``local_world_size`` ``None``: the world size.
         background: whether scheduled saves may be written in the background (``None``:
             ``cfg.async_save`` is not ``False``); :attr:`asynchronous` turns false for good once a
             background copy saw its sources changed (see :data:`CHANGED_DURING_COPY`).
@@ -127,15 +129,15 @@ class Checkpointer:
         events: EventLog,
         model: torch.nn.Module,
         optimizer: Optional[torch.optim.Optimizer],
-        rank: int,
-        world_size: int,
+        world: RankView,
         node_rank: int = 0,
         local_world_size: Optional[int] = None,
         background: Optional[bool] = None,
         write_files: Optional[Callable[[Path], None]] = None,
     ):
         self.cfg, self.events, self.model, self.optimizer = cfg, events, model, optimizer
-        self.rank, self.world_size = rank, world_size
+        self.world = world
+        rank, world_size = world.rank, world.world_size
         root = Path(cfg.dir)
         self.store = CheckpointStore(
             root if root.is_absolute() else run_dir / root, keep_last=cfg.keep_last, on_invalid=self._on_invalid
@@ -218,7 +220,7 @@ class Checkpointer:
         t0, started = time.perf_counter(), time.time()
         state = model_optim_state(self.model, self.optimizer)
         rank_state = copy.deepcopy(rank_state)
-        meta = {"reason": reason, "trainguard_step": step, "world_size": self.world_size}
+        meta = {"reason": reason, "trainguard_step": step, "world_size": self.world.world_size}
         for t in tiers:
             self.saved[t] = step
         if self.pool is not None and self.asynchronous and not blocking:
@@ -253,7 +255,7 @@ class Checkpointer:
         finally:
             self._copied.set()  # type: ignore[union-attr]
         refuse = (
-            f"rank {self.rank}: {CHANGED_DURING_COPY} ({changed} of {len(deferred)} parameter and optimizer "
+            f"rank {self.world.rank}: {CHANGED_DURING_COPY} ({changed} of {len(deferred)} parameter and optimizer "
             "tensors were changed in place between the save and the next optimizer.step())"
             if changed
             else None
@@ -326,7 +328,7 @@ class Checkpointer:
         refused = r.error is not None and CHANGED_DURING_COPY in r.error
         if refused and self.asynchronous:
             self.asynchronous = False  # every rank learns the same error: all turn synchronous at once
-            if self.rank == 0:
+            if self.world.rank == 0:
                 console.warn(
                     f"checkpoint at step {r.step} not committed: {r.error}. The loop changes parameters or "
                     "optimizer states in place outside optimizer.step(); later saves are synchronous "
@@ -338,7 +340,7 @@ class Checkpointer:
             for t in r.tiers:
                 self.saved.pop(t, None)
             log.warning("checkpoint at step %d failed: %s", r.step, r.error)
-            if self.rank == 0 and not refused:  # (a refused save was explained above)
+            if self.world.rank == 0 and not refused:  # (a refused save was explained above)
                 print(
                     f"trainguard: WARNING: checkpoint at step {r.step} failed ({self.failures} in a row): {r.error}",
                     file=sys.stderr,
@@ -357,7 +359,7 @@ class Checkpointer:
         self.failures = 0
         if not r.asynchronous:
             self.save_seconds = r.write_seconds
-        if r.local_bytes and self.rank == 0:
+        if r.local_bytes and self.world.rank == 0:
             self.events.emit(
                 "local_checkpoint_committed",
                 r.step,
@@ -374,7 +376,7 @@ class Checkpointer:
     def retain(self, r: SaveResult, protect: set[int]) -> list[int]:
         """After a persistent commit: apply retention (rank 0; never ``r``'s step nor ``protect``)
         and write the ``checkpoint_committed`` event. Returns the steps set aside for deletion."""
-        if r.checkpoint is None or self.rank != 0:
+        if r.checkpoint is None or self.world.rank != 0:
             return []
         t0 = time.perf_counter()
         deleted = self.store.apply_retention(protect={r.checkpoint.step} | protect, remove=self._remove)
@@ -413,7 +415,7 @@ class Checkpointer:
             f"{self.failures} checkpoint saves in a row failed (last: {self.last_error}); stopping instead of "
             f"training on without checkpoints (checkpoint.max_failures = {self.cfg.max_failures})"
         )
-        if self.rank == 0:
+        if self.world.rank == 0:
             self.events.emit("checkpoint_give_up", step, reason=why, failures=self.failures)
         raise GiveUp("checkpoint_failures", why)
 
@@ -440,11 +442,6 @@ class Checkpointer:
             for c in store.committed():
                 if c.step > step:
                     store.set_aside(c, why, kind="rolledback")
-
-    def renumber(self, rank: int, world_size: int) -> None:
-        """This rank is ``rank`` of ``world_size`` from now on (the group shrank in place, see
-        :mod:`trainguard.rejoin.shrink`)."""
-        self.rank, self.world_size = rank, world_size
 
     def regroup(self) -> None:
         """After in-process recovery replaced the default group (which took the writer's group
@@ -496,7 +493,7 @@ class Checkpointer:
         ``checkpoint_invalid`` event and the next candidate is used.
         """
         found, error = None, None
-        if self.rank == 0:
+        if self.world.rank == 0:
             try:
                 self.store.clean_stale()
                 found = self.store.latest_valid(self.cfg.verify)
@@ -520,8 +517,8 @@ class Checkpointer:
     def written_by(self, point: ResumePoint) -> int:
         """How many ranks wrote ``point`` (a local copy: always this world size, others are skipped)."""
         if point.tier == "persistent":
-            return saved_world_size(point.checkpoint.path) or self.world_size  # type: ignore[union-attr]
-        return self.world_size
+            return saved_world_size(point.checkpoint.path) or self.world.world_size  # type: ignore[union-attr]
+        return self.world.world_size
 
     def load(self, point: ResumePoint, rank_state_of: Optional[int] = None) -> dict[str, Any]:
         """Load ``point`` into the model and optimizer (a collective); returns this rank's rank state

@@ -372,7 +372,7 @@ class Guard:
         with self._edge():
             self.boundary.close(loss)
             # the first step after an in-process recovery: tell the launcher (the progress rule)
-            self.inprocess.step_completed(self.step, self.rank, self.world_size)
+            self.progress.step_completed(self.step, self.rank, self.world_size)
         self.draws.boundary()
 
     # ------------------------------------------------------------------------------------------

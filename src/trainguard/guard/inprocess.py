@@ -5,7 +5,9 @@ A component of :class:`~trainguard.guard.Guard`. Its inputs are the parts recove
 model, the optimizer, the training state, the :class:`~trainguard.rejoin.rank.Rejoin` state) and
 three callbacks into the Guard (renumber its parts, the process groups were rebuilt, the liveness
 ping failed); it returns where the rank stands afterwards (:class:`Place`, :class:`Met`), which the
-Guard takes. It never touches the Guard's attributes.
+Guard takes. It never touches the Guard's attributes. Beside it: whether it applies
+(:mod:`.applies`), trainguard's DDP hook (:mod:`.ddp_hook`), the state's move to the ranks that
+lack it (:mod:`.transfer`), the progress rule (:mod:`.progress`).
 """
 
 from __future__ import annotations
@@ -13,107 +15,31 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from dataclasses import replace
+from typing import Callable, Optional
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import compat, console, health
+from .. import console, health
 from .. import dist as tgdist
 from ..config import Config
 from ..events import EventLog
 from ..instability.fold import LossFold
-from ..rejoin import abort, backend_policy, regroup, sever, sharded
+from ..rejoin import abort, regroup, sever, sharded
 from ..rejoin.align import ALIGN, wait_bound
-from ..rejoin.buffers import BufferSync, has_buffers
-from ..rejoin.catch import CATCH, DDPHook, is_own_hook
-from ..rejoin.loop_check import LoopCheck
+from ..rejoin.catch import CATCH
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.redo_check import RedoCheck
 from ..rejoin.shards import ShardSnapshots
 from ..rejoin.stepstart import StepStart, schedulers_not_kept
-from ..state.reshard import resharded_rank_state
 from ..state.trainstate import TrainState
-from .keeper import CONFIRMED, Keeper
+from .ddp_hook import DDPCommHook
+from .keeper import Keeper
 from .place import Met, Place  # re-exported: Place and Met lived here
+from .progress import Progress
 from .sharded_recovery import ShardedRecovery
-
-
-@dataclass(frozen=True)
-class Unsettled:
-    """A survivor's recovery that met its generation and awaits its first completed step (the
-    progress rule): what its ``recovery_finished`` event and console line then say.
-
-    Attributes:
-        gen: the generation met.
-        boundary: the step boundary of the meeting (completed steps).
-        steps_lost: completed steps trained again (a sharded model's rollback; else 0).
-        redo_step: the interrupted step done again (1-based), ``None`` if none.
-        at: ``time.time()`` of the fault (the failure caught on this rank).
-        said: what the lowest survivor prints once the step completes (``""``: nothing).
-    """
-
-    gen: Generation
-    boundary: int
-    steps_lost: int
-    redo_step: Optional[int]
-    at: float
-    said: str = ""
-
-
-def recovery_policy(in_process: backend_policy.InProcessValue) -> backend_policy.BackendPolicy:
-    """The recovery for this job's default group under ``[recovery] in_process``
-    (:func:`~trainguard.rejoin.backend_policy.decide`); the abort path declined where the
-    installed torch lacks a member it uses (:func:`~trainguard.rejoin.abort.why_unsupported`)."""
-    policy = backend_policy.decide(tgdist.backend(), in_process)
-    why = abort.why_unsupported(tgdist.backend()) if policy.abort else None
-    return replace(policy, in_process=False, abort=False, declined=why) if why else policy
-
-
-def declined(
-    framework: Optional[str], model: torch.nn.Module, policy: Optional[backend_policy.BackendPolicy] = None
-) -> Optional[str]:
-    """Why in-process recovery does not apply to this loop, ``None`` if it does: a framework
-    drives it, the backend's ``policy`` declines it (:func:`recovery_policy`: NCCL by default), or
-    the model cannot be moved to a new group (:func:`~trainguard.rejoin.regroup.check_rebindable`)."""
-    if framework is not None:
-        return f"{framework} owns the process group and the training loop"
-    if policy is not None and policy.declined is not None:
-        return policy.declined
-    try:
-        regroup.check_rebindable(model)
-    except regroup.RegroupError as e:
-        return str(e)
-    return None
-
-
-def say_where_it_applies(rejoin: Rejoin, in_process: bool, recovery_store: Optional[str], world_size: int) -> None:
-    """Rank 0, once at start: why in-process recovery (on by default) does not apply, if it does not."""
-    if rejoin.declined is not None:
-        console.say(
-            f"in-process recovery does not apply ({rejoin.declined}): "
-            "a lost rank restarts the group from the newest checkpoint"
-        )
-    elif in_process and not recovery_store and world_size > 1:
-        console.say(
-            "in-process recovery needs `trainguard run` (this run was launched otherwise): "
-            "a lost rank ends the run as its launcher decides"
-        )
-
-
-class DDPHookSlot:
-    """Where trainguard's DDP communication hook is kept (``hook``), once :meth:`InProcess.hook_ddp`
-    registered it (``None`` before, or for good: not a DDP model). Made before the training state,
-    whose saved bucket layout (:class:`~trainguard.state.buckets.BucketLayout`) reads :meth:`layout`."""
-
-    def __init__(self) -> None:
-        self.hook: Optional[DDPHook] = None
-
-    def layout(self) -> Optional[list[list[int]]]:
-        """DDP's current bucket layout, as trainguard's hook last saw it (``None`` without it)."""
-        return self.hook.layout if self.hook is not None and self.hook.layout else None
+from .transfer import StateTransfer
 
 
 class InProcess:
@@ -132,10 +58,11 @@ class InProcess:
         regrouped: called once the default process group is rebuilt (the checkpointer's groups).
         on_ping_failure: given to the new group's liveness ping.
         base_world_size: the world size the run started with (for ``world_size_changed``).
+        progress: the progress rule (:class:`~.progress.Progress`): where each meeting left this rank.
         shards: a sharded model's in-memory snapshots (:mod:`~trainguard.rejoin.shards`): its
             recovery goes through :class:`~.sharded_recovery.ShardedRecovery`.
         keeper: keeps this rank's own state at a step boundary (default: one over ``train_state``).
-        ddp: where :meth:`hook_ddp` keeps trainguard's DDP hook (default: a slot of its own).
+        ddp: trainguard's DDP hook, installed by :meth:`hook_ddp` (default: one of its own).
     """
 
     def __init__(
@@ -151,27 +78,23 @@ class InProcess:
         regrouped: Callable[[], None],
         on_ping_failure: Callable[[str], None],
         base_world_size: Callable[[], int],
+        progress: Progress,
         shards: Optional[ShardSnapshots] = None,
         keeper: Optional[Keeper] = None,
-        ddp: Optional[DDPHookSlot] = None,
+        ddp: Optional[DDPCommHook] = None,
     ):
         self.cfg, self.rejoin, self.model, self.optimizer = cfg, rejoin, model, optimizer
         self.train_state, self.events, self.step_start = train_state, events, step_start
         self._renumber, self._regrouped, self._on_ping_failure = renumber, regrouped, on_ping_failure
-        self._base_world_size = base_world_size
+        self._base_world_size, self.progress = base_world_size, progress
         self.keeper = keeper if keeper is not None else Keeper(rejoin, train_state)
         self.sharded = (
             ShardedRecovery(shards, model, optimizer, train_state, rejoin, events, step_start) if shards else None
         )
         self.backend = tgdist.backend()
-        self.ddp = ddp if ddp is not None else DDPHookSlot()  # trainguard's DDP communication hook
+        self.ddp = ddp if ddp is not None else DDPCommHook(model, rejoin)  # trainguard's DDP communication hook
+        self.transfer = StateTransfer(model, optimizer, train_state, events, self.keeper, self.ddp.layout)
         self.own_state_from: Optional[str] = None  # a replacement: where the lost rank's own state came from
-        self.survivors_step_seconds = 0.0  # a replacement: the survivors' step time, from the transfer
-        # the generation this rank met and whose first completed step it has not told the launcher of
-        # (the progress rule), with the step boundary of the meeting; a survivor's finish to say then
-        self._stepping: Optional[tuple[int, int]] = None
-        self._unsettled: Optional[Unsettled] = None
-        self.buffer_sync: Optional[BufferSync] = None  # DDP's buffer broadcast, where a lost peer is caught
         self.redo_check: Optional[RedoCheck] = None  # a step done again must see the interrupted one's batch
         if rejoin.active and step_start is not None and shards is None:
             self.redo_check = RedoCheck(model, self._redo_differs)
@@ -195,75 +118,19 @@ class InProcess:
         fold: LossFold,
         inject: Optional[Callable[[], tuple[float, float]]] = None,
     ) -> bool:
-        """Give a DDP model trainguard's communication hook (:class:`~trainguard.rejoin.catch.DDPHook`):
-        it carries ``fold``'s values in one bucket (:mod:`~trainguard.instability.fold`;
-        ``inject``: the fault injector's numeric faults at the backward), keeps the step boundary
-        before the last bucket, and catches a lost peer once :meth:`arm_catch` ran.
-
-        A hook of the script's own composes with it: one registered before the Guard is taken over
-        (the reducer is built again, as :func:`~trainguard.rejoin.regroup.rebind_ddp` builds it,
-        with trainguard's hook, which calls the script's); one registered after it
-        (``model.register_comm_hook``, intercepted on this instance until :meth:`close`) is called
-        by trainguard's from the next backward on. Either way the detectors' values no longer ride
-        in the buckets (``should_step`` all-reduces them) and rank 0 says so once.
-
-        ``False`` (nothing done): not a DDP model, torch does not list its hooks, or it has
-        trainguard's hook already (an earlier Guard's on the same model: DDP takes one)."""
-        params = compat.ddp_reducer_params(self.model) if isinstance(self.model, DDP) else None
-        hooks = compat.ddp_comm_hooks(self.model) if params is not None else None  # compat: None where torch lacks it
-        if params is None or hooks is None or any(is_own_hook(h) for h, _ in hooks) or len(hooks) > 1:
-            return False
-        self.ddp.hook = hooked = DDPHook(
-            CATCH,
-            params,
-            lambda: self.keep_before_last_bucket(step_in_progress()),
-            lambda buf: fold.extra(step_in_progress(), buf),
-            lambda values: fold.reduced(step_in_progress(), values),
-        )
-        if hooks:  # the script's, registered before the Guard: trainguard's calls it
-            hook, state = hooks[0]
-            compat.clear_comm_hooks(self.model)
-            compat.rebuild_reducer(self.model)
-            self._delegate(hook, state)
-        self.model.register_comm_hook(None, hooked.hook)
-        self.model.register_comm_hook = self._script_hook  # an instance attribute: removed at close()
-        fold.wire(inject)
-        if self.rejoin.active and has_buffers(self.model):  # a redo starts from the step's buffers
-            self.buffer_sync = BufferSync(self.model, CATCH)
-            if self.step_start is not None:
-                self.step_start.also(self.buffer_sync)
-        return True
-
-    def _script_hook(self, state: Any, hook: Callable) -> None:
-        """``model.register_comm_hook(state, hook)`` called by the script after the Guard: trainguard's
-        hook calls ``hook`` from the next backward on (DDP takes one hook per model)."""
-        if not callable(hook):
-            raise TypeError(f"register_comm_hook: the hook must be callable, got {type(hook).__name__}")
-        if self.ddp.hook.delegate is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once")
-        self._delegate(hook, state)
-
-    def _delegate(self, hook: Callable, state: Any) -> None:
-        self.ddp.hook.delegate = (hook, state)
-        if self.rejoin.rank == 0:
-            name = getattr(hook, "__qualname__", type(hook).__name__)
-            console.say(
-                f"the script's DDP communication hook {name} reduces the gradients, called from trainguard's "
-                "(a lost peer is caught in it); the instability detectors' values no longer ride in its "
-                "buckets: should_step() all-reduces them (one small all-reduce a step)"
-            )
+        """Give a DDP model trainguard's communication hook (:meth:`.ddp_hook.DDPCommHook.install`),
+        keeping the step boundary before the last bucket and the step's buffers for a redo.
+        ``False``: nothing done (not a DDP model, or one that has trainguard's hook already)."""
+        return self.ddp.install(step_in_progress, fold, self.keeper.before_last_bucket, self.step_start, inject)
 
     def close(self) -> None:
         """Give back what this component took of the model that can be given back (DDP's buffer
         broadcast, the interception of ``register_comm_hook``; DDP keeps a communication hook for
         good: trainguard's, calling the script's if it has one)."""
-        if self.buffer_sync is not None:
-            self.buffer_sync.close()
-            self.buffer_sync = None
+        self.ddp.close()
         if self.redo_check is not None:
             self.redo_check.close()
             self.redo_check = None
-        vars(self.model).pop("register_comm_hook", None)
 
     def arm_catch(self, step_in_progress: Callable[[], int]) -> None:
         """Catch a lost peer in the script's ``torch.distributed`` calls from now on."""
@@ -277,10 +144,6 @@ class InProcess:
         """At step ``step``'s end: keep its boundary again if this rank's own state moved after its
         last gradient bucket (:meth:`.keeper.Keeper.confirm`)."""
         self.keeper.confirm(step)
-
-    def keep_before_last_bucket(self, step: int) -> None:
-        """Before step ``step``'s last gradient bucket is sent (:meth:`.keeper.Keeper.before_last_bucket`)."""
-        self.keeper.before_last_bucket(step)
 
     def bucket_layout(self) -> Optional[list[list[int]]]:
         """DDP's current bucket layout, as trainguard's hook last saw it (``None`` without it)."""
@@ -375,7 +238,7 @@ class InProcess:
         if gen.left:
             self.rejoin.store.joined(gen.number, met.place.rank)
         redone = f"step {place.step + 1} done again" if redo else "nothing done again"
-        self._settle(
+        self.progress.settle(
             gen, met, steps_lost=0, redo_step=place.step + 1 if redo else None, said=f"no completed step lost, {redone}"
         )
         return replace(met, redo=redo)
@@ -399,7 +262,7 @@ class InProcess:
         regroup.rebind_ddp(self.model, self.bucket_layout())
         self._regrouped()
         met = self._meet(gen, place)
-        self._stepping = (gen.number, met.place.step)
+        self.progress.met(gen.number, met.place.step)
         ALIGN.survivor(self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == 0, rank=met.place.rank)
         if met.place.rank == 0:
             self.events.emit(
@@ -416,7 +279,7 @@ class InProcess:
         """A replacement of a lost rank starts here instead of resuming: its own state at the last
         step boundary from the lost rank's file, the model and optimizer from the survivors. A
         newcomer of a group that grows back (``gen.grown``) has no such file: it derives its own
-        state from the lowest surviving rank's (see :meth:`_transfer`). Call
+        state from the lowest surviving rank's (see :meth:`.transfer.StateTransfer.move`). Call
         :meth:`joined` once the Guard took the returned place."""
         gen = self.rejoin.joined_generation()
         kept, self.own_state_from = ({}, None) if place.rank in gen.grown else self.rejoin.lost_boundaries(place.rank)
@@ -430,8 +293,8 @@ class InProcess:
         """The replacement or newcomer of :meth:`join` is in: tell the launcher, write its event;
         its collectives are compared with the survivors' until they line up (:mod:`~trainguard.rejoin.align`)."""
         self.rejoin.store.joined(met.gen.number, met.place.rank)
-        self._stepping = (met.gen.number, met.place.step)
-        wait = wait_bound(self.survivors_step_seconds)
+        self.progress.met(met.gen.number, met.place.step)
+        wait = wait_bound(self.transfer.survivors_step_seconds)
         ALIGN.replacement(self.rejoin.store, met.gen.number, met.place.step, met.place.rank, wait, self._alone)
         said = dict(rank=met.place.rank, generation=met.gen.number, pid=os.getpid(), seconds=round(seconds, 4))
         if met.place.rank in met.gen.grown:
@@ -506,76 +369,8 @@ class InProcess:
         if step != lowest:  # the lowest rank that completed the step sends it
             src = -tgdist.all_reduce_max([-place.rank if not joining and not behind else -(1 << 62)])[0]
         if gen.replaced or src is not None:
-            place = self._transfer(gen, place, step, kept, src, current if behind else None)
+            place = self.transfer.move(gen, place, step, kept, src, current if behind else None)
         return self._on_new_group(gen, place)
-
-    def _settle(self, gen: Generation, met: Met, steps_lost: int, redo_step: Optional[int], said: str) -> None:
-        """A survivor met ``gen``: the recovery is finished once the group completes a step with it
-        (:meth:`step_completed`); the lowest survivor names its first collective from now on
-        (:mod:`~trainguard.rejoin.align`). ``steps_lost``: completed steps trained again;
-        ``redo_step``: the step done again, ``None`` if none; ``said``: the console's words then."""
-        lowest = min(set(range(met.place.world_size)) - set(gen.replaced))
-        self._stepping = (gen.number, met.place.step)
-        self._unsettled = Unsettled(
-            gen, met.place.step, steps_lost, redo_step, self.rejoin.failure.at, said if met.place.rank == lowest else ""
-        )
-        if gen.replaced:
-            ALIGN.survivor(
-                self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == lowest, rank=met.place.rank
-            )
-        self.rejoin.done()
-
-    def began(self, step: int) -> None:
-        """A rank of a new start of the group begins training at step boundary ``step``: its first
-        completed step tells the launcher too (before it, a lost rank restarts the group: no rank
-        holds a state to send yet)."""
-        if self.rejoin.active:
-            self._stepping = (self.rejoin.generation, step)
-
-    def step_completed(self, step: int, rank: int, world_size: int) -> None:
-        """Completed step ``step`` ended on this rank (the Guard's ``step_end``; ``rank`` and
-        ``world_size`` as now). The first one after a meeting tells the launcher (the progress
-        rule: :meth:`~trainguard.rejoin.protocol.RecoveryStore.stepped`), and a survivor's recovery
-        is finished: its ``recovery_finished`` event (``seconds`` from the fault to this step) and
-        the lowest survivor's console line. Nothing otherwise (two attribute reads).
-
-        Raises:
-            AlignmentError: a replacement's first step ended while the survivors wait at a
-                collective it did not reach (:meth:`~trainguard.rejoin.align.Alignment.step_end`).
-            LoopDiverged: after a meeting, the ranks' optimizer hyperparameters differ
-                (:mod:`~trainguard.rejoin.loop_check`).
-        """
-        if ALIGN.active:
-            ALIGN.step_end(step)
-        if self._stepping is None or step <= self._stepping[1]:
-            return
-        number, _ = self._stepping
-        self._stepping = None
-        if number > 0:  # after a meeting: do the ranks' loops still agree? (not at a new start)
-            scheduler = self.step_start.scheduler if self.step_start is not None else None
-            LoopCheck(self.rejoin.store, self.optimizer, scheduler).check(number, rank, world_size, step)
-        self.rejoin.store.stepped(number)
-        u, self._unsettled = self._unsettled, None
-        if u is None:
-            return
-        seconds = time.time() - u.at
-        self.events.emit(
-            "recovery_finished",
-            u.boundary,
-            rank=rank,
-            generation=u.gen.number,
-            replaced=list(u.gen.replaced),
-            left=list(u.gen.left),
-            world_size=world_size,
-            seconds=round(seconds, 4),
-            first_step=step,
-            steps_lost=u.steps_lost,
-            redo_step=u.redo_step,
-        )
-        if u.said:
-            console.say(
-                f"recovered in-process: step {step} completed on the new group {seconds:.2f} s after the fault; {u.said}"
-            )
 
     def _redo_differs(self, why: str) -> None:
         """A survivor's step done again got another batch (:class:`~trainguard.rejoin.redo_check.RedoCheck`):
@@ -605,18 +400,6 @@ class InProcess:
         self.events.emit("resume_not_bitwise", place.step, rank=place.rank, cause=cause)
         if place.rank == min(set(range(place.world_size)) - set(gen.replaced)):
             console.warn(f"a resume cannot be bitwise identical: {cause}")
-
-    def _say_unconfirmed(self, rank: int, step: int) -> None:
-        """A replacement took a boundary kept before the step's last gradient bucket, and the
-        survivors' own state moved after that bucket (see :mod:`.keeper`): say the resume is not
-        bitwise (``resume_not_bitwise``, a console line)."""
-        cause = (
-            f"rank {rank} was lost after step {step}'s last gradient bucket and before the step's end, where the loop "
-            "moved its own state (random numbers drawn by an evaluation's DataLoader, a batch taken after the "
-            "backward): its replacement starts from the state before that move"
-        )
-        self.events.emit("resume_not_bitwise", step, rank=rank, cause=cause)
-        console.warn(f"a resume cannot be bitwise identical: {cause}")
 
     def _alone(self, mine: str, theirs: str) -> None:
         """A replacement ran the collective at ``mine`` alone: the survivors wait at ``theirs``."""
@@ -663,62 +446,5 @@ class InProcess:
                 f"({place.step - met.place.step} completed step(s) trained again; no file read)"
             )
         lost = max(0, place.step - met.place.step)
-        self._settle(gen, met, steps_lost=lost, redo_step=place.step + 1 if redo else None, said=said)
+        self.progress.settle(gen, met, steps_lost=lost, redo_step=place.step + 1 if redo else None, said=said)
         return met
-
-    def _transfer(
-        self,
-        gen: Generation,
-        place: Place,
-        step: int,
-        kept: Optional[dict[int, dict]],
-        src: Optional[int] = None,
-        current: Optional[dict[str, Any]] = None,
-    ) -> Place:
-        """Move the model, optimizer and shared state from rank ``src`` (default: the lowest
-        surviving rank) to the replacements of ``gen`` (``kept``: a replacement's boundaries,
-        ``None`` on a survivor) and to survivors one step behind (``current``: their own state at
-        ``step``). A newcomer (``gen.grown``) takes that rank's own state too, with the data
-        position and RNG streams derived for its rank as on a resume on another world size
-        (:func:`~trainguard.state.reshard.resharded_rank_state`). Returns the place after it."""
-        joining = kept is not None
-        src = min(set(range(gen.world_size)) - set(gen.replaced)) if src is None else src
-        t0 = time.perf_counter()
-        parts = [n for n in self.train_state.parts if gen.grown or n not in LOCAL_PARTS]
-        shared = {
-            "layout": self.bucket_layout(),
-            "step_seconds": place.step_seconds,
-            "hosts": list(place.hosts),
-            "next_check": step + 1,
-            "next_report": place.next_report,
-            "state": self.train_state.state_dict(parts) if place.rank == src else None,
-            "moved_after_bucket": self.keeper.moved_after_bucket(step),
-        }
-        packet, moved = regroup.transfer_state(self.model, self.optimizer, src, shared)
-        self.survivors_step_seconds = float(packet.get("step_seconds") or 0.0)
-        if joining:
-            if packet["layout"]:  # the survivors' buckets, so that the sums round as theirs do
-                regroup.rebind_ddp(self.model, packet["layout"])
-            if place.rank in gen.grown:
-                own = resharded_rank_state({**packet["state"], "step": step}, place.rank)
-            else:
-                own = kept[step]
-                if packet["moved_after_bucket"] and not own.get(CONFIRMED, True):
-                    self._say_unconfirmed(place.rank, step)
-            self.train_state.load_state_dict({**packet["state"], **own})
-            place = replace(place, step=step)
-        elif current is not None:
-            self.train_state.load_state_dict({**packet["state"], **current})
-            place = replace(place, step=step)
-        if place.rank == src:
-            self.events.emit(
-                "state_transferred",
-                place.step,
-                rank=src,
-                to_ranks=list(gen.replaced),
-                bytes=moved,
-                seconds=round(time.perf_counter() - t0, 4),
-            )
-        return replace(
-            place, hosts=tuple(packet["hosts"]), next_check=packet["next_check"], next_report=packet["next_report"]
-        )

@@ -112,7 +112,6 @@ class Lifecycle:
         gathered = tgdist.gather_objects((host, ports))
         hosts = world.hosts = [h for h, _ in gathered]
         p.rejoin.group_ports = {port for _, ports in gathered for port in ports}  # cut on a lost peer (rejoin.sever)
-        p.straggler.set_hosts(hosts)
         p.recovery.on_start()
         resumed = p.resumer.resume()
         resumed_from = None
@@ -123,7 +122,7 @@ class Lifecycle:
         p.sdc.last_good = world.step  # every replica loaded the same state
         if p.rejoin.keeping:
             p.inprocess.keep_boundary(world.step)
-        p.inprocess.began(world.step)  # the launcher hears of the first completed step (the progress rule)
+        p.progress.began(world.step)  # the launcher hears of the first completed step (the progress rule)
         p.inprocess.snapshot(world.step, now=True)  # a sharded model's first in-memory snapshot
         world.ping = health.start(
             self.cfg.health,

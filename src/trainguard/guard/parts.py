@@ -10,7 +10,6 @@ input found after the checkpointer and the signal handlers exist) leaves what wa
 from __future__ import annotations
 
 import contextlib
-import socket
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -25,6 +24,7 @@ from ..events import EventLog, Hook
 from ..faults import FaultInjector
 from ..health.straggler import StragglerDetector
 from ..instability import clipfold
+from ..instability.fold import LossFold
 from ..instability.recovery import Recovery
 from ..launch_env import LaunchEnv
 from ..oom import MicroBatcher
@@ -51,11 +51,13 @@ from ..stop.memory import MemoryWatchdog
 from ..stop.signals import ShutdownHandler
 from ..supervisor.rank import attach as attach_supervisor
 from ..supervisor.rank import detach as detach_supervisor
-from . import inprocess
+from . import applies
 from .boundary import Boundary
-from .inprocess import DDPHookSlot, InProcess
+from .ddp_hook import DDPCommHook
+from .inprocess import InProcess
 from .keeper import Keeper
 from .lifecycle import Lifecycle
+from .progress import Progress
 from .recovering import Recovering
 from .resume import Resume
 from .rollback import Rollbacks
@@ -106,12 +108,15 @@ class Parts:
         reruns: a step done again (``[sdc] on_instability = "rerun"``); step_inputs: its inputs' check.
         ckpt, store: the checkpointer and its store. shutdown: the signal handlers and save deadline.
         stop: the stop conditions. heartbeat: the hang supervisor's record (under ``trainguard run``).
-        faults: injected faults. recovery: the instability recovery (and its fold).
+        faults: injected faults. fold: the values that ride in the step's collective (the
+        detectors', the stop check's, the replica check's, the straggler report's).
+        recovery: the instability recovery.
         sdc, sdc_response: the replica check and the response to silent data corruption.
         straggler: the straggler detector. stop_check: the stop check at step boundaries.
         micro: micro-batches on out-of-memory. fidelity, draws: what a bitwise resume needs.
         elastic: the world size the run started with. train_state: what a rank saves besides tensors.
         resumer: the resume. step_start: the optimizer/scheduler at the step's start.
+        progress: the progress rule (the first completed step after a meeting).
         inprocess, recovering: in-process recovery, and the Guard's side of it.
         commits, stops: what follows a save; stop and save. rollbacks, sdc_flow: rollbacks and the
         replica check's flow. lifecycle: the start and end of training. boundary: the step's points.
@@ -127,6 +132,7 @@ class Parts:
     stop: Optional[StopConditions] = None
     heartbeat: Any = None
     faults: Optional[FaultInjector] = None
+    fold: Optional[LossFold] = None
     recovery: Optional[Recovery] = None
     sdc: Optional[ReplicaCheck] = None
     sdc_response: Optional[SDCResponse] = None
@@ -139,6 +145,7 @@ class Parts:
     train_state: Optional[TrainState] = None
     resumer: Optional[Resume] = None
     step_start: Optional[StepStart] = None
+    progress: Optional[Progress] = None
     inprocess: Optional[InProcess] = None
     commits: Optional[Commits] = None
     recovering: Optional[Recovering] = None
@@ -156,7 +163,7 @@ class Parts:
         event log. Safe to call twice."""
         if self.ckpt is not None:
             self.ckpt.close(wait=collective)
-        for part in (self.recovery, self.micro, self.faults, self.step_inputs, self.step_start):
+        for part in (self.fold, self.recovery, self.micro, self.faults, self.step_inputs, self.step_start):
             if part is not None:
                 part.close()
         if self.shutdown is not None:
@@ -212,8 +219,8 @@ def build(
     launch = LaunchEnv.from_environ()  # read once: the parts get what they need of it
     p.events = events = EventLog(run_dir, rank, attempt=launch.restart_count)
     console.quiet_peer_loss(is_peer_failure, lambda error, text: events.emit("peer_lost", error=error, traceback=text))
-    policy = inprocess.recovery_policy(cfg.recovery.in_process)  # by the default group's backend (NCCL: restart)
-    declined = inprocess.declined(s.framework, model, policy) if cfg.recovery.in_process else None
+    policy = applies.recovery_policy(cfg.recovery.in_process)  # by the default group's backend (NCCL: restart)
+    declined = applies.declined(s.framework, model, policy) if cfg.recovery.in_process else None
     rerun = cfg.sdc.on_instability == "rerun"
     p.rejoin = rejoin = Rejoin(
         cfg.recovery,
@@ -226,8 +233,8 @@ def build(
     )
     catching = rejoin.active and world_size > 1  # where a lost peer is caught: the patches that serve it
     if rank == 0:
-        inprocess.say_where_it_applies(rejoin, cfg.recovery.in_process, launch.recovery_store, world_size)
-    p.reruns = StepRerun(rerun, rank, world_size)
+        applies.say_where_it_applies(rejoin, cfg.recovery.in_process, launch.recovery_store, world_size)
+    p.reruns = StepRerun(rerun, world)
     p.step_inputs = StepInputs(model) if rerun and world_size > 1 else None
     background = cfg.checkpoint.async_save is True or (
         cfg.checkpoint.async_save == "auto" and s.checkpoint_files is None
@@ -238,8 +245,7 @@ def build(
         events,
         model,
         optimizer,
-        rank,
-        world_size,
+        world,
         launch.group_rank,
         launch.local_world_size,
         background=background,
@@ -263,6 +269,7 @@ def build(
     # a replacement of a lost rank counts as a later attempt of it: faults of the first attempt do not fire again
     attempt = max(events.attempt, int(rejoin.joining))
     p.faults = faults = FaultInjector(cfg.faults.inject, rank, world_size, attempt, events)
+    p.fold = fold = LossFold(world)  # wired to trainguard's DDP hook or FSDP2's norm below, where there is one
     loss_scaler = any(isinstance(v, torch.amp.GradScaler) and v.is_enabled() for v in s.extra_state.values())
     p.recovery = recovery = Recovery(
         cfg.instability,
@@ -273,26 +280,24 @@ def build(
         ckpt.store,
         events,
         run_dir,
-        rank,
-        world_size,
+        world,
         in_progress,
         lambda event: [h.on_instability(owner, dict(event)) for h in s.hooks],  # the hooks' say on an instability
         cfg.checkpoint.verify,
         loss_scaler=loss_scaler,
+        fold=fold,
     )
-    fold = recovery.fold
-    p.sdc = sdc = ReplicaCheck(cfg.sdc, model, rank, world_size, events)
+    p.sdc = sdc = ReplicaCheck(cfg.sdc, model, world, events)
     p.sdc_response = SDCResponse(cfg.sdc, sdc, p.reruns, p.step_inputs, events, rejoin.active, world)
-    hosts = [socket.gethostname()] * world_size
-    p.straggler = straggler = StragglerDetector(cfg.straggler, rank, world_size, hosts, events, run_dir)
+    p.straggler = straggler = StragglerDetector(cfg.straggler, world, events, run_dir)
     growth = rejoin.growth_pending if cfg.elastic.min_ranks else None
-    p.stop_check = StopCheck(p.stop, ckpt, straggler, fold, faults, growth, rank)
+    p.stop_check = StopCheck(p.stop, ckpt, straggler, fold, faults, growth, world)
     # what a checkpoint holds per rank besides the tensors (the order is the load order: RNG last)
     own = {"sampler": s.sampler, "extra": TrainState(s.extra_state), "rng": RNGState()}
     keeper = Keeper(rejoin, TrainState({n: own[n] for n in LOCAL_PARTS}))
-    p.micro = MicroBatcher(cfg.oom, model, events, faults, straggler, rank, world_size, fold, keeper.before_last_bucket)
+    p.micro = MicroBatcher(cfg.oom, model, events, faults, straggler, world, fold, keeper.before_last_bucket)
     p.fidelity, p.draws, p.elastic = ResumeFidelity(world_size), DrawWatch(), ElasticState(world_size)
-    ddp = DDPHookSlot()  # trainguard's DDP hook, once InProcess.hook_ddp registers it: its bucket layout is saved
+    ddp = DDPCommHook(model, rejoin)  # trainguard's DDP hook, once InProcess.hook_ddp installs it: its layout is saved
     layout = BucketLayout(model, ddp.layout, world_size)
     p.train_state = train_state = TrainState(
         {
@@ -311,8 +316,9 @@ def build(
     p.resumer = Resume(ckpt, train_state, s.sampler, events, p.fidelity, p.draws, p.elastic, cfg.elastic.keep, world)
     if rejoin.active:
         p.step_start = StepStart(optimizer, s.scheduler, rejoin.failed)
-    numbered = (ckpt, recovery, sdc, p.micro, p.reruns, p.stop_check)  # (the resume and SDC response read world)
+    resized = (fold, sdc, straggler, p.micro)  # what holds something sized for the group (every part reads world)
     elastic = p.elastic
+    p.progress = Progress(rejoin, optimizer, p.step_start, events)
     p.inprocess = ip = InProcess(
         cfg,
         rejoin,
@@ -321,10 +327,11 @@ def build(
         train_state,
         events,
         p.step_start,
-        Renumber(world, events, numbered, straggler, (p.fidelity, layout), s.sampler),
+        Renumber(world, events, resized, (p.fidelity, layout), s.sampler),
         ckpt.regroup,
         on_ping_failure,
         lambda: elastic.base_world_size,
+        p.progress,
         shards=_shard_snapshots(cfg, script, world, launch.local_world_size) if catching else None,
         keeper=keeper,
         ddp=ddp,
@@ -408,9 +415,10 @@ def build(
         # resume of three or more ranks needs (state.buckets)
         hooked = (catching or world_size > 2) and ip.hook_ddp(in_progress, fold, inject)
         if hooked or clipfold.install(model, fold, in_progress, inject):
-            fold.stop_source = p.stop_check.flags_to_fold
-            fold.fingerprint_source = sdc.carry  # the replica check rides too
-            fold.straggler_source = p.stop_check.straggler_to_fold  # and the straggler report
+            # the stop flags ride, and the replica check and the straggler report too
+            fold.connect(
+                stop=p.stop_check.flags_to_fold, fingerprint=sdc.carry, straggler=p.stop_check.straggler_to_fold
+            )
     if catching:
         ip.catch_collectives(in_progress)
     if rejoin.active:

@@ -108,7 +108,6 @@ class Recovering:
         w.step, w.rank, w.world_size = p.step, p.rank, p.world_size
         self.stop_check.next_check = p.next_check
         w.hosts = list(p.hosts)
-        self.straggler.set_hosts(w.hosts)
         self.straggler.next_report = p.next_report
         w.ping = met.ping
 

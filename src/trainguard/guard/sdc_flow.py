@@ -89,7 +89,7 @@ class SDCFlow:
         if not self.sdc.due(step):
             return False
         self.sdc.stash(step)
-        if self.fold.fingerprint_source is not None:
+        if self.fold.carries_fingerprints:
             return False  # compared at the next step boundary, in that step's buckets
         return self.settle(None)
 

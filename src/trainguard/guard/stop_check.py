@@ -23,6 +23,7 @@ from ..checkpoint.checkpointer import Checkpointer
 from ..faults import FaultInjector
 from ..health.straggler import StragglerDetector
 from ..instability.fold import LossFold
+from ..ranks import RankView
 from ..stop.conditions import StopConditions, StopFlags
 
 # the decay of the remembered step time per step: a slow step counts for the time limit for a while
@@ -43,7 +44,8 @@ class StopCheck:
         faults: the fault injector (a fault injected into the stop check needs its own all-reduce).
         growth_pending: ``() -> int``: on rank 0 with ``[elastic] min_ranks``, the generation a
             spare or node may grow into in place (0: none); ``None`` when growth is off.
-        rank: this process's rank (changed by :meth:`renumber`).
+        world: this process's rank, read at each check (:class:`~trainguard.ranks.RankView`: the
+            Guard's shared :class:`~.world.World`, which a shrink or growth changes).
 
     Attributes:
         next_check: the step number at which the flags are next exchanged (agreed by all ranks;
@@ -60,16 +62,12 @@ class StopCheck:
         fold: LossFold,
         faults: FaultInjector,
         growth_pending: Optional[Callable[[], int]],
-        rank: int,
+        world: RankView,
     ):
         self.stop, self.ckpt, self.straggler, self.fold, self.faults = stop, ckpt, straggler, fold, faults
-        self.growth_pending, self.rank = growth_pending, rank
+        self.growth_pending, self.world = growth_pending, world
         self.next_check = 0
         self.step_seconds = 0.0
-
-    def renumber(self, rank: int, world_size: int) -> None:
-        """This process is rank ``rank`` from now on (a shrink or a growth in place)."""
-        self.rank = rank
 
     def step_took(self, seconds: float) -> None:
         """A step ended after ``seconds``: remembered as :attr:`step_seconds` while it is the longest."""
@@ -98,7 +96,7 @@ class StopCheck:
         """This rank's stop flags at step ``step`` (with rank 0's pending growth)."""
         ahead = self.stop.next_interval(self.step_seconds)
         mine = self.stop.local_flags(self.step_seconds, self.ckpt.estimated_save_seconds(), ahead, step)
-        if self.rank == 0 and self.growth_pending is not None:  # a spare (regrow) or a node may join in place
+        if self.world.rank == 0 and self.growth_pending is not None:  # a spare (regrow) or a node may join in place
             mine = dataclasses.replace(mine, grow=self.growth_pending())
         return mine
 

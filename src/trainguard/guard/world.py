@@ -1,12 +1,11 @@
 """Where one rank stands, shared by the Guard and its components: one object, not copies.
 
-The Guard's components that it built for itself (:mod:`.recovering`, :mod:`.saving`,
-:mod:`.sdc_flow`, :mod:`.rollback`, :mod:`.lifecycle`, :mod:`.boundary`, :mod:`.resume`,
-:mod:`.sdc_response`) hold the :class:`World` and read ``rank``, ``world_size``,
-``hosts`` and ``step`` from it when they need them. The parts built from their own config sections
-(the checkpointer, the detectors, the replica check, ...) take their rank and world size as
-numbers; :class:`Renumber` tells every one of them at once when the group changes in place (a
-shrink or a growth, :mod:`trainguard.rejoin.shrink`).
+Every part the Guard builds holds the :class:`World` (a :class:`~trainguard.ranks.Ranks`: the
+parts outside :mod:`trainguard.guard` read it through :class:`~trainguard.ranks.RankView`) and
+reads ``rank``, ``world_size``, ``hosts`` and ``step`` from it when it needs them. When the group
+changes in place (a shrink or a growth, :mod:`trainguard.rejoin.shrink`) :class:`Renumber`
+changes the world once, then tells the few parts that hold something sized for the old group
+(``group_resized()``) to drop it.
 """
 
 from __future__ import annotations
@@ -14,11 +13,11 @@ from __future__ import annotations
 from typing import Any, Optional, Protocol
 
 from ..events import EventLog
-from ..health.straggler import StragglerDetector
+from ..ranks import Ranks
 from ..rejoin import shrink
 
 
-class World:
+class World(Ranks):
     """This rank's place in the group and in training (mutable; one per Guard).
 
     Attributes:
@@ -32,8 +31,7 @@ class World:
     """
 
     def __init__(self, rank: int, world_size: int):
-        self.rank, self.world_size = rank, world_size
-        self.hosts: list[str] = []
+        super().__init__(rank, world_size)
         self.step = 0
         self.rolled_back = False
         self.ping: Any = None
@@ -46,20 +44,25 @@ class World:
             self.ping = None
 
 
-class Numbered(Protocol):
-    def renumber(self, rank: int, world_size: int) -> None: ...
+class Resized(Protocol):
+    """A part that holds something sized or agreed for the group: ``group_resized()`` drops it
+    after the shared world changed size (the part reads the new rank and size from the world)."""
+
+    def group_resized(self) -> None: ...
 
 
 class Renumber:
     """``renumber(rank, world_size, hosts)``: this process is rank ``rank`` of ``world_size`` from
-    now on (:class:`~.inprocess.InProcess` calls it before the new group forms): the world, the
-    event log, the sampler's shard and every part given here are told at once.
+    now on (:class:`~.inprocess.InProcess` calls it before the new group forms): the world changes
+    once (every part reads it), then the event log, the sampler's shard, the parts sized for the
+    old group and the parts that keep the world size are told.
 
     Args:
         world: the shared view.
         events: the event log (events carry the new rank).
-        parts: the parts that keep ``rank`` and ``world_size`` (``renumber(rank, world_size)``).
-        straggler: the straggler detector (it keeps the hosts too).
+        resized: the parts that hold something sized or agreed for the old group
+            (``group_resized()``: the fold, the replica check, the straggler detector, the
+            micro-batcher's gradient buckets).
         sized: the parts that keep the world size only (``renumber(world_size)``: the
             resume-fidelity record, the bucket layout).
         sampler: the script's sampler (``reshard(rank, world_size)``), or ``None``.
@@ -69,20 +72,17 @@ class Renumber:
         self,
         world: World,
         events: EventLog,
-        parts: tuple[Numbered, ...],
-        straggler: StragglerDetector,
+        resized: tuple[Resized, ...],
         sized: tuple[Any, ...],
         sampler: Optional[Any],
     ):
-        self.world, self.events, self.parts = world, events, parts
-        self.straggler, self.sized, self.sampler = straggler, sized, sampler
+        self.world, self.events, self.resized, self.sized, self.sampler = world, events, resized, sized, sampler
 
     def __call__(self, rank: int, world_size: int, hosts: list[str]) -> None:
+        self.world.rank, self.world.world_size, self.world.hosts = rank, world_size, list(hosts)
         self.events.renumber(rank)
-        for part in self.parts:
-            part.renumber(rank, world_size)
-        self.straggler.renumber(rank, world_size, hosts)
+        for part in self.resized:
+            part.group_resized()
         for part in self.sized:
             part.renumber(world_size)
         shrink.reshard(self.sampler, rank, world_size)
-        self.world.rank, self.world.world_size, self.world.hosts = rank, world_size, list(hosts)

@@ -38,6 +38,7 @@ from typing import Any, Optional
 import torch
 
 from ..events import EventLog
+from ..ranks import HostsView
 from ..rundir import exclude_hosts
 from ..sections import StragglerSection
 
@@ -83,18 +84,16 @@ class StragglerDetector:
 
     Args:
         cfg: the ``[straggler]`` section.
-        rank, world_size: this rank and the group size.
-        hosts: host name of every rank (index = rank).
+        world: this rank, the group size and every rank's host name (index = rank), read at each
+            use (:class:`~trainguard.ranks.HostsView`: the Guard's shared world, whose hosts are
+            gathered at the start and which a shrink or growth changes; :meth:`group_resized` then).
         events: where reports and detections go.
         run_dir: ``exclude_nodes`` is written there.
     """
 
-    def __init__(
-        self, cfg: StragglerSection, rank: int, world_size: int, hosts: list[str], events: EventLog, run_dir: Path
-    ):
-        self.cfg, self.rank, self.world, self.hosts, self.events = cfg, rank, world_size, hosts, events
-        self.run_dir = run_dir
-        self.active = cfg.enabled and world_size > 1  # one rank has no peers to compare with: time nothing
+    def __init__(self, cfg: StragglerSection, world: HostsView, events: EventLog, run_dir: Path):
+        self.cfg, self.world, self.events, self.run_dir = cfg, world, events, run_dir
+        self.active = cfg.enabled and world.world_size > 1  # one rank has no peers to compare with: time nothing
         self.seen = 0  # steps completed (the first warmup_steps are not timed)
         self.steps: list[float] = []  # whole-step seconds in this window
         self.compute: list[float] = []  # compute seconds in this window (run_step)
@@ -104,16 +103,17 @@ class StragglerDetector:
         self.measure = "step"  # what the last window timed: "compute" (run_step) or "step"
         self._packed: Optional[tuple[int, list[int]]] = None  # (report step, what pack(step) gave)
 
-    def renumber(self, rank: int, world_size: int, hosts: list[str]) -> None:
-        """This rank is ``rank`` of ``world_size`` on ``hosts`` (index = rank) from now on (the
-        group shrank in place); the current window's timings are kept."""
-        self.rank, self.world, self.hosts = rank, world_size, list(hosts)
-        self.active = self.active and world_size > 1
+    def group_resized(self) -> None:
+        """The group changed size in place (``world`` holds the new rank, size and hosts): a report
+        packed for the old group is dropped (the current window's timings are kept); one rank left
+        times nothing from now on."""
+        self.active = self.active and self.world.world_size > 1
         self._packed = None
 
-    def set_hosts(self, hosts: list[str]) -> None:
-        """Every rank's host name (index = rank), once gathered at start."""
-        self.hosts = list(hosts)
+    @property
+    def hosts(self) -> list[str]:
+        """Every rank's host name (index = rank), as the shared world holds it."""
+        return self.world.hosts
 
     def hosts_of(self, ranks: list[int]) -> list[str]:
         """The distinct hosts of ``ranks``, sorted."""
@@ -162,12 +162,13 @@ class StragglerDetector:
         if self.timer is not None:
             self.compute.extend(self.timer.ready())
         window = self.compute if self.compute else self.steps
-        medians, individual = [0] * self.world, [0] * self.world
+        n, me = self.world.world_size, self.world.rank
+        medians, individual = [0] * n, [0] * n
         if len(window) >= self.cfg.min_samples:
             mine = statistics.median(window)
-            medians[self.rank] = max(1, int(mine * US))
+            medians[me] = max(1, int(mine * US))
             usual = statistics.median(self.history) if self.history else mine
-            individual[self.rank] = int(min(1.0, usual / mine) * 10_000)
+            individual[me] = int(min(1.0, usual / mine) * 10_000)
             self.history.append(mine)
         self.measure = "compute" if self.compute else "step"
         slowest = max(self.steps, default=0.0)
@@ -180,7 +181,7 @@ class StragglerDetector:
         Returns:
             The straggling ranks (the same list on every rank).
         """
-        w = self.world
+        w = self.world.world_size
         slowest_step, medians, individual = agreed[0] / US, agreed[1 : 1 + w], agreed[1 + w : 1 + 2 * w]
         interval = self.cfg.report_interval_steps or math.ceil(self.cfg.report_interval / max(slowest_step, 1e-6))
         self.next_report = step + max(interval, self.cfg.min_samples)
@@ -205,7 +206,7 @@ class StragglerDetector:
         flagged = [
             row for row in rows if row["relative"] < c.relative_threshold or row["individual"] < c.individual_threshold
         ]
-        if self.rank == 0:
+        if self.world.rank == 0:
             self.events.emit(
                 "straggler_report",
                 step,

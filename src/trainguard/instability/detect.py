@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import compat
+from ..ranks import RankView
 from ..sections import InstabilitySection
 from .fold import LossFold
 
@@ -128,18 +129,14 @@ class Detector:
 
     Args:
         cfg: the ``[instability]`` section.
-        rank, world_size: this rank and the job size (world 1 or no process group: no collective).
+        world: this rank and the job size, read at each step (:class:`~trainguard.ranks.RankView`:
+            the Guard's shared world, which a shrink changes; world size 1 or no process group: no collective).
     """
 
-    def __init__(self, cfg: InstabilitySection, rank: int, world_size: int):
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+    def __init__(self, cfg: InstabilitySection, world: RankView):
+        self.cfg, self.world = cfg, world
         self.loss_stats = RunningStats(cfg.window)
         self.grad_stats = RunningStats(cfg.window)
-
-    def renumber(self, rank: int, world_size: int) -> None:
-        """This rank is ``rank`` of ``world_size`` from now on (the group shrank in place, see
-        :mod:`trainguard.rejoin.shrink`)."""
-        self.rank, self.world_size = rank, world_size
 
     def observe(self, step: int, loss: Any, grad_norm: Any, fold: Optional[LossFold] = None) -> Verdict:
         """Combine this rank's ``loss`` and ``grad_norm`` (tensors, DTensors or floats; ``grad_norm``
@@ -149,7 +146,7 @@ class Detector:
         has_grad = grad_norm is not None
         if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP2's clip_grad_norm_): its value, as a plain tensor
             grad_norm = grad_norm.full_tensor()
-        n = self.world_size
+        n, me = self.world.world_size, self.world.rank
         folded = fold.take(step, loss) if fold is not None and n > 1 else None
         if folded is not None:  # the one host sync; DDP's gradients, so their norm, are alike on every rank
             *values, grad = torch.cat([folded, _scalar(grad_norm, folded.device).reshape(1)]).tolist()
@@ -159,8 +156,8 @@ class Detector:
         grad_t = _scalar(grad_norm, loss_t.device)
         if n > 1 and dist.is_available() and dist.is_initialized():
             packed = torch.zeros(2 * n, device=loss_t.device)  # rank r's loss and gradient norm in slots r, n + r
-            packed[self.rank] = loss_t
-            packed[n + self.rank] = grad_t
+            packed[me] = loss_t
+            packed[n + me] = grad_t
             dist.all_reduce(packed)  # x + 0 = x: every rank's values exactly, whatever the order of the sum
             values = packed.tolist()  # the one host sync
         else:

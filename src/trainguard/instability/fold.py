@@ -70,6 +70,7 @@ import numpy
 import torch
 
 from .. import console
+from ..ranks import RankView
 from ..sdc.replicas import chunks, from_chunks
 from .foldlayout import FoldLayout
 
@@ -129,17 +130,19 @@ class LossFold:
     """One rank's side of the fold.
 
     Args:
-        rank, world_size: this rank and the group's size (the slots; :meth:`renumber` after a shrink).
+        world: this rank and the group's size, read at each use (the slots;
+            :class:`~trainguard.ranks.RankView`: the Guard's shared world; :meth:`group_resized`
+            after a shrink or growth changed it).
     """
 
-    def __init__(self, rank: int, world_size: int):
-        self.rank, self.world_size = rank, world_size
-        self.layout = FoldLayout.of(world_size)  # where each value lies in the carried vector
+    def __init__(self, world: RankView):
+        self.world = world
+        self.layout = FoldLayout.of(world.world_size)  # where each value lies in the carried vector
         self._sent: Optional[tuple[int, Optional[torch.Tensor]]] = None  # (step, the loss folded)
         self._host: Optional[tuple[int, list[float]]] = None  # (step, the summed values on the host)
-        self.stop_source: Optional[Callable[[int], Optional[list[int]]]] = None  # this rank's packed stop flags
-        self.fingerprint_source: Optional[Callable[[int], Optional[torch.Tensor]]] = None  # its replica fingerprint
-        self.straggler_source: Optional[Callable[[int], Optional[list[int]]]] = None  # its straggler timings
+        self._stop_source: Optional[Callable[[int], Optional[list[int]]]] = None  # this rank's packed stop flags
+        self._fingerprint_source: Optional[Callable[[int], Optional[torch.Tensor]]] = None  # its replica fingerprint
+        self._straggler_source: Optional[Callable[[int], Optional[list[int]]]] = None  # its straggler timings
         self._reduced: Optional[tuple[int, torch.Tensor]] = None  # (step, the summed values)
         self._matched = False  # at the last step taken, should_step's loss was the one folded
         self._mine = False  # this step's should_step loss is the one folded
@@ -155,11 +158,35 @@ class LossFold:
         """Values appended to the carrying bucket (see the module doc): ``8 × world size + 11``."""
         return self.layout.size
 
-    def renumber(self, rank: int, world_size: int) -> None:
-        """This rank is ``rank`` of ``world_size`` from now on; the next step all-reduces (no rank
-        has matched in the new group yet)."""
-        self.rank, self.world_size, self.layout = rank, world_size, FoldLayout.of(world_size)
+    def group_resized(self) -> None:
+        """The group changed size in place (``world`` holds the new rank and size): the values are
+        laid out for the new size, and the next step all-reduces (no rank has matched in the new
+        group yet)."""
+        self.layout = FoldLayout.of(self.world.world_size)
         self._matched, self._sent, self._reduced, self._host = False, None, None, None
+
+    def connect(
+        self,
+        *,
+        stop: Optional[Callable[[int], Optional[list[int]]]] = None,
+        fingerprint: Optional[Callable[[int], Optional[torch.Tensor]]] = None,
+        straggler: Optional[Callable[[int], Optional[list[int]]]] = None,
+    ) -> None:
+        """Where this rank's other values come from, once a hook carries the fold (after
+        :meth:`wire`; called once): each is called with the step number in progress at
+        :meth:`extra` and gives ``None`` when it has nothing to send then (an absent source: never).
+
+        Args:
+            stop: this rank's packed stop flags (``StopFlags.pack()``: 5 flags, next interval, grow).
+            fingerprint: this rank's replica fingerprint (a 64-bit integer tensor).
+            straggler: this rank's straggler timings (``StragglerDetector.pack()``).
+        """
+        self._stop_source, self._fingerprint_source, self._straggler_source = stop, fingerprint, straggler
+
+    @property
+    def carries_fingerprints(self) -> bool:
+        """Whether the replica fingerprints ride in the carrying bucket (:meth:`connect` ran)."""
+        return self._fingerprint_source is not None
 
     def wire(
         self,
@@ -189,20 +216,20 @@ class LossFold:
         self._sent = (step, noted[0] if noted is not None else None)
         if bucket.dtype != torch.float32:
             return None
-        at, me = self.layout, self.rank
+        at, me = self.layout, self.world.rank
         host = self._host_values()
         host[at.index("noted")], host[at.index("matched")] = float(noted is not None), float(self._matched)
-        flags = self.stop_source(step) if self.stop_source is not None else None
+        flags = self._stop_source(step) if self._stop_source is not None else None
         if flags is not None:  # StopFlags.pack(): 5 flags, next_interval, grow
             host[at.index("stop_sent")] = 1.0
             host[at.slot("stop_flags")] = flags[:5]
             host[at.index("grow")] = flags[6]
             host[at.index("next_interval", me)] = flags[5]
-        fp = self.fingerprint_source(step) if self.fingerprint_source is not None else None
+        fp = self._fingerprint_source(step) if self._fingerprint_source is not None else None
         host[at.index("fingerprint_sent")] = float(fp is not None)
-        timings = self.straggler_source(step) if self.straggler_source is not None else None
+        timings = self._straggler_source(step) if self._straggler_source is not None else None
         if timings is not None:  # StragglerDetector.pack(): slowest, medians by rank, scores by rank
-            n = self.world_size
+            n = self.layout.world_size
             host[at.index("straggler_sent")] = 1.0
             host[at.slot("straggler", me)] = [timings[0], timings[1 + me], timings[1 + n + me]]
         on_cpu = bucket.device.type == "cpu"
@@ -220,7 +247,7 @@ class LossFold:
 
     def _host_values(self) -> Any:
         """This fold's host buffer of :attr:`size` float32 zeros (a NumPy array; :attr:`_host_t`
-        is the same memory as a tensor), made again when the size changed (:meth:`renumber`)."""
+        is the same memory as a tensor), made again when the size changed (:meth:`group_resized`)."""
         if self._host_np is None or self._host_np.shape[0] != self.size:
             self._host_np = numpy.zeros(self.size, dtype=numpy.float32)
             self._host_t = torch.from_numpy(self._host_np)
@@ -253,7 +280,7 @@ class LossFold:
         """Whether the taken ``values`` (on the host) stand for the step's losses: every rank noted
         a loss and every rank's loss matched at the previous step (the same answer on every rank).
         Says once when they cannot be used for this loop."""
-        n, at = self.world_size, self.layout
+        n, at = self.layout.world_size, self.layout
         if self._host is not None:
             self._host = (self._host[0], values)
         usable = values[at.index("noted")] == n and values[at.index("matched")] == n
@@ -262,7 +289,7 @@ class LossFold:
                 "should_step()'s loss is not the tensor backward() ran on (AMP's scaler.scale(loss), "
                 "gradient accumulation), so they cannot ride in a DDP gradient bucket"
             )
-        if usable and not self._mine and not self._said and self.rank == 0:
+        if usable and not self._mine and not self._said and self.world.rank == 0:
             self._said = True
             console.say(
                 "should_step() got another loss than the tensor backward() ran on: this step's "
@@ -272,7 +299,7 @@ class LossFold:
 
     def _say_unused(self, why: str) -> None:
         """Once, at the second step (the first never uses the bucket): the detectors all-reduce."""
-        if self._taken == 2 and self.rank == 0:
+        if self._taken == 2 and self.world.rank == 0:
             console.say(f"should_step() all-reduces the detectors' values once a step: {why}")
 
     def _values(self, step: int) -> Optional[list[float]]:
@@ -294,7 +321,7 @@ class LossFold:
         if values is None:
             return None
         at = self.layout
-        if values[at.index("stop_sent")] != self.world_size:
+        if values[at.index("stop_sent")] != self.layout.world_size:
             return None
         flags = [int(v > 0) for v in values[at.slot("stop_flags")]]
         return [*flags, int(max(values[at.slot("next_interval")])), int(values[at.index("grow")])]
@@ -302,7 +329,7 @@ class LossFold:
     def fingerprints(self, step: int) -> Optional[list[int]]:
         """Every rank's replica fingerprint (by rank) carried in step ``step``'s carrying bucket, or
         ``None`` when not every rank sent one (no bucket this step: the same answer on every rank)."""
-        values, n, at = self._values(step), self.world_size, self.layout
+        values, n, at = self._values(step), self.layout.world_size, self.layout
         if values is None or values[at.index("fingerprint_sent")] != n:
             return None
         return [from_chunks(values[at.slot("fingerprint", r)]) for r in range(n)]
@@ -312,7 +339,7 @@ class LossFold:
         ``StragglerDetector.pack()`` order as the stop check's all-reduce (max) would give it (the
         slowest step: the largest rank's), or ``None`` when not every rank sent its timings (the
         same answer on every rank)."""
-        values, n, at = self._values(step), self.world_size, self.layout
+        values, n, at = self._values(step), self.layout.world_size, self.layout
         if values is None or values[at.index("straggler_sent")] != n:
             return None
         slots = [[int(v) for v in values[at.slot("straggler", r)]] for r in range(n)]

@@ -44,6 +44,7 @@ from ..checkpoint import manifest as mf
 from ..checkpoint.store import Checkpoint, CheckpointStore
 from ..events import EventLog
 from ..outcomes import GiveUp
+from ..ranks import RankView
 from ..sections import InstabilitySection, RollbackSection
 from .detect import Detector, Verdict, total_grad_norm
 from .fold import LossFold
@@ -105,13 +106,17 @@ class Recovery:
         store: the persistent checkpoint store (known-good checkpoints).
         events: the rank's event log (rank 0 writes the decisions).
         run_dir: where ``rollbacks.json`` lives.
-        rank, world_size: this rank and the group size.
+        world: this rank and the group size, read at each use (:class:`~trainguard.ranks.RankView`:
+            the Guard's shared world, which a shrink changes; the detectors and the fold read it too).
         current_step: returns the step number in progress (1-based), for the learning-rate ramp.
         ask_hooks: given the ``instability`` event, returns each hook's answer (``[]`` without hooks).
         verify: ``[checkpoint] verify``: how a rollback target is checked (``full`` or ``size``).
         loss_scaler: an enabled ``torch.amp.GradScaler`` is in use (fp16): non-finite gradients
             under a finite loss are its routine overflow, which ``scaler.step`` skips and answers
             by lowering the scale; they are not an instability (no event, no skip counted).
+        fold: where the detectors' values ride in the step's collective (:mod:`.fold`; the Guard's,
+            which the stop check, the replica check and the straggler report share, and which its
+            owner closes); default: one of this recovery's own (never carried: an all-reduce a step).
     """
 
     def __init__(
@@ -124,19 +129,18 @@ class Recovery:
         store: CheckpointStore,
         events: EventLog,
         run_dir: Path,
-        rank: int,
-        world_size: int,
+        world: RankView,
         current_step: Callable[[], int],
         ask_hooks: Callable[[dict], list[Optional[str]]] = lambda event: [],
         verify: str = "full",
         loss_scaler: bool = False,
+        fold: Optional[LossFold] = None,
     ):
         self.cfg, self.rb, self.verify, self.loss_scaler = cfg, rb, verify, loss_scaler
         self.model, self.optimizer, self.sampler, self.store, self.events = model, optimizer, sampler, store, events
-        self.run_dir, self.rank, self.current_step, self.ask_hooks = run_dir, rank, current_step, ask_hooks
-        self.world_size = world_size
-        self.detector = Detector(cfg, rank, world_size)
-        self.fold = LossFold(rank, world_size)  # wired to trainguard's DDP hook where there is one (guard.inprocess)
+        self.run_dir, self.world, self.current_step, self.ask_hooks = run_dir, world, current_step, ask_hooks
+        self.detector = Detector(cfg, world)
+        self.fold = fold if fold is not None else LossFold(world)
         self._said_unfolded = False
         # the refusal runs before the ramp's pre-hook: a refused step must not leave the rate scaled
         self._hook = optimizer.register_step_pre_hook(self._refuse_rejected_step) if optimizer is not None else None
@@ -156,13 +160,6 @@ class Recovery:
     # ------------------------------------------------------------------------------------------
     # the per-step check
 
-    def renumber(self, rank: int, world_size: int) -> None:
-        """This rank is ``rank`` of ``world_size`` from now on (the group shrank in place, see
-        :mod:`trainguard.rejoin.shrink`)."""
-        self.rank, self.world_size = rank, world_size
-        self.detector.renumber(rank, world_size)
-        self.fold.renumber(rank, world_size)
-
     def check(self, step: int, loss: Any, grad_norm: Any = None) -> Union[bool, Rollback]:
         """Run the detectors on step number ``step`` and decide (a collective).
 
@@ -181,7 +178,7 @@ class Recovery:
         if grad_norm is None:
             grad_norm = total_grad_norm(self.model.parameters())
         self.rejected = False
-        if not self.fold.wired and self.world_size > 1 and self.rank == 0 and not self._said_unfolded:
+        if not self.fold.wired and self.world.world_size > 1 and self.world.rank == 0 and not self._said_unfolded:
             self._said_unfolded = True
             console.say(
                 "should_step() all-reduces the detectors' values once a step: they ride in the gradient "
@@ -314,7 +311,7 @@ class Recovery:
         Raises:
             GiveUp: there is none.
         """
-        target = self.store.known_good(self.verify, rb.at_most) if self.rank == 0 else None
+        target = self.store.known_good(self.verify, rb.at_most) if self.world.rank == 0 else None
         target = tgdist.broadcast_object(target)
         if target is None:
             self._give_up(
@@ -343,7 +340,7 @@ class Recovery:
             lr_after = self.optimizer.param_groups[0]["lr"] * (
                 self.ramp.multiplier(target.step + 1) if self.ramp else 1.0
             )
-        if self.rank == 0:
+        if self.world.rank == 0:
             newer = self.store.set_aside_after(target.step, f"rolled back from step {bad} to {target.step}")
             self.pending = [c for c in self.pending if c.step <= target.step]
             record = {
@@ -384,16 +381,16 @@ class Recovery:
     def on_resume(self, ckpt: Checkpoint) -> None:
         """After the Guard loaded ``ckpt`` at start: if the run had rolled back to exactly this
         checkpoint, apply that rollback's data skip and learning-rate ramp (a collective)."""
-        records, cid = (read_ledger(self.run_dir), checkpoint_id(ckpt)) if self.rank == 0 else (None, None)
+        records, cid = (read_ledger(self.run_dir), checkpoint_id(ckpt)) if self.world.rank == 0 else (None, None)
         records, cid = tgdist.broadcast_object((records, cid))
-        if self.rank == 0 and "known_good" not in mf.read_manifest(ckpt.path):
+        if self.world.rank == 0 and "known_good" not in mf.read_manifest(ckpt.path):
             self.pending.append(ckpt)
         last = next((r for r in reversed(records) if r["checkpoint"] == cid), None)
         if last is None:
             return
         states = last["sampler_states"]
         # recorded by every rank of the world then; a global (reshardable) state is the same on every rank
-        mine = states[self.rank] if len(states) == self.world_size else states[0]
+        mine = states[self.world.rank] if len(states) == self.world.world_size else states[0]
         if self.sampler is not None and mine is not None:
             self.sampler.load_state_dict(mine)
         if self.ramp is not None:
@@ -410,14 +407,14 @@ class Recovery:
     def on_start(self) -> None:
         """At start, before any resume: count the run's rollbacks (all ranks) and find the newest
         known-good checkpoint (rank 0, to protect it from retention). A collective."""
-        if self.rank == 0:
+        if self.world.rank == 0:
             kg = self.store.known_good("size")
             self.newest_known_good = kg.step if kg is not None else None
-        self.rollbacks = tgdist.broadcast_object(len(read_ledger(self.run_dir)) if self.rank == 0 else None)
+        self.rollbacks = tgdist.broadcast_object(len(read_ledger(self.run_dir)) if self.world.rank == 0 else None)
 
     def _emit(self, step: int, kind: str, **details: Any) -> None:
         """An event from rank 0 (the decision is the same on every rank), at step number ``step``."""
-        if self.rank == 0:
+        if self.world.rank == 0:
             self.events.emit(kind, step, **details)
 
     # ------------------------------------------------------------------------------------------
@@ -428,7 +425,7 @@ class Recovery:
         rebuild from the store what the lost rank 0 held in memory: the newest known-good checkpoint
         and the committed ones after it still awaiting their verdict (their manifests lack
         ``known_good``). Local: no collective."""
-        if self.rank != 0:
+        if self.world.rank != 0:
             return
         kg = self.store.known_good("size")
         self.newest_known_good = kg.step if kg is not None else None
@@ -479,9 +476,7 @@ class Recovery:
         return not any(step < b <= end for b in self.bad_steps)
 
     def close(self) -> None:
-        """Remove the optimizer hooks (this one's and the ramp's) and the fold's ``backward``
-        wrapper. Safe to call twice."""
-        self.fold.close()
+        """Remove the optimizer hooks (this one's and the ramp's). Safe to call twice."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

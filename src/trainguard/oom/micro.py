@@ -56,6 +56,7 @@ from ..health.straggler import StragglerDetector
 from ..instability import fold as fold_notes
 from ..instability.fold import LossFold
 from ..outcomes import BadInput, GiveUp
+from ..ranks import RankView
 from ..sections import OOMSection
 from .sync import GradSync
 
@@ -123,7 +124,8 @@ class MicroBatcher:
         events: the rank's event log.
         faults: injected ``oom`` / ``slow_rank`` faults.
         straggler: times the compute of each step.
-        rank, world_size: this rank and the group size.
+        world: this rank and the group size, read at each use (:class:`~trainguard.ranks.RankView`:
+            the Guard's shared world, which a shrink changes; :meth:`group_resized` then).
         fold: the detectors' values carried in the last gradient bucket (:mod:`trainguard.instability.fold`).
         before_last_bucket: called with the step just before that bucket is sent, when ``fold``
             rides in it (in-process recovery keeps the step boundary there: a peer may complete
@@ -143,13 +145,12 @@ class MicroBatcher:
         events: EventLog,
         faults: FaultInjector,
         straggler: StragglerDetector,
-        rank: int,
-        world_size: int,
+        world: RankView,
         fold: Optional[LossFold] = None,
         before_last_bucket: Optional[Callable[[int], None]] = None,
     ):
         self.cfg, self.model, self.events, self.faults, self.straggler = cfg, model, events, faults, straggler
-        self.rank, self.world_size, self.fold = rank, world_size, fold
+        self.world, self.fold = world, fold
         self.before_last_bucket = before_last_bucket
         self._step = 0  # the step run() is in (the fold's values are that step's)
         self.ddp = isinstance(model, DistributedDataParallel)
@@ -163,10 +164,9 @@ class MicroBatcher:
     # ------------------------------------------------------------------------------------------
     # the step
 
-    def renumber(self, rank: int, world_size: int) -> None:
-        """This rank is ``rank`` of ``world_size`` from now on (the group shrank in place, see
-        :mod:`trainguard.rejoin.shrink`)."""
-        self.rank, self.world_size = rank, world_size
+    def group_resized(self) -> None:
+        """The group changed size in place (``world`` holds the new rank and size): the gradient
+        buckets, which hold a slot per rank, are built again by the next step."""
         if self.sync is not None:  # its buckets hold a slot per rank: built again for the new size
             self.sync.close()
             self.sync = None
@@ -195,17 +195,17 @@ class MicroBatcher:
         if self.cfg.micro_batch_size > n:
             raise BadInput(
                 f"oom.micro_batch_size={self.cfg.micro_batch_size} is larger than the batch ({n} samples "
-                f"on rank {self.rank}); expected 1..{n}, or 0 for the whole batch"
+                f"on rank {self.world.rank}); expected 1..{n}, or 0 for the whole batch"
             )
         if self.size is None:
             self.size = n
         self._step = step
-        if self.sync is None and self.ddp and self.world_size > 1:
+        if self.sync is None and self.ddp and self.world.world_size > 1:
             fold = self.fold if self.fold is not None and self.fold.wired else None
             self.sync = GradSync(
                 list(self.model.parameters()),
-                self.rank,
-                self.world_size,
+                self.world.rank,
+                self.world.world_size,
                 int(self.cfg.bucket_mb * 2**20),
                 (fold.size, self._last_bucket) if fold is not None else None,
             )
@@ -249,7 +249,7 @@ class MicroBatcher:
             self.events.emit(
                 "oom",
                 step,
-                rank=self.rank,
+                rank=self.world.rank,
                 phase=self._phase,
                 micro_batch=size,
                 injected=fault is not None,
@@ -263,7 +263,7 @@ class MicroBatcher:
 
     def _micro_batches(self, step_fn: Callable, batch: Any, n: int, size: int, backward: Callable) -> torch.Tensor:
         total = None
-        divide = self.world_size if self.sync is not None else 1  # GradSync sums: pre-divide for the mean
+        divide = self.world.world_size if self.sync is not None else 1  # GradSync sums: pre-divide for the mean
         with self.model.no_sync() if self.ddp else contextlib.nullcontext():
             for start in range(0, n, size):
                 stop = min(n, start + size)
@@ -294,14 +294,14 @@ class MicroBatcher:
 
     def _agree(self, failed: bool) -> list[int]:
         """Per-rank codes (index into :data:`PHASES`), the same list on every rank."""
-        codes = [0] * self.world_size
+        codes = [0] * self.world.world_size
         if failed:
-            codes[self.rank] = PHASES.index(self._phase)
-        if self.world_size == 1:
+            codes[self.world.rank] = PHASES.index(self._phase)
+        if self.world.world_size == 1:
             return codes
         if self.sync is None:
             return tgdist.all_reduce_max(codes)
-        return self.sync.finish(codes[self.rank])
+        return self.sync.finish(codes[self.world.rank])
 
     def _free(self) -> float:
         """Drop the step's gradients, collect garbage (a full collection: ~0.14 s in a process with
@@ -366,7 +366,7 @@ class MicroBatcher:
         raise GiveUp("out_of_memory", why)
 
     def _emit(self, step: int, kind: str, **details: Any) -> None:
-        if self.rank == 0:
+        if self.world.rank == 0:
             self.events.emit(kind, step, **details)
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ import torch
 
 from .. import dist as tgdist
 from ..events import EventLog
+from ..ranks import RankView
 from ..sections import SDCSection
 
 INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -147,12 +148,13 @@ class ReplicaCheck:
     Args:
         cfg: the ``[sdc]`` section.
         model: the trained module (DDP-wrapped or plain).
-        rank, world_size: this rank and the group size.
+        world: this rank and the group size, read at each use (:class:`~trainguard.ranks.RankView`:
+            the Guard's shared world, which a shrink changes; :meth:`group_resized` then).
         events: the rank's event log (rank 0 writes ``sdc_check_off``).
     """
 
-    def __init__(self, cfg: SDCSection, model: torch.nn.Module, rank: int, world_size: int, events: EventLog):
-        self.cfg, self.model, self.rank, self.world_size = cfg, model, rank, world_size
+    def __init__(self, cfg: SDCSection, model: torch.nn.Module, world: RankView, events: EventLog):
+        self.cfg, self.model, self.world = cfg, model, world
         self.last_good = 0
         self.suspect: Optional[Mismatch] = None  # the mismatch whose window is being re-run
         self.values: list[int] = []  # every rank's fingerprint at the latest check
@@ -160,22 +162,21 @@ class ReplicaCheck:
         why = self._why_off(events)
         self.active = why is None
 
-    def renumber(self, rank: int, world_size: int) -> None:
-        """This rank is ``rank`` of ``world_size`` from now on (the group shrank in place, see
-        :mod:`trainguard.rejoin.shrink`)."""
-        self.rank, self.world_size = rank, world_size
-        self.active = self.active and world_size > 1  # one rank left: no replica to compare with
+    def group_resized(self) -> None:
+        """The group changed size in place (``world`` holds the new rank and size): the old group's
+        fingerprints are dropped; one rank left has no replica to compare with (the check is off)."""
+        self.active = self.active and self.world.world_size > 1
         self.values, self.pending = [], None
 
     def _why_off(self, events: EventLog) -> Optional[str]:
         if self.cfg.check_interval == 0:
             return "off"  # by choice: no event
         why = None
-        if self.world_size < 2:
+        if self.world.world_size < 2:
             why = "one rank: no replica to compare with"
         elif any(type(p).__name__ == "DTensor" for p in self.model.parameters()):
             why = "sharded parameters (DTensor: FSDP2, tensor parallelism): no replicas to compare"
-        if why is not None and self.rank == 0:
+        if why is not None and self.world.rank == 0:
             events.emit("sdc_check_off", None, reason=why)
         return why
 
@@ -224,8 +225,8 @@ class ReplicaCheck:
             raise RuntimeError("ReplicaCheck.settle(): no fingerprint stashed")
         (step, mine), self.pending = self.pending, None
         if carried is None:
-            slots = [-(1 << 63)] * self.world_size
-            slots[self.rank] = int(mine)
+            slots = [-(1 << 63)] * self.world.world_size
+            slots[self.world.rank] = int(mine)
             carried = tgdist.all_reduce_max(slots)
         values = self.values = [int(v) for v in carried]
         ranks = odd_ones_out(values)

@@ -44,6 +44,7 @@ from typing import Any, Optional
 import torch
 
 from .. import dist as tgdist
+from ..ranks import RankView
 from .replicas import fingerprint
 
 # a rank whose loss is this many times the median of the ranks' absolute losses (or non-finite)
@@ -100,18 +101,14 @@ class StepRerun:
 
     Args:
         enabled: ``[sdc] on_instability == "rerun"``.
-        rank, world_size: this rank and the group size.
+        world: this rank and the group size, read at each use (:class:`~trainguard.ranks.RankView`:
+            the Guard's shared world, which a shrink changes).
     """
 
-    def __init__(self, enabled: bool, rank: int, world_size: int):
-        self.enabled, self.rank, self.world_size = enabled, rank, world_size
+    def __init__(self, enabled: bool, world: RankView):
+        self.enabled, self.world = enabled, world
         self.step: Optional[int] = None  # the step number being re-run
         self.first: tuple[int, int] = (0, 0)  # this rank's result of its first run
-
-    def renumber(self, rank: int, world_size: int) -> None:
-        """This rank is ``rank`` of ``world_size`` from now on (the group shrank in place, see
-        :mod:`trainguard.rejoin.shrink`)."""
-        self.rank, self.world_size = rank, world_size
 
     def wants(self, step: int) -> bool:
         """Whether an unstable step number ``step`` is re-run now (a step is re-run once)."""
@@ -143,5 +140,5 @@ class StepRerun:
         step, self.step = self.step, None
         if first == again:
             return RerunVerdict(step, "data", [], first, again, losses, suspect_of(losses))
-        ranks = [r for r in range(self.world_size) if first[r][0] != again[r][0]]
+        ranks = [r for r in range(self.world.world_size) if first[r][0] != again[r][0]]
         return RerunVerdict(step, "transient", ranks, first, again, losses)

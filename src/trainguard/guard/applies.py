@@ -1,0 +1,56 @@
+"""Whether in-process recovery applies to a run (:mod:`trainguard.rejoin`): the backend's policy
+(:mod:`~trainguard.rejoin.backend_policy`), a framework that owns the loop, a model that cannot be
+moved to a new group; and rank 0's line at the start when it does not apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from .. import console
+from .. import dist as tgdist
+from ..rejoin import abort, backend_policy, regroup
+from ..rejoin.rank import Rejoin
+
+
+def recovery_policy(in_process: backend_policy.InProcessValue) -> backend_policy.BackendPolicy:
+    """The recovery for this job's default group under ``[recovery] in_process``
+    (:func:`~trainguard.rejoin.backend_policy.decide`); the abort path declined where the
+    installed torch lacks a member it uses (:func:`~trainguard.rejoin.abort.why_unsupported`)."""
+    policy = backend_policy.decide(tgdist.backend(), in_process)
+    why = abort.why_unsupported(tgdist.backend()) if policy.abort else None
+    return replace(policy, in_process=False, abort=False, declined=why) if why else policy
+
+
+def declined(
+    framework: Optional[str], model: torch.nn.Module, policy: Optional[backend_policy.BackendPolicy] = None
+) -> Optional[str]:
+    """Why in-process recovery does not apply to this loop, ``None`` if it does: a framework
+    drives it, the backend's ``policy`` declines it (:func:`recovery_policy`: NCCL by default), or
+    the model cannot be moved to a new group (:func:`~trainguard.rejoin.regroup.check_rebindable`)."""
+    if framework is not None:
+        return f"{framework} owns the process group and the training loop"
+    if policy is not None and policy.declined is not None:
+        return policy.declined
+    try:
+        regroup.check_rebindable(model)
+    except regroup.RegroupError as e:
+        return str(e)
+    return None
+
+
+def say_where_it_applies(rejoin: Rejoin, in_process: bool, recovery_store: Optional[str], world_size: int) -> None:
+    """Rank 0, once at start: why in-process recovery (on by default) does not apply, if it does not."""
+    if rejoin.declined is not None:
+        console.say(
+            f"in-process recovery does not apply ({rejoin.declined}): "
+            "a lost rank restarts the group from the newest checkpoint"
+        )
+    elif in_process and not recovery_store and world_size > 1:
+        console.say(
+            "in-process recovery needs `trainguard run` (this run was launched otherwise): "
+            "a lost rank ends the run as its launcher decides"
+        )

@@ -1,0 +1,124 @@
+"""trainguard's communication hook on a DDP model (:class:`~trainguard.rejoin.catch.DDPHook`): where
+the detectors' values ride (:mod:`trainguard.instability.fold`), where a lost peer is caught in the
+gradient all-reduce and where the step boundary is kept before the last bucket, composed with a
+communication hook of the script's own.
+
+A component of :class:`~trainguard.guard.Guard`, made before the training state (whose saved bucket
+layout, :class:`~trainguard.state.buckets.BucketLayout`, reads :meth:`DDPCommHook.layout`) and
+installed on the model once the parts that ride in it exist.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .. import compat, console
+from ..instability.fold import LossFold
+from ..rejoin.buffers import BufferSync, has_buffers
+from ..rejoin.catch import CATCH, DDPHook, is_own_hook
+from ..rejoin.rank import Rejoin
+from ..rejoin.stepstart import StepStart
+
+
+class DDPCommHook:
+    """trainguard's DDP communication hook on ``model``, once :meth:`install` registered it.
+
+    Args:
+        model: the script's model (only a DDP model gets the hook).
+        rejoin: this rank's recovery state (active: the step's buffers are kept for a redo; its
+            rank: rank 0 says once that a script's own hook reduces the gradients).
+
+    Attributes:
+        hook: trainguard's hook (``None`` before :meth:`install`, or for good: not a DDP model).
+        buffer_sync: DDP's buffer broadcast where a lost peer is caught (``None``: none).
+    """
+
+    def __init__(self, model: torch.nn.Module, rejoin: Rejoin):
+        self.model, self.rejoin = model, rejoin
+        self.hook: Optional[DDPHook] = None
+        self.buffer_sync: Optional[BufferSync] = None
+
+    def layout(self) -> Optional[list[list[int]]]:
+        """DDP's current bucket layout, as trainguard's hook last saw it (``None`` without it)."""
+        return self.hook.layout if self.hook is not None and self.hook.layout else None
+
+    def install(
+        self,
+        step_in_progress: Callable[[], int],
+        fold: LossFold,
+        before_last_bucket: Callable[[int], None],
+        step_start: Optional[StepStart],
+        inject: Optional[Callable[[], tuple[float, float]]] = None,
+    ) -> bool:
+        """Give a DDP model trainguard's communication hook (:class:`~trainguard.rejoin.catch.DDPHook`):
+        it carries ``fold``'s values in one bucket (:mod:`~trainguard.instability.fold`;
+        ``inject``: the fault injector's numeric faults at the backward), calls
+        ``before_last_bucket(step)`` before the last bucket of each step is sent (the step boundary
+        is kept there), and catches a lost peer once :meth:`InProcess.arm_catch` ran. With
+        in-process recovery a model with buffers gets :class:`~trainguard.rejoin.buffers.BufferSync`
+        too, restored by ``step_start`` with the step's state for a redo.
+
+        A hook of the script's own composes with it: one registered before the Guard is taken over
+        (the reducer is built again, as :func:`~trainguard.rejoin.regroup.rebind_ddp` builds it,
+        with trainguard's hook, which calls the script's); one registered after it
+        (``model.register_comm_hook``, intercepted on this instance until :meth:`close`) is called
+        by trainguard's from the next backward on. Either way the detectors' values no longer ride
+        in the buckets (``should_step`` all-reduces them) and rank 0 says so once.
+
+        ``False`` (nothing done): not a DDP model, torch does not list its hooks, or it has
+        trainguard's hook already (an earlier Guard's on the same model: DDP takes one)."""
+        params = compat.ddp_reducer_params(self.model) if isinstance(self.model, DDP) else None
+        hooks = compat.ddp_comm_hooks(self.model) if params is not None else None  # compat: None where torch lacks it
+        if params is None or hooks is None or any(is_own_hook(h) for h, _ in hooks) or len(hooks) > 1:
+            return False
+        self.hook = hooked = DDPHook(
+            CATCH,
+            params,
+            lambda: before_last_bucket(step_in_progress()),
+            lambda buf: fold.extra(step_in_progress(), buf),
+            lambda values: fold.reduced(step_in_progress(), values),
+        )
+        if hooks:  # the script's, registered before the Guard: trainguard's calls it
+            hook, state = hooks[0]
+            compat.clear_comm_hooks(self.model)
+            compat.rebuild_reducer(self.model)
+            self._delegate(hook, state)
+        self.model.register_comm_hook(None, hooked.hook)
+        self.model.register_comm_hook = self._script_hook  # an instance attribute: removed at close()
+        fold.wire(inject)
+        if self.rejoin.active and has_buffers(self.model):  # a redo starts from the step's buffers
+            self.buffer_sync = BufferSync(self.model, CATCH)
+            if step_start is not None:
+                step_start.also(self.buffer_sync)
+        return True
+
+    def _script_hook(self, state: Any, hook: Callable) -> None:
+        """``model.register_comm_hook(state, hook)`` called by the script after the Guard: trainguard's
+        hook calls ``hook`` from the next backward on (DDP takes one hook per model)."""
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: the hook must be callable, got {type(hook).__name__}")
+        if self.hook.delegate is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once")
+        self._delegate(hook, state)
+
+    def _delegate(self, hook: Callable, state: Any) -> None:
+        self.hook.delegate = (hook, state)
+        if self.rejoin.rank == 0:
+            name = getattr(hook, "__qualname__", type(hook).__name__)
+            console.say(
+                f"the script's DDP communication hook {name} reduces the gradients, called from trainguard's "
+                "(a lost peer is caught in it); the instability detectors' values no longer ride in its "
+                "buckets: should_step() all-reduces them (one small all-reduce a step)"
+            )
+
+    def close(self) -> None:
+        """Give back what can be given back: DDP's buffer broadcast and the interception of
+        ``register_comm_hook`` (DDP keeps a communication hook for good: trainguard's, calling
+        the script's if it has one). Safe to call twice."""
+        if self.buffer_sync is not None:
+            self.buffer_sync.close()
+            self.buffer_sync = None
+        vars(self.model).pop("register_comm_hook", None)
