@@ -57,6 +57,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from trainguard.instability.fold import LossFold
+    from trainguard.ranks import Ranks
     from trainguard.rejoin.catch import CATCH, DDPHook
 
     torch.set_num_threads(1)
@@ -73,7 +74,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
 
     builtin, python, guarded = model(), model(), model()
     python.register_comm_hook(None, minimal)
-    fold, step = LossFold(rank, world), [0]
+    fold, step = LossFold(Ranks(rank, world)), [0]
     params, _ = guarded._build_params_for_reducer()
     hook = DDPHook(CATCH, params, None, lambda b: fold.extra(step[0], b), lambda v: fold.reduced(step[0], v))
     guarded.register_comm_hook(None, hook.hook)

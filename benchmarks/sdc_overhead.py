@@ -41,6 +41,7 @@ def _rank(rank: int, world: int, tmp: str, batch: int, repeat: int, out, model_o
     import torch
     import torch.distributed as dist
 
+    from trainguard.ranks import Ranks
     from trainguard.rejoin.boundary import BoundaryState
     from trainguard.sampler import ResumableSampler
     from trainguard.sdc.crosscheck import StepInputs, cross_check
@@ -60,7 +61,7 @@ def _rank(rank: int, world: int, tmp: str, batch: int, repeat: int, out, model_o
     model = gpt.GPT(cfg)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    check = ReplicaCheck(SDCSection(check_interval=1), ddp, rank, world, events=None)  # type: ignore[arg-type]
+    check = ReplicaCheck(SDCSection(check_interval=1), ddp, Ranks(rank, world), events=None)  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(rank)
 
     def step() -> None:
@@ -71,7 +72,7 @@ def _rank(rank: int, world: int, tmp: str, batch: int, repeat: int, out, model_o
 
     # what the Guard keeps at each step boundary for a re-run (as in-process recovery does)
     local = TrainState({"sampler": ResumableSampler(100_000, rank, world), "rng": RNGState()})
-    boundary, rerun = BoundaryState(None, rank), StepRerun(True, rank, world)
+    boundary, rerun = BoundaryState(None, rank), StepRerun(True, Ranks(rank, world))
 
     inputs = StepInputs(ddp)
 

@@ -67,6 +67,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     from trainguard.checkpoint.checkpointer import Checkpointer
     from trainguard.config import load_config
     from trainguard.events import EventLog
+    from trainguard.ranks import Ranks
     from trainguard.rejoin.shards import ShardSnapshots
 
     torch.set_num_threads(1)
@@ -79,7 +80,9 @@ def worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     run = Path(tmp, "run")
     run.mkdir(exist_ok=True)
     cfg = load_config(None, [f"run.dir={run}", "checkpoint.keep_last=1"])
-    ckpt = Checkpointer(cfg.checkpoint, run, EventLog(run, rank), model, opt, rank, world, 0, world, background=True)
+    ckpt = Checkpointer(
+        cfg.checkpoint, run, EventLog(run, rank), model, opt, Ranks(rank, world), 0, world, background=True
+    )
     snaps = ShardSnapshots(model, opt, 1, rank, world, world)
     snaps.regroup()
 
