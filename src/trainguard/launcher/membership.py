@@ -18,7 +18,7 @@ event                decisions (first rule that applies)
                      generation forms) + **Collect**; every rank exited →
                      **Collect**; else nothing. ``can_replace``: no generation forming or
                      settling (the progress rule), the replacement budget not spent, the ranks did
-                     not decline, a rank survives.
+                     not decline (nor give up a recovery of this launch), a rank survives.
 ``Collected``        (torch's result of a failed group) 75 while regrowing → **MembershipRestart**;
                      a decision code or a stop → **End** (its code); a script error → **End**
                      (its code); else **Restart** or **End** 76 (budget, give-up rule).
