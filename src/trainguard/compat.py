@@ -103,7 +103,7 @@ def _each(owner: str, names: tuple[str, ...], used_in: str, missing: str, on_obj
     return tuple(Private(owner, n, (used_in,), missing, on_objects) for n in names)
 
 
-_HOOKED = ("guard/inprocess.py", "rejoin/regroup.py")
+_HOOKED = ("guard/ddp_hook.py", "rejoin/regroup.py")
 MEMBERS: tuple[Private, ...] = (
     # DDP: trainguard's communication hook and a reducer built again on a new group
     Private(DDP, "_comm_hooks", _HOOKED, "fallback: no trainguard hook (the detectors all-reduce); " + _RESTART, True),
