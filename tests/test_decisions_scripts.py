@@ -16,6 +16,7 @@ import torch
 
 import trainguard
 from trainguard.launcher.script_error import decide, read_tail, traceback_tail
+from trainguard.ranks import Ranks
 from trainguard.state.fidelity import WATCHED_STEPS, DrawWatch, ResumeFidelity, differences, environment
 from trainguard.supervisor.evidence import (
     BUSY_SHARE,
@@ -167,7 +168,7 @@ def test_traceback_tail_takes_the_last_traceback_and_caps_it(tmp_path):
 
 def test_resume_fidelity_names_what_changed():
     saved = environment(2)
-    fid = ResumeFidelity(2)
+    fid = ResumeFidelity(Ranks(0, 2))
     fid.load_state_dict(saved)
     assert fid.changed == []
     fid.load_state_dict({**saved, "threads": saved["threads"] + 3, "world_size": 4, "unknown_key": 1})

@@ -64,6 +64,7 @@ BUCKETS_SCRIPT = """
 import json, os, sys
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from trainguard.ranks import Ranks
 from trainguard.state.buckets import BucketLayout
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 dist.init_process_group("gloo", rank=0, world_size=1)
@@ -71,7 +72,7 @@ plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
 ddp = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
 out = {}
 def impose(model, layout, world):
-    part = BucketLayout(model, lambda: layout, world)
+    part = BucketLayout(model, lambda: layout, Ranks(0, world))
     part.load_state_dict(part.state_dict())
     return part.impose()
 out["plain model"] = impose(plain, None, 4)

@@ -37,7 +37,7 @@ def test_a_shrink_changes_the_world_once_and_every_part_built_on_it_reads_the_ne
     faults = FaultInjector([], 2, 3, 0, events)
     check = StopCheck(stop, ckpt, straggler, fold, faults, lambda: 7, world)  # generation 7 may grow in place
     detector = Detector(InstabilitySection(), world)
-    renumber = Renumber(world, events, (fold, sdc, straggler), (), None)
+    renumber = Renumber(world, events, (fold, sdc, straggler), None)
     try:
         assert fold.size == 8 * 3 + 11 and sdc.active and straggler.active
         assert check.local_flags(1).grow == 0  # only rank 0 proposes a growth

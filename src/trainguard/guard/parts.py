@@ -296,9 +296,9 @@ def build(
     own = {"sampler": s.sampler, "extra": TrainState(s.extra_state), "rng": RNGState()}
     keeper = Keeper(rejoin, TrainState({n: own[n] for n in LOCAL_PARTS}))
     p.micro = MicroBatcher(cfg.oom, model, events, faults, straggler, world, fold, keeper.before_last_bucket)
-    p.fidelity, p.draws, p.elastic = ResumeFidelity(world_size), DrawWatch(), ElasticState(world_size)
+    p.fidelity, p.draws, p.elastic = ResumeFidelity(world), DrawWatch(), ElasticState(world_size)
     ddp = DDPCommHook(model, rejoin)  # trainguard's DDP hook, once InProcess.hook_ddp installs it: its layout is saved
-    layout = BucketLayout(model, ddp.layout, world_size)
+    layout = BucketLayout(model, ddp.layout, world)
     p.train_state = train_state = TrainState(
         {
             "scheduler": s.scheduler,
@@ -327,7 +327,7 @@ def build(
         train_state,
         events,
         p.step_start,
-        Renumber(world, events, resized, (p.fidelity, layout), s.sampler),
+        Renumber(world, events, resized, s.sampler),
         ckpt.regroup,
         on_ping_failure,
         lambda: elastic.base_world_size,

@@ -54,8 +54,8 @@ class Resized(Protocol):
 class Renumber:
     """``renumber(rank, world_size, hosts)``: this process is rank ``rank`` of ``world_size`` from
     now on (:class:`~.inprocess.InProcess` calls it before the new group forms): the world changes
-    once (every part reads it), then the event log, the sampler's shard, the parts sized for the
-    old group and the parts that keep the world size are told.
+    once (every part reads it), then the event log, the sampler's shard and the parts sized for the
+    old group are told.
 
     Args:
         world: the shared view.
@@ -63,8 +63,6 @@ class Renumber:
         resized: the parts that hold something sized or agreed for the old group
             (``group_resized()``: the fold, the replica check, the straggler detector, the
             micro-batcher's gradient buckets).
-        sized: the parts that keep the world size only (``renumber(world_size)``: the
-            resume-fidelity record, the bucket layout).
         sampler: the script's sampler (``reshard(rank, world_size)``), or ``None``.
     """
 
@@ -73,16 +71,13 @@ class Renumber:
         world: World,
         events: EventLog,
         resized: tuple[Resized, ...],
-        sized: tuple[Any, ...],
         sampler: Optional[Any],
     ):
-        self.world, self.events, self.resized, self.sized, self.sampler = world, events, resized, sized, sampler
+        self.world, self.events, self.resized, self.sampler = world, events, resized, sampler
 
     def __call__(self, rank: int, world_size: int, hosts: list[str]) -> None:
         self.world.rank, self.world.world_size, self.world.hosts = rank, world_size, list(hosts)
         self.events.renumber(rank)
         for part in self.resized:
             part.group_resized()
-        for part in self.sized:
-            part.renumber(world_size)
         shrink.reshard(self.sampler, rank, world_size)

@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..ranks import RankView
+
 Layout = list[list[int]]
 
 # the fewest ranks whose sum's rounding depends on the order (two summands commute)
@@ -32,16 +34,13 @@ class BucketLayout:
     Args:
         model: the model the Guard was given (a DDP one is acted on; any other is left alone).
         current: the layout trainguard's hook last noted (``None``: unknown); called at each save.
-        world_size: the number of ranks now (:meth:`renumber` after a shrink or growth).
+        ranks: the shared view of the group (:class:`~trainguard.ranks.RankView`): its world size
+            now (a shrink or growth in place changes it there).
     """
 
-    def __init__(self, model: torch.nn.Module, current: Callable[[], Optional[Layout]], world_size: int):
-        self.model, self.current, self.world_size = model, current, world_size
+    def __init__(self, model: torch.nn.Module, current: Callable[[], Optional[Layout]], ranks: RankView):
+        self.model, self.current, self.ranks = model, current, ranks
         self.loaded: Optional[Layout] = None
-
-    def renumber(self, world_size: int) -> None:
-        """The group has ``world_size`` ranks from now on."""
-        self.world_size = world_size
 
     def state_dict(self) -> dict[str, Any]:
         return {"layout": [list(bucket) for bucket in self.current() or []]}  # a copy: the hook notes in place
@@ -58,14 +57,14 @@ class BucketLayout:
 
         from ..rejoin.regroup import RegroupError, rebind_ddp
 
-        if not isinstance(self.model, DDP) or self.world_size < ORDERED_SUM_RANKS:
+        if not isinstance(self.model, DDP) or self.ranks.world_size < ORDERED_SUM_RANKS:
             return None
         layout, self.loaded = self.loaded, None
         if layout is None:
             return (
                 f"the checkpoint holds no DDP bucket layout (written by an older trainguard, or the model has a "
                 f"communication hook of its own): the resumed reducer starts from DDP's initial layout, and with "
-                f"{self.world_size} ranks the layout decides the order of the gradients' sum"
+                f"{self.ranks.world_size} ranks the layout decides the order of the gradients' sum"
             )
         trained = sum(p.requires_grad for p in self.model.parameters())
         if sorted(i for bucket in layout for i in bucket) != list(range(trained)):

@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..ranks import RankView
 from .determinism import numpy_snapshot, rng_fingerprint
 
 WATCHED_STEPS = 3  # boundaries DrawWatch looks at in a loop that never asks next_step (a framework's)
@@ -84,22 +85,19 @@ class ResumeFidelity:
     differs in :attr:`changed` (empty: the resume can be bitwise identical).
 
     Args:
-        world_size: the number of ranks now.
+        ranks: the shared view of the group (:class:`~trainguard.ranks.RankView`): its world size
+            when a checkpoint is saved or loaded (a shrink in place changes it there).
     """
 
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self, ranks: RankView):
+        self.ranks = ranks
         self.changed: list[str] = []
 
-    def renumber(self, world_size: int) -> None:
-        """The group has ``world_size`` ranks from now on (it shrank in place)."""
-        self.world_size = world_size
-
     def state_dict(self) -> dict[str, Any]:
-        return environment(self.world_size)
+        return environment(self.ranks.world_size)
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
-        self.changed = differences(state or {}, environment(self.world_size))
+        self.changed = differences(state or {}, environment(self.ranks.world_size))
 
 
 def _generators() -> tuple[Any, ...]:
