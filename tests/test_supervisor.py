@@ -175,7 +175,10 @@ def test_hang_while_checkpointing_uses_the_checkpointing_timeout(tmp_path, clean
     committed = [e["step"] for e in events(run, "checkpoint_committed") if e["attempt"] == 0]
     assert committed[-1] in (10, 20), committed
     check_recovered(run, code, clean)
-    assert events(run, "resume")[-1]["details"]["from_step"] == committed[-1]
+    # the restart resumes from the newest committed checkpoint: step 20's commit (a rename) can come
+    # just before the kill, without its event (seen once in the README suite)
+    resumed = events(run, "resume")[-1]["details"]["from_step"]
+    assert resumed in (10, 20) and resumed >= committed[-1], (resumed, committed)
 
 
 def learned_sections(run: Path) -> dict:
