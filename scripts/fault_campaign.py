@@ -397,14 +397,15 @@ def wait_gone(run: Path, seconds: float) -> None:
         time.sleep(0.1)
 
 
-def slow_io_verdicts(ev: list[dict], faults: list[tuple[str, int, int]]) -> tuple[list[str], list[str]]:
+def slow_io_verdicts(ev: list[dict], faults: list[tuple[str, int, int]]) -> tuple[list[str], list[str], int]:
     """For each ``slow_io`` stall that fired: a note (did the supervisor report it slow, past which
     timeout) and the violations: a rank of the stalled rank's node taken for hung during the stall
     (seconds + 1 s). The other node of a 2x2 job hears from it that its rank is slow, not hung
     (trainguard.supervisor.peers), so its ranks waiting in a collective are normally not hung
     either; when that node's poll comes before the word, they are: noted, not a violation (a race
-    the word does not close). A ``hang`` fault at the same step explains a hang."""
-    notes, violations = [], []
+    the word does not close; its ranks are lost ranks then, the third value, which the progress
+    rule's count of replacements takes). A ``hang`` fault at the same step explains a hang."""
+    notes, violations, raced = [], [], 0
     for e in ev:
         if e["kind"] != "fault_injected" or e["details"].get("fault") != "slow_io":
             continue
@@ -425,8 +426,9 @@ def slow_io_verdicts(ev: list[dict], faults: list[tuple[str, int, int]]) -> tupl
         said += f", rank(s) {here} taken for HUNG" if here else ", no hang, no kill on its node"
         if there:  # its word came too late for that node's poll (see docs/campaign.md): noted
             said += f"; rank(s) {there} on the other node taken for hung before rank {rank}'s node said it is slow"
+            raced += len(there)
         notes.append(said)
-    return notes, violations
+    return notes, violations, raced
 
 
 def check(trial, run, sentinel, faults, rounds, corrupted, clean, seed, mounted=False, nodes=1, started=1) -> dict:
@@ -491,12 +493,12 @@ def check(trial, run, sentinel, faults, rounds, corrupted, clean, seed, mounted=
             violations.append(f"no event accounts for the {kind} fault")
     # the progress rule: one replacement per lost rank at most (a recovery that does not lead to a
     # completed step restarts the group; it never replaces again)
-    lost = sum(kind in ("kill", "hang") for kind, _, _ in faults) + kinds.count("sigkill_rank")
+    notes, slow_violations, raced = slow_io_verdicts(ev, faults)
+    lost = sum(kind in ("kill", "hang") for kind, _, _ in faults) + kinds.count("sigkill_rank") + raced
     if seen["rank_replaced"] > lost + kinds.count("sigkill_launcher") * 4:
         violations.append(f"{seen['rank_replaced']} rank_replaced events for {lost} lost rank(s)")
     if "sigkill_launcher" in kinds and started > nodes and seen["launch"] <= nodes:
         violations.append("the relaunch after the launcher's SIGKILL left no launch event")
-    notes, slow_violations = slow_io_verdicts(ev, faults)
     return {
         "seed": seed,
         "faults": kinds,

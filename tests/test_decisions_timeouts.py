@@ -226,6 +226,36 @@ def test_a_rank_waiting_for_a_peer_that_is_not_ahead_is_not_hung(node):
     assert reason is not None and "rank 10" in reason and "rank 11" not in reason
 
 
+def test_idle_ranks_of_a_node_among_several_get_a_grace_for_the_other_nodes_word(node):
+    """A node among several (its monitor shares the recovery store): its two ranks sit idle in a
+    collective, silent past their 0.3 s timeout. The slow rank of another node would say so only
+    once its own timeout passed; so for WORD_GRACE past the timeout a poll says nothing, and the
+    same silence is a hang after it when no word came (the grace is not an exemption)."""
+    from trainguard.rejoin.auth import Seal
+    from trainguard.rejoin.protocol import RecoveryStore, serve
+    from trainguard.supervisor.peers import WORD_GRACE
+
+    monitor, (a, b), run_dir, hb_root = node
+    monitor.share_busy(RecoveryStore(serve(), 1, Seal(bytes(range(32)))), 1, 2)
+    agent = Agent(2)
+    limit = monitor.book.timeout("step")
+    for attempt in range(5):  # a poll that came later than the grace (a stalled machine) tries again
+        for w in (a, b):
+            w.beat(4 + attempt)
+            w.open("step")
+        wait_until(lambda: silent_for(hb_root, 0, limit) and silent_for(hb_root, 1, limit))
+        hangs = len(list(read_events(run_dir, "hang_detected")))
+        reason = monitor.poll(agent)
+        if not silent_for(hb_root, 0, limit + WORD_GRACE):
+            break
+        for w in (a, b):
+            w.close()
+    assert reason is None  # within the grace: the word may still come
+    assert len(list(read_events(run_dir, "hang_detected"))) == hangs
+    reason = wait_until(lambda: monitor.poll(agent))
+    assert reason.startswith("hang: rank 10 silent ") and silent_for(hb_root, 0, limit + WORD_GRACE)
+
+
 def test_of_two_silent_ranks_only_the_one_behind_is_hung(node):
     """Rank 1 stops after step 4; rank 0 finished step 5 and waits for it in step 6's collective.
     Both are over their timeouts, but only rank 1 is hung: in-process recovery must keep rank 0."""

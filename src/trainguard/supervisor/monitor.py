@@ -47,7 +47,7 @@ from ..events import EventLog
 from .advice import is_stopped, section_advice
 from .evidence import LOOK_AFTER, CpuMeter, StopWatch
 from .heartbeat import OUT_OF_SECTION, HeartbeatReader, RankState, heartbeat_path
-from .peers import BusyPeers
+from .peers import WORD_GRACE, BusyPeers
 from .stacks import dump_stacks, main_stack, stack_path
 from .timeouts import INITIAL, TEARDOWN, TimeoutBook
 
@@ -312,6 +312,8 @@ class HangMonitor:
         if self.cfg.busy_evidence and self._waiting_elsewhere(hung):
             self._waiting(hung, [], now)
             return None
+        if self.cfg.busy_evidence and self._word_may_come(hung):
+            return None
         # a rank that waited for a busy one until lately is silent since then (that one's
         # collective is still completing on it): not hung before its own timeout from then
         hung = [
@@ -442,6 +444,15 @@ class HangMonitor:
         if other is None:
             self._waited = None
         return other is not None
+
+    def _word_may_come(self, hung: list[HangHit]) -> bool:
+        """Whether silent, idle ``hung`` ranks of a node among several are within
+        :data:`~.peers.WORD_GRACE` of their timeouts: another node's word that its rank is slow
+        (busy, not hung) may still come, and they would be waiting for it. ``False`` on one node,
+        and when a rank is stopped (state T: it waits for no one)."""
+        if self._peers is None or any(h.stopped for h in hung):
+            return False
+        return any(h.silent - h.limit < WORD_GRACE for h in hung)
 
     def _waiting(self, hung: list[HangHit], busy: list[HangHit], now: float) -> list[HangHit]:
         """The silent ranks of ``hung`` that are not ``busy``: they wait for a busy rank in a

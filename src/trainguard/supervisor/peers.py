@@ -17,6 +17,14 @@ from typing import Any, Optional
 # lasts; 2 s cover a late poll and the difference of NTP-synchronized clocks.
 BUSY_FRESH = 2.0
 
+# Seconds past its timeout that an idle silent rank of a node among several is given before it is
+# called hung: the slow rank's node says so only once its own rank crosses its timeout and its CPU
+# sample shows work (0.1-0.3 s later), and the ranks waiting for it cross theirs about then. Without
+# the grace, a poll of the waiting node that came first took them for hung (the 2x2 campaign trial,
+# seed 1099, once in several CI runs). A real hang on several nodes is called 1 s later; a stopped
+# rank (state T) gets no grace.
+WORD_GRACE = 1.0
+
 
 class BusyPeers:
     """This node's side of the word (``node`` of ``nodes``), through ``store`` (a RecoveryStore).
