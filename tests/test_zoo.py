@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from trainguard.events import read_events
+from trainguard.rejoin.replacement import WARMED
 
 ZOO = Path(__file__).resolve().parent / "zoo"
 sys.path.insert(0, str(ZOO))
@@ -124,6 +125,9 @@ def test_shape_killed_at_a_random_step_recovers_in_process_bitwise_or_falls_back
     assert t.path in ("in-process", "fallback"), _explain(t)
     said = NOT_BITWISE_LINE in Path(f"{t.run}.log").read_text(errors="replace")
     assert t.bitwise or (name in MAY_SAY_NOT_BITWISE and said), _explain(t)  # bitwise, or said
+    if name == "compiled":  # its warm spare set torch.compile up before it was needed
+        logs = [p.read_text(errors="replace") for p in (Path(t.run) / "spares").glob("spare-*.log")]
+        assert any(WARMED in log for log in logs), _explain(t)
     if t.path == "in-process":
         return
     assert t.console_reason, _explain(t)
