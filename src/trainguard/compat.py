@@ -48,6 +48,7 @@ TENSOR = "torch.Tensor"
 AGENT = "torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent"
 PCONTEXT = "torch.distributed.elastic.multiprocessing.api.SubprocessContext"
 TRAINER = "transformers.Trainer"
+DATALOADER = "torch.utils.data.dataloader"
 PG = "torch.distributed.ProcessGroup"
 PG_NCCL = "torch.distributed.ProcessGroupNCCL"  # only in a torch built with NCCL
 
@@ -157,6 +158,13 @@ MEMBERS: tuple[Private, ...] = (
     ),
     Private(
         "torch", "_dynamo", ("rejoin/replacement.py",), "fallback: a warm spare imports it later, at DDP's constructor"
+    ),
+    # a data loader's iterator: a step done again gets the interrupted attempt's batches back
+    Private(
+        DATALOADER,
+        "_BaseDataLoaderIter",
+        ("rejoin/replay.py",),
+        "fallback: no batch is given back; a step done again whose batch differs fails the recovery (a group restart)",
     ),
     # torch elastic: trainguard's agent (launcher/torch_agent.py overrides and reads these)
     *_each(AGENT, _AGENT_METHODS, "launcher/torch_agent.py", _ELASTIC),
@@ -453,6 +461,13 @@ def preload_dynamo() -> None:
         importlib.import_module("torch._dynamo")
     except ImportError:
         pass
+
+
+def dataloader_iterator_class() -> Optional[type]:
+    """The base class of a ``DataLoader``'s iterators (``_BaseDataLoaderIter``, whose ``__next__``
+    every iterator uses: one process or worker processes), ``None`` where torch has no such class."""
+    cls = getattr(importlib.import_module(DATALOADER), "_BaseDataLoaderIter", None)
+    return cls if isinstance(cls, type) and callable(getattr(cls, "__next__", None)) else None
 
 
 # ---- the Hugging Face Trainer -------------------------------------------------------------------

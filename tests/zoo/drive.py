@@ -92,14 +92,15 @@ def trainguard_cmd() -> list[str]:
     return [sys.executable, "-m", "trainguard.cli"]
 
 
-def launch(shape: Shape, run: Path, settings: tuple[str, ...] = (), steps: int = 60):
-    """Start ``trainguard run --nproc-per-node 2 --run-dir RUN --set ... SCRIPT ARGS`` (trainguard's
-    settings before the script, so the script's own command line stays its own) for ``steps``
-    optimizer steps; rank 0 writes the final weights' hash to ``RUN.hash``; stdout and stderr go to
-    ``RUN.log``; its own session, so :func:`stop` can end it and its ranks."""
+def launch(shape: Shape, run: Path, settings: tuple[str, ...] = (), steps: int = 60, extra: tuple[str, ...] = ()):
+    """Start ``trainguard run --nproc-per-node 2 --run-dir RUN --set ... EXTRA SCRIPT ARGS``
+    (trainguard's settings and ``extra`` options, such as ``--inject``, before the script, so the
+    script's own command line stays its own) for ``steps`` optimizer steps; rank 0 writes the final
+    weights' hash to ``RUN.hash``; stdout and stderr go to ``RUN.log``; its own session, so
+    :func:`stop` can end it and its ranks."""
     run.parent.mkdir(parents=True, exist_ok=True)
     sets = [x for s in (*BASE_SETTINGS, *shape.settings, *settings) for x in ("--set", s)]
-    cmd = [*trainguard_cmd(), "run", "--nproc-per-node", "2", "--run-dir", str(run), *sets]
+    cmd = [*trainguard_cmd(), "run", "--nproc-per-node", "2", "--run-dir", str(run), *sets, *extra]
     cmd += [str(ZOO / shape.script), *shape.args]
     env = {**os.environ, **shape.env, "ZOO_HASH_FILE": f"{run}.hash", "ZOO_STEPS": str(steps)}
     src = str(REPO / "src")

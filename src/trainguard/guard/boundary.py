@@ -122,6 +122,7 @@ class Boundary:
         """The step boundary (``guard.step_end``: see there and the module doc)."""
         p, world = self.p, self.world
         self.awaiting = False
+        p.inprocess.step_ended()
         if self._ran_step is not None:  # the first step: does this loop call run_step? (said once)
             p.inprocess.say_if_outside_run_step(self._ran_step)
             self._ran_step = None

@@ -28,9 +28,11 @@ from ..instability.fold import LossFold
 from ..rejoin import abort, regroup, sever, sharded
 from ..rejoin.align import ALIGN, wait_bound
 from ..rejoin.catch import CATCH
+from ..rejoin.gapdraws import GapDraws
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.redo_check import RedoCheck
+from ..rejoin.replay import BatchReplay
 from ..rejoin.shards import ShardSnapshots
 from ..rejoin.stepstart import StepStart, schedulers_not_kept
 from ..state.trainstate import TrainState
@@ -93,12 +95,22 @@ class InProcess:
         )
         self.backend = tgdist.backend()
         self.ddp = ddp if ddp is not None else DDPCommHook(model, rejoin)  # trainguard's DDP communication hook
-        self.transfer = StateTransfer(model, optimizer, train_state, events, self.keeper, self.ddp.layout)
+        # the random numbers drawn before a step done again's or a replacement's first forward
+        rng = train_state.parts.get("rng")
+        self.gap: Optional[GapDraws] = None
+        if rejoin.active and rng is not None and step_start is not None and shards is None:
+            self.gap = GapDraws(model, rng, self._say_not_repeated)
+            step_start.also(self.gap)
+        self.transfer = StateTransfer(model, optimizer, train_state, events, self.keeper, self.ddp.layout, self.gap)
         self.own_state_from: Optional[str] = None  # a replacement: where the lost rank's own state came from
         self.redo_check: Optional[RedoCheck] = None  # a step done again must see the interrupted one's batch
+        self.replay: Optional[BatchReplay] = None  # a step done again gets its data loaders' batches back
         if rejoin.active and step_start is not None and shards is None:
             self.redo_check = RedoCheck(model, self._redo_differs)
             step_start.also(self.redo_check)
+            self.replay = BatchReplay()
+            if not self.replay.install():
+                self.replay = None
 
     # ------------------------------------------------------------------------------------------
     # catching and keeping
@@ -131,6 +143,16 @@ class InProcess:
         if self.redo_check is not None:
             self.redo_check.close()
             self.redo_check = None
+        if self.replay is not None:
+            self.replay.close()
+            self.replay = None
+        if self.gap is not None:
+            self.gap.close()
+
+    def step_ended(self) -> None:
+        """``guard.step_end`` begins (:meth:`.replay.BatchReplay.step_ended`)."""
+        if self.replay is not None:
+            self.replay.step_ended()
 
     def arm_catch(self, step_in_progress: Callable[[], int]) -> None:
         """Catch a lost peer in the script's ``torch.distributed`` calls from now on."""
@@ -235,9 +257,15 @@ class InProcess:
                 self.redo_check.forget()
         met = self._meet(gen, place, current=current)
         redo = redo and met.place.step == place.step  # else it took the completed step from a peer
+        if not redo and self.gap is not None:
+            self.gap.forget()
         if gen.left:
             self.rejoin.store.joined(gen.number, met.place.rank)
+        # the loop yields the step again and fetches its batch again: the same one, from its data loaders
+        given = self.replay.arm() if redo and take_completed and not gen.left and self.replay is not None else 0
         redone = f"step {place.step + 1} done again" if redo else "nothing done again"
+        if given:
+            redone += " on the batch(es) it took from the loop's data loader"
         self.progress.settle(
             gen, met, steps_lost=0, redo_step=place.step + 1 if redo else None, said=f"no completed step lost, {redone}"
         )
@@ -371,6 +399,11 @@ class InProcess:
         if gen.replaced or src is not None:
             place = self.transfer.move(gen, place, step, kept, src, current if behind else None)
         return self._on_new_group(gen, place)
+
+    def _say_not_repeated(self, cause: str) -> None:
+        """A replacement's first step cannot repeat the lost rank's draws (:mod:`~trainguard.rejoin.gapdraws`)."""
+        self.events.emit("resume_not_bitwise", self.rejoin.boundary.step, rank=self.rejoin.rank, cause=cause)
+        console.warn(f"a resume cannot be bitwise identical: {cause}")
 
     def _redo_differs(self, why: str) -> None:
         """A survivor's step done again got another batch (:class:`~trainguard.rejoin.redo_check.RedoCheck`):

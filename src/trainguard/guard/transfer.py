@@ -15,6 +15,7 @@ import torch
 from .. import console
 from ..events import EventLog
 from ..rejoin import regroup
+from ..rejoin.gapdraws import GapDraws
 from ..rejoin.protocol import Generation
 from ..rejoin.rank import LOCAL_PARTS
 from ..state.reshard import resharded_rank_state
@@ -35,6 +36,9 @@ class StateTransfer:
             the step's last gradient bucket: a replacement that starts from before the move says so).
         layout: ``() -> bucket layout``: DDP's buckets as trainguard's hook last saw them (a
             replacement takes the survivors', so that its sums round as theirs do), ``None``: none.
+        gap: the random numbers drawn before a step's first forward (:mod:`~trainguard.rejoin.gapdraws`):
+            the survivors send a replacement their interrupted attempt's generators; ``None``:
+            nothing sent.
 
     Attributes:
         survivors_step_seconds: on a replacement, the survivors' step time (seconds) the last move
@@ -49,9 +53,10 @@ class StateTransfer:
         events: EventLog,
         keeper: Keeper,
         layout: Callable[[], Optional[list[list[int]]]],
+        gap: Optional[GapDraws] = None,
     ):
         self.model, self.optimizer, self.train_state = model, optimizer, train_state
-        self.events, self.keeper, self.layout = events, keeper, layout
+        self.events, self.keeper, self.layout, self.gap = events, keeper, layout, gap
         self.survivors_step_seconds = 0.0
 
     def move(
@@ -81,6 +86,7 @@ class StateTransfer:
             "next_report": place.next_report,
             "state": self.train_state.state_dict(parts) if place.rank == src else None,
             "moved_after_bucket": self.keeper.moved_after_bucket(step),
+            "attempt_rng": self.gap.attempt() if self.gap is not None and not joining else None,
         }
         packet, moved = regroup.transfer_state(self.model, self.optimizer, src, shared)
         self.survivors_step_seconds = float(packet.get("step_seconds") or 0.0)
@@ -94,6 +100,8 @@ class StateTransfer:
                 if packet["moved_after_bucket"] and not own.get(CONFIRMED, True):
                     self._say_unconfirmed(place.rank, step)
             self.train_state.load_state_dict({**packet["state"], **own})
+            if self.gap is not None:
+                self.gap.joined(packet.get("attempt_rng"))
             place = replace(place, step=step)
         elif current is not None:
             self.train_state.load_state_dict({**packet["state"], **current})

@@ -260,6 +260,20 @@ _BUILD: dict[str, Callable[[tuple[Any, ...]], Any]] = {
 }
 
 
+def fingerprint_by_generator(fingerprint: Any) -> dict[str, tuple[Any, ...]]:
+    """:func:`rng_fingerprint`'s parts by generator (``python``, ``numpy``, ``torch``, ``cuda``
+    where CUDA is on), as tuples (one that came through a transfer may hold lists); ``{}`` for
+    ``None``."""
+    if fingerprint is None:
+        return {}
+    parts = tuple(fingerprint)
+    return {name: _plain(parts[span]) for name, span in _SPANS if parts[span]}
+
+
+def _plain(value: Any) -> Any:
+    return tuple(_plain(v) for v in value) if isinstance(value, (tuple, list)) else value
+
+
 def capture_of(
     fingerprint: tuple[Any, ...], before: Optional[tuple[tuple[Any, ...], dict[str, Any]]] = None
 ) -> dict[str, Any]:

@@ -48,14 +48,20 @@ class RNGState:
         self._kept: tuple[Optional[tuple[Any, ...]], Optional[dict[str, Any]]] = (None, None)
 
     def state_dict(self) -> dict[str, Any]:
+        return self.snapshot()[1]
+
+    def snapshot(self) -> tuple[Optional[tuple[Any, ...]], dict[str, Any]]:
+        """``(fingerprint, state)``: the generators' :func:`~trainguard.state.determinism.rng_fingerprint`
+        (``None`` where it is unavailable) and :meth:`state_dict`, read once (about 10 µs while no
+        generator moved)."""
         fingerprint = rng_fingerprint()
         if fingerprint is None:
-            return capture_rng()
+            return None, capture_rng()
         kept_fingerprint, kept = self._kept
         if kept is None or fingerprint != kept_fingerprint:
             kept = capture_of(fingerprint, (kept_fingerprint, kept) if kept is not None else None)
             self._kept = (fingerprint, kept)
-        return kept
+        return fingerprint, kept
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         restore_rng(state)
