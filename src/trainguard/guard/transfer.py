@@ -100,7 +100,7 @@ class StateTransfer:
                 if packet["moved_after_bucket"] and not own.get(CONFIRMED, True):
                     self._say_unconfirmed(place.rank, step)
             self.train_state.load_state_dict({**packet["state"], **own})
-            if self.gap is not None:
+            if self.gap is not None and place.rank not in gen.grown:  # a replacement of a lost rank
                 self.gap.joined(packet.get("attempt_rng"))
             place = replace(place, step=step)
         elif current is not None:
