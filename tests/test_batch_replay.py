@@ -51,7 +51,7 @@ def test_a_step_done_again_gets_the_batches_its_attempt_took_and_the_epoch_ends_
     finally:
         replay.close()
     cls = type(iter(_loader()))
-    assert not getattr(cls.__next__, "_trainguard_replay", False)  # close() put torch's back
+    assert not getattr(cls.__next__, "trainguard_replay", False)  # close() put torch's back
 
 
 def test_an_iterator_that_yields_more_than_cap_batches_between_step_ends_is_not_kept():
@@ -176,5 +176,5 @@ def test_imagenet_shape_killed_at_an_epochs_first_step_and_mid_epoch_recovers_in
     assert code == 0, log[-4000:]
     assert len(_events(run, "rank_replaced")) == 2, log[-4000:]
     assert not _events(run, "group_restart") and not _events(run, "recovery_failed"), log[-4000:]
-    assert log.count("batch(es) from the loop's data loader") == 2, log[-4000:]
+    assert log.count("batch(es) it took from the loop's data loader") == 2, log[-4000:]
     assert drive.hash_of(Path(f"{run}.hash")) == clean, log[-4000:]

@@ -63,14 +63,14 @@ class BatchReplay:
         """Wrap the iterators' ``__next__``; ``False`` (nothing done) where torch lacks the class
         or another Guard's replay wraps it."""
         cls = compat.dataloader_iterator_class()
-        if cls is None or getattr(cls.__next__, "_trainguard_replay", False):
+        if cls is None or getattr(cls.__next__, "trainguard_replay", False):
             return False
         original = cls.__next__
 
         def __next__(iterator: Any) -> Any:
             return self._next(iterator, original)
 
-        __next__._trainguard_replay = True  # type: ignore[attr-defined]
+        __next__.trainguard_replay = True  # type: ignore[attr-defined]
         cls.__next__ = __next__
         self._owner, self._original, self._wrapper = cls, original, __next__
         return True
