@@ -46,6 +46,7 @@ EVAL_DRAWS = "--eval-draws" in sys.argv  # dropout, and an evaluation DataLoader
 LOG_BY_COUNTER = "--log-by-counter" in sys.argv  # after the update, all-reduce the loss when its own count is even
 VAL_AFTER_END = "--val-after-end" in sys.argv  # every 10 steps after step_end, all-reduce a validation loss
 DIE_IN_EVAL = "--die-in-eval" in sys.argv  # rank 1 of the first attempt SIGKILLs itself in the evaluation of step 50
+SEED_PER_RANK = "--seed-per-rank" in sys.argv  # torch's generator seeded 5 + rank (nanoGPT's seed_offset)
 FLAGS = (
     "--misalign",
     "--batchnorm",
@@ -54,6 +55,7 @@ FLAGS = (
     "--die-in-eval",
     "--log-by-counter",
     "--val-after-end",
+    "--seed-per-rank",
 )
 
 
@@ -67,7 +69,7 @@ def main() -> None:
     x, y = x_all[RANK::WORLD_SIZE], y_all[RANK::WORLD_SIZE]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    torch.manual_seed(5)
+    torch.manual_seed(5 + (RANK if SEED_PER_RANK else 0))
     norm = [torch.nn.BatchNorm1d(64)] if BATCHNORM else []
     drop = [torch.nn.Dropout(0.1)] if EVAL_DRAWS else []
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), *norm, torch.nn.Tanh(), *drop, torch.nn.Linear(64, 1))

@@ -8,14 +8,19 @@ after that: an evaluation after the update iterates a ``DataLoader``, which draw
 torch's generator; a loop that takes its next batch after the backward moves its data position.
 So at the step's end the state is compared with what was kept (:meth:`Keeper.confirm`: the random
 number generators by identity, copy-on-change; the rest by value) and kept again if it moved.
-A rank lost between the last bucket and the step's end leaves the earlier state: its replacement
-is then told by the survivors that their own state moved there (:meth:`Keeper.moved_after_bucket`)
-and says its resume is not bitwise.
+A rank lost between the last bucket and the step's end leaves the earlier state: the survivors
+then send its replacement how their own state moved there (:meth:`Keeper.move_after_bucket`). A
+generator the lost rank had at the survivors' state before the move (seeded alike on every rank)
+takes their state after it (:func:`catch_up`); any other move (a generator seeded per rank, a
+data position) cannot be followed, and the replacement says its resume is not bitwise.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
+
+import numpy as np
+import torch
 
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..state.trainstate import TrainState
@@ -34,7 +39,8 @@ class Keeper:
     def __init__(self, rejoin: Rejoin, train_state: TrainState):
         self.rejoin, self.train_state = rejoin, train_state
         self._last: Optional[dict[str, Any]] = None  # the state kept last
-        self._moved: Optional[int] = None  # the newest step whose own state moved after its last bucket
+        # the newest step whose own state moved after its last bucket: (step, kept before, kept after)
+        self._moved: Optional[tuple[int, dict[str, Any], dict[str, Any]]] = None
 
     def keep(self, step: int, confirmed: bool = True) -> None:
         """Keep this rank's own state as the boundary of step ``step`` (``confirmed``: at the step's
@@ -62,12 +68,50 @@ class Keeper:
         if all(_same(now.get(k), v) for k, v in last.items() if k not in ("step", CONFIRMED)):
             return
         self.keep(step)
-        self._moved = step
+        self._moved = (step, last, self._last)
 
-    def moved_after_bucket(self, step: int) -> bool:
-        """Whether this rank's own state moved between step ``step``'s last gradient bucket and its
-        end (so a lost rank's boundary kept before that bucket misses the same move)."""
-        return self._moved == step
+    def move_after_bucket(self, step: int) -> Optional[dict[str, Any]]:
+        """How this rank's own state moved between step ``step``'s last gradient bucket and its end
+        (a lost rank's boundary kept before that bucket misses the same move), for
+        :func:`catch_up`: ``{"rng_before": generators, "rng_after": generators, "other": whether
+        another part moved}``; ``None`` when it did not move."""
+        if self._moved is None or self._moved[0] != step:
+            return None
+        _, before, after = self._moved
+        other = any(not _same(after.get(k), v) for k, v in before.items() if k not in ("step", CONFIRMED, "rng"))
+        return {"rng_before": before.get("rng"), "rng_after": after.get("rng"), "other": other}
+
+
+def catch_up(own: dict[str, Any], move: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A replacement's ``own`` state, kept by the lost rank before a step's last bucket, moved as
+    the survivors' ``move`` (:meth:`Keeper.move_after_bucket`): each generator that moved on the
+    survivors and that the lost rank had at their state before the move (seeded alike) takes
+    their state after it. ``None`` when a move cannot be followed: another part moved, or a moved
+    generator of the lost rank's was elsewhere (seeded per rank)."""
+    mine, before, after = own.get("rng"), move.get("rng_before") or {}, move.get("rng_after") or {}
+    if move.get("other") or not isinstance(mine, dict):
+        return None
+    rng = dict(mine)
+    for name, value in after.items():
+        if _equal(value, before.get(name)):
+            continue  # this generator did not move
+        if name not in mine or not _equal(mine[name], before.get(name)):
+            return None
+        rng[name] = value
+    return {**own, "rng": rng}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Equal values, looking into dicts, lists and tuples; tensors and arrays by their elements."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -20,7 +20,7 @@ from ..rejoin.protocol import Generation
 from ..rejoin.rank import LOCAL_PARTS
 from ..state.reshard import resharded_rank_state
 from ..state.trainstate import TrainState
-from .keeper import CONFIRMED, Keeper
+from .keeper import CONFIRMED, Keeper, catch_up
 from .place import Place
 
 
@@ -85,7 +85,7 @@ class StateTransfer:
             "next_check": step + 1,
             "next_report": place.next_report,
             "state": self.train_state.state_dict(parts) if place.rank == src else None,
-            "moved_after_bucket": self.keeper.moved_after_bucket(step),
+            "moved_after_bucket": self.keeper.move_after_bucket(step),
             "attempt_rng": self.gap.attempt() if self.gap is not None and not joining else None,
         }
         packet, moved = regroup.transfer_state(self.model, self.optimizer, src, shared)
@@ -98,7 +98,10 @@ class StateTransfer:
             else:
                 own = kept[step]
                 if packet["moved_after_bucket"] and not own.get(CONFIRMED, True):
-                    self._say_unconfirmed(place.rank, step)
+                    caught = catch_up(own, packet["moved_after_bucket"])
+                    if caught is None:
+                        self._say_unconfirmed(place.rank, step)
+                    own = caught or own
             self.train_state.load_state_dict({**packet["state"], **own})
             if self.gap is not None and place.rank not in gen.grown:  # a replacement of a lost rank
                 self.gap.joined(packet.get("attempt_rng"))
@@ -121,8 +124,8 @@ class StateTransfer:
 
     def _say_unconfirmed(self, rank: int, step: int) -> None:
         """A replacement took a boundary kept before the step's last gradient bucket, and the
-        survivors' own state moved after that bucket (see :mod:`.keeper`): say the resume is not
-        bitwise (``resume_not_bitwise``, a console line)."""
+        survivors' own state moved after that bucket in a way it cannot follow (see
+        :mod:`.keeper`): say the resume is not bitwise (``resume_not_bitwise``, a console line)."""
         cause = (
             f"rank {rank} was lost after step {step}'s last gradient bucket and before the step's end, where the loop "
             "moved its own state (random numbers drawn by an evaluation's DataLoader, a batch taken after the "
