@@ -34,12 +34,20 @@ import drive  # noqa: E402
 SLACK = 2.0  # seconds a fallback may take beyond the group restart's own time (issue 43)
 
 
+def said_not_bitwise(t: drive.Trial) -> bool:
+    """Whether the trial's console said its resume cannot be bitwise (``resume_not_bitwise``)."""
+    try:
+        return "a resume cannot be bitwise identical" in Path(f"{t.run}.log").read_text(errors="replace")
+    except OSError:
+        return False
+
+
 def verdict(t: drive.Trial, restart: drive.Trial | None) -> str:
-    """``ok`` or what broke the rule for one fault."""
+    """``ok`` or what broke the rule for one fault (bitwise, or said not to be: ``ok, not bitwise, said``)."""
     if t.replaced > 1:
         return f"{t.replaced} replacements for one fault"
     if t.path == "in-process":
-        return "ok" if t.bitwise else "in-process but not bitwise"
+        return "ok" if t.bitwise else "ok, not bitwise, said" if said_not_bitwise(t) else "in-process but not bitwise"
     if t.path == "fallback":
         if not t.console_reason:
             return "fallback without its reason on the console"
@@ -47,7 +55,7 @@ def verdict(t: drive.Trial, restart: drive.Trial | None) -> str:
             return "fallback (no restart time to compare)"
         if t.seconds > restart.seconds + SLACK:
             return f"fallback {t.seconds:.1f} s > restart {restart.seconds:.1f} s + {SLACK:g} s"
-        return "ok" if t.bitwise else "fallback, not bitwise"
+        return "ok" if t.bitwise else "ok, not bitwise, said" if said_not_bitwise(t) else "fallback, not bitwise"
     return f"{t.path} (exit {t.code})"
 
 
@@ -95,7 +103,7 @@ def main() -> int:
         print(f"| {name} | {'ok' if not bad else '; '.join(bad)} |")
     if args.json:
         args.json.write_text(json.dumps([t.row() for t in trials], indent=1))
-    return 1 if any(v != "ok" for vs in verdicts.values() for v in vs) else 0
+    return 1 if any(not v.startswith("ok") for vs in verdicts.values() for v in vs) else 0
 
 
 if __name__ == "__main__":
