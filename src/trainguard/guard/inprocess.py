@@ -257,8 +257,10 @@ class InProcess:
                 self.redo_check.forget()
         met = self._meet(gen, place, current=current)
         redo = redo and met.place.step == place.step  # else it took the completed step from a peer
-        if not redo and self.gap is not None:
-            self.gap.forget()
+        if not redo:  # the next step is a new one, not this one done again: nothing to compare
+            for part in (self.redo_check, self.gap):
+                if part is not None:
+                    part.forget()
         if gen.left:
             self.rejoin.store.joined(gen.number, met.place.rank)
         # the loop yields the step again and fetches its batch again: the same one, from its data loaders

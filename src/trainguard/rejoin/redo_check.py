@@ -71,7 +71,8 @@ class RedoCheck:
 
     def forget(self) -> None:
         """The step done again is not expected to see the same inputs (the group shrank: the data is
-        split among fewer ranks now): no comparison."""
+        split among fewer ranks now), or no step is done again (this rank abandoned the step and
+        took it completed from a peer: the next step is a new one): no comparison."""
         self._redo = False
 
     def _before_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
