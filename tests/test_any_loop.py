@@ -273,7 +273,7 @@ def test_plain_loop_hung_rank_is_killed_and_replaced_in_process(tmp_path, plain_
 @pytest.mark.soak  # 4 ranks on 2 cores: scripts/test_soak.sh (CI)
 def test_a_ddp_survivor_one_step_behind_takes_the_completed_step_and_trains_on(tmp_path, tmp_path_factory, monkeypatch):
     """The plain loop on 4 ranks; rank 3 dies in step 20 after the gradient all-reduce while rank 0
-    still waits on it (tests/ddp_behind_worker.py): ranks 1 and 2 complete step 20, rank 0
+    still waits on it (tests/behind_worker.py): ranks 1 and 2 complete step 20, rank 0
     abandons it and takes it from rank 1. Its next step is a new one, not step 20 done again, so
     the redo check compares nothing (before: it compared step 21's batch with step 20's and failed
     the recovery into a group restart; seen once in the soak campaign of kills). In-process, one
@@ -282,6 +282,7 @@ def test_a_ddp_survivor_one_step_behind_takes_the_completed_step_and_trains_on(t
     clean = shared_hash(tmp_path_factory, "plain4-60", lambda run: _plain(run, 4, *short))
     monkeypatch.setenv("TG_BEHIND_STEP", "20")
     monkeypatch.setenv("TG_BEHIND_DIR", str(tmp_path))
+    monkeypatch.setenv("TG_BEHIND_EXAMPLE", "plain_loop.py")
     run = tmp_path / "run"
     proc = launch(
         run,
@@ -289,7 +290,7 @@ def test_a_ddp_survivor_one_step_behind_takes_the_completed_step_and_trains_on(t
         "checkpoint.interval=50",
         *short,
         nproc=4,
-        script=Path(__file__).resolve().parent / "ddp_behind_worker.py",
+        script=Path(__file__).resolve().parent / "behind_worker.py",
         tiny=False,
         default_recovery=True,
     )

@@ -123,14 +123,14 @@ def test_hsdp_a_survivor_one_step_behind_takes_the_completed_step_from_its_repli
     tmp_path, fsdp2_clean_hash, monkeypatch
 ):
     """HSDP on 4 ranks; rank 3 dies in step 13 after its last collective, while rank 0 still waits
-    on it (tests/hsdp_behind_worker.py): ranks 1 and 2 complete step 13, rank 0
+    on it (tests/behind_worker.py): ranks 1 and 2 complete step 13, rank 0
     abandons it. Rank 0 takes step 13 from its shard's replica (rank 2), rank 3's replacement from
     rank 1: no snapshot restored, no step lost, nothing redone on rank 0, bitwise."""
     monkeypatch.setenv("TG_BEHIND_STEP", "13")
     monkeypatch.setenv("TG_BEHIND_DIR", str(tmp_path))
     run = tmp_path / "run"
     args = (*LOGGED, *IN_PROCESS, "fsdp.replicas=2")
-    proc = fsdp2(run, *args, nproc=4, script=REPO / "tests" / "hsdp_behind_worker.py")
+    proc = fsdp2(run, *args, nproc=4, script=REPO / "tests" / "behind_worker.py")
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
     assert not events(run, "group_restart") and not events(run, "snapshot_restored")
     behind = [e["details"]["during"] for e in events(run, "recovery_started") if e["rank"] == 0]

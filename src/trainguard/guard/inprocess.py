@@ -95,22 +95,22 @@ class InProcess:
         )
         self.backend = tgdist.backend()
         self.ddp = ddp if ddp is not None else DDPCommHook(model, rejoin)  # trainguard's DDP communication hook
-        # the random numbers drawn before a step done again's or a replacement's first forward
-        rng = train_state.parts.get("rng")
+        # a step done again (DDP or a plain module): the interrupted attempt's batch must come back
+        # (replay; checked by redo_check), and the random numbers drawn before its first forward (gap)
+        self.redo_check: Optional[RedoCheck] = None
+        self.replay: Optional[BatchReplay] = None
         self.gap: Optional[GapDraws] = None
-        if rejoin.active and rng is not None and step_start is not None and shards is None:
-            self.gap = GapDraws(model, rng, self._say_not_repeated)
-            step_start.also(self.gap)
-        self.transfer = StateTransfer(model, optimizer, train_state, events, self.keeper, self.ddp.layout, self.gap)
-        self.own_state_from: Optional[str] = None  # a replacement: where the lost rank's own state came from
-        self.redo_check: Optional[RedoCheck] = None  # a step done again must see the interrupted one's batch
-        self.replay: Optional[BatchReplay] = None  # a step done again gets its data loaders' batches back
         if rejoin.active and step_start is not None and shards is None:
             self.redo_check = RedoCheck(model, self._redo_differs)
             step_start.also(self.redo_check)
             self.replay = BatchReplay()
             if not self.replay.install():
                 self.replay = None
+            if "rng" in train_state.parts:
+                self.gap = GapDraws(model, train_state.parts["rng"], self._say_not_repeated)
+                step_start.also(self.gap)
+        self.transfer = StateTransfer(model, optimizer, train_state, events, self.keeper, self.ddp.layout, self.gap)
+        self.own_state_from: Optional[str] = None  # a replacement: where the lost rank's own state came from
 
     # ------------------------------------------------------------------------------------------
     # catching and keeping

@@ -1,5 +1,6 @@
-"""The FSDP2 example (``examples/fsdp2.py``, unchanged) with one survivor left one step behind its
-peers, as when a collective that lost a peer completes on some ranks only.
+"""An example script, unchanged, with one survivor left one step behind its peers, as when a
+collective that lost a peer completes on some ranks only (gloo's ring): ``examples/fsdp2.py``, or
+the example named by ``TG_BEHIND_EXAMPLE`` (``plain_loop.py``: DDP).
 
 At optimizer step ``TG_BEHIND_STEP`` (after that step's last collective), a global optimizer
 pre-hook makes rank 3 SIGKILL itself and rank 0 wait in a broadcast from rank 3. So rank 0 catches
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp2.py"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / os.environ.get("TG_BEHIND_EXAMPLE", "fsdp2.py")
 BEHIND = int(os.environ["TG_BEHIND_STEP"])
 updates = [0]
 
