@@ -136,7 +136,7 @@ def test_a_loop_that_counts_its_updates_itself_fails_the_recovery_at_once_and_re
         run, "--inject", "rank_killed:rank=1,step=50,section=step", "--inject", "rank_killed:rank=0,step=70,attempt=1"
     )
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
-    assert len(events(run, "rank_replaced")) == 1
+    assert len(events(run, "rank_replaced")) == 1, Path(f"{run}.log").read_text()[-3000:]
     failed = events(run, "recovery_failed")
     assert len(failed) == 1, Path(f"{run}.log").read_text()[-3000:]
     said = failed[0]["details"]["rank_said"] or ""

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from conftest import events, final_hash, finish, launch, logged_step, wait_for
 from trainguard.events import EventLog
+from trainguard.launcher.membership import Joined, TimedOut
 from trainguard.launcher.node_join import NodeRecord, host_of, number_newcomers
 from trainguard.launcher.replace import REPLACEMENT_MODULE, Replacer, replacement_command
 from trainguard.rejoin import regroup
@@ -101,6 +102,38 @@ def test_every_group_start_gets_its_own_keys_on_every_node(tmp_path):
     finally:
         node0.close()
         node1.close()
+
+
+def test_a_rank_that_gave_the_recovery_up_ends_in_process_recovery_whichever_look_sees_it_first(tmp_path):
+    """A launcher that polls late (a loaded machine) finds the generation joined and a rank's
+    give-up at once: the poll says the recovery failed (``TimedOut``, the rank's words), not that
+    it joined, and from then on a lost rank restarts the group (before: ``Joined``, then the ranks'
+    exits failed the recovery, and a warm spare replaced a rank of the restarted group, which
+    fails the same way; CI, test_loop_check). A give-up seen first at the ranks' exits (the
+    agent's ``recovery_failed`` asks :meth:`Replacer.failed`) ends it alike."""
+    for late in (True, False):
+        run = tmp_path / f"late={late}"
+        run.mkdir()
+        rdzv = serve()
+        node = Replacer(RecoverySection(), EventLog(run), "train.py", tmp_path / "b", SEAL, spares=0)
+        try:
+            node.share(_round(rdzv, 1)[0], 0, 1, 3)  # one node: nobody else's record to wait for
+            gen = node.shrink([2], 3)
+            ranks = node.recovery_store()  # what the ranks write, through the same store
+            for r in gen.members:
+                ranks.joined(gen.number, r)
+            if late:
+                ranks.give_up(gen.number, "rank 0: its optimizer differs from rank 1's")
+                assert isinstance(node.poll(), TimedOut) and node.pending is None
+                assert not events(run, "generation_joined")
+            else:
+                assert isinstance(node.poll(), Joined)
+                ranks.give_up(gen.number, "rank 0: its optimizer differs from rank 1's")
+            assert node.failed() == "rank 0: its optimizer differs from rank 1's"
+            assert "failed by the loop's shape (rank 0: its optimizer differs" in node.declined()
+            assert len(events(run, "spares_stopped")) == 1
+        finally:
+            node.close()
 
 
 def test_a_node_that_arrives_joins_the_running_group_as_newcomers_numbered_after_it(tmp_path):

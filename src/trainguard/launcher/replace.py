@@ -490,6 +490,12 @@ class Replacer:
         if self.pending is None:
             return self._settle()
         store = self.recovery_store()
+        # before the join: a loaded launcher may first look when the ranks have joined, done the
+        # step, given up and begun to exit (the failure then is theirs, not their exit's)
+        if (said := store.gave_up(self.pending.number)) is not None:  # at once, not at the rank's exit
+            self.pending, self._node = None, None
+            self._gave_up(said)
+            return TimedOut(GAVE_UP)
         if store.all_joined(self.pending):
             now = time.monotonic()
             seconds = now - self._started
@@ -514,10 +520,6 @@ class Replacer:
             self.pending, self._node = None, None
             self._refill = True  # [launcher] spares waiting again, once the recovery settled
             return Joined()
-        if (said := store.gave_up(self.pending.number)) is not None:  # at once, not at the rank's exit
-            self.pending, self._node = None, None
-            self._gave_up(said)
-            return TimedOut(GAVE_UP)
         if self.pending.grown and self._deadline == float("inf") and store.accepted(self.pending.number):
             self._deadline = time.monotonic() + self.cfg.timeout + 5.0
         if time.monotonic() > self._deadline:
@@ -600,16 +602,23 @@ class Replacer:
         if stopped:
             console.say(f"warm spares stopped: {said}; a lost rank restarts the group")
 
-    def why_failed(self) -> Optional[str]:
-        """Why a rank gave up the recovery under way (forming or settling) or the one that just
-        failed by it, as it said in the recovery store (:meth:`RecoveryStore.give_up`), or ``None``."""
+    def failed(self) -> Optional[str]:
+        """The recovery under way (forming or settling) failed, or the one that just failed (the
+        agent's ``recovery_failed``): why a rank gave it up, as it said in the recovery store
+        (:meth:`RecoveryStore.give_up`), or ``None``. A rank that gave it up found the loop's shape
+        at fault, so from now on a lost rank restarts the group (:meth:`_gave_up`), whichever look
+        saw the failure first: the store's word in :meth:`poll`, or the ranks' exits (a launcher
+        that polls late sees both at once)."""
         gen = self.pending or self.settling
         if gen is None:
             return self._said
         try:
-            return self.recovery_store().gave_up(gen.number)
+            said = self.recovery_store().gave_up(gen.number)
         except (RuntimeError, dist.DistError):
             return None
+        if said is not None and self._declined is None:
+            self._gave_up(said)
+        return said
 
     def recovery_seconds(self) -> Optional[float]:
         """Seconds since the recovery under way began (its replacements were started), or ``None``."""
