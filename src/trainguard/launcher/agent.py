@@ -411,11 +411,11 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
 
     def _recovery_failed(self, why: str, codes: Optional[dict[int, Optional[int]]]) -> None:
         """A recovery in place did not lead to a completed step (the progress rule): say why once,
-        with what a rank said of it (:meth:`Replacer.failed`, which stops the warm spares when a rank gave it up), the seconds since it began, the
-        exit codes and the survivors' stacks, then SIGKILL the live ranks: their state after a
-        failed recovery is not to be saved (a SIGTERM would ask for a checkpoint of it, and wait
-        ``kill_grace`` for ranks stuck in a collective); the group restart from the newest
-        checkpoint follows."""
+        with what a rank said of it (:meth:`Replacer.failed`, which stops the warm spares when a
+        rank gave it up), the seconds since it began, the exit codes and the survivors' stacks,
+        then SIGKILL the live ranks: their state after a failed recovery is not to be saved (a
+        SIGTERM would ask for a checkpoint of it, and wait ``kill_grace`` for ranks stuck in a
+        collective); the group restart from the newest checkpoint follows."""
         said = self.replacer.failed() if self.replacer is not None else None
         seconds = self.replacer.recovery_seconds() if self.replacer is not None else None
         lost = {r: c for r, c in (codes or {}).items() if failed(c)}
