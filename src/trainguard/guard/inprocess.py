@@ -7,7 +7,7 @@ three callbacks into the Guard (renumber its parts, the process groups were rebu
 ping failed); it returns where the rank stands afterwards (:class:`Place`, :class:`Met`), which the
 Guard takes. It never touches the Guard's attributes. Beside it: whether it applies
 (:mod:`.applies`), trainguard's DDP hook (:mod:`.ddp_hook`), the state's move to the ranks that
-lack it (:mod:`.transfer`), the progress rule (:mod:`.progress`).
+lack it (:mod:`.transfer`), the progress rule (:mod:`.progress`), a step done again (:mod:`.redo`).
 """
 
 from __future__ import annotations
@@ -28,18 +28,16 @@ from ..instability.fold import LossFold
 from ..rejoin import abort, regroup, sever, sharded
 from ..rejoin.align import ALIGN, wait_bound
 from ..rejoin.catch import CATCH
-from ..rejoin.gapdraws import GapDraws
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
-from ..rejoin.redo_check import RedoCheck
-from ..rejoin.replay import BatchReplay
 from ..rejoin.shards import ShardSnapshots
-from ..rejoin.stepstart import StepStart, schedulers_not_kept
+from ..rejoin.stepstart import StepStart
 from ..state.trainstate import TrainState
 from .ddp_hook import DDPCommHook
 from .keeper import Keeper
 from .place import Met, Place  # re-exported: Place and Met lived here
 from .progress import Progress
+from .redo import StepRedo
 from .sharded_recovery import ShardedRecovery
 from .transfer import StateTransfer
 
@@ -95,21 +93,11 @@ class InProcess:
         )
         self.backend = tgdist.backend()
         self.ddp = ddp if ddp is not None else DDPCommHook(model, rejoin)  # trainguard's DDP communication hook
-        # a step done again (DDP or a plain module): the interrupted attempt's batch must come back
-        # (replay; checked by redo_check), and the random numbers drawn before its first forward (gap)
-        self.redo_check: Optional[RedoCheck] = None
-        self.replay: Optional[BatchReplay] = None
-        self.gap: Optional[GapDraws] = None
+        self.redo: Optional[StepRedo] = None  # a step done again in place (DDP or a plain module)
         if rejoin.active and step_start is not None and shards is None:
-            self.redo_check = RedoCheck(model, self._redo_differs)
-            step_start.also(self.redo_check)
-            self.replay = BatchReplay()
-            if not self.replay.install():
-                self.replay = None
-            if "rng" in train_state.parts:
-                self.gap = GapDraws(model, train_state.parts["rng"], self._say_not_repeated)
-                step_start.also(self.gap)
-        self.transfer = StateTransfer(model, optimizer, train_state, events, self.keeper, self.ddp.layout, self.gap)
+            self.redo = StepRedo(model, optimizer, train_state, step_start, rejoin, events)
+        gap = self.redo.gap if self.redo is not None else None
+        self.transfer = StateTransfer(model, optimizer, train_state, events, self.keeper, self.ddp.layout, gap)
         self.own_state_from: Optional[str] = None  # a replacement: where the lost rank's own state came from
 
     # ------------------------------------------------------------------------------------------
@@ -140,19 +128,13 @@ class InProcess:
         broadcast, the interception of ``register_comm_hook``; DDP keeps a communication hook for
         good: trainguard's, calling the script's if it has one)."""
         self.ddp.close()
-        if self.redo_check is not None:
-            self.redo_check.close()
-            self.redo_check = None
-        if self.replay is not None:
-            self.replay.close()
-            self.replay = None
-        if self.gap is not None:
-            self.gap.close()
+        if self.redo is not None:
+            self.redo.close()
 
     def step_ended(self) -> None:
-        """``guard.step_end`` begins (:meth:`.replay.BatchReplay.step_ended`)."""
-        if self.replay is not None:
-            self.replay.step_ended()
+        """``guard.step_end`` begins (:meth:`.redo.StepRedo.step_ended`)."""
+        if self.redo is not None:
+            self.redo.step_ended()
 
     def arm_catch(self, step_in_progress: Callable[[], int]) -> None:
         """Catch a lost peer in the script's ``torch.distributed`` calls from now on."""
@@ -252,19 +234,16 @@ class InProcess:
             self.train_state.load_state_dict(self.rejoin.boundary.restore(place.step))
             if self.step_start is not None:
                 self.step_start.restore()
-                self._say_stray_schedulers(place, gen)
-            if gen.left and self.redo_check is not None:  # fewer ranks: each takes another share of the data
-                self.redo_check.forget()
+            if self.redo is not None:
+                self.redo.begin(place, gen)
         met = self._meet(gen, place, current=current)
         redo = redo and met.place.step == place.step  # else it took the completed step from a peer
-        if not redo:  # the next step is a new one, not this one done again: nothing to compare
-            for part in (self.redo_check, self.gap):
-                if part is not None:
-                    part.forget()
+        if not redo and self.redo is not None:  # the next step is a new one, not this one done again
+            self.redo.forget()
         if gen.left:
             self.rejoin.store.joined(gen.number, met.place.rank)
         # the loop yields the step again and fetches its batch again: the same one, from its data loaders
-        given = self.replay.arm() if redo and take_completed and not gen.left and self.replay is not None else 0
+        given = self.redo.arm() if redo and take_completed and not gen.left and self.redo is not None else 0
         redone = f"step {place.step + 1} done again" if redo else "nothing done again"
         if given:
             redone += " on the batch(es) it took from the loop's data loader"
@@ -401,40 +380,6 @@ class InProcess:
         if gen.replaced or src is not None:
             place = self.transfer.move(gen, place, step, kept, src, current if behind else None)
         return self._on_new_group(gen, place)
-
-    def _say_not_repeated(self, cause: str) -> None:
-        """A replacement's first step cannot repeat the lost rank's draws (:mod:`~trainguard.rejoin.gapdraws`)."""
-        self.events.emit("resume_not_bitwise", self.rejoin.boundary.step, rank=self.rejoin.rank, cause=cause)
-        console.warn(f"a resume cannot be bitwise identical: {cause}")
-
-    def _redo_differs(self, why: str) -> None:
-        """A survivor's step done again got another batch (:class:`~trainguard.rejoin.redo_check.RedoCheck`):
-        the recovery fails; the launcher restarts the group (said here and in the recovery store).
-
-        Raises:
-            RegroupError: always.
-        """
-        reason = f"rank {self.rejoin.rank}: {why}"
-        console.say(f"in-process recovery failed: {reason}")
-        try:
-            self.rejoin.store.give_up(self.rejoin.generation, reason)
-        except Exception as e:  # the launcher's store may be gone: the exit says enough
-            console.warn(f"could not tell the launcher why ({e})")
-        raise regroup.RegroupError(reason)
-
-    def _say_stray_schedulers(self, place: Place, gen: Generation) -> None:
-        """A step done again steps the schedulers the Guard was not given twice: say so
-        (``resume_not_bitwise`` and a console line from the lowest surviving rank)."""
-        stray = schedulers_not_kept(self.optimizer, self.step_start.kept())
-        if not stray:
-            return
-        cause = (
-            f"the optimizer's scheduler(s) {', '.join(stray)} were not given to the Guard (scheduler=): the step done "
-            "again steps them twice, and a checkpoint does not hold their state"
-        )
-        self.events.emit("resume_not_bitwise", place.step, rank=place.rank, cause=cause)
-        if place.rank == min(set(range(place.world_size)) - set(gen.replaced)):
-            console.warn(f"a resume cannot be bitwise identical: {cause}")
 
     def _alone(self, mine: str, theirs: str) -> None:
         """A replacement ran the collective at ``mine`` alone: the survivors wait at ``theirs``."""
