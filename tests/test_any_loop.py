@@ -295,9 +295,8 @@ def test_a_ddp_survivor_one_step_behind_takes_the_completed_step_and_trains_on(t
         default_recovery=True,
     )
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
-    assert not events(run, "group_restart") and not events(run, "recovery_failed"), Path(f"{run}.log").read_text()[
-        -3000:
-    ]
+    log = Path(f"{run}.log").read_text()[-3000:]
+    assert not events(run, "group_restart") and not events(run, "recovery_failed"), log
     behind = [e["details"]["during"] for e in events(run, "recovery_started") if e["rank"] == 0]
     assert behind == ["dist.broadcast"], behind  # in step 20, before its update
     finished = {e["rank"]: e for e in events(run, "recovery_finished")}

@@ -95,14 +95,10 @@ class StepRedo:
 
     def close(self) -> None:
         """Give back what the parts installed (the forward hooks, torch's ``__next__``); safe twice."""
-        if self.check is not None:
-            self.check.close()
-            self.check = None
-        if self.replay is not None:
-            self.replay.close()
-            self.replay = None
-        if self.gap is not None:
-            self.gap.close()
+        for part in (self.check, self.replay, self.gap):
+            if part is not None:
+                part.close()
+        self.check, self.replay, self.gap = None, None, None
 
     def _not_repeated(self, cause: str) -> None:
         """A replacement's first step cannot repeat the lost rank's draws (:mod:`~trainguard.rejoin.gapdraws`)."""
