@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import compat, console
@@ -21,6 +22,12 @@ from ..rejoin.buffers import BufferSync, has_buffers
 from ..rejoin.catch import CATCH, DDPHook, is_own_hook
 from ..rejoin.rank import Rejoin
 from ..rejoin.stepstart import StepStart
+
+
+def spans_world(group: Any) -> bool:
+    """Whether the process group ``group`` (a DDP model's ``process_group``) has every rank of the
+    default group."""
+    return group.size() == dist.get_world_size()
 
 
 class DDPCommHook:
@@ -68,18 +75,27 @@ class DDPCommHook:
         by trainguard's from the next backward on. Either way the detectors' values no longer ride
         in the buckets (``should_step`` all-reduces them) and rank 0 says so once.
 
-        ``False`` (nothing done): not a DDP model, torch does not list its hooks, or it has
-        trainguard's hook already (an earlier Guard's on the same model: DDP takes one)."""
+        The hook averages each bucket over the model's own process group (DDP's
+        ``process_group``), as DDP's default hook does; the detectors' values ride in a bucket only
+        where that group spans every rank (their sums are taken over every rank).
+
+        Returns whether ``fold``'s values ride in the buckets (:meth:`LossFold.wire` ran). ``False``
+        and nothing done: not a DDP model, torch does not list its hooks, or it has trainguard's
+        hook already (an earlier Guard's on the same model: DDP takes one); ``False`` with the hook
+        installed: the model's group is a part of the ranks."""
         params = compat.ddp_reducer_params(self.model) if isinstance(self.model, DDP) else None
         hooks = compat.ddp_comm_hooks(self.model) if params is not None else None  # compat: None where torch lacks it
         if params is None or hooks is None or any(is_own_hook(h) for h, _ in hooks) or len(hooks) > 1:
             return False
+        group = self.model.process_group
+        carries = spans_world(group)  # the detectors' values are summed over every rank, or not carried
         self.hook = hooked = DDPHook(
             CATCH,
             params,
             lambda: before_last_bucket(step_in_progress()),
-            lambda buf: fold.extra(step_in_progress(), buf),
+            (lambda buf: fold.extra(step_in_progress(), buf)) if carries else None,
             lambda values: fold.reduced(step_in_progress(), values),
+            group=group,
         )
         if hooks:  # the script's, registered before the Guard: trainguard's calls it
             hook, state = hooks[0]
@@ -88,12 +104,19 @@ class DDPCommHook:
             self._delegate(hook, state)
         self.model.register_comm_hook(None, hooked.hook)
         self.model.register_comm_hook = self._script_hook  # an instance attribute: removed at close()
-        fold.wire(inject)
         if self.rejoin.active and has_buffers(self.model):  # a redo starts from the step's buffers
             self.buffer_sync = BufferSync(self.model, CATCH)
             if step_start is not None:
                 step_start.also(self.buffer_sync)
-        return True
+        if carries:
+            fold.wire(inject)
+        elif self.rejoin.rank == 0:
+            console.say(
+                f"the model's DDP trains on a process group of {group.size()} of {dist.get_world_size()} ranks: "
+                "its gradients are averaged over that group as DDP does; the instability detectors' values, "
+                "summed over every rank, do not ride in its buckets (should_step() all-reduces them)"
+            )
+        return carries
 
     def _script_hook(self, state: Any, hook: Callable) -> None:
         """``model.register_comm_hook(state, hook)`` called by the script after the Guard: trainguard's

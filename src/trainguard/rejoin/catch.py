@@ -8,7 +8,8 @@ there, so that the survivor's loop carries on to ``guard.step_end()`` (where rec
 instead of raising out of the script:
 
 * **DDP's backward**: the Guard registers a :class:`DDPHook` as the model's communication hook. It
-  all-reduces each gradient bucket as DDP's default hook does (divide by the world size, sum);
+  all-reduces each gradient bucket as DDP's default hook does (divide by the size of the model's
+  process group, sum over it);
   an all-reduce that fails because a peer is gone is recorded and completes with the bucket as it
   was (this rank's own gradients). Once a failure is recorded, the next buckets are not sent.
 * **The script's collectives**: :data:`CATCH` wraps the public collectives of
@@ -234,7 +235,7 @@ CATCH = Catch()
 
 class DDPHook:
     """A DDP communication hook (``ddp.register_comm_hook(None, DDPHook(...).hook)``) that all-reduces each
-    gradient bucket as DDP's default does (``buffer / world size``, summed over the ranks) and
+    gradient bucket as DDP's default does (``buffer / group size``, summed over the model's group) and
     records a lost peer through ``catch.on_failure`` instead of failing the backward pass.
 
     It also notes the reducer's bucket layout (:attr:`layout`): with three or more ranks the sum's
@@ -250,6 +251,8 @@ class DDPHook:
         extra: called with the step's carrying bucket (:attr:`carrier`): values to all-reduce
             with it (its dtype and device), or ``None``. The same number of values on every rank.
             The sums go to ``reduced``. (:mod:`trainguard.instability.fold`.)
+        group: the process group the model trains on (DDP's ``process_group``; ``None``: the
+            default group): the buckets are averaged over it, as DDP's own hook averages them.
         delegate: ``(hook, state)``: the script's own communication hook, called as
             ``hook(state, bucket)`` instead of this hook's all-reduce (``extra`` is then not
             called); settable later (a registration after the Guard's, :meth:`InProcess.hook_ddp`).
@@ -277,8 +280,10 @@ class DDPHook:
         extra: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None,
         reduced: Callable[[torch.Tensor], None] = lambda values: None,
         delegate: Optional[tuple[Callable, Any]] = None,
+        group: Any = None,
     ):
         self.catch, self.before_last, self.extra, self.reduced = catch, before_last, extra, reduced
+        self.group = group if group is not None else dist.group.WORLD
         self.delegate = delegate
         self._index = {id(p): i for i, p in enumerate(params)}
         self._numel = [p.numel() for p in params]
@@ -307,25 +312,36 @@ class DDPHook:
             return done
         if self.delegate is not None:
             return self._delegated(bucket, buf)
-        group = dist.group.WORLD
+        group = self.group
         buf.div_(group.size())
         extra = self.extra(buf) if self.extra is not None and bucket.index() == self.carrier else None
-        sent = buf if extra is None else torch.cat([buf, extra])
+        # appended to the bucket only on two ranks: there each element's sum is one addition of
+        # two values whatever the buffer's length; on three or more, gloo's (and NCCL's) ring
+        # splits the buffer by its length, so a longer buffer sums the gradients in another order
+        # (other bits): the values go in a small all-reduce of their own, issued right after it
+        inline = extra is not None and group.size() <= 2
+        sent = torch.cat([buf, extra]) if inline else buf
         # the process group's own all-reduce (a sum), as DDP's reducer calls it: c10d.all_reduce's
         # checks around it cost more than the call itself on a CPU-bound step
         fut = group.allreduce([sent]).get_future()
+        apart = extra is not None and not inline
+        if apart:
+            fut = torch.futures.collect_all([fut, group.allreduce([extra.clone()]).get_future()])
 
         def reduced(f: torch.futures.Future) -> torch.Tensor:
             try:
-                out = f.value()[0]
+                done = f.value()
+                out, values = (done[0].value()[0], done[1].value()[0]) if apart else (done[0], None)
             except Exception as e:
                 if not self.catch.on_failure(e, "backward"):
                     raise
                 return buf
-            if extra is None:
-                return out
-            self.reduced(out[buf.numel() :])
-            return out[: buf.numel()]
+            if inline:
+                self.reduced(out[buf.numel() :])
+                return out[: buf.numel()]
+            if values is not None:
+                self.reduced(values)
+            return out
 
         return fut.then(reduced)
 

@@ -78,7 +78,8 @@ def check_rebindable(model: torch.nn.Module) -> None:
     """Raise before a recovery starts if ``model`` cannot be moved to a new group in-process.
 
     Raises:
-        RegroupError: DTensor parameters that FSDP2 cannot be re-bound for (tensor parallelism, a
+        RegroupError: a DDP model on a process group of part of the ranks (the script's groups
+            cannot be rebuilt), DTensor parameters that FSDP2 cannot be re-bound for (tensor parallelism, a
             slice of a larger mesh: :func:`~trainguard.rejoin.sharded.why_not_rebindable`), torch
             does not list DDP's communication hooks, or lacks a DDP member used here. (A hook of
             the script's own is taken over by trainguard's, which the rebuilt reducer keeps.)
@@ -86,6 +87,12 @@ def check_rebindable(model: torch.nn.Module) -> None:
     why = sharded.why_not_rebindable(model)
     if why is not None:
         raise RegroupError(why)
+    if isinstance(model, DDP) and model.process_group.size() != dist.get_world_size():
+        raise RegroupError(
+            f"the model's DDP trains on a process group of {model.process_group.size()} of "
+            f"{dist.get_world_size()} ranks; in-process recovery rebuilds only the default group and "
+            "cannot rebuild the script's own groups"
+        )
     missing = missing_ddp_members(model) if isinstance(model, DDP) else []
     if missing:
         raise RegroupError(f"torch {torch.__version__} lacks {', '.join(missing)}: in-process recovery of DDP")
