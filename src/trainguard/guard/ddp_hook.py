@@ -138,10 +138,21 @@ class DDPCommHook:
             )
 
     def close(self) -> None:
-        """Give back what can be given back: DDP's buffer broadcast and the interception of
-        ``register_comm_hook`` (DDP keeps a communication hook for good: trainguard's, calling
-        the script's if it has one). Safe to call twice."""
+        """Give the model back as the Guard found it: DDP's buffer broadcast, the interception of
+        ``register_comm_hook``, and the reducer: built again without trainguard's hook (DDP
+        takes no hook away), with the bucket layout it had (so the sums round as before) and the
+        script's own hook registered again if it had one; after it nothing of trainguard's runs
+        in the model's backward. Safe to call twice."""
         if self.buffer_sync is not None:
             self.buffer_sync.close()
             self.buffer_sync = None
         vars(self.model).pop("register_comm_hook", None)
+        hooked, self.hook = self.hook, None
+        hooks = compat.ddp_comm_hooks(self.model) if hooked is not None else None
+        if not hooks or not any(is_own_hook(h) for h, _ in hooks):
+            return
+        compat.clear_comm_hooks(self.model)
+        compat.rebuild_reducer(self.model, hooked.layout or None)
+        if hooked.delegate is not None:
+            hook, state = hooked.delegate
+            self.model.register_comm_hook(state, hook)

@@ -47,6 +47,7 @@ one view of where this rank stands (:class:`.world.World`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import os
@@ -63,7 +64,7 @@ from ..events import Hook
 from ..outcomes import BadInput, Outcome, exit_bad_input
 from ..state.reshard import rank_batch
 from ..supervisor.rank import enter_teardown
-from . import edge, parts
+from . import edge, live, parts
 from .parts import Parts, Script
 from .recovering import Caught
 from .world import World
@@ -102,8 +103,10 @@ class Guard:
 
     Raises:
         BadInput: an unwritable run dir or local checkpoint dir, ``checkpoint_files`` with
-            ``[checkpoint] async_save = true``, or ``[rollback] skip_batches`` without a sampler
-            that can skip (the message is printed first; see :func:`.parts.build`).
+            ``[checkpoint] async_save = true``, ``[rollback] skip_batches`` without a sampler
+            that can skip (the message is printed first; see :func:`.parts.build`), or another
+            Guard of this process not closed yet (:mod:`.live`).
+        Any error that leaves the constructor leaves nothing of the Guard installed.
     """
 
     def __init__(
@@ -134,8 +137,14 @@ class Guard:
         self._edge = edge.Edge(self._leave)  # carries out an outcome once (see "Outcomes")
         given = (model, optimizer, scheduler, sampler, self.extra_state, self.shared_state, self.hooks)
         script = Script(*given, checkpoint_files, redo_in_step, framework)
-        with self._edge():  # the Guard is the owner the hooks receive
-            parts.build(self.parts, config, self.world, script, self, self.section)
+        try:
+            with self._edge():  # the Guard is the owner the hooks receive
+                live.claim(self)
+                parts.build(self.parts, config, self.world, script, self, self.section)
+        except BaseException:  # whatever left build(): nothing it installed stays behind
+            self._release(collective=False)
+            console.restore_excepthook()
+            raise
 
     # the shared view, as the Guard's public attributes
     step = property(lambda self: self.world.step, lambda self, v: setattr(self.world, "step", v))
@@ -396,7 +405,9 @@ class Guard:
             h.on_train_end(self, o.reason)
         edge.announce(o, self.rank, self.step, self.events)
         enter_teardown(self.heartbeat)
-        gc.freeze()  # skip the final collection over torch objects at exit (measured: 0.6 s → 0.1 s)
+        # the process leaves: skip the final collection over torch objects at its exit (measured:
+        # 0.6 s -> 0.1 s); at exit only, so a notebook that catches the outcome has nothing frozen
+        atexit.register(gc.freeze)
         self.world.stop_ping()
         tgdist.barrier()  # leave together, then tear the default group down before the interpreter exits
         self.close()
@@ -423,6 +434,7 @@ class Guard:
         wait for a background save, which may be waiting for peers."""
         self._closed = True
         self.parts.release(collective)
+        live.release(self)
 
     def __enter__(self) -> Guard:
         return self

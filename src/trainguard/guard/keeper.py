@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
+from ..state.determinism import alike_across_ranks
 from ..state.trainstate import TrainState
 
 CONFIRMED = "confirmed"  # a kept state's key: kept at the step's end (True) or before its last bucket (False)
@@ -95,7 +96,7 @@ def catch_up(own: dict[str, Any], move: dict[str, Any]) -> Optional[dict[str, An
     for name, value in after.items():
         if _equal(value, before.get(name)):
             continue  # this generator did not move
-        if name not in mine or not _equal(mine[name], before.get(name)):
+        if name not in mine or not _equal(mine[name], before.get(name)) or not alike_across_ranks(name):
             return None
         rng[name] = value
     return {**own, "rng": rng}

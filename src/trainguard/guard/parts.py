@@ -120,6 +120,7 @@ class Parts:
         inprocess, recovering: in-process recovery, and the Guard's side of it.
         commits, stops: what follows a save; stop and save. rollbacks, sdc_flow: rollbacks and the
         replica check's flow. lifecycle: the start and end of training. boundary: the step's points.
+        patched: whether :func:`build` installed the process-wide wrappers (released with them).
     """
 
     events: Optional[EventLog] = None
@@ -154,6 +155,7 @@ class Parts:
     sdc_flow: Optional[SDCFlow] = None
     lifecycle: Optional[Lifecycle] = None
     boundary: Optional[Boundary] = None
+    patched: bool = False  # build() reached the process-wide wrappers (the collective catch, clip_grad_norm_)
 
     def release(self, collective: bool) -> None:
         """Release what was built, without a collective: the checkpointer's threads (``collective``:
@@ -170,8 +172,10 @@ class Parts:
             self.shutdown.close()
         detach_supervisor(self.heartbeat)
         self.heartbeat = None
-        CATCH.uninstall()
-        ALIGN.close()
+        if self.patched:  # this Guard's wrappers (a Guard refused or failed before them has none)
+            CATCH.uninstall()
+            ALIGN.close()
+            self.patched = False
         if self.inprocess is not None:
             self.inprocess.close()
         if self.rejoin is not None and collective:  # a rank that fails alone leaves its state to its replacement
@@ -182,7 +186,7 @@ class Parts:
             self.events.close()
 
 
-NAMES = tuple(f.name for f in fields(Parts))
+NAMES = tuple(f.name for f in fields(Parts) if f.name != "patched")  # the parts (guard.ckpt, ...)
 
 
 def build(
@@ -403,6 +407,7 @@ def build(
     )
     p.lifecycle = Lifecycle(cfg, world, p, model, optimizer, s.hooks, owner, on_ping_failure)
     p.boundary = Boundary(world, p, model, s.hooks, owner)
+    p.patched = True
     CATCH.install_clip()  # the norm clip_grad_norm_ returns is noted for should_step (CATCH.step_norm)
     if catching:  # the collective catch serves in-process recovery only
         CATCH.install()

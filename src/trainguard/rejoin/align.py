@@ -39,6 +39,8 @@ a meeting and closes it in ``close()``.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -79,7 +81,14 @@ def script_site(op: str, frame: Any) -> str:
         f = f.f_back
     if f is None:
         return op
-    return f"{op} at {f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
+    return f"{op} at {_absolute(f.f_code.co_filename)}:{f.f_lineno} ({f.f_code.co_name})"
+
+
+@functools.lru_cache(maxsize=256)
+def _absolute(filename: str) -> str:
+    """A code object's file name made absolute and free of links: the same file names the same
+    site whether the script was started by a relative or an absolute path."""
+    return os.path.realpath(filename)
 
 
 @dataclass

@@ -33,8 +33,10 @@ instead of raising out of the script:
 The step whose collective failed is not applied (an optimizer pre-hook drops its gradients; see
 :mod:`trainguard.rejoin.stepstart`) and is done again after the recovery.
 
-Not caught: a collective called with ``async_op=True`` by the script (its ``Work.wait()`` raises),
-and DDP's buffer broadcast in ``forward`` (models with buffers and ``broadcast_buffers=True``).
+A collective the script calls with ``async_op=True`` returns a work object as torch's does: a lost
+peer is caught at its ``wait()`` (:class:`CaughtWork`), and one completed on this rank alone
+returns a work object whose ``wait()`` returns at once (:class:`DoneWork`). Not caught: DDP's
+buffer broadcast in ``forward`` (models with buffers and ``broadcast_buffers=True``).
 A DDP communication hook of the script's own (registered before or after the Guard) is called by
 trainguard's (:attr:`DDPHook.delegate`) instead of its own all-reduce: a lost peer is caught in it
 too, and the detectors' values do not ride in its buckets (``should_step`` all-reduces them).
@@ -43,6 +45,7 @@ too, and the detectors' values do not ride in its buckets (``should_step`` all-r
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from typing import Any, Callable, Optional
 
@@ -183,22 +186,33 @@ class Catch:
         self.on_failure, self.failed = (lambda e, where: False), (lambda: False)
 
     def _wrap(self, name: str, fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        def done(args: tuple, kwargs: dict) -> Any:  # completed on this rank alone, as the call returns
+            complete_locally(name, args, kwargs)
+            return DoneWork() if _async(signature, args, kwargs) else None
+
         @functools.wraps(fn)
         def collective(*args: Any, **kwargs: Any) -> Any:
             if self.mode == PASS or not _from_script(sys._getframe(1)):
                 return fn(*args, **kwargs)
             if self.mode == LOCAL or self.failed() or self.tail:
-                return complete_locally(name, args, kwargs)
+                return done(args, kwargs)
             site = script_site(f"dist.{name}", sys._getframe(1)) if ALIGN.active else None
             if site is not None and not ALIGN.at(site, alone_ok=True):
-                return complete_locally(name, args, kwargs)  # a replacement's, the survivors are not at it
+                return done(args, kwargs)  # a replacement's, the survivors are not at it
             try:
                 with ALIGN.waiting(site):
-                    return fn(*args, **kwargs)
+                    out = fn(*args, **kwargs)
             except Exception as e:
                 if not self.on_failure(e, f"dist.{name}"):
                     raise
-                return complete_locally(name, args, kwargs)
+                return done(args, kwargs)
+            if out is None or not _async(signature, args, kwargs):
+                return out
+            return CaughtWork(
+                out, lambda e: self.on_failure(e, f"dist.{name}"), lambda: complete_locally(name, args, kwargs)
+            )
 
         return collective
 
@@ -231,6 +245,66 @@ class Catch:
 
 
 CATCH = Catch()
+
+
+def _async(signature: inspect.Signature, args: tuple, kwargs: dict) -> bool:
+    """Whether a collective was called with ``async_op=True`` (by keyword or position)."""
+    if "async_op" in kwargs:
+        return bool(kwargs["async_op"])
+    if "async_op" not in signature.parameters:
+        return False
+    try:
+        return bool(signature.bind_partial(*args, **kwargs).arguments.get("async_op", False))
+    except TypeError:
+        return False
+
+
+class DoneWork:
+    """What a script's collective called with ``async_op=True`` returns when it completed on this
+    rank alone (a lost peer in the step, a replacement before it joined): a work object, as torch
+    returns, whose :meth:`wait` returns at once."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> None:
+        return None
+
+    def result(self) -> list:
+        return []
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result([])
+        return fut
+
+
+class CaughtWork:
+    """torch's work object of a script's ``async_op=True`` collective, whose :meth:`wait` records
+    a lost peer as the synchronous call does (``caught(error)``: ``True`` when it was one; the
+    collective then completes on this rank alone, ``alone()``) and raises any other error as
+    torch's would. Every other member is torch's work object's."""
+
+    def __init__(self, work: Any, caught: Callable[[BaseException], bool], alone: Callable[[], None]):
+        self._work, self._caught, self._alone = work, caught, alone
+
+    def wait(self, timeout: Any = None) -> bool:
+        try:
+            return self._work.wait() if timeout is None else self._work.wait(timeout)
+        except Exception as e:
+            if not self._caught(e):
+                raise
+            self._alone()
+            return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 class DDPHook:

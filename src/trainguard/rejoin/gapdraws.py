@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..state.determinism import fingerprint_by_generator
+from ..state.determinism import alike_across_ranks, fingerprint_by_generator
 
 NOT_REPEATED = (
     "the interrupted step's attempt drew random numbers before its first forward (a new epoch's DataLoader "
@@ -70,8 +70,10 @@ class GapDraws:
         self._handle = model.register_forward_pre_hook(self._before_forward) if active else None
 
     def new_step(self) -> None:
-        """A step starts (``StepStart.begin``)."""
+        """A step starts (``StepStart.begin``): the previous step's first forward is forgotten (a
+        step lost before its own first forward has none to give a redo)."""
         self._fresh = True
+        self._at_forward = None
 
     def restore(self) -> None:
         """The step in progress is done again; its boundary's state was just restored."""
@@ -134,7 +136,7 @@ class GapDraws:
         boundary, forward = fingerprint_by_generator(attempt["boundary"]), fingerprint_by_generator(attempt["forward"])
         take, lost = dict(now[1]), []
         for name in joined:
-            if boundary.get(name) == joined[name]:  # seeded alike: the survivors' draws were the lost rank's
+            if boundary.get(name) == joined[name] and alike_across_ranks(name):  # seeded alike: their draws were its
                 take[name] = attempt["state"][name]
                 continue
             moved, drew = current.get(name) != joined[name], forward.get(name) != boundary.get(name)

@@ -75,12 +75,29 @@ PEER_FAILURE_MARKERS = (
 )
 
 
+# Substrings of the errors a backend raises for a collective called wrongly (NCCL's ncclInvalidUsage
+# and ncclInvalidArgument, torch's checks before the call): the script's error, never a lost peer,
+# even inside a DistBackendError.
+USAGE_ERROR_MARKERS = (
+    "invalid usage",
+    "ncclInvalidUsage",
+    "invalid argument",
+    "ncclInvalidArgument",
+)
+
+
 def is_peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective's error about a lost peer (see :data:`PEER_FAILURE_MARKERS`):
-    ``torch.distributed``'s backend and network errors, or a ``RuntimeError`` carrying a marker."""
+    ``torch.distributed``'s backend and network errors, or a ``RuntimeError`` carrying a marker;
+    never one that says the collective was called wrongly (:data:`USAGE_ERROR_MARKERS`)."""
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    if any(m in text for m in USAGE_ERROR_MARKERS):
+        return False
     if isinstance(exc, (dist.DistBackendError, dist.DistNetworkError)):
         return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in PEER_FAILURE_MARKERS)
+    return any(m in text for m in PEER_FAILURE_MARKERS)
 
 
 @dataclass(frozen=True)

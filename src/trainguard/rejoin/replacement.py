@@ -328,7 +328,9 @@ def main(argv: list[str]) -> None:
     sys.argv = list(argv)
     sys.path.insert(0, str(Path(argv[0]).resolve().parent))
     try:
-        runpy.run_path(argv[0], run_name="__main__")
+        # by its absolute path, as ``python script.py`` runs it (``__file__`` and the code's file
+        # names absolute): a collective's site (rejoin.align) is then the same as the survivors'
+        runpy.run_path(os.path.abspath(argv[0]), run_name="__main__")
     finally:  # the script has ended: nothing stays replaced (the Guard's close() put its own back)
         CATCH.uninstall()
         undo()

@@ -270,6 +270,14 @@ def fingerprint_by_generator(fingerprint: Any) -> dict[str, tuple[Any, ...]]:
     return {name: _plain(parts[span]) for name, span in _SPANS if parts[span]}
 
 
+def alike_across_ranks(name: str) -> bool:
+    """Whether the generator ``name`` (``python``, ``numpy``, ``torch``, ``cuda``) of two ranks can
+    be compared to tell whether they were seeded alike: every one but ``cuda`` where this process
+    sees several CUDA devices (each rank of a node then draws from its own device's generator,
+    and the states of all devices never match between ranks)."""
+    return name != "cuda" or not torch.cuda.is_available() or torch.cuda.device_count() <= 1
+
+
 def _plain(value: Any) -> Any:
     return tuple(_plain(v) for v in value) if isinstance(value, (tuple, list)) else value
 
