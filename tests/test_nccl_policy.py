@@ -33,7 +33,7 @@ NCCL_REASON = f'not verified on NCCL here; [recovery] in_process = "{EXPERIMENTA
 
 # (backend of the default group, [recovery] in_process) -> (in_process, abort, declined: substring or None)
 TABLE = [
-    ("gloo", True, (True, False, None)),
+    ("gloo", True, (True, True, None)),  # the loss learned from the launcher on gloo too (issue 52)
     ("gloo", EXPERIMENTAL, (True, True, None)),
     ("gloo", False, (False, False, None)),
     ("nccl", True, (False, False, NCCL_REASON)),
@@ -96,7 +96,8 @@ def test_policy_invariants(backend, value):
     if value is False:
         assert policy == BackendPolicy(False, False)
     assert (policy.declined is not None) == (value is not False and not policy.in_process)
-    assert not policy.abort or (policy.in_process and value == EXPERIMENTAL)
+    assert not policy.abort or policy.in_process
+    assert not policy.abort or value == EXPERIMENTAL or set(parts(backend)) <= {"gloo"}
     if is_nccl(backend):
         assert policy.in_process == (value == EXPERIMENTAL) and policy.abort == (value == EXPERIMENTAL)
     if parts(backend) and set(parts(backend)) <= {"gloo"}:

@@ -103,6 +103,11 @@ class EventLog:
             console.warn(f"events could not be written: {error}; counting them until the disk has room")
         self.lost_error = error
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (an ``emit`` then fails)."""
+        return self._fd < 0
+
     def close(self) -> None:
         """Close the file (saying how many events were lost, if the last ones were); further
         ``emit`` calls fail."""

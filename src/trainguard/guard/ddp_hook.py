@@ -95,7 +95,7 @@ class DDPCommHook:
             lambda: before_last_bucket(step_in_progress()),
             (lambda buf: fold.extra(step_in_progress(), buf)) if carries else None,
             lambda values: fold.reduced(step_in_progress(), values),
-            group=group,
+            group=lambda: self.model.process_group,  # read at each bucket: a recovery gives DDP a new group
         )
         if hooks:  # the script's, registered before the Guard: trainguard's calls it
             hook, state = hooks[0]

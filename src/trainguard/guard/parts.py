@@ -222,7 +222,12 @@ def build(
         )
     launch = LaunchEnv.from_environ()  # read once: the parts get what they need of it
     p.events = events = EventLog(run_dir, rank, attempt=launch.restart_count)
-    console.quiet_peer_loss(is_peer_failure, lambda error, text: events.emit("peer_lost", error=error, traceback=text))
+
+    def peer_lost(error: str, text: str) -> None:  # told by sys.excepthook, which outlives a released log
+        if not events.closed:
+            events.emit("peer_lost", error=error, traceback=text)
+
+    console.quiet_peer_loss(is_peer_failure, peer_lost)
     policy = applies.recovery_policy(cfg.recovery.in_process)  # by the default group's backend (NCCL: restart)
     declined = applies.declined(s.framework, model, policy) if cfg.recovery.in_process else None
     rerun = cfg.sdc.on_instability == "rerun"

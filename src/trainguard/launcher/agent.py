@@ -43,7 +43,7 @@ from ..events import EventLog
 from ..exitcodes import ExitCode
 from ..launch_env import JOIN, RECOVERY_GROUP, RECOVERY_NONCE, RECOVERY_STORE
 from ..supervisor.monitor import HangMonitor
-from . import script_error
+from . import deathsig, script_error
 from .changes import MembershipChanges
 from .membership import (
     DECISION_CODES,
@@ -476,6 +476,9 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         :mod:`.replace`), or go on without them (**Shrink**)."""
         lost = list(d.ranks)
         self.events.emit("workers_failed", exit_codes={r: codes[r] for r in lost}, pids={r: procs[r].pid for r in lost})
+        orphans = [r for r in lost if deathsig.end_orphans(procs[r].pid)]  # their children hold their sockets
+        if orphans:
+            self.events.emit("orphans_ended", ranks=orphans, pids={r: procs[r].pid for r in orphans})
         workers = {w.local_rank: w for w in self.workers()}
         world_size = workers[lost[0]].world_size
         if isinstance(d, Shrink):

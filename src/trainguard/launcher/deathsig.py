@@ -84,3 +84,16 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))
+
+
+def end_orphans(pid: int) -> bool:
+    """SIGKILL what is left of the session of the rank ``pid`` that ended (torch elastic and the
+    replacement runner start each rank in a session of its own, its process group numbered as its
+    pid): its children that outlived it (DataLoader workers, a subprocess), which would hold its
+    group connections open and outlive the run. Whether any was there; a process group that no
+    longer exists, or that is not this user's, is left alone."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True

@@ -16,7 +16,8 @@ The rule, per backend (``in_process`` = ``true`` / ``"nccl-experimental"`` / ``f
 ==========================  ===================  ============================  =============
 backend of the default      true                 "nccl-experimental"           false
 ==========================  ===================  ============================  =============
-gloo                        in-process           in-process + abort watcher    group restart
+gloo                        in-process + abort   in-process + abort watcher    group restart
+                            watcher
 nccl, "cpu:gloo,cuda:nccl"  declined: restart    in-process + abort watcher    group restart
 any other (xccl, ucc, ...)  declined: restart    declined: restart             group restart
 none (one process)          in-process (no-op)   in-process (no-op)            group restart
@@ -24,9 +25,12 @@ none (one process)          in-process (no-op)   in-process (no-op)            g
 
 A backend string names NCCL when one of its parts is ``nccl`` (torch's ``"cpu:gloo,cuda:nccl"``,
 the default group ``init_process_group()`` makes on a GPU machine: the GPU's collectives are
-NCCL's). On gloo, ``"nccl-experimental"`` turns the abort watcher on too: there it cuts the
-group's connections (gloo's ``ProcessGroup.abort()`` does not end a blocked collective in torch
-2.13, measured), which is how the path is exercised without a GPU.
+NCCL's). On gloo the abort watcher is on whenever in-process recovery is (issue 52: a loss is
+learned from the launcher, never only from the transport): it cuts the group's connections
+(gloo's ``ProcessGroup.abort()`` does not end a blocked collective in torch 2.13, measured) as
+soon as the launcher publishes the loss, so a survivor does not wait on a dead rank whose children
+(DataLoader workers forked after ``init_process_group``) hold its sockets open; the same
+mechanism NCCL needs, exercised without a GPU.
 """
 
 from __future__ import annotations
@@ -93,8 +97,8 @@ def decide(backend: Optional[str], in_process: InProcessValue) -> BackendPolicy:
             abort=False,
             declined=f'not verified on NCCL here; [recovery] in_process = "{EXPERIMENTAL}" opts in',
         )
-    if all(n in VERIFIED for n in names):
-        return BackendPolicy(in_process=True, abort=experimental)
+    if all(n in VERIFIED for n in names):  # the loss learned from the launcher, as on NCCL (module doc)
+        return BackendPolicy(in_process=True, abort=True)
     return BackendPolicy(
         in_process=False,
         abort=False,

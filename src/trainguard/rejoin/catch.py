@@ -325,8 +325,9 @@ class DDPHook:
         extra: called with the step's carrying bucket (:attr:`carrier`): values to all-reduce
             with it (its dtype and device), or ``None``. The same number of values on every rank.
             The sums go to ``reduced``. (:mod:`trainguard.instability.fold`.)
-        group: the process group the model trains on (DDP's ``process_group``; ``None``: the
-            default group): the buckets are averaged over it, as DDP's own hook averages them.
+        group: ``() -> ProcessGroup``: the process group the model trains on now (DDP's
+            ``process_group``, which an in-process recovery replaces; ``None``: the default group),
+            read at each bucket: the buckets are averaged over it, as DDP's own hook averages them.
         delegate: ``(hook, state)``: the script's own communication hook, called as
             ``hook(state, bucket)`` instead of this hook's all-reduce (``extra`` is then not
             called); settable later (a registration after the Guard's, :meth:`InProcess.hook_ddp`).
@@ -354,10 +355,10 @@ class DDPHook:
         extra: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None,
         reduced: Callable[[torch.Tensor], None] = lambda values: None,
         delegate: Optional[tuple[Callable, Any]] = None,
-        group: Any = None,
+        group: Optional[Callable[[], Any]] = None,
     ):
         self.catch, self.before_last, self.extra, self.reduced = catch, before_last, extra, reduced
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = group if group is not None else (lambda: dist.group.WORLD)
         self.delegate = delegate
         self._index = {id(p): i for i, p in enumerate(params)}
         self._numel = [p.numel() for p in params]
@@ -386,7 +387,7 @@ class DDPHook:
             return done
         if self.delegate is not None:
             return self._delegated(bucket, buf)
-        group = self.group
+        group = self.group()
         buf.div_(group.size())
         extra = self.extra(buf) if self.extra is not None and bucket.index() == self.carrier else None
         # appended to the bucket only on two ranks: there each element's sum is one addition of
