@@ -85,6 +85,8 @@ class Boundary:
         p, step = self.p, self.world.step + 1
         if p.rejoin.failure is not None:  # a peer was lost in this step: it is done again
             p.recovery.refuse()
+            if p.step_start is not None:
+                p.step_start.refused = True
             return False
         # this rank's step boundary, before the last collective (see rejoin.boundary), unless
         # DDP's backward kept it before its last bucket (rejoin.catch)
@@ -112,6 +114,8 @@ class Boundary:
             decision = p.recovery.decide(verdict)
         if lost:
             p.recovery.refuse()
+            if p.step_start is not None:
+                p.step_start.refused = True
             return False
         if isinstance(decision, Rollback):
             p.rollbacks.roll_back(decision)

@@ -187,13 +187,18 @@ class InProcess:
         flight): the ``recovery_started`` event.
 
         Raises:
-            RegroupError: the model cannot be moved to a new group.
+            RegroupError: the model cannot be moved to a new group, or the interrupted step's update
+                may have been applied by the loop itself (:meth:`.StepStart.unguarded_update`).
         """
         failure = self.rejoin.failure
         self.events.emit(
             "recovery_started", failure.step, rank=place.rank, during=failure.during, error=str(failure.error)[:300]
         )
         regroup.check_rebindable(self.model)
+        why = self.step_start.unguarded_update() if self.step_start is not None and not self.sharded else None
+        if why is not None and not self.step_start.applied:
+            console.say(f"in-process recovery does not apply to this loss: {why}; the group restarts")
+            raise regroup.RegroupError(why)
 
     def recover(self, place: Place, redo: bool, take_completed: bool = True) -> Met:
         """A peer was lost in this step: meet its replacement in the launcher's next generation and

@@ -327,7 +327,7 @@ def build(
         p.step_start = StepStart(optimizer, s.scheduler, rejoin.failed)
     resized = (fold, sdc, straggler, p.micro)  # what holds something sized for the group (every part reads world)
     elastic = p.elastic
-    p.progress = Progress(rejoin, optimizer, p.step_start, events)
+    p.progress = Progress(rejoin, optimizer, p.step_start, events, model)
     p.inprocess = ip = InProcess(
         cfg,
         rejoin,

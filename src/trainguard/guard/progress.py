@@ -55,6 +55,7 @@ class Progress:
     Args:
         rejoin: this rank's recovery state (its store, generation and failure).
         optimizer: the script's optimizer (the loop check after a meeting compares its hyperparameters).
+        model: the script's model: a DDP model's parameters and optimizer state are compared too.
         step_start: the optimizer/scheduler state at the step's start (``None``: inactive; its
             scheduler is the one the loop check reads).
         events: the event log (``recovery_finished``).
@@ -66,8 +67,10 @@ class Progress:
         optimizer: Optional[torch.optim.Optimizer],
         step_start: Optional[StepStart],
         events: EventLog,
+        model: Optional[torch.nn.Module] = None,
     ):
         self.rejoin, self.optimizer, self.step_start, self.events = rejoin, optimizer, step_start, events
+        self.model = model  # a DDP model's replicas are compared after a meeting (loop_check.replica_state)
         # the generation this rank met and whose first completed step it has not told the launcher of
         # (the progress rule), with the step boundary of the meeting; a survivor's finish to say then
         self._stepping: Optional[tuple[int, int]] = None
@@ -120,9 +123,12 @@ class Progress:
             return
         number, _ = self._stepping
         self._stepping = None
-        if number > 0:  # after a meeting: do the ranks' loops still agree? (not at a new start)
+        verified: list[str] = []
+        if number > 0:  # after a meeting: do the ranks' loops and replicas still agree? (not at a new start)
             scheduler = self.step_start.scheduler if self.step_start is not None else None
-            LoopCheck(self.rejoin.store, self.optimizer, scheduler).check(number, rank, world_size, step)
+            check = LoopCheck(self.rejoin.store, self.optimizer, scheduler, self.model)
+            check.check(number, rank, world_size, step)
+            verified = check.verified
         self.rejoin.store.stepped(number)
         u, self._unsettled = self._unsettled, None
         if u is None:
@@ -140,8 +146,15 @@ class Progress:
             first_step=step,
             steps_lost=u.steps_lost,
             redo_step=u.redo_step,
+            verified=verified,
         )
         if u.said:
+            checked = (
+                f"every rank's {', '.join(verified)} found alike after it"
+                if verified
+                else "nothing compared across the ranks after it (not a DDP model, or a rank not heard from)"
+            )
             console.say(
-                f"recovered in-process: step {step} completed on the new group {seconds:.2f} s after the fault; {u.said}"
+                f"recovered in-process: step {step} completed on the new group {seconds:.2f} s after the fault; "
+                f"{u.said}; {checked}"
             )

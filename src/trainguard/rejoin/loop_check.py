@@ -42,6 +42,13 @@ from .regroup import RegroupError
 # seconds a rank waits for another's loop state: the step's last collective lines the ranks up,
 # so they end it within milliseconds of each other, unless one does work of its own after it
 WAIT = 5.0
+# what the check compares, as recovery_finished's ``verified`` names it, by the prefix of its keys
+VERIFIED = (
+    ("optimizer hyperparameters", "group "),
+    ("scheduler", "scheduler."),
+    ("parameters", "replica.parameters"),
+    ("optimizer state", "replica.optimizer state"),
+)
 STUCK = 1.0  # seconds another rank stays in one collective after this one ended the step: it is not in it
 POLL = 0.05  # seconds between two looks at the other rank
 
@@ -93,6 +100,30 @@ def loop_state(optimizer: Any, scheduler: Any = None) -> dict[str, Any]:
     return state
 
 
+def replica_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """What every replica of a DDP ``model`` holds bit for bit after a step: fingerprints
+    (:func:`~trainguard.sdc.replicas.fingerprint`, the exact sum of the bytes) of its parameters
+    and of the optimizer's state tensors (moments, step counts), as ``replica.parameters`` and
+    ``replica.optimizer state``. ``{}`` for any other model: a plain module may differ from rank to
+    rank by design, and a sharded one holds a shard each, so neither is compared."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..sdc.replicas import fingerprint
+
+    if not isinstance(model, DistributedDataParallel):
+        return {}
+    params = [p for p in model.parameters()]
+    state: dict[str, Any] = {"replica.parameters": fingerprint(params)}
+    if optimizer is not None:
+        tensors = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                st = optimizer.state.get(p, {})
+                tensors += [st[k] for k in sorted(st) if hasattr(st[k], "element_size")]
+        state["replica.optimizer state"] = fingerprint(tensors)
+    return state
+
+
 def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     """The keys whose values differ (or that one side lacks), as ``key: mine vs theirs``, sorted."""
     keys = sorted(set(mine) | set(theirs))
@@ -107,8 +138,9 @@ class LoopCheck:
         optimizer, scheduler: the Guard's (``None``: nothing to compare).
     """
 
-    def __init__(self, store: RecoveryStore, optimizer: Any, scheduler: Any = None):
-        self.store, self.optimizer, self.scheduler = store, optimizer, scheduler
+    def __init__(self, store: RecoveryStore, optimizer: Any, scheduler: Any = None, model: Any = None):
+        self.store, self.optimizer, self.scheduler, self.model = store, optimizer, scheduler, model
+        self.verified: list[str] = []  # what the last check compared and found alike on every rank it heard from
 
     def check(self, number: int, rank: int, world_size: int, step: int) -> None:
         """At the end of the first step ``step`` completed after meeting generation ``number``:
@@ -119,19 +151,24 @@ class LoopCheck:
             LoopDiverged: a rank's state differs from this one's (the recovery store and the console
                 say which values; the launcher restarts the group).
         """
-        mine = loop_state(self.optimizer, self.scheduler)
+        mine = {**loop_state(self.optimizer, self.scheduler), **replica_state(self.model, self.optimizer)}
+        self.verified = []
         if not mine:
             return
         self.store.loop_state(number, rank, json.dumps(mine, sort_keys=True))
+        heard = 0
         for other in range(world_size):
             if other == rank:
                 continue
             text = self._state_of(number, rank, other, step)
             if text is None:  # not within the wait: the settle bound covers it
                 continue
+            heard += 1
             diff = differences(mine, json.loads(text))
             if diff:
                 self._diverged(number, rank, other, step, diff)
+        if heard == world_size - 1:
+            self.verified = [what for what, key in VERIFIED if any(k.startswith(key) for k in mine)]
 
     def _state_of(self, number: int, rank: int, other: int, step: int) -> Optional[str]:
         """Rank ``other``'s loop state, looked for every :data:`POLL` seconds for :data:`WAIT`
@@ -167,9 +204,15 @@ class LoopCheck:
         """Say the divergence (console, recovery store) and raise :class:`LoopDiverged`."""
         shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
         reason = (
-            f"rank {rank}: after step {step}, done again in-process, its optimizer differs from rank {other}'s "
-            f"({shown}; rank {rank}'s vs rank {other}'s): the loop keeps counters of its own (an update count, "
-            "a batch index, a scheduler not given to the Guard) that moved on over the interrupted attempt"
+            f"rank {rank}: after step {step}, done again in-process, its state differs from rank {other}'s "
+            f"({shown}; rank {rank}'s vs rank {other}'s): "
+            + (
+                "the data-parallel replicas no longer hold the same model (an update the loop applied itself "
+                "in the interrupted attempt, a state the Guard was not given)"
+                if any(d.startswith("replica.") for d in diff)
+                else "the loop keeps counters of its own (an update count, a batch index, a scheduler not given "
+                "to the Guard) that moved on over the interrupted attempt"
+            )
         )
         self._give_up(number, reason, LoopDiverged)
 

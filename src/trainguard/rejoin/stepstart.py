@@ -49,6 +49,7 @@ class StepStart:
     def __init__(self, optimizer: Optional[torch.optim.Optimizer], scheduler: Any, failed: Callable[[], bool]):
         self.optimizer, self.scheduler, self.failed = optimizer, scheduler, failed
         self.applied = False  # optimizer.step() ran in this step with the group's gradients
+        self.refused = False  # should_step() told the loop not to update in this step (a peer was lost)
         self._groups: list[dict[str, Any]] = []
         self._scheduler: Optional[dict[str, Any]] = None
         self._found: list[weakref.ref] = []  # the optimizer's schedulers the Guard was not given
@@ -71,7 +72,7 @@ class StepStart:
     def begin(self) -> None:
         """A step begins: keep the hyperparameters (``lr``, ``betas``, ...: every parameter-group
         entry but the parameters) and the scheduler's state. About 20 µs for one group."""
-        self.applied = False
+        self.applied = self.refused = False
         for part in self._also:
             part.new_step()
         if self.optimizer is not None:
@@ -85,6 +86,20 @@ class StepStart:
             known = self.kept()
             self._found += [weakref.ref(s) for s in _schedulers_of(self.optimizer) if not any(s is k for k in known)]
         self._kept_found = [(ref, _copy(s.state_dict())) for ref in self._found if (s := ref()) is not None]
+
+    def unguarded_update(self) -> Optional[str]:
+        """Why the interrupted step's update may have been applied on this rank with its own
+        gradients, ``None`` when it cannot have been: without an optimizer given to the Guard (whose
+        pre-hook drops the update) a loop updates the parameters itself (``p.data.add_(...)``),
+        and only a ``should_step()`` that told it not to (``False`` in this step) keeps the
+        parameters as the step found them; the Guard cannot put them back (issue 52)."""
+        if self.optimizer is not None or self.refused:
+            return None
+        return (
+            "the Guard was given no optimizer and the loop did not ask should_step() in the interrupted step, so "
+            "its own update may have changed the parameters with this rank's gradients alone (pass "
+            "Guard(optimizer=...), or update only `if guard.should_step(loss):`)"
+        )
 
     def kept(self) -> list[Any]:
         """The schedulers whose state this step start keeps: the Guard's and those found."""
