@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, events, finish, launch
+from trainguard.patches import listed
 
 WORKER = Path(__file__).parent / "comm_hook_worker.py"
 
@@ -50,6 +51,9 @@ def test_the_scripts_fp16_hook_composes_with_trainguards_same_weights_as_the_hoo
         census = json.loads((tmp_path / f"census-{hook}-rank{rank}.json").read_text())
         # while the Guard is open every patch of in-process recovery is in place; after close() none
         assert census["before"] == [] and census["after"] == [], census
+        # every patch the census finds while the Guard is open is in trainguard.patches' table (the docs')
+        on_the_model = ("(on the instance)", "a communication hook of trainguard's")  # the model's, not a package's
+        assert [n for n in census["during"] if not any(m in n for m in on_the_model) and not listed(n)] == []
         assert {
             "torch.distributed.all_reduce",
             "torch.distributed.barrier",

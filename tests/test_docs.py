@@ -248,3 +248,13 @@ def test_benchmarks_readme_has_one_short_row_per_benchmark():
         assert len(cells) == 6, f"script | measures | baseline | goal | last result | date: {row[:80]}"
         assert all(len(c) <= 120 for c in cells), f"a cell longer than 120 characters (history goes to git): {row[:80]}"
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}|—", cells[5]), f"the date of the last result, or —: {cells[5]!r}"
+
+
+def test_the_patch_table_in_the_guard_docs_is_the_codes():
+    """docs/guard.md's table of what trainguard writes into other packages is trainguard.patches'."""
+    from trainguard import patches
+
+    text = (ROOT / "docs" / "guard.md").read_text()
+    start = text.index("<!-- patches:")
+    table = text[text.index("\n", start) + 1 : text.index("<!-- /patches -->")]
+    assert table == patches.markdown()

@@ -52,28 +52,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import patches
 from .align import ALIGN, DDP_BACKWARD, script_site
 
-# the public collectives of torch.distributed wrapped for the script's calls
-COLLECTIVES = (
-    "all_reduce",
-    "barrier",
-    "monitored_barrier",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "scatter",
-    "scatter_object_list",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-)
+# the public collectives of torch.distributed wrapped for the script's calls (trainguard.patches' table)
+COLLECTIVES = patches.COLLECTIVES
 PASS, LOCAL, CATCHING = "pass", "local", "catch"
 _OWN = ("torch", "trainguard")  # packages whose collectives are not the script's (torchmetrics is)
 
