@@ -29,6 +29,7 @@ def test_an_unguarded_hand_update_restarts_the_group_says_why_and_ends_with_the_
     proc = launch(run, script=WORKER, tiny=False, extra=KILL, default_recovery=True)
     log = Path(f"{run}.log").read_text
     assert finish(proc) == 0, log()[-3000:]
+    assert "the Guard was given no optimizer: a rank lost in a step is recovered in-process only where" in log()
     assert "in-process recovery does not apply to this loss: the Guard was given no optimizer" in log()
     assert not events(run, "recovery_finished") and events(run, "group_restart")
     assert final_hash(run) == clean

@@ -42,8 +42,11 @@ def declined(
     return None
 
 
-def say_where_it_applies(rejoin: Rejoin, in_process: bool, recovery_store: Optional[str], world_size: int) -> None:
-    """Rank 0, once at start: why in-process recovery (on by default) does not apply, if it does not."""
+def say_where_it_applies(
+    rejoin: Rejoin, in_process: bool, recovery_store: Optional[str], world_size: int, has_optimizer: bool = True
+) -> None:
+    """Rank 0, once at start: why in-process recovery (on by default) does not apply, if it does
+    not; and, for a loop whose optimizer the Guard was not given (``has_optimizer``), when it does."""
     if rejoin.declined is not None:
         console.say(
             f"in-process recovery does not apply ({rejoin.declined}): "
@@ -53,4 +56,10 @@ def say_where_it_applies(rejoin: Rejoin, in_process: bool, recovery_store: Optio
         console.say(
             "in-process recovery needs `trainguard run` (this run was launched otherwise): "
             "a lost rank ends the run as its launcher decides"
+        )
+    elif rejoin.active and world_size > 1 and not has_optimizer:
+        console.say(
+            "the Guard was given no optimizer: a rank lost in a step is recovered in-process only where the loop "
+            "asked should_step() before its own update in that step (else the group restarts); pass "
+            "Guard(optimizer=...) or update only `if guard.should_step(loss):`"
         )

@@ -242,7 +242,9 @@ def build(
     )
     catching = rejoin.active and world_size > 1  # where a lost peer is caught: the patches that serve it
     if rank == 0:
-        applies.say_where_it_applies(rejoin, cfg.recovery.in_process, launch.recovery_store, world_size)
+        applies.say_where_it_applies(
+            rejoin, cfg.recovery.in_process, launch.recovery_store, world_size, s.optimizer is not None
+        )
     p.reruns = StepRerun(rerun, world)
     p.step_inputs = StepInputs(model) if rerun and world_size > 1 else None
     background = cfg.checkpoint.async_save is True or (
