@@ -281,11 +281,11 @@ def _run_agent(
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
     from . import nodes
     from .agent import DECISION_CODES, TrainguardAgent
     from .pg_store import LoopbackStores
+    from .sealed_rdzv import sealed_handler, security_events
 
     console.quiet_torch_elastic(DECISION_CODES)
 
@@ -294,15 +294,16 @@ def _run_agent(
     hb_root = _node_local_dir("trainguard-hb-")
     monitor = HangMonitor(cfg, run_dir, hb_root, events) if cfg.supervisor.enabled else None
     replacer = None
+    from ..rejoin.auth import KeyFileError, Seal, launch_key, new_nonce
+
+    try:
+        key = launch_key(run_dir)  # seals the rendezvous state, and the recovery store's values
+    except KeyFileError as e:
+        raise ConfigError(str(e)) from None
     if cfg.recovery.in_process and max_nodes * opts.nproc_per_node > 1:  # one rank: no survivor to send the state
-        from ..rejoin.auth import KeyFileError, Seal, launch_key, new_nonce
         from ..rejoin.protocol import listen_address
         from .replace import Replacer
 
-        try:
-            key = launch_key(run_dir)
-        except KeyFileError as e:
-            raise ConfigError(str(e)) from None
         host = "127.0.0.1" if max_nodes == 1 else (opts.local_addr or socket.getfqdn())  # as torch's rendezvous
         replacer = Replacer(
             cfg.recovery,
@@ -361,7 +362,10 @@ def _run_agent(
         **_rdzv_configs(opts.rdzv_conf),
     )
     command = _rank_command(opts)
-    handler = rdzv_registry.get_rendezvous_handler(rdzv_params)
+    try:  # the state sealed JSON, never torch's pickle: one launcher alone binds it to its nonce too
+        handler = sealed_handler(rdzv_params, Seal(key, new_nonce() if standalone else b""), security_events(events))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     spec = WorkerSpec(
         role="trainer",
         local_world_size=opts.nproc_per_node,
