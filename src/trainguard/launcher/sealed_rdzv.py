@@ -30,6 +30,7 @@ every ``keep_alive_interval`` s).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import pickle
@@ -192,8 +193,9 @@ class SealedBackend(RendezvousBackend):
             raise ValueError("the rendezvous id must not be empty")
         rendezvous_classes()
         self.store, self.seal, self.key = store, seal, KEY.format(run_id)
-        self.on_refused = on_refused
+        self.on_refused = on_refused  # each distinct refused value once, MAX_TOLD at most
         self.told = 0
+        self.refused = b""  # the digest of the last value refused (each distinct value is told once)
         self.seq = 0  # the highest write count verified or written here: a lower one is a replay
         self.last: Optional[Any] = None  # the last state verified or written here
 
@@ -208,12 +210,19 @@ class SealedBackend(RendezvousBackend):
         except (ValueError, RuntimeError, TimeoutError, OSError) as e:
             raise RendezvousConnectionError(f"the rendezvous store failed ({op}): {type(e).__name__}: {e}") from e
 
-    def _refuse(self, why: str, detail: str) -> None:
+    def _refuse(self, why: str, detail: str, raw: bytes) -> None:
+        seen = hashlib.sha256(raw).digest()
+        if seen == self.refused:
+            return  # the same value read again (torch reads about once a second): told already
+        self.refused = seen
         self.told += 1
         if self.told <= MAX_TOLD:
             self.on_refused(self.key, why, detail)
         elif self.told == MAX_TOLD + 1:
             self.on_refused(self.key, "more", f"further refused values of {self.key} are not told")
+
+    def _sealed(self, state: Any) -> bytes:
+        return self.seal.seal(self.key, encode_state(state, self.seq + 1))
 
     def _fallback(self, token: bytes) -> tuple[bytes, bytes]:
         """The last state verified here (or an empty one) with ``token``: what a refused value reads as."""
@@ -226,24 +235,24 @@ class SealedBackend(RendezvousBackend):
         if raw == b"":
             if self.last is None and missing_ok:
                 return None
-            self._refuse("deleted", "the rendezvous state was deleted from the store")
+            self._refuse("deleted", "the rendezvous state was deleted from the store", raw)
             return self._fallback(b"")
         if len(raw) > MAX_STATE_BYTES:
-            self._refuse("oversize", f"{len(raw)} bytes, more than {MAX_STATE_BYTES}")
+            self._refuse("oversize", f"{len(raw)} bytes, more than {MAX_STATE_BYTES}", raw)
             return self._fallback(raw)
         body = self.seal.open(self.key, raw)
         if body is None:
-            self._refuse(self.seal.why(self.key, raw) or "forged", "its seal does not verify")
+            self._refuse(self.seal.why(self.key, raw) or "forged", "its seal does not verify", raw)
             return self._fallback(raw)
         try:
             state, seq = decode_state(body)
         except StateFormatError as e:
-            self._refuse("corrupt", str(e))
+            self._refuse("corrupt", str(e), raw)
             return self._fallback(raw)
         if seq < self.seq:
-            self._refuse("replayed", f"write {seq} after write {self.seq} was seen")
+            self._refuse("replayed", f"write {seq} after write {self.seq} was seen", raw)
             return self._fallback(raw)
-        self.seq, self.last = seq, state
+        self.seq, self.last, self.refused = seq, state, b""
         return pickle.dumps(state), raw
 
     def _read(self) -> bytes:
@@ -269,7 +278,7 @@ class SealedBackend(RendezvousBackend):
             pickle.UnpicklingError: ``state`` is not torch's pickle of its state.
         """
         mine = _from_torch(state)
-        sealed = self.seal.seal(self.key, encode_state(mine, self.seq + 1))
+        sealed = self._sealed(mine)
         expected = token if isinstance(token, bytes) else b""
         raw = self._call("compare_set", self.key, expected, sealed)
         if raw == sealed:

@@ -1,0 +1,199 @@
+"""A co-tenant attacks a real one-node launch (issue 54): a second, unprivileged user of the node
+(made for the test, removed after) connects to the launcher's rendezvous store on loopback, as any
+local user can, and tries what issue 54 found: a pickle that runs code as the launching user,
+garbage, a 2 MiB value, deleted keys, a replayed state. The launch must refuse each with a
+``security`` event, run nothing, and finish with the right result.
+
+The unit tests of the sealed rendezvous state (:mod:`trainguard.launcher.sealed_rdzv`) over a real
+store are here too."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from trainguard.launcher.sealed_rdzv import KEY, MAX_STATE_BYTES, SealedBackend, decode_state, encode_state
+from trainguard.rejoin.auth import Seal
+
+HERE = Path(__file__).resolve().parent
+SEAL = Seal(bytes(range(32)), b"n" * 16)
+
+
+@pytest.fixture
+def mallory():
+    """A second, unprivileged user of this node (removed after the test); skipped unless root."""
+    if os.geteuid() != 0:
+        pytest.skip("making a second user needs root")
+    name = f"tgm{uuid.uuid4().hex[:8]}"
+    r = subprocess.run(["useradd", "-M", "-s", "/bin/sh", name], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"useradd failed: {r.stderr.strip()}")
+    try:
+        yield name
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
+def as_user(user: str, *argv: str, **kwargs) -> subprocess.Popen:
+    """``argv`` run as ``user`` (through ``su``), stdin and stdout piped."""
+    command = " ".join(f"'{a}'" for a in argv)
+    return subprocess.Popen(
+        ["su", "-s", "/bin/sh", user, "-c", f"exec {command}"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the sealed state over a real store -----------------------------------------------------------
+
+
+def a_state(nodes: int = 2):
+    state = _RendezvousState()
+    now = datetime.now(timezone.utc)
+    for i in range(nodes):
+        node = _NodeDesc(f"host{i}", 100 + i, i)
+        state.participants[node] = i
+        state.last_heartbeats[node] = now
+    state.wait_list.add(_NodeDesc("late", 7, 0))
+    state.round, state.complete, state.deadline = 3, True, now + timedelta(seconds=30)
+    return state
+
+
+def test_the_state_round_trips_as_json_and_every_field_is_checked():
+    state = a_state()
+    back, seq = decode_state(encode_state(state, 5))
+    assert (vars(back), seq) == (vars(state), 5)
+    assert b"\x80" not in encode_state(state, 1)  # JSON, no pickle opcodes
+    bad = encode_state(state, 1).replace(b'"round":3', b'"round":"3"')
+    with pytest.raises(ValueError, match="round"):
+        decode_state(bad)
+
+
+@pytest.fixture
+def store():
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    yield s
+
+
+def backend(store, told):
+    return SealedBackend(store, "job", SEAL, lambda key, why, detail: told.append(why))
+
+
+def test_refused_values_read_as_the_last_verified_state_and_the_next_write_replaces_them(store, tmp_path):
+    """A pickle that would run code, garbage, an oversize value, a deleted key and a replayed
+    earlier write: each is told once (``why``), reads as the last verified state, never reaches
+    ``pickle.loads`` (the bytes returned are the pickle of a state built here), and the next
+    write of torch's handler (its token) replaces it. A deleted key is seen at once, not after
+    the store's 30 s timeout."""
+    told: list[str] = []
+    b = backend(store, told)
+    assert b.get_state() is None
+    state = a_state()
+    bits, token, ok = b.set_state(pickle.dumps(state), None)
+    assert ok and pickle.loads(bits).__dict__ == state.__dict__
+    first = token
+    state.round = 4
+    _, token, ok = b.set_state(pickle.dumps(state), token)
+    assert ok
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    key = KEY.format("job")
+    for why, write in [
+        ("forged", lambda: store.set(key, pickle.dumps(Payload()))),
+        ("forged", lambda: store.set(key, b"\x00garbage")),
+        ("oversize", lambda: store.set(key, b"x" * (MAX_STATE_BYTES + 1))),
+        ("deleted", lambda: store.delete_key(key)),
+        ("replayed", lambda: store.set(key, first)),
+    ]:
+        write()
+        t0 = time.monotonic()
+        for _ in range(2):  # a value read twice is told once
+            bits, token = b.get_state()
+            assert pickle.loads(bits).__dict__ == state.__dict__
+        assert time.monotonic() - t0 < 5
+        assert told[-1] == why
+        _, token, ok = b.set_state(pickle.dumps(state), token)
+        assert ok, why  # the handler's next write heals the store
+    assert told == ["forged", "forged", "oversize", "deleted", "replayed"]
+    assert not marker.exists()
+
+
+def test_another_keys_or_launchs_seal_does_not_open(store):
+    told: list[str] = []
+    mine = backend(store, told)
+    mine.set_state(pickle.dumps(a_state()), None)
+    theirs = SealedBackend(store, "job", Seal(bytes(range(32)), b"m" * 16), lambda k, w, d: told.append(w))
+    bits, _ = theirs.get_state()
+    assert told == ["replayed"] and pickle.loads(bits).participants == {}
+
+
+# ---- a real launch, attacked by another user ---------------------------------------------------
+
+
+def test_a_co_tenant_cannot_run_code_crash_or_hang_a_launch_through_its_rendezvous_store(tmp_path, mallory):
+    """A one-node launch of two gloo ranks with its rendezvous store on ``127.0.0.1:PORT``
+    (``--rdzv-endpoint``, where issue 54 ran code as the launching user). While the ranks wait,
+    another user writes a code-running pickle under torch's key and trainguard's, then garbage, a
+    2 MiB value, deletes both keys and writes back an earlier sealed state. The launcher tells
+    each (``security`` events with their ``why``), runs nothing, and the ranks then all-reduce and
+    the launch ends 0 with the right sum. Before the sealed backend, torch's handler unpickled the
+    payload within about a second (the marker file appeared, as root)."""
+    from conftest import events, finish, launch, wait_for
+
+    run, port, rid = tmp_path / "run", free_port(), uuid.uuid4().hex
+    marker, go, out = tmp_path / "ran-as-launcher", tmp_path / "go", tmp_path / "out"
+    proc = launch(
+        run,
+        script=HERE / "gate_worker.py",
+        tiny=False,
+        script_args=(str(go), str(out)),
+        extra=("--nnodes", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rid),
+    )
+    attacker = as_user(mallory, sys.executable, str(HERE / "store_attacker.py"), str(port), rid, str(marker))
+    try:
+        assert attacker.stdout.readline().strip() == "ready"
+
+        def refused(n: int):
+            assert not marker.exists(), f"the payload ran as uid {marker.read_text().strip()}"
+            assert proc.poll() is None, f"the launcher ended {proc.returncode} during the attacks"
+            return len(events(run, "security")) >= n
+
+        for n, attack in enumerate(["pickle", "garbage", "oversize", "delete", "replay"], 1):
+            attacker.stdin.write(attack + "\n")
+            attacker.stdin.flush()
+            assert attacker.stdout.readline().strip() == f"done {attack}"
+            wait_for(lambda n=n: refused(n), timeout=60, what=f"the launcher's refusal of {attack}")
+        go.touch()
+        assert finish(proc, timeout=120) == 0, Path(f"{run}.log").read_text()[-3000:]
+    finally:
+        attacker.stdin.close()
+        attacker.wait(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+    assert not marker.exists()
+    assert out.read_text() == "12.0"
+    whys = [e["details"]["why"] for e in events(run, "security")]
+    assert set(whys) >= {"forged", "oversize", "deleted", "replayed"}, whys
