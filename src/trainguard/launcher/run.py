@@ -341,8 +341,10 @@ def _run_agent(
         }
     )
     standalone = max_nodes == 1 and not opts.rdzv_endpoint
-    rdzv_store = _loopback_rendezvous_store() if standalone else None  # held for the launch's life
-    endpoint = f"127.0.0.1:{rdzv_store.port}" if rdzv_store is not None else opts.rdzv_endpoint
+    # one node: torch's rendezvous store is a FileStore in the private run directory (no port
+    # another user of the node could connect to); several: the c10d TCPStore at --rdzv-endpoint
+    rdzv_file = _private_rendezvous_file(run_dir) if standalone else None
+    endpoint = str(rdzv_file) if rdzv_file is not None else opts.rdzv_endpoint
     if not endpoint:
         raise ConfigError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
     max_restarts = cfg.launcher.max_restarts if opts.max_restarts is None else opts.max_restarts
@@ -359,7 +361,7 @@ def _run_agent(
         min_nodes=min_nodes,
         max_nodes=min_nodes if spare_nodes else max_nodes,
         local_addr="127.0.0.1" if standalone else opts.local_addr,  # one node: the workers meet on loopback
-        **_rdzv_configs(opts.rdzv_conf),
+        **{**_rdzv_configs(opts.rdzv_conf), **({"store_type": "file"} if standalone else {})},
     )
     command = _rank_command(opts)
     try:  # the state sealed JSON, never torch's pickle: one launcher alone binds it to its nonce too
@@ -424,6 +426,8 @@ def _run_agent(
             refresher.stop()
         if not spare:  # a spare node never joined the rendezvous: its shutdown would close it for all
             spec.rdzv_handler.shutdown()
+        if rdzv_file is not None:
+            rdzv_file.unlink(missing_ok=True)
         if monitor is not None:
             monitor.group_stopped()
         shutil.rmtree(hb_root, ignore_errors=True)
@@ -534,27 +538,18 @@ def _touch(path: Path) -> None:
 __all__ = ["LaunchOptions", "RunDirLocked", "launch", "parse_nnodes"]
 
 
-def _loopback_rendezvous_store():
-    """One node: the server of torch's rendezvous store, listening on loopback only. torch's c10d
-    rendezvous creates its ``TCPStore`` server on every interface; this one is bound here
-    (``master_listen_fd``, as :func:`~trainguard.rejoin.protocol.serve`) and made *multi-tenant*,
-    so the ``TCPStore`` torch then opens on the same port in this process takes it over (torch
-    keeps one server per port for multi-tenant stores). Read ``.port``; keep it alive."""
-    from datetime import timedelta
+RENDEZVOUS_FILE = ".rendezvous-store"
 
-    import torch.distributed as dist
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    return dist.TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        multi_tenant=True,
-        timeout=timedelta(seconds=60),
-        master_listen_fd=sock.detach(),
-    )
+def _private_rendezvous_file(run_dir: Path) -> Path:
+    """One node: the file of torch's rendezvous store (a ``FileStore``), ``RUN_DIR/.rendezvous-store``.
+    The run directory is private (0700, :func:`~trainguard.rundir.check_private`): no other user
+    can open it, where a ``TCPStore`` on loopback takes any local user's connections (issue 54).
+    A file left by a launch that died is removed (the run directory is locked: no launch uses it).
+
+    Raises:
+        OSError: the file cannot be removed.
+    """
+    path = Path(run_dir) / RENDEZVOUS_FILE
+    path.unlink(missing_ok=True)
+    return path
