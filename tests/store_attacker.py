@@ -15,7 +15,8 @@ ATTACK`` after each:
 * ``replay``: waits until trainguard's key holds a value other than the copy (the launcher
   wrote since), then writes the copy back.
 
-Usage: ``store_attacker.py PORT RUN_ID MARKER``.
+Usage: ``store_attacker.py PORT RUN_ID MARKER``; ``store_attacker.py --survey RUN_DIR PORT...``
+(see :func:`survey`).
 """
 
 from __future__ import annotations
@@ -82,5 +83,27 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def survey(argv: list[str]) -> int:
+    """``store_attacker.py --survey RUN_DIR PORT...``: print what this user reaches of a one-node
+    launch's rendezvous: ``file: ...`` (opening ``RUN_DIR/.rendezvous-store``) and ``keys PORT:
+    ...`` (the rendezvous keys of the store on each port, or why none)."""
+    run_dir, ports = argv[2], [int(p) for p in argv[3:]]
+    try:
+        with open(os.path.join(run_dir, ".rendezvous-store"), "rb") as f:
+            print(f"file: read {len(f.read())} bytes", flush=True)
+    except OSError as e:
+        print(f"file: {type(e).__name__}", flush=True)
+    for port in ports:
+        try:
+            store = dist.TCPStore(
+                "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5)
+            )
+            keys = [k for k in store.list_keys() if "rendezvous" in k]
+            print(f"keys {port}: {keys}", flush=True)
+        except Exception as e:  # noqa: BLE001 (a port that is no store)
+            print(f"keys {port}: {type(e).__name__}", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(survey(sys.argv) if sys.argv[1] == "--survey" else main(sys.argv))

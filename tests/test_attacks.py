@@ -197,3 +197,38 @@ def test_a_co_tenant_cannot_run_code_crash_or_hang_a_launch_through_its_rendezvo
     assert out.read_text() == "12.0"
     whys = [e["details"]["why"] for e in events(run, "security")]
     assert set(whys) >= {"forged", "oversize", "deleted", "replayed"}, whys
+
+
+def test_a_one_node_launchs_rendezvous_store_is_out_of_another_users_reach(tmp_path, mallory):
+    """A one-node launch (no ``--rdzv-endpoint``) keeps torch's rendezvous store in a file of its
+    private run directory: another user can neither open the file nor find a rendezvous key on
+    any port the launcher listens on. Before, the store was a TCPStore on loopback whose keys any
+    local user could list and write."""
+    import psutil
+
+    from conftest import finish, launch, wait_for
+
+    run, go, out = tmp_path / "run", tmp_path / "go", tmp_path / "out"
+    proc = launch(run, script=HERE / "gate_worker.py", tiny=False, script_args=(str(go), str(out)))
+    try:
+        launcher = psutil.Process(proc.pid)
+        wait_for(lambda: len(launcher.children(recursive=True)) >= 2, what="the ranks")
+
+        def ports():
+            return sorted({c.laddr.port for c in launcher.net_connections("tcp") if c.status == psutil.CONN_LISTEN})
+
+        wait_for(ports, what="the process-group store")
+        survey = as_user(
+            mallory, sys.executable, str(HERE / "store_attacker.py"), "--survey", str(run), *map(str, ports())
+        )
+        seen, _ = survey.communicate(timeout=60)
+        go.touch()
+        assert finish(proc, timeout=120) == 0, Path(f"{run}.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "file: PermissionError" in seen, seen
+    reached = [line for line in seen.splitlines() if line.startswith("keys ") and "'" in line]
+    assert not reached, seen  # no port of the launcher serves a rendezvous key
+    assert out.read_text() == "12.0"
+    assert not (run / ".rendezvous-store").exists()
