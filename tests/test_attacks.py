@@ -232,3 +232,36 @@ def test_a_one_node_launchs_rendezvous_store_is_out_of_another_users_reach(tmp_p
     assert not reached, seen  # no port of the launcher serves a rendezvous key
     assert out.read_text() == "12.0"
     assert not (run / ".rendezvous-store").exists()
+
+
+class _DeletingStore:
+    """A store whose key another client deletes right after this one checks it (the worst timing
+    of a co-tenant's ``delete_key``)."""
+
+    def __init__(self, store):
+        self.store, self.armed = store, False
+
+    def check(self, keys):
+        there = self.store.check(keys)
+        for key in keys if self.armed else ():
+            self.store.delete_key(key)
+        return there
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_recovery_store_read_of_a_key_deleted_meanwhile_neither_waits_nor_raises():
+    """Issue 54: a read was ``check`` then ``get``; a key deleted between the two made ``get``
+    wait out the store's timeout and raise. Now one non-waiting round trip (``read_now``)."""
+    from trainguard.rejoin.protocol import RecoveryStore
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=3))
+    store = _DeletingStore(server)
+    recovery = RecoveryStore(store, 1, SEAL)
+    recovery.accept(4)
+    store.armed = True
+    t0 = time.monotonic()
+    assert recovery.accepted(4)
+    assert recovery.peek(5) is None
+    assert time.monotonic() - t0 < 1.5

@@ -41,13 +41,12 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 from ..compat import DYNAMIC_RDZV, RENDEZVOUS_FIELDS, rendezvous_classes
-from ..rejoin.auth import Seal
+from ..rejoin.auth import Seal, StoreReadError, read_now
 
 KEY = "trainguard/rendezvous/{}"  # + run id
 MAX_STATE_BYTES = 1 << 20  # a sealed state above this is refused unread (1,000 nodes: ~200 KB)
 MAX_NODES = 4096  # entries per list of the state
 MAX_ADDR = 255  # characters of a node's address (a host name's limit)
-PROBE = "trainguard:probe"  # compare_set(key, PROBE, PROBE) reads a key without waiting for it
 MAX_TOLD = 20  # security events per backend; later refusals are counted in the last one
 
 Token = Optional[bytes]
@@ -256,8 +255,11 @@ class SealedBackend(RendezvousBackend):
         return pickle.dumps(state), raw
 
     def _read(self) -> bytes:
-        raw = self._call("compare_set", self.key, PROBE, PROBE)  # the value, or PROBE when absent
-        return b"" if raw == PROBE.encode() else raw
+        try:
+            raw = read_now(self.store, self.key)
+        except StoreReadError as e:
+            raise RendezvousConnectionError(f"the rendezvous store failed: {e}") from e
+        return b"" if raw is None else raw
 
     def get_state(self) -> Optional[tuple[bytes, Token]]:
         """The state (torch's pickle of a state built here) and its token; ``None`` when there is
