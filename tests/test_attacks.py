@@ -63,6 +63,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listeners(pid: int, least: int) -> list[tuple[str, int]]:
+    """The listening TCP addresses of process ``pid`` and its children, when there are ``least``."""
+    import psutil
+
+    found = []
+    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            found += [(c.laddr.ip, c.laddr.port) for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            pass
+    return found if len(found) >= least else []
+
+
 # ---- the sealed state over a real store -----------------------------------------------------------
 
 
@@ -155,7 +168,8 @@ def test_another_keys_or_launchs_seal_does_not_open(store):
 
 def test_a_co_tenant_cannot_run_code_crash_or_hang_a_launch_through_its_rendezvous_store(tmp_path, mallory):
     """A one-node launch of two gloo ranks with its rendezvous store on ``127.0.0.1:PORT``
-    (``--rdzv-endpoint``, where issue 54 ran code as the launching user). While the ranks wait,
+    (``--rdzv-endpoint``, where issue 54 ran code as the launching user); every store listens on
+    loopback only (before, the process group's store was on ``*:PORT``). While the ranks wait,
     another user writes a code-running pickle under torch's key and trainguard's, then garbage, a
     2 MiB value, deletes both keys and writes back an earlier sealed state. The launcher tells
     each (``security`` events with their ``why``), runs nothing, and the ranks then all-reduce and
@@ -175,6 +189,8 @@ def test_a_co_tenant_cannot_run_code_crash_or_hang_a_launch_through_its_rendezvo
     attacker = as_user(mallory, sys.executable, str(HERE / "store_attacker.py"), str(port), rid, str(marker))
     try:
         assert attacker.stdout.readline().strip() == "ready"
+        listening = wait_for(lambda: listeners(proc.pid, 2), what="the rendezvous and process-group stores")
+        assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening  # before: the group's store on *:PORT
 
         def refused(n: int):
             assert not marker.exists(), f"the payload ran as uid {marker.read_text().strip()}"

@@ -42,7 +42,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from .. import console, faults
 from ..config import Config, ConfigError, load_config, parse_key_values, split_cli_args
@@ -345,6 +345,8 @@ def _run_agent(
     # another user of the node could connect to); several: the c10d TCPStore at --rdzv-endpoint
     rdzv_file = _private_rendezvous_file(run_dir) if standalone else None
     endpoint = str(rdzv_file) if rdzv_file is not None else opts.rdzv_endpoint
+    # one node at a loopback --rdzv-endpoint: its TCPStore listens there only (held for the launch's life)
+    rdzv_server = _loopback_server(opts.rdzv_endpoint) if max_nodes == 1 and opts.rdzv_endpoint else None
     if not endpoint:
         raise ConfigError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
     max_restarts = cfg.launcher.max_restarts if opts.max_restarts is None else opts.max_restarts
@@ -373,7 +375,7 @@ def _run_agent(
         local_world_size=opts.nproc_per_node,
         entrypoint=command[0],
         args=tuple(command[1:]),
-        rdzv_handler=LoopbackStores(handler) if standalone else handler,
+        rdzv_handler=LoopbackStores(handler) if max_nodes == 1 else handler,  # one node: the group's store on loopback
         max_restarts=max_restarts,
         monitor_interval=opts.monitor_interval or cfg.launcher.monitor_interval,
         local_addr=opts.local_addr,
@@ -428,6 +430,8 @@ def _run_agent(
             spec.rdzv_handler.shutdown()
         if rdzv_file is not None:
             rdzv_file.unlink(missing_ok=True)
+        if rdzv_server is not None:  # the loopback server outlives the handler's shutdown
+            del rdzv_server
         if monitor is not None:
             monitor.group_stopped()
         shutil.rmtree(hb_root, ignore_errors=True)
@@ -553,3 +557,48 @@ def _private_rendezvous_file(run_dir: Path) -> Path:
     path = Path(run_dir) / RENDEZVOUS_FILE
     path.unlink(missing_ok=True)
     return path
+
+
+def _loopback_server(endpoint: str) -> Optional[Any]:
+    """One node at ``--rdzv-endpoint HOST:PORT`` with a loopback ``HOST``: the server of torch's
+    rendezvous store, bound to that address only (``None`` for another host: torch's own, which
+    listens on every interface). torch's c10d rendezvous creates its ``TCPStore`` server on every
+    interface; this one is bound here (``master_listen_fd``) and made *multi-tenant*, so the
+    ``TCPStore`` torch then opens on the same port in this process takes it over (torch keeps one
+    server per port for multi-tenant stores). Keep it alive.
+
+    Raises:
+        ConfigError: ``endpoint`` is not ``HOST:PORT``, or the port cannot be bound.
+    """
+    import ipaddress
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ..rejoin.protocol import parse_address
+
+    try:
+        host, port = parse_address(endpoint)
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        return None
+    host = "127.0.0.1" if host == "localhost" else host
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"--rdzv-endpoint {endpoint}: cannot listen there: {e.strerror or e}") from None
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        multi_tenant=True,
+        timeout=timedelta(seconds=60),
+        master_listen_fd=sock.detach(),
+    )
