@@ -281,3 +281,44 @@ def test_a_recovery_store_read_of_a_key_deleted_meanwhile_neither_waits_nor_rais
     assert recovery.accepted(4)
     assert recovery.peek(5) is None
     assert time.monotonic() - t0 < 1.5
+
+
+def test_a_run_dir_through_another_users_symbolic_link_is_refused(tmp_path, mallory):
+    """Issue 54: a run directory given through a link another user made (in ``/tmp``) was
+    followed; they could point it elsewhere between two looks. Now exit 2, naming the link."""
+    target = tmp_path / "mine"
+    link = Path("/tmp") / f"tg-link-{uuid.uuid4().hex[:8]}"
+    made = as_user(mallory, "/bin/ln", "-s", str(target), str(link))
+    made.communicate(timeout=30)
+    assert link.is_symlink() and link.lstat().st_uid != 0
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "trainguard.cli", "run", "--run-dir", str(link), str(HERE / "gate_worker.py")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        link.unlink()
+    assert r.returncode == 2, r.stderr
+    assert "symbolic link" in r.stderr and str(link) in r.stderr
+    assert not target.exists()
+
+
+def test_a_node_local_checkpoint_dir_under_another_users_directory_is_refused(tmp_path, mallory):
+    """Issue 54: ``checkpoint.local.dir`` under a 0777 ``/dev/shm/...`` that another user made was
+    accepted (they could swap the copies a resume loads). Now the ranks refuse it: exit 2."""
+    from conftest import finish, launch
+
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    theirs = shm / f"tg-{uuid.uuid4().hex[:8]}"
+    as_user(mallory, "/bin/mkdir", "-m", "777", str(theirs)).communicate(timeout=30)
+    assert theirs.is_dir() and theirs.stat().st_uid != 0
+    try:
+        run = tmp_path / "run"
+        proc = launch(run, "train.max_steps=2", f"checkpoint.local.dir={theirs}/{{rank}}")
+        assert finish(proc, timeout=120) == 2
+    finally:
+        subprocess.run(["rm", "-rf", str(theirs)])
+    log = Path(f"{run}.log").read_text()
+    assert "checkpoint.local.dir" in log and "not to this user" in log, log[-2000:]

@@ -132,6 +132,7 @@ def launch(opts: LaunchOptions) -> int:
     too_large = min_ranks_error(cfg.elastic.min_ranks, max_nodes * opts.nproc_per_node)
     if too_large:
         raise ConfigError(too_large)
+    _refuse_foreign_link(Path(opts.run_dir))
     run_dir = Path(opts.run_dir).resolve()
     os.umask(0o077)  # the launch's files and its ranks' are their owner's only (docs/recovery.md)
     prepare_run_dir(run_dir)
@@ -540,6 +541,24 @@ def _touch(path: Path) -> None:
 
 
 __all__ = ["LaunchOptions", "RunDirLocked", "launch", "parse_nnodes"]
+
+
+def _refuse_foreign_link(path: Path) -> None:
+    """Refuse a ``--run-dir`` that is, or passes through, a symbolic link another user owns: they
+    could point it elsewhere between two looks (issue 54). A link of this user's (or root's) is
+    followed.
+
+    Raises:
+        ConfigError: names the link and its owner.
+    """
+    for p in (path, *path.parents):
+        try:
+            if p.is_symlink() and (uid := p.lstat().st_uid) not in (os.geteuid(), 0):
+                raise ConfigError(
+                    f"run dir {path}: {p} is a symbolic link of uid {uid}, not of this user; give the directory itself"
+                )
+        except OSError:
+            continue
 
 
 RENDEZVOUS_FILE = ".rendezvous-store"
