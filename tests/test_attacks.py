@@ -14,6 +14,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -219,12 +220,18 @@ def test_a_one_node_launchs_rendezvous_store_is_out_of_another_users_reach(tmp_p
     """A one-node launch (no ``--rdzv-endpoint``) keeps torch's rendezvous store in a file of its
     private run directory: another user can neither open the file nor find a rendezvous key on
     any port the launcher listens on. Before, the store was a TCPStore on loopback whose keys any
-    local user could list and write."""
+    local user could list and write. Also: a node-local directory left in /dev/shm by a launcher
+    that died is removed at the next launch (before, they stayed)."""
     import psutil
 
     from conftest import finish, launch, wait_for
 
     run, go, out = tmp_path / "run", tmp_path / "go", tmp_path / "out"
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process has now: a crashed launcher's
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    orphan = shm / f"trainguard-hb-{gone.pid}-dead"
+    orphan.mkdir(mode=0o700)
     proc = launch(run, script=HERE / "gate_worker.py", tiny=False, script_args=(str(go), str(out)))
     try:
         launcher = psutil.Process(proc.pid)
@@ -248,6 +255,7 @@ def test_a_one_node_launchs_rendezvous_store_is_out_of_another_users_reach(tmp_p
     assert not reached, seen  # no port of the launcher serves a rendezvous key
     assert out.read_text() == "12.0"
     assert not (run / ".rendezvous-store").exists()
+    assert not orphan.exists()  # a crashed launch's node-local directory is removed by the next
 
 
 class _DeletingStore:

@@ -82,9 +82,32 @@ class LaunchOptions:
 
 
 def _node_local_dir(prefix: str) -> Path:
-    """A fresh node-local directory: in /dev/shm (memory) when possible."""
+    """A fresh node-local directory, ``PREFIX<launcher pid>-XXXX``: in /dev/shm (memory) when
+    possible. Those that launchers no longer running left (killed: no cleanup ran) are removed
+    first (:func:`_remove_orphans`)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    _remove_orphans(Path(base or tempfile.gettempdir()), prefix)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base))
+
+
+def _remove_orphans(base: Path, prefix: str) -> None:
+    """Remove the directories ``base/PREFIX<pid>-*`` of this user whose launcher (``pid``) is gone
+    (issue 54: a crashed launch's heartbeat and boundary files stayed in /dev/shm). A directory
+    whose pid runs (a launcher, or a process that took the number) is kept."""
+    try:
+        entries = list(base.glob(f"{prefix}*-*"))
+    except OSError:
+        return
+    for d in entries:
+        pid = d.name[len(prefix) :].partition("-")[0]
+        try:
+            if not pid.isdigit() or d.is_symlink() or d.lstat().st_uid != os.geteuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except OSError:  # PermissionError: the pid runs as another user
+            continue
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
