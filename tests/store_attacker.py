@@ -16,7 +16,7 @@ ATTACK`` after each:
   wrote since), then writes the copy back.
 
 Usage: ``store_attacker.py PORT RUN_ID MARKER``; ``store_attacker.py --survey RUN_DIR PORT...``
-(see :func:`survey`).
+(see :func:`survey`); ``store_attacker.py --flood PORT N`` (see :func:`flood`).
 """
 
 from __future__ import annotations
@@ -105,5 +105,26 @@ def survey(argv: list[str]) -> int:
     return 0
 
 
+def flood(argv: list[str]) -> int:
+    """``store_attacker.py --flood PORT N``: open ``N`` idle connections to ``127.0.0.1:PORT``,
+    print ``held K`` (those it got) and keep them until stdin closes."""
+    import resource
+    import socket
+
+    port, n = int(argv[2]), int(argv[3])
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, n + 64)), hard))
+    held = []
+    for _ in range(n):
+        try:
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        except OSError:
+            break
+    print(f"held {len(held)}", flush=True)
+    sys.stdin.read()
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(survey(sys.argv) if sys.argv[1] == "--survey" else main(sys.argv))
+    modes = {"--survey": survey, "--flood": flood}
+    sys.exit(modes.get(sys.argv[1], main)(sys.argv))

@@ -330,3 +330,37 @@ def test_a_node_local_checkpoint_dir_under_another_users_directory_is_refused(tm
         subprocess.run(["rm", "-rf", str(theirs)])
     log = Path(f"{run}.log").read_text()
     assert "checkpoint.local.dir" in log and "not to this user" in log, log[-2000:]
+
+
+def test_idle_connections_of_another_user_do_not_exhaust_the_launchers_descriptors(tmp_path, mallory):
+    """Issue 54: 1,500 idle connections of another user to a launcher's store port made it die
+    (``Too many open files``, at a soft limit of 1,024). The launcher now raises its soft limit to
+    the hard one: started at 1,024 here, it takes the connections and the launch ends 0."""
+    import resource
+
+    from conftest import finish, launch, wait_for
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 4096:
+        pytest.skip(f"the hard open-files limit ({hard}) leaves no room above 1,500 connections")
+    run, go, out = tmp_path / "run", tmp_path / "go", tmp_path / "out"
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # the launcher starts at 1,024, as in issue 54
+    try:
+        proc = launch(run, script=HERE / "gate_worker.py", tiny=False, script_args=(str(go), str(out)))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    flood = None
+    try:
+        port = wait_for(lambda: [p for ip, p in listeners(proc.pid, 1)], what="the process-group store")[0]
+        flood = as_user(mallory, sys.executable, str(HERE / "store_attacker.py"), "--flood", str(port), "1500")
+        held = flood.stdout.readline().strip()
+        assert held == "held 1500", held
+        go.touch()
+        assert finish(proc, timeout=120) == 0, Path(f"{run}.log").read_text()[-3000:]
+    finally:
+        if flood is not None:
+            flood.stdin.close()
+            flood.wait(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+    assert out.read_text() == "12.0"

@@ -37,12 +37,11 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from .. import console, faults
 from ..config import Config, ConfigError, load_config, parse_key_values, split_cli_args
@@ -55,7 +54,7 @@ from ..slurm import finished
 from ..slurm.endtime import EndTimeRefresher, end_time_file, remove_stale, write_end_time
 from ..slurm.info import SLURMInfo
 from ..supervisor.monitor import HangMonitor
-from . import deathsig
+from . import deathsig, node_private
 from .lock import RunDirLock, RunDirLocked
 from .record import LaunchRecord, check_previous
 
@@ -79,35 +78,6 @@ class LaunchOptions:
     monitor_interval: Optional[float] = None
     local_addr: Optional[str] = None
     inject: list = field(default_factory=list)  # FaultSpec objects from --inject
-
-
-def _node_local_dir(prefix: str) -> Path:
-    """A fresh node-local directory, ``PREFIX<launcher pid>-XXXX``: in /dev/shm (memory) when
-    possible. Those that launchers no longer running left (killed: no cleanup ran) are removed
-    first (:func:`_remove_orphans`)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    _remove_orphans(Path(base or tempfile.gettempdir()), prefix)
-    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base))
-
-
-def _remove_orphans(base: Path, prefix: str) -> None:
-    """Remove the directories ``base/PREFIX<pid>-*`` of this user whose launcher (``pid``) is gone
-    (issue 54: a crashed launch's heartbeat and boundary files stayed in /dev/shm). A directory
-    whose pid runs (a launcher, or a process that took the number) is kept."""
-    try:
-        entries = list(base.glob(f"{prefix}*-*"))
-    except OSError:
-        return
-    for d in entries:
-        pid = d.name[len(prefix) :].partition("-")[0]
-        try:
-            if not pid.isdigit() or d.is_symlink() or d.lstat().st_uid != os.geteuid():
-                continue
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except OSError:  # PermissionError: the pid runs as another user
-            continue
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -155,8 +125,9 @@ def launch(opts: LaunchOptions) -> int:
     too_large = min_ranks_error(cfg.elastic.min_ranks, max_nodes * opts.nproc_per_node)
     if too_large:
         raise ConfigError(too_large)
-    _refuse_foreign_link(Path(opts.run_dir))
+    node_private.refuse_foreign_link(Path(opts.run_dir))
     run_dir = Path(opts.run_dir).resolve()
+    node_private.raise_open_files_limit()  # a co-tenant's idle connections to the stores take descriptors
     os.umask(0o077)  # the launch's files and its ranks' are their owner's only (docs/recovery.md)
     prepare_run_dir(run_dir)
 
@@ -315,7 +286,7 @@ def _run_agent(
 
     end_time, end_file, refresher = _end_time_setup(cfg, run_dir, slurm, events)
     ready_dir = os.environ.pop(READY_DIR, "")
-    hb_root = _node_local_dir("trainguard-hb-")
+    hb_root = node_private.node_local_dir("trainguard-hb-")
     monitor = HangMonitor(cfg, run_dir, hb_root, events) if cfg.supervisor.enabled else None
     replacer = None
     from ..rejoin.auth import KeyFileError, Seal, launch_key, new_nonce
@@ -333,7 +304,7 @@ def _run_agent(
             cfg.recovery,
             events,
             opts.script,
-            _node_local_dir("trainguard-rejoin-"),
+            node_private.node_local_dir("trainguard-rejoin-"),
             Seal(key, new_nonce()),  # a nonce per launch: no value of an earlier launch opens
             host=host,
             bind=host if max_nodes == 1 else listen_address(host),
@@ -367,10 +338,10 @@ def _run_agent(
     standalone = max_nodes == 1 and not opts.rdzv_endpoint
     # one node: torch's rendezvous store is a FileStore in the private run directory (no port
     # another user of the node could connect to); several: the c10d TCPStore at --rdzv-endpoint
-    rdzv_file = _private_rendezvous_file(run_dir) if standalone else None
+    rdzv_file = node_private.private_rendezvous_file(run_dir) if standalone else None
     endpoint = str(rdzv_file) if rdzv_file is not None else opts.rdzv_endpoint
     # one node at a loopback --rdzv-endpoint: its TCPStore listens there only (held for the launch's life)
-    rdzv_server = _loopback_server(opts.rdzv_endpoint) if max_nodes == 1 and opts.rdzv_endpoint else None
+    rdzv_server = node_private.loopback_server(opts.rdzv_endpoint) if max_nodes == 1 and opts.rdzv_endpoint else None
     if not endpoint:
         raise ConfigError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
     max_restarts = cfg.launcher.max_restarts if opts.max_restarts is None else opts.max_restarts
@@ -564,83 +535,3 @@ def _touch(path: Path) -> None:
 
 
 __all__ = ["LaunchOptions", "RunDirLocked", "launch", "parse_nnodes"]
-
-
-def _refuse_foreign_link(path: Path) -> None:
-    """Refuse a ``--run-dir`` that is, or passes through, a symbolic link another user owns: they
-    could point it elsewhere between two looks (issue 54). A link of this user's (or root's) is
-    followed.
-
-    Raises:
-        ConfigError: names the link and its owner.
-    """
-    for p in (path, *path.parents):
-        try:
-            if p.is_symlink() and (uid := p.lstat().st_uid) not in (os.geteuid(), 0):
-                raise ConfigError(
-                    f"run dir {path}: {p} is a symbolic link of uid {uid}, not of this user; give the directory itself"
-                )
-        except OSError:
-            continue
-
-
-RENDEZVOUS_FILE = ".rendezvous-store"
-
-
-def _private_rendezvous_file(run_dir: Path) -> Path:
-    """One node: the file of torch's rendezvous store (a ``FileStore``), ``RUN_DIR/.rendezvous-store``.
-    The run directory is private (0700, :func:`~trainguard.rundir.check_private`): no other user
-    can open it, where a ``TCPStore`` on loopback takes any local user's connections (issue 54).
-    A file left by a launch that died is removed (the run directory is locked: no launch uses it).
-
-    Raises:
-        OSError: the file cannot be removed.
-    """
-    path = Path(run_dir) / RENDEZVOUS_FILE
-    path.unlink(missing_ok=True)
-    return path
-
-
-def _loopback_server(endpoint: str) -> Optional[Any]:
-    """One node at ``--rdzv-endpoint HOST:PORT`` with a loopback ``HOST``: the server of torch's
-    rendezvous store, bound to that address only (``None`` for another host: torch's own, which
-    listens on every interface). torch's c10d rendezvous creates its ``TCPStore`` server on every
-    interface; this one is bound here (``master_listen_fd``) and made *multi-tenant*, so the
-    ``TCPStore`` torch then opens on the same port in this process takes it over (torch keeps one
-    server per port for multi-tenant stores). Keep it alive.
-
-    Raises:
-        ConfigError: ``endpoint`` is not ``HOST:PORT``, or the port cannot be bound.
-    """
-    import ipaddress
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from ..rejoin.protocol import parse_address
-
-    try:
-        host, port = parse_address(endpoint)
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        return None
-    host = "127.0.0.1" if host == "localhost" else host
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-    except OSError as e:
-        sock.close()
-        raise ConfigError(f"--rdzv-endpoint {endpoint}: cannot listen there: {e.strerror or e}") from None
-    return dist.TCPStore(
-        host,
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        multi_tenant=True,
-        timeout=timedelta(seconds=60),
-        master_listen_fd=sock.detach(),
-    )
