@@ -364,3 +364,17 @@ def test_idle_connections_of_another_user_do_not_exhaust_the_launchers_descripto
         if proc.poll() is None:
             proc.kill()
     assert out.read_text() == "12.0"
+
+
+def test_a_rendezvous_backend_whose_state_is_not_sealed_is_refused_before_anything_is_made(tmp_path):
+    """Only the c10d backend's state is sealed (:mod:`trainguard.launcher.sealed_rdzv`): another
+    ``--rdzv-backend`` is bad input (exit 2), refused before the run directory is made."""
+    run = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "run", "--rdzv-backend", "etcd", "--run-dir", str(run), "x.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "--rdzv-backend etcd" in r.stderr, r.stderr
+    assert not run.exists()

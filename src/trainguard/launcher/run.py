@@ -120,6 +120,8 @@ def launch(opts: LaunchOptions) -> int:
         raise ConfigError(f"training script {opts.script} does not exist")
     if opts.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be ≥ 1, got {opts.nproc_per_node}")
+    if opts.rdzv_backend != "c10d":  # the only backend whose state trainguard seals (launcher.sealed_rdzv)
+        raise ConfigError(f"--rdzv-backend {opts.rdzv_backend}: trainguard seals the state of the c10d backend only")
     min_nodes, max_nodes = parse_nnodes(opts.nnodes)
     faults.validate(list(cfg.faults.inject) + list(opts.inject), max_nodes * opts.nproc_per_node)
     too_large = min_ranks_error(cfg.elastic.min_ranks, max_nodes * opts.nproc_per_node)
