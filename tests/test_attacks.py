@@ -371,7 +371,17 @@ def test_a_rendezvous_backend_whose_state_is_not_sealed_is_refused_before_anythi
     ``--rdzv-backend`` is bad input (exit 2), refused before the run directory is made."""
     run = tmp_path / "run"
     r = subprocess.run(
-        [sys.executable, "-m", "trainguard.cli", "run", "--rdzv-backend", "etcd", "--run-dir", str(run), "x.py"],
+        [
+            sys.executable,
+            "-m",
+            "trainguard.cli",
+            "run",
+            "--rdzv-backend",
+            "etcd",
+            "--run-dir",
+            str(run),
+            str(HERE / "gate_worker.py"),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
