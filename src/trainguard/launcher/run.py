@@ -279,6 +279,7 @@ def _run_agent(
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+    from ..rejoin.auth import KeyFileError, Seal, launch_key, new_nonce
     from . import nodes
     from .agent import DECISION_CODES, TrainguardAgent
     from .pg_store import LoopbackStores
@@ -291,8 +292,6 @@ def _run_agent(
     hb_root = node_private.node_local_dir("trainguard-hb-")
     monitor = HangMonitor(cfg, run_dir, hb_root, events) if cfg.supervisor.enabled else None
     replacer = None
-    from ..rejoin.auth import KeyFileError, Seal, launch_key, new_nonce
-
     try:
         key = launch_key(run_dir)  # seals the rendezvous state, and the recovery store's values
     except KeyFileError as e:
