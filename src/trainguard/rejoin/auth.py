@@ -23,7 +23,9 @@ HMAC-SHA256 under a secret that never travels through a store:
 A value whose seal does not verify is treated as absent, and the reader's ``on_forged`` callback
 is told (a ``security`` event, :func:`report_forged`). What is not covered: the store's atomic
 counters (``add``: a forged increment only skips generation numbers, which makes a recovery time
-out into a group restart) and torch's own keys in its rendezvous store.
+out into a group restart) and torch's own per-round keys in its rendezvous store (the rendezvous
+state itself is sealed with this module's :class:`Seal`: :mod:`trainguard.launcher.sealed_rdzv`).
+Reads go through :func:`read_now`, which never waits for a key.
 """
 
 from __future__ import annotations
