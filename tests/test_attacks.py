@@ -185,7 +185,9 @@ def test_a_co_tenant_cannot_run_code_crash_or_hang_a_launch_through_its_rendezvo
         script=HERE / "gate_worker.py",
         tiny=False,
         script_args=(str(go), str(out)),
-        extra=("--nnodes", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rid),
+        # heartbeats each second (a node is dead after 30 missed): the store heals sooner after an attack
+        extra=("--nnodes", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rid)
+        + ("--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=30"),
     )
     attacker = as_user(mallory, sys.executable, str(HERE / "store_attacker.py"), str(port), rid, str(marker))
     try:
