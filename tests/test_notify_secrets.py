@@ -149,3 +149,16 @@ def _port_of(stderr: str) -> str:
     """The port of the masked URL in the failure warning (the dead one's)."""
     line = next(x for x in stderr.splitlines() if "could not send the alert" in x)
     return line.split("json://127.0.0.1:")[1].split("/")[0]
+
+
+def test_a_secret_in_set_notify_is_warned_of_as_one_in_notify_is(tmp_path):
+    """Issue 54: ``--set notify=URL?token=SECRET`` is in the process list as ``--notify`` is, but
+    only ``--notify`` was warned of. Now both are."""
+    run = tmp_path / "run"
+    run.mkdir()
+    url = f"json://127.0.0.1:{_free_port()}/hook?token={SECRET}"
+    cmd = [sys.executable, "-m", "trainguard.cli", "watch", str(run), "--set", f'notify=["{url}"]']
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--set notify URL holds a secret that every user sees in the process list" in done.stderr
+    assert SECRET not in done.stdout + done.stderr

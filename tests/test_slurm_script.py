@@ -374,3 +374,17 @@ def test_nul_and_del_are_refused_too(tmp_path):
         with pytest.raises(ConfigError, match=r"--gres \(or \[slurm\] gres\) .*holds the control character"):
             sbatch.validate(_opts(tmp_path, gres=f"gpu:8{char}x"), check_cluster=False)
     assert sbatch.validate(_opts(tmp_path, gres="gpu:8", job_name="nächster-lauf"), check_cluster=False) == []
+
+
+def test_each_sbatch_value_stays_one_word_of_its_line(tmp_path):
+    """Issue 54: ``#SBATCH`` values were written unquoted, and sbatch splits an ``#SBATCH`` line
+    into words as a shell does (quotes, backslashes, ``#`` starts a comment): ``--job-name 'jn
+    --output=/x'`` became two options. Now each value is one word (quoted where it must be)."""
+    import shlex
+
+    opts = _opts(tmp_path, job_name="jn --output=/x #c", sbatch_args=["--comment=a b"])
+    lines = [line for line in sbatch.render(opts).splitlines() if line.startswith("#SBATCH ")]
+    words = [shlex.split(line[len("#SBATCH ") :], comments=True) for line in lines]
+    assert all(len(w) == 1 for w in words), lines
+    assert ["--job-name=jn --output=/x #c"] in words and ["--comment=a b"] in words
+    assert "#SBATCH --requeue" in lines  # a plain value is written as before

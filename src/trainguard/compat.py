@@ -51,6 +51,7 @@ TRAINER = "transformers.Trainer"
 DATALOADER = "torch.utils.data.dataloader"
 PG = "torch.distributed.ProcessGroup"
 PG_NCCL = "torch.distributed.ProcessGroupNCCL"  # only in a torch built with NCCL
+DYNAMIC_RDZV = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,13 @@ MEMBERS: tuple[Private, ...] = (
         True,
     ),
     Private(PCONTEXT, "_running_local_ranks", ("launcher/torch_agent.py",), _ELASTIC, True),
+    # torch elastic's rendezvous state: its fields carried as sealed JSON (launcher/sealed_rdzv.py)
+    *_each(
+        DYNAMIC_RDZV,
+        ("_RendezvousState", "_NodeDesc"),
+        "launcher/sealed_rdzv.py",
+        "refused: the launcher does not start (Incompatible): torch's rendezvous state is not carried unsealed",
+    ),
     # the Hugging Face Trainer: a step run again after a lost peer was replaced
     *_each(TRAINER, ("_get_num_items_in_batch", "_clip_grad_norm"), "hf.py", _RERUN),
     # communicator abort (rejoin/abort.py): every group of the process, aborted and dropped
@@ -497,6 +505,43 @@ def trainer_clip_grad_norm(trainer: Any, model: Any) -> Any:
         Incompatible: transformers lacks ``Trainer._clip_grad_norm``.
     """
     return _trainer_member(trainer, "_clip_grad_norm")(model)
+
+
+# ---- torch elastic's rendezvous state (launcher/sealed_rdzv.py) ----------------------------------
+
+RENDEZVOUS_FIELDS = (
+    "round",
+    "complete",
+    "deadline",
+    "closed",
+    "participants",
+    "wait_list",
+    "redundancy_list",
+    "last_heartbeats",
+)
+
+
+def rendezvous_classes() -> tuple[type, type]:
+    """torch's ``(_RendezvousState, _NodeDesc)``: the dynamic rendezvous's state and its node
+    descriptor, which :mod:`~trainguard.launcher.sealed_rdzv` carries as fields (never pickled
+    through a store). Checked: the state has exactly the fields of :data:`RENDEZVOUS_FIELDS` and
+    the node descriptor is ``(addr, pid, local_id)``.
+
+    Raises:
+        Incompatible: torch lacks either class or either has other fields.
+    """
+    mod = importlib.import_module(DYNAMIC_RDZV)
+    state_cls, node_cls = getattr(mod, "_RendezvousState", None), getattr(mod, "_NodeDesc", None)
+    if state_cls is None or node_cls is None:
+        refuse(
+            [n for n, c in (("_RendezvousState", state_cls), ("_NodeDesc", node_cls)) if c is None],
+            what="'s rendezvous",
+        )
+    fields = tuple(vars(state_cls()).keys())
+    node_fields = tuple(getattr(node_cls, "__dataclass_fields__", {}))
+    if sorted(fields) != sorted(RENDEZVOUS_FIELDS) or node_fields != ("addr", "pid", "local_id"):
+        refuse([f"_RendezvousState{fields}", f"_NodeDesc{node_fields}"], what="'s rendezvous (other fields)")
+    return state_cls, node_cls
 
 
 # ---- communicator abort (rejoin/abort.py) -----------------------------------------------------

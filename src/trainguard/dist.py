@@ -7,7 +7,11 @@ generation are torch's, not sealed). They carry the object in a ``uint8`` tensor
 pickled so that only built-in values, CPU tensors (as raw bytes, as the step-boundary blobs of
 :mod:`trainguard.rejoin.boundary`), paths and trainguard's own dataclasses (by name and fields,
 rebuilt without calling their code) are in it, and read back by an unpickler that refuses every
-other class and callable. What that encoding does not carry (a user's object among the values)
+other class and callable. The dataclasses are an explicit list (:data:`CROSSING`): each field
+that arrives is checked against the class's field types, and a class may name a check of what it
+points at (a :class:`~trainguard.checkpoint.store.Checkpoint` from a peer is refused when its
+directory or a file in it could be another user's, as a local one is, before anything reads it).
+Lengths a peer announces are capped (:data:`MAX_OBJECT_BYTES`) before anything is allocated. What that encoding does not carry (a user's object among the values)
 goes as ``torch.save`` and comes back through ``torch.load(weights_only=True)``, which refuses
 classes outside torch's allow-list; a refusal raises on the receiving rank instead of running.
 """
@@ -32,20 +36,74 @@ def _path(text: str) -> Path:
     return Path(text)
 
 
-def _dataclass(name: str, fields: dict[str, Any]) -> Any:
-    """An instance of trainguard's dataclass ``name`` (``module:qualname``) with ``fields`` set,
-    built without calling its ``__init__``.
+MAX_OBJECT_BYTES = 1 << 30  # the longest object a peer may announce (bytes); longer: PeerValueError
+
+
+class PeerValueError(pickle.UnpicklingError):
+    """What a peer sent is refused: a dataclass not in :data:`CROSSING`, a field of the wrong
+    name or type, a path that could be another user's, or a length above :data:`MAX_OBJECT_BYTES`
+    (the message names it)."""
+
+
+def _private_checkpoint(ckpt: Any) -> None:
+    """A checkpoint named by a peer: its directory (when it exists here) and each file in it must
+    be this user's and not writable by others, and none a symbolic link, as a local one's
+    (:func:`~trainguard.rundir.exposed`): DCP unpickles its ``.metadata``.
 
     Raises:
-        pickle.UnpicklingError: ``name`` is not a dataclass of trainguard's.
+        PeerValueError: naming the path and why.
     """
+    from .rundir import exposed
+
+    path = ckpt.path
+    if not path.is_absolute() or ".." in path.parts:
+        raise PeerValueError(f"a checkpoint path from a peer must be absolute and without '..': {path}")
+    if not path.exists() and not path.is_symlink():
+        return
+    for p in (path, *(sorted(path.iterdir()) if path.is_dir() and not path.is_symlink() else ())):
+        why = "it is a symbolic link" if p.is_symlink() else exposed(p)
+        if why:
+            raise PeerValueError(f"a checkpoint from a peer is refused: {p} is not private: {why}")
+
+
+# the dataclasses that cross ranks, by "module:qualname": their checks of what they point at
+CROSSING: dict[str, Any] = {
+    "trainguard.checkpoint.store:Checkpoint": _private_checkpoint,
+}
+
+
+def _field_types(cls: type) -> dict[str, type]:
+    """``cls``'s fields and their types (plain classes only: what :data:`CROSSING` lists has no other)."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _dataclass(name: str, fields: dict[str, Any]) -> Any:
+    """An instance of the dataclass ``name`` (``module:qualname``, listed in :data:`CROSSING`) with
+    ``fields`` set, built without calling its ``__init__``: the fields must be the class's, each
+    of its type (``bool`` is no ``int``), and the class's check must pass.
+
+    Raises:
+        PeerValueError: ``name`` is not listed, a field is missing, extra or of another type, or
+            the check refuses.
+    """
+    if name not in CROSSING:
+        raise PeerValueError(f"{name} is not one of the dataclasses that cross ranks (trainguard.dist.CROSSING)")
     module, _, qualname = name.partition(":")
-    cls = getattr(importlib.import_module(module), qualname, None) if module.startswith("trainguard.") else None
-    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-        raise pickle.UnpicklingError(f"{name} is not one of trainguard's dataclasses")
+    cls = getattr(importlib.import_module(module), qualname)
+    types = _field_types(cls)
+    if not isinstance(fields, dict) or set(fields) != set(types):
+        raise PeerValueError(f"{name}: expected the fields {sorted(types)}, got {sorted(map(str, fields))[:10]}")
+    for key, want in types.items():
+        value = fields[key]
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise PeerValueError(f"{name}.{key}: expected {want.__name__}, got {type(value).__name__}")
     obj = object.__new__(cls)
     for key, value in fields.items():
         object.__setattr__(obj, key, value)
+    CROSSING[name](obj)
     return obj
 
 
@@ -74,9 +132,12 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, PurePath):
             return _path, (str(obj),)
         cls = type(obj)
-        if dataclasses.is_dataclass(obj) and cls.__module__.startswith("trainguard."):
+        name = f"{cls.__module__}:{cls.__qualname__}"
+        if dataclasses.is_dataclass(obj) and name in CROSSING:
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-            return _dataclass, (f"{cls.__module__}:{cls.__qualname__}", fields)
+            return _dataclass, (name, fields)
+        if dataclasses.is_dataclass(obj) and cls.__module__.startswith("trainguard."):
+            raise TypeError(f"{name} does not cross ranks: add it to trainguard.dist.CROSSING")
         raise _Unsupported(cls.__name__)
 
 
@@ -193,6 +254,17 @@ def _bytes_tensor(data: bytes, length: int, device: torch.device) -> torch.Tenso
     return t.to(device)
 
 
+def _announced(length: int) -> int:
+    """A length a peer announced, refused unless in ``[0, MAX_OBJECT_BYTES]`` (before any allocation).
+
+    Raises:
+        PeerValueError: naming the length.
+    """
+    if not 0 <= length <= MAX_OBJECT_BYTES:
+        raise PeerValueError(f"a peer announced an object of {length} bytes (at most {MAX_OBJECT_BYTES})")
+    return length
+
+
 def _from_tensor(t: torch.Tensor, length: int) -> Any:
     """The object in the first ``length`` bytes of ``t`` (:func:`decode`).
 
@@ -209,7 +281,8 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
 
     Raises:
         pickle.UnpicklingError: on a receiving rank, what arrived names a class (a peer that is
-            not this module sent it).
+            not this module sent it); PeerValueError (one) when it is refused (see the class).
+        TypeError: ``obj`` holds a trainguard dataclass not in :data:`CROSSING`.
     """
     if not is_dist():
         return obj
@@ -217,7 +290,7 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     data = encode(obj) if mine else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(size, src=src, group=group)
-    length = int(size.item())
+    length = _announced(int(size.item()))
     buf = _bytes_tensor(data, length, device)
     dist.broadcast(buf, src=src, group=group)
     return obj if mine else _from_tensor(buf, length)
@@ -229,7 +302,9 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
     then the bytes (padded to the longest).
 
     Raises:
-        pickle.UnpicklingError: what a peer sent names a class.
+        pickle.UnpicklingError: what a peer sent names a class; PeerValueError (one) when it is
+            refused (see the class).
+        TypeError: ``obj`` holds a trainguard dataclass not in :data:`CROSSING`.
     """
     if not is_dist():
         return [obj]
@@ -237,7 +312,7 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
     n = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
     dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device), group=group)
-    lengths = [int(s.item()) for s in sizes]
+    lengths = [_announced(int(s.item())) for s in sizes]
     longest = max(lengths)
     bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
     dist.all_gather(bufs, _bytes_tensor(data, longest, device), group=group)

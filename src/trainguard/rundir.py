@@ -39,6 +39,29 @@ def exposed(path: Path) -> str:
     return ""
 
 
+def replaceable(path: Path) -> str:
+    """Why another user could remove or replace ``path`` (which may not exist yet) or a directory
+    above it, or ``""``: each existing directory from ``path`` up to ``/`` must belong to this
+    user or root, and others may write it only where it is sticky (``/tmp``, ``/dev/shm``: mode
+    1777, owned by root). A directory ``/dev/shm/x`` that another user made 0777 is refused; what
+    is put in it could be swapped for theirs.
+
+    Raises:
+        OSError: a directory cannot be looked at for another reason than its absence.
+    """
+    me = os.geteuid()
+    for p in (path, *path.parents):
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        if st.st_uid not in (me, 0):
+            return f"{p} belongs to uid {st.st_uid}, not to this user (uid {me}) or root"
+        if st.st_mode & WRITABLE_BY_OTHERS and not st.st_mode & 0o1000:
+            return f"others can write {p} (mode {oct(st.st_mode & 0o7777)}, not sticky)"
+    return ""
+
+
 def check_private(path: Path, what: str) -> None:
     """Refuse a directory trainguard keeps trusted files in (the run directory, a checkpoint
     directory) when another user could have put files there (:func:`exposed`).

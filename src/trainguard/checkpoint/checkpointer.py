@@ -51,6 +51,7 @@ from ..events import EventLog
 from ..health.preflight import PreflightError, check_writable, state_bytes
 from ..outcomes import BadInput, GiveUp
 from ..ranks import RankView
+from ..rundir import replaceable
 from ..sections import CheckpointSection
 from . import CheckpointMismatchError, CheckpointStore, check_compatible, load_state
 from . import manifest as mf
@@ -119,7 +120,8 @@ class Checkpointer:
         write_files: ``write(directory)``: more files for each persistent checkpoint, written on
             every rank into its temporary directory before the commit (a framework's own; blocking saves).
     Raises:
-        BadInput: ``[checkpoint.local] dir`` is not a writable directory.
+        BadInput: ``[checkpoint.local] dir`` is not a writable directory, or another user could
+            replace it or a directory above it (:func:`~trainguard.rundir.replaceable`).
     """
 
     def __init__(
@@ -145,6 +147,12 @@ class Checkpointer:
         self.local: Optional[LocalTier] = None
         if cfg.local.dir is not None:
             base = expand_dir(cfg.local.dir, rank, node_rank)
+            why = replaceable(base.absolute())  # before anything is made there (issue 54)
+            if why:
+                raise BadInput(
+                    f"checkpoint.local.dir {base}: {why}; another user could swap the checkpoints it holds "
+                    "(loaded at a resume). Use a directory of your own"
+                )
             try:
                 check_writable(base, "checkpoint.local.dir")
             except PreflightError as e:

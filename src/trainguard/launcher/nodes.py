@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..rejoin.auth import Seal
+from ..rejoin.auth import Seal, read_now
 from ..rejoin.protocol import Forged, connect, parse_address
 
 BEAT_INTERVAL = 0.1  # seconds between a launcher's beats
@@ -124,9 +124,10 @@ class NodeRegistry:
 
     def _get(self, key: str) -> Optional[dict]:
         name = PREFIX + key
-        if not self.store.check([name]):
+        blob = read_now(self.store, name)  # no check-then-get: a key deleted between them waited out the timeout
+        if blob is None:
             return None
-        value = self.seal.open(name, self.store.get(name))
+        value = self.seal.open(name, blob)
         if value is None:
             self.on_forged(name)
             return None

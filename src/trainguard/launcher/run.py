@@ -37,7 +37,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -55,7 +54,7 @@ from ..slurm import finished
 from ..slurm.endtime import EndTimeRefresher, end_time_file, remove_stale, write_end_time
 from ..slurm.info import SLURMInfo
 from ..supervisor.monitor import HangMonitor
-from . import deathsig
+from . import deathsig, node_private
 from .lock import RunDirLock, RunDirLocked
 from .record import LaunchRecord, check_previous
 
@@ -79,12 +78,6 @@ class LaunchOptions:
     monitor_interval: Optional[float] = None
     local_addr: Optional[str] = None
     inject: list = field(default_factory=list)  # FaultSpec objects from --inject
-
-
-def _node_local_dir(prefix: str) -> Path:
-    """A fresh node-local directory: in /dev/shm (memory) when possible."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -127,12 +120,16 @@ def launch(opts: LaunchOptions) -> int:
         raise ConfigError(f"training script {opts.script} does not exist")
     if opts.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be ≥ 1, got {opts.nproc_per_node}")
+    if opts.rdzv_backend != "c10d":  # the only backend whose state trainguard seals (launcher.sealed_rdzv)
+        raise ConfigError(f"--rdzv-backend {opts.rdzv_backend}: trainguard seals the state of the c10d backend only")
     min_nodes, max_nodes = parse_nnodes(opts.nnodes)
     faults.validate(list(cfg.faults.inject) + list(opts.inject), max_nodes * opts.nproc_per_node)
     too_large = min_ranks_error(cfg.elastic.min_ranks, max_nodes * opts.nproc_per_node)
     if too_large:
         raise ConfigError(too_large)
+    node_private.refuse_foreign_link(Path(opts.run_dir))
     run_dir = Path(opts.run_dir).resolve()
+    node_private.raise_open_files_limit()  # a co-tenant's idle connections to the stores take descriptors
     os.umask(0o077)  # the launch's files and its ranks' are their owner's only (docs/recovery.md)
     prepare_run_dir(run_dir)
 
@@ -281,34 +278,34 @@ def _run_agent(
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
+    from ..rejoin.auth import KeyFileError, Seal, launch_key, new_nonce
     from . import nodes
     from .agent import DECISION_CODES, TrainguardAgent
     from .pg_store import LoopbackStores
+    from .sealed_rdzv import sealed_handler, security_events
 
     console.quiet_torch_elastic(DECISION_CODES)
 
     end_time, end_file, refresher = _end_time_setup(cfg, run_dir, slurm, events)
     ready_dir = os.environ.pop(READY_DIR, "")
-    hb_root = _node_local_dir("trainguard-hb-")
+    hb_root = node_private.node_local_dir("trainguard-hb-")
     monitor = HangMonitor(cfg, run_dir, hb_root, events) if cfg.supervisor.enabled else None
     replacer = None
+    try:
+        key = launch_key(run_dir)  # seals the rendezvous state, and the recovery store's values
+    except KeyFileError as e:
+        raise ConfigError(str(e)) from None
     if cfg.recovery.in_process and max_nodes * opts.nproc_per_node > 1:  # one rank: no survivor to send the state
-        from ..rejoin.auth import KeyFileError, Seal, launch_key, new_nonce
         from ..rejoin.protocol import listen_address
         from .replace import Replacer
 
-        try:
-            key = launch_key(run_dir)
-        except KeyFileError as e:
-            raise ConfigError(str(e)) from None
         host = "127.0.0.1" if max_nodes == 1 else (opts.local_addr or socket.getfqdn())  # as torch's rendezvous
         replacer = Replacer(
             cfg.recovery,
             events,
             opts.script,
-            _node_local_dir("trainguard-rejoin-"),
+            node_private.node_local_dir("trainguard-rejoin-"),
             Seal(key, new_nonce()),  # a nonce per launch: no value of an earlier launch opens
             host=host,
             bind=host if max_nodes == 1 else listen_address(host),
@@ -340,8 +337,12 @@ def _run_agent(
         }
     )
     standalone = max_nodes == 1 and not opts.rdzv_endpoint
-    rdzv_store = _loopback_rendezvous_store() if standalone else None  # held for the launch's life
-    endpoint = f"127.0.0.1:{rdzv_store.port}" if rdzv_store is not None else opts.rdzv_endpoint
+    # one node: torch's rendezvous store is a FileStore in the private run directory (no port
+    # another user of the node could connect to); several: the c10d TCPStore at --rdzv-endpoint
+    rdzv_file = node_private.private_rendezvous_file(run_dir) if standalone else None
+    endpoint = str(rdzv_file) if rdzv_file is not None else opts.rdzv_endpoint
+    # one node at a loopback --rdzv-endpoint: its TCPStore listens there only (held for the launch's life)
+    rdzv_server = node_private.loopback_server(opts.rdzv_endpoint) if max_nodes == 1 and opts.rdzv_endpoint else None
     if not endpoint:
         raise ConfigError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
     max_restarts = cfg.launcher.max_restarts if opts.max_restarts is None else opts.max_restarts
@@ -358,16 +359,19 @@ def _run_agent(
         min_nodes=min_nodes,
         max_nodes=min_nodes if spare_nodes else max_nodes,
         local_addr="127.0.0.1" if standalone else opts.local_addr,  # one node: the workers meet on loopback
-        **_rdzv_configs(opts.rdzv_conf),
+        **{**_rdzv_configs(opts.rdzv_conf), **({"store_type": "file"} if standalone else {})},
     )
     command = _rank_command(opts)
-    handler = rdzv_registry.get_rendezvous_handler(rdzv_params)
+    try:  # the state sealed JSON, never torch's pickle: one launcher alone binds it to its nonce too
+        handler = sealed_handler(rdzv_params, Seal(key, new_nonce() if standalone else b""), security_events(events))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     spec = WorkerSpec(
         role="trainer",
         local_world_size=opts.nproc_per_node,
         entrypoint=command[0],
         args=tuple(command[1:]),
-        rdzv_handler=LoopbackStores(handler) if standalone else handler,
+        rdzv_handler=LoopbackStores(handler) if max_nodes == 1 else handler,  # one node: the group's store on loopback
         max_restarts=max_restarts,
         monitor_interval=opts.monitor_interval or cfg.launcher.monitor_interval,
         local_addr=opts.local_addr,
@@ -420,6 +424,10 @@ def _run_agent(
             refresher.stop()
         if not spare:  # a spare node never joined the rendezvous: its shutdown would close it for all
             spec.rdzv_handler.shutdown()
+        if rdzv_file is not None:
+            rdzv_file.unlink(missing_ok=True)
+        if rdzv_server is not None:  # the loopback server outlives the handler's shutdown
+            del rdzv_server
         if monitor is not None:
             monitor.group_stopped()
         shutil.rmtree(hb_root, ignore_errors=True)
@@ -528,29 +536,3 @@ def _touch(path: Path) -> None:
 
 
 __all__ = ["LaunchOptions", "RunDirLocked", "launch", "parse_nnodes"]
-
-
-def _loopback_rendezvous_store():
-    """One node: the server of torch's rendezvous store, listening on loopback only. torch's c10d
-    rendezvous creates its ``TCPStore`` server on every interface; this one is bound here
-    (``master_listen_fd``, as :func:`~trainguard.rejoin.protocol.serve`) and made *multi-tenant*,
-    so the ``TCPStore`` torch then opens on the same port in this process takes it over (torch
-    keeps one server per port for multi-tenant stores). Read ``.port``; keep it alive."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    return dist.TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        multi_tenant=True,
-        timeout=timedelta(seconds=60),
-        master_listen_fd=sock.detach(),
-    )

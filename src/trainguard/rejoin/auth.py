@@ -23,7 +23,9 @@ HMAC-SHA256 under a secret that never travels through a store:
 A value whose seal does not verify is treated as absent, and the reader's ``on_forged`` callback
 is told (a ``security`` event, :func:`report_forged`). What is not covered: the store's atomic
 counters (``add``: a forged increment only skips generation numbers, which makes a recovery time
-out into a group restart) and torch's own keys in its rendezvous store.
+out into a group restart) and torch's own per-round keys in its rendezvous store (the rendezvous
+state itself is sealed with this module's :class:`Seal`: :mod:`trainguard.launcher.sealed_rdzv`).
+Reads go through :func:`read_now`, which never waits for a key.
 """
 
 from __future__ import annotations
@@ -171,13 +173,38 @@ WHAT = {
 }
 
 
+PROBE = "trainguard:probe"  # compare_set(key, PROBE, PROBE): the key's value without waiting for it
+MAX_VALUE_BYTES = 64 << 20  # a store value above this is refused before its seal is computed
+
+
+class StoreReadError(RuntimeError):
+    """A store could not be read (the message names the key and the store's error)."""
+
+
+def read_now(store, name: str) -> Optional[bytes]:
+    """The value of key ``name`` in ``store`` (a c10d ``Store``), ``None`` when it is absent, in
+    one round trip that never waits for the key: ``compare_set`` of a probe value, which answers
+    the stored value, or the probe when there is none (a ``check`` then ``get`` waits out the
+    store's timeout when another client deletes the key between the two).
+
+    Raises:
+        StoreReadError: the store failed (connection lost, its timeout).
+    """
+    try:
+        raw = store.compare_set(name, PROBE, PROBE)
+    except (RuntimeError, ValueError, TimeoutError, OSError) as e:
+        raise StoreReadError(f"reading {name}: {type(e).__name__}: {e}") from e
+    return None if raw == PROBE.encode() else raw
+
+
 def report_forged(events, key: str, why: str = "") -> None:
     """Tell of a refused value: a ``security`` event (``events``: an
-    :class:`~trainguard.events.EventLog`; fields ``key``, ``what`` and, where the reader told
-    them apart (:meth:`Seal.why`), ``why``: ``forged`` or ``replayed``) and a console warning."""
+    :class:`~trainguard.events.EventLog`; fields ``key``, ``what`` and ``why``: ``forged`` or
+    ``replayed`` where the reader told them apart (:meth:`Seal.why`), else ``unverified``) and a
+    console warning."""
     from .. import console
 
-    events.emit("security", key=key, what=WHAT.get(why, WHAT[""]), **({"why": why} if why else {}))
+    events.emit("security", key=key, what=WHAT.get(why, WHAT[""]), why=why or "unverified")
     console.warn(
         f"refused a value in the recovery store (key {key}): {WHAT.get(why, WHAT[''])}; "
         "a process without this launch's key and nonce wrote it"

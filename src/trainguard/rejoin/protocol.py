@@ -48,6 +48,7 @@ address only (:func:`serve`: loopback on one node), not on every interface as a 
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
@@ -59,7 +60,9 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from .auth import Seal
+from .auth import MAX_VALUE_BYTES, Seal, read_now
+
+REFUSED_KEPT = 1024  # digests of refused values remembered (then forgotten: told again)
 
 # Substrings of the errors gloo and NCCL raise in a collective whose peer is gone (the process died
 # or its connection broke). An error without one is not treated as a lost peer: it propagates.
@@ -232,7 +235,7 @@ class RecoveryStore:
 
     def __init__(self, store: dist.Store, attempt: int, seal: Seal, on_forged: Forged = _ignore):
         self.store, self.prefix, self.seal, self.on_forged = store, f"attempt{attempt}/", seal, on_forged
-        self._refused: set[tuple[str, bytes]] = set()  # told once each
+        self._refused: set[tuple[str, bytes]] = set()  # (key, digest of the value) told once each
 
     def _set(self, key: str, value: str) -> None:
         """Write ``key`` and return once the server holds it: a TCPStore ``set`` is sent without a
@@ -243,14 +246,22 @@ class RecoveryStore:
         self.store.check([name])
 
     def _get(self, key: str) -> Optional[bytes]:
-        """The verified value of ``key``; ``None`` when absent or forged."""
+        """The verified value of ``key``; ``None`` when absent, forged or above
+        :data:`~.auth.MAX_VALUE_BYTES` (each such value told once). Never waits for the key.
+
+        Raises:
+            StoreReadError: the store failed.
+        """
         name = self.prefix + key
-        if not self.store.check([name]):
+        blob = read_now(self.store, name)  # no check-then-get: a key deleted between them waited out the timeout
+        if blob is None:
             return None
-        blob = self.store.get(name)
-        value = self.seal.open(name, blob)
-        if value is None and (name, blob) not in self._refused:
-            self._refused.add((name, blob))
+        value = self.seal.open(name, blob) if len(blob) <= MAX_VALUE_BYTES else None
+        seen = (name, hashlib.sha256(blob).digest())  # a digest: refused values are not kept
+        if value is None and seen not in self._refused:
+            if len(self._refused) >= REFUSED_KEPT:
+                self._refused.clear()
+            self._refused.add(seen)
             self.on_forged(name)
         return value
 

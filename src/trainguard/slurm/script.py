@@ -331,7 +331,7 @@ def render(opts: ScriptOptions) -> str:
         + (opts.lead_basis or f"{opts.signal_lead} s, given")
         + ".",
     ]
-    lines += [f"#SBATCH {s}" for s in sb]
+    lines += [f"#SBATCH {_q(s)}" for s in sb]  # sbatch splits an #SBATCH line as a shell would: one word each
     lines += [
         "",
         BODY.replace("@RUN_DIR@", _q(run_dir))

@@ -154,10 +154,11 @@ def main(
     run_dir = Path(run_dir)
     try:
         section = section_from_overrides(overrides)
-        if notify and any(redact(u) != u for u in notify):
+        on_command_line = [*notify, *section.notify]  # --notify and --set notify=...: both in ps
+        if any(redact(u) != u for u in on_command_line):
             print(
-                "trainguard: warning: a --notify URL holds a secret that every user sees in the process list; "
-                f"give it in a file of yours (--notify-file, mode 0600) or in {NOTIFY_ENV}",
+                "trainguard: warning: a --notify or --set notify URL holds a secret that every user sees in the "
+                f"process list; give it in a file of yours (--notify-file, mode 0600) or in {NOTIFY_ENV}",
                 file=sys.stderr,
             )
         notify = [*notify, *(read_url_file(notify_file) if notify_file is not None else []), *urls_from_environ()]
