@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import types
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -49,6 +50,12 @@ def _foreign(name: str, module: types.ModuleType) -> bool:
 def replaced(model: Optional[Any] = None) -> list[str]:
     """What of trainguard's is in other packages now, as ``module.attribute`` or
     ``module.Class.attribute`` (sorted): empty in a process without a Guard, or after ``close()``."""
+    with warnings.catch_warnings():  # reading a deprecated alias (torch.distributed.reduce_op) warns
+        warnings.simplefilter("ignore")
+        return _census(model)
+
+
+def _census(model: Optional[Any]) -> list[str]:
     out = set()
     for name, module in list(sys.modules.items()):
         if module is None or not _foreign(name, module):

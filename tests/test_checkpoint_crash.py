@@ -83,8 +83,7 @@ def train(run_dir: Path, max_steps: int, keep_last: int = 3, hooks: tuple = ()) 
                 opt.step()
                 guard.step_end(loss=loss.item())
     finally:
-        guard.shutdown.uninstall()  # give pytest its SIGINT/SIGTERM handlers back
-        guard.events.close()
+        guard.abandon()  # as the process's end would: pytest's handlers back, nothing left installed
         torch.set_num_threads(threads)
     return guard
 

@@ -59,6 +59,19 @@ def test_a_second_live_guard_is_refused_and_one_after_the_other_works(tmp_path, 
     assert replaced() == []
 
 
+def test_a_guard_that_finished_training_unclosed_is_closed_by_the_next_one(tmp_path, group, capsys):
+    model, opt = _model()
+    first = trainguard.Guard(config(tmp_path / "a"), model=model, optimizer=opt)
+    for _ in first.steps(1):  # the README's loop: no close() after it
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        first.step_end()
+    with trainguard.Guard(config(tmp_path / "b"), model=model, optimizer=opt):
+        assert "finished training unclosed: closed now" in capsys.readouterr().err
+    assert replaced() == []
+
+
 def test_an_error_that_leaves_the_constructor_leaves_nothing_installed(tmp_path, group):
     handlers = [signal.getsignal(s) for s in SIGNALS]
     model, _ = _model()

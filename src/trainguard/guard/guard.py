@@ -134,6 +134,7 @@ class Guard:
         self.state_sha256: Optional[str] = None
         self.parts = Parts()  # filled in order by parts.build; close() releases those that were built
         self._closed = False
+        self.finished = False  # training ended (finish()): a new Guard of this process may take over (.live)
         self._edge = edge.Edge(self._leave)  # carries out an outcome once (see "Outcomes")
         given = (model, optimizer, scheduler, sampler, self.extra_state, self.shared_state, self.hooks)
         script = Script(*given, checkpoint_files, redo_in_step, framework)
@@ -277,6 +278,7 @@ class Guard:
         """
         with self._edge():
             self.state_sha256 = self.lifecycle.finish(self.last_loss)
+        self.finished = True
 
     def should_step(self, loss: Any, grad_norm: Any = None) -> bool:
         """Check the step for instability after ``backward()``; apply it only if this returns ``True``::
