@@ -150,6 +150,25 @@ def test_failures_a_restart_can_cure_are_restarted(first, codes, done, stderr, w
     assert decide(first, codes, done, stderr) is None, why
 
 
+def test_torchs_rank_prefix_is_read_through():
+    """After ``init_process_group`` torch's excepthook puts ``[rank<N>]: `` before every line."""
+    prefixed = "\n".join(f"[rank1]: {line}" if line else "" for line in TRACEBACK.splitlines())
+    error = decide(True, {1: 1}, {1: 0}, {1: prefixed})
+    assert error is not None and error.lines == traceback_tail(TRACEBACK), error
+    assert error.lines[1] == '  File "train.py", line 12, in <module>'
+
+
+def test_an_error_after_the_training_loop_is_not_restarted_and_its_peers_are_not_looked_at():
+    """A rank past its training loop (``finished``) with a script's traceback: not restarted, in
+    any group, whatever its peers died of; one that failed of a lost peer, or not past its loop, is."""
+    error = decide(False, {0: 1, 1: 1}, {0: 60, 1: 60}, {0: TRACEBACK, 1: CONNECTION}, frozenset({0, 1}))
+    assert error is not None and error.rank == 0 and error.after_loop and "after its training loop" in error.reason
+    assert decide(True, {1: 1, 0: -9}, {0: 6, 1: 6}, {1: TRACEBACK}, frozenset({1})).rank == 1
+    assert decide(True, {0: 1}, {0: 6}, {0: CONNECTION}, frozenset({0})) is None
+    assert decide(True, {0: 1}, {0: 6}, {0: TRACEBACK}, frozenset({1})) is None
+    assert decide(True, {0: 1}, {0: 6}, {0: "Segmentation fault\n"}, frozenset({0})) is None
+
+
 def test_traceback_tail_takes_the_last_traceback_and_caps_it(tmp_path):
     text = TRACEBACK + "\nDuring handling...\n" + TRACEBACK.replace("missing.bin", "other.bin")
     tail = traceback_tail(text)
