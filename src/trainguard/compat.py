@@ -51,6 +51,7 @@ TRAINER = "transformers.Trainer"
 DATALOADER = "torch.utils.data.dataloader"
 PG = "torch.distributed.ProcessGroup"
 PG_NCCL = "torch.distributed.ProcessGroupNCCL"  # only in a torch built with NCCL
+DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,14 @@ MEMBERS: tuple[Private, ...] = (
         "_BaseDataLoaderIter",
         ("rejoin/replay.py",),
         "fallback: no batch is given back; a step done again whose batch differs fails the recovery (a group restart)",
+    ),
+    # the names set_state_dict looks up in a model's state (the first save's proof that it loads)
+    *_each(
+        DCP_STATE_DICT,
+        ("_iterate_valid_model_state", "_get_fqns"),
+        "checkpoint/loadable.py",
+        "fallback: the first save checks the saved keys, shapes and dtypes and DCP's load plan, not the names "
+        "the model's load looks up",
     ),
     # torch elastic: trainguard's agent (launcher/torch_agent.py overrides and reads these)
     *_each(AGENT, _AGENT_METHODS, "launcher/torch_agent.py", _ELASTIC),
@@ -468,6 +477,26 @@ def dataloader_iterator_class() -> Optional[type]:
     every iterator uses: one process or worker processes), ``None`` where torch has no such class."""
     cls = getattr(importlib.import_module(DATALOADER), "_BaseDataLoaderIter", None)
     return cls if isinstance(cls, type) and callable(getattr(cls, "__next__", None)) else None
+
+
+# ---- what a checkpoint load looks up -------------------------------------------------------------
+
+
+def model_load_names(model: torch.nn.Module) -> Optional[list[tuple[str, str]]]:
+    """The names ``set_state_dict`` looks up in a model state to load ``model``, each as ``(name
+    looked up, name in the model)`` (they differ under a prefix that torch's state dict leaves out:
+    DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``): torch's own walk of the model
+    (``_iterate_valid_model_state``, ``_get_fqns``); ``None`` where torch lacks either."""
+    module = importlib.import_module(DCP_STATE_DICT)
+    walk, fqns = getattr(module, "_iterate_valid_model_state", None), getattr(module, "_get_fqns", None)
+    if walk is None or fqns is None:
+        return None
+    names = []
+    for key, _ in walk(model):
+        plain = fqns(model, key)
+        prefixed = fqns(model, key, skip_ddp_prefix=False, skip_compiler_prefix=False)
+        names += list(zip(sorted(plain), sorted(prefixed)))
+    return names
 
 
 # ---- the Hugging Face Trainer -------------------------------------------------------------------
