@@ -12,7 +12,8 @@ Outside this module only :mod:`trainguard.launcher.torch_agent` touches such mem
 elastic's, which its subclass of ``LocalElasticAgent`` must override or read); it takes their names
 from here. ``tests/test_compat.py`` walks the syntax tree of every module of ``src/trainguard`` and
 fails on a private name of another package used anywhere else, and checks every listed member
-against the installed torch and transformers. Lightning: trainguard uses none of its private names.
+against the installed torch and transformers. Lightning: the names of Fabric's wrappers (the
+Guard unwraps them, :mod:`trainguard.guard.wrappers`).
 
 When each is checked: where it is first needed, by the function here that uses it, which falls
 back or refuses there. DDP's and FSDP2's members before in-process recovery is counted on (the
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -52,6 +54,8 @@ DATALOADER = "torch.utils.data.dataloader"
 PG = "torch.distributed.ProcessGroup"
 PG_NCCL = "torch.distributed.ProcessGroupNCCL"  # only in a torch built with NCCL
 DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+FABRIC = "lightning.fabric.wrappers"  # also the standalone package's lightning_fabric.wrappers
+FABRIC_MODULE = "lightning.fabric.wrappers._FabricModule"
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,21 @@ MEMBERS: tuple[Private, ...] = (
         "checkpoint/loadable.py",
         "fallback: the first save checks the saved keys, shapes and dtypes and DCP's load plan, not the names "
         "the model's load looks up",
+    ),
+    # Lightning Fabric's wrappers given to the Guard: the module inside its _FabricModule
+    *_each(
+        FABRIC,
+        ("_FabricModule", "_FabricOptimizer", "_FabricDataLoader"),
+        "guard/wrappers.py",
+        "fallback: the Guard takes Fabric's objects as they are (a _FabricModule over DDP is refused at the first "
+        "save, checkpoint/loadable.py; a Fabric data loader as the sampler is refused for lacking state_dict())",
+    ),
+    Private(
+        FABRIC_MODULE,
+        "_forward_module",
+        ("guard/wrappers.py",),
+        "refused: BadInput at Guard(...) naming the module to pass",
+        True,
     ),
     # torch elastic: trainguard's agent (launcher/torch_agent.py overrides and reads these)
     *_each(AGENT, _AGENT_METHODS, "launcher/torch_agent.py", _ELASTIC),
@@ -497,6 +516,39 @@ def model_load_names(model: torch.nn.Module) -> Optional[list[tuple[str, str]]]:
         prefixed = fqns(model, key, skip_ddp_prefix=False, skip_compiler_prefix=False)
         names += list(zip(sorted(plain), sorted(prefixed)))
     return names
+
+
+# ---- Lightning Fabric ----------------------------------------------------------------------------
+
+
+def fabric_kind(obj: Any) -> Optional[str]:
+    """What Lightning Fabric's ``setup`` made ``obj``: ``"module"`` (its ``_FabricModule``),
+    ``"optimizer"``, ``"dataloader"``, ``"wrapped"`` (another object its public ``is_wrapped``
+    knows: a compiled module), or ``None`` (not Fabric's; always where Lightning is not imported:
+    nothing is imported here)."""
+    for name in (FABRIC, "lightning_fabric.wrappers"):
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        for kind, cls in (
+            ("module", "_FabricModule"),
+            ("optimizer", "_FabricOptimizer"),
+            ("dataloader", "_FabricDataLoader"),
+        ):
+            known = getattr(module, cls, None)
+            if isinstance(known, type) and isinstance(obj, known):
+                return kind
+        is_wrapped = getattr(module, "is_wrapped", None)
+        if callable(is_wrapped) and is_wrapped(obj):
+            return "wrapped"
+    return None
+
+
+def fabric_forward_module(module: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The module a ``_FabricModule`` runs (DDP, FSDP or the plain module: what Fabric's strategy
+    made of the one given to ``setup``), ``None`` where Lightning renamed it."""
+    inner = getattr(module, "_forward_module", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
 
 
 # ---- the Hugging Face Trainer -------------------------------------------------------------------
