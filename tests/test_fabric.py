@@ -79,7 +79,7 @@ def test_the_docs_fabric_loop_sigtermed_and_relaunched_ends_bitwise(tmp_path, tm
     )
     run = tmp_path / "run"
     proc = fabric_run(run, script)
-    wait_for(lambda: events(run, "checkpoint_committed"), timeout=120, what="the first checkpoint")
+    wait_for(lambda: events(run, "checkpoint_committed") or proc.poll() is not None, what="the first checkpoint")
     proc.send_signal(signal.SIGTERM)
     assert finish(proc) == ExitCode.REQUEUE, Path(f"{run}.log").read_text()[-3000:]
     stopped = events(run, "stop_requested")[-1]["step"]

@@ -361,7 +361,7 @@ class Checkpointer:
         if not self.proven:  # the first commit of this process: would a resume load it? (BadInput if not)
             self.proven = True
             local = self.local.root if self.local is not None and r.local_bytes else None
-            loadable.prove(r.step, r.checkpoint, local, self.model, self.optimizer, self.world.rank, self.group)
+            loadable.prove(r.step, r.checkpoint, local, self.model, self.optimizer, self.world.rank)
         if not r.asynchronous:
             self.save_seconds = r.write_seconds
         if r.local_bytes and self.world.rank == 0:

@@ -37,7 +37,6 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .. import compat
-from .. import dist as tgdist
 from ..outcomes import BadInput
 from .io import CheckpointMismatchError, _with_saved_group_keys, model_optim_state, rank_file
 
@@ -166,33 +165,27 @@ def prove(
     model: torch.nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
     rank: int,
-    group: Any = None,
 ) -> None:
-    """At the first committed save of a process (every rank, together: the verdicts are
-    all-gathered over ``group``): would a resume load it? ``checkpoint``: the persistent one
-    committed (:class:`~.store.Checkpoint`, or ``None``); ``local_root``: the node-local tier's
-    directory when only that tier saved. A file that cannot be read just after its commit is
-    logged and not refused (the resume will tell).
+    """At the first committed save of this process: would a resume load it? ``checkpoint``: the
+    persistent one committed (:class:`~.store.Checkpoint`, or ``None``); ``local_root``: the
+    node-local tier's directory when only that tier saved. No collective: a process that joined
+    the group later (a replacement, a rank grown back) proves its own first save while the others
+    do not; every rank finds the same model mismatch (its own state file aside). A file that
+    cannot be read just after its commit is logged and not refused (the resume will tell).
 
     Raises:
-        BadInput: on every rank, naming the first rank that found a mismatch and its keys.
+        BadInput: naming this rank and the keys.
     """
-    error = None
     try:
         if checkpoint is not None:
             check_persistent(checkpoint.path, model, optimizer, rank)
         elif local_root is not None:
             check_names(model, set(model_optim_state(model, None)["model"]))
     except CheckpointMismatchError as e:
-        error = str(e)
+        where = checkpoint.path if checkpoint is not None else f"the node-local tier, {local_root}"
+        raise BadInput(
+            f"the checkpoint of step {step} ({where}) was written, but a resume could not load it (rank {rank}): "
+            f"{e}. Stopped now rather than at the first resume"
+        ) from None
     except OSError as e:
         log.warning("the loadability check of step %d could not read it: %s", step, e)
-    errors = [(r, e) for r, e in enumerate(tgdist.gather_objects(error, group)) if e]
-    if not errors:
-        return
-    first_rank, first = errors[0]
-    where = checkpoint.path if checkpoint is not None else f"the node-local tier, {local_root}"
-    raise BadInput(
-        f"the checkpoint of step {step} ({where}) was written, but a resume could not load it (rank {first_rank}): "
-        f"{first}. Stopped now rather than at the first resume"
-    )
