@@ -194,6 +194,15 @@ MEMBERS: tuple[Private, ...] = (
         "refused: BadInput at Guard(...) naming the module to pass",
         True,
     ),
+    # which loader a DataLoader iterator draws from (the data position's check after a resume)
+    *_each(
+        f"{DATALOADER}._BaseDataLoaderIter",
+        ("_dataset", "_index_sampler"),
+        "state/datapos.py",
+        "fallback: the first step after a resume says its batches came from a DataLoader of unknown position "
+        "without naming its dataset and sampler",
+        True,
+    ),
     # torch elastic: trainguard's agent (launcher/torch_agent.py overrides and reads these)
     *_each(AGENT, _AGENT_METHODS, "launcher/torch_agent.py", _ELASTIC),
     *_each(
@@ -549,6 +558,13 @@ def fabric_forward_module(module: torch.nn.Module) -> Optional[torch.nn.Module]:
     made of the one given to ``setup``), ``None`` where Lightning renamed it."""
     inner = getattr(module, "_forward_module", None)
     return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def dataloader_iterator_source(iterator: Any) -> tuple[Any, Any]:
+    """``(dataset, index sampler)`` a ``DataLoader`` iterator draws from (the index sampler: the
+    loader's ``batch_sampler`` when it batches, else its ``sampler``); ``None`` for each that this
+    torch does not show."""
+    return getattr(iterator, "_dataset", None), getattr(iterator, "_index_sampler", None)
 
 
 # ---- the Hugging Face Trainer -------------------------------------------------------------------
