@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
 
 from conftest import events, finish, launch
 from trainguard import ResumableSampler, compat
@@ -52,6 +52,28 @@ def test_a_loader_whose_position_is_not_saved_is_named_and_a_saved_one_is_not():
     sequential = SequentialSampler(DATA)  # any object the checkpoint holds (an extra_state value)
     assert first_step([DataLoader(DATA, sampler=sequential)], [sequential]) == []
     assert first_step([replacement], forward_first=True) == []  # drawn after the forward: an evaluation
+
+
+def test_a_loop_that_skips_to_its_position_itself_is_not_said():
+    """The ImageNet example's ``if i < skip: continue`` (several batches before the first forward)
+    and accelerate's skipping batch sampler (``skip_batches``, the HF Trainer's resume)."""
+    said = []
+    model = torch.nn.Linear(1, 1)
+    watch = DataWatch()
+    watch.arm(model, (), said.append)
+    it = iter(DataLoader(DATA, batch_size=4, sampler=RandomSampler(DATA)))
+    for _ in range(3):  # skipped to the step's batch
+        next(it)
+    model(torch.zeros(1, 1))
+    watch.disarm()
+    assert said == []
+
+    class SkipBatchSampler(BatchSampler):
+        def __init__(self, sampler, skip_batches):
+            super().__init__(sampler, 4, False)
+            self.skip_batches = skip_batches
+
+    assert first_step([DataLoader(DATA, batch_sampler=SkipBatchSampler(SequentialSampler(DATA), 2))]) == []
 
 
 def test_the_watch_puts_the_iterators_back():

@@ -14,7 +14,13 @@ model's first forward of the step (the batch the step trains on; an evaluation l
 in the step is not looked at) is checked: its sampler, the sampler inside its batch sampler or its
 dataset must be an object the Guard saves (the ``sampler``, an ``extra_state`` or
 ``shared_state`` value). Else the cause names the loader (its dataset's and samplers' types) and
-what keeps the position instead; the caller says it as ``resume_not_bitwise``. torchdata's
+what keeps the position instead; the caller says it as ``resume_not_bitwise``. A loop that skips
+to its position itself is not said: an iterator that hands out more than one batch before the
+first forward (the PyTorch ImageNet example's ``if i < skip: continue``, accelerate's skipping
+loaders, which the Hugging Face Trainer resumes with) or that draws through a sampler with
+``skip_batches`` (accelerate's ``SkipBatchSampler``). Limits: such a loop that resumes at an
+epoch's start (nothing to skip) is said all the same; a loop that draws all its micro-batches
+before the first forward is taken for one that skips, and not said. torchdata's
 ``StatefulDataLoader`` given as ``sampler=`` keeps its own position and has iterators of its own
 class: it is not looked at.
 """
@@ -62,7 +68,8 @@ class DataWatch:
         self._wrapper: Optional[Callable[[Any], Any]] = None
         self._known: set[int] = set()
         self._looking = False  # before the model's first forward of the step
-        self._seen: dict[int, str] = {}  # id(iterator) -> the loader's description, if not saved
+        # id(iterator) -> [the loader's description ("" if its position is saved), batches drawn]
+        self._seen: dict[int, list] = {}
         self._hook: Any = None
         self._report: Optional[Callable[[str], None]] = None
 
@@ -98,19 +105,24 @@ class DataWatch:
         self._looking = False
 
     def _look(self, iterator: Any) -> None:
-        if id(iterator) in self._seen:
+        seen = self._seen.get(id(iterator))
+        if seen is not None:
+            seen[1] += 1
             return
         dataset, index_sampler = compat.dataloader_iterator_source(iterator)
         chain = [index_sampler, getattr(index_sampler, "sampler", None), dataset]
         if any(obj is not None and id(obj) in self._known for obj in chain):
-            self._seen[id(iterator)] = ""
+            self._seen[id(iterator)] = ["", 1]  # its position is saved
+            return
+        if any(getattr(obj, "skip_batches", 0) for obj in chain):  # accelerate's SkipBatchSampler
+            self._seen[id(iterator)] = ["", 1]  # the loop skips to its position itself
             return
         what = "a DataLoader"
         if dataset is not None:
             what += f" over {type(dataset).__name__}"
             if index_sampler is not None:
                 what += f" drawing with {_describe(index_sampler)}"
-        self._seen[id(iterator)] = what
+        self._seen[id(iterator)] = [what, 1]
 
     def disarm(self) -> None:
         """End the watch: put ``__next__`` back (if it is still ours), remove the forward hook,
@@ -119,7 +131,9 @@ class DataWatch:
             self._owner.__next__ = self._original
         if self._hook is not None:
             self._hook.remove()
-        found = sorted({what for what in self._seen.values() if what})
+        # an iterator that handed out several batches before the first forward skipped to its position
+        # (the ImageNet example's `if i < skip: continue`, accelerate's skipping loaders): not said
+        found = sorted({what for what, drawn in self._seen.values() if what and drawn == 1})
         report, self._report = self._report, None
         self._owner = self._original = self._wrapper = self._hook = None
         self._seen, self._looking = {}, False
