@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import REPO, events, final_hash, finish, launch, shared_hash, wait_for
+from trainguard import ResumableSampler
 from trainguard.exitcodes import ExitCode
 from trainguard.guard.wrappers import unwrap
 from trainguard.outcomes import BadInput
@@ -37,7 +38,7 @@ def test_fabrics_module_and_optimizer_are_unwrapped_and_its_loader_refused(capsy
     net = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     model, optimizer = fabric.setup(net, opt)
-    sampler = torch.utils.data.SequentialSampler(range(8))
+    sampler = ResumableSampler(8)
     assert unwrap(model, optimizer, None, sampler) == (net, opt, None, sampler)
     loader = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.zeros(8, 4)), batch_size=2))
     with pytest.raises(BadInput, match="sampler=: a data loader set up by Lightning Fabric has no position") as e:
@@ -60,6 +61,16 @@ def test_accelerates_optimizer_and_scheduler_are_unwrapped_and_its_loader_refuse
     assert unwrap(model, optimizer, scheduler, None) == (model, opt, sched, None)
     with pytest.raises(BadInput, match="sampler=: accelerate's DataLoaderShard .* use_stateful_dataloader"):
         unwrap(model, optimizer, scheduler, prepared_loader)
+
+
+def test_a_sampler_without_a_position_to_save_is_refused_naming_what_to_pass():
+    """A torch DataLoader or one of torch's samplers given as ``sampler=`` (they have no
+    ``state_dict()``): a BadInput naming them, where a TypeError's traceback came before."""
+    data = TensorDataset(torch.zeros(8, 4))
+    for given in (DataLoader(data, batch_size=2), torch.utils.data.RandomSampler(data)):
+        with pytest.raises(BadInput, match=f"sampler=: {type(given).__name__} has no state_dict") as e:
+            unwrap(torch.nn.Linear(4, 1), None, None, given)
+        assert "trainguard.ResumableSampler" in e.value.message and "StatefulDataLoader" in e.value.message
 
 
 def fabric_run(run: Path, script: Path):

@@ -12,7 +12,9 @@ is inside:
   ``AcceleratedScheduler``: their ``optimizer`` and ``scheduler`` (the wrapped optimizer's ``step``
   calls the inner one's, where the Guard's hooks are).
 * Refused (:class:`~trainguard.outcomes.BadInput`, exit 2): a data loader as ``sampler`` that has
-  no position to save (Fabric's, accelerate's unless it is stateful), and a Fabric module compiled
+  no position to save (Fabric's, accelerate's unless it is stateful), any other ``sampler`` without
+  ``state_dict``/``load_state_dict`` (a torch ``DataLoader``, ``RandomSampler``,
+  ``DistributedSampler``: their position is not theirs to give), and a Fabric module compiled
   after ``setup`` (the module inside it is not reachable without torch's private names).
 
 :func:`unwrap` is called once, first thing in ``Guard.__init__``. Nothing is imported here:
@@ -31,6 +33,10 @@ FABRIC_SAMPLER = (
     "pass the object that holds the data position instead: a trainguard.ResumableSampler given to the "
     "DataLoader as its sampler, set up with fabric.setup_dataloaders(loader, use_distributed_sampler=False) "
     "(docs/fabric.md)"
+)
+TORCH_SAMPLER = (
+    "pass the object that holds the data position instead: a trainguard.ResumableSampler (given to the "
+    "DataLoader as its sampler), or torchdata's StatefulDataLoader (the loader itself)"
 )
 ACCELERATE_SAMPLER = (
     "pass the object that holds the data position instead: a trainguard.ResumableSampler given to a train "
@@ -91,6 +97,13 @@ def _sampler(sampler: Any) -> Any:
                 f"sampler=: accelerate's {name} (from accelerator.prepare) keeps no position without "
                 f"use_stateful_dataloader; {ACCELERATE_SAMPLER}"
             )
+    if sampler is not None and not (
+        callable(getattr(sampler, "state_dict", None)) and callable(getattr(sampler, "load_state_dict", None))
+    ):
+        raise BadInput(
+            f"sampler=: {type(sampler).__name__} has no state_dict()/load_state_dict(), so its position cannot be "
+            f"saved; {TORCH_SAMPLER}"
+        )
     return sampler
 
 
