@@ -40,6 +40,11 @@ CONNECTION = TRACEBACK.replace(
     "torch.distributed.DistNetworkError: The client socket has timed out while trying to connect to (node0, 29500).",
 )
 
+READ_ERROR = TRACEBACK.replace(
+    "FileNotFoundError: [Errno 2] No such file or directory: 'missing.bin'",
+    "trainguard.checkpoint.manifest.ReadError: [Errno 5] the checkpoint to resume from could not be chosen (rank 0)",
+)
+
 
 def _meter_verdict(code: str) -> tuple[float, float, bool]:
     """Run ``code`` in a child whose *main thread* does it, sample it over a window, return
@@ -144,6 +149,7 @@ def test_script_error_before_the_first_step_is_not_restarted():
         (True, {0: 1}, {0: 0}, {0: "Segmentation fault\n"}, "no traceback"),
         (True, {0: 1}, {0: 0}, {0: CONNECTION}, "a connection failure: retried"),
         (True, {0: 1, 1: 1}, {0: 0, 1: 0}, {0: TRACEBACK, 1: CONNECTION}, "one rank's failure is transient"),
+        (True, {0: 1}, {0: 0}, {0: READ_ERROR}, "the resume's checkpoint read failed: a restart retries it"),
     ],
 )
 def test_failures_a_restart_can_cure_are_restarted(first, codes, done, stderr, why):

@@ -88,21 +88,31 @@ def test_a_wrapper_whose_state_dict_is_not_what_its_load_looks_up_is_named(one_r
         apply_state(wrapped, None, model_optim_state(wrapped, None))
 
 
-def test_an_unloadable_checkpoint_stops_the_run_at_its_first_save_and_its_resume_with_bad_input(tmp_path):
-    """The wrapper's run stops with exit 2 when its first checkpoint (step 4) is committed, naming
-    the keys (without the check it trained to its end, and every resume gave up with 76: "Missing
-    key"); a relaunch says the same before loading, with exit 2."""
-    run = tmp_path / "run"
+def worker(run: Path, *flags: str):
     settings = ("--set", "checkpoint.interval=4")
-    proc = launch(run, script=WORKER, tiny=False, extra=settings, script_args=("--wrapper",), default_recovery=True)
-    assert finish(proc) == 2, Path(f"{run}.log").read_text()[-3000:]
-    bad = events(run, "bad_input")
-    message = bad[0]["details"]["message"]
+    return launch(run, script=WORKER, tiny=False, extra=settings, script_args=flags, default_recovery=True)
+
+
+def test_an_unloadable_checkpoint_stops_the_run_at_its_first_save_with_bad_input(tmp_path):
+    """The wrapper's run stops with exit 2 when its first checkpoint (step 4) is committed, naming
+    the keys (without the check it trained to its end with exit 0, and every resume gave up with
+    76: "Missing key")."""
+    run = tmp_path / "run"
+    assert finish(worker(run, "--wrapper")) == 2, Path(f"{run}.log").read_text()[-3000:]
+    message = events(run, "bad_input")[0]["details"]["message"]
     assert "the checkpoint of step 4" in message and "was written, but a resume could not load it" in message
     assert "forward_module.net.0.weight" in message and "it wrote net.0.bias, net.0.weight" in message
     assert not events(run, "end") and not events(run, "group_restart")
-    again = launch(run, script=WORKER, tiny=False, extra=settings, script_args=("--wrapper",), default_recovery=True)
-    assert finish(again) == 2, Path(f"{run}.log").read_text()[-3000:]
+
+
+@pytest.mark.soak  # two launches: ~30 s on 2 loaded cores (scripts/test_soak.sh)
+def test_a_resume_into_a_model_that_cannot_load_the_checkpoint_is_refused_before_loading(tmp_path):
+    """A run of the plain DDP model (its checkpoints load), relaunched with the wrapper: refused
+    with exit 2 before the load, naming the keys (without the check at load: torch's "Missing
+    key" in every restart, then 76)."""
+    run = tmp_path / "run"
+    assert finish(worker(run)) == 0, Path(f"{run}.log").read_text()[-3000:]
+    assert finish(worker(run, "--wrapper")) == 2, Path(f"{run}.log").read_text()[-3000:]
     message = events(run, "bad_input")[-1]["details"]["message"]
-    assert "step-00000004 cannot be loaded into this model" in message and "forward_module.net.0.weight" in message
+    assert "step-00000012 cannot be loaded into this model" in message and "forward_module.net.0.weight" in message
     assert not events(run, "give_up") and not events(run, "group_restart")

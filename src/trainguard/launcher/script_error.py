@@ -46,6 +46,10 @@ TRANSIENT = (
     "Connection reset",
     "Connection refused",
     "Connection closed",
+    # trainguard's own, which a restart is meant to retry: a checkpoint that could not be read
+    # after its retries (the resume, before the first step), a peer lost to the liveness ping
+    "ReadError",
+    "PeerLostError",
 )
 # what torch.distributed's sys.excepthook puts before each line once the default group exists
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
