@@ -31,7 +31,7 @@ def doc_example(directory: Path) -> Path:
     return path
 
 
-def test_fabrics_module_and_optimizer_are_unwrapped_and_its_loader_refused(capsys):
+def test_fabrics_module_and_optimizer_are_unwrapped_and_its_loader_refused(capsys, monkeypatch):
     import lightning as L
 
     fabric = L.Fabric(accelerator="cpu", devices=1)
@@ -47,6 +47,13 @@ def test_fabrics_module_and_optimizer_are_unwrapped_and_its_loader_refused(capsy
     assert f"trainguard: error: {e.value.message}" in capsys.readouterr().err
     plain = torch.nn.Linear(2, 2)  # anything else as given
     assert unwrap(plain, None, None, None) == (plain, None, None, None)
+    compiled = torch.compile(plain)  # compiled before Lightning was imported: its is_wrapped raises on it
+
+    def is_wrapped(obj):
+        raise RuntimeError("Failed to determine the arguments that were used to compile the module.")
+
+    monkeypatch.setattr(L.fabric.wrappers, "is_wrapped", is_wrapped)
+    assert unwrap(compiled, None, None, None)[0] is compiled
 
 
 def test_accelerates_optimizer_and_scheduler_are_unwrapped_and_its_loader_refused():

@@ -548,7 +548,11 @@ def fabric_kind(obj: Any) -> Optional[str]:
             if isinstance(known, type) and isinstance(obj, known):
                 return kind
         is_wrapped = getattr(module, "is_wrapped", None)
-        if callable(is_wrapped) and is_wrapped(obj):
+        try:  # (it raises on a module compiled before Lightning was imported: not Fabric's)
+            wrapped = callable(is_wrapped) and is_wrapped(obj)
+        except RuntimeError:
+            wrapped = False
+        if wrapped:
             return "wrapped"
     return None
 
