@@ -124,7 +124,9 @@ class Guard:
         redo_in_step: bool = False,
         framework: Optional[str] = None,
     ):
-        model, optimizer, scheduler, sampler = wrappers.unwrap(model, optimizer, scheduler, sampler)
+        model, optimizer, scheduler, sampler, framework = wrappers.unwrap(
+            model, optimizer, scheduler, sampler, framework
+        )
         self.cfg = config
         self.model, self.optimizer, self.scheduler, self.sampler = model, optimizer, scheduler, sampler
         self.extra_state, self.shared_state = dict(extra_state or {}), dict(shared_state or {})

@@ -17,6 +17,10 @@ is inside:
   ``DistributedSampler``: their position is not theirs to give), and a Fabric module compiled
   after ``setup`` (the module inside it is not reachable without torch's private names).
 
+A Fabric loop gets the group restart for a lost rank, not in-process recovery (``framework``):
+the restart resumed it bitwise where an in-process replacement did not (one trial, not yet
+understood, and nothing said it).
+
 :func:`unwrap` is called once, first thing in ``Guard.__init__``. Nothing is imported here:
 objects of a framework that the script did not import cannot be its wrappers.
 """
@@ -29,6 +33,7 @@ from typing import Any, Optional
 from .. import compat, console
 from ..outcomes import BadInput
 
+FABRIC = "Lightning Fabric"  # the framework named to the Guard (in-process recovery declined)
 FABRIC_SAMPLER = (
     "pass the object that holds the data position instead: a trainguard.ResumableSampler given to the "
     "DataLoader as its sampler, set up with fabric.setup_dataloaders(loader, use_distributed_sampler=False) "
@@ -107,16 +112,23 @@ def _sampler(sampler: Any) -> Any:
     return sampler
 
 
-def unwrap(model: Any, optimizer: Any, scheduler: Any, sampler: Any) -> tuple[Any, Any, Any, Any]:
-    """``(model, optimizer, scheduler, sampler)`` with the wrappers of Lightning Fabric and
-    accelerate replaced by what they hold (see the module doc); other objects as given.
+def unwrap(
+    model: Any, optimizer: Any, scheduler: Any, sampler: Any, framework: Optional[str] = None
+) -> tuple[Any, Any, Any, Any, Optional[str]]:
+    """``(model, optimizer, scheduler, sampler, framework)`` with the wrappers of Lightning Fabric
+    and accelerate replaced by what they hold (see the module doc); other objects as given.
+    ``framework`` is :data:`FABRIC` where Fabric's module or optimizer was given and none was named
+    (in-process recovery then steps aside for a group restart, which resumes a Fabric loop bitwise:
+    an in-process replacement in one did not, in a trial, and said nothing), else as given.
 
     Raises:
         BadInput: a wrapper the Guard cannot take (the message, printed first as ``trainguard:
             error: ...``, names the argument and what to pass).
     """
+    fabric = compat.fabric_kind(model) is not None or compat.fabric_kind(optimizer) is not None
     try:
-        return _model(model), _optimizer(optimizer), _scheduler(scheduler), _sampler(sampler)
+        unwrapped = _model(model), _optimizer(optimizer), _scheduler(scheduler), _sampler(sampler)
     except BadInput as e:
         console.line(f"trainguard: error: {e.message}")
         raise
+    return (*unwrapped, framework if framework is not None or not fabric else FABRIC)
