@@ -40,6 +40,11 @@ CONNECTION = TRACEBACK.replace(
     "torch.distributed.DistNetworkError: The client socket has timed out while trying to connect to (node0, 29500).",
 )
 
+READ_ERROR = TRACEBACK.replace(
+    "FileNotFoundError: [Errno 2] No such file or directory: 'missing.bin'",
+    "trainguard.checkpoint.manifest.ReadError: [Errno 5] the checkpoint to resume from could not be chosen (rank 0)",
+)
+
 
 def _meter_verdict(code: str) -> tuple[float, float, bool]:
     """Run ``code`` in a child whose *main thread* does it, sample it over a window, return
@@ -144,10 +149,30 @@ def test_script_error_before_the_first_step_is_not_restarted():
         (True, {0: 1}, {0: 0}, {0: "Segmentation fault\n"}, "no traceback"),
         (True, {0: 1}, {0: 0}, {0: CONNECTION}, "a connection failure: retried"),
         (True, {0: 1, 1: 1}, {0: 0, 1: 0}, {0: TRACEBACK, 1: CONNECTION}, "one rank's failure is transient"),
+        (True, {0: 1}, {0: 0}, {0: READ_ERROR}, "the resume's checkpoint read failed: a restart retries it"),
     ],
 )
 def test_failures_a_restart_can_cure_are_restarted(first, codes, done, stderr, why):
     assert decide(first, codes, done, stderr) is None, why
+
+
+def test_torchs_rank_prefix_is_read_through():
+    """After ``init_process_group`` torch's excepthook puts ``[rank<N>]: `` before every line."""
+    prefixed = "\n".join(f"[rank1]: {line}" if line else "" for line in TRACEBACK.splitlines())
+    error = decide(True, {1: 1}, {1: 0}, {1: prefixed})
+    assert error is not None and error.lines == traceback_tail(TRACEBACK), error
+    assert error.lines[1] == '  File "train.py", line 12, in <module>'
+
+
+def test_an_error_after_the_training_loop_is_not_restarted_and_its_peers_are_not_looked_at():
+    """A rank past its training loop (``finished``) with a script's traceback: not restarted, in
+    any group, whatever its peers died of; one that failed of a lost peer, or not past its loop, is."""
+    error = decide(False, {0: 1, 1: 1}, {0: 60, 1: 60}, {0: TRACEBACK, 1: CONNECTION}, frozenset({0, 1}))
+    assert error is not None and error.rank == 0 and error.after_loop and "after its training loop" in error.reason
+    assert decide(True, {1: 1, 0: -9}, {0: 6, 1: 6}, {1: TRACEBACK}, frozenset({1})).rank == 1
+    assert decide(True, {0: 1}, {0: 6}, {0: CONNECTION}, frozenset({0})) is None
+    assert decide(True, {0: 1}, {0: 6}, {0: TRACEBACK}, frozenset({1})) is None
+    assert decide(True, {0: 1}, {0: 6}, {0: "Segmentation fault\n"}, frozenset({0})) is None
 
 
 def test_traceback_tail_takes_the_last_traceback_and_caps_it(tmp_path):

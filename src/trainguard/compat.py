@@ -12,7 +12,8 @@ Outside this module only :mod:`trainguard.launcher.torch_agent` touches such mem
 elastic's, which its subclass of ``LocalElasticAgent`` must override or read); it takes their names
 from here. ``tests/test_compat.py`` walks the syntax tree of every module of ``src/trainguard`` and
 fails on a private name of another package used anywhere else, and checks every listed member
-against the installed torch and transformers. Lightning: trainguard uses none of its private names.
+against the installed torch and transformers. Lightning: the names of Fabric's wrappers (the
+Guard unwraps them, :mod:`trainguard.guard.wrappers`).
 
 When each is checked: where it is first needed, by the function here that uses it, which falls
 back or refuses there. DDP's and FSDP2's members before in-process recovery is counted on (the
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -52,6 +54,9 @@ DATALOADER = "torch.utils.data.dataloader"
 PG = "torch.distributed.ProcessGroup"
 PG_NCCL = "torch.distributed.ProcessGroupNCCL"  # only in a torch built with NCCL
 DYNAMIC_RDZV = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+FABRIC = "lightning.fabric.wrappers"  # also the standalone package's lightning_fabric.wrappers
+FABRIC_MODULE = "lightning.fabric.wrappers._FabricModule"
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,38 @@ MEMBERS: tuple[Private, ...] = (
         "_BaseDataLoaderIter",
         ("rejoin/replay.py",),
         "fallback: no batch is given back; a step done again whose batch differs fails the recovery (a group restart)",
+    ),
+    # the names set_state_dict looks up in a model's state (the first save's proof that it loads)
+    *_each(
+        DCP_STATE_DICT,
+        ("_iterate_valid_model_state", "_get_fqns"),
+        "checkpoint/loadable.py",
+        "fallback: the first save checks the saved keys, shapes and dtypes and DCP's load plan, not the names "
+        "the model's load looks up",
+    ),
+    # Lightning Fabric's wrappers given to the Guard: the module inside its _FabricModule
+    *_each(
+        FABRIC,
+        ("_FabricModule", "_FabricOptimizer", "_FabricDataLoader"),
+        "guard/wrappers.py",
+        "fallback: the Guard takes Fabric's objects as they are (a _FabricModule over DDP is refused at the first "
+        "save, checkpoint/loadable.py; a Fabric data loader as the sampler is refused for lacking state_dict())",
+    ),
+    Private(
+        FABRIC_MODULE,
+        "_forward_module",
+        ("guard/wrappers.py",),
+        "refused: BadInput at Guard(...) naming the module to pass",
+        True,
+    ),
+    # which loader a DataLoader iterator draws from (the data position's check after a resume)
+    *_each(
+        f"{DATALOADER}._BaseDataLoaderIter",
+        ("_dataset", "_index_sampler"),
+        "state/datapos.py",
+        "fallback: the first step after a resume says its batches came from a DataLoader of unknown position "
+        "without naming its dataset and sampler",
+        True,
     ),
     # torch elastic: trainguard's agent (launcher/torch_agent.py overrides and reads these)
     *_each(AGENT, _AGENT_METHODS, "launcher/torch_agent.py", _ELASTIC),
@@ -476,6 +513,70 @@ def dataloader_iterator_class() -> Optional[type]:
     every iterator uses: one process or worker processes), ``None`` where torch has no such class."""
     cls = getattr(importlib.import_module(DATALOADER), "_BaseDataLoaderIter", None)
     return cls if isinstance(cls, type) and callable(getattr(cls, "__next__", None)) else None
+
+
+# ---- what a checkpoint load looks up -------------------------------------------------------------
+
+
+def model_load_names(model: torch.nn.Module) -> Optional[list[tuple[str, str]]]:
+    """The names ``set_state_dict`` looks up in a model state to load ``model``, each as ``(name
+    looked up, name in the model)`` (they differ under a prefix that torch's state dict leaves out:
+    DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``): torch's own walk of the model
+    (``_iterate_valid_model_state``, ``_get_fqns``); ``None`` where torch lacks either."""
+    module = importlib.import_module(DCP_STATE_DICT)
+    walk, fqns = getattr(module, "_iterate_valid_model_state", None), getattr(module, "_get_fqns", None)
+    if walk is None or fqns is None:
+        return None
+    names = []
+    for key, _ in walk(model):
+        plain = fqns(model, key)
+        prefixed = fqns(model, key, skip_ddp_prefix=False, skip_compiler_prefix=False)
+        names += list(zip(sorted(plain), sorted(prefixed)))
+    return names
+
+
+# ---- Lightning Fabric ----------------------------------------------------------------------------
+
+
+def fabric_kind(obj: Any) -> Optional[str]:
+    """What Lightning Fabric's ``setup`` made ``obj``: ``"module"`` (its ``_FabricModule``),
+    ``"optimizer"``, ``"dataloader"``, ``"wrapped"`` (another object its public ``is_wrapped``
+    knows: a compiled module), or ``None`` (not Fabric's; always where Lightning is not imported:
+    nothing is imported here)."""
+    for name in (FABRIC, "lightning_fabric.wrappers"):
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        for kind, cls in (
+            ("module", "_FabricModule"),
+            ("optimizer", "_FabricOptimizer"),
+            ("dataloader", "_FabricDataLoader"),
+        ):
+            known = getattr(module, cls, None)
+            if isinstance(known, type) and isinstance(obj, known):
+                return kind
+        is_wrapped = getattr(module, "is_wrapped", None)
+        try:  # (it raises on a module compiled before Lightning was imported: not Fabric's)
+            wrapped = callable(is_wrapped) and is_wrapped(obj)
+        except RuntimeError:
+            wrapped = False
+        if wrapped:
+            return "wrapped"
+    return None
+
+
+def fabric_forward_module(module: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The module a ``_FabricModule`` runs (DDP, FSDP or the plain module: what Fabric's strategy
+    made of the one given to ``setup``), ``None`` where Lightning renamed it."""
+    inner = getattr(module, "_forward_module", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def dataloader_iterator_source(iterator: Any) -> tuple[Any, Any]:
+    """``(dataset, index sampler)`` a ``DataLoader`` iterator draws from (the index sampler: the
+    loader's ``batch_sampler`` when it batches, else its ``sampler``); ``None`` for each that this
+    torch does not show."""
+    return getattr(iterator, "_dataset", None), getattr(iterator, "_index_sampler", None)
 
 
 # ---- the Hugging Face Trainer -------------------------------------------------------------------

@@ -54,8 +54,7 @@ def main() -> None:
     rank, world = accelerator.process_index, accelerator.num_processes
     sampler = trainguard.ResumableSampler(len(train_ids), rank, world, seed=cfg.run.seed)
     # the prepared optimizer and scheduler are accelerate's wrappers; the Guard takes the torch objects
-    # inside them (given the AcceleratedOptimizer itself, Guard() fails: AttributeError
-    # '_optimizer_step_pre_hooks', from the checkpointer's register_step_pre_hook)
+    # inside them (given the wrappers themselves, it unwraps them: src/trainguard/guard/wrappers.py)
     guard = trainguard.Guard(
         cfg, model=model, optimizer=optimizer.optimizer, scheduler=lr_scheduler.scheduler, sampler=sampler
     )

@@ -53,7 +53,7 @@ from ..outcomes import BadInput, GiveUp
 from ..ranks import RankView
 from ..rundir import replaceable
 from ..sections import CheckpointSection
-from . import CheckpointMismatchError, CheckpointStore, check_compatible, load_state
+from . import CheckpointMismatchError, CheckpointStore, check_compatible, load_state, loadable
 from . import manifest as mf
 from .io import apply_state, model_optim_state, saved_world_size, write_checkpoint
 from .local import LocalTier, choose, deserialize, expand_dir
@@ -193,6 +193,7 @@ class Checkpointer:
         # more files for each persistent checkpoint, written on every rank into its temporary
         # directory before the commit (see write_checkpoint); blocking saves only
         self.write_files = write_files
+        self.proven = False  # a save of this process was checked loadable (loadable.py): once is enough
 
     # ------------------------------------------------------------------------------------------
     # saving
@@ -365,6 +366,10 @@ class Checkpointer:
             )
             return r
         self.failures = 0
+        if not self.proven:  # the first commit of this process: would a resume load it? (BadInput if not)
+            self.proven = True
+            local = self.local.root if self.local is not None and r.local_bytes else None
+            loadable.prove(r.step, r.checkpoint, local, self.model, self.optimizer, self.world.rank)
         if not r.asynchronous:
             self.save_seconds = r.write_seconds
         if r.local_bytes and self.world.rank == 0:
@@ -536,15 +541,21 @@ class Checkpointer:
             BadInput: the checkpoint does not fit the model or optimizer.
         """
         if point.tier == "persistent":
+            path = point.checkpoint.path  # type: ignore[union-attr]
             try:
-                check_compatible(point.checkpoint.path, self.model, self.optimizer)  # type: ignore[union-attr]
+                check_compatible(path, self.model, self.optimizer)
             except CheckpointMismatchError as e:
                 raise BadInput(str(e)) from None
-            return load_state(point.checkpoint.path, self.model, self.optimizer, rank_state_of)  # type: ignore[union-attr]
+            try:  # what the load itself would fail on, named (see loadable.py)
+                loadable.check_persistent(path, self.model, self.optimizer, None, dtypes=False)
+            except CheckpointMismatchError as e:
+                raise BadInput(f"checkpoint {path} cannot be loaded into this model: {e}") from None
+            return load_state(path, self.model, self.optimizer, rank_state_of)
         state = deserialize(self.local.fetch(point.step, point.plan, self.group))  # type: ignore[union-attr,arg-type]
         try:
+            loadable.check_names(self.model, set(state["model"]))
             apply_state(self.model, self.optimizer, state)
-        except (KeyError, RuntimeError, ValueError) as e:
+        except (KeyError, RuntimeError, ValueError) as e:  # CheckpointMismatchError is a ValueError
             raise BadInput(
                 f"local checkpoint at step {point.step} in {self.local.root} does not fit this model: "  # type: ignore[union-attr]
                 f"{str(e).splitlines()[0]}"

@@ -64,7 +64,7 @@ from ..events import Hook
 from ..outcomes import BadInput, Outcome, exit_bad_input
 from ..state.reshard import rank_batch
 from ..supervisor.rank import enter_teardown
-from . import edge, live, parts
+from . import edge, live, parts, wrappers
 from .parts import Parts, Script
 from .recovering import Caught
 from .world import World
@@ -75,7 +75,9 @@ class Guard:
 
     Args:
         config: validated :class:`~trainguard.config.Config` (or a subclass).
-        model: the module being trained (DDP/FSDP-wrapped or plain).
+        model: the module being trained (DDP/FSDP-wrapped or plain). A framework's wrappers of the
+            model, optimizer and scheduler (Lightning Fabric's, accelerate's) are unwrapped
+            (:mod:`.wrappers`).
         optimizer, scheduler: optional; saved and restored with the model.
         sampler: optional data position; any object with ``state_dict()``/``load_state_dict()``
             such as :class:`~trainguard.sampler.ResumableSampler`.
@@ -102,10 +104,11 @@ class Guard:
     Create it after ``torch.distributed.init_process_group`` (if distributed).
 
     Raises:
-        BadInput: an unwritable run dir or local checkpoint dir, ``checkpoint_files`` with
+        BadInput: a framework's wrapper the Guard cannot take (:mod:`.wrappers`), an unwritable
+            run dir or local checkpoint dir, ``checkpoint_files`` with
             ``[checkpoint] async_save = true``, ``[rollback] skip_batches`` without a sampler
             that can skip (the message is printed first; see :func:`.parts.build`), or another
-            Guard of this process not closed yet (:mod:`.live`).
+            Guard of this process still training (:mod:`.live`).
         Any error that leaves the constructor leaves nothing of the Guard installed.
     """
 
@@ -124,6 +127,9 @@ class Guard:
         redo_in_step: bool = False,
         framework: Optional[str] = None,
     ):
+        model, optimizer, scheduler, sampler, framework = wrappers.unwrap(
+            model, optimizer, scheduler, sampler, framework
+        )
         self.cfg = config
         self.model, self.optimizer, self.scheduler, self.sampler = model, optimizer, scheduler, sampler
         self.extra_state, self.shared_state = dict(extra_state or {}), dict(shared_state or {})

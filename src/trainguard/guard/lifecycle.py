@@ -85,6 +85,7 @@ class Lifecycle:
             self.model,
             joining or resumed_from is not None,
             lambda cause: p.resumer.not_bitwise(world.step, cause, say=joining),
+            p.train_state,  # the data position: loaders whose position it does not hold are said
         )
         return resumed_from, started
 

@@ -371,7 +371,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             elif isinstance(d, Fallback):
                 lost = {r: c for r, c in (codes or {}).items() if failed(c)}
                 self.events.emit("recovery_fallback", reason=d.why, exit_codes=lost)
-                console.say(f"in-process recovery not possible ({d.why}): restarting the group")
+                console.say(f"in-process recovery not possible ({d.why})")
             elif isinstance(d, ReplaceNode):
                 self._replace_node(d)
             elif isinstance(d, (Replace, Shrink)):
@@ -528,7 +528,8 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
                         os.kill(p.pid, sig)
 
     def _script_error(self, result: RunResult) -> Optional[ScriptError]:
-        """The failure is an error of the script before its first step (see :mod:`.script_error`)."""
+        """The failure is an error of the script before its first step or after its training loop
+        (see :mod:`.script_error`)."""
         if self.monitor is None:  # without heartbeat records "before the first step" is unknown
             return None
         workers = {w.local_rank: w.global_rank for w in self.workers()}
@@ -539,6 +540,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             {r: f.exitcode for r, f in failed.items()},
             {workers.get(lr, lr): n for lr, n in done.items()},
             {r: script_error.read_tail(self.worker_stderr(f.local_rank)) for r, f in failed.items()},
+            frozenset(workers.get(lr, lr) for lr in self.monitor.finished_training()),
         )
 
     def _restart(self, reason: str) -> None:

@@ -8,12 +8,22 @@ ends in a Python traceback that is not a connection or rendezvous failure (those
 peer node or the store may come up late), ends the launch at once with the rank's exit code and
 the traceback's last lines instead of spending the restart budget.
 
+The same holds after the training loop (a final evaluation, an export): a rank whose Guard
+finished training (its heartbeat record is in the ``teardown`` section) and that then exits with a
+traceback that is not a connection failure failed in the script; a restart would resume from the
+final checkpoint, run no step and fail the same way. Its peers' failures are then consequences (a
+peer waiting in a collective with it loses it) and are not looked at.
+
+Tracebacks printed after ``init_process_group`` carry torch's ``[rank<N>]: `` prefix on each line
+(torch.distributed's ``sys.excepthook``); it is removed before reading them.
+
 :func:`decide` is the whole decision, from plain values (tested in one process).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,7 +46,13 @@ TRANSIENT = (
     "Connection reset",
     "Connection refused",
     "Connection closed",
+    # trainguard's own, which a restart is meant to retry: a checkpoint that could not be read
+    # after its retries (the resume, before the first step), a peer lost to the liveness ping
+    "ReadError",
+    "PeerLostError",
 )
+# what torch.distributed's sys.excepthook puts before each line once the default group exists
+RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 
 
 @dataclass(frozen=True)
@@ -47,16 +63,19 @@ class ScriptError:
         rank: global rank whose traceback is shown.
         exit_code: its exit code (the launch ends with it).
         lines: the last lines of its traceback (at most :data:`SHOWN_LINES`).
+        after_loop: the rank had finished its training loop (else: before its first step).
     """
 
     rank: int
     exit_code: int
     lines: tuple[str, ...]
+    after_loop: bool = False
 
     @property
     def reason(self) -> str:
         """One line for ``launch_exit`` and the console: the exception line of the traceback."""
-        return f"the script failed before its first step (rank {self.rank}): {self.lines[-1]}; not restarted"
+        when = "after its training loop" if self.after_loop else "before its first step"
+        return f"the script failed {when} (rank {self.rank}): {self.lines[-1]}; not restarted"
 
 
 def read_tail(path: Optional[str | os.PathLike]) -> str:
@@ -74,8 +93,9 @@ def read_tail(path: Optional[str | os.PathLike]) -> str:
 
 def traceback_tail(text: str) -> Optional[tuple[str, ...]]:
     """The last Python traceback in ``text``, from its ``Traceback`` line to its exception line
-    (at most :data:`SHOWN_LINES` lines, the exception line last); ``None`` if there is none."""
-    lines = [line.rstrip() for line in text.splitlines()]
+    (at most :data:`SHOWN_LINES` lines, the exception line last, torch's ``[rank<N>]: `` prefixes
+    removed); ``None`` if there is none."""
+    lines = [RANK_PREFIX.sub("", line.rstrip()) for line in text.splitlines()]
     starts = [i for i, line in enumerate(lines) if line.lstrip().startswith("Traceback (most recent call last)")]
     if not starts:
         return None
@@ -86,8 +106,16 @@ def traceback_tail(text: str) -> Optional[tuple[str, ...]]:
     return tuple(body[: last + 1][-SHOWN_LINES:])
 
 
+def _transient(tail: tuple[str, ...]) -> bool:
+    return any(marker in tail[-1] for marker in TRANSIENT)
+
+
 def decide(
-    first_group: bool, codes: dict[int, int], steps_done: dict[int, Optional[int]], stderr: dict[int, str]
+    first_group: bool,
+    codes: dict[int, int],
+    steps_done: dict[int, Optional[int]],
+    stderr: dict[int, str],
+    finished: frozenset[int] = frozenset(),
 ) -> Optional[ScriptError]:
     """Whether a failed worker group is a script error that must not be restarted.
 
@@ -97,18 +125,24 @@ def decide(
         steps_done: ``{global rank: steps completed by its process}`` for every rank of the node
             (``None``: no heartbeat record, it never reached the Guard).
         stderr: ``{global rank: the tail of its stderr}`` of the failed ranks.
+        finished: global ranks whose process finished its training loop (the Guard's record is in
+            the ``teardown`` section).
     Returns:
-        The error to end the launch with, or ``None`` (restart as usual): not the first group, a
-        rank that completed a step, no rank that exited with a code > 0 (ranks killed by a signal
-        are not looked at), one of those without a traceback, or a traceback whose
-        exception is a connection/rendezvous failure (:data:`TRANSIENT`).
+        The error to end the launch with, or ``None`` (restart as usual). After the loop: the
+        lowest rank of ``finished`` that exited with a code > 0 and a traceback that is not a
+        connection/rendezvous failure (:data:`TRANSIENT`); the other ranks' failures are not
+        looked at. Before the first step: ``None`` unless it is the first group, no rank completed
+        a step, and every rank that exited with a code > 0 (ranks killed by a signal are not looked
+        at) ends its stderr with a traceback that is not a connection/rendezvous failure.
     """
     errors = {rank: code for rank, code in codes.items() if code > 0}  # the others: killed by a signal (the
-    if not first_group or not errors or any((n or 0) > 0 for n in steps_done.values()):  # launcher's, often)
+    tails = {rank: traceback_tail(stderr.get(rank, "")) for rank in errors}  # launcher's, often)
+    after = [r for r in sorted(errors) if r in finished and tails[r] is not None and not _transient(tails[r])]
+    if after:
+        return ScriptError(after[0], errors[after[0]], tails[after[0]] or (), after_loop=True)
+    if not first_group or not errors or any((n or 0) > 0 for n in steps_done.values()):
         return None
-    for rank in sorted(errors):
-        tail = traceback_tail(stderr.get(rank, ""))
-        if tail is None or any(marker in tail[-1] for marker in TRANSIENT):
-            return None
+    if any(tail is None or _transient(tail) for tail in tails.values()):
+        return None
     rank = min(errors)
-    return ScriptError(rank, errors[rank], traceback_tail(stderr[rank]) or ())
+    return ScriptError(rank, errors[rank], tails[rank] or ())

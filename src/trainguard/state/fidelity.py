@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..ranks import RankView
+from .datapos import DataWatch, known_objects
 from .determinism import numpy_snapshot, rng_fingerprint
 
 WATCHED_STEPS = 3  # boundaries DrawWatch looks at in a loop that never asks next_step (a framework's)
@@ -134,13 +135,20 @@ class DrawWatch:
         self._first: Optional[dict[str, Any]] = None  # watch_first_step's states
         self._drawn_before_loop = False  # before_loop found a draw (reported: the first step is not watched)
         self._hooks: list[Any] = []
+        self.data = DataWatch()  # the first step's data loaders whose position is not saved (state.datapos)
 
-    def watch_first_step(self, model: Any, restored: bool, report: Callable[[str], None]) -> None:
+    def watch_first_step(
+        self, model: Any, restored: bool, report: Callable[[str], None], state: Optional[Any] = None
+    ) -> None:
         """At the loop's start (after a resume or a replacement's join restored the generators):
         watch this process's first step for nanoGPT's prefetch (see the module doc), by a forward
-        pre-hook and a forward hook on ``model``, removed at the step's end. ``report(cause)`` is
-        called at that end when the shape is found; nothing is watched where ``restored`` is false
-        (a fresh run trains on the batch its fresh seed drew, as it should)."""
+        pre-hook and a forward hook on ``model``, removed at the step's end, and for data loaders
+        whose position the checkpoint (``state``, the rank's
+        :class:`~trainguard.state.trainstate.TrainState`) does not hold (:mod:`.datapos`).
+        ``report(cause)`` is called at that end for each finding; nothing is watched where
+        ``restored`` is false (a fresh run trains on the batch its fresh seed drew, as it should)."""
+        if restored and state is not None:
+            self.data.arm(model, known_objects(state), report)
         if not restored or self._drawn_before_loop or not hasattr(model, "register_forward_pre_hook"):
             return  # (a draw between the Guard and the loop was reported already: the same first batch)
         self._first = {"start": _generators(), "at_forward": None, "after_forward": None, "report": report}
@@ -179,6 +187,8 @@ class DrawWatch:
         not, stops paying for it."""
         if self._first is not None:
             self._end_first_step()
+        if self.data.armed:
+            self.data.disarm()
         self._left -= 1
         watch = not self._found and (self._asked or self._left >= 0)
         self._state = _generators() if watch else None

@@ -222,6 +222,11 @@ class HangMonitor:
         # the record starts with one beat
         return {r: (s.beats - 1 if s is not None else None) for r, s in self._states().items()}
 
+    def finished_training(self) -> frozenset[int]:
+        """Local ranks whose current process left training (its record is in the teardown
+        section: after the ``end`` event, or an outcome), read now."""
+        return frozenset(r for r, s in self._states().items() if s is not None and s.section == TEARDOWN)
+
     def ending(self, besides: frozenset[int] = frozenset()) -> bool:
         """Whether a local rank other than those of ``besides`` (the failed ones: a rank that leaves
         alone, SDC's exclusion, tears down too) has left training: its record is in the teardown

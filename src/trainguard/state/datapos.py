@@ -1,0 +1,145 @@
+"""The data position after a resume: a loader whose position the checkpoint does not hold is said.
+
+A resume restores what the Guard was given: the model, the optimizer, the scheduler, the sampler
+and ``extra_state``. A loop that draws its batches from a ``DataLoader`` over torch's own samplers
+(``RandomSampler`` with or without replacement, ``SequentialSampler``, ``DistributedSampler``, a
+``BatchSampler`` over them) or an ``IterableDataset`` keeps its position in the loader's iterator,
+which no checkpoint holds: the resumed process starts a new iteration (a fresh permutation, or the
+first batch of the epoch) where the uninterrupted run was mid-way, and trains on other batches.
+
+:class:`DataWatch` watches the first step of a resumed process (or of a replacement that joined
+the survivors): ``DataLoader`` iterators' ``__next__`` is wrapped from :meth:`DataWatch.arm` to
+the step's end (:meth:`DataWatch.disarm`), and each iterator that hands out a batch before the
+model's first forward of the step (the batch the step trains on; an evaluation loader drawn later
+in the step is not looked at) is checked: its sampler, the sampler inside its batch sampler or its
+dataset must be an object the Guard saves (the ``sampler``, an ``extra_state`` or
+``shared_state`` value). Else the cause names the loader (its dataset's and samplers' types) and
+what keeps the position instead; the caller says it as ``resume_not_bitwise``. A loop that skips
+to its position itself is not said: an iterator that hands out more than one batch before the
+first forward (the PyTorch ImageNet example's ``if i < skip: continue``, accelerate's skipping
+loaders, which the Hugging Face Trainer resumes with) or that draws through a sampler with
+``skip_batches`` (accelerate's ``SkipBatchSampler``). Limits: such a loop that resumes at an
+epoch's start (nothing to skip) is said all the same; a loop that draws all its micro-batches
+before the first forward is taken for one that skips, and not said. torchdata's
+``StatefulDataLoader`` given as ``sampler=`` keeps its own position and has iterators of its own
+class: it is not looked at.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+from .. import compat
+
+FIX = (
+    "give the Guard an object that keeps it: a trainguard.ResumableSampler as the DataLoader's sampler and "
+    "Guard(sampler=...), or torchdata's StatefulDataLoader given as Guard(sampler=loader)"
+)
+
+
+def _describe(obj: Any) -> str:
+    """``RandomSampler(replacement=True)``, ``BatchSampler over SequentialSampler``, ``TensorDataset``."""
+    name = type(obj).__name__
+    inner = getattr(obj, "sampler", None)
+    if inner is not None and inner is not obj:
+        return f"{name} over {_describe(inner)}"
+    if getattr(obj, "replacement", False):
+        return f"{name}(replacement=True)"
+    return name
+
+
+def known_objects(state: Any) -> list[Any]:
+    """Every object a :class:`~trainguard.state.trainstate.TrainState` saves, nested ones included."""
+    out: list[Any] = []
+    for part in getattr(state, "parts", {}).values():
+        out.append(part)
+        out.extend(known_objects(part))
+    return out
+
+
+class DataWatch:
+    """Names the data loaders of a resumed process's first step whose position is not saved (see
+    the module doc). One per Guard; :meth:`arm` once at the loop's start, :meth:`disarm` at the
+    first step's end (and at close: idempotent)."""
+
+    def __init__(self) -> None:
+        self._owner: Optional[type] = None
+        self._original: Optional[Callable[[Any], Any]] = None
+        self._wrapper: Optional[Callable[[Any], Any]] = None
+        self._known: set[int] = set()
+        self._looking = False  # before the model's first forward of the step
+        # id(iterator) -> [the loader's description ("" if its position is saved), batches drawn]
+        self._seen: dict[int, list] = {}
+        self._hook: Any = None
+        self._report: Optional[Callable[[str], None]] = None
+
+    @property
+    def armed(self) -> bool:
+        """Whether a first step is watched (:meth:`disarm` to come)."""
+        return self._report is not None
+
+    def arm(self, model: Any, known: Iterable[Any], report: Callable[[str], None]) -> bool:
+        """Watch the step about to run: ``known`` are the objects the checkpoint holds,
+        ``report(cause)`` is called at :meth:`disarm` for the loaders found. ``False`` (nothing
+        watched) where torch lacks the iterator class."""
+        cls = compat.dataloader_iterator_class()
+        if cls is None or self._owner is not None:
+            return False
+        original = cls.__next__
+
+        def __next__(iterator: Any) -> Any:
+            batch = original(iterator)
+            if self._looking:
+                self._look(iterator)
+            return batch
+
+        self._owner, self._original, self._wrapper = cls, original, __next__
+        cls.__next__ = __next__
+        self._known = {id(obj) for obj in known if obj is not None}
+        self._looking, self._seen, self._report = True, {}, report
+        if hasattr(model, "register_forward_pre_hook"):
+            self._hook = model.register_forward_pre_hook(self._first_forward)
+        return True
+
+    def _first_forward(self, module: Any, args: Any) -> None:
+        self._looking = False
+
+    def _look(self, iterator: Any) -> None:
+        seen = self._seen.get(id(iterator))
+        if seen is not None:
+            seen[1] += 1
+            return
+        dataset, index_sampler = compat.dataloader_iterator_source(iterator)
+        chain = [index_sampler, getattr(index_sampler, "sampler", None), dataset]
+        if any(obj is not None and id(obj) in self._known for obj in chain):
+            self._seen[id(iterator)] = ["", 1]  # its position is saved
+            return
+        if any(getattr(obj, "skip_batches", 0) for obj in chain):  # accelerate's SkipBatchSampler
+            self._seen[id(iterator)] = ["", 1]  # the loop skips to its position itself
+            return
+        what = "a DataLoader"
+        if dataset is not None:
+            what += f" over {type(dataset).__name__}"
+            if index_sampler is not None:
+                what += f" drawing with {_describe(index_sampler)}"
+        self._seen[id(iterator)] = [what, 1]
+
+    def disarm(self) -> None:
+        """End the watch: put ``__next__`` back (if it is still ours), remove the forward hook,
+        and report each loader found (once each)."""
+        if self._owner is not None and self._owner.__next__ is self._wrapper:
+            self._owner.__next__ = self._original
+        if self._hook is not None:
+            self._hook.remove()
+        # an iterator that handed out several batches before the first forward skipped to its position
+        # (the ImageNet example's `if i < skip: continue`, accelerate's skipping loaders): not said
+        found = sorted({what for what, drawn in self._seen.values() if what and drawn == 1})
+        report, self._report = self._report, None
+        self._owner = self._original = self._wrapper = self._hook = None
+        self._seen, self._looking = {}, False
+        if report is not None and found:
+            report(
+                f"the batches of this process's first step came from {' and '.join(found)}, whose position the "
+                "checkpoint does not hold: its iterator started anew here, where the uninterrupted run was "
+                f"mid-way, so this run trains on other batches; {FIX}"
+            )

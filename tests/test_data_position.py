@@ -1,0 +1,105 @@
+"""The data position after a resume (src/trainguard/state/datapos.py): a DataLoader whose position
+the checkpoint does not hold is named at the first step of a resumed process, never silent. The
+watch on real DataLoaders in one process, then real launches of tests/data_position_worker.py (a
+GPT trainer's ``iter``/``next`` loop over ``RandomSampler(replacement=True)`` with 2 workers)
+resumed from a checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
+
+from conftest import events, finish, launch
+from trainguard import ResumableSampler, compat
+from trainguard.state.datapos import DataWatch, known_objects
+from trainguard.state.trainstate import TrainState
+
+WORKER = Path(__file__).resolve().parent / "data_position_worker.py"
+DATA = TensorDataset(torch.arange(32.0).unsqueeze(1))
+
+
+def first_step(loaders, known=(), forward_first=False):
+    """Arm a watch with the objects ``known``, draw one batch from each loader (the model's forward
+    before them with ``forward_first``), end the step; returns what was reported."""
+    said = []
+    model = torch.nn.Linear(1, 1)
+    watch = DataWatch()
+    assert watch.arm(model, known, said.append) and watch.armed
+    iterators = [iter(loader) for loader in loaders]
+    if forward_first:
+        model(torch.zeros(1, 1))
+    for it in iterators:
+        next(it)
+    model(torch.zeros(1, 1))
+    next(iterators[0])  # after the step's forward: not looked at
+    watch.disarm()
+    assert not watch.armed
+    return said
+
+
+def test_a_loader_whose_position_is_not_saved_is_named_and_a_saved_one_is_not():
+    replacement = DataLoader(DATA, batch_size=4, sampler=RandomSampler(DATA, True, 64))
+    said = first_step([replacement, DataLoader(DATA, batch_size=4)])
+    assert len(said) == 1, said
+    assert "a DataLoader over TensorDataset drawing with BatchSampler over RandomSampler(replacement=True)" in said[0]
+    assert "BatchSampler over SequentialSampler" in said[0] and "trainguard.ResumableSampler" in said[0]
+    sampler = ResumableSampler(len(DATA))
+    state = TrainState({"sampler": sampler, "extra": TrainState({})})
+    assert first_step([DataLoader(DATA, batch_size=4, sampler=sampler)], known_objects(state)) == []
+    sequential = SequentialSampler(DATA)  # any object the checkpoint holds (an extra_state value)
+    assert first_step([DataLoader(DATA, sampler=sequential)], [sequential]) == []
+    assert first_step([replacement], forward_first=True) == []  # drawn after the forward: an evaluation
+
+
+def test_a_loop_that_skips_to_its_position_itself_is_not_said():
+    """The ImageNet example's ``if i < skip: continue`` (several batches before the first forward)
+    and accelerate's skipping batch sampler (``skip_batches``, the HF Trainer's resume)."""
+    said = []
+    model = torch.nn.Linear(1, 1)
+    watch = DataWatch()
+    watch.arm(model, (), said.append)
+    it = iter(DataLoader(DATA, batch_size=4, sampler=RandomSampler(DATA)))
+    for _ in range(3):  # skipped to the step's batch
+        next(it)
+    model(torch.zeros(1, 1))
+    watch.disarm()
+    assert said == []
+
+    class SkipBatchSampler(BatchSampler):
+        def __init__(self, sampler, skip_batches):
+            super().__init__(sampler, 4, False)
+            self.skip_batches = skip_batches
+
+    assert first_step([DataLoader(DATA, batch_sampler=SkipBatchSampler(SequentialSampler(DATA), 2))]) == []
+
+
+def test_the_watch_puts_the_iterators_back():
+    cls = compat.dataloader_iterator_class()
+    before = cls.__next__
+    first_step([DataLoader(DATA)])
+    assert cls.__next__ is before
+    DataWatch().disarm()  # never armed: nothing to do
+
+
+def run(run_dir: Path, steps: int, *flags: str):
+    args = ("--steps", str(steps), *flags)
+    return launch(run_dir, "checkpoint.interval=5", script=WORKER, tiny=False, script_args=args, default_recovery=True)
+
+
+@pytest.mark.soak  # two launches with DataLoader workers: ~30 s on 2 loaded cores (scripts/test_soak.sh)
+def test_a_resume_from_a_loader_of_torchs_samplers_says_it_cannot_be_bitwise_naming_the_loader(tmp_path):
+    """The run trains 10 steps; its relaunch to 15 resumes from step 10 and its first step draws
+    from a new iterator of the RandomSampler: each rank says so in a ``resume_not_bitwise`` event,
+    rank 0 on the console (without the watch: nothing named the loader, the issue's silent
+    resume)."""
+    r = tmp_path / "run"
+    assert finish(run(r, 10)) == 0, Path(f"{r}.log").read_text()[-3000:]
+    assert finish(run(r, 15)) == 0, Path(f"{r}.log").read_text()[-3000:]
+    assert events(r, "resume")[-1]["details"]["from_step"] == 10
+    said = [e for e in events(r, "resume_not_bitwise") if "DataLoader" in e["details"]["cause"]]
+    assert sorted(e["rank"] for e in said) == [0, 1] and {e["step"] for e in said} == {11}, said  # its end
+    assert "BatchSampler over RandomSampler(replacement=True)" in said[0]["details"]["cause"]
+    assert "whose position the checkpoint does not hold" in Path(f"{r}.log").read_text()
