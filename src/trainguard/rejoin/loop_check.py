@@ -203,13 +203,15 @@ class LoopCheck:
     def _diverged(self, number: int, rank: int, other: int, step: int, diff: list[str]) -> None:
         """Say the divergence (console, recovery store) and raise :class:`LoopDiverged`."""
         shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
+        replicas_only = all(d.startswith("replica.") for d in diff)
         reason = (
-            f"rank {rank}: after step {step}, done again in-process, its state differs from rank {other}'s "
-            f"({shown}; rank {rank}'s vs rank {other}'s): "
+            f"rank {rank}: after step {step}, done again in-process, its "
+            + ("model" if replicas_only else "optimizer")
+            + f" differs from rank {other}'s ({shown}; rank {rank}'s vs rank {other}'s): "
             + (
                 "the data-parallel replicas no longer hold the same model (an update the loop applied itself "
                 "in the interrupted attempt, a state the Guard was not given)"
-                if any(d.startswith("replica.") for d in diff)
+                if replicas_only
                 else "the loop keeps counters of its own (an update count, a batch index, a scheduler not given "
                 "to the Guard) that moved on over the interrupted attempt"
             )

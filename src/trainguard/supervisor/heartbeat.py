@@ -78,7 +78,9 @@ class HeartbeatWriter:
     """
 
     def __init__(self, path: str | os.PathLike):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # never truncated: the launcher may have the record of an earlier Guard of this process
+        # mapped, and a read past the end of a file truncated under it ends the launcher with SIGBUS
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             # the pages are allocated now: a sparse file on a full memory file system would end the
             # rank with SIGBUS at the first write to a new page, mid-run; this raises ENOSPC here
@@ -89,6 +91,8 @@ class HeartbeatWriter:
         # seq is read and written through an 8-byte view: struct.pack_into would zero the field
         # before writing it, and a reader could see that transient 0 as an even sequence number
         self._seqv = memoryview(self._mm)[:8].cast("Q")
+        self._seqv[0] = 1  # odd: being written, while an earlier record's contents are zeroed
+        self._mm[8:SIZE] = bytes(SIZE - 8)
         self._seq = 0
         self.step = 0
         self._beats = 0
