@@ -8,6 +8,8 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, events, final_hash, finish, launch, wait_for
 
 WORKER = REPO / "tests" / "nanogpt_worker.py"
@@ -32,6 +34,7 @@ def causes(run: Path) -> list[tuple[int, int, str]]:
     return [(e["attempt"], e["rank"], e["details"]["cause"]) for e in events(run, "resume_not_bitwise")]
 
 
+@pytest.mark.soak  # moved out of the README suite to keep it under 15 minutes on 2 cores (issue 51); CI runs it
 def test_a_relaunch_of_a_prefetching_loop_says_its_resume_is_not_bitwise(tmp_path):
     clean, run = tmp_path / "clean", tmp_path / "run"
     assert finish(nanogpt(clean)) == 0, Path(f"{clean}.log").read_text()[-3000:]

@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import psutil
+import pytest
 import torch.distributed as dist
 
 from conftest import events, finish, launch, wait_for
@@ -52,6 +53,7 @@ def _store_of(proc) -> dist.TCPStore:
     return connect(*parse_address(wait_for(address, what="a rank with the recovery store in its environment")), 120)
 
 
+@pytest.mark.soak  # moved out of the README suite to keep it under 15 minutes on 2 cores (issue 51); CI runs it
 def test_values_recorded_in_one_launch_are_refused_in_the_next_and_recovery_still_succeeds(tmp_path):
     """Launch 1 loses rank 1 at step 30 and replaces it in-process with its warm spare; a co-tenant
     records the spare's assignment, the generation and the replacement's join from its recovery
@@ -119,6 +121,7 @@ def test_a_store_offer_from_another_round_is_refused(tmp_path):
     assert told == [(node_join.STORE_KEY, "forged")]
 
 
+@pytest.mark.soak  # moved out of the README suite to keep it under 15 minutes on 2 cores (issue 51); CI runs it
 def test_a_forged_join_offer_on_two_loopback_nodes_is_refused_and_the_node_joins_in_place(tmp_path):
     """Two nodes on loopback (``--nnodes 1:2``, in-process recovery, ``elastic.min_ranks``): node 0
     trains alone with 2 ranks; before node 1 arrives, a co-tenant that found torch's rendezvous
