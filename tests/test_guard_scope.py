@@ -45,6 +45,8 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def test_a_second_live_guard_is_refused_and_one_after_the_other_works(tmp_path, group):
     model, opt = _model()
     first = trainguard.Guard(config(tmp_path / "a"), model=model, optimizer=opt)
+    steps = first.steps(5)
+    next(steps)  # the first Guard is training
     with pytest.raises(BadInput, match="another Guard of this process .* is still open"):
         trainguard.Guard(config(tmp_path / "b"), model=model, optimizer=opt)
     assert "torch.nn.utils.clip_grad_norm_" in replaced()  # the first one's wrappers are still its own

@@ -141,6 +141,7 @@ class Guard:
         self.parts = Parts()  # filled in order by parts.build; close() releases those that were built
         self._closed = False
         self.finished = False  # training ended (finish()): a new Guard of this process may take over (.live)
+        self.training = False  # begin() ran and finish() did not: a second Guard of this process is refused
         self._edge = edge.Edge(self._leave)  # carries out an outcome once (see "Outcomes")
         given = (model, optimizer, scheduler, sampler, self.extra_state, self.shared_state, self.hooks)
         script = Script(*given, checkpoint_files, redo_in_step, framework)
@@ -266,6 +267,7 @@ class Guard:
         with self._edge():
             self.resumed_from, started = self.lifecycle.begin(max_steps)
             self.boundary.timed_from(started)
+        self.training = True
         return self.step
 
     def step_begin(self) -> None:
@@ -284,7 +286,7 @@ class Guard:
         """
         with self._edge():
             self.state_sha256 = self.lifecycle.finish(self.last_loss)
-        self.finished = True
+        self.finished, self.training = True, False
 
     def should_step(self, loss: Any, grad_norm: Any = None) -> bool:
         """Check the step for instability after ``backward()``; apply it only if this returns ``True``::

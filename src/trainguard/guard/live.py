@@ -26,7 +26,7 @@ def claim(guard: Any) -> None:
     released first, with one console line (a notebook's cell run again).
 
     Raises:
-        BadInput: another Guard of this process is still training (not closed, not finished).
+        BadInput: another Guard of this process is training (begun, not finished, not closed).
     """
     global _live
     other = _live() if _live is not None else None
@@ -35,6 +35,12 @@ def claim(guard: Any) -> None:
             f"the earlier Guard of this process (run dir {other.run_dir}) finished training unclosed: closed now"
         )
         other.abandon()
+        other = None
+    if other is not None and other is not guard and not other.training:  # built, not begun: it trains after this one
+        console.say(
+            f"another Guard of this process (run dir {other.run_dir}) is open and has not begun training: "
+            "both share the process-wide wrappers, so close each before the other's training begins"
+        )
         other = None
     if other is not None and other is not guard:
         raise BadInput(
