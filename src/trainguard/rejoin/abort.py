@@ -86,6 +86,8 @@ def _nccl_backend(groups: list[dist.ProcessGroup]) -> Any:
     """The NCCL backend of the default group (or of the first group that has one), ``None`` without."""
     if not dist.is_nccl_available():
         return None
+    # not a choice of the model's group: every group of the old world is aborted; the default
+    # group's NCCL backend is looked at first because it is the one every rank has
     for pg in sorted(groups, key=lambda g: g is not dist.group.WORLD):
         try:
             backend = compat.group_backend(pg, torch.device("cuda"))

@@ -341,6 +341,8 @@ class DDPHook:
         group: Optional[Callable[[], Any]] = None,
     ):
         self.catch, self.before_last, self.extra, self.reduced = catch, before_last, extra, reduced
+        # the Guard always passes the model's group (DDPCommHook); the default serves a hook built
+        # by hand for a model on the default group (the benchmarks' comm_hook_cost)
         self.group = group if group is not None else (lambda: dist.group.WORLD)
         self.delegate = delegate
         self._index = {id(p): i for i, p in enumerate(params)}

@@ -131,6 +131,8 @@ def rebind_ddp(model: torch.nn.Module, layout: Optional[list[list[int]]] = None)
     if script_comm_hook(model):
         raise RegroupError("a DDP communication hook is registered: in-process recovery cannot carry it over")
     own = compat.ddp_comm_hooks(model) or []
+    # the model's own group is the new default group: check_rebindable refused, at start, every DDP
+    # whose group is not all the ranks (the script's sub-groups cannot be rebuilt by trainguard)
     model.process_group = dist.group.WORLD
     if not compat.rebuild_reducer(model, layout) and layout:
         console.say(
