@@ -234,8 +234,9 @@ def _async(signature: inspect.Signature, args: tuple, kwargs: dict) -> bool:
     """Whether a collective was called with ``async_op=True`` (by keyword or position)."""
     if "async_op" in kwargs:
         return bool(kwargs["async_op"])
-    if "async_op" not in signature.parameters:
-        return False
+    names = list(signature.parameters)
+    if "async_op" not in names or len(args) <= names.index("async_op"):
+        return False  # not given by position (the usual call: no binding on the hot path)
     try:
         return bool(signature.bind_partial(*args, **kwargs).arguments.get("async_op", False))
     except TypeError:
