@@ -24,6 +24,8 @@ from __future__ import annotations
 import base64
 import os
 import pickle
+import resource
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -108,9 +110,6 @@ def survey(argv: list[str]) -> int:
 def flood(argv: list[str]) -> int:
     """``store_attacker.py --flood PORT N``: open ``N`` idle connections to ``127.0.0.1:PORT``,
     print ``held K`` (those it got) and keep them until stdin closes."""
-    import resource
-    import socket
-
     port, n = int(argv[2]), int(argv[3])
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, n + 64)), hard))
@@ -125,6 +124,11 @@ def flood(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run(argv: list[str]) -> int:
+    """The attack ``argv[1]`` names (``--survey``, ``--flood``) or else :func:`main`'s."""
     modes = {"--survey": survey, "--flood": flood}
-    sys.exit(modes.get(sys.argv[1], main)(sys.argv))
+    return modes.get(argv[1], main)(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv))

@@ -58,6 +58,13 @@ def as_user(user: str, *argv: str, **kwargs) -> subprocess.Popen:
     )
 
 
+def attack_as(user: str, *args: str) -> subprocess.Popen:
+    """``tests/store_attacker.py ARGS`` run as ``user`` (see tests/run_as.py: it starts as root and
+    drops to ``user`` once its imports are loaded), stdin and stdout piped."""
+    argv = [sys.executable, str(HERE / "run_as.py"), user, str(HERE / "store_attacker.py"), *args]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -189,7 +196,7 @@ def test_a_co_tenant_cannot_run_code_crash_or_hang_a_launch_through_its_rendezvo
         extra=("--nnodes", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rid)
         + ("--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=30"),
     )
-    attacker = as_user(mallory, sys.executable, str(HERE / "store_attacker.py"), str(port), rid, str(marker))
+    attacker = attack_as(mallory, str(port), rid, str(marker))
     try:
         assert attacker.stdout.readline().strip() == "ready"
         listening = wait_for(lambda: listeners(proc.pid, 2), what="the rendezvous and process-group stores")
@@ -244,9 +251,7 @@ def test_a_one_node_launchs_rendezvous_store_is_out_of_another_users_reach(tmp_p
             return sorted({c.laddr.port for c in launcher.net_connections("tcp") if c.status == psutil.CONN_LISTEN})
 
         wait_for(ports, what="the process-group store")
-        survey = as_user(
-            mallory, sys.executable, str(HERE / "store_attacker.py"), "--survey", str(run), *map(str, ports())
-        )
+        survey = attack_as(mallory, "--survey", str(run), *map(str, ports()))
         seen, _ = survey.communicate(timeout=60)
         go.touch()
         assert finish(proc, timeout=120) == 0, Path(f"{run}.log").read_text()[-3000:]
@@ -355,7 +360,7 @@ def test_idle_connections_of_another_user_do_not_exhaust_the_launchers_descripto
     flood = None
     try:
         port = wait_for(lambda: [p for ip, p in listeners(proc.pid, 1)], what="the process-group store")[0]
-        flood = as_user(mallory, sys.executable, str(HERE / "store_attacker.py"), "--flood", str(port), "1500")
+        flood = attack_as(mallory, "--flood", str(port), "1500")
         held = flood.stdout.readline().strip()
         assert held == "held 1500", held
         go.touch()
