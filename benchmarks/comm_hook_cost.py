@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
 
     from trainguard.instability.fold import LossFold
     from trainguard.ranks import Ranks
-    from trainguard.rejoin.catch import CATCH, DDPHook
+    from trainguard.rejoin.catch import Catch, DDPHook
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     python.register_comm_hook(None, minimal)
     fold, step = LossFold(Ranks(rank, world)), [0]
     params, _ = guarded._build_params_for_reducer()
-    hook = DDPHook(CATCH, params, None, lambda b: fold.extra(step[0], b), lambda v: fold.reduced(step[0], v))
+    hook = DDPHook(Catch(), params, None, lambda b: fold.extra(step[0], b), lambda v: fold.reduced(step[0], v))
     guarded.register_comm_hook(None, hook.hook)
     models = dict(zip(ARMS, (builtin, python, guarded)))
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}

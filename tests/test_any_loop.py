@@ -28,7 +28,7 @@ from trainguard import dist as tgdist
 from trainguard.launch_env import RECOVERY_GROUP, RECOVERY_KEY, RECOVERY_STORE
 from trainguard.rejoin import catch, replacement
 from trainguard.rejoin.auth import Seal
-from trainguard.rejoin.catch import CATCH, Catch, DDPHook, complete_locally, is_own_hook
+from trainguard.rejoin.catch import Catch, DDPHook, complete_locally, is_own_hook
 from trainguard.rejoin.protocol import Generation, assign_spare, connect, parse_address, spare_ready
 from trainguard.rejoin.stepstart import StepStart
 
@@ -85,7 +85,7 @@ def test_script_collectives_are_caught_and_completed_locally_but_not_trainguards
 
 
 def test_own_hook_is_told_from_a_scripts():
-    assert is_own_hook(DDPHook(CATCH, []).hook) and not is_own_hook(lambda s, b: b.buffer())
+    assert is_own_hook(DDPHook(Catch(), []).hook) and not is_own_hook(lambda s, b: b.buffer())
 
 
 def test_an_abandoned_step_changes_no_parameter_and_puts_the_scheduler_back():

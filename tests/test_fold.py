@@ -22,7 +22,7 @@ from trainguard.instability.detect import Detector
 from trainguard.instability.fold import LossFold
 from trainguard.instability.foldlayout import FIELDS, FoldLayout
 from trainguard.ranks import Ranks
-from trainguard.rejoin.catch import CATCH, DDPHook
+from trainguard.rejoin.catch import Catch, DDPHook
 from trainguard.sdc.replicas import chunks, fingerprint_tensor, from_chunks
 from trainguard.sections import InstabilitySection
 
@@ -50,7 +50,7 @@ def _worker(rank: int, tmp: str, shape: str, out) -> None:
         model = DDP(torch.nn.Linear(4, 1))
         step = [0]
         params, _ = model._build_params_for_reducer()
-        hook = DDPHook(CATCH, params, None, lambda b: fold.extra(step[0], b), lambda v: fold.reduced(step[0], v))
+        hook = DDPHook(Catch(), params, None, lambda b: fold.extra(step[0], b), lambda v: fold.reduced(step[0], v))
         model.register_comm_hook(None, hook.hook)
         fold.wire()
         folded, plain = Detector(InstabilitySection(), Ranks(rank, 2)), Detector(InstabilitySection(), Ranks(rank, 2))
@@ -387,7 +387,7 @@ def _carrier_worker(rank: int, tmp: str, out) -> None:
         model = DDP(net, bucket_cap_mb=1e-4)  # a bucket per parameter: the last layer's first, its bias 512 floats
         step = [0]
         params, _ = model._build_params_for_reducer()
-        hook = DDPHook(CATCH, params, None, lambda b: fold.extra(step[0], b), lambda v: fold.reduced(step[0], v))
+        hook = DDPHook(Catch(), params, None, lambda b: fold.extra(step[0], b), lambda v: fold.reduced(step[0], v))
         model.register_comm_hook(None, hook.hook)
         fold.wire()
         rows = []

@@ -21,7 +21,7 @@ from test_close import config
 import trainguard
 from trainguard.outcomes import BadInput, Requeue
 from trainguard.rejoin import align
-from trainguard.rejoin.catch import CATCH, LOCAL, DoneWork
+from trainguard.rejoin.catch import LOCAL, Catch, DoneWork
 from trainguard.rejoin.gapdraws import GapDraws
 from trainguard.rejoin.protocol import is_peer_failure
 from trainguard.state.trainstate import RNGState
@@ -58,6 +58,31 @@ def test_a_second_live_guard_is_refused_and_one_after_the_other_works(tmp_path, 
             opt.step()
             opt.zero_grad()
             second.step_end()
+    assert replaced() == []
+
+
+def test_each_guard_notes_the_scripts_calls_in_its_own_catch(tmp_path, group):
+    """No process-wide object holds a Guard's callbacks: each Guard builds its own catch (the
+    wrappers close over it), and a Guard built after another is closed is told nothing of what
+    the first one's wrappers saw, nor the first of the second's."""
+    model, opt = _model()
+
+    def step(guard: trainguard.Guard) -> None:
+        model(torch.ones(1, 4)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # through the Guard's wrapper
+        assert guard.catch.step_norm() is not None
+        opt.step()
+        opt.zero_grad()
+        guard.step_end()
+
+    with trainguard.Guard(config(tmp_path / "a"), model=model, optimizer=opt) as first:
+        for _ in first.steps(1):
+            step(first)
+    with trainguard.Guard(config(tmp_path / "b"), model=model, optimizer=opt) as second:
+        assert second.catch is not first.catch
+        for _ in second.steps(1):
+            step(second)
+    assert first.catch.step_norm() is not None  # still its one norm: the second Guard's clip was not noted in it
     assert replaced() == []
 
 
@@ -118,8 +143,9 @@ def test_a_collectives_site_is_the_same_whether_the_script_was_started_by_a_rela
 
 
 def test_an_async_collective_completed_on_this_rank_alone_returns_a_work_object(group):
-    CATCH.install()
-    CATCH.mode = LOCAL  # a replacement before it joined: the script's collectives complete alone
+    catch = Catch()
+    catch.install()
+    catch.mode = LOCAL  # a replacement before it joined: the script's collectives complete alone
     try:
         t = torch.ones(3)
         work = dist.all_reduce(t, async_op=True)
@@ -127,7 +153,7 @@ def test_an_async_collective_completed_on_this_rank_alone_returns_a_work_object(
         assert dist.all_reduce(t, dist.ReduceOp.SUM, None, True).wait()  # async_op by position
         assert dist.all_reduce(t) is None  # a synchronous call returns what torch's returns
     finally:
-        CATCH.uninstall()
+        catch.uninstall()
 
 
 @pytest.mark.parametrize(

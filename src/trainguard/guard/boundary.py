@@ -18,8 +18,7 @@ import torch
 from .. import health
 from ..events import Hook
 from ..instability.recovery import Rollback
-from ..rejoin.align import ALIGN, SHOULD_STEP
-from ..rejoin.catch import CATCH
+from ..rejoin.align import SHOULD_STEP
 from ..state.fidelity import DRAWN_BETWEEN_STEPS
 from ..stop.conditions import StopFlags
 from .world import World
@@ -60,7 +59,7 @@ class Boundary:
         """Open the step about to run (``guard.step_begin``)."""
         p = self.p
         self.awaiting = True
-        CATCH.new_step()
+        p.catch.new_step()
         p.recovering.catch_peers()
         if p.step_start is not None:
             p.step_start.begin()
@@ -95,11 +94,11 @@ class Boundary:
         if p.faults.pending:
             p.faults.at(self.world.step, "should_step")
         if grad_norm is None:  # the norm the step's clip_grad_norm_ returned (the HF Trainer's), if any
-            grad_norm = CATCH.step_norm()
+            grad_norm = p.catch.step_norm()
         if p.faults.numeric_pending:
             loss, grad_norm = p.faults.numeric(step, loss, grad_norm, self.model)
-        if ALIGN.open:  # after an in-process recovery: does this rank line up with the survivors?
-            ALIGN.at(SHOULD_STEP, alone_ok=False)
+        if p.catch.align.open:  # after an in-process recovery: does this rank line up with the survivors?
+            p.catch.align.at(SHOULD_STEP, alone_ok=False)
         with p.recovering.recoverable("should_step", step) as lost:
             verdict = p.recovery.observe(step, loss, grad_norm)
             if p.reruns.pending(step):  # the re-run of an unstable step
@@ -133,7 +132,7 @@ class Boundary:
         p.recovery.step_closed()
         if p.rejoin.failure is not None and not (p.step_start and p.step_start.applied):
             p.recovering.recover(redo=True)  # a peer was lost before this step's update: steps() yields it again
-            CATCH.abandon_tail()  # what the loop runs after this step_end ends the abandoned attempt
+            p.catch.abandon_tail()  # what the loop runs after this step_end ends the abandoned attempt
             world.rolled_back = True
         if world.rolled_back:  # the step was undone: steps() yields the checkpoint's step next
             world.rolled_back = False

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import compat, console
 from ..instability.fold import LossFold
 from ..rejoin.buffers import BufferSync, has_buffers
-from ..rejoin.catch import CATCH, DDPHook, is_own_hook
+from ..rejoin.catch import Catch, DDPHook, is_own_hook
 from ..rejoin.rank import Rejoin
 from ..rejoin.stepstart import StepStart
 
@@ -43,8 +43,8 @@ class DDPCommHook:
         buffer_sync: DDP's buffer broadcast where a lost peer is caught (``None``: none).
     """
 
-    def __init__(self, model: torch.nn.Module, rejoin: Rejoin):
-        self.model, self.rejoin = model, rejoin
+    def __init__(self, model: torch.nn.Module, rejoin: Rejoin, catch: Catch):
+        self.model, self.rejoin, self.catch = model, rejoin, catch
         self.hook: Optional[DDPHook] = None
         self.buffer_sync: Optional[BufferSync] = None
 
@@ -90,7 +90,7 @@ class DDPCommHook:
         group = self.model.process_group
         carries = spans_world(group)  # the detectors' values are summed over every rank, or not carried
         self.hook = hooked = DDPHook(
-            CATCH,
+            self.catch,
             params,
             lambda: before_last_bucket(step_in_progress()),
             (lambda buf: fold.extra(step_in_progress(), buf)) if carries else None,
@@ -105,7 +105,7 @@ class DDPCommHook:
         self.model.register_comm_hook(None, hooked.hook)
         self.model.register_comm_hook = self._script_hook  # an instance attribute: removed at close()
         if self.rejoin.active and has_buffers(self.model):  # a redo starts from the step's buffers
-            self.buffer_sync = BufferSync(self.model, CATCH)
+            self.buffer_sync = BufferSync(self.model, self.catch)
             if step_start is not None:
                 step_start.also(self.buffer_sync)
         if carries:

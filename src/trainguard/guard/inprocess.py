@@ -26,8 +26,7 @@ from ..config import Config
 from ..events import EventLog
 from ..instability.fold import LossFold
 from ..rejoin import abort, regroup, sever, sharded
-from ..rejoin.align import ALIGN, wait_bound
-from ..rejoin.catch import CATCH
+from ..rejoin.align import wait_bound
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.shards import ShardSnapshots
@@ -61,8 +60,8 @@ class InProcess:
         progress: the progress rule (:class:`~.progress.Progress`): where each meeting left this rank.
         shards: a sharded model's in-memory snapshots (:mod:`~trainguard.rejoin.shards`): its
             recovery goes through :class:`~.sharded_recovery.ShardedRecovery`.
-        keeper: keeps this rank's own state at a step boundary (default: one over ``train_state``).
-        ddp: trainguard's DDP hook, installed by :meth:`hook_ddp` (default: one of its own).
+        keeper: keeps this rank's own state at a step boundary.
+        ddp: trainguard's DDP hook, installed by :meth:`hook_ddp`; its ``catch`` is the Guard's catch of the script's collectives.
     """
 
     def __init__(
@@ -79,20 +78,21 @@ class InProcess:
         on_ping_failure: Callable[[str], None],
         base_world_size: Callable[[], int],
         progress: Progress,
+        keeper: Keeper,
+        ddp: DDPCommHook,
         shards: Optional[ShardSnapshots] = None,
-        keeper: Optional[Keeper] = None,
-        ddp: Optional[DDPCommHook] = None,
     ):
         self.cfg, self.rejoin, self.model, self.optimizer = cfg, rejoin, model, optimizer
         self.train_state, self.events, self.step_start = train_state, events, step_start
         self._renumber, self._regrouped, self._on_ping_failure = renumber, regrouped, on_ping_failure
         self._base_world_size, self.progress = base_world_size, progress
-        self.keeper = keeper if keeper is not None else Keeper(rejoin, train_state)
+        self.keeper = keeper
         self.sharded = (
             ShardedRecovery(shards, model, optimizer, train_state, rejoin, events, step_start) if shards else None
         )
         self.backend = tgdist.backend()
-        self.ddp = ddp if ddp is not None else DDPCommHook(model, rejoin)  # trainguard's DDP communication hook
+        self.ddp = ddp  # trainguard's DDP communication hook
+        self.catch = ddp.catch  # this Guard's catch of the script's collectives (and its alignment)
         self.redo: Optional[StepRedo] = None  # a step done again in place (DDP or a plain module)
         if rejoin.active and step_start is not None and shards is None:
             self.redo = StepRedo(model, optimizer, train_state, step_start, rejoin, events)
@@ -138,7 +138,7 @@ class InProcess:
 
     def arm_catch(self, step_in_progress: Callable[[], int]) -> None:
         """Catch a lost peer in the script's ``torch.distributed`` calls from now on."""
-        CATCH.arm(lambda e, where: self.rejoin.caught(e, where, step_in_progress()), self.rejoin.failed)
+        self.catch.arm(lambda e, where: self.rejoin.caught(e, where, step_in_progress()), self.rejoin.failed)
 
     def keep_boundary(self, step: int) -> None:
         """Keep this rank's own state as the boundary of step ``step`` (:meth:`.keeper.Keeper.keep`)."""
@@ -277,7 +277,9 @@ class InProcess:
         self._regrouped()
         met = self._meet(gen, place)
         self.progress.met(gen.number, met.place.step)
-        ALIGN.survivor(self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == 0, rank=met.place.rank)
+        self.catch.align.survivor(
+            self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == 0, rank=met.place.rank
+        )
         if met.place.rank == 0:
             self.events.emit(
                 "group_grown",
@@ -309,7 +311,9 @@ class InProcess:
         self.rejoin.store.joined(met.gen.number, met.place.rank)
         self.progress.met(met.gen.number, met.place.step)
         wait = wait_bound(self.transfer.survivors_step_seconds)
-        ALIGN.replacement(self.rejoin.store, met.gen.number, met.place.step, met.place.rank, wait, self._alone)
+        self.catch.align.replacement(
+            self.rejoin.store, met.gen.number, met.place.step, met.place.rank, wait, self._alone
+        )
         said = dict(rank=met.place.rank, generation=met.gen.number, pid=os.getpid(), seconds=round(seconds, 4))
         if met.place.rank in met.gen.grown:
             self.events.emit("rank_joined", met.place.step, **said)

@@ -30,9 +30,8 @@ from ..launch_env import LaunchEnv
 from ..oom import MicroBatcher
 from ..outcomes import BadInput
 from ..rejoin import sharded
-from ..rejoin.align import ALIGN
 from ..rejoin.auth import report_forged
-from ..rejoin.catch import CATCH
+from ..rejoin.catch import Catch, take_handed
 from ..rejoin.protocol import is_peer_failure
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.shards import ShardSnapshots
@@ -155,6 +154,7 @@ class Parts:
     sdc_flow: Optional[SDCFlow] = None
     lifecycle: Optional[Lifecycle] = None
     boundary: Optional[Boundary] = None
+    catch: Optional[Catch] = None
     patched: bool = False  # build() reached the process-wide wrappers (the collective catch, clip_grad_norm_)
 
     def release(self, collective: bool) -> None:
@@ -173,8 +173,8 @@ class Parts:
         detach_supervisor(self.heartbeat)
         self.heartbeat = None
         if self.patched:  # this Guard's wrappers (a Guard refused or failed before them has none)
-            CATCH.uninstall()
-            ALIGN.close()
+            self.catch.uninstall()
+            self.catch.align.close()
             self.patched = False
         if self.inprocess is not None:
             self.inprocess.close()
@@ -308,7 +308,11 @@ def build(
     keeper = Keeper(rejoin, TrainState({n: own[n] for n in LOCAL_PARTS}))
     p.micro = MicroBatcher(cfg.oom, model, events, faults, straggler, world, fold, keeper.before_last_bucket)
     p.fidelity, p.draws, p.elastic = ResumeFidelity(world), DrawWatch(), ElasticState(world_size)
-    ddp = DDPCommHook(model, rejoin)  # trainguard's DDP hook, once InProcess.hook_ddp installs it: its layout is saved
+    # this Guard's catch of the script's collectives: a replacement's runner hands over its own
+    p.catch = take_handed() or Catch()
+    ddp = DDPCommHook(
+        model, rejoin, p.catch
+    )  # trainguard's DDP hook, once InProcess.hook_ddp installs it: its layout is saved
     layout = BucketLayout(model, ddp.layout, world)
     p.train_state = train_state = TrainState(
         {
@@ -329,7 +333,7 @@ def build(
         p.step_start = StepStart(optimizer, s.scheduler, rejoin.failed)
     resized = (fold, sdc, straggler, p.micro)  # what holds something sized for the group (every part reads world)
     elastic = p.elastic
-    p.progress = Progress(rejoin, optimizer, p.step_start, events, model)
+    p.progress = Progress(rejoin, optimizer, p.step_start, events, model, p.catch.align)
     p.inprocess = ip = InProcess(
         cfg,
         rejoin,
@@ -376,6 +380,7 @@ def build(
         p.recovering,
         section,
         train_state,
+        p.catch.align,
     )
     p.rollbacks = Rollbacks(
         world,
@@ -415,9 +420,9 @@ def build(
     p.lifecycle = Lifecycle(cfg, world, p, model, optimizer, s.hooks, owner, on_ping_failure)
     p.boundary = Boundary(world, p, model, s.hooks, owner)
     p.patched = True
-    CATCH.install_clip()  # the norm clip_grad_norm_ returns is noted for should_step (CATCH.step_norm)
+    p.catch.install_clip()  # the norm clip_grad_norm_ returns is noted for should_step (Catch.step_norm)
     if catching:  # the collective catch serves in-process recovery only
-        CATCH.install()
+        p.catch.install()
     if world_size > 1:  # the detectors' values ride in a DDP gradient bucket (instability.fold), or FSDP2's norm
 
         def inject() -> tuple[float, float]:  # the numeric faults due at this backward (armed by begin)
@@ -426,7 +431,7 @@ def build(
         # trainguard's DDP hook: where it catches a lost peer, or notes the bucket layout a bitwise
         # resume of three or more ranks needs (state.buckets)
         hooked = (catching or world_size > 2) and ip.hook_ddp(in_progress, fold, inject)
-        if hooked or clipfold.install(model, fold, in_progress, inject):
+        if hooked or clipfold.install(model, p.catch, fold, in_progress, inject):
             # the stop flags ride, and the replica check and the straggler report too
             fold.connect(
                 stop=p.stop_check.flags_to_fold, fingerprint=sdc.carry, straggler=p.stop_check.straggler_to_fold

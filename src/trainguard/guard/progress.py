@@ -18,7 +18,7 @@ import torch
 
 from .. import console
 from ..events import EventLog
-from ..rejoin.align import ALIGN
+from ..rejoin.align import Alignment
 from ..rejoin.loop_check import LoopCheck
 from ..rejoin.protocol import Generation
 from ..rejoin.rank import Rejoin
@@ -67,9 +67,11 @@ class Progress:
         optimizer: Optional[torch.optim.Optimizer],
         step_start: Optional[StepStart],
         events: EventLog,
-        model: Optional[torch.nn.Module] = None,
+        model: Optional[torch.nn.Module],
+        align: Alignment,
     ):
         self.rejoin, self.optimizer, self.step_start, self.events = rejoin, optimizer, step_start, events
+        self.align = align  # the Guard's alignment of the collectives after a meeting (rejoin.align)
         self.model = model  # a DDP model's replicas are compared after a meeting (loop_check.replica_state)
         # the generation this rank met and whose first completed step it has not told the launcher of
         # (the progress rule), with the step boundary of the meeting; a survivor's finish to say then
@@ -92,7 +94,7 @@ class Progress:
             gen, met.place.step, steps_lost, redo_step, self.rejoin.failure.at, said if met.place.rank == lowest else ""
         )
         if gen.replaced:
-            ALIGN.survivor(
+            self.align.survivor(
                 self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == lowest, rank=met.place.rank
             )
         self.rejoin.done()
@@ -117,8 +119,8 @@ class Progress:
             LoopDiverged: after a meeting, the ranks' optimizer hyperparameters differ
                 (:mod:`~trainguard.rejoin.loop_check`).
         """
-        if ALIGN.active:
-            ALIGN.step_end(step)
+        if self.align.active:
+            self.align.step_end(step)
         if self._stepping is None or step <= self._stepping[1]:
             return
         number, _ = self._stepping

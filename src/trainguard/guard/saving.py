@@ -21,7 +21,7 @@ from ..faults import FaultInjector
 from ..health.straggler import StragglerDetector
 from ..instability.recovery import Recovery
 from ..outcomes import Requeue
-from ..rejoin.align import ALIGN, STOP_CHECK
+from ..rejoin.align import STOP_CHECK, Alignment
 from ..state.trainstate import TrainState
 from ..stop.conditions import StopConditions, StopFlags
 from ..stop.signals import ShutdownHandler
@@ -89,6 +89,8 @@ class StopAndSave:
             ``grow`` when the ranks agreed to grow back.
         section: the hang supervisor's named sections.
         train_state: what a checkpoint holds per rank besides the tensors (``guard.rank_state()``).
+        align: the Guard's alignment of a replacement's collectives with the survivors' (the stop
+            check is one of trainguard's collectives it names).
     """
 
     def __init__(
@@ -106,11 +108,12 @@ class StopAndSave:
         recovering: Any,
         section: Callable[[str], Any],
         train_state: TrainState,
+        align: Alignment,
     ):
         self.cfg, self.world, self.ckpt, self.commits, self.stop_check = cfg, world, ckpt, commits, stop_check
         self.stop, self.shutdown, self.faults, self.straggler, self.events = stop, shutdown, faults, straggler, events
         self.recovering, self.section = recovering, section
-        self.train_state = train_state
+        self.train_state, self.align = train_state, align
         self._last_progress = time.monotonic()
 
     def rank_state(self) -> dict[str, Any]:
@@ -178,8 +181,8 @@ class StopAndSave:
         step = self.world.step
         if self.faults.pending:
             self.faults.at(step, "stop_check")
-        if ALIGN.open:  # after an in-process recovery: does this rank line up with the survivors?
-            ALIGN.at(STOP_CHECK, alone_ok=False)
+        if self.align.open:  # after an in-process recovery: does this rank line up with the survivors?
+            self.align.at(STOP_CHECK, alone_ok=False)
         with self.recoverable("stop_check") as lost:
             flags, slow = self.stop_check.agree(step)
         if lost:

@@ -16,7 +16,7 @@ The norm and the clipped gradients are bitwise torch's own: the same operations 
 values, and the sum of element 0 is the same whatever else the buffer holds
 (``tests/test_clipfold.py`` compares them on 2 and 4 gloo ranks).
 
-It is trainguard's wrapper of ``clip_grad_norm_`` (:data:`~trainguard.rejoin.catch.CATCH`) that
+It is trainguard's wrapper of ``clip_grad_norm_`` (the Guard's :class:`~trainguard.rejoin.catch.Catch`) that
 calls :meth:`ClipFold.clip`. Not folded (torch's own clip runs, and ``should_step`` all-reduces
 the detectors' values; the console says so once): gradients that are not DTensors sharded on one
 1-D mesh of every rank (HSDP's 2-D mesh reduces the norm over a shard group only, which does not
@@ -148,19 +148,19 @@ class ClipFold:
         return total
 
 
-def install(model: torch.nn.Module, fold: Any, step_in_progress: Callable[[], int], inject: Any = None) -> bool:
+def install(
+    model: torch.nn.Module, catch: Any, fold: Any, step_in_progress: Callable[[], int], inject: Any = None
+) -> bool:
     """Fold ``fold``'s values (a :class:`~.fold.LossFold`) into ``clip_grad_norm_``'s all-reduce
     when ``model``'s parameters allow it (:func:`foldable_mesh`: FSDP2 on a 1-D mesh of every rank):
-    trainguard's wrapper of ``clip_grad_norm_`` is installed (:data:`~trainguard.rejoin.catch.CATCH`;
-    the Guard's close removes it) and calls :meth:`ClipFold.clip`; ``fold`` notes each backward's
+    trainguard's wrapper of ``clip_grad_norm_`` is installed (``catch``: the Guard's
+    :class:`~trainguard.rejoin.catch.Catch`; the Guard's close removes it) and calls :meth:`ClipFold.clip`; ``fold`` notes each backward's
     tensor (``inject``: see :meth:`~.fold.LossFold.wire`). ``step_in_progress()``: the number of the
     step being run. ``False`` (nothing done): the parameters do not allow it."""
     if foldable_mesh(model.parameters()) is None:
         return False
-    from ..rejoin.catch import CATCH
-
-    CATCH.install()
-    CATCH.clip_fold = ClipFold(
+    catch.install()
+    catch.clip_fold = ClipFold(
         lambda like: fold.extra(step_in_progress(), like), lambda values: fold.reduced(step_in_progress(), values)
     ).clip
     fold.wire(inject, "FSDP2's gradient-norm all-reduce (torch.nn.utils.clip_grad_norm_, float32 gradients)")

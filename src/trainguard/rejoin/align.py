@@ -32,8 +32,8 @@ names, and so has DDP's buffer broadcast at the start of its forward (a model wi
 batch norm's running statistics, and ``broadcast_buffers``). A place, not a count, identifies a
 collective: a collective called from the same line on both sides is the same one.
 
-One process-wide :data:`ALIGN` (a process has one default group); the Guard opens the window after
-a meeting and closes it in ``close()``.
+Each Guard has one :class:`Alignment` (its collective catch's, :attr:`~.catch.Catch.align`); the
+Guard opens the window after a meeting and closes it in ``close()``.
 """
 
 from __future__ import annotations
@@ -226,6 +226,3 @@ class Alignment:
         except Exception as e:  # the store is the launcher's: it may be gone; the exit says enough
             print(f"trainguard: could not tell the launcher ({e})", file=sys.stderr)
         raise AlignmentError(reason)
-
-
-ALIGN = Alignment()

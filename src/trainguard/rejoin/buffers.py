@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .align import ALIGN, DDP_FORWARD
+from .align import DDP_FORWARD
 from .catch import CATCHING, Catch
 
 
@@ -93,8 +93,8 @@ class BufferSync:
     def _broadcast(self, module: DDP, groups: list[list[torch.Tensor]]) -> Optional[list[torch.Tensor]]:
         """Broadcast the buffers from rank 0; their flat copies, or ``None`` where nothing was sent
         (a peer was lost: in this broadcast, recorded, or earlier in the step)."""
-        if ALIGN.open:
-            ALIGN.at(DDP_FORWARD, alone_ok=False)
+        if self.catch.align.open:
+            self.catch.align.at(DDP_FORWARD, alone_ok=False)
         if self.catch.mode == CATCHING and self.catch.failed():
             return None  # a peer was lost in this step: the forward runs on this rank's own buffers
         try:

@@ -12,7 +12,7 @@ instead of raising out of the script:
   process group, sum over it);
   an all-reduce that fails because a peer is gone is recorded and completes with the bucket as it
   was (this rank's own gradients). Once a failure is recorded, the next buckets are not sent.
-* **The script's collectives**: :data:`CATCH` wraps the public collectives of
+* **The script's collectives**: a Guard's :class:`Catch` wraps the public collectives of
   ``torch.distributed`` (``all_reduce``, ``barrier``, ``broadcast``, ``all_gather_object``, ...,
   :data:`COLLECTIVES`) for calls made from the script (not from torch or trainguard, which
   handle their own errors). A call that fails because a peer is gone is recorded and returns
@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .. import patches
-from .align import ALIGN, DDP_BACKWARD, script_site
+from .align import DDP_BACKWARD, Alignment, script_site
 
 # the public collectives of torch.distributed wrapped for the script's calls (trainguard.patches' table)
 COLLECTIVES = patches.COLLECTIVES
@@ -82,10 +82,17 @@ def _from_script(frame: Any) -> bool:
 
 
 class Catch:
-    """The wrapping of ``torch.distributed``'s collectives in this process (one per process:
-    :data:`CATCH`).
+    """The wrapping of ``torch.distributed``'s collectives for one Guard (each Guard builds its
+    own; a replacement's runner builds one before the script starts and hands it to the script's
+    Guard: :func:`hand_over`, :func:`take_handed`). Nothing is wrapped until :meth:`install`, and
+    :meth:`uninstall` (the Guard's ``close()``) puts torch's functions back.
+
+    Args:
+        align: the alignment of a replacement's collectives with the survivors' after a meeting
+            (:mod:`.align`); a new one when not given.
 
     Attributes:
+        align: that alignment (the Guard's parts that meet the survivors use this one).
         mode: ``"pass"`` (call through), ``"local"`` (a replacement before it joined: complete on
             this rank alone) or ``"catch"`` (a survivor: record a lost peer and go on).
         on_failure: ``(error, where) -> bool``: records a lost peer; ``False``: not one, re-raise.
@@ -94,7 +101,8 @@ class Catch:
             next step begins, the script's collectives complete on this rank alone.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, align: Optional[Alignment] = None) -> None:
+        self.align = align if align is not None else Alignment()
         self.mode = PASS
         self.tail = False
         self.on_failure: Callable[[BaseException, str], bool] = lambda e, where: False
@@ -181,11 +189,12 @@ class Catch:
                 return fn(*args, **kwargs)
             if self.mode == LOCAL or self.failed() or self.tail:
                 return done(args, kwargs)
-            site = script_site(f"dist.{name}", sys._getframe(1)) if ALIGN.active else None
-            if site is not None and not ALIGN.at(site, alone_ok=True):
+            align = self.align
+            site = script_site(f"dist.{name}", sys._getframe(1)) if align.active else None
+            if site is not None and not align.at(site, alone_ok=True):
                 return done(args, kwargs)  # a replacement's, the survivors are not at it
             try:
-                with ALIGN.waiting(site):
+                with align.waiting(site):
                     out = fn(*args, **kwargs)
             except Exception as e:
                 if not self.on_failure(e, f"dist.{name}"):
@@ -227,7 +236,19 @@ class Catch:
         return clip
 
 
-CATCH = Catch()
+_handed: list[Catch] = []  # a replacement runner's Catch, until the script's Guard takes it
+
+
+def hand_over(catch: Catch) -> None:
+    """A replacement's runner hands ``catch`` (installed, in ``"local"`` mode while the script's
+    top runs) to the Guard the script builds next (:func:`take_handed`)."""
+    _handed[:] = [catch]
+
+
+def take_handed() -> Optional[Catch]:
+    """The :class:`Catch` a replacement's runner handed over (once; ``None`` in any other process
+    or after it was taken): the Guard makes it its own, and its ``close()`` uninstalls it."""
+    return _handed.pop() if _handed else None
 
 
 def _async(signature: inspect.Signature, args: tuple, kwargs: dict) -> bool:
@@ -365,8 +386,8 @@ class DDPHook:
             self._note(bucket)
         if bucket.is_last() and self.before_last is not None:
             self.before_last()
-        if ALIGN.open:  # after a meeting: the survivors' first collective, or a replacement's check
-            ALIGN.at(DDP_BACKWARD, alone_ok=False)
+        if self.catch.align.open:  # after a meeting: the survivors' first collective, or a replacement's check
+            self.catch.align.at(DDP_BACKWARD, alone_ok=False)
         if self.catch.failed():
             done: torch.futures.Future = torch.futures.Future()
             done.set_result(buf)

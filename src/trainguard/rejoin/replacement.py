@@ -40,7 +40,7 @@ from ..events import EventLog
 from ..launch_env import RANK_VARIABLES, RECOVERY_KEY, RECOVERY_NONCE, RUN_DIR, LaunchEnv
 from ..outcomes import BadInput
 from .auth import Seal, report_forged
-from .catch import CATCH, LOCAL
+from .catch import LOCAL, Catch, hand_over
 from .protocol import RecoveryStore, connect, parse_address, spare_store_from_environ, wait_for_assignment
 
 # what this module replaced process-wide, put back by undo() (the replacement's script has ended)
@@ -323,8 +323,10 @@ def main(argv: list[str]) -> None:
         if COMPILER in modules:
             warm_compiler()
     join_at_init(spare, output)
-    CATCH.install()
-    CATCH.mode = LOCAL  # until the Guard joined the survivors
+    catch = Catch()
+    catch.install()
+    catch.mode = LOCAL  # until the Guard joined the survivors
+    hand_over(catch)  # the script's Guard makes it its own
     sys.argv = list(argv)
     sys.path.insert(0, str(Path(argv[0]).resolve().parent))
     try:
@@ -332,7 +334,7 @@ def main(argv: list[str]) -> None:
         # names absolute): a collective's site (rejoin.align) is then the same as the survivors'
         runpy.run_path(os.path.abspath(argv[0]), run_name="__main__")
     finally:  # the script has ended: nothing stays replaced (the Guard's close() put its own back)
-        CATCH.uninstall()
+        catch.uninstall()
         undo()
 
 
