@@ -2,12 +2,17 @@
 ``next(data_iter)`` / a new iterator at ``StopIteration``, from a ``DataLoader`` with 2 workers over
 ``RandomSampler(replacement=True, num_samples=...)``, whose position no checkpoint holds.
 ``--resumable``: the loader's sampler is a ``trainguard.ResumableSampler`` given to the Guard too
-(without workers: its position counts the indices handed out). ``--steps N`` (default 10).
+(without workers: its position counts the indices handed out). ``--stateful``: the loader is
+torchdata's ``StatefulDataLoader`` (2 workers, shuffled) given as ``Guard(sampler=loader)``, its
+iterator made in the loop's first step (after the resume); ``--early``: made above ``guard.steps()``
+as the GPT trainer does (the position loaded at the resume never reaches it). ``--steps N``
+(default 10). Rank 0 writes the final weights' SHA-256 to ``--hash FILE`` when given.
 Settings come from the launcher (``config_from_env``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import sys
 
 import torch
@@ -26,7 +31,12 @@ def main() -> None:
     trainguard.seed_everything(cfg.run.seed)
     x = torch.randn(256, 4, generator=torch.Generator().manual_seed(0))
     data = TensorDataset(x, x.sum(1, keepdim=True))
-    if "--resumable" in sys.argv:
+    if "--stateful" in sys.argv:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = StatefulDataLoader(data, batch_size=8, shuffle=True, num_workers=2)
+        sampler = loader
+    elif "--resumable" in sys.argv:
         sampler = trainguard.ResumableSampler(len(data), dist.get_rank(), dist.get_world_size(), seed=cfg.run.seed)
         loader = DataLoader(data, batch_size=8, sampler=sampler)
     else:
@@ -35,8 +45,10 @@ def main() -> None:
     model = DDP(torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     guard = trainguard.Guard(cfg, model=model, optimizer=opt, sampler=sampler)
-    data_iter = iter(loader)
+    data_iter = iter(loader) if "--stateful" not in sys.argv or "--early" in sys.argv else None
     for _ in guard.steps(steps):
+        if data_iter is None:
+            data_iter = iter(loader)
         try:
             xb, yb = next(data_iter)
         except StopIteration:
@@ -48,6 +60,10 @@ def main() -> None:
         opt.zero_grad()
         guard.step_end(loss=loss)
     guard.close()
+    if "--hash" in sys.argv and dist.get_rank() == 0:
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+        with open(sys.argv[sys.argv.index("--hash") + 1], "w") as f:
+            f.write(digest)
     dist.destroy_process_group()
 
 

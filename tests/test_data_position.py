@@ -43,15 +43,46 @@ def first_step(loaders, known=(), forward_first=False):
 def test_a_loader_whose_position_is_not_saved_is_named_and_a_saved_one_is_not():
     replacement = DataLoader(DATA, batch_size=4, sampler=RandomSampler(DATA, True, 64))
     said = first_step([replacement, DataLoader(DATA, batch_size=4)])
-    assert len(said) == 1, said
+    assert len(said) == 2, said  # one line per loader
     assert "a DataLoader over TensorDataset drawing with BatchSampler over RandomSampler(replacement=True)" in said[0]
-    assert "BatchSampler over SequentialSampler" in said[0] and "trainguard.ResumableSampler" in said[0]
+    assert "BatchSampler over SequentialSampler" in said[1] and "StatefulDataLoader" in said[1]
     sampler = ResumableSampler(len(DATA))
     state = TrainState({"sampler": sampler, "extra": TrainState({})})
     assert first_step([DataLoader(DATA, batch_size=4, sampler=sampler)], known_objects(state)) == []
     sequential = SequentialSampler(DATA)  # any object the checkpoint holds (an extra_state value)
     assert first_step([DataLoader(DATA, sampler=sequential)], [sequential]) == []
     assert first_step([replacement], forward_first=True) == []  # drawn after the forward: an evaluation
+
+
+def test_worker_processes_reading_a_saved_sampler_ahead_are_said():
+    """A ResumableSampler the checkpoint holds, read by a DataLoader's 2 worker processes: they take
+    its indices batches ahead of the step, so the saved position is ahead (said); without workers
+    the position is exact (not said)."""
+    sampler = ResumableSampler(len(DATA))
+    said = first_step([DataLoader(DATA, batch_size=4, sampler=sampler, num_workers=2)], [sampler])
+    assert len(said) == 1 and "2 worker processes" in said[0] and "ahead" in said[0], said
+    assert sampler.consumed > 4  # what the saved position would hold after one batch: read ahead
+    assert first_step([DataLoader(DATA, batch_size=4, sampler=ResumableSampler(len(DATA)))], [sampler]) == []
+
+
+def test_a_stateful_loader_keeps_its_position_and_one_loaded_after_its_iterator_was_made_is_said():
+    """torchdata's StatefulDataLoader given to the Guard: its iterators (2 workers) are its own, not
+    said; a position loaded into it after the loop made its iterator never reaches that iterator
+    (said at the step's first batch)."""
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+    loader = stateful_dataloader.StatefulDataLoader(DATA, batch_size=4, shuffle=True, num_workers=2)
+    assert first_step([loader], [loader]) == []
+    it = iter(loader)
+    position = loader.state_dict()
+    said = []
+    model = torch.nn.Linear(1, 1)
+    watch = DataWatch()
+    watch.arm(model, [loader], said.append)
+    loader.load_state_dict(position)  # the resume, after the loop made its iterator
+    next(it)
+    model(torch.zeros(1, 1))
+    watch.disarm()
+    assert len(said) == 1 and "loaded into it but never used" in said[0] and "StatefulDataLoader" in said[0], said
 
 
 def test_a_loop_that_skips_to_its_position_itself_is_not_said():
@@ -103,3 +134,26 @@ def test_a_resume_from_a_loader_of_torchs_samplers_says_it_cannot_be_bitwise_nam
     assert sorted(e["rank"] for e in said) == [0, 1] and {e["step"] for e in said} == {11}, said  # its end
     assert "BatchSampler over RandomSampler(replacement=True)" in said[0]["details"]["cause"]
     assert "whose position the checkpoint does not hold" in Path(f"{r}.log").read_text()
+
+
+@pytest.mark.soak  # five launches with DataLoader workers: about a minute on 2 loaded cores (scripts/test_soak.sh)
+def test_a_stateful_loader_given_to_the_guard_resumes_bitwise_and_one_iterated_too_early_is_said(tmp_path):
+    """torchdata's StatefulDataLoader (2 workers, shuffled) given as ``Guard(sampler=loader)``: a run
+    of 10 steps relaunched to 15 ends with the weights of a clean 15-step run, and nothing is said
+    of its loader. The same loop making its iterator above ``guard.steps()`` (the GPT trainer's
+    ``data_iter = iter(loader)``) resumes the epoch anew: said at the first step, naming why."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    hashes = {}
+    for name, flags in {"clean": (), "stateful": (), "early": ("--early",)}.items():
+        r, digest = tmp_path / name, tmp_path / f"{name}.sha256"
+        for steps in (15,) if name == "clean" else (10, 15):
+            proc = run(r, steps, "--stateful", "--hash", str(digest), *flags)
+            assert finish(proc) == 0, Path(f"{r}.log").read_text()[-3000:]
+        hashes[name] = digest.read_text()
+        said = [e["details"]["cause"] for e in events(r, "resume_not_bitwise")]
+        if name == "early":
+            assert any("loaded into it but never used" in cause for cause in said), said
+            assert hashes["early"] != hashes["clean"]
+        else:
+            assert said == [], said
+    assert hashes["stateful"] == hashes["clean"]

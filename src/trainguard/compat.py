@@ -57,6 +57,7 @@ DYNAMIC_RDZV = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
 FABRIC = "lightning.fabric.wrappers"  # also the standalone package's lightning_fabric.wrappers
 FABRIC_MODULE = "lightning.fabric.wrappers._FabricModule"
+STATEFUL_LOADER = "torchdata.stateful_dataloader.StatefulDataLoader"
 
 
 @dataclass(frozen=True)
@@ -198,10 +199,18 @@ MEMBERS: tuple[Private, ...] = (
     # which loader a DataLoader iterator draws from (the data position's check after a resume)
     *_each(
         f"{DATALOADER}._BaseDataLoaderIter",
-        ("_dataset", "_index_sampler"),
+        ("_dataset", "_index_sampler", "_num_workers"),
         "state/datapos.py",
         "fallback: the first step after a resume says its batches came from a DataLoader of unknown position "
-        "without naming its dataset and sampler",
+        "without naming its dataset and sampler (and does not see worker processes reading a saved sampler ahead)",
+        True,
+    ),
+    # torchdata's StatefulDataLoader given to the Guard: the iterator its position reaches
+    Private(
+        STATEFUL_LOADER,
+        "_iterator",
+        ("state/datapos.py",),
+        "fallback: a position loaded after the loop made its iterator is not said",
         True,
     ),
     # torch elastic: trainguard's agent (launcher/torch_agent.py overrides and reads these)
@@ -577,6 +586,21 @@ def dataloader_iterator_source(iterator: Any) -> tuple[Any, Any]:
     loader's ``batch_sampler`` when it batches, else its ``sampler``); ``None`` for each that this
     torch does not show."""
     return getattr(iterator, "_dataset", None), getattr(iterator, "_index_sampler", None)
+
+
+def stateful_loader_owns(loader: Any, iterator: Any) -> bool:
+    """Whether ``iterator`` is the one a torchdata ``StatefulDataLoader`` holds now (the one its
+    position, saved or loaded, belongs to: a ``load_state_dict`` drops the one it held). ``True``
+    where torchdata does not show it (the fallback: not said)."""
+    if not hasattr(loader, "_iterator"):
+        return True
+    return loader._iterator is iterator
+
+
+def dataloader_iterator_workers(iterator: Any) -> int:
+    """The number of worker processes a ``DataLoader`` iterator reads with (0: the main process;
+    also where torch does not show it)."""
+    return int(getattr(iterator, "_num_workers", 0) or 0)
 
 
 # ---- the Hugging Face Trainer -------------------------------------------------------------------

@@ -1,16 +1,18 @@
 """The Guard's parts (:class:`Parts`) and the order they are built in (:func:`build`).
 
 Each part is built once, from its own config section and the parts built before it, and gets at
-construction what it needs; :class:`~.guard.Guard` then calls them at the step's points. The
-Guard holds its :class:`Parts` before :func:`build` fills it in, so that a failure part-way (bad
-input found after the checkpointer and the signal handlers exist) leaves what was built where
-:meth:`Parts.release` finds it.
+construction what it needs; :class:`~.guard.Guard` then calls them at the step's points. Each part
+that holds something to give back (a thread, a signal handler, a wrapper, a hook, a file) is
+registered on the parts' exit stack (:meth:`Parts.on_release`) as soon as it is built, and
+:meth:`Parts.release` gives them back in the reverse order. The Guard holds its :class:`Parts`
+before :func:`build` fills it in, so a failure part-way (bad input found after the checkpointer
+and the signal handlers exist) releases exactly what was built, by the same structure.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -119,7 +121,9 @@ class Parts:
         inprocess, recovering: in-process recovery, and the Guard's side of it.
         commits, stops: what follows a save; stop and save. rollbacks, sdc_flow: rollbacks and the
         replica check's flow. lifecycle: the start and end of training. boundary: the step's points.
-        patched: whether :func:`build` installed the process-wide wrappers (released with them).
+        catch: this Guard's catch of the script's collectives and its ``clip_grad_norm_`` wrapper.
+        stack: what :meth:`release` gives back, in the reverse order of :meth:`on_release`.
+        collective: how :meth:`release` was called (read by the closers registered on the stack).
     """
 
     events: Optional[EventLog] = None
@@ -155,38 +159,39 @@ class Parts:
     lifecycle: Optional[Lifecycle] = None
     boundary: Optional[Boundary] = None
     catch: Optional[Catch] = None
-    patched: bool = False  # build() reached the process-wide wrappers (the collective catch, clip_grad_norm_)
+    stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    collective: bool = True
+
+    def on_release(self, close: Callable[[], Any]) -> None:
+        """Register ``close()`` to run at :meth:`release`, before everything registered earlier."""
+        self.stack.callback(close)
 
     def release(self, collective: bool) -> None:
-        """Release what was built, without a collective: the checkpointer's threads (``collective``:
-        after a background save finishes; ``False``, a failure on this rank alone: not waiting for
-        it, it may wait for peers), hooks, signal handlers, the heartbeat record, the process-wide
-        patches, in-process recovery's state (kept for a replacement after a failure alone), the
-        event log. Safe to call twice."""
-        if self.ckpt is not None:
-            self.ckpt.close(wait=collective)
-        for part in (self.fold, self.recovery, self.micro, self.faults, self.step_inputs, self.step_start):
-            if part is not None:
-                part.close()
-        if self.shutdown is not None:
-            self.shutdown.close()
+        """Release what was built, without a collective, in the reverse order of building: the
+        process-wide wrappers, hooks, the heartbeat record, signal handlers, the checkpointer's
+        threads (``collective``: after a background save finishes; ``False``, a failure on this
+        rank alone: not waiting for it, it may wait for peers), in-process recovery's state (kept
+        for a replacement after a failure alone), the event log. Every closer runs even when one
+        before it raised (the first error is raised at the end). Safe to call twice."""
+        self.collective = collective
+        self.stack.close()
+
+    def detach_heartbeat(self) -> None:
+        """Stop writing the hang supervisor's record (the step's points read :attr:`heartbeat`)."""
         detach_supervisor(self.heartbeat)
         self.heartbeat = None
-        if self.patched:  # this Guard's wrappers (a Guard refused or failed before them has none)
-            self.catch.uninstall()
-            self.catch.align.close()
-            self.patched = False
-        if self.inprocess is not None:
-            self.inprocess.close()
-        if self.rejoin is not None and collective:  # a rank that fails alone leaves its state to its replacement
+
+    def release_rejoin(self) -> None:
+        """In-process recovery's state: closed after a collective release; a rank that fails alone
+        leaves it to its replacement (only its watcher stops)."""
+        if self.collective:
             self.rejoin.close()
-        elif self.rejoin is not None:
+        else:
             self.rejoin.stop_watching()
-        if self.events is not None:
-            self.events.close()
 
 
-NAMES = tuple(f.name for f in fields(Parts) if f.name != "patched")  # the parts (guard.ckpt, ...)
+_NOT_PARTS = ("stack", "collective")
+NAMES = tuple(f.name for f in fields(Parts) if f.name not in _NOT_PARTS)  # the parts (guard.ckpt, ...)
 
 
 def build(
@@ -222,6 +227,7 @@ def build(
         )
     launch = LaunchEnv.from_environ()  # read once: the parts get what they need of it
     p.events = events = EventLog(run_dir, rank, attempt=launch.restart_count)
+    p.on_release(events.close)
 
     def peer_lost(error: str, text: str) -> None:  # told by sys.excepthook, which outlives a released log
         if not events.closed:
@@ -240,6 +246,7 @@ def build(
         on_forged=lambda key: report_forged(events, key),
         abort_comms=policy.abort,
     )
+    p.on_release(p.release_rejoin)
     catching = rejoin.active and world_size > 1  # where a lost peer is caught: the patches that serve it
     if rank == 0:
         applies.say_where_it_applies(
@@ -247,6 +254,8 @@ def build(
         )
     p.reruns = StepRerun(rerun, world)
     p.step_inputs = StepInputs(model) if rerun and world_size > 1 else None
+    if p.step_inputs is not None:
+        p.on_release(p.step_inputs.close)
     background = cfg.checkpoint.async_save is True or (
         cfg.checkpoint.async_save == "auto" and s.checkpoint_files is None
     )
@@ -263,11 +272,13 @@ def build(
         write_files=s.checkpoint_files,
     )
     p.store = ckpt.store
+    p.on_release(lambda: ckpt.close(wait=p.collective))
 
     def on_deadline() -> None:  # the save deadline after a stop signal passed: the process ends
         events.emit("deadline_exit", world.step, deadline=cfg.preemption.save_deadline, signal=p.shutdown.received)
 
     p.shutdown = shutdown = ShutdownHandler(cfg.preemption.signals, cfg.preemption.save_deadline, on_deadline).install()
+    p.on_release(shutdown.close)
 
     def on_ping_failure(why: str) -> None:
         # with in-process recovery the main thread may be waiting for the replacement: give it that long
@@ -277,10 +288,13 @@ def build(
     memory = MemoryWatchdog(cfg.memory, events)
     p.stop = StopConditions(cfg.stop, run_dir, shutdown, memory, start_time=launch_start_time(launch))
     p.heartbeat = attach_supervisor(launch)  # under trainguard run: heartbeat + stack dumps
+    p.on_release(p.detach_heartbeat)
     # a replacement of a lost rank counts as a later attempt of it: faults of the first attempt do not fire again
     attempt = max(events.attempt, int(rejoin.joining))
     p.faults = faults = FaultInjector(cfg.faults.inject, rank, world_size, attempt, events)
+    p.on_release(faults.close)
     p.fold = fold = LossFold(world)  # wired to trainguard's DDP hook or FSDP2's norm below, where there is one
+    p.on_release(fold.close)
     loss_scaler = any(isinstance(v, torch.amp.GradScaler) and v.is_enabled() for v in s.extra_state.values())
     p.recovery = recovery = Recovery(
         cfg.instability,
@@ -298,6 +312,7 @@ def build(
         loss_scaler=loss_scaler,
         fold=fold,
     )
+    p.on_release(recovery.close)
     p.sdc = sdc = ReplicaCheck(cfg.sdc, model, world, events)
     p.sdc_response = SDCResponse(cfg.sdc, sdc, p.reruns, p.step_inputs, events, rejoin.active, world)
     p.straggler = straggler = StragglerDetector(cfg.straggler, world, events, run_dir)
@@ -307,6 +322,7 @@ def build(
     own = {"sampler": s.sampler, "extra": TrainState(s.extra_state), "rng": RNGState()}
     keeper = Keeper(rejoin, TrainState({n: own[n] for n in LOCAL_PARTS}))
     p.micro = MicroBatcher(cfg.oom, model, events, faults, straggler, world, fold, keeper.before_last_bucket)
+    p.on_release(p.micro.close)
     p.fidelity, p.draws, p.elastic = ResumeFidelity(world), DrawWatch(), ElasticState(world_size)
     # this Guard's catch of the script's collectives: a replacement's runner hands over its own
     p.catch = take_handed() or Catch()
@@ -331,6 +347,7 @@ def build(
     p.resumer = Resume(ckpt, train_state, s.sampler, events, p.fidelity, p.draws, p.elastic, cfg.elastic.keep, world)
     if rejoin.active:
         p.step_start = StepStart(optimizer, s.scheduler, rejoin.failed)
+        p.on_release(p.step_start.close)
     resized = (fold, sdc, straggler, p.micro)  # what holds something sized for the group (every part reads world)
     elastic = p.elastic
     p.progress = Progress(rejoin, optimizer, p.step_start, events, model, p.catch.align)
@@ -351,6 +368,7 @@ def build(
         keeper=keeper,
         ddp=ddp,
     )
+    p.on_release(ip.close)
     p.commits = Commits(world, ckpt, recovery, s.hooks, owner)
     p.recovering = Recovering(
         world,
@@ -419,7 +437,8 @@ def build(
     )
     p.lifecycle = Lifecycle(cfg, world, p, model, optimizer, s.hooks, owner, on_ping_failure)
     p.boundary = Boundary(world, p, model, s.hooks, owner)
-    p.patched = True
+    p.on_release(p.catch.align.close)
+    p.on_release(p.catch.uninstall)  # the wrappers below are taken back first
     p.catch.install_clip()  # the norm clip_grad_norm_ returns is noted for should_step (Catch.step_norm)
     if catching:  # the collective catch serves in-process recovery only
         p.catch.install()

@@ -20,9 +20,20 @@ first forward (the PyTorch ImageNet example's ``if i < skip: continue``, acceler
 loaders, which the Hugging Face Trainer resumes with) or that draws through a sampler with
 ``skip_batches`` (accelerate's ``SkipBatchSampler``). Limits: such a loop that resumes at an
 epoch's start (nothing to skip) is said all the same; a loop that draws all its micro-batches
-before the first forward is taken for one that skips, and not said. torchdata's
-``StatefulDataLoader`` given as ``sampler=`` keeps its own position and has iterators of its own
-class: it is not looked at.
+before the first forward is taken for one that skips, and not said.
+
+torchdata's ``StatefulDataLoader`` given as ``Guard(sampler=loader)`` keeps its own position, worker
+processes included (its iterators are looked at as its own: not said). Two more causes are said:
+
+* **Worker processes reading a saved sampler ahead.** A plain ``DataLoader`` with
+  ``num_workers > 0`` takes indices from its sampler up to ``prefetch_factor * num_workers``
+  batches ahead of the batch the step trains on; a saved sampler (``trainguard.ResumableSampler``)
+  then holds a position ahead of the training, and a resume skips the batches read ahead.
+* **A position loaded after the loader's iterator was made.** ``StatefulDataLoader.load_state_dict``
+  applies at the loader's next ``iter()``; a loop that made its iterator before the Guard resumed
+  (``it = iter(loader)`` above ``guard.steps()``) goes on with the iterator it has, from the
+  epoch's start: the step's first batch comes from an iterator that is not the loader's own any
+  more (the loaded position went to a new one).
 """
 
 from __future__ import annotations
@@ -32,9 +43,32 @@ from typing import Any, Callable, Iterable, Optional
 from .. import compat
 
 FIX = (
-    "give the Guard an object that keeps it: a trainguard.ResumableSampler as the DataLoader's sampler and "
-    "Guard(sampler=...), or torchdata's StatefulDataLoader given as Guard(sampler=loader)"
+    "give the Guard an object that keeps it: torchdata's StatefulDataLoader given as Guard(sampler=loader) "
+    "(worker processes too), or a trainguard.ResumableSampler as the DataLoader's sampler and Guard(sampler=...) "
+    "with num_workers=0"
 )
+READ_AHEAD = (
+    "the batches of this process's first step came from {what}: its worker processes take indices from the "
+    "sampler the checkpoint saves up to prefetch_factor x num_workers batches ahead of the step, so the position "
+    "saved was ahead of the batches trained on and this run skipped the batches read ahead; use torchdata's "
+    "StatefulDataLoader as the loader and give it as Guard(sampler=loader), or num_workers=0"
+)
+LOADED_LATE = (
+    "the data position the checkpoint holds for {what} was loaded into it but never used: the loop made the "
+    "loader's iterator before the Guard resumed (an iter(loader) above guard.steps()), and that iterator started "
+    "the epoch anew; make the iterator after the resume (in the loop, or after guard.begin())"
+)
+
+
+def stateful_loaders(known: Iterable[Any]) -> list[Any]:
+    """The loaders among ``known`` that keep their own position (torchdata's ``StatefulDataLoader``:
+    ``state_dict``, ``load_state_dict`` and the ``next_iter_state`` it applies at its next ``iter()``)."""
+    return [obj for obj in known if hasattr(obj, "next_iter_state") and hasattr(obj, "load_state_dict")]
+
+
+def _parts_of(loader: Any) -> list[Any]:
+    """The dataset and samplers of a loader that keeps its own position (its iterators draw from them)."""
+    return [getattr(loader, name, None) for name in ("dataset", "sampler", "batch_sampler")]
 
 
 def _describe(obj: Any) -> str:
@@ -57,6 +91,12 @@ def known_objects(state: Any) -> list[Any]:
     return out
 
 
+UNSAVED = (
+    "the batches of this process's first step came from {what}, whose position the checkpoint does not hold: "
+    "its iterator started anew here, where the uninterrupted run was mid-way, so this run trains on other batches"
+)
+
+
 class DataWatch:
     """Names the data loaders of a resumed process's first step whose position is not saved (see
     the module doc). One per Guard; :meth:`arm` once at the loop's start, :meth:`disarm` at the
@@ -67,6 +107,7 @@ class DataWatch:
         self._original: Optional[Callable[[Any], Any]] = None
         self._wrapper: Optional[Callable[[Any], Any]] = None
         self._known: set[int] = set()
+        self._exact: dict[int, Any] = {}  # id(what a loader keeping its own position draws from) -> the loader
         self._looking = False  # before the model's first forward of the step
         # id(iterator) -> [the loader's description ("" if its position is saved), batches drawn]
         self._seen: dict[int, list] = {}
@@ -95,7 +136,11 @@ class DataWatch:
 
         self._owner, self._original, self._wrapper = cls, original, __next__
         cls.__next__ = __next__
-        self._known = {id(obj) for obj in known if obj is not None}
+        known = [obj for obj in known if obj is not None]
+        self._exact = {
+            id(part): loader for loader in stateful_loaders(known) for part in _parts_of(loader) if part is not None
+        }
+        self._known = {id(obj) for obj in known} | set(self._exact)
         self._looking, self._seen, self._report = True, {}, report
         if hasattr(model, "register_forward_pre_hook"):
             self._hook = model.register_forward_pre_hook(self._first_forward)
@@ -111,8 +156,16 @@ class DataWatch:
             return
         dataset, index_sampler = compat.dataloader_iterator_source(iterator)
         chain = [index_sampler, getattr(index_sampler, "sampler", None), dataset]
+        workers = compat.dataloader_iterator_workers(iterator)
+        loader = next((self._exact[id(obj)] for obj in chain if obj is not None and id(obj) in self._exact), None)
+        if loader is not None:  # a loader that keeps its own position: it reached this iterator, or is pending
+            late = not compat.stateful_loader_owns(loader, iterator)
+            self._seen[id(iterator)] = [LOADED_LATE.format(what=type(loader).__name__) if late else "", 1]
+            return
         if any(obj is not None and id(obj) in self._known for obj in chain):
-            self._seen[id(iterator)] = ["", 1]  # its position is saved
+            # its position is saved: exactly without worker processes, else ahead of the step
+            what = f"a DataLoader with {workers} worker processes drawing with {_describe(index_sampler)}"
+            self._seen[id(iterator)] = [READ_AHEAD.format(what=what) if workers else "", 1]
             return
         if any(getattr(obj, "skip_batches", 0) for obj in chain):  # accelerate's SkipBatchSampler
             self._seen[id(iterator)] = ["", 1]  # the loop skips to its position itself
@@ -122,7 +175,7 @@ class DataWatch:
             what += f" over {type(dataset).__name__}"
             if index_sampler is not None:
                 what += f" drawing with {_describe(index_sampler)}"
-        self._seen[id(iterator)] = [what, 1]
+        self._seen[id(iterator)] = [f"{UNSAVED.format(what=what)}; {FIX}", 1]
 
     def disarm(self) -> None:
         """End the watch: put ``__next__`` back (if it is still ours), remove the forward hook,
@@ -133,13 +186,10 @@ class DataWatch:
             self._hook.remove()
         # an iterator that handed out several batches before the first forward skipped to its position
         # (the ImageNet example's `if i < skip: continue`, accelerate's skipping loaders): not said
-        found = sorted({what for what, drawn in self._seen.values() if what and drawn == 1})
+        found = sorted({why for why, drawn in self._seen.values() if why and drawn == 1})
         report, self._report = self._report, None
         self._owner = self._original = self._wrapper = self._hook = None
-        self._seen, self._looking = {}, False
-        if report is not None and found:
-            report(
-                f"the batches of this process's first step came from {' and '.join(found)}, whose position the "
-                "checkpoint does not hold: its iterator started anew here, where the uninterrupted run was "
-                f"mid-way, so this run trains on other batches; {FIX}"
-            )
+        self._seen, self._looking, self._exact = {}, False, {}
+        if report is not None:
+            for why in found:
+                report(why)
