@@ -258,3 +258,14 @@ def test_the_patch_table_in_the_guard_docs_is_the_codes():
     start = text.index("<!-- patches:")
     table = text[text.index("\n", start) + 1 : text.index("<!-- /patches -->")]
     assert table == patches.markdown()
+
+
+def test_the_loops_page_shows_the_example_verbatim():
+    """docs/loops.md: every Python block is a part of examples/loops.py as it is (the page's loops
+    are the ones tests/test_loops.py runs)."""
+    source = (ROOT / "examples" / "loops.py").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", (DOCS / "loops.md").read_text(), flags=re.S)
+    assert len(blocks) == 4
+    for block in blocks:
+        for part in block.strip().split("\n\n\n"):
+            assert part in source, part[:200]

@@ -210,7 +210,8 @@ MEMBERS: tuple[Private, ...] = (
         STATEFUL_LOADER,
         "_iterator",
         ("state/datapos.py",),
-        "fallback: a position loaded after the loop made its iterator is not said",
+        "fallback: a position loaded after the loop made its iterator is not said; the Guard's keeping of the "
+        "position before the loop's first iter() makes the loader's iterator (an epoch loop's set_epoch comes late)",
         True,
     ),
     # torch elastic: trainguard's agent (launcher/torch_agent.py overrides and reads these)
@@ -595,6 +596,13 @@ def stateful_loader_owns(loader: Any, iterator: Any) -> bool:
     if not hasattr(loader, "_iterator"):
         return True
     return loader._iterator is iterator
+
+
+def stateful_loader_idle(loader: Any) -> bool:
+    """Whether a torchdata ``StatefulDataLoader`` holds no iterator now (since it was made, or since
+    a ``load_state_dict``): its ``state_dict()`` would then make one, from the sampler as it is at
+    that moment. ``False`` where torchdata does not show it."""
+    return getattr(loader, "_iterator", False) is None
 
 
 def dataloader_iterator_workers(iterator: Any) -> int:

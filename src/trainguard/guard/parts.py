@@ -43,6 +43,7 @@ from ..rundir import prepare_run_dir
 from ..sdc.crosscheck import StepInputs
 from ..sdc.replicas import ReplicaCheck
 from ..sdc.rerun import StepRerun
+from ..state import datapos
 from ..state.buckets import BucketLayout
 from ..state.fidelity import DrawWatch, ResumeFidelity
 from ..state.reshard import ElasticState
@@ -319,7 +320,7 @@ def build(
     growth = rejoin.growth_pending if cfg.elastic.min_ranks else None
     p.stop_check = StopCheck(p.stop, ckpt, straggler, fold, faults, growth, world)
     # what a checkpoint holds per rank besides the tensors (the order is the load order: RNG last)
-    own = {"sampler": s.sampler, "extra": TrainState(s.extra_state), "rng": RNGState()}
+    own = {"sampler": datapos.position_of(s.sampler), "extra": TrainState(s.extra_state), "rng": RNGState()}
     keeper = Keeper(rejoin, TrainState({n: own[n] for n in LOCAL_PARTS}))
     p.micro = MicroBatcher(cfg.oom, model, events, faults, straggler, world, fold, keeper.before_last_bucket)
     p.on_release(p.micro.close)

@@ -66,6 +66,36 @@ def stateful_loaders(known: Iterable[Any]) -> list[Any]:
     return [obj for obj in known if hasattr(obj, "next_iter_state") and hasattr(obj, "load_state_dict")]
 
 
+class LoaderPosition:
+    """The position of a loader that keeps its own (torchdata's ``StatefulDataLoader``) as the
+    Guard saves it: ``state_dict()`` is the loader's, except while the loader holds no iterator
+    (before the loop's first ``iter()``, or after a resume loaded it): then the position loaded and
+    not yet used (``{}``: the start), not a new iterator the loader would make for it. An iterator
+    made so early would be made before the loop's ``sampler.set_epoch(epoch)``: the epoch's
+    permutation would be the wrong one (an epoch loop resumed in its second epoch).
+
+    Attributes:
+        loader: the loader (what a resume's data check looks for, :func:`known_objects`).
+    """
+
+    def __init__(self, loader: Any):
+        self.loader = loader
+
+    def state_dict(self) -> dict[str, Any]:
+        if compat.stateful_loader_idle(self.loader):
+            return self.loader.next_iter_state or {}
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+
+def position_of(sampler: Any) -> Any:
+    """What the Guard saves for its ``sampler``: a :class:`LoaderPosition` for a loader that keeps its
+    own position, else the sampler itself."""
+    return LoaderPosition(sampler) if stateful_loaders([sampler]) else sampler
+
+
 def _parts_of(loader: Any) -> list[Any]:
     """The dataset and samplers of a loader that keeps its own position (its iterators draw from them)."""
     return [getattr(loader, name, None) for name in ("dataset", "sampler", "batch_sampler")]
@@ -86,7 +116,7 @@ def known_objects(state: Any) -> list[Any]:
     """Every object a :class:`~trainguard.state.trainstate.TrainState` saves, nested ones included."""
     out: list[Any] = []
     for part in getattr(state, "parts", {}).values():
-        out.append(part)
+        out.append(getattr(part, "loader", part) if isinstance(part, LoaderPosition) else part)
         out.extend(known_objects(part))
     return out
 
