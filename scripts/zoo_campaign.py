@@ -16,7 +16,13 @@ within the restart's time + 2 s with its reason on the console, never more than 
 per fault"). Exits 1 when a fault broke the rule. Not run in CI (about 20 minutes on 2 cores for
 the 12 shapes); CI's soak step runs tests/test_zoo.py, one kill per shape.
 
-Run: ``python scripts/zoo_campaign.py [--kills 3] [--hangs 1] [--shapes nanogpt,fsdp2] [--seed 0]``.
+The resume arm (issue 53; ``--resumes``, default on): per shape, the whole launch stopped at a
+seeded random step, once by SIGTERM to the launcher (it saves and exits 75) and once by SIGKILL of
+the launcher and its ranks, then the same command run again (``drive.resume_trial``). Its rule: the
+relaunch ends 0, resumed from a checkpoint, with the uninterrupted run's weights ("bitwise") or a
+``resume_not_bitwise`` event naming why ("said"). One row per resume, after the faults' table.
+
+Run: ``python scripts/zoo_campaign.py [--kills 3] [--hangs 1] [--no-resumes] [--shapes nanogpt,fsdp2] [--seed 0]``.
 """
 
 from __future__ import annotations
@@ -59,11 +65,21 @@ def verdict(t: drive.Trial, restart: drive.Trial | None) -> str:
     return f"{t.path} (exit {t.code})"
 
 
+def resume_verdict(r: drive.Resume) -> str:
+    """``ok`` (bitwise), ``ok, not bitwise, said`` or what broke the resume arm's rule."""
+    if r.how == "sigterm" and r.first != 75:
+        return f"SIGTERM ended the launch with {r.first}, not 75"
+    if r.second != 0 or r.from_step < 0:
+        return f"the relaunch ended {r.second}, resumed from {r.from_step}"
+    return "ok" if r.bitwise else "ok, not bitwise, said" if r.said else "resumed not bitwise, silently"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=3, help="SIGKILLs per shape (default 3)")
     p.add_argument("--hangs", type=int, default=1, help="SIGSTOPs per shape (default 1)")
     p.add_argument("--shapes", default=",".join(drive.SHAPES), help="comma-separated shape names (default: all)")
+    p.add_argument("--resumes", action=argparse.BooleanOptionalAction, default=True, help="the resume arm (default on)")
     p.add_argument("--seed", type=int, default=0, help="base of the per-fault seeds")
     p.add_argument("--dir", type=Path, default=None, help="where the runs go (default: a new temporary directory)")
     p.add_argument("--json", type=Path, default=None, help="also write every trial's fields here")
@@ -75,6 +91,7 @@ def main() -> int:
         return 2
     base = args.dir or Path(tempfile.mkdtemp(prefix="zoo-campaign-"))
     trials: list[drive.Trial] = []
+    resumes: list[tuple[str, drive.Resume]] = []
     verdicts: dict[str, list[str]] = {}
     for n, name in enumerate(names):
         shape = drive.SHAPES[name]
@@ -95,8 +112,22 @@ def main() -> int:
             trials.append(t)
             verdicts.setdefault(name, []).append(verdict(t, restart))
             print(drive.table([t]).splitlines()[-1], f"→ {verdicts[name][-1]}", flush=True)
+        for i, how in enumerate(("sigterm", "kill") if args.resumes else ()):
+            r = drive.resume_trial(
+                shape, base / name / f"resume-{how}", args.seed * 100_000 + n * 100 + 50 + i, how, clean
+            )
+            resumes.append((name, r))
+            verdicts.setdefault(name, []).append(resume_verdict(r))
+            print(f"{name} resume ({how}) at step {r.at}: {verdicts[name][-1]}", flush=True)
     print(f"\nzoo campaign: {args.kills} kill(s) and {args.hangs} hang(s) per shape, 2 ranks, runs in {base}")
     print(drive.table(trials))
+    if resumes:
+        print(
+            "\n| shape | resume | stopped at | exits | resumed from | bitwise | said |\n|---|---|---|---|---|---|---|"
+        )
+        for name, r in resumes:
+            said = "; ".join(sorted({c[:90] for c in r.said})) or "-"
+            print(f"| {name} | {r.how} | {r.at} | {r.first}, {r.second} | {r.from_step} | {r.bitwise} | {said} |")
     print("\n| shape | verdict |\n|---|---|")
     for name, vs in verdicts.items():
         bad = [v for v in vs if v != "ok"]

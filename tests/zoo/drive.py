@@ -1,7 +1,10 @@
 """Launch the zoo's scripts under ``trainguard run`` and measure what a fault costs them.
 
-Shared by ``tests/test_zoo.py`` (one kill per shape, CI's soak step), ``scripts/zoo_campaign.py``
-(3 kills and a hang per shape) and ``benchmarks/zoo_kills.py`` (in-process against the group restart).
+Shared by ``tests/test_zoo.py`` (one kill and one resume per shape, CI's soak step),
+``scripts/zoo_campaign.py`` (3 kills and a hang per shape) and ``benchmarks/zoo_kills.py``
+(in-process against the group restart). :func:`resume_trial` is the resume arm: the whole launch
+stopped (SIGTERM to the launcher, or the launcher and its ranks SIGKILLed) and the same command run
+again, as a user whose job was preempted does.
 
 A trial launches a shape with ``checkpoint.interval=10`` and the given settings (none: the defaults,
 in-process recovery with a warm spare), watches rank 0's ``step N/M`` lines as they appear (each
@@ -271,3 +274,64 @@ def table(trials: list[Trial]) -> str:
             f"| {'yes' if t.bitwise else 'no'} | {t.replaced} | {t.reason[:80]} |"
         )
     return "\n".join(out)
+
+
+@dataclass
+class Resume:
+    """One resume arm's outcome (:func:`resume_trial`).
+
+    Attributes:
+        how: ``"sigterm"`` (the launcher told to stop: it saves and exits 75) or ``"kill"`` (the
+            launcher's session SIGKILLed: the launch resumes from its newest checkpoint).
+        at: rank 0's newest step line when the launch was stopped.
+        first, second: the exit codes of the stopped launch and of the relaunch.
+        from_step: the step the relaunch resumed from (``-1``: it did not say).
+        bitwise: the relaunch's final weights equal the uninterrupted run's.
+        said: the causes of the relaunch's ``resume_not_bitwise`` events (why it cannot be bitwise).
+    """
+
+    how: str
+    at: int = 0
+    first: Optional[int] = None
+    second: Optional[int] = None
+    from_step: int = -1
+    bitwise: bool = False
+    said: list = field(default_factory=list)
+
+
+def resume_trial(shape: Shape, run: Path, seed: int, how: str, clean: Optional[str], timeout: float = 300) -> Resume:
+    """Launch ``shape``, stop the whole launch at a seeded random step in ``[15, 45]`` (``how``, see
+    :class:`Resume`), launch the same command again and let it finish; the first launch's log is
+    kept as ``RUN.first.log``."""
+    at = random.Random(seed).randint(15, 45)
+    result = Resume(how)
+    proc = launch(shape, run)
+    lines = StepLines(Path(f"{run}.log"))
+    deadline = time.monotonic() + timeout
+    try:
+        while lines.newest() < at and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            lines.poll()
+        result.at = lines.newest()
+        if proc.poll() is None and how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        stop(proc)  # "kill": the launcher and its ranks at once
+        result.first = proc.returncode
+    finally:
+        stop(proc)
+    before = {e["time"] for e in read_events(run, "resume_not_bitwise")}
+    os.replace(f"{run}.log", f"{run}.first.log")
+    again = launch(shape, run)
+    try:
+        result.second = again.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(again)
+    resumes = list(read_events(run, "resume"))
+    result.from_step = int(resumes[-1]["details"]["from_step"]) if resumes else -1
+    result.said = [e["details"]["cause"] for e in read_events(run, "resume_not_bitwise") if e["time"] not in before]
+    result.bitwise = clean is not None and hash_of(Path(f"{run}.hash")) == clean
+    return result
