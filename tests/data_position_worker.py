@@ -6,13 +6,12 @@
 torchdata's ``StatefulDataLoader`` (2 workers, shuffled) given as ``Guard(sampler=loader)``, its
 iterator made in the loop's first step (after the resume); ``--early``: made above ``guard.steps()``
 as the GPT trainer does (the position loaded at the resume never reaches it). ``--steps N``
-(default 10). Rank 0 writes the final weights' SHA-256 to ``--hash FILE`` when given.
+(default 10).
 Settings come from the launcher (``config_from_env``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import sys
 
 import torch
@@ -60,10 +59,6 @@ def main() -> None:
         opt.zero_grad()
         guard.step_end(loss=loss)
     guard.close()
-    if "--hash" in sys.argv and dist.get_rank() == 0:
-        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-        with open(sys.argv[sys.argv.index("--hash") + 1], "w") as f:
-            f.write(digest)
     dist.destroy_process_group()
 
 
