@@ -87,6 +87,7 @@ SHAPES: dict[str, Shape] = {
         Shape("val_allreduce", "val_allreduce_every_n.py"),
         Shape("start_step_sched", "start_step_scheduler.py"),
         Shape("compiled", "torch_compile.py"),
+        Shape("ddp_tutorial", "ddp_tutorial_epochs.py"),
     )
 }
 

@@ -1,12 +1,13 @@
 """Whether in-process recovery applies to a run (:mod:`trainguard.rejoin`): the backend's policy
 (:mod:`~trainguard.rejoin.backend_policy`), a framework that owns the loop, a model that cannot be
-moved to a new group; and rank 0's line at the start when it does not apply.
+moved to a new group, a data position a replacement cannot take back; and rank 0's line at the start
+when it does not apply.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -14,6 +15,7 @@ from .. import console
 from .. import dist as tgdist
 from ..rejoin import abort, backend_policy, regroup
 from ..rejoin.rank import Rejoin
+from ..state import datapos
 
 
 def recovery_policy(in_process: backend_policy.InProcessValue) -> backend_policy.BackendPolicy:
@@ -25,16 +27,29 @@ def recovery_policy(in_process: backend_policy.InProcessValue) -> backend_policy
     return replace(policy, in_process=False, abort=False, declined=why) if why else policy
 
 
+STATEFUL_LOADER = (
+    "the data position is a StatefulDataLoader's: a replacement cannot take it back to the interrupted step's "
+    "start (measured: an epoch loop over one recovered with other weights than an uninterrupted run's)"
+)
+
+
 def declined(
-    framework: Optional[str], model: torch.nn.Module, policy: Optional[backend_policy.BackendPolicy] = None
+    framework: Optional[str],
+    model: torch.nn.Module,
+    policy: Optional[backend_policy.BackendPolicy] = None,
+    sampler: Any = None,
 ) -> Optional[str]:
     """Why in-process recovery does not apply to this loop, ``None`` if it does: a framework
-    drives it, the backend's ``policy`` declines it (:func:`recovery_policy`: NCCL by default), or
-    the model cannot be moved to a new group (:func:`~trainguard.rejoin.regroup.check_rebindable`)."""
+    drives it, the backend's ``policy`` declines it (:func:`recovery_policy`: NCCL by default), the
+    Guard's ``sampler`` is a loader that keeps its own position (torchdata's ``StatefulDataLoader``:
+    :data:`STATEFUL_LOADER`; its resume from a checkpoint is bitwise, tests/test_loops.py), or the
+    model cannot be moved to a new group (:func:`~trainguard.rejoin.regroup.check_rebindable`)."""
     if framework is not None:
         return f"{framework} owns the process group and the training loop"
     if policy is not None and policy.declined is not None:
         return policy.declined
+    if datapos.stateful_loaders([sampler]):
+        return STATEFUL_LOADER
     try:
         regroup.check_rebindable(model)
     except regroup.RegroupError as e:

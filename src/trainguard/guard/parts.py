@@ -236,7 +236,7 @@ def build(
 
     console.quiet_peer_loss(is_peer_failure, peer_lost)
     policy = applies.recovery_policy(cfg.recovery.in_process)  # by the default group's backend (NCCL: restart)
-    declined = applies.declined(s.framework, model, policy) if cfg.recovery.in_process else None
+    declined = applies.declined(s.framework, model, policy, s.sampler) if cfg.recovery.in_process else None
     rerun = cfg.sdc.on_instability == "rerun"
     p.rejoin = rejoin = Rejoin(
         cfg.recovery,
