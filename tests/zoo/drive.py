@@ -88,6 +88,7 @@ SHAPES: dict[str, Shape] = {
         Shape("start_step_sched", "start_step_scheduler.py"),
         Shape("compiled", "torch_compile.py"),
         Shape("ddp_tutorial", "ddp_tutorial_epochs.py"),
+        Shape("word_lm", "word_language_model.py"),
     )
 }
 
