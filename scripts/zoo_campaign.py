@@ -66,7 +66,10 @@ def verdict(t: drive.Trial, restart: drive.Trial | None) -> str:
 
 
 def resume_verdict(r: drive.Resume) -> str:
-    """``ok`` (bitwise), ``ok, not bitwise, said`` or what broke the resume arm's rule."""
+    """``ok`` (bitwise), ``ok, not bitwise, said``, ``ok, finished before the stop ...`` (SIGTERM
+    reached a run in its last second) or what broke the resume arm's rule."""
+    if r.how == "sigterm" and r.first == 0:  # the stop check runs about once a second: a fast run may end first
+        return "ok, finished before the stop took effect (nothing resumed)"
     if r.how == "sigterm" and r.first != 75:
         return f"SIGTERM ended the launch with {r.first}, not 75"
     if r.second != 0 or r.from_step < 0:
