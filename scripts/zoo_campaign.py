@@ -72,8 +72,12 @@ def resume_verdict(r: drive.Resume) -> str:
         return "ok, finished before the stop took effect (nothing resumed)"
     if r.how == "sigterm" and r.first != 75:
         return f"SIGTERM ended the launch with {r.first}, not 75"
-    if r.second != 0 or r.from_step < 0:
-        return f"the relaunch ended {r.second}, resumed from {r.from_step}"
+    if r.second != 0:
+        return f"the relaunch ended {r.second}"
+    if r.from_step < 0:  # stopped before its first checkpoint was committed (the first save is checked too)
+        return (
+            "ok, no checkpoint committed before the stop (started anew)" if r.bitwise else "started anew, not bitwise"
+        )
     return "ok" if r.bitwise else "ok, not bitwise, said" if r.said else "resumed not bitwise, silently"
 
 
