@@ -89,6 +89,7 @@ SHAPES: dict[str, Shape] = {
         Shape("compiled", "torch_compile.py"),
         Shape("ddp_tutorial", "ddp_tutorial_epochs.py"),
         Shape("word_lm", "word_language_model.py"),
+        Shape("run_step_barrier", "run_step_barrier.py"),
     )
 }
 

@@ -322,11 +322,13 @@ def build(
     # what a checkpoint holds per rank besides the tensors (the order is the load order: RNG last)
     own = {"sampler": datapos.position_of(s.sampler), "extra": TrainState(s.extra_state), "rng": RNGState()}
     keeper = Keeper(rejoin, TrainState({n: own[n] for n in LOCAL_PARTS}))
-    p.micro = MicroBatcher(cfg.oom, model, events, faults, straggler, world, fold, keeper.before_last_bucket)
-    p.on_release(p.micro.close)
-    p.fidelity, p.draws, p.elastic = ResumeFidelity(world), DrawWatch(), ElasticState(world_size)
     # this Guard's catch of the script's collectives: a replacement's runner hands over its own
     p.catch = take_handed() or Catch()
+    p.micro = MicroBatcher(
+        cfg.oom, model, events, faults, straggler, world, fold, keeper.before_last_bucket, p.catch.align
+    )
+    p.on_release(p.micro.close)
+    p.fidelity, p.draws, p.elastic = ResumeFidelity(world), DrawWatch(), ElasticState(world_size)
     ddp = DDPCommHook(
         model, rejoin, p.catch
     )  # trainguard's DDP hook, once InProcess.hook_ddp installs it: its layout is saved

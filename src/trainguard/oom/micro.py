@@ -57,6 +57,7 @@ from ..instability import fold as fold_notes
 from ..instability.fold import LossFold
 from ..outcomes import BadInput, GiveUp
 from ..ranks import RankView
+from ..rejoin.align import DDP_BACKWARD, Alignment
 from ..sections import OOMSection
 from .sync import GradSync
 
@@ -130,6 +131,11 @@ class MicroBatcher:
         before_last_bucket: called with the step just before that bucket is sent, when ``fold``
             rides in it (in-process recovery keeps the step boundary there: a peer may complete
             the step once it is sent).
+        align: the Guard's alignment of a replacement's collectives with the survivors' after a
+            meeting (:mod:`trainguard.rejoin.align`): the step's gradient all-reduce, which
+            ``run_step`` issues itself (not DDP's hook), is named there as DDP's backward, so a
+            replacement waiting at a collective of its script learns at once where the survivors
+            are (before, they named nothing: it waited 3 s and the recovery failed, issue 55).
 
     Attributes:
         size: samples per micro-batch (``None`` until the first batch: the whole batch, or
@@ -148,9 +154,10 @@ class MicroBatcher:
         world: RankView,
         fold: Optional[LossFold] = None,
         before_last_bucket: Optional[Callable[[int], None]] = None,
+        align: Optional[Alignment] = None,
     ):
         self.cfg, self.model, self.events, self.faults, self.straggler = cfg, model, events, faults, straggler
-        self.world, self.fold = world, fold
+        self.world, self.fold, self.align = world, fold, align
         self.before_last_bucket = before_last_bucket
         self._step = 0  # the step run() is in (the fold's values are that step's)
         self.ddp = isinstance(model, DistributedDataParallel)
@@ -210,6 +217,8 @@ class MicroBatcher:
                 (fold.size, self._last_bucket) if fold is not None else None,
             )
         self._maybe_grow(step, n)
+        if self.sync is not None and self.align is not None and self.align.open:
+            self.align.at(DDP_BACKWARD, alone_ok=False)  # after a meeting: the step's first collective
         while True:
             size = min(self.size, n)
             total, failure = self._attempt(step, step_fn, batch, n, size, backward)
