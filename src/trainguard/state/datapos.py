@@ -116,7 +116,7 @@ def known_objects(state: Any) -> list[Any]:
     """Every object a :class:`~trainguard.state.trainstate.TrainState` saves, nested ones included."""
     out: list[Any] = []
     for part in getattr(state, "parts", {}).values():
-        out.append(getattr(part, "loader", part) if isinstance(part, LoaderPosition) else part)
+        out.append(part.loader if isinstance(part, LoaderPosition) else part)
         out.extend(known_objects(part))
     return out
 
