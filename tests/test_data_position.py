@@ -149,3 +149,17 @@ def test_a_stateful_loader_whose_iterator_was_made_before_the_resume_is_said(tmp
         assert finish(run(r, steps, "--stateful", "--early")) == 0, Path(f"{r}.log").read_text()[-3000:]
     said = [e for e in events(r, "resume_not_bitwise") if "loaded into it but never used" in e["details"]["cause"]]
     assert sorted(e["rank"] for e in said) == [0, 1], said
+
+
+def test_a_stateful_loader_as_the_data_position_declines_in_process_recovery_and_other_samplers_do_not():
+    """A replacement cannot take a StatefulDataLoader's position back to the interrupted step's
+    start (the zoo's DDP-tutorial epoch loop recovered with other weights, silently, 2 of 3 times):
+    in-process recovery declines it at start, naming it; a ResumableSampler does not decline."""
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+    from trainguard.guard import applies
+
+    model = torch.nn.Linear(1, 1)
+    loader = stateful_dataloader.StatefulDataLoader(DATA, batch_size=4)
+    assert applies.declined(None, model, None, loader) == applies.STATEFUL_LOADER
+    assert "StatefulDataLoader" in applies.STATEFUL_LOADER
+    assert applies.declined(None, model, None, ResumableSampler(len(DATA))) is None
