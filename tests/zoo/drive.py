@@ -150,6 +150,13 @@ class StepLines:
     def newest(self) -> int:
         return max((s for _, s in self.lines), default=0)
 
+    def wait_for(self, step: int, proc: subprocess.Popen, deadline: float) -> None:
+        """Poll every 10 ms until rank 0 printed ``step``, the launch ended, or ``deadline``
+        (``time.monotonic()``) passed."""
+        while self.newest() < step and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self.poll()
+
 
 def hash_of(path: Path) -> Optional[str]:
     try:
@@ -210,9 +217,7 @@ def fault_trial(
     lines = StepLines(Path(f"{run}.log"))
     deadline = time.monotonic() + timeout
     try:
-        while lines.newest() < at and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-            lines.poll()
+        lines.wait_for(at, proc, deadline)
         if proc.poll() is not None or time.monotonic() >= deadline:
             trial.code = proc.poll()
             return trial
@@ -312,9 +317,7 @@ def resume_trial(shape: Shape, run: Path, seed: int, how: str, clean: Optional[s
     lines = StepLines(Path(f"{run}.log"))
     deadline = time.monotonic() + timeout
     try:
-        while lines.newest() < at and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-            lines.poll()
+        lines.wait_for(at, proc, deadline)
         result.at = lines.newest()
         if proc.poll() is None and how == "sigterm":
             proc.send_signal(signal.SIGTERM)
