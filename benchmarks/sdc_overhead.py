@@ -90,7 +90,7 @@ def _rank(rank: int, world: int, tmp: str, batch: int, repeat: int, out, model_o
     keep(0)
     steps, checks, keeps, reruns, crosses = [], [], [], [], []
     for i in range(repeat):  # alternated, so that load on the machine hits all alike
-        inputs.step_started()  # the timed step's forward is recorded, as in a guarded loop
+        inputs.step_begin(1)  # the timed step's forward is recorded, as in a guarded loop
         for fn, times in ((step, steps), (lambda: check.check(1), checks), (lambda i=i: keep(i), keeps)):
             dist.barrier()
             t0 = time.perf_counter()

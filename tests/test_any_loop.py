@@ -99,14 +99,14 @@ def test_an_abandoned_step_changes_no_parameter_and_puts_the_scheduler_back():
     failed = [False]
     start = StepStart(opt, sched, lambda: failed[0])
     try:
-        start.begin()
+        start.step_begin(1)
         model(torch.randn(3, 4)).sum().backward()
         opt.step()
         sched.step()
         assert start.applied
         before = [p.detach().clone() for p in model.parameters()]
         adam = {k: v["exp_avg"].clone() for k, v in enumerate(opt.state.values())}
-        start.begin()
+        start.step_begin(1)
         model(torch.randn(3, 4)).sum().backward()
         failed[0] = True  # DDP's all-reduce lost a peer
         opt.step()

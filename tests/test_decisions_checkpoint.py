@@ -27,7 +27,7 @@ from trainguard.checkpoint.checkpointer import CHANGED_DURING_COPY, Checkpointer
 from trainguard.checkpoint.io import load_state
 from trainguard.checkpoint.store import Checkpoint, CheckpointStore
 from trainguard.events import EventLog, read_events
-from trainguard.instability.recovery import Recovery
+from trainguard.instability.recovery import Recovery, Settings, Trained
 from trainguard.ranks import Ranks
 from trainguard.sections import CheckpointSection, InstabilitySection, RollbackSection
 
@@ -325,14 +325,10 @@ class Verdicts:
         self.events = EventLog(run_dir, 0)
         self.model = torch.nn.Linear(2, 1)
         self.rec = Recovery(
-            InstabilitySection(known_good_after=known_good_after),
-            RollbackSection(),
-            self.model,
-            None,
-            None,
+            Settings(InstabilitySection(known_good_after=known_good_after), RollbackSection(), run_dir),
+            Trained(self.model),
             self.store,
             self.events,
-            run_dir,
             Ranks(0, 1),
             lambda: 0,
         )

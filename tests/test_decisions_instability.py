@@ -31,7 +31,9 @@ from trainguard.instability.recovery import (
     LEDGER,
     Recovery,
     Rollback,
+    Settings,
     SkippedStepError,
+    Trained,
     append_ledger,
     checkpoint_id,
     read_ledger,
@@ -95,20 +97,17 @@ class Rig:
         self.events = EventLog(run_dir, 0)
         self.hooks, self.heard = hooks, []
         self.step = 1
+        settings = Settings(
+            InstabilitySection(**(inst or {})), RollbackSection(**(rb or {})), run_dir, verify, loss_scaler
+        )
         self.rec = Recovery(
-            InstabilitySection(**(inst or {})),
-            RollbackSection(**(rb or {})),
-            self.model,
-            self.opt,
-            self.sampler,
+            settings,
+            Trained(self.model, self.opt, self.sampler),
             self.store,
             self.events,
-            run_dir,
             Ranks(0, 1),
             lambda: self.step,
             self._ask,
-            verify,
-            loss_scaler=loss_scaler,
         )
 
     def _ask(self, event: dict) -> list[Optional[str]]:

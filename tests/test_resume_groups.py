@@ -58,12 +58,12 @@ def test_a_scheduler_built_after_the_resume_is_kept_and_put_back_at_a_redo():
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     start = StepStart(opt, None, lambda: False)
     try:
-        start.begin()  # the resume's step
+        start.step_begin(1)  # the resume's step
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 ** (7 + i))
         opt.step()
         sched.step()
         sched.state_dict()  # its __dict__ made: the garbage collector refers to it through that dict
-        start.begin()  # the next step: the scheduler is found and its state kept
+        start.step_begin(1)  # the next step: the scheduler is found and its state kept
         assert start.kept() == [sched] and schedulers_not_kept(opt, start.kept()) == []
         lr, epoch = opt.param_groups[0]["lr"], sched.last_epoch
         opt.step()
@@ -72,9 +72,9 @@ def test_a_scheduler_built_after_the_resume_is_kept_and_put_back_at_a_redo():
         start.restore()
         assert sched.last_epoch == epoch and opt.param_groups[0]["lr"] == lr
         for _ in range(LOOK_BEGINS):
-            start.begin()
+            start.step_begin(1)
         late = torch.optim.lr_scheduler.StepLR(opt, 2)
-        start.begin()
+        start.step_begin(1)
         assert schedulers_not_kept(opt, start.kept()) == ["StepLR"] and late.optimizer is opt
     finally:
         start.close()

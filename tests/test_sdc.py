@@ -59,18 +59,18 @@ def test_a_step_rerun_tells_a_changed_result_from_the_same_one():
     loss is ``transient`` naming the rank, changed gradients alone name none; a step is re-run once."""
     rerun = StepRerun(True, Ranks(0, 1))
     assert rerun.wants(7) and not rerun.pending(7)
-    rerun.begin(7, (11, 22))
+    rerun.start(7, (11, 22))
     assert rerun.pending(7) and not rerun.wants(7)  # the re-run itself is not re-run
     v = rerun.classify((11, 22), 4.5)
     assert (v.step, v.verdict, v.ranks, v.first, v.again, v.losses) == (7, "data", [], [[11, 22]], [[11, 22]], [4.5])
     assert v.suspect is None  # one rank: no other to compare with
     assert not rerun.pending(7) and rerun.wants(7)
-    rerun.begin(8, (11, 22))
+    rerun.start(8, (11, 22))
     assert rerun.classify((12, 22), 4.5).ranks == [0]
-    rerun.begin(9, (11, 22))
+    rerun.start(9, (11, 22))
     v = rerun.classify((11, 23), 4.5)
     assert v.verdict == "transient" and v.ranks == []
-    rerun.begin(10, (1, 2))
+    rerun.start(10, (1, 2))
     rerun.forget()  # a rollback or a lost peer abandons it
     assert not rerun.pending(10) and not StepRerun(False, Ranks(0, 1)).wants(10)
     with pytest.raises(RuntimeError, match="without a re-run"):
@@ -97,7 +97,7 @@ def test_a_replayed_forward_matches_the_recorded_one_unless_the_device_flips_a_b
         torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)
     )
     inputs = StepInputs(model)
-    inputs.step_started()
+    inputs.step_begin(1)
     assert inputs.portable() is None  # no forward yet in this step: nothing to replay
     out = model(torch.randn(4, 8))
     model(torch.randn(4, 8))  # a second forward in the step is not the recorded one

@@ -13,34 +13,31 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-import torch
-
 from .. import health
-from ..events import Hook
 from ..instability.recovery import Rollback
-from ..rejoin.align import SHOULD_STEP
 from ..state.fidelity import DRAWN_BETWEEN_STEPS
 from ..stop.conditions import StopFlags
-from .world import World
+from .context import Context
 
 
 class Boundary:
     """Where a step opens, is checked before its update, and closes.
 
     Args:
-        world: the shared view (the step counter, rank, hosts, the liveness ping).
+        ctx: the Guard's :class:`~.context.Context` (the world: the step counter, rank, hosts, the
+            liveness ping; the model: injected faults, the re-run's check; the hooks, told
+            ``on_step_end``; the injected faults).
         parts: the Guard's :class:`~.parts.Parts` (read when called: the heartbeat record is
-            dropped at close).
-        model: the model (injected faults, the re-run's check).
-        hooks: the script's hooks (``on_step_end``); ``owner`` (the Guard) is passed to them.
+            dropped at close); their component protocol's ``step_begin``, ``should_step`` and
+            ``step_end`` run at this step's points.
 
     Attributes:
         last_loss: the last counted step's loss, as given (``guard.last_loss``).
         awaiting: a step was opened and not closed yet.
     """
 
-    def __init__(self, world: World, parts: Any, model: torch.nn.Module, hooks: list[Hook], owner: Any):
-        self.world, self.p, self.model, self.hooks, self.owner = world, parts, model, hooks, owner
+    def __init__(self, ctx: Context, parts: Any):
+        self.ctx, self.world, self.p, self.model, self.faults = ctx, ctx.world, parts, ctx.script.model, ctx.faults
         self.last_loss: Any = None
         self.awaiting = False
         self._t_last = time.perf_counter()  # when the last step ended (seconds, perf_counter)
@@ -59,14 +56,9 @@ class Boundary:
         """Open the step about to run (``guard.step_begin``)."""
         p = self.p
         self.awaiting = True
-        p.catch.new_step()
-        p.recovering.catch_peers()
-        if p.step_start is not None:
-            p.step_start.begin()
+        p.call("step_begin", self.ctx.in_progress())
         if p.heartbeat is not None and p.heartbeat.current is None:
             p.heartbeat.open("step")  # the first step stays in "setup" (warm-up, compile)
-        if p.step_inputs is not None:
-            p.step_inputs.step_started()
 
     def between(self) -> None:
         """After a step of ``guard.steps()``, before the next one opens.
@@ -87,18 +79,13 @@ class Boundary:
             if p.step_start is not None:
                 p.step_start.refused = True
             return False
-        # this rank's step boundary, before the last collective (see rejoin.boundary), unless
-        # DDP's backward kept it before its last bucket (rejoin.catch)
-        if p.rejoin.keeping and p.rejoin.boundary.step != step:
-            p.inprocess.keep_boundary(step)
-        if p.faults.pending:
-            p.faults.at(self.world.step, "should_step")
+        p.call("should_step", step)  # the step boundary kept, a replacement lined up with the survivors
+        if self.faults.pending:
+            self.faults.at(self.world.step, "should_step")
         if grad_norm is None:  # the norm the step's clip_grad_norm_ returned (the HF Trainer's), if any
             grad_norm = p.catch.step_norm()
-        if p.faults.numeric_pending:
-            loss, grad_norm = p.faults.numeric(step, loss, grad_norm, self.model)
-        if p.catch.align.open:  # after an in-process recovery: does this rank line up with the survivors?
-            p.catch.align.at(SHOULD_STEP, alone_ok=False)
+        if self.faults.numeric_pending:
+            loss, grad_norm = self.faults.numeric(step, loss, grad_norm, self.model)
         with p.recovering.recoverable("should_step", step) as lost:
             verdict = p.recovery.observe(step, loss, grad_norm)
             if p.reruns.pending(step):  # the re-run of an unstable step
@@ -125,11 +112,10 @@ class Boundary:
         """The step boundary (``guard.step_end``: see there and the module doc)."""
         p, world = self.p, self.world
         self.awaiting = False
-        p.inprocess.step_ended()
+        p.call("step_end", self.ctx.in_progress())  # (the redo's replay, the instability recovery)
         if self._ran_step is not None:  # the first step: does this loop call run_step? (said once)
             p.inprocess.say_if_outside_run_step(self._ran_step)
             self._ran_step = None
-        p.recovery.step_closed()
         if p.rejoin.failure is not None and not (p.step_start and p.step_start.applied):
             p.recovering.recover(redo=True)  # a peer was lost before this step's update: steps() yields it again
             p.catch.abandon_tail()  # what the loop runs after this step_end ends the abandoned attempt
@@ -140,8 +126,8 @@ class Boundary:
                 p.heartbeat.close_and_beat(world.step)
             return
         world.step += 1
-        if p.faults.sdc_pending:  # a bit flips in a parameter, after the optimizer step
-            p.faults.corrupt(world.step, self.model)
+        if self.faults.sdc_pending:  # a bit flips in a parameter, after the optimizer step
+            self.faults.corrupt(world.step, self.model)
         now = time.perf_counter()
         p.stop_check.step_took(now - self._t_last)
         p.straggler.record_step(now - self._t_last)
@@ -156,14 +142,13 @@ class Boundary:
             return
         if not self._snapshot():
             return
-        if p.faults.pending:  # inside the step section: an injected hang is a hang mid-step
-            p.faults.at(world.step, "step")
+        if self.faults.pending:  # inside the step section: an injected hang is a hang mid-step
+            self.faults.at(world.step, "step")
         if p.heartbeat is not None:
             p.heartbeat.close_and_beat(world.step)
         if world.ping is not None and world.ping.failed is not None:
             raise health.PeerLostError(world.ping.failed)
-        for h in self.hooks:
-            h.on_step_end(self.owner, world.step, loss)
+        self.ctx.tell_hooks("on_step_end", world.step, loss)
         if p.sdc_flow.replicas_differ():
             return  # rolled back: steps() yields the checkpoint's step next
         p.commits.saved(p.ckpt.poll())  # finalize a background save that has finished (before its known-good verdict)

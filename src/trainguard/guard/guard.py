@@ -65,7 +65,8 @@ from ..outcomes import BadInput, Outcome, exit_bad_input
 from ..state.reshard import rank_batch
 from ..supervisor.rank import enter_teardown
 from . import edge, live, parts, wrappers
-from .parts import Parts, Script
+from .context import Script
+from .parts import Parts
 from .recovering import Caught
 from .world import World
 

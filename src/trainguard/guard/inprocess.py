@@ -15,23 +15,20 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
-
-import torch
 
 from .. import console, health
 from .. import dist as tgdist
-from ..config import Config
-from ..events import EventLog
 from ..instability.fold import LossFold
 from ..rejoin import abort, regroup, sever, sharded
-from ..rejoin.align import wait_bound
+from ..rejoin.align import SHOULD_STEP, wait_bound
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.shards import ShardSnapshots
 from ..rejoin.stepstart import StepStart
 from ..state.trainstate import TrainState
+from .context import Context
 from .ddp_hook import DDPCommHook
 from .keeper import Keeper
 from .place import Met, Place  # re-exported: Place and Met lived here
@@ -41,51 +38,65 @@ from .sharded_recovery import ShardedRecovery
 from .transfer import StateTransfer
 
 
+@dataclass(frozen=True)
+class GroupChange:
+    """What the Guard does when in-process recovery changes the group (callbacks into the Guard).
+
+    Attributes:
+        renumber: ``renumber(rank, world_size, hosts)``: the Guard gives its parts a new rank and
+            world size (a shrink or a growth), before the new group forms (:class:`~.world.Renumber`).
+        regrouped: called once the default process group is rebuilt (the checkpointer's groups).
+        on_ping_failure: ``on_ping_failure(why)``, given to the new group's liveness ping.
+        base_world_size: ``() -> int``, the world size the run started with (``world_size_changed``).
+    """
+
+    renumber: Callable[[int, int, list[str]], None]
+    regrouped: Callable[[], None]
+    on_ping_failure: Callable[[str], None]
+    base_world_size: Callable[[], int]
+
+
 class InProcess:
     """In-process recovery of one rank: catching a lost peer in the script's own collectives,
     keeping the step-boundary state, and the three ways of meeting a new generation.
 
     Args:
-        cfg: the run's config (``[recovery] timeout``, ``[health]``, ``[elastic] keep``).
+        ctx: the Guard's :class:`~.context.Context` (``[recovery] timeout``, ``[health]``,
+            ``[elastic] keep``; the script's model and optimizer, moved from a survivor to a
+            replacement; the event log).
         rejoin: this rank's recovery state (store, boundary, failure, generation).
-        model, optimizer: what is moved from a survivor to a replacement.
         train_state: the Guard's named ``Stateful`` parts (:class:`~trainguard.state.trainstate.TrainState`).
-        events: the event log.
         step_start: the optimizer/scheduler state at the step's start (``None``: inactive).
-        renumber: ``renumber(rank, world_size, hosts)``: the Guard gives its parts a new rank and
-            world size (a shrink or a growth), before the new group forms.
-        regrouped: called once the default process group is rebuilt (the checkpointer's groups).
-        on_ping_failure: given to the new group's liveness ping.
-        base_world_size: the world size the run started with (for ``world_size_changed``).
         progress: the progress rule (:class:`~.progress.Progress`): where each meeting left this rank.
+        keeper: keeps this rank's own state at a step boundary.
+        ddp: trainguard's DDP hook, installed by :meth:`hook_ddp`; its ``catch`` is the Guard's
+            catch of the script's collectives.
+        change: what the Guard does when the group changes (:class:`GroupChange`).
         shards: a sharded model's in-memory snapshots (:mod:`~trainguard.rejoin.shards`): its
             recovery goes through :class:`~.sharded_recovery.ShardedRecovery`.
-        keeper: keeps this rank's own state at a step boundary.
-        ddp: trainguard's DDP hook, installed by :meth:`hook_ddp`; its ``catch`` is the Guard's catch of the script's collectives.
     """
 
     def __init__(
         self,
-        cfg: Config,
+        ctx: Context,
         rejoin: Rejoin,
-        model: torch.nn.Module,
-        optimizer: Optional[torch.optim.Optimizer],
         train_state: TrainState,
-        events: EventLog,
         step_start: Optional[StepStart],
-        renumber: Callable[[int, int, list[str]], None],
-        regrouped: Callable[[], None],
-        on_ping_failure: Callable[[str], None],
-        base_world_size: Callable[[], int],
         progress: Progress,
         keeper: Keeper,
         ddp: DDPCommHook,
+        change: GroupChange,
         shards: Optional[ShardSnapshots] = None,
     ):
-        self.cfg, self.rejoin, self.model, self.optimizer = cfg, rejoin, model, optimizer
+        model, optimizer, events = ctx.script.model, ctx.script.optimizer, ctx.events
+        self.cfg, self.rejoin, self.model, self.optimizer = ctx.cfg, rejoin, model, optimizer
         self.train_state, self.events, self.step_start = train_state, events, step_start
-        self._renumber, self._regrouped, self._on_ping_failure = renumber, regrouped, on_ping_failure
-        self._base_world_size, self.progress = base_world_size, progress
+        self._renumber, self._regrouped, self._on_ping_failure = (
+            change.renumber,
+            change.regrouped,
+            change.on_ping_failure,
+        )
+        self._base_world_size, self.progress = change.base_world_size, progress
         self.keeper = keeper
         self.sharded = (
             ShardedRecovery(shards, model, optimizer, train_state, rejoin, events, step_start) if shards else None
@@ -131,8 +142,29 @@ class InProcess:
         if self.redo is not None:
             self.redo.close()
 
-    def step_ended(self) -> None:
-        """``guard.step_end`` begins (:meth:`.redo.StepRedo.step_ended`)."""
+    def begin(self, completed: int) -> None:
+        """Training starts after ``completed`` steps (the Guard's component protocol): this rank's
+        own state is kept as that boundary (a replacement kept it when it joined)."""
+        if self.rejoin.keeping and not self.rejoin.joining:
+            self.keep_boundary(completed)
+
+    def should_step(self, step: int) -> None:
+        """The update's check of step ``step`` begins (the Guard's component protocol): this rank's
+        step boundary is kept before the check's collective (see :mod:`trainguard.rejoin.boundary`),
+        unless DDP's backward kept it before its last bucket (:mod:`trainguard.rejoin.catch`); in
+        the first step after a meeting, this rank must line up with the survivors at the check.
+
+        Raises:
+            AlignmentError: a replacement reached the check while the survivors wait elsewhere.
+        """
+        if self.rejoin.keeping and self.rejoin.boundary.step != step:
+            self.keep_boundary(step)
+        if self.catch.align.open:
+            self.catch.align.at(SHOULD_STEP, alone_ok=False)
+
+    def step_end(self, step: int) -> None:
+        """``guard.step_end`` of step ``step`` begins (the Guard's component protocol;
+        :meth:`.redo.StepRedo.step_ended`)."""
         if self.redo is not None:
             self.redo.step_ended()
 

@@ -20,43 +20,31 @@ import torch
 from .. import console, health
 from .. import dist as tgdist
 from ..checkpoint.store import Checkpoint
-from ..config import Config, dump_config
-from ..events import Hook
+from ..config import dump_config
 from ..outcomes import BadInput, Requeue
 from ..rejoin import sever
 from ..state.determinism import state_hash
 from ..supervisor.rank import enter_teardown
+from .context import Context
 from .resume import DRAWN_BEFORE_LOOP
-from .world import World
 
 
 class Lifecycle:
     """The start and end of one rank's training.
 
     Args:
-        cfg: the run's config (``[checkpoint]``, ``[health]``, ``[run] dir``).
-        world: the shared view (the start sets its step, hosts and ping; the end stops the ping).
+        ctx: the Guard's :class:`~.context.Context` (``[checkpoint]``, ``[health]``, ``[run] dir``;
+            the world: the start sets its step, hosts and ping, the end stops the ping; the model
+            and optimizer, hashed at the end; the hooks, told ``on_train_begin``, ``on_train_end``).
         parts: the Guard's :class:`~.parts.Parts`, built before this one (the resume, the stop
-            conditions, in-process recovery, the detectors, the checkpointer, the event log).
-        model, optimizer: hashed at the end (the ``end`` event's ``state_sha256``).
-        hooks: the script's hooks (``on_train_begin``, ``on_train_end``); ``owner`` (the Guard) is
-            passed to them.
+            conditions, in-process recovery, the detectors, the checkpointer, the event log); their
+            ``begin`` (the component protocol) runs once training starts.
         on_ping_failure: given to the liveness ping.
     """
 
-    def __init__(
-        self,
-        cfg: Config,
-        world: World,
-        parts: Any,
-        model: torch.nn.Module,
-        optimizer: Optional[torch.optim.Optimizer],
-        hooks: list[Hook],
-        owner: Any,
-        on_ping_failure: Callable[[str], None],
-    ):
-        self.cfg, self.world, self.p, self.model, self.optimizer = cfg, world, parts, model, optimizer
-        self.hooks, self.owner, self.on_ping_failure = hooks, owner, on_ping_failure
+    def __init__(self, ctx: Context, parts: Any, on_ping_failure: Callable[[str], None]):
+        self.ctx, self.cfg, self.world, self.p, self.on_ping_failure = ctx, ctx.cfg, ctx.world, parts, on_ping_failure
+        self.model, self.optimizer = ctx.script.model, ctx.script.optimizer
 
     def begin(self, max_steps: int) -> tuple[Optional[Checkpoint], float]:
         """Start training to ``max_steps`` (see :meth:`~.guard.Guard.begin`); a collective.
@@ -93,6 +81,7 @@ class Lifecycle:
         """A replacement of a lost rank (or a newcomer) joins the survivors instead of resuming."""
         drawn = self.p.draws.before_loop()  # a replacement runs the script's start as a resume does
         started = self.p.recovering.join()
+        self.p.call("begin", self.world.step)
         if drawn:
             self.p.resumer.not_bitwise(self.world.step, DRAWN_BEFORE_LOOP, say=True)  # said by the replacement
         return None, started
@@ -120,9 +109,7 @@ class Lifecycle:
             world.step, resumed_from = resumed.step, resumed.checkpoint
             if resumed.persistent is not None:
                 p.recovery.on_resume(resumed.persistent)
-        p.sdc.last_good = world.step  # every replica loaded the same state
-        if p.rejoin.keeping:
-            p.inprocess.keep_boundary(world.step)
+        p.call("begin", world.step)  # the component protocol: the replicas agree here, the boundary kept
         p.progress.began(world.step)  # the launcher hears of the first completed step (the progress rule)
         p.inprocess.snapshot(world.step, now=True)  # a sharded model's first in-memory snapshot
         world.ping = health.start(
@@ -154,8 +141,7 @@ class Lifecycle:
             )
             console.say(f"run {run_dir}: {how}, {world.world_size} rank(s)")
         started = time.perf_counter()
-        for h in self.hooks:
-            h.on_train_begin(self.owner)
+        self.ctx.tell_hooks("on_train_begin")
         return resumed_from, started
 
     def finish(self, last_loss: Any) -> str:
@@ -185,6 +171,5 @@ class Lifecycle:
         world.stop_ping()
         tgdist.barrier()
         enter_teardown(p.heartbeat)
-        for h in self.hooks:
-            h.on_train_end(self.owner, "finished")
+        self.ctx.tell_hooks("on_train_end", "finished")
         return digest

@@ -12,9 +12,10 @@ and the signal handlers exist) releases exactly what was built, by the same stru
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -22,12 +23,12 @@ from .. import console, health
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.store import CheckpointStore
 from ..config import Config, ConfigError
-from ..events import EventLog, Hook
+from ..events import EventLog
 from ..faults import FaultInjector
 from ..health.straggler import StragglerDetector
 from ..instability import clipfold
 from ..instability.fold import LossFold
-from ..instability.recovery import Recovery
+from ..instability.recovery import Recovery, Settings, Trained
 from ..launch_env import LaunchEnv
 from ..oom import MicroBatcher
 from ..outcomes import BadInput
@@ -55,8 +56,9 @@ from ..supervisor.rank import attach as attach_supervisor
 from ..supervisor.rank import detach as detach_supervisor
 from . import applies
 from .boundary import Boundary
+from .context import HOOKS, Context, Script
 from .ddp_hook import DDPCommHook
-from .inprocess import InProcess
+from .inprocess import GroupChange, InProcess
 from .keeper import Keeper
 from .lifecycle import Lifecycle
 from .progress import Progress
@@ -74,30 +76,7 @@ from .world import Renumber, World
 # collective whose peer is gone.
 PING_FAILURE_GRACE = 1.0
 
-
-@dataclass(frozen=True)
-class Script:
-    """What the script handed the Guard besides its config (see :class:`~.guard.Guard`'s arguments).
-
-    Attributes:
-        model, optimizer, scheduler, sampler: the training loop's objects (``None``: absent).
-        extra_state, shared_state: more ``{name: stateful}`` (this rank's own; alike on every rank).
-        hooks: the script's :class:`~trainguard.events.Hook` instances (the Guard's list, shared).
-        checkpoint_files: ``write(directory)`` inside each persistent save, or ``None``.
-        redo_in_step: a framework's loop that recovers inside the next step.
-        framework: the framework that owns the loop and the process group, or ``None``.
-    """
-
-    model: torch.nn.Module
-    optimizer: Optional[torch.optim.Optimizer]
-    scheduler: Any
-    sampler: Any
-    extra_state: dict[str, Any]
-    shared_state: dict[str, Any]
-    hooks: list[Hook]
-    checkpoint_files: Optional[Callable[[Path], None]]
-    redo_in_step: bool
-    framework: Optional[str]
+T = TypeVar("T")
 
 
 @dataclass
@@ -123,8 +102,11 @@ class Parts:
         commits, stops: what follows a save; stop and save. rollbacks, sdc_flow: rollbacks and the
         replica check's flow. lifecycle: the start and end of training. boundary: the step's points.
         catch: this Guard's catch of the script's collectives and its ``clip_grad_norm_`` wrapper.
-        stack: what :meth:`release` gives back, in the reverse order of :meth:`on_release`.
+        keeper: keeps this rank's own state at a step boundary. ddp: trainguard's DDP hook.
+        stack: what :meth:`release` gives back, in the reverse order of registering (:meth:`add`).
         collective: how :meth:`release` was called (read by the closers registered on the stack).
+        points: for each point of the component protocol (:data:`.context.HOOKS`), the parts'
+            methods called there, in the order the parts were registered (:meth:`add`).
     """
 
     events: Optional[EventLog] = None
@@ -160,12 +142,42 @@ class Parts:
     lifecycle: Optional[Lifecycle] = None
     boundary: Optional[Boundary] = None
     catch: Optional[Catch] = None
+    keeper: Optional[Keeper] = None
+    ddp: Optional[DDPCommHook] = None
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     collective: bool = True
+    points: dict[str, list[Callable[[int], None]]] = field(default_factory=lambda: {h: [] for h in HOOKS})
+
+    def add(self, part: T, close: Optional[Callable[[], Any]] = None) -> T:
+        """Register ``part`` (a :class:`~.context.Component`) as soon as it is built: the protocol's
+        points it defines are called in registration order (:meth:`call`); ``close`` (default: its
+        own ``close()``, if any) runs at :meth:`release`, before everything registered earlier.
+        Returns ``part``.
+
+        Raises:
+            TypeError: a method of the protocol's name that does not take one step number.
+        """
+        for point in HOOKS:
+            method = getattr(part, point, None)
+            if method is None:
+                continue
+            if len(inspect.signature(method).parameters) != 1:
+                raise TypeError(f"{type(part).__name__}.{point} must take one step number (the component protocol)")
+            self.points[point].append(method)
+        closer = close if close is not None else getattr(part, "close", None)
+        if closer is not None:
+            self.stack.callback(closer)
+        return part
 
     def on_release(self, close: Callable[[], Any]) -> None:
-        """Register ``close()`` to run at :meth:`release`, before everything registered earlier."""
+        """Register ``close()`` alone (no part) to run at :meth:`release`, before everything registered earlier."""
         self.stack.callback(close)
+
+    def call(self, point: str, step: int) -> None:
+        """Call every registered part's ``point`` (``"begin"``, ``"step_begin"``, ``"should_step"``,
+        ``"step_end"``) with ``step``, in registration order."""
+        for method in self.points[point]:
+            method(step)
 
     def release(self, collective: bool) -> None:
         """Release what was built, without a collective, in the reverse order of building: the
@@ -191,7 +203,7 @@ class Parts:
             self.rejoin.stop_watching()
 
 
-_NOT_PARTS = ("stack", "collective")
+_NOT_PARTS = ("stack", "collective", "points")
 NAMES = tuple(f.name for f in fields(Parts) if f.name not in _NOT_PARTS)  # the parts (guard.ckpt, ...)
 
 
@@ -204,19 +216,29 @@ def build(
     section: Callable[[str], contextlib.AbstractContextManager[None]],
 ) -> None:
     """Build the Guard's parts into ``p``, in order (each from its config section and the parts
-    before it). ``owner``: the Guard, as the hooks receive it; ``section``: ``guard.section``.
+    before it), registering each as it is built (:meth:`Parts.add`). ``owner``: the Guard, as the
+    hooks receive it; ``section``: ``guard.section``.
 
     Raises:
         BadInput: an unwritable run dir or local checkpoint dir, ``checkpoint.async_save = true``
             with ``checkpoint_files``, ``[rollback] skip_batches`` without a sampler that can skip,
             a run that cannot shrink as ``[elastic]`` asks.
     """
-    s, model, optimizer, run_dir = script, script.model, script.optimizer, Path(cfg.run.dir)
-    rank, world_size = world.rank, world.world_size
+    launch = LaunchEnv.from_environ()  # read once: the parts get what they need of it
+    events = _open(p, cfg, world, script, launch)
+    _services(p, cfg, world, script, launch)
+    ctx = Context(cfg, world, script, events, section, owner, p.faults)
+    _detectors(p, ctx)
+    _state(p, ctx)
+    _recovery(p, ctx, launch)
+    _flows(p, ctx)
+    _install(p, ctx)
+    _check(p, ctx)
 
-    def in_progress() -> int:  # the number of the step being run
-        return world.step + 1
 
+def _open(p: Parts, cfg: Config, world: World, s: Script, launch: LaunchEnv) -> EventLog:
+    """The run directory, the event log, in-process recovery's state (and whether it applies)."""
+    run_dir = Path(cfg.run.dir)
     try:
         prepare_run_dir(run_dir)
     except ConfigError as e:
@@ -226,9 +248,7 @@ def build(
             "checkpoint.async_save = true cannot write this framework's own checkpoint files (they are "
             'written from the live state during the save); set checkpoint.async_save = false or "auto"'
         )
-    launch = LaunchEnv.from_environ()  # read once: the parts get what they need of it
-    p.events = events = EventLog(run_dir, rank, attempt=launch.restart_count)
-    p.on_release(events.close)
+    p.events = events = p.add(EventLog(run_dir, world.rank, attempt=launch.restart_count))
 
     def peer_lost(error: str, text: str) -> None:  # told by sys.excepthook, which outlives a released log
         if not events.closed:
@@ -236,232 +256,197 @@ def build(
 
     console.quiet_peer_loss(is_peer_failure, peer_lost)
     policy = applies.recovery_policy(cfg.recovery.in_process)  # by the default group's backend (NCCL: restart)
-    declined = applies.declined(s.framework, model, policy, s.sampler) if cfg.recovery.in_process else None
+    declined = applies.declined(s.framework, s.model, policy, s.sampler) if cfg.recovery.in_process else None
     rerun = cfg.sdc.on_instability == "rerun"
-    p.rejoin = rejoin = Rejoin(
-        cfg.recovery,
-        launch,
-        rank,
-        keep_in_memory=rerun,
-        declined=declined,
-        on_forged=lambda key: report_forged(events, key),
-        abort_comms=policy.abort,
+    p.rejoin = p.add(
+        Rejoin(
+            cfg.recovery,
+            launch,
+            world.rank,
+            keep_in_memory=rerun,
+            declined=declined,
+            on_forged=lambda key: report_forged(events, key),
+            abort_comms=policy.abort,
+        ),
+        close=p.release_rejoin,
     )
-    p.on_release(p.release_rejoin)
-    catching = rejoin.active and world_size > 1  # where a lost peer is caught: the patches that serve it
-    if rank == 0:
+    if world.rank == 0:
         applies.say_where_it_applies(
-            rejoin, cfg.recovery.in_process, launch.recovery_store, world_size, s.optimizer is not None
+            p.rejoin, cfg.recovery.in_process, launch.recovery_store, world.world_size, s.optimizer is not None
         )
+    return events
+
+
+def _services(p: Parts, cfg: Config, world: World, s: Script, launch: LaunchEnv) -> None:
+    """What the parts share besides the log: a step done again, the checkpointer, the signal
+    handlers, the stop conditions, the hang supervisor's record, injected faults."""
+    rerun = cfg.sdc.on_instability == "rerun"
     p.reruns = StepRerun(rerun, world)
-    p.step_inputs = StepInputs(model) if rerun and world_size > 1 else None
-    if p.step_inputs is not None:
-        p.on_release(p.step_inputs.close)
+    if rerun and world.world_size > 1:
+        p.step_inputs = p.add(StepInputs(s.model))
     background = cfg.checkpoint.async_save is True or (
         cfg.checkpoint.async_save == "auto" and s.checkpoint_files is None
     )
-    p.ckpt = ckpt = Checkpointer(
+    ckpt = Checkpointer(
         cfg.checkpoint,
-        run_dir,
-        events,
-        model,
-        optimizer,
+        Path(cfg.run.dir),
+        p.events,
+        s.model,
+        s.optimizer,
         world,
         launch.group_rank,
         launch.local_world_size,
         background=background,
         write_files=s.checkpoint_files,
     )
+    p.ckpt = p.add(ckpt, close=lambda: ckpt.close(wait=p.collective))
     p.store = ckpt.store
-    p.on_release(lambda: ckpt.close(wait=p.collective))
 
     def on_deadline() -> None:  # the save deadline after a stop signal passed: the process ends
-        events.emit("deadline_exit", world.step, deadline=cfg.preemption.save_deadline, signal=p.shutdown.received)
+        p.events.emit("deadline_exit", world.step, deadline=cfg.preemption.save_deadline, signal=p.shutdown.received)
 
-    p.shutdown = shutdown = ShutdownHandler(cfg.preemption.signals, cfg.preemption.save_deadline, on_deadline).install()
-    p.on_release(shutdown.close)
-
-    def on_ping_failure(why: str) -> None:
-        # with in-process recovery the main thread may be waiting for the replacement: give it that long
-        grace = PING_FAILURE_GRACE + (cfg.recovery.timeout if rejoin.active else 0.0)
-        shutdown.deadline_timer.arm(grace, health.PING_FAILED_EXIT)
-
-    memory = MemoryWatchdog(cfg.memory, events)
-    p.stop = StopConditions(cfg.stop, run_dir, shutdown, memory, start_time=launch_start_time(launch))
+    p.shutdown = p.add(ShutdownHandler(cfg.preemption.signals, cfg.preemption.save_deadline, on_deadline).install())
+    memory = MemoryWatchdog(cfg.memory, p.events)
+    p.stop = StopConditions(cfg.stop, Path(cfg.run.dir), p.shutdown, memory, start_time=launch_start_time(launch))
     p.heartbeat = attach_supervisor(launch)  # under trainguard run: heartbeat + stack dumps
     p.on_release(p.detach_heartbeat)
     # a replacement of a lost rank counts as a later attempt of it: faults of the first attempt do not fire again
-    attempt = max(events.attempt, int(rejoin.joining))
-    p.faults = faults = FaultInjector(cfg.faults.inject, rank, world_size, attempt, events)
-    p.on_release(faults.close)
-    p.fold = fold = LossFold(world)  # wired to trainguard's DDP hook or FSDP2's norm below, where there is one
-    p.on_release(fold.close)
-    loss_scaler = any(isinstance(v, torch.amp.GradScaler) and v.is_enabled() for v in s.extra_state.values())
-    p.recovery = recovery = Recovery(
-        cfg.instability,
-        cfg.rollback,
-        model,
-        optimizer,
-        s.sampler,
-        ckpt.store,
-        events,
-        run_dir,
-        world,
-        in_progress,
-        lambda event: [h.on_instability(owner, dict(event)) for h in s.hooks],  # the hooks' say on an instability
-        cfg.checkpoint.verify,
-        loss_scaler=loss_scaler,
-        fold=fold,
-    )
-    p.on_release(recovery.close)
-    p.sdc = sdc = ReplicaCheck(cfg.sdc, model, world, events)
-    p.sdc_response = SDCResponse(cfg.sdc, sdc, p.reruns, p.step_inputs, events, rejoin.active, world)
-    p.straggler = straggler = StragglerDetector(cfg.straggler, world, events, run_dir)
-    growth = rejoin.growth_pending if cfg.elastic.min_ranks else None
-    p.stop_check = StopCheck(p.stop, ckpt, straggler, fold, faults, growth, world)
+    attempt = max(p.events.attempt, int(p.rejoin.joining))
+    p.faults = p.add(FaultInjector(cfg.faults.inject, world.rank, world.world_size, attempt, p.events))
+
+
+def _on_ping_failure(p: Parts, ctx: Context) -> Callable[[str], None]:
+    """What a failed liveness ping does: the hard deadline, after a grace for the main thread to
+    reach a step boundary (with in-process recovery, also to wait for the replacement)."""
+
+    def on_ping_failure(why: str) -> None:
+        grace = PING_FAILURE_GRACE + (ctx.cfg.recovery.timeout if p.rejoin.active else 0.0)
+        p.shutdown.deadline_timer.arm(grace, health.PING_FAILED_EXIT)
+
+    return on_ping_failure
+
+
+def _detectors(p: Parts, ctx: Context) -> None:
+    """The values that ride in the step's collective and the detectors that read them: the
+    instability recovery, the replica check and its response, the straggler detector, the stop check."""
+    cfg, world, s = ctx.cfg, ctx.world, ctx.script
+    p.fold = fold = p.add(LossFold(world))  # wired to trainguard's DDP hook or FSDP2's norm (_install)
+    scaler = any(isinstance(v, torch.amp.GradScaler) and v.is_enabled() for v in s.extra_state.values())
+    settings = Settings(cfg.instability, cfg.rollback, Path(cfg.run.dir), cfg.checkpoint.verify, scaler)
+
+    def ask_hooks(event: dict) -> list[Optional[str]]:  # the hooks' say on an instability
+        return ctx.tell_hooks("on_instability", dict(event))
+
+    trained = Trained(s.model, s.optimizer, s.sampler)
+    p.recovery = p.add(Recovery(settings, trained, p.store, ctx.events, world, ctx.in_progress, ask_hooks, fold))
+    p.sdc = p.add(ReplicaCheck(cfg.sdc, s.model, world, ctx.events))
+    p.sdc_response = SDCResponse(cfg.sdc, p.sdc, p.reruns, p.step_inputs, ctx.events, p.rejoin.active, world)
+    p.straggler = StragglerDetector(cfg.straggler, world, ctx.events, Path(cfg.run.dir))
+    growth = p.rejoin.growth_pending if cfg.elastic.min_ranks else None
+    p.stop_check = StopCheck(p.stop, p.ckpt, p.straggler, fold, p.faults, growth, world)
+
+
+def _state(p: Parts, ctx: Context) -> None:
+    """What a checkpoint and a replacement take: this rank's own state and its keeper, the
+    collectives' catch, micro-batches, what a bitwise resume needs, the resume, the step's start."""
+    s, world = ctx.script, ctx.world
     # what a checkpoint holds per rank besides the tensors (the order is the load order: RNG last)
     own = {"sampler": datapos.position_of(s.sampler), "extra": TrainState(s.extra_state), "rng": RNGState()}
-    keeper = Keeper(rejoin, TrainState({n: own[n] for n in LOCAL_PARTS}))
+    p.keeper = Keeper(p.rejoin, TrainState({n: own[n] for n in LOCAL_PARTS}))
     # this Guard's catch of the script's collectives: a replacement's runner hands over its own
-    p.catch = take_handed() or Catch()
-    p.micro = MicroBatcher(
-        cfg.oom, model, events, faults, straggler, world, fold, keeper.before_last_bucket, p.catch.align
+    p.catch = p.add(take_handed() or Catch())
+    p.micro = p.add(
+        MicroBatcher(
+            ctx.cfg.oom,
+            s.model,
+            ctx.events,
+            ctx.faults,
+            p.straggler,
+            world,
+            p.fold,
+            p.keeper.before_last_bucket,
+            p.catch.align,
+        )
     )
-    p.on_release(p.micro.close)
-    p.fidelity, p.draws, p.elastic = ResumeFidelity(world), DrawWatch(), ElasticState(world_size)
-    ddp = DDPCommHook(
-        model, rejoin, p.catch
-    )  # trainguard's DDP hook, once InProcess.hook_ddp installs it: its layout is saved
-    layout = BucketLayout(model, ddp.layout, world)
-    p.train_state = train_state = TrainState(
-        {
-            "scheduler": s.scheduler,
-            "sampler": own["sampler"],
-            "extra": own["extra"],
-            "shared": TrainState(s.shared_state),
-            "instability": recovery,
-            "oom": p.micro,
-            "fidelity": p.fidelity,
-            "buckets": layout,
-            "elastic": p.elastic,
-            "rng": own["rng"],
-        }
-    )
-    p.resumer = Resume(ckpt, train_state, s.sampler, events, p.fidelity, p.draws, p.elastic, cfg.elastic.keep, world)
-    if rejoin.active:
-        p.step_start = StepStart(optimizer, s.scheduler, rejoin.failed)
-        p.on_release(p.step_start.close)
-    resized = (fold, sdc, straggler, p.micro)  # what holds something sized for the group (every part reads world)
-    elastic = p.elastic
-    p.progress = Progress(rejoin, optimizer, p.step_start, events, model, p.catch.align)
-    p.inprocess = ip = InProcess(
-        cfg,
-        rejoin,
-        model,
-        optimizer,
-        train_state,
-        events,
-        p.step_start,
-        Renumber(world, events, resized, s.sampler),
-        ckpt.regroup,
-        on_ping_failure,
+    p.fidelity, p.draws, p.elastic = ResumeFidelity(world), DrawWatch(), ElasticState(world.world_size)
+    # trainguard's DDP hook, once InProcess.hook_ddp installs it: its layout is saved
+    p.ddp = DDPCommHook(s.model, p.rejoin, p.catch)
+    own_state = {"sampler": own["sampler"], "extra": own["extra"], "shared": TrainState(s.shared_state)}
+    detectors = {"instability": p.recovery, "oom": p.micro, "fidelity": p.fidelity}
+    layout = {"buckets": BucketLayout(s.model, p.ddp.layout, world), "elastic": p.elastic}
+    p.train_state = TrainState({"scheduler": s.scheduler, **own_state, **detectors, **layout, "rng": own["rng"]})
+    keep = ctx.cfg.elastic.keep
+    p.resumer = Resume(p.ckpt, p.train_state, s.sampler, ctx.events, p.fidelity, p.draws, p.elastic, keep, world)
+    if p.rejoin.active:
+        p.step_start = p.add(StepStart(s.optimizer, s.scheduler, p.rejoin.failed))
+    p.progress = Progress(p.rejoin, s.optimizer, p.step_start, ctx.events, s.model, p.catch.align)
+
+
+def _recovery(p: Parts, ctx: Context, launch: LaunchEnv) -> None:
+    """In-process recovery (:class:`~.inprocess.InProcess`), what follows a save, and the Guard's
+    side of a recovery (:class:`~.recovering.Recovering`)."""
+    world, s, elastic = ctx.world, ctx.script, p.elastic
+    resized = (p.fold, p.sdc, p.straggler, p.micro)  # what holds something sized for the group
+    change = GroupChange(
+        Renumber(world, ctx.events, resized, s.sampler),
+        p.ckpt.regroup,
+        _on_ping_failure(p, ctx),
         lambda: elastic.base_world_size,
-        p.progress,
-        shards=_shard_snapshots(cfg, script, world, launch.local_world_size) if catching else None,
-        keeper=keeper,
-        ddp=ddp,
     )
-    p.on_release(ip.close)
-    p.commits = Commits(world, ckpt, recovery, s.hooks, owner)
-    p.recovering = Recovering(
-        world,
-        rejoin,
-        ip,
-        p.stop_check,
-        straggler,
-        p.commits,
-        recovery,
-        sdc,
-        p.reruns,
-        shutdown,
-        section,
-        s.redo_in_step,
+    catching = p.rejoin.active and world.world_size > 1
+    shards = _shard_snapshots(ctx, launch.local_world_size) if catching else None
+    p.inprocess = p.add(
+        InProcess(ctx, p.rejoin, p.train_state, p.step_start, p.progress, p.keeper, p.ddp, change, shards)
     )
+    p.commits = Commits(ctx, p.ckpt, p.recovery)
+    p.recovering = p.add(
+        Recovering(ctx, p.inprocess, p.stop_check, p.straggler, p.commits, p.recovery, p.sdc_response, p.shutdown)
+    )
+
+
+def _flows(p: Parts, ctx: Context) -> None:
+    """What the step's points carry out: stop and save, rollbacks, the replica check's flow, the
+    start and end of training, the step's points themselves."""
     p.stops = StopAndSave(
-        cfg,
-        world,
-        ckpt,
-        p.commits,
-        p.stop_check,
-        p.stop,
-        shutdown,
-        faults,
-        straggler,
-        events,
-        p.recovering,
-        section,
-        train_state,
-        p.catch.align,
+        ctx, p.commits, p.stop_check, p.stop, p.shutdown, p.straggler, p.recovering, p.train_state, p.catch.align
     )
-    p.rollbacks = Rollbacks(
-        world,
-        p.resumer,
-        p.commits,
-        recovery,
-        sdc,
-        p.reruns,
-        ip,
-        rejoin,
-        optimizer,
-        s.sampler,
-        s.hooks,
-        owner,
-        section,
-    )
-    p.sdc_flow = SDCFlow(
-        cfg,
-        world,
-        sdc,
-        p.sdc_response,
-        fold,
-        rejoin,
-        train_state,
-        recovery,
-        ckpt.store,
-        p.commits,
-        p.rollbacks,
-        ip,
-        p.stops,
-        p.recovering,
-        straggler,
-        events,
-        p.heartbeat,
-        section,
-    )
-    p.lifecycle = Lifecycle(cfg, world, p, model, optimizer, s.hooks, owner, on_ping_failure)
-    p.boundary = Boundary(world, p, model, s.hooks, owner)
-    p.on_release(p.catch.align.close)
-    p.on_release(p.catch.uninstall)  # the wrappers below are taken back first
+    p.rollbacks = Rollbacks(ctx, p.resumer, p.commits, p.recovery, p.sdc_response, p.inprocess, p.store, p.heartbeat)
+    p.sdc_flow = SDCFlow(ctx, p.sdc_response, p.fold, p.rollbacks, p.stops, p.recovering, p.straggler)
+    p.lifecycle = Lifecycle(ctx, p, _on_ping_failure(p, ctx))
+    p.boundary = Boundary(ctx, p)
+
+
+def _install(p: Parts, ctx: Context) -> None:
+    """The process-wide wrappers, each only where the feature that needs it is on (docs/guard.md,
+    "What the Guard installs"): ``clip_grad_norm_`` always, the collectives with in-process
+    recovery on more than one rank, trainguard's DDP hook or the clip fold with more than one rank."""
+    world, faults = ctx.world, p.faults
+    catching = p.rejoin.active and world.world_size > 1  # where a lost peer is caught: the patches that serve it
     p.catch.install_clip()  # the norm clip_grad_norm_ returns is noted for should_step (Catch.step_norm)
     if catching:  # the collective catch serves in-process recovery only
         p.catch.install()
-    if world_size > 1:  # the detectors' values ride in a DDP gradient bucket (instability.fold), or FSDP2's norm
+    if world.world_size > 1:  # the detectors' values ride in a DDP gradient bucket (instability.fold), or FSDP2's norm
 
         def inject() -> tuple[float, float]:  # the numeric faults due at this backward (armed by begin)
-            return faults.at_backward(in_progress()) if faults.numeric_pending else (1.0, 1.0)
+            return faults.at_backward(ctx.in_progress()) if faults.numeric_pending else (1.0, 1.0)
 
         # trainguard's DDP hook: where it catches a lost peer, or notes the bucket layout a bitwise
         # resume of three or more ranks needs (state.buckets)
-        hooked = (catching or world_size > 2) and ip.hook_ddp(in_progress, fold, inject)
-        if hooked or clipfold.install(model, p.catch, fold, in_progress, inject):
+        hooked = (catching or world.world_size > 2) and p.inprocess.hook_ddp(ctx.in_progress, p.fold, inject)
+        if hooked or clipfold.install(ctx.script.model, p.catch, p.fold, ctx.in_progress, inject):
             # the stop flags ride, and the replica check and the straggler report too
-            fold.connect(
-                stop=p.stop_check.flags_to_fold, fingerprint=sdc.carry, straggler=p.stop_check.straggler_to_fold
+            p.fold.connect(
+                stop=p.stop_check.flags_to_fold, fingerprint=p.sdc.carry, straggler=p.stop_check.straggler_to_fold
             )
     if catching:
-        ip.catch_collectives(in_progress)
-    if rejoin.active:
-        check_shrinkable(cfg.elastic.min_ranks, world_size, s.sampler, ckpt.local is not None)
+        p.inprocess.catch_collectives(ctx.in_progress)
+
+
+def _check(p: Parts, ctx: Context) -> None:
+    """What the config asks that this run cannot do (checked once the parts exist)."""
+    cfg, s = ctx.cfg, ctx.script
+    if p.rejoin.active:
+        check_shrinkable(cfg.elastic.min_ranks, ctx.world.world_size, s.sampler, p.ckpt.local is not None)
     if cfg.rollback.skip_batches and s.sampler is not None and not hasattr(s.sampler, "skip_batches"):
         raise BadInput(
             f"rollback.skip_batches={cfg.rollback.skip_batches} needs a sampler with a skip_batches(n) "
@@ -469,9 +454,10 @@ def build(
         )
 
 
-def _shard_snapshots(cfg: Config, script: Script, world: World, local_world_size: int) -> Optional[ShardSnapshots]:
+def _shard_snapshots(ctx: Context, local_world_size: int) -> Optional[ShardSnapshots]:
     """In-memory snapshots for a sharded model (FSDP2) under in-process recovery, else ``None``."""
-    if not sharded.is_sharded(script.model):
+    s, world = ctx.script, ctx.world
+    if not sharded.is_sharded(s.model):
         return None
-    interval = cfg.recovery.snapshot_interval
-    return ShardSnapshots(script.model, script.optimizer, interval, world.rank, world.world_size, local_world_size)
+    interval = ctx.cfg.recovery.snapshot_interval
+    return ShardSnapshots(s.model, s.optimizer, interval, world.rank, world.world_size, local_world_size)

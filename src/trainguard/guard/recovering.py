@@ -5,20 +5,18 @@ ping, a save in flight, the state of the replica check and of a step re-run)."""
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 from ..health.straggler import StragglerDetector
 from ..instability.recovery import Recovery
 from ..rejoin.rank import Rejoin
-from ..sdc.replicas import ReplicaCheck
-from ..sdc.rerun import StepRerun
 from ..stop.signals import ShutdownHandler
+from .context import Context
 from .inprocess import InProcess, Met, Place
 from .saving import Commits
+from .sdc_response import SDCResponse
 from .stop_check import StopCheck
-from .world import World
 
 
 class Caught:
@@ -49,38 +47,34 @@ class Recovering:
     """A lost peer caught in the Guard's calls, and the recoveries that follow.
 
     Args:
-        world: the shared view (its step, rank, world size, hosts and ping are taken from a meeting).
-        rejoin: this rank's recovery state (``caught`` records a lost peer).
-        inprocess: carries out the meetings.
+        ctx: the Guard's :class:`~.context.Context` (the world: its step, rank, world size, hosts
+            and ping are taken from a meeting; the hang supervisor's sections; ``redo_in_step``: a
+            framework's loop, whose peer lost after the update is recovered at the next step's
+            ``recover_in_step``).
+        inprocess: carries out the meetings (and holds this rank's recovery state, ``inprocess.rejoin``).
         stop_check, straggler: their next check and report steps travel with the place.
         commits: finishes a save in flight before a meeting.
         recovery: the instability recovery (a replacement starts its statistics again).
-        sdc, reruns: forget a replica check stashed and a re-run in progress (a replacement knows of neither).
+        response: the replica check and step re-runs, forgotten at a meeting (a replacement knows
+            of neither).
         shutdown: its deadline timer (armed by a failed ping) is cancelled after a recovery.
-        section: the hang supervisor's named sections (``guard.section``).
-        redo_in_step: a framework's loop: a peer lost after the update is recovered at the next
-            step's ``recover_in_step``.
     """
 
     def __init__(
         self,
-        world: World,
-        rejoin: Rejoin,
+        ctx: Context,
         inprocess: InProcess,
         stop_check: StopCheck,
         straggler: StragglerDetector,
         commits: Commits,
         recovery: Recovery,
-        sdc: ReplicaCheck,
-        reruns: StepRerun,
+        response: SDCResponse,
         shutdown: ShutdownHandler,
-        section: Callable[[str], contextlib.AbstractContextManager[None]],
-        redo_in_step: bool,
     ):
-        self.world, self.rejoin, self.inprocess = world, rejoin, inprocess
+        self.world, self.rejoin, self.inprocess = ctx.world, inprocess.rejoin, inprocess
         self.stop_check, self.straggler, self.commits = stop_check, straggler, commits
-        self.recovery, self.sdc, self.reruns, self.shutdown = recovery, sdc, reruns, shutdown
-        self.section, self.redo_in_step = section, redo_in_step
+        self.recovery, self.sdc, self.reruns, self.shutdown = recovery, response.check, response.reruns, shutdown
+        self.section, self.redo_in_step = ctx.section, ctx.script.redo_in_step
         self.arm_at_step = False  # a replacement catches the script's collectives from its first step
 
     def recoverable(self, where: str, step: Optional[int] = None) -> Caught:
@@ -158,6 +152,10 @@ class Recovering:
         self.inprocess.keep_boundary(self.world.step)
         self.inprocess.joined(met, time.monotonic() - t0)
         return time.perf_counter()
+
+    def step_begin(self, step: int) -> None:
+        """Step ``step`` begins (the Guard's component protocol): :meth:`catch_peers`."""
+        self.catch_peers()
 
     def catch_peers(self) -> None:
         """A replacement catches lost peers in the script's collectives from now on (once)."""

@@ -15,9 +15,6 @@ from typing import Any, Callable, Optional
 from .. import console
 from ..checkpoint.checkpointer import Checkpointer, SaveResult
 from ..checkpoint.store import Checkpoint
-from ..config import Config
-from ..events import EventLog, Hook
-from ..faults import FaultInjector
 from ..health.straggler import StragglerDetector
 from ..instability.recovery import Recovery
 from ..outcomes import Requeue
@@ -25,8 +22,8 @@ from ..rejoin.align import STOP_CHECK, Alignment
 from ..state.trainstate import TrainState
 from ..stop.conditions import StopConditions, StopFlags
 from ..stop.signals import ShutdownHandler
+from .context import Context
 from .stop_check import StopCheck
-from .world import World
 
 # Rank 0 writes a `progress` event (step, recent step time) at a stop check at most this often (seconds);
 # reports draw the run's timeline from these, the checkpoints and the incidents.
@@ -39,14 +36,14 @@ class Commits:
     interval's checkpoint at most every ``console.CHECKPOINT_LINE_SECONDS``).
 
     Args:
-        world: the shared view (rank, step).
+        ctx: the Guard's :class:`~.context.Context` (rank, step; the script's hooks hear
+            ``on_checkpoint_save``).
         ckpt: the checkpointer.
         recovery: the instability recovery (known-good verdicts, protected checkpoints).
-        hooks: the script's hooks; ``owner`` (the Guard) is passed to them.
     """
 
-    def __init__(self, world: World, ckpt: Checkpointer, recovery: Recovery, hooks: list[Hook], owner: Any):
-        self.world, self.ckpt, self.recovery, self.hooks, self.owner = world, ckpt, recovery, hooks, owner
+    def __init__(self, ctx: Context, ckpt: Checkpointer, recovery: Recovery):
+        self.ctx, self.world, self.ckpt, self.recovery = ctx, ctx.world, ckpt, recovery
         self._last_line = -console.CHECKPOINT_LINE_SECONDS  # monotonic time of the last checkpoint line
 
     def saved(self, r: Optional[SaveResult]) -> None:
@@ -64,8 +61,7 @@ class Commits:
             )  # a background commit may land after the steps that make it known-good
             protect = self.recovery.protected()
         self.ckpt.retain(r, protect)
-        for h in self.hooks:
-            h.on_checkpoint_save(self.owner, r.step, r.checkpoint.path)
+        self.ctx.tell_hooks("on_checkpoint_save", r.step, r.checkpoint.path)
 
     def wait(self) -> None:
         """Finish a save in flight and act on it (the same result on every rank from here on)."""
@@ -76,18 +72,16 @@ class StopAndSave:
     """Saves, stops, and the stop check at a step boundary.
 
     Args:
-        cfg: the run's config (``[stop]``, ``[memory]``, ``[straggler]``, ``[run] dir``).
-        world: the shared view.
-        ckpt, commits: the checkpointer and what follows its saves.
+        ctx: the Guard's :class:`~.context.Context` (``[stop]``, ``[memory]``, ``[straggler]``,
+            ``[run] dir``; the event log; injected faults at ``checkpointing`` and ``stop_check``;
+            the hang supervisor's sections).
+        commits: what follows a save (and its checkpointer, ``commits.ckpt``).
         stop_check: the agreed stop check (:class:`~.stop_check.StopCheck`).
         stop: the stop conditions (their details for the ``stop_requested`` event).
         shutdown: the signal handler (the signal received).
-        faults: injected faults (at ``checkpointing`` and ``stop_check``).
         straggler: writes the exclude list of a stop for stragglers.
-        events: the event log.
         recovering: a lost peer in a save or a check (:class:`~.recovering.Recovering`); its
             ``grow`` when the ranks agreed to grow back.
-        section: the hang supervisor's named sections.
         train_state: what a checkpoint holds per rank besides the tensors (``guard.rank_state()``).
         align: the Guard's alignment of a replacement's collectives with the survivors' (the stop
             check is one of trainguard's collectives it names).
@@ -95,25 +89,31 @@ class StopAndSave:
 
     def __init__(
         self,
-        cfg: Config,
-        world: World,
-        ckpt: Checkpointer,
+        ctx: Context,
         commits: Commits,
         stop_check: StopCheck,
         stop: StopConditions,
         shutdown: ShutdownHandler,
-        faults: FaultInjector,
         straggler: StragglerDetector,
-        events: EventLog,
         recovering: Any,
-        section: Callable[[str], Any],
         train_state: TrainState,
         align: Alignment,
     ):
-        self.cfg, self.world, self.ckpt, self.commits, self.stop_check = cfg, world, ckpt, commits, stop_check
-        self.stop, self.shutdown, self.faults, self.straggler, self.events = stop, shutdown, faults, straggler, events
-        self.recovering, self.section = recovering, section
-        self.train_state, self.align = train_state, align
+        self.cfg, self.world, self.events, self.faults, self.section = (
+            ctx.cfg,
+            ctx.world,
+            ctx.events,
+            ctx.faults,
+            ctx.section,
+        )
+        self.ckpt, self.commits, self.stop_check, self.stop, self.shutdown = (
+            commits.ckpt,
+            commits,
+            stop_check,
+            stop,
+            shutdown,
+        )
+        self.straggler, self.recovering, self.train_state, self.align = straggler, recovering, train_state, align
         self._last_progress = time.monotonic()
 
     def rank_state(self) -> dict[str, Any]:

@@ -5,76 +5,44 @@ excluded), in that order."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from .. import dist as tgdist
-from ..checkpoint.store import CheckpointStore
-from ..config import Config
-from ..events import EventLog
 from ..health.straggler import StragglerDetector
 from ..instability.fold import LossFold
-from ..instability.recovery import Recovery
-from ..outcomes import GiveUp, Withdraw
-from ..rejoin.rank import Rejoin
-from ..sdc.replicas import Mismatch, ReplicaCheck
-from ..state.trainstate import TrainState
-from .inprocess import InProcess
+from ..outcomes import Withdraw
+from .context import Context
 from .recovering import Recovering
 from .rollback import Rollbacks
-from .saving import Commits, StopAndSave
+from .saving import StopAndSave
 from .sdc_response import SDCAction, SDCResponse
-from .world import World
 
 
 class SDCFlow:
     """The replica check's verdicts and actions, and a stop (which settles a pending check first).
 
     Args:
-        cfg: the run's config (``[checkpoint] verify``, ``[run] dir``).
-        world: the shared view.
-        sdc, response: the replica check and its judge.
+        ctx: the Guard's :class:`~.context.Context` (``[run] dir``, the world, the event log).
+        response: the replica check (``response.check``) and its judge.
         fold: the detectors' values in a gradient bucket (fingerprints ride there with the DDP hook).
-        rejoin: the step boundary a step done again starts from.
-        train_state: loaded from that boundary.
-        recovery: the instability recovery (refuses the step done again).
-        store, commits, rollbacks: the rollback to the last agreeing checkpoint.
-        inprocess: the step boundary kept again after it.
+        rollbacks: a step done again, the rollback to the last agreeing checkpoint.
         stops: saves and stops.
         recovering: a lost peer in the check's collective.
         straggler: writes the exclude list.
-        events: the event log.
-        heartbeat: the hang supervisor's record (beaten after a rollback), or ``None``.
-        section: the hang supervisor's named sections.
     """
 
     def __init__(
         self,
-        cfg: Config,
-        world: World,
-        sdc: ReplicaCheck,
+        ctx: Context,
         response: SDCResponse,
         fold: LossFold,
-        rejoin: Rejoin,
-        train_state: TrainState,
-        recovery: Recovery,
-        store: CheckpointStore,
-        commits: Commits,
         rollbacks: Rollbacks,
-        inprocess: InProcess,
         stops: StopAndSave,
         recovering: Recovering,
         straggler: StragglerDetector,
-        events: EventLog,
-        heartbeat: Any,
-        section: Callable[[str], contextlib.AbstractContextManager[None]],
     ):
-        self.cfg, self.world, self.sdc, self.response, self.fold = cfg, world, sdc, response, fold
-        self.rejoin, self.train_state, self.recovery, self.store = rejoin, train_state, recovery, store
-        self.commits, self.rollbacks, self.inprocess, self.stops = commits, rollbacks, inprocess, stops
-        self.recovering, self.straggler, self.events = recovering, straggler, events
-        self.heartbeat, self.section = heartbeat, section
+        self.ctx, self.world, self.response, self.sdc, self.fold = ctx, ctx.world, response, response.check, fold
+        self.rollbacks, self.stops, self.recovering, self.straggler = rollbacks, stops, recovering, straggler
 
     def replicas_differ(self) -> bool:
         """The replica check at this boundary (see :mod:`trainguard.sdc.replicas`): the verdict on
@@ -130,54 +98,21 @@ class SDCFlow:
             Requeue: ``exclude`` (after the stop's checkpoint).
         """
         if a.redo_step:
-            self.recovery.refuse()
-            self.train_state.load_state_dict(self.rejoin.boundary.restore(self.world.step))
-            self.world.rolled_back = True  # steps() yields the step again
+            self.rollbacks.redo_step()
         if a.roll_back is not None:
-            self.roll_back_to_agreement(a.roll_back)
+            self.rollbacks.to_agreement(a.roll_back)
         if not a.exclude:
             return
         ranks, hosts = list(a.exclude), list(a.hosts)
-        exclude = str(Path(self.cfg.run.dir) / "exclude_nodes")
+        exclude = str(Path(self.ctx.cfg.run.dir) / "exclude_nodes")
         if self.world.rank == 0:
             path = self.straggler.write_exclude(ranks)
             step = self.world.step if a.step is None else a.step
-            self.events.emit("sdc_exclude", step, ranks=ranks, hosts=hosts, exclude_nodes=str(path), action=a.policy)
+            self.ctx.events.emit(
+                "sdc_exclude", step, ranks=ranks, hosts=hosts, exclude_nodes=str(path), action=a.policy
+            )
         if a.policy == "replace":  # the bad ranks leave; the others meet their spares at the next collective
             if self.world.rank in a.exclude:
                 raise Withdraw("sdc", a.message)
             return
         self.stop("sdc", ranks=ranks, hosts=hosts, exclude_nodes=exclude)
-
-    def roll_back_to_agreement(self, m: Mismatch) -> None:
-        """Reload the newest checkpoint at or before the last agreeing replica check on every rank
-        and set the newer ones aside (a save after the corruption may hold the bad replica's tensors).
-
-        Raises:
-            GiveUp: no valid checkpoint at or before that step.
-        """
-        w = self.world
-        with self.section("rollback"):
-            self.commits.wait()
-            target = (
-                self.store.latest_valid(self.cfg.checkpoint.verify, before=m.last_good + 1) if w.rank == 0 else None
-            )
-            target = tgdist.broadcast_object(target)
-            if target is None:
-                raise GiveUp(
-                    "sdc",
-                    f"the replicas differ at step {w.step} and no checkpoint is at or before step {m.last_good}, "
-                    "where they last agreed",
-                )
-            from_step, why = w.step, f"silent data corruption found at step {w.step}"
-            if w.rank == 0:
-                self.store.set_aside_after(target.step, why)
-            self.rollbacks.reload(target, why)
-            if self.rejoin.keeping:
-                self.inprocess.keep_boundary(w.step)
-            if w.rank == 0:
-                self.events.emit(
-                    "sdc_rollback", w.step, from_step=from_step, to_step=target.step, path=str(target.path)
-                )
-        if self.heartbeat is not None:  # the step section was closed at this boundary already
-            self.heartbeat.beat(w.step)

@@ -89,7 +89,7 @@ class SDCResponse:
     def rerun(self, verdict: Verdict, loss: Any, model: torch.nn.Module) -> SDCAction:
         """The first run of step ``verdict.step`` is unstable on some rank: keep this rank's result
         and ask for the step again from its start."""
-        self.reruns.begin(verdict.step, step_result(loss, model))
+        self.reruns.start(verdict.step, step_result(loss, model))
         self._emit0(
             "step_rerun",
             verdict.step,

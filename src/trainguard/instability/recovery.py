@@ -96,24 +96,48 @@ class Rollback:
     detectors: list[str]
 
 
-class Recovery:
-    """Instability detection and recovery for one rank (every rank builds one; they decide alike).
+@dataclass(frozen=True)
+class Settings:
+    """How a :class:`Recovery` decides and where it keeps its ledger.
 
-    Args:
-        cfg, rb: the ``[instability]`` and ``[rollback]`` sections.
-        model, optimizer, sampler: zeroed / hooked / repositioned by skips and rollbacks
-            (optimizer and sampler may be ``None``).
-        store: the persistent checkpoint store (known-good checkpoints).
-        events: the rank's event log (rank 0 writes the decisions).
-        run_dir: where ``rollbacks.json`` lives.
-        world: this rank and the group size, read at each use (:class:`~trainguard.ranks.RankView`:
-            the Guard's shared world, which a shrink changes; the detectors and the fold read it too).
-        current_step: returns the step number in progress (1-based), for the learning-rate ramp.
-        ask_hooks: given the ``instability`` event, returns each hook's answer (``[]`` without hooks).
+    Attributes:
+        instability, rollback: the ``[instability]`` and ``[rollback]`` sections.
+        run_dir: where ``rollbacks.json`` lives (the run directory).
         verify: ``[checkpoint] verify``: how a rollback target is checked (``full`` or ``size``).
         loss_scaler: an enabled ``torch.amp.GradScaler`` is in use (fp16): non-finite gradients
             under a finite loss are its routine overflow, which ``scaler.step`` skips and answers
             by lowering the scale; they are not an instability (no event, no skip counted).
+    """
+
+    instability: InstabilitySection
+    rollback: RollbackSection
+    run_dir: Path
+    verify: str = "full"
+    loss_scaler: bool = False
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What skips and rollbacks act on: the model (gradients zeroed), the optimizer (hooked;
+    ``None``: absent) and the data position (repositioned; ``None``: absent)."""
+
+    model: torch.nn.Module
+    optimizer: Optional[torch.optim.Optimizer] = None
+    sampler: Any = None
+
+
+class Recovery:
+    """Instability detection and recovery for one rank (every rank builds one; they decide alike).
+
+    Args:
+        settings: the sections, the ledger's directory, the checks (:class:`Settings`).
+        trained: the model, optimizer and data position skips and rollbacks act on (:class:`Trained`).
+        store: the persistent checkpoint store (known-good checkpoints).
+        events: the rank's event log (rank 0 writes the decisions).
+        world: this rank and the group size, read at each use (:class:`~trainguard.ranks.RankView`:
+            the Guard's shared world, which a shrink changes; the detectors and the fold read it too).
+        current_step: returns the step number in progress (1-based), for the learning-rate ramp.
+        ask_hooks: given the ``instability`` event, returns each hook's answer (``[]`` without hooks).
         fold: where the detectors' values ride in the step's collective (:mod:`.fold`; the Guard's,
             which the stop check, the replica check and the straggler report share, and which its
             owner closes); default: one of this recovery's own (never carried: an all-reduce a step).
@@ -121,24 +145,25 @@ class Recovery:
 
     def __init__(
         self,
-        cfg: InstabilitySection,
-        rb: RollbackSection,
-        model: torch.nn.Module,
-        optimizer: Optional[torch.optim.Optimizer],
-        sampler: Any,
+        settings: Settings,
+        trained: Trained,
         store: CheckpointStore,
         events: EventLog,
-        run_dir: Path,
         world: RankView,
         current_step: Callable[[], int],
         ask_hooks: Callable[[dict], list[Optional[str]]] = lambda event: [],
-        verify: str = "full",
-        loss_scaler: bool = False,
         fold: Optional[LossFold] = None,
     ):
-        self.cfg, self.rb, self.verify, self.loss_scaler = cfg, rb, verify, loss_scaler
-        self.model, self.optimizer, self.sampler, self.store, self.events = model, optimizer, sampler, store, events
-        self.run_dir, self.world, self.current_step, self.ask_hooks = run_dir, world, current_step, ask_hooks
+        cfg, optimizer = settings.instability, trained.optimizer
+        self.cfg, self.rb, self.verify, self.loss_scaler = cfg, settings.rollback, settings.verify, settings.loss_scaler
+        self.model, self.optimizer, self.sampler, self.store, self.events = (
+            trained.model,
+            optimizer,
+            trained.sampler,
+            store,
+            events,
+        )
+        self.run_dir, self.world, self.current_step, self.ask_hooks = settings.run_dir, world, current_step, ask_hooks
         self.detector = Detector(cfg, world)
         self.fold = fold if fold is not None else LossFold(world)
         self._said_unfolded = False
@@ -286,8 +311,9 @@ class Recovery:
         so torch's optimizers leave every parameter and its optimizer state alone."""
         self.rejected = False
 
-    def step_closed(self) -> None:
-        """The step ended (``guard.step_end()``): the next step may be applied again."""
+    def step_end(self, step: int) -> None:
+        """``guard.step_end()`` of step ``step`` (the Guard's component protocol): the next step
+        may be applied again."""
         self.rejected = False
 
     def _refuse_rejected_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

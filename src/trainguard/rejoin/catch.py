@@ -112,7 +112,7 @@ class Catch:
         # clip_fold(torch_clip, *args, **kwargs): runs clip_grad_norm_ in its stead, with the
         # detectors' values in its all-reduce (trainguard.instability.clipfold); None: torch's
         self.clip_fold: Optional[Callable] = None
-        self._norms: list[Any] = []  # what clip_grad_norm_ returned in the current step (new_step())
+        self._norms: list[Any] = []  # what clip_grad_norm_ returned in the current step (step_begin())
 
     def install(self) -> None:
         """Wrap the collectives in ``torch.distributed``'s namespace and ``clip_grad_norm_``
@@ -145,11 +145,19 @@ class Catch:
         self.clip_fold = None
         self.disarm()
 
-    def new_step(self) -> None:
-        """A step begins: forget the norms ``clip_grad_norm_`` returned in the one before; the
-        abandoned attempt's tail (:meth:`abandon_tail`) is over."""
+    def step_begin(self, step: int) -> None:
+        """Step ``step`` begins (the Guard's component protocol): forget the norms
+        ``clip_grad_norm_`` returned in the one before; the abandoned attempt's tail
+        (:meth:`abandon_tail`) is over."""
         self._norms = []
         self.tail = False
+
+    def close(self) -> None:
+        """Put torch's functions back (:meth:`uninstall`) and end the alignment's window."""
+        try:
+            self.uninstall()
+        finally:
+            self.align.close()
 
     def abandon_tail(self) -> None:
         """A survivor met a replacement at the end of an abandoned step that it does again next:
@@ -161,7 +169,7 @@ class Catch:
 
     def step_norm(self) -> Optional[Any]:
         """The total gradient norm ``torch.nn.utils.clip_grad_norm_`` returned in the current step
-        (before clipping), when it was called exactly once since :meth:`new_step` (through the
+        (before clipping), when it was called exactly once since :meth:`step_begin` (through the
         module, with the wrapper installed), else ``None``. The Hugging Face Trainer clips (or takes
         the norm) before its ``on_pre_optimizer_step``: ``should_step`` then needs no norm of its own."""
         return self._norms[0] if len(self._norms) == 1 else None

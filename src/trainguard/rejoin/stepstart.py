@@ -65,12 +65,12 @@ class StepStart:
 
     def also(self, part: Any) -> None:
         """Keep and restore ``part`` with the step's start too (``part.new_step()`` at
-        :meth:`begin`, ``part.restore()`` at :meth:`restore`): a DDP model's buffers
+        :meth:`step_begin`, ``part.restore()`` at :meth:`restore`): a DDP model's buffers
         (:class:`~trainguard.rejoin.buffers.BufferSync`)."""
         self._also.append(part)
 
-    def begin(self) -> None:
-        """A step begins: keep the hyperparameters (``lr``, ``betas``, ...: every parameter-group
+    def step_begin(self, step: int) -> None:
+        """Step ``step`` begins (the Guard's component protocol): keep the hyperparameters (``lr``, ``betas``, ...: every parameter-group
         entry but the parameters) and the scheduler's state. About 20 µs for one group."""
         self.applied = self.refused = False
         for part in self._also:
@@ -107,7 +107,7 @@ class StepStart:
         return ([self.scheduler] if self.scheduler is not None else []) + found
 
     def restore(self) -> None:
-        """Put the hyperparameters and the scheduler back as :meth:`begin` found them."""
+        """Put the hyperparameters and the scheduler back as :meth:`step_begin` found them."""
         if self.optimizer is not None:
             for group, kept in zip(self.optimizer.param_groups, self._groups):
                 group.update(kept)

@@ -66,8 +66,8 @@ class StepInputs:
         self._fresh = False
         self._hook = self.module.register_forward_pre_hook(self._record, with_kwargs=True)
 
-    def step_started(self) -> None:
-        """A step (or a run of it again) starts: the next forward's inputs are recorded (none
+    def step_begin(self, step: int) -> None:
+        """Step ``step`` (or a run of it again) begins (the Guard's component protocol): the next forward's inputs are recorded (none
         until then: a step without a forward has nothing to replay)."""
         self._fresh, self.recorded = True, None
 

@@ -180,6 +180,11 @@ class ReplicaCheck:
             events.emit("sdc_check_off", None, reason=why)
         return why
 
+    def begin(self, completed: int) -> None:
+        """Training starts after ``completed`` steps (the Guard's component protocol): every replica
+        holds the state it resumed from (or, a replacement, the survivors' state), where they agree."""
+        self.last_good = completed
+
     def due(self, step: int) -> bool:
         """Whether ``step`` (completed steps) is a check step."""
         return self.active and step % self.cfg.check_interval == 0

@@ -114,7 +114,7 @@ class StepRerun:
         """Whether an unstable step number ``step`` is re-run now (a step is re-run once)."""
         return self.enabled and self.step != step
 
-    def begin(self, step: int, result: tuple[int, int]) -> None:
+    def start(self, step: int, result: tuple[int, int]) -> None:
         """The first run of step number ``step`` gave ``result``; the caller re-runs the step."""
         self.step, self.first = step, result
 
