@@ -36,13 +36,16 @@ So is every process-wide patch it makes: ``clip_grad_norm_`` (the norm noted for
 rank ``torch.distributed``'s collectives, ``Tensor.backward`` and DDP's communication hook
 (:mod:`trainguard.rejoin.catch`).
 
-**Components.** The Guard builds its parts in order, each from its config section and the parts
-built before it (:func:`.parts.build`; ``guard.ckpt``, ``guard.events``, ... are read-only views of
-:class:`.parts.Parts`), then calls them at the step's points: the start and end of training
-(:mod:`.lifecycle`), the step's opening, update check and boundary (:mod:`.boundary`), stop and
-save (:mod:`.saving`), the replica check's flow (:mod:`.sdc_flow`), rollbacks (:mod:`.rollback`),
-in-process recovery (:mod:`.inprocess`, and the Guard's side of it, :mod:`.recovering`); they share
-one view of where this rank stands (:class:`.world.World`).
+**Components.** The Guard builds its parts in order, each from its config section, the run's
+:class:`.context.Context` and the parts it acts on (:func:`.parts.build`; ``guard.ckpt``,
+``guard.events``, ... are read-only views of :class:`.parts.Parts`). Each part is registered as
+it is built and may implement the points of one protocol (:class:`.context.Component`: ``begin``,
+``step_begin``, ``should_step``, ``step_end``, ``close``), called in registration order and closed
+in reverse. The decisions between parts are made by two orchestrators, the start and end of
+training (:mod:`.lifecycle`) and the step's opening, update check and boundary (:mod:`.boundary`),
+over the flows they call: stop and save (:mod:`.saving`), the replica check's flow
+(:mod:`.sdc_flow`), rollbacks (:mod:`.rollback`), in-process recovery (:mod:`.inprocess`, and the
+Guard's side of it, :mod:`.recovering`); they share one view of where this rank stands (:class:`.world.World`).
 """
 
 from __future__ import annotations

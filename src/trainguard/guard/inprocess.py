@@ -3,8 +3,8 @@ of a lost rank, the group grows back in place, a replacement joins the survivors
 
 A component of :class:`~trainguard.guard.Guard`. Its inputs are the parts recovery touches (the
 model, the optimizer, the training state, the :class:`~trainguard.rejoin.rank.Rejoin` state) and
-three callbacks into the Guard (renumber its parts, the process groups were rebuilt, the liveness
-ping failed); it returns where the rank stands afterwards (:class:`Place`, :class:`Met`), which the
+the Guard's callbacks for a changed group (:class:`GroupChange`: renumber its parts, the process
+groups were rebuilt, the liveness ping failed); it returns where the rank stands afterwards (:class:`Place`, :class:`Met`), which the
 Guard takes. It never touches the Guard's attributes. Beside it: whether it applies
 (:mod:`.applies`), trainguard's DDP hook (:mod:`.ddp_hook`), the state's move to the ranks that
 lack it (:mod:`.transfer`), the progress rule (:mod:`.progress`), a step done again (:mod:`.redo`).
