@@ -65,7 +65,7 @@ def epoch_loop(cfg: LoopsConfig, model: torch.nn.Module) -> None:
 
     dataset = data()
     sampler = DistributedSampler(dataset, shuffle=True, seed=cfg.run.seed, drop_last=True)
-    loader = StatefulDataLoader(dataset, batch_size=16, sampler=sampler)
+    loader = StatefulDataLoader(dataset, batch_size=16, sampler=sampler, generator=torch.Generator())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     epoch = Epoch()
     guard = trainguard.Guard(cfg, model=model, optimizer=opt, sampler=loader, extra_state={"epoch": epoch})
@@ -91,7 +91,7 @@ def epoch_loop(cfg: LoopsConfig, model: torch.nn.Module) -> None:
 def workers_loop(cfg: LoopsConfig, model: torch.nn.Module) -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    loader = StatefulDataLoader(data(), batch_size=16, shuffle=True, num_workers=2)
+    loader = StatefulDataLoader(data(), batch_size=16, shuffle=True, num_workers=2, generator=torch.Generator())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = trainguard.Guard(cfg, model=model, optimizer=opt, sampler=loader)
     data_iter = None

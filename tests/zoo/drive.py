@@ -90,6 +90,7 @@ SHAPES: dict[str, Shape] = {
         Shape("ddp_tutorial", "ddp_tutorial_epochs.py"),
         Shape("word_lm", "word_language_model.py"),
         Shape("run_step_barrier", "run_step_barrier.py"),
+        Shape("mingpt_ddp", "mingpt_ddp_trainer.py"),
     )
 }
 

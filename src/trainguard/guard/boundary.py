@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from .. import health
 from ..instability.recovery import Rollback
-from ..state.fidelity import DRAWN_BETWEEN_STEPS
+from ..state.fidelity import DRAWN_AFTER_RESUME, DRAWN_BETWEEN_STEPS
 from ..stop.conditions import StopFlags
 from .context import Context
 
@@ -57,6 +57,8 @@ class Boundary:
         p = self.p
         self.awaiting = True
         p.call("step_begin", self.ctx.in_progress())
+        if p.draws.first_step_opens():  # drawn between the resume and this first step (state.fidelity)
+            p.resumer.not_bitwise(self.world.step, DRAWN_AFTER_RESUME, say=p.rejoin.joining)
         if p.heartbeat is not None and p.heartbeat.current is None:
             p.heartbeat.open("step")  # the first step stays in "setup" (warm-up, compile)
 

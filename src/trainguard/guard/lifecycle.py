@@ -75,6 +75,9 @@ class Lifecycle:
             lambda cause: p.resumer.not_bitwise(world.step, cause, say=joining),
             p.train_state,  # the data position: loaders whose position it does not hold are said
         )
+        script = self.ctx.script
+        if (joining or resumed_from is not None) and not (script.redo_in_step or script.framework):
+            p.draws.watch_begin()  # a loop of the script's own: draws before its first step are said
         return resumed_from, started
 
     def _join(self) -> tuple[None, float]:

@@ -56,6 +56,12 @@ DRAWN_BETWEEN_STEPS = (
 )
 
 # why a restored process whose first step trained on a batch fetched before the loop is not bitwise
+DRAWN_AFTER_RESUME = (
+    "random numbers were drawn between the resume (guard.begin()) and the first step (a DataLoader iterator made "
+    "there draws its workers' seed from torch's generator): the run that saved the checkpoint drew none at that "
+    "step; give the loader a generator of its own (DataLoader(..., generator=torch.Generator())) or make the "
+    "iterator inside the step"
+)
 PREFETCHED = (
     "the first step's batch was fetched before the loop and the next one inside the step, after the forward "
     "(nanoGPT's order): this process drew that first batch from the fresh seed, not from the generators it "
@@ -135,6 +141,7 @@ class DrawWatch:
         self._first: Optional[dict[str, Any]] = None  # watch_first_step's states
         self._drawn_before_loop = False  # before_loop found a draw (reported: the first step is not watched)
         self._hooks: list[Any] = []
+        self._begun: Optional[tuple] = None  # the generators once a resume restored them (watch_begin)
         self.data = DataWatch()  # the first step's data loaders whose position is not saved (state.datapos)
 
     def watch_first_step(
@@ -153,6 +160,18 @@ class DrawWatch:
             return  # (a draw between the Guard and the loop was reported already: the same first batch)
         self._first = {"start": _generators(), "at_forward": None, "after_forward": None, "report": report}
         self._hooks = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+
+    def watch_begin(self) -> None:
+        """A loop that calls ``guard.begin()`` itself resumed (or joined): keep the generators as the
+        resume left them, to find draws made before its first step (:meth:`first_step_opens`)."""
+        self._begun = _generators()
+
+    def first_step_opens(self) -> bool:
+        """The first step after :meth:`watch_begin` opens: whether random numbers were drawn since
+        (the checkpoint's run drew none between that step boundary and the step). ``False`` once
+        asked, or without :meth:`watch_begin`."""
+        begun, self._begun = self._begun, None
+        return begun is not None and not _same(begun, _generators())
 
     def _pre(self, module: Any, args: Any) -> None:
         if self._first is not None and self._first["at_forward"] is None:
