@@ -7,8 +7,8 @@ and the response to silent data corruption (:mod:`~trainguard.guard.sdc_response
 recovery (:mod:`~trainguard.guard.inprocess`, :mod:`~trainguard.guard.recovering`), and the shared
 view of where a rank stands (:mod:`~trainguard.guard.world`)."""
 
+from .build import PING_FAILURE_GRACE
 from .guard import Guard
-from .parts import PING_FAILURE_GRACE
 from .saving import PROGRESS_SECONDS
 
 __all__ = ["Guard", "PING_FAILURE_GRACE", "PROGRESS_SECONDS"]

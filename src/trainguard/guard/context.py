@@ -50,7 +50,7 @@ class Script:
 
 @dataclass(frozen=True)
 class Context:
-    """What every part of one Guard shares; made once by :func:`.parts.build`.
+    """What every part of one Guard shares; made once by :func:`.build.build`.
 
     Attributes:
         cfg: the run's validated config (a part reads its own sections).

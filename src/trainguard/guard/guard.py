@@ -37,7 +37,7 @@ rank ``torch.distributed``'s collectives, ``Tensor.backward`` and DDP's communic
 (:mod:`trainguard.rejoin.catch`).
 
 **Components.** The Guard builds its parts in order, each from its config section, the run's
-:class:`.context.Context` and the parts it acts on (:func:`.parts.build`; ``guard.ckpt``,
+:class:`.context.Context` and the parts it acts on (:func:`.build.build`; ``guard.ckpt``,
 ``guard.events``, ... are read-only views of :class:`.parts.Parts`). Each part is registered as
 it is built and may implement the points of one protocol (:class:`.context.Component`: ``begin``,
 ``step_begin``, ``should_step``, ``step_end``, ``close``), called in registration order and closed
@@ -67,7 +67,7 @@ from ..events import Hook
 from ..outcomes import BadInput, Outcome, exit_bad_input
 from ..state.reshard import rank_batch
 from ..supervisor.rank import enter_teardown
-from . import edge, live, parts, wrappers
+from . import build, edge, live, parts, wrappers
 from .context import Script
 from .parts import Parts
 from .recovering import Caught
@@ -111,7 +111,7 @@ class Guard:
         BadInput: a framework's wrapper the Guard cannot take (:mod:`.wrappers`), an unwritable
             run dir or local checkpoint dir, ``checkpoint_files`` with
             ``[checkpoint] async_save = true``, ``[rollback] skip_batches`` without a sampler
-            that can skip (the message is printed first; see :func:`.parts.build`), or another
+            that can skip (the message is printed first; see :func:`.build.build`), or another
             Guard of this process still training (:mod:`.live`).
         Any error that leaves the constructor leaves nothing of the Guard installed.
     """
@@ -142,7 +142,7 @@ class Guard:
         self.run_dir = Path(config.run.dir)
         self.resumed_from: Optional[Checkpoint] = None
         self.state_sha256: Optional[str] = None
-        self.parts = Parts()  # filled in order by parts.build; close() releases those that were built
+        self.parts = Parts()  # filled in order by build.build; close() releases those that were built
         self._closed = False
         self.finished = False  # training ended (finish()): a new Guard of this process may take over (.live)
         self.training = False  # begin() ran and finish() did not: a second Guard of this process is refused
@@ -152,7 +152,7 @@ class Guard:
         try:
             with self._edge():  # the Guard is the owner the hooks receive
                 live.claim(self)
-                parts.build(self.parts, config, self.world, script, self, self.section)
+                build.build(self.parts, config, self.world, script, self, self.section)
         except BaseException:  # whatever left build(): nothing it installed stays behind
             self._release(collective=False)
             console.restore_excepthook()
