@@ -55,7 +55,7 @@ def left_behind(before: dict, after: dict) -> dict:
     those not torch's own, and ``sys.excepthook`` if it is not the one before)."""
     extra = {k: after[k] for k in ("handlers", "optimizer_hooks") if after[k] != before[k]}
     # threads: those running now that were not before (one of the Guard before, still ending when
-    # `before` was taken, is not left behind: seen under load, a 1-of-3 failure beside the soak step)
+    # `before` was taken, is not left behind: seen once, under load beside the soak step)
     threads = Counter(after["threads"]) - Counter(before["threads"])
     extra.update({"threads": sorted(threads.elements())} if threads else {})
     extra.update({"replaced": after["replaced"]} if after["replaced"] else {})

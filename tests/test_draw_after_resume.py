@@ -54,7 +54,10 @@ def test_a_draw_between_the_resume_and_the_first_step_is_said(tmp_path, group, c
     _train(tmp_path, 4, None)
     assert _causes(tmp_path) == []  # a fresh start trains on what its seed drew
     _train(tmp_path, 6, None)  # resumes at step 4
-    assert _causes(tmp_path) == [DRAWN_AFTER_RESUME]
+    causes = _causes(tmp_path)
+    assert causes[0] == DRAWN_AFTER_RESUME  # at the first step_begin
+    # and at the first step's end, the loader's iterator that drew (state.datapos)
+    assert len(causes) == 2 and "drew its workers' seed from torch's global generator" in causes[1], causes
     assert (
         "a resume cannot be bitwise identical: random numbers were drawn between the resume" in capsys.readouterr().err
     )

@@ -5,7 +5,6 @@ parts it acts on, in seven steps that read top to bottom, and registered as soon
 (:meth:`~.parts.Parts.add`), so a failure part-way releases exactly what was built.
 """
 
-
 from __future__ import annotations
 
 import contextlib

@@ -121,6 +121,14 @@ def known_objects(state: Any) -> list[Any]:
     return out
 
 
+SEED_DRAWN = (
+    "the {what}'s iterator of this process's first step was made after the resume and drew its workers' seed "
+    "from torch's global generator (the loader has no generator of its own), a draw the uninterrupted run did not "
+    "make at this step, so every random number after it (dropout) differs; give the loader a generator of its "
+    "own: {what}(..., generator=torch.Generator())"
+)
+
+
 UNSAVED = (
     "the batches of this process's first step came from {what}, whose position the checkpoint does not hold: "
     "its iterator started anew here, where the uninterrupted run was mid-way, so this run trains on other batches"
@@ -189,8 +197,12 @@ class DataWatch:
         workers = compat.dataloader_iterator_workers(iterator)
         loader = next((self._exact[id(obj)] for obj in chain if obj is not None and id(obj) in self._exact), None)
         if loader is not None:  # a loader that keeps its own position: it reached this iterator, or is pending
-            late = not compat.stateful_loader_owns(loader, iterator)
-            self._seen[id(iterator)] = [LOADED_LATE.format(what=type(loader).__name__) if late else "", 1]
+            what = type(loader).__name__
+            if not compat.stateful_loader_owns(loader, iterator):
+                why = LOADED_LATE.format(what=what)
+            else:  # made after the resume loaded its position: its seed came from the global generator?
+                why = SEED_DRAWN.format(what=what) if getattr(loader, "generator", 0) is None else ""
+            self._seen[id(iterator)] = [why, 1]
             return
         if any(obj is not None and id(obj) in self._known for obj in chain):
             # its position is saved: exactly without worker processes, else ahead of the step
