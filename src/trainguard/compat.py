@@ -199,10 +199,11 @@ MEMBERS: tuple[Private, ...] = (
     # which loader a DataLoader iterator draws from (the data position's check after a resume)
     *_each(
         f"{DATALOADER}._BaseDataLoaderIter",
-        ("_dataset", "_index_sampler", "_num_workers"),
+        ("_dataset", "_index_sampler", "_num_workers", "_base_seed"),
         "state/datapos.py",
         "fallback: the first step after a resume says its batches came from a DataLoader of unknown position "
-        "without naming its dataset and sampler (and does not see worker processes reading a saved sampler ahead)",
+        "without naming its dataset and sampler (and does not see worker processes reading a saved sampler ahead, "
+        "nor an iterator made after the resume drawing its seed from torch's global generator)",
         True,
     ),
     # torchdata's StatefulDataLoader given to the Guard: the iterator its position reaches
@@ -587,6 +588,13 @@ def dataloader_iterator_source(iterator: Any) -> tuple[Any, Any]:
     loader's ``batch_sampler`` when it batches, else its ``sampler``); ``None`` for each that this
     torch does not show."""
     return getattr(iterator, "_dataset", None), getattr(iterator, "_index_sampler", None)
+
+
+def dataloader_iterator_seed(iterator: Any) -> Optional[int]:
+    """The base seed a ``DataLoader`` iterator drew when it was made (from the loader's generator,
+    else torch's global one), ``None`` where torch does not show it."""
+    seed = getattr(iterator, "_base_seed", None)
+    return int(seed) if isinstance(seed, int) else None
 
 
 def stateful_loader_owns(loader: Any, iterator: Any) -> bool:

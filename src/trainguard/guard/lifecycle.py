@@ -68,16 +68,20 @@ class Lifecycle:
         resumed_from, started = self._join() if joining else self._start()
         p.faults.arm(max_steps)
         p.faults.watch_activations(self.model, lambda: world.step + 1)
+        # a loop of the script's own, not a framework's (Lightning's integration keeps its loaders' seed
+        # draws out of the training's random stream, issue 44): draws after the resume are said
+        script = self.ctx.script
+        own_loop = not (script.redo_in_step or script.framework)
         # nanoGPT's prefetch: a first batch drawn before the generators were restored (state.fidelity)
         p.draws.watch_first_step(
             self.model,
             joining or resumed_from is not None,
             lambda cause: p.resumer.not_bitwise(world.step, cause, say=joining),
             p.train_state,  # the data position: loaders whose position it does not hold are said
+            seeds=own_loop,  # and iterators made after the resume that drew their seed from torch's generator
         )
-        script = self.ctx.script
-        if (joining or resumed_from is not None) and not (script.redo_in_step or script.framework):
-            p.draws.watch_begin()  # a loop of the script's own: draws before its first step are said
+        if (joining or resumed_from is not None) and own_loop:
+            p.draws.watch_begin()  # draws before its first step are said
         return resumed_from, started
 
     def _join(self) -> tuple[None, float]:

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
+import torch
+
 from .. import compat
 
 FIX = (
@@ -151,16 +153,21 @@ class DataWatch:
         self._seen: dict[int, list] = {}
         self._hook: Any = None
         self._report: Optional[Callable[[str], None]] = None
+        self._first_draw: Optional[int] = None  # what torch's global generator draws first after arm()
+        self._seeds = True  # iterators made after the resume, drawing from torch's generator, are said
 
     @property
     def armed(self) -> bool:
         """Whether a first step is watched (:meth:`disarm` to come)."""
         return self._report is not None
 
-    def arm(self, model: Any, known: Iterable[Any], report: Callable[[str], None]) -> bool:
+    def arm(self, model: Any, known: Iterable[Any], report: Callable[[str], None], seeds: bool = True) -> bool:
         """Watch the step about to run: ``known`` are the objects the checkpoint holds,
-        ``report(cause)`` is called at :meth:`disarm` for the loaders found. ``False`` (nothing
-        watched) where torch lacks the iterator class."""
+        ``report(cause)`` is called at :meth:`disarm` for the loaders found; ``seeds``: also an
+        iterator made after this call that drew its seed from torch's global generator
+        (:data:`SEED_DRAWN`: its seed is that generator's first draw since, or a
+        ``StatefulDataLoader`` without a generator of its own). ``False`` (nothing watched) where
+        torch lacks the iterator class."""
         cls = compat.dataloader_iterator_class()
         if cls is None or self._owner is not None:
             return False
@@ -180,6 +187,13 @@ class DataWatch:
         }
         self._known = {id(obj) for obj in known} | set(self._exact)
         self._looking, self._seen, self._report = True, {}, report
+        self._seeds, self._first_draw = seeds, None
+        if seeds:
+            # the int64 an iterator made now would draw as its seed from torch's global generator (one copy
+            # of the generator's state, ~5 KB): an iterator whose seed is that one was made after the resume
+            replay = torch.Generator()
+            replay.set_state(torch.get_rng_state())
+            self._first_draw = int(torch.empty((), dtype=torch.int64).random_(generator=replay).item())
         if hasattr(model, "register_forward_pre_hook"):
             self._hook = model.register_forward_pre_hook(self._first_forward)
         return True
@@ -201,13 +215,20 @@ class DataWatch:
             if not compat.stateful_loader_owns(loader, iterator):
                 why = LOADED_LATE.format(what=what)
             else:  # made after the resume loaded its position: its seed came from the global generator?
-                why = SEED_DRAWN.format(what=what) if getattr(loader, "generator", 0) is None else ""
+                drew = self._seeds and getattr(loader, "generator", 0) is None
+                why = SEED_DRAWN.format(what=what) if drew else ""
             self._seen[id(iterator)] = [why, 1]
             return
         if any(obj is not None and id(obj) in self._known for obj in chain):
             # its position is saved: exactly without worker processes, else ahead of the step
             what = f"a DataLoader with {workers} worker processes drawing with {_describe(index_sampler)}"
-            self._seen[id(iterator)] = [READ_AHEAD.format(what=what) if workers else "", 1]
+            if workers:
+                why = READ_AHEAD.format(what=what)
+            elif self._seeds and compat.dataloader_iterator_seed(iterator) == self._first_draw:  # made after the
+                why = SEED_DRAWN.format(what="DataLoader")  # resume: its seed is the generator's first draw
+            else:
+                why = ""
+            self._seen[id(iterator)] = [why, 1]
             return
         if any(getattr(obj, "skip_batches", 0) for obj in chain):  # accelerate's SkipBatchSampler
             self._seen[id(iterator)] = ["", 1]  # the loop skips to its position itself

@@ -145,17 +145,19 @@ class DrawWatch:
         self.data = DataWatch()  # the first step's data loaders whose position is not saved (state.datapos)
 
     def watch_first_step(
-        self, model: Any, restored: bool, report: Callable[[str], None], state: Optional[Any] = None
+        self, model: Any, restored: bool, report: Callable[[str], None], state: Optional[Any] = None, seeds: bool = True
     ) -> None:
         """At the loop's start (after a resume or a replacement's join restored the generators):
         watch this process's first step for nanoGPT's prefetch (see the module doc), by a forward
         pre-hook and a forward hook on ``model``, removed at the step's end, and for data loaders
         whose position the checkpoint (``state``, the rank's
         :class:`~trainguard.state.trainstate.TrainState`) does not hold (:mod:`.datapos`).
+        ``seeds``: also say a loader's iterator made after the resume that drew its seed from torch's
+        global generator (:data:`~.datapos.SEED_DRAWN`; off for a framework's loop).
         ``report(cause)`` is called at that end for each finding; nothing is watched where
         ``restored`` is false (a fresh run trains on the batch its fresh seed drew, as it should)."""
         if restored and state is not None:
-            self.data.arm(model, known_objects(state), report)
+            self.data.arm(model, known_objects(state), report, seeds)
         if not restored or self._drawn_before_loop or not hasattr(model, "register_forward_pre_hook"):
             return  # (a draw between the Guard and the loop was reported already: the same first batch)
         self._first = {"start": _generators(), "at_forward": None, "after_forward": None, "report": report}
