@@ -84,6 +84,7 @@ def train(run_dir: Path, max_steps: int, keep_last: int = 3, hooks: tuple = ()) 
                 guard.step_end(loss=loss.item())
     finally:
         guard.abandon()  # as the process's end would: pytest's handlers back, nothing left installed
+        guard.close()  # and sys.excepthook, which abandon() keeps for an error on its way out
         torch.set_num_threads(threads)
     return guard
 
