@@ -63,7 +63,7 @@ def main() -> int:
             def keeping() -> None:
                 draw()  # noqa: B023 (called in this iteration only)
                 step[0] += 1
-                start.begin()
+                start.step_begin(1)
                 kept.keep({"step": step[0], **state.state_dict(LOCAL_PARTS)})
 
             per = {"bare": [], "keeping": []}

@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, tmp: str, batch: int, repeat: int, out, model_o
         torch.get_rng_state()  # what StepInputs' forward pre-hook keeps besides references
 
     def rerun_step(i: int) -> None:  # the first run's result, the state put back, the step again, the verdict
-        rerun.begin(i, step_result(torch.tensor(1.0), ddp))
+        rerun.start(i, step_result(torch.tensor(1.0), ddp))
         local.load_state_dict(boundary.restore(i))
         step()
         rerun.classify(step_result(torch.tensor(1.0), ddp), 1.0)
