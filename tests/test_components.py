@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from test_close import config
+from test_close import config, group  # noqa: F401 (group: the 1-rank gloo fixture)
 
 import trainguard
 from trainguard.guard.parts import Parts
@@ -75,15 +74,8 @@ def test_an_explicit_closer_replaces_the_parts_own_close():
     assert heard == ["closed by the builder"]
 
 
-@pytest.fixture
-def group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def test_a_guards_parts_hear_the_steps_points_with_the_protocols_step_numbers(tmp_path, group):
+@pytest.mark.usefixtures("group")
+def test_a_guards_parts_hear_the_steps_points_with_the_protocols_step_numbers(tmp_path):
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     heard: list = []

@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from test_close import config
+from test_close import config, group  # noqa: F401 (group: the 1-rank gloo fixture)
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import trainguard
 from trainguard.events import read_events
 from trainguard.state.fidelity import DRAWN_AFTER_RESUME
-
-
-@pytest.fixture
-def group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _train(run_dir, steps: int, generator: torch.Generator | None) -> None:
@@ -50,7 +41,8 @@ def _causes(run_dir) -> list[str]:
     return [e["details"]["cause"] for e in read_events(run_dir) if e["kind"] == "resume_not_bitwise"]
 
 
-def test_a_draw_between_the_resume_and_the_first_step_is_said(tmp_path, group, capsys):
+@pytest.mark.usefixtures("group")
+def test_a_draw_between_the_resume_and_the_first_step_is_said(tmp_path, capsys):
     _train(tmp_path, 4, None)
     assert _causes(tmp_path) == []  # a fresh start trains on what its seed drew
     _train(tmp_path, 6, None)  # resumes at step 4
@@ -63,7 +55,8 @@ def test_a_draw_between_the_resume_and_the_first_step_is_said(tmp_path, group, c
     )
 
 
-def test_a_loader_with_its_own_generator_draws_nothing_there_and_nothing_is_said(tmp_path, group):
+@pytest.mark.usefixtures("group")
+def test_a_loader_with_its_own_generator_draws_nothing_there_and_nothing_is_said(tmp_path):
     _train(tmp_path, 4, torch.Generator())
     _train(tmp_path, 6, torch.Generator())
     assert _causes(tmp_path) == []
