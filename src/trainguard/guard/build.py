@@ -93,8 +93,9 @@ def build(
     ctx = Context(cfg, world, script, events, section, owner, p.faults)
     _detectors(p, ctx)
     _state(p, ctx)
-    _recovery(p, ctx, launch)
-    _flows(p, ctx)
+    on_ping_failure = _on_ping_failure(p, ctx)  # given to the liveness ping, of the start and of each new group
+    _recovery(p, ctx, launch, on_ping_failure)
+    _flows(p, ctx, on_ping_failure)
     _install(p, ctx)
     _check(p, ctx)
 
@@ -245,7 +246,7 @@ def _state(p: Parts, ctx: Context) -> None:
     p.progress = Progress(p.rejoin, s.optimizer, p.step_start, ctx.events, s.model, p.catch.align)
 
 
-def _recovery(p: Parts, ctx: Context, launch: LaunchEnv) -> None:
+def _recovery(p: Parts, ctx: Context, launch: LaunchEnv, on_ping_failure: Callable[[str], None]) -> None:
     """In-process recovery (:class:`~.inprocess.InProcess`), what follows a save, and the Guard's
     side of a recovery (:class:`~.recovering.Recovering`)."""
     world, s, elastic = ctx.world, ctx.script, p.elastic
@@ -253,7 +254,7 @@ def _recovery(p: Parts, ctx: Context, launch: LaunchEnv) -> None:
     change = GroupChange(
         Renumber(world, ctx.events, resized, s.sampler),
         p.ckpt.regroup,
-        _on_ping_failure(p, ctx),
+        on_ping_failure,
         lambda: elastic.base_world_size,
     )
     catching = p.rejoin.active and world.world_size > 1
@@ -267,7 +268,7 @@ def _recovery(p: Parts, ctx: Context, launch: LaunchEnv) -> None:
     )
 
 
-def _flows(p: Parts, ctx: Context) -> None:
+def _flows(p: Parts, ctx: Context, on_ping_failure: Callable[[str], None]) -> None:
     """What the step's points carry out: stop and save, rollbacks, the replica check's flow, the
     start and end of training, the step's points themselves."""
     p.stops = StopAndSave(
@@ -275,7 +276,7 @@ def _flows(p: Parts, ctx: Context) -> None:
     )
     p.rollbacks = Rollbacks(ctx, p.resumer, p.commits, p.recovery, p.sdc_response, p.inprocess, p.store, p.heartbeat)
     p.sdc_flow = SDCFlow(ctx, p.sdc_response, p.fold, p.rollbacks, p.stops, p.recovering, p.straggler)
-    p.lifecycle = Lifecycle(ctx, p, _on_ping_failure(p, ctx))
+    p.lifecycle = Lifecycle(ctx, p, on_ping_failure)
     p.boundary = Boundary(ctx, p)
 
 

@@ -68,8 +68,8 @@ class Lifecycle:
         resumed_from, started = self._join() if joining else self._start()
         p.faults.arm(max_steps)
         p.faults.watch_activations(self.model, lambda: world.step + 1)
-        # a loop of the script's own, not a framework's (Lightning's integration keeps its loaders' seed
-        # draws out of the training's random stream, issue 44): draws after the resume are said
+        # a loop of the script's own, not a framework's (Lightning's resumed runs ended bitwise where the
+        # seed check named a draw, tests/test_lightning.py: why was not found): draws after the resume are said
         script = self.ctx.script
         own_loop = not (script.redo_in_step or script.framework)
         # nanoGPT's prefetch: a first batch drawn before the generators were restored (state.fidelity)
