@@ -100,13 +100,15 @@ _installed: Optional[tuple[Callable, Callable]] = None
 
 def _peer_loss_hook(previous: Callable) -> Callable:
     def hook(kind, exc, tb) -> None:
-        if _peer_loss is None or level() == "verbose" or not _peer_loss[0](exc):
+        if _peer_loss is None or not _peer_loss[0](exc):
             return previous(kind, exc, tb)
         first = (str(exc).strip().splitlines() or [kind.__name__])[0]
+        _peer_loss[1](f"{kind.__name__}: {first}", "".join(traceback.format_exception(kind, exc, tb)))
+        if level() == "verbose":
+            return previous(kind, exc, tb)
         short = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo: "[.../pair.cc:537] Read error ...: ..."
         frames = [f for f in traceback.extract_tb(tb) if "site-packages" not in f.filename]
         where = f" in {frames[-1].name}() ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-        _peer_loss[1](f"{kind.__name__}: {first}", "".join(traceback.format_exception(kind, exc, tb)))
         say(
             f"this rank lost a peer{where}: {kind.__name__}: {short[:160]}; the launcher restarts the group "
             "(traceback: the peer_lost event in events.jsonl, or --verbose)"

@@ -136,6 +136,23 @@ class LocalTierSection(Section):
     )
 
 
+class JitSection(Section):
+    """``[checkpoint.jit]``: the just-in-time save of the last completed step when the group restarts
+    after a lost or hung rank (see :mod:`trainguard.checkpoint.jit`)."""
+
+    enabled: bool = Field(
+        True,
+        description="before a group restart, the survivors save the last completed step from memory and "
+        "the restarted group resumes from it (a replicated model under trainguard run with the hang supervisor on)",
+    )
+    timeout: float = Field(
+        10.0,
+        gt=0,
+        description="seconds the launcher waits for the survivors' just-in-time save before it restarts the group "
+        "without it; each rank gives its own save up earlier, at 2 s + 3 × its measured checkpoint write time",
+    )
+
+
 class CheckpointSection(Section):
     """``[checkpoint]``: the persistent checkpoint store, asynchronous saving, the local tier."""
 
@@ -161,6 +178,7 @@ class CheckpointSection(Section):
         "training on without checkpoints; 0 = never stop",
     )
     local: LocalTierSection = LocalTierSection()
+    jit: JitSection = JitSection()
 
     @model_validator(mode="after")
     def _tiers(self) -> CheckpointSection:

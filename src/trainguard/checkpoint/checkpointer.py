@@ -53,7 +53,7 @@ from ..outcomes import BadInput, GiveUp
 from ..ranks import RankView
 from ..rundir import replaceable
 from ..sections import CheckpointSection
-from . import CheckpointMismatchError, CheckpointStore, check_compatible, load_state, loadable
+from . import CheckpointMismatchError, CheckpointStore, check_compatible, jit, load_state, loadable
 from . import manifest as mf
 from .io import apply_state, model_optim_state, saved_world_size, write_checkpoint
 from .local import LocalTier, choose, deserialize, expand_dir
@@ -144,6 +144,7 @@ class Checkpointer:
         self.store = CheckpointStore(
             root if root.is_absolute() else run_dir / root, keep_last=cfg.keep_last, on_invalid=self._on_invalid
         )
+        self.jit = jit.JitStore(self.store.root / jit.DIRNAME)  # a group restart's copies (checkpoint.jit)
         self.local: Optional[LocalTier] = None
         if cfg.local.dir is not None:
             base = expand_dir(cfg.local.dir, rank, node_rank)
@@ -372,6 +373,8 @@ class Checkpointer:
             loadable.prove(r.step, r.checkpoint, local, self.model, self.optimizer, self.world.rank)
         if not r.asynchronous:
             self.save_seconds = r.write_seconds
+        if r.checkpoint is not None:  # this rank's just-in-time copies of older steps will never be chosen
+            self.jit.discard(self.world.rank, keep=r.step)
         if r.local_bytes and self.world.rank == 0:
             self.events.emit(
                 "local_checkpoint_committed",
@@ -449,6 +452,7 @@ class Checkpointer:
 
     def discard_local_after(self, step: int, why: str) -> None:
         """Set aside every local copy (own and replicas) newer than ``step`` (after a rollback)."""
+        self.jit.discard(self.world.rank, newer_than=step, why=why)
         if self.local is None:
             return
         for store in filter(None, (self.local.own, self.local.replica)):
@@ -525,7 +529,19 @@ class Checkpointer:
             step, plan = choose(inventories)
             if step is not None and (point is None or step > point.step):
                 point = ResumePoint("local", step, plan=plan)
+        mine = self.jit.steps(self.world.rank, self.cfg.verify, self.world.world_size)
+        step = jit.choose(tgdist.gather_objects(mine))  # a group restart's just-in-time copies
+        if step is not None and (point is None or step > point.step):
+            point = ResumePoint("jit", step)
         return point
+
+    def path_of(self, point: ResumePoint) -> Path:
+        """The directory ``point`` loads this rank's state from."""
+        if point.checkpoint is not None:
+            return point.checkpoint.path
+        if point.tier == "jit":
+            return self.jit.path(self.world.rank, point.step)
+        return self.local_path(point.step)
 
     def written_by(self, point: ResumePoint) -> int:
         """How many ranks wrote ``point`` (a local copy: always this world size, others are skipped)."""
@@ -551,13 +567,21 @@ class Checkpointer:
             except CheckpointMismatchError as e:
                 raise BadInput(f"checkpoint {path} cannot be loaded into this model: {e}") from None
             return load_state(path, self.model, self.optimizer, rank_state_of)
-        state = deserialize(self.local.fetch(point.step, point.plan, self.group))  # type: ignore[union-attr,arg-type]
+        if point.tier == "jit":
+            state = self.jit.load(self.world.rank, point.step)
+            where = self.jit.path(self.world.rank, point.step)
+        else:
+            state = deserialize(self.local.fetch(point.step, point.plan, self.group))  # type: ignore[union-attr,arg-type]
+            where = self.local.root  # type: ignore[union-attr]
         try:
-            loadable.check_names(self.model, set(state["model"]))
-            apply_state(self.model, self.optimizer, state)
+            if point.tier == "jit":  # the module's own state dict (strict: names every key that differs)
+                jit.apply(self.model, self.optimizer, state)
+            else:
+                loadable.check_names(self.model, set(state["model"]))
+                apply_state(self.model, self.optimizer, state)
         except (KeyError, RuntimeError, ValueError) as e:  # CheckpointMismatchError is a ValueError
             raise BadInput(
-                f"local checkpoint at step {point.step} in {self.local.root} does not fit this model: "  # type: ignore[union-attr]
+                f"{point.tier} checkpoint at step {point.step} in {where} does not fit this model: "
                 f"{str(e).splitlines()[0]}"
             ) from None
         return state["rank"]

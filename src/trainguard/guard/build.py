@@ -15,6 +15,7 @@ import torch
 
 from .. import console, health
 from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.jit import DIRNAME, JitStore
 from ..config import Config, ConfigError
 from ..events import EventLog
 from ..faults import FaultInjector
@@ -45,12 +46,14 @@ from ..state.trainstate import RNGState, TrainState
 from ..stop.conditions import StopConditions, launch_start_time
 from ..stop.memory import MemoryWatchdog
 from ..stop.signals import ShutdownHandler
+from ..supervisor.monitor import attempt_dir
 from ..supervisor.rank import attach as attach_supervisor
 from . import applies
 from .boundary import Boundary
 from .context import Context, Script
 from .ddp_hook import DDPCommHook
 from .inprocess import GroupChange, InProcess
+from .jit_save import JitSave
 from .keeper import Keeper
 from .lifecycle import Lifecycle
 from .parts import Parts
@@ -115,6 +118,8 @@ def _open(p: Parts, cfg: Config, world: World, s: Script, launch: LaunchEnv) -> 
     p.events = events = p.add(EventLog(run_dir, world.rank, attempt=launch.restart_count))
 
     def peer_lost(error: str, text: str) -> None:  # told by sys.excepthook, which outlives a released log
+        if p.jit is not None:  # the group restarts: this rank's part of the last completed step first
+            p.jit.save("this rank lost a peer")
         if not events.closed:
             events.emit("peer_lost", error=error, traceback=text)
 
@@ -278,6 +283,47 @@ def _flows(p: Parts, ctx: Context, on_ping_failure: Callable[[str], None]) -> No
     p.sdc_flow = SDCFlow(ctx, p.sdc_response, p.fold, p.rollbacks, p.stops, p.recovering, p.straggler)
     p.lifecycle = Lifecycle(ctx, p, on_ping_failure)
     p.boundary = Boundary(ctx, p)
+    p.jit = _jit_save(p, ctx)
+    if p.jit is not None:
+        jit = p.jit
+        p.on_release(lambda: jit.close(failed=not p.collective))
+
+
+def _jit_save(p: Parts, ctx: Context) -> Optional[JitSave]:
+    """This rank's just-in-time save (``[checkpoint.jit]``), where it applies: under ``trainguard
+    run`` with the hang supervisor (the launcher's request goes through its node-local directory),
+    more than one rank, a replicated model, no framework's own checkpoint files. Rank 0 says once
+    why not, where it was asked for and cannot apply."""
+    cfg, s, world, launch = ctx.cfg, ctx.script, ctx.world, LaunchEnv.from_environ()
+    if not cfg.checkpoint.jit.enabled or launch.heartbeat_dir is None or world.world_size < 2:
+        return None
+    why = None
+    if sharded.is_sharded(s.model):
+        why = (
+            "the model is sharded (a lost rank's shard is on no survivor); a restart resumes from the newest checkpoint"
+        )
+    elif s.checkpoint_files is not None:
+        why = "the framework writes checkpoint files of its own, which a just-in-time copy would lack"
+    if why is not None:
+        if world.rank == 0:
+            console.say(f"just-in-time save off: {why}")
+        return None
+    timeout, ckpt = cfg.checkpoint.jit.timeout, p.ckpt
+
+    def bound() -> float:  # 2 s + 3 x the measured write time of this run's checkpoints, at most the timeout
+        return min(timeout, 2.0 + 3.0 * ckpt.estimated_save_seconds())
+
+    directory = attempt_dir(launch.heartbeat_dir, launch.restart_count) / "jit"
+    return JitSave(
+        directory,
+        JitStore(p.store.root / DIRNAME),
+        world.rank,
+        world.world_size,
+        s.model,
+        s.optimizer,
+        p.stops.rank_state,
+        bound,
+    )
 
 
 def _install(p: Parts, ctx: Context) -> None:

@@ -65,6 +65,7 @@ from ..checkpoint.store import Checkpoint
 from ..config import Config, ConfigError, config_from_argv, load_config
 from ..events import Hook
 from ..outcomes import BadInput, Outcome, exit_bad_input
+from ..rejoin.protocol import is_peer_failure
 from ..state.reshard import rank_batch
 from ..supervisor.rank import enter_teardown
 from . import build, edge, live, parts, wrappers
@@ -457,6 +458,8 @@ class Guard:
         if exc is None or (isinstance(exc, Outcome) and exc.collective):
             self.close()
         else:  # a crash: the peers may not come to a collective
+            if self.parts.jit is not None and is_peer_failure(exc):  # the group restarts: save what it resumes from
+                self.parts.jit.save("this rank lost a peer")
             self.abandon()
 
     def abandon(self) -> None:

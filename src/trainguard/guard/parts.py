@@ -40,6 +40,7 @@ from .boundary import Boundary
 from .context import HOOKS
 from .ddp_hook import DDPCommHook
 from .inprocess import InProcess
+from .jit_save import JitSave
 from .keeper import Keeper
 from .lifecycle import Lifecycle
 from .progress import Progress
@@ -78,6 +79,7 @@ class Parts:
         replica check's flow. lifecycle: the start and end of training. boundary: the step's points.
         catch: this Guard's catch of the script's collectives and its ``clip_grad_norm_`` wrapper.
         keeper: keeps this rank's own state at a step boundary. ddp: trainguard's DDP hook.
+        jit: this rank's just-in-time save of the last completed step (``None``: off, see :mod:`.jit_save`).
         stack: what :meth:`release` gives back, in the reverse order of registering (:meth:`add`).
         collective: how :meth:`release` was called (read by the closers registered on the stack).
         points: for each point of the component protocol (:data:`.context.HOOKS`), the parts'
@@ -119,6 +121,7 @@ class Parts:
     catch: Optional[Catch] = None
     keeper: Optional[Keeper] = None
     ddp: Optional[DDPCommHook] = None
+    jit: Optional[JitSave] = None
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     collective: bool = True
     points: dict[str, list[Callable[[int], None]]] = field(default_factory=lambda: {h: [] for h in HOOKS})

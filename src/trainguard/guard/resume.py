@@ -84,10 +84,15 @@ class Resume:
         if point is None:
             return None
         step = self.load(point)
-        path = point.checkpoint.path if point.checkpoint is not None else self.ckpt.local_path(point.step)
+        path = self.ckpt.path_of(point)
         if self.world.rank == 0:
             seconds = round(time.perf_counter() - t0, 4)
             self.events.emit("resume", step, path=str(path), from_step=point.step, tier=point.tier, seconds=seconds)
+            if point.tier == "jit":
+                console.say(
+                    f"resuming from the just-in-time copy of step {step} (saved from the survivors' memory "
+                    "before the group restarted; newer than every checkpoint)"
+                )
         if self.fidelity.changed:
             self.not_bitwise(step, f"changed since the checkpoint was saved: {', '.join(self.fidelity.changed)}")
         if drawn:

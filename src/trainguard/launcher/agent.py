@@ -45,6 +45,7 @@ from ..launch_env import JOIN, RECOVERY_GROUP, RECOVERY_NONCE, RECOVERY_STORE
 from ..supervisor.monitor import HangMonitor
 from . import deathsig, script_error
 from .changes import MembershipChanges
+from .jit import JitCollector
 from .membership import (
     DECISION_CODES,
     Admit,
@@ -92,6 +93,9 @@ from .script_error import ScriptError
 from .torch_agent import ElasticAdapter
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+JIT_EXIT_WAIT = (
+    2.0  # seconds a SIGKILLed rank gets to end before the just-in-time copies are made (state D outlives it)
+)
 
 
 class TrainguardAgent(MembershipChanges, ElasticAdapter):
@@ -109,6 +113,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         spare_nodes: nodes beyond the group's wait as spare nodes (``[recovery] spare_nodes`` with
             ``--nnodes MIN:MAX``): node 0 watches the other nodes' beats and a spare node takes a
             lost node's ranks (:mod:`.nodes`).
+        jit: the just-in-time save before a group restart (:mod:`.jit`), or ``None`` (off).
         (other arguments as ``LocalElasticAgent``)
     Raises:
         ElasticIncompatible: the installed torch lacks a member the agent relies on.
@@ -126,6 +131,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         record: Optional[LaunchRecord] = None,
         replacer: Optional[Replacer] = None,
         spare_nodes: bool = False,
+        jit: Optional[JitCollector] = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -135,6 +141,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         self.monitor = monitor
         self.record = record
         self.replacer = replacer
+        self.jit = jit
         self.exit_code = int(ExitCode.GIVE_UP)
         self.exit_reason = "not started"
         self.stop_signal: Optional[str] = None
@@ -516,7 +523,23 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         """If a rank has exited with a failure (not 0 or a decision code) in this poll's ``codes``,
         SIGCONT and SIGKILL the ranks still running in it (``procs``); torch then collects the group."""
         if any(failed(c) for c in codes.values()):
+            self._save_just_in_time()
             self._kill_live({r: p for r, p in procs.items() if codes[r] is None})
+
+    def _save_just_in_time(self) -> None:
+        """Before the group restarts: the ranks save the last completed step from memory, the
+        agent stops them and makes the missing copies (:mod:`.jit`); once per attempt."""
+        attempt = self.restart_count
+        if self.jit is None or not self.jit.request(attempt):
+            return
+        procs = self.worker_processes()
+        ranks = {w.local_rank: w.global_rank for w in self.workers()}
+        self.jit.wait(attempt, procs, ranks)
+        self._kill_live(procs)  # nothing writes a copy from here on
+        for p in procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=JIT_EXIT_WAIT)
+        self.jit.compose(attempt, ranks, self.workers()[0].world_size)
 
     def _kill_live(self, procs: dict[int, subprocess.Popen]) -> None:
         """SIGCONT and SIGKILL the ranks of ``procs`` that still run (noted as stopped by the launcher)."""
@@ -545,16 +568,20 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
 
     def _restart(self, reason: str) -> None:
         """**Restart**: stop the group and start it again (the state machine counted the restart)."""
+        self._save_just_in_time()  # (a hang's restart: the survivors are still running)
+        jit_step = self.jit.saved.get(self.restart_count) if self.jit is not None else None
         self.use_restart()
         if self.replacer is not None:
             self.replacer.abandon()
         self.events.emit("group_restart", reason=reason, remaining_restarts=self.remaining_restarts)
         newest = self.monitor.newest_checkpoint() if self.monitor else None
-        console.say(
-            f"restarting the group ({reason}) from "
-            + (f"the checkpoint of step {newest}" if newest is not None else "the newest checkpoint")
-            + f"; {self.remaining_restarts} restart(s) left"
-        )
+        if jit_step is not None and (newest is None or jit_step > newest):
+            start = f"the just-in-time copy of step {jit_step}"
+            if self.worker_group.group_world_size > 1:  # each node makes its ranks' copies
+                start += " where every node made one (else the newest checkpoint)"
+        else:
+            start = f"the checkpoint of step {newest}" if newest is not None else "the newest checkpoint"
+        console.say(f"restarting the group ({reason}) from " + start + f"; {self.remaining_restarts} restart(s) left")
         self.stop_group()
         self.worker_group.state = WorkerState.STOPPED
         self._start_group()

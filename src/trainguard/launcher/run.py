@@ -54,7 +54,7 @@ from ..slurm import finished
 from ..slurm.endtime import EndTimeRefresher, end_time_file, remove_stale, write_end_time
 from ..slurm.info import SLURMInfo
 from ..supervisor.monitor import HangMonitor
-from . import deathsig, node_private
+from . import deathsig, jit, node_private
 from .lock import RunDirLock, RunDirLocked
 from .record import LaunchRecord, check_previous
 
@@ -312,6 +312,8 @@ def _run_agent(
             spares=cfg.launcher.spares,
             min_ranks=cfg.elastic.min_ranks,  # the agent shrinks only a group on one node (it renumbers ranks)
             regrow=cfg.elastic.regrow,
+            # one node: the recovery store and the generations' stores are files no other user can open
+            store_dir=node_private.node_local_dir("trainguard-stores-") if max_nodes == 1 else None,
         )
     to_ranks = LaunchEnv(
         run_dir=run_dir,
