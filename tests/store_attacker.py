@@ -16,7 +16,8 @@ ATTACK`` after each:
   wrote since), then writes the copy back.
 
 Usage: ``store_attacker.py PORT RUN_ID MARKER``; ``store_attacker.py --survey RUN_DIR PORT...``
-(see :func:`survey`); ``store_attacker.py --flood PORT N`` (see :func:`flood`).
+(see :func:`survey`); ``store_attacker.py --flood PORT N`` (see :func:`flood`);
+``store_attacker.py --reach PATH_OR_PORT...`` (see :func:`reach`).
 """
 
 from __future__ import annotations
@@ -107,6 +108,38 @@ def survey(argv: list[str]) -> int:
     return 0
 
 
+RECOVERY_KEYS = ("attempt", "spares/", "groups")  # how the in-process recovery protocol's keys begin
+
+
+def reach(argv: list[str]) -> int:
+    """``store_attacker.py --reach PATH_OR_PORT...``: print what this user reaches of each: a
+    path (a directory is listed, a file read): ``open PATH: ok`` or the error's name; a port
+    (``127.0.0.1:PORT``, as a TCPStore client): ``keys PORT: N, recovery [...]`` (how many keys,
+    and those of the in-process recovery protocol), or the error's name."""
+    for target in argv[2:]:
+        if not target.isdigit():
+            try:
+                if os.path.isdir(target):
+                    os.listdir(target)
+                else:
+                    with open(target, "rb") as f:
+                        f.read()
+                print(f"open {target}: ok", flush=True)
+            except OSError as e:
+                print(f"open {target}: {type(e).__name__}", flush=True)
+            continue
+        try:
+            store = dist.TCPStore(
+                "127.0.0.1", int(target), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5)
+            )
+            keys = store.list_keys()
+            recovery = [k for k in keys if k.startswith(RECOVERY_KEYS)]
+            print(f"keys {target}: {len(keys)}, recovery {recovery}", flush=True)
+        except Exception as e:  # noqa: BLE001 (a port that is no store)
+            print(f"keys {target}: {type(e).__name__}", flush=True)
+    return 0
+
+
 def flood(argv: list[str]) -> int:
     """``store_attacker.py --flood PORT N``: open ``N`` idle connections to ``127.0.0.1:PORT``,
     print ``held K`` (those it got) and keep them until stdin closes."""
@@ -125,8 +158,8 @@ def flood(argv: list[str]) -> int:
 
 
 def run(argv: list[str]) -> int:
-    """The attack ``argv[1]`` names (``--survey``, ``--flood``) or else :func:`main`'s."""
-    modes = {"--survey": survey, "--flood": flood}
+    """The attack ``argv[1]`` names (``--survey``, ``--flood``, ``--reach``) or else :func:`main`'s."""
+    modes = {"--survey": survey, "--flood": flood, "--reach": reach}
     return modes.get(argv[1], main)(argv)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -264,6 +265,61 @@ def test_a_one_node_launchs_rendezvous_store_is_out_of_another_users_reach(tmp_p
     assert out.read_text() == "12.0"
     assert not (run / ".rendezvous-store").exists()
     assert not orphan.exists()  # a crashed launch's node-local directory is removed by the next
+
+
+def launcher_ports(pid: int) -> list[int]:
+    """The TCP ports the launcher process ``pid`` itself listens on (its ranks' own listeners, gloo's,
+    are not counted: they are no store of the launch)."""
+    import psutil
+
+    conns = psutil.Process(pid).net_connections("tcp")
+    return sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN})
+
+
+def test_a_one_node_launchs_recovery_stores_are_files_no_other_user_can_open(tmp_path, mallory):
+    """Issue 54 item 2: a one-node launch's in-process recovery store and each generation's
+    process-group store are files in the launcher's private directory (``/dev/shm``, 0700), not
+    TCPStores on loopback. A rank is killed and replaced in-process; before and after, the
+    launcher listens on one TCP port only (the process-group store of the group's start, which
+    the script's own ``init_process_group`` reaches over TCP: docs/recovery.md says why it stays),
+    no recovery key is on it, and the other user can open neither the directory nor its files.
+    Before, the launcher listened on two ports at start and three after the recovery (recovery
+    store, the generation's store), each open to every local user. The directory is removed at
+    the end."""
+    import psutil
+
+    from conftest import events, finish, launch, wait_for
+
+    run = tmp_path / "run"
+    proc = launch(
+        run,
+        "train.max_steps=100000",  # stopped by the test (SIGTERM) once it has looked
+        "recovery.in_process=true",
+        extra=("--inject", "rank_killed:rank=1,step=20,section=step"),
+    )
+    try:
+        launcher = psutil.Process(proc.pid)
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        stores = wait_for(lambda: list(shm.glob(f"trainguard-stores-{proc.pid}-*")), what="the store directory")[0]
+        assert stores.stat().st_mode & 0o777 == 0o700
+        assert (stores / "recovery").exists()
+        wait_for(lambda: events(run, "recovery_finished"), timeout=120, what="the in-process recovery")
+        after = launcher_ports(proc.pid)
+        assert len(after) == 1, after  # before: the recovery store and the generation's store besides
+        assert (stores / "group-1-1").exists()  # the generation's group formed on its file
+        targets = [str(stores), str(stores / "recovery"), str(stores / "group-1-1"), *map(str, after)]
+        seen, _ = attack_as(mallory, "--reach", *targets).communicate(timeout=60)
+        assert launcher.is_running() and proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert finish(proc, timeout=120) == 75, Path(f"{run}.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for path in targets[:3]:
+        assert f"open {path}: PermissionError" in seen, seen
+    assert f"keys {after[0]}: " in seen and "recovery []" in seen, seen  # no recovery key over TCP
+    assert not events(run, "group_restart") and not events(run, "recovery_fallback")
+    assert not stores.exists()
 
 
 class _DeletingStore:

@@ -76,8 +76,9 @@ from .instability import fold
 from .launch_env import LaunchEnv
 from .outcomes import BadInput
 from .rejoin.auth import Seal, reporter
-from .rejoin.protocol import RecoveryStore, connect, parse_address
+from .rejoin.protocol import RecoveryStore
 from .rejoin.rank import lost_boundaries
+from .rejoin.stores import open_store
 from .state.determinism import capture_rng, restore_rng
 
 try:
@@ -148,7 +149,7 @@ def join_checkpoint(config: Config, launch: LaunchEnv, newest: Optional[Checkpoi
         raise RuntimeError("no committed checkpoint yet to set the Trainer up from: the group restarts")
     seal = Seal(launch.recovery_key or b"", launch.recovery_nonce)
     refused = reporter(EventLog(config.run.dir))  # a security event per refused value
-    store = RecoveryStore(connect(*parse_address(launch.recovery_store)), launch.recovery_group, seal, refused)
+    store = RecoveryStore(open_store(launch.recovery_store), launch.recovery_group, seal, refused)
     step = store.survivors_step(launch.join, config.recovery.timeout)
     if step is None:
         raise RuntimeError(f"the survivors did not say their step within {config.recovery.timeout} s")

@@ -8,7 +8,8 @@ environment plus:
   initial broadcast: the state comes from the survivors);
 * ``TRAINGUARD_JOIN`` = the new generation, and ``MASTER_ADDR``/``MASTER_PORT`` of the generation's
   own store with ``TORCHELASTIC_USE_AGENT_STORE=True``, so the script's ``init_process_group`` joins
-  the group the survivors form;
+  the group the survivors form (on one node the generation's store is a file instead, which the
+  replacement runner gives that call: :func:`~trainguard.rejoin.stores.group_store_path`);
 
 then publishes the generation. On several nodes every agent and rank uses node 0's recovery store
 (:meth:`Replacer.share`); generation numbers are drawn from it, and the agent of the node that lost
@@ -48,12 +49,14 @@ from ..rejoin.protocol import (
     serve,
     spare_ready,
 )
+from ..rejoin.stores import RECOVERY_FILE, file_address, file_store, group_store_path
 from ..sections import RecoverySection
 from . import node_join
 from .membership import Joined, Settled, SettleTimedOut, TimedOut
 from .node_join import NodeJoin, StoreOffer
 
 REPLACEMENT_MODULE = "trainguard.rejoin.replacement"
+STORE_TIMEOUT = 60.0  # s: the bound of the launcher's own store operations (as serve()'s TCPStore)
 SETTLE_STEPS = 3  # the first step after a recovery may take this many of the survivors' step times
 
 
@@ -101,9 +104,13 @@ class Replacer:
         min_ranks: ``[elastic] min_ranks`` (0: never shrink; the rule is in :mod:`.membership`).
         regrow: ``[elastic] regrow``: after a shrink, start a spare for each rank that left and grow
             back when it is ready (:meth:`grow`).
+        store_dir: one node: the launcher's private directory (0700, node-local) in which the
+            stores are files (:mod:`trainguard.rejoin.stores`; removed by :meth:`close`);
+            ``None``: they are TCPStores on ``bind``.
 
-    Stores: :attr:`server` (this agent's, on a free port of ``host``) holds the spares' assignments;
-    the recovery keys of the group (generations, joins) are in node 0's (:meth:`share`).
+    Stores: :attr:`server` (this agent's: the file ``store_dir/recovery``, or a TCPStore on a free
+    port of ``bind``) holds the spares' assignments; the recovery keys of the group (generations,
+    joins) are in node 0's (:meth:`share`).
     """
 
     def __init__(
@@ -118,6 +125,7 @@ class Replacer:
         spares: int = 0,
         min_ranks: int = 0,
         regrow: bool = False,
+        store_dir: Optional[Path] = None,
     ):
         self.cfg, self.events, self.script, self.boundary_dir, self.host = cfg, events, script, boundary_dir, host
         self.min_ranks, self.regrow = min_ranks, regrow
@@ -125,8 +133,13 @@ class Replacer:
         self.group_seal = seal  # the shared recovery store's nonce (share())
         self._refused: set[str] = set()  # keys whose forged values were reported
         self.owed = 0  # spares started to grow back after a shrink, beyond [launcher] spares
-        self.server = serve(self.bind)
-        self.local_address = f"{host}:{self.server.port}"
+        self.store_dir = store_dir
+        if store_dir is not None:  # one node: no port another user of the node could connect to
+            self.server = file_store(store_dir / RECOVERY_FILE, STORE_TIMEOUT)
+            self.local_address = file_address(store_dir / RECOVERY_FILE)
+        else:
+            self.server = serve(self.bind)
+            self.local_address = f"{host}:{self.server.port}"
         self.address = self.local_address  # of the recovery store the group shares (see share())
         self.shared = self.server
         self.serves_rendezvous = False  # this launcher serves torch's rendezvous store (then it leads: share())
@@ -208,6 +221,8 @@ class Replacer:
         self.settling = None
         self.seen, self._mine = (join.generation.number if join else 0), set()
         self._stores.clear()
+        for path in self.store_dir.glob("group-*") if self.store_dir is not None else ():
+            path.unlink(missing_ok=True)  # the previous start's generations: its ranks are gone
         for sid in list(self.spares)[self.want_spares :]:  # started to grow back the previous group
             self.spares.pop(sid).kill()
         return self.address, number, join
@@ -376,9 +391,13 @@ class Replacer:
         grown: tuple[int, ...] = (),
         hosts: tuple[str, ...] = (),
     ) -> Generation:
-        """The next generation: its number drawn from the shared store, a fresh store of its own."""
+        """The next generation: its number drawn from the shared store, a fresh store of its own (on
+        one node a file its ranks make, :func:`~trainguard.rejoin.stores.group_store_path`)."""
         self.generation = self.recovery_store().next_number()
         self._mine.add(self.generation)
+        path = group_store_path(self.address, self.attempt, self.generation)
+        if path is not None:
+            return Generation(self.generation, self.host, 0, replaced, world_size, left, grown, hosts, str(path))
         store = serve(self.bind)
         self._stores.append(store)
         return Generation(self.generation, self.host, store.port, replaced, world_size, left, grown, hosts)
@@ -398,14 +417,16 @@ class Replacer:
 
     def _rank_env(self, env: dict[str, str], gen: Generation) -> dict[str, str]:
         """A new process's environment as a rank of ``gen``: as torch starts a worker (the
-        launcher's environment, then the worker's ``env``), joining ``gen`` on its store."""
+        launcher's environment, then the worker's ``env``), joining ``gen`` on its store (a file:
+        named by ``TRAINGUARD_JOIN`` and the recovery store's address, the worker's
+        ``MASTER_ADDR``/``MASTER_PORT`` kept; else that TCPStore's address)."""
+        tcp = {} if gen.path else {"MASTER_ADDR": gen.host, "MASTER_PORT": str(gen.port)}
         return {
             **os.environ,
             **env,
             RECOVERY_NONCE: self.group_seal.nonce.hex(),
             JOIN: str(gen.number),
-            "MASTER_ADDR": gen.host,
-            "MASTER_PORT": str(gen.port),
+            **tcp,
             "TORCHELASTIC_USE_AGENT_STORE": "True",
         }
 
@@ -627,12 +648,14 @@ class Replacer:
         return time.monotonic() - self.settling.since if self.settling is not None else None
 
     def close(self) -> None:
-        """Stop the spares, remove the boundary directory."""
+        """Stop the spares, remove the boundary directory and the stores' (one node)."""
         for proc in self.spares.values():
             proc.kill()
             proc.wait()
         self.spares.clear()
         shutil.rmtree(self.boundary_dir, ignore_errors=True)
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
 def replacement_command(argv: list[str], script: str, options: tuple[str, ...] | list[str] = ()) -> list[str]:

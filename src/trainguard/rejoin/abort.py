@@ -49,7 +49,8 @@ import torch.distributed as dist
 from .. import compat
 from . import sever
 from .auth import Seal
-from .protocol import RecoveryStore, connect, parse_address
+from .protocol import RecoveryStore
+from .stores import open_store
 
 TIMEOUT = 2.0  # seconds a store call may take: the thread must be out of it soon after stop()
 LOOK = 0.1  # seconds between looks for a published generation
@@ -200,7 +201,7 @@ class CommAbort:
         while not self._stop.is_set() and threading.main_thread().is_alive():
             try:
                 if store is None:
-                    store = RecoveryStore(connect(*parse_address(self.address), TIMEOUT), self.attempt, self.seal)
+                    store = RecoveryStore(open_store(self.address, TIMEOUT), self.attempt, self.seal)
                 self._look(store)
             except (RuntimeError, dist.DistError, OSError):  # the store is slow or gone (the launch ends)
                 store = None

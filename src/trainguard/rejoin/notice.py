@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from . import sever
 from .auth import Seal
-from .protocol import RecoveryStore, connect, parse_address
+from .protocol import RecoveryStore
+from .stores import open_store
 
 TIMEOUT = 2.0  # seconds a store call may take: the thread must be out of it soon after stop() (see there)
 LOOK = 0.1  # seconds between looks (a look, not a blocking wait: c10d logs a warning at each wait's timeout)
@@ -64,9 +65,7 @@ class LostNodeNotice:
         while not self._stop.is_set() and threading.main_thread().is_alive():
             try:
                 if store is None:
-                    store = RecoveryStore(
-                        connect(*parse_address(self.address), TIMEOUT), self.attempt, self.seal, self.on_forged
-                    )
+                    store = RecoveryStore(open_store(self.address, TIMEOUT), self.attempt, self.seal, self.on_forged)
                 self._look(store)
             except (RuntimeError, dist.DistError, OSError):  # the store is slow or gone (the launch ends)
                 store = None

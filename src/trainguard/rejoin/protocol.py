@@ -1,4 +1,5 @@
-"""The launcher ↔ rank protocol of in-process recovery, over one TCPStore the launcher hosts.
+"""The launcher ↔ rank protocol of in-process recovery, over one store the launcher hosts: a
+``FileStore`` in its private directory on one node, a ``TCPStore`` across nodes (:mod:`.stores`).
 
 Keys (all under ``attempt{N}/``, ``N`` the number of the worker group's start, counted by node 0's
 launcher: a restart for a node that joined is a new start though torch's restart count stays):
@@ -35,15 +36,16 @@ A generation is published either because ranks were lost (the survivors notice i
 and wait for it) or because the group grows back in place after a shrink (:attr:`Generation.grown`:
 the survivors learn of it at their next stop check, :meth:`RecoveryStore.peek`).
 
-Each generation's process groups live on a store of their own (a fresh TCPStore server the
-launcher starts per generation, :attr:`Generation.port`), so no key of an earlier generation can
-be read by a later one (stale peer addresses break gloo's connect, pytorch issue 135712).
+Each generation's process groups live on a store of their own (on one node a fresh file,
+:attr:`Generation.path`; across nodes a fresh TCPStore server the launcher starts per generation,
+:attr:`Generation.port`), so no key of an earlier generation can be read by a later one (stale
+peer addresses break gloo's connect, pytorch issue 135712).
 
 Every value above is sealed with the launch's secret and bound to the launch's nonce (:mod:`.auth`):
 a value another process wrote, or one recorded in an earlier launch, is refused (treated as
-absent; ``on_forged`` is told). The stores listen on the launcher's
-address only (:func:`serve`: loopback on one node), not on every interface as a plain
-``TCPStore`` server does.
+absent; ``on_forged`` is told). On one node the stores are files no other user can open
+(:mod:`.stores`); across nodes they listen on the launcher's address only (:func:`serve`), not on
+every interface as a plain ``TCPStore`` server does.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class Generation:
 
     Attributes:
         number: 1 for the first recovery of a group start, then 2, 3, ...
-        host, port: the store the generation's process groups are created on.
+        host, port: the store the generation's process groups are created on (several nodes).
         replaced: global ranks that are new processes in this generation.
         world_size: ranks in the generation (unchanged by a replacement, smaller after a shrink).
         left: global ranks of the previous generation that left it without a replacement (a
@@ -119,6 +121,9 @@ class Generation:
             surviving rank by the rule of a resume on another world size.
         hosts: the host names of the ``grown`` ranks, in order, when they run on other nodes (a
             node that joined in place); empty: beside the ranks that send them the state.
+        path: one node: the file of the ``FileStore`` the generation's process groups are created
+            on (:func:`~.stores.group_store_path`; ``host`` and ``port`` are then unused); empty:
+            the ``TCPStore`` at ``host:port``.
     """
 
     number: int
@@ -129,6 +134,7 @@ class Generation:
     left: tuple[int, ...] = ()
     grown: tuple[int, ...] = ()
     hosts: tuple[str, ...] = ()
+    path: str = ""
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -151,6 +157,7 @@ class Generation:
             tuple(d.get("left", ())),
             tuple(d.get("grown", ())),
             tuple(d.get("hosts", ())),
+            str(d.get("path", "")),
         )
 
 
@@ -226,7 +233,8 @@ class RecoveryStore:
     """The ranks' and the launcher's view of the recovery keys of one group attempt.
 
     Args:
-        store: a TCPStore (server in the launcher, client in a rank).
+        store: the launcher's store (:func:`~.stores.open_store`: a FileStore on one node; a
+            TCPStore across nodes, its server in the launcher).
         attempt: the number of the worker group's start (``TRAINGUARD_RECOVERY_GROUP``).
         seal: the launch's secret (:mod:`.auth`): every value written is sealed, every value read
             must verify.
@@ -492,13 +500,14 @@ def wait_for_assignment(
         time.sleep(0.05)
 
 
-def spare_store_from_environ() -> dist.TCPStore:
+def spare_store_from_environ() -> dist.Store:
     """The recovery store a spare finds in its environment (``TRAINGUARD_RECOVERY_STORE``).
 
     Raises:
-        ValueError: the variable is missing or not ``HOST:PORT``.
+        ValueError: the variable is missing or neither ``HOST:PORT`` nor ``file://PATH``.
+        FileNotFoundError: a file store whose directory is gone (the launch ended).
     """
     from ..launch_env import RECOVERY_STORE
+    from .stores import open_store
 
-    host, port = parse_address(os.environ.get(RECOVERY_STORE, ""))
-    return connect(host, port)
+    return open_store(os.environ.get(RECOVERY_STORE, ""))

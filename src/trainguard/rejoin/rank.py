@@ -19,7 +19,8 @@ from .auth import Seal
 from .boundary import BoundaryState, parse_slot
 from .boundary import read as read_boundaries
 from .notice import LostNodeNotice
-from .protocol import Forged, Generation, RecoveryStore, connect, is_peer_failure, parse_address
+from .protocol import Forged, Generation, RecoveryStore, is_peer_failure
+from .stores import open_store
 
 # The parts of the training state (Guard.train_state) that only their rank holds: its data position,
 # the user's extra state and its RNG streams. A replacement takes them from the lost rank's boundary
@@ -99,9 +100,9 @@ class Rejoin:
         self.keeping = self.active or keep_in_memory  # whether keep() keeps the step-boundary state
         self.store: Optional[RecoveryStore] = None
         if offered:
-            host, port = parse_address(launch.recovery_store)  # type: ignore[arg-type]
             seal = Seal(launch.recovery_key, launch.recovery_nonce)  # type: ignore[arg-type]
-            store = RecoveryStore(connect(host, port, cfg.timeout), launch.recovery_group, seal, on_forged)
+            client = open_store(launch.recovery_store, cfg.timeout)  # type: ignore[arg-type]
+            store = RecoveryStore(client, launch.recovery_group, seal, on_forged)
             if self.active:
                 self.store = store
             elif rank == 0:  # the launcher restarts the group at once on a lost rank

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -23,6 +24,7 @@ from . import sharded
 from .boundary import decode, encode
 from .catch import is_own_hook
 from .protocol import Generation
+from .stores import init_on_file
 
 
 class RegroupError(RuntimeError):
@@ -39,10 +41,11 @@ def missing_ddp_members(model: Optional[torch.nn.Module] = None) -> list[str]:
 def rebuild_default_group(gen: Generation, backend: str, timeout: float, **options: Any) -> None:
     """Destroy this process's groups and create the default group of generation ``gen`` on its store.
 
-    The group is created the way a replacement's script creates it (``init_process_group`` with
-    ``env://``): ``MASTER_ADDR``/``MASTER_PORT`` are set to the generation's store, as a client of it
-    (``TORCHELASTIC_USE_AGENT_STORE``), so both sides name their keys alike. ``RANK`` and
-    ``WORLD_SIZE`` stay this process's.
+    The group is created the way a replacement's script creates it, so both sides name their keys
+    alike: on one node on the generation's ``FileStore`` (``store=``, :attr:`Generation.path`; the
+    replacement runner changes the script's call so, :func:`~.stores.init_on_file`); across nodes
+    with ``env://``, ``MASTER_ADDR``/``MASTER_PORT`` set to the generation's store, as a client of
+    it (``TORCHELASTIC_USE_AGENT_STORE``). ``RANK`` and ``WORLD_SIZE`` stay this process's.
 
     Args:
         timeout: seconds for the group's collectives and for meeting the other ranks.
@@ -57,6 +60,12 @@ def rebuild_default_group(gen: Generation, backend: str, timeout: float, **optio
             gc.collect()
         except RuntimeError:  # a group whose peer is gone may fail to shut down cleanly: drop it anyway
             pass
+    if gen.path:  # one node: the generation's store is a file (as the replacement runner gives a newcomer's call)
+        args, kwargs = init_on_file(
+            Path(gen.path), timeout, (backend,), {"timeout": timedelta(seconds=timeout), **options}
+        )
+        dist.init_process_group(*args, **kwargs)
+        return
     os.environ.update(
         {"MASTER_ADDR": gen.host, "MASTER_PORT": str(gen.port), "TORCHELASTIC_USE_AGENT_STORE": str(True)}
     )

@@ -41,7 +41,8 @@ from ..launch_env import RANK_VARIABLES, RECOVERY_KEY, RECOVERY_NONCE, RUN_DIR, 
 from ..outcomes import BadInput
 from .auth import Seal, report_forged
 from .catch import LOCAL, Catch, hand_over
-from .protocol import RecoveryStore, connect, parse_address, spare_store_from_environ, wait_for_assignment
+from .protocol import RecoveryStore, spare_store_from_environ, wait_for_assignment
+from .stores import group_store_path, init_on_file, open_store
 
 # what this module replaced process-wide, put back by undo() (the replacement's script has ended)
 _undo: list[Callable[[], None]] = []
@@ -283,11 +284,12 @@ def join_at_init(spare_id: Optional[int], output: Optional[QuietOutput] = None) 
         launch = LaunchEnv.from_environ()
         if launch.join is not None and launch.recovery_store:
             seal = Seal(launch.recovery_key or b"", launch.recovery_nonce)
-            store = RecoveryStore(
-                connect(*parse_address(launch.recovery_store)), launch.recovery_group, seal, _report_forged
-            )
+            store = RecoveryStore(open_store(launch.recovery_store), launch.recovery_group, seal, _report_forged)
             store.ready(launch.join, int(os.environ["RANK"]))
         dist.init_process_group = original
+        path = group_store_path(launch.recovery_store, launch.recovery_group, launch.join) if launch.join else None
+        if path is not None:  # one node: the generation's group forms on a file of the launcher's
+            args, kwargs = init_on_file(path, 1800.0, args, kwargs)  # torch's default group timeout
         return original(*args, **kwargs)
 
     dist.init_process_group = init
