@@ -529,6 +529,7 @@ class Checkpointer:
             step, plan = choose(inventories)
             if step is not None and (point is None or step > point.step):
                 point = ResumePoint("local", step, plan=plan)
+        self.jit.of(self.world.rank).clean_stale()  # a copy cut short by a kill: its temporary directory
         mine = self.jit.steps(self.world.rank, self.cfg.verify, self.world.world_size)
         step = jit.choose(tgdist.gather_objects(mine))  # a group restart's just-in-time copies
         if step is not None and (point is None or step > point.step):
