@@ -59,6 +59,10 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     # one framework (the Hugging Face path runs in tests/test_hf.py)
     "framework_overhead.py": (["--frameworks", "lightning"], ["framework callback step overhead", "| lightning |"]),
     "zoo_kills.py": ([], ["zoo kills: 2 ranks", "| resume_barrier | in-process |", "goal: in-process"]),
+    "jit_restart.py": (
+        [],
+        ["just-in-time save: 2 ranks", "| resume_barrier | restart+jit |", "goal: with the just-in-time"],
+    ),
 }
 NVRX = Path("/tmp/nvrx")  # recovery_compare.py's default --nvrx
 
