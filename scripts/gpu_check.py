@@ -1,7 +1,8 @@
 """The CUDA paths, once, on a machine with an NVIDIA GPU: NVML health, a real CUDA out-of-memory
 recovered by the Guard's micro-batch split, pinned host staging for async saves, the NCCL
 communicator abort and re-creation of in-process recovery's ``"nccl-experimental"`` mode (one
-rank), and a Guard run on the GPU with async checkpoints. Prints one line per check; exit 0 when every check held.
+rank), the just-in-time save's copy on a stream of its own while the main stream is busy, and a
+Guard run on the GPU with async checkpoints. Prints one line per check; exit 0 when every check held.
 
     python scripts/gpu_check.py RUN_DIR      # (PYTHONPATH=src from a checkout)
 
@@ -279,6 +280,54 @@ def ddp_hook_cuda() -> bool:
     return same and len(calls) == 3
 
 
+def jit_copy_during_kernel() -> bool:
+    """The just-in-time save's copy (issue 55 item 7): a thread copies a model's parameters and
+    AdamW states to host memory on a stream of its own (:func:`trainguard.guard.jit_save._to_host`)
+    while the main stream is busy with long kernels (a survivor's stream blocked in a collective that
+    never returns). Reported: the copy's time, whether it ended before the main stream's work did
+    (not queued behind it), and whether the copy equals the state."""
+    import threading
+
+    from trainguard.guard.jit_save import _to_host
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)]).cuda()  # 64 MiB of fp32
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net(torch.randn(16, 2048, device="cuda")).square().mean().backward()
+    opt.step()
+    torch.cuda.synchronize()
+    state = {"model": net.state_dict(), "optim": opt.state_dict()}
+    a = torch.randn(8192, 8192, device="cuda")
+    for _ in range(40):  # seconds of queued work on the main stream
+        a = a @ a
+        a /= a.norm()
+    out: dict = {}
+
+    def copy() -> None:
+        t0 = time.perf_counter()
+        out["host"] = _to_host(state)
+        out["seconds"] = time.perf_counter() - t0
+        out["main_busy"] = not torch.cuda.current_stream().query()  # the main stream still had work queued
+
+    t = threading.Thread(target=copy)
+    t.start()
+    t.join()
+    torch.cuda.synchronize()
+    host = out["host"]
+    same = all(torch.equal(host["model"][k], v.cpu()) for k, v in state["model"].items())
+    same &= all(
+        torch.equal(host["optim"]["state"][i][k], v.cpu())
+        for i, st in state["optim"]["state"].items()
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor)
+    )
+    print(
+        f"jit copy on its own stream: {out['seconds'] * 1000:.1f} ms for the model and AdamW state, "
+        f"main stream still busy when it ended: {out['main_busy']}, copy equals the state: {same}"
+    )
+    return same and out["main_busy"]
+
+
 def version_check_cuda(run_dir: str) -> bool:
     """A background save (``async_save = "auto"``) of CUDA parameters and Adam states: committed when
     nothing changes them before ``optimizer.step()``; refused on every rank (here one) when a
@@ -365,6 +414,7 @@ def main() -> int:
     ok &= nccl_rebuild()
     ok &= ddp_hook_cuda()
     ok &= version_check_cuda(sys.argv[1])
+    ok &= jit_copy_during_kernel()
     nccl_abort()  # reported, not required: what NCCL's abort does here is the finding
     ok &= nccl_abort_requeue()
 
