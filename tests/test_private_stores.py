@@ -78,8 +78,9 @@ def test_addresses_name_a_file_or_a_tcp_store(tmp_path):
 
 def test_the_recovery_protocol_runs_between_processes_over_a_file_store(tmp_path):
     """The launcher publishes a generation in its file store; a rank, another process, waits for
-    it, says it joined and stepped; the launcher sees both. A value another process writes without
-    the seal is refused there as over a TCPStore."""
+    it, says it joined and stepped; the launcher sees both, and its polls of the step counter
+    append nothing to the file. A value another process writes without the seal is refused there
+    as over a TCPStore."""
     address = file_address(tmp_path / "recovery")
     told: list[str] = []
     launcher = RecoveryStore(open_store(address, 10.0), 1, SEAL, told.append)
@@ -97,6 +98,11 @@ def test_the_recovery_protocol_runs_between_processes_over_a_file_store(tmp_path
         assert rank.stdout.readline().strip() == f"generation {gen.to_json()}"
         assert rank.stdout.readline().strip() == "done"
         assert launcher.all_joined(gen) and launcher.steps_after(1) == 1
+        size = (tmp_path / "recovery").stat().st_size
+        assert launcher.steps_after(1) == 1 and launcher.steps_after(2) == 0
+        assert (tmp_path / "recovery").stat().st_size == size  # the launcher's polls append nothing
+        raw.set("attempt1/gen/2/stepped", b"x")  # counters are not sealed: another writer's reads as 0
+        assert launcher.steps_after(2) == 0
     finally:
         assert rank.wait(timeout=60) == 0
 

@@ -390,8 +390,18 @@ class RecoveryStore:
         self.store.add(self.prefix + f"gen/{number}/stepped", 1)
 
     def steps_after(self, number: int) -> int:
-        """Launcher: how many ranks completed a step after joining generation ``number`` (:meth:`stepped`)."""
-        return int(self.store.add(self.prefix + f"gen/{number}/stepped", 0))
+        """Launcher: how many ranks completed a step after joining generation ``number`` (:meth:`stepped`).
+        Read without writing (:func:`~.auth.read_now`; an ``add`` of 0 would append to a file store
+        at every poll, for the whole launch where the ranks declined in-process recovery).
+
+        A counter that holds no count (another writer's: counters are not sealed) reads as 0: the
+        progress rule's bound then ends the recovery in a group restart.
+
+        Raises:
+            StoreReadError: the store failed.
+        """
+        raw = read_now(self.store, self.prefix + f"gen/{number}/stepped")
+        return int(raw) if raw is not None and raw.isdigit() else 0
 
     def loop_state(self, number: int, rank: int, text: str) -> None:
         """Rank: its optimizer's hyperparameters at its first completed step after joining

@@ -281,13 +281,13 @@ def join_at_init(spare_id: Optional[int], output: Optional[QuietOutput] = None) 
     def init(*args, **kwargs):  # type: ignore[no-untyped-def]
         if assignment is not None:
             assignment.take()
-        launch = LaunchEnv.from_environ()
+        launch, path = LaunchEnv.from_environ(), None
         if launch.join is not None and launch.recovery_store:
             seal = Seal(launch.recovery_key or b"", launch.recovery_nonce)
             store = RecoveryStore(open_store(launch.recovery_store), launch.recovery_group, seal, _report_forged)
             store.ready(launch.join, int(os.environ["RANK"]))
+            path = group_store_path(launch.recovery_store, launch.recovery_group, launch.join)
         dist.init_process_group = original
-        path = group_store_path(launch.recovery_store, launch.recovery_group, launch.join) if launch.join else None
         if path is not None:  # one node: the generation's group forms on a file of the launcher's
             args, kwargs = init_on_file(path, 1800.0, args, kwargs)  # torch's default group timeout
         return original(*args, **kwargs)
