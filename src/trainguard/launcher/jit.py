@@ -128,14 +128,21 @@ class JitCollector:
             self.events.emit("jit_save_failed", reason=why, seconds=seconds, answers=answers)
             console.say(f"no just-in-time save ({why}): the group restarts from the newest checkpoint")
             return None
-        self.events.emit(
+        copies = [self.store.path(r, step) for r in sorted(ranks.values())]
+        self.events.emit(  # the fields of every checkpoint_committed, so the report reads it as one
             "checkpoint_committed",
             step,
             kind="jit",
+            reason="jit",
             path=str(self.store.root),
             saved_by=sorted(r for r, a in saved.items() if a["step"] == step),
             composed=sorted(made),
+            bytes=sum(f.stat().st_size for c in copies for f in c.iterdir()),
             seconds=seconds,
+            blocked_seconds=0.0,  # training had stopped already (the failure)
+            started=round(time.time() - seconds, 3),
+            asynchronous=False,
+            deleted_steps=[],
         )
         console.say(
             f"saved step {step} just in time in {seconds:.2f} s (rank(s) {sorted(set(ranks.values()) - set(made))} "

@@ -54,7 +54,11 @@ def measured_times(run_dir: Path) -> tuple[Optional[float], Optional[float]]:
         d = e.get("details") or {}
         if e.get("kind") == "progress" and isinstance(d.get("step_seconds"), (int, float)):
             steps.append(float(d["step_seconds"]))
-        elif e.get("kind") == "checkpoint_committed" and isinstance(d.get("seconds"), (int, float)):
+        elif (
+            e.get("kind") == "checkpoint_committed"
+            and d.get("kind") != "jit"
+            and isinstance(d.get("seconds"), (int, float))
+        ):
             saves.append(float(d["seconds"]))
     return max(steps, default=None), max(saves, default=None)
 
