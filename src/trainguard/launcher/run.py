@@ -391,6 +391,7 @@ def _run_agent(
         record=record,
         replacer=replacer,
         spare_nodes=spare_nodes,
+        jit=jit.collector(cfg.checkpoint.jit.enabled, cfg.checkpoint.jit.timeout, monitor, hb_root, events),
     )
     agent.install_signal_handlers()
     if ready_dir:  # the batch script forwards stop signals to this node only once this file exists
