@@ -241,3 +241,20 @@ def test_a_hung_ranks_group_restarts_from_the_last_completed_step_bitwise(tmp_pa
     resumes = _resumes(run)
     assert len(resumes) == 1 and resumes[0]["tier"] == "jit" and resumes[0]["from_step"] >= 26, resumes
     assert final_hash(run) == clean_hash(40)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(240)
+def test_a_survivor_stuck_in_its_collective_saves_from_its_thread(tmp_path):
+    """rank 1's DataLoader workers (forked after init_process_group) keep its sockets open when it is
+    SIGKILLed, so the survivor's all-reduce never fails (as on NVLink with NCCL): its main thread
+    stays blocked, and the thread answers the launcher's request."""
+    run = tmp_path / "run"
+    worker = Path(__file__).parent / "loader_workers_worker.py"
+    p = launch(run, script=worker, tiny=False, extra=("--inject", "rank_killed:rank=1,step=20"))
+    assert p.wait(timeout=200) == 0, Path(f"{run}.log").read_text()[-3000:]
+    saved = [e["details"] for e in events(run, "checkpoint_committed") if e["details"].get("kind") == "jit"]
+    assert saved and saved[0]["composed"] == [1], saved
+    assert saved[0]["answers"]["0"]["why"] == "the launcher restarts the group", saved  # the thread's answer
+    resumes = _resumes(run)
+    assert len(resumes) == 1 and resumes[0]["tier"] == "jit", resumes

@@ -137,6 +137,7 @@ class JitCollector:
             path=str(self.store.root),
             saved_by=sorted(r for r, a in saved.items() if a["step"] == step),
             composed=sorted(made),
+            answers=answers,
             bytes=sum(f.stat().st_size for c in copies for f in c.iterdir()),
             seconds=seconds,
             blocked_seconds=0.0,  # training had stopped already (the failure)
