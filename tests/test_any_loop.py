@@ -29,8 +29,9 @@ from trainguard.launch_env import RECOVERY_GROUP, RECOVERY_KEY, RECOVERY_STORE
 from trainguard.rejoin import catch, replacement
 from trainguard.rejoin.auth import Seal
 from trainguard.rejoin.catch import Catch, DDPHook, complete_locally, is_own_hook
-from trainguard.rejoin.protocol import Generation, assign_spare, connect, parse_address, spare_ready
+from trainguard.rejoin.protocol import Generation, assign_spare, spare_ready
 from trainguard.rejoin.stepstart import StepStart
+from trainguard.rejoin.stores import open_store
 
 WORKER = Path(__file__).resolve().parents[1] / "examples" / "plain_loop.py"
 STEPS = 300
@@ -174,7 +175,7 @@ def forge_values(pids: dict[str, int], world_size: int) -> set[str]:
     here) and write a generation that sends the ranks elsewhere and an assignment that makes the
     warm spare rank 0. Returns the keys written."""
     env = psutil.Process(int(pids["0"])).environ()
-    store = connect(*parse_address(env[RECOVERY_STORE]))
+    store = open_store(env[RECOVERY_STORE])  # on one node a file: this user's, as the forger is
     gen_key = f"attempt{env[RECOVERY_GROUP]}/gen/1"
     store.set(gen_key, Generation(1, "10.6.6.6", 6666, (0, 1), world_size).to_json())
     store.set("spares/1", json.dumps({"RANK": "0", "MASTER_ADDR": "10.6.6.6"}))

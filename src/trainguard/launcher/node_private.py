@@ -5,6 +5,10 @@
 * the run directory given through no other user's symbolic link;
 * torch's rendezvous store on one node: a ``FileStore`` in the private run directory; at a
   loopback ``--rdzv-endpoint``: a ``TCPStore`` bound to that address only;
+* in-process recovery's stores on one node: ``FileStore`` files in a node-local directory of
+  their own (``trainguard-stores-<pid>-*``, made by :func:`node_local_dir`;
+  :mod:`trainguard.rejoin.stores`); the group start's process-group store stays a loopback
+  ``TCPStore`` (:mod:`.pg_store`: the script's own ``init_process_group`` connects to it);
 * the launcher's open-files limit raised to its hard limit, so that idle connections a
   co-tenant opens to its stores take many more to exhaust it.
 

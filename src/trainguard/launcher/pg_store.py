@@ -14,6 +14,13 @@ clients (``use_agent_store``: every rank, rank 0 too, connects; none serves). A 
 nothing of an earlier group's keys is left to meet. The previous start's store is closed then.
 Only for a one-node launch (``--nnodes 1``, no ``--rdzv-endpoint``): other nodes' ranks must reach
 the store over the network.
+
+It is the one store of a one-node launch that other local users can connect to (issue 54 item 2):
+the script's ``init_process_group()`` (``env://``) makes a ``TCPStore`` client and nothing else,
+torch's ``TCPStore`` server refuses a Unix-domain socket (``master_listen_fd``: libuv answers
+``ENOTSUP``), and its protocol has no authentication; docs/recovery.md's trust section says what
+that leaves open. The generations of in-process recovery, whose ``init_process_group`` calls
+trainguard makes or changes, form on files instead (:mod:`trainguard.rejoin.stores`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Authenticated values in the recovery store: a per-launch secret and an HMAC on every value.
 
-The recovery store is a ``TCPStore``: anyone who can reach its port can read and write any key.
-It listens on loopback when all ranks are on one node, on the rendezvous interface across nodes
-(:func:`~.protocol.serve`), and every value the launcher and the ranks write there is sealed with
-HMAC-SHA256 under a secret that never travels through a store:
+Across nodes the recovery store is a ``TCPStore`` on the rendezvous interface
+(:func:`~.protocol.serve`): anyone who can reach its port can read and write any key. On one node
+it is a file only the launching user can open (:mod:`.stores`). Either way every value the
+launcher and the ranks write there is sealed with HMAC-SHA256 under a secret that never travels
+through a store:
 
 * the secret is 32 random bytes in ``RUN_DIR/.recovery-key`` (mode 0600, created by the first
   launcher that starts, read by the others: the run directory is shared by the nodes, as the
