@@ -17,6 +17,7 @@ from trainguard.launch_env import RECOVERY_STORE
 from trainguard.launcher.node_join import JOIN_KEY, NODE_KEY, NodeJoin
 from trainguard.rejoin.auth import Seal, new_nonce
 from trainguard.rejoin.protocol import connect, parse_address, serve
+from trainguard.rejoin.stores import open_store
 
 # what a co-tenant records from the first launch's recovery store: the spare's assignment, the
 # generation and the replacement's join of the first in-process recovery
@@ -36,9 +37,10 @@ def test_a_value_sealed_in_another_launch_is_refused_and_told_as_a_replay():
     assert second.open("attempt1/gen/1", swapped) is None and second.why("attempt1/gen/1", swapped) == "forged"
 
 
-def _store_of(proc) -> dist.TCPStore:
+def _store_of(proc) -> dist.Store:
     """A co-tenant's connection to the launch's recovery store, found as one would: in a rank's
-    environment (same user: ``/proc/PID/environ``)."""
+    environment (same user: ``/proc/PID/environ``; on one node the store is a file only that user
+    can open)."""
 
     def address():
         for child in psutil.Process(proc.pid).children(recursive=True):
@@ -50,7 +52,7 @@ def _store_of(proc) -> dist.TCPStore:
                 return value
         return None
 
-    return connect(*parse_address(wait_for(address, what="a rank with the recovery store in its environment")), 120)
+    return open_store(wait_for(address, what="a rank with the recovery store in its environment"), 120)
 
 
 @pytest.mark.soak  # moved out of the README suite to keep it under 15 minutes on 2 cores (issue 51); CI runs it
