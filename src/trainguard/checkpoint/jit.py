@@ -37,6 +37,14 @@ from .store import Checkpoint, CheckpointStore
 MODEL_FILE = "model.pt"
 RANK_FILE = "rank.pt"
 DIRNAME = "jit"
+# the attempt's node-local jit directory, shared by the ranks and their launcher
+REQUEST = "request.json"  # the launcher's request (a rank's thread polls for it)
+EARLY = "early"  # the subdirectory of the rank-state slot files kept as each update begins
+
+
+def result_path(directory: Path, rank: int) -> Path:
+    """Where rank ``rank`` writes the outcome of its just-in-time save in the attempt's ``directory``."""
+    return directory / f"result-{rank}.json"
 
 
 class JitStore:
@@ -132,6 +140,11 @@ class JitStore:
         state = torch.load(path / MODEL_FILE, weights_only=True)
         state["rank"] = deserialize((path / RANK_FILE).read_bytes())
         return state
+
+    @staticmethod
+    def rank_state(ckpt: Checkpoint) -> dict[str, Any]:
+        """The rank state of the copy ``ckpt``."""
+        return deserialize((ckpt.path / RANK_FILE).read_bytes())
 
     def path(self, rank: int, step: int) -> Path:
         """Rank ``rank``'s directory of ``step``."""

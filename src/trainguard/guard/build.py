@@ -322,6 +322,8 @@ def _jit_save(p: Parts, ctx: Context) -> Optional[JitSave]:
         s.model,
         s.optimizer,
         p.stops.rank_state,
+        lambda: p.train_state.state_dict(LOCAL_PARTS),
+        ctx.in_progress,
         bound,
     )
 

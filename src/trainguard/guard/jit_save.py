@@ -35,18 +35,13 @@ import torch
 
 from .. import compat
 from ..atomic import write_atomic
-from ..checkpoint.jit import MODEL_FILE, JitStore
+from ..checkpoint.jit import EARLY, MODEL_FILE, REQUEST, JitStore, result_path
 from ..checkpoint.local import serialize
 from ..checkpoint.manifest import read_manifest
 from ..rejoin.boundary import BoundaryState, decode
+from .keeper import equal
 
 POLL_SECONDS = 0.02  # how often the thread looks for the launcher's request
-REQUEST = "request.json"
-
-
-def result_path(directory: Path, rank: int) -> Path:
-    """Where rank ``rank`` writes the outcome of its just-in-time save."""
-    return directory / f"result-{rank}.json"
 
 
 class JitSave:
@@ -59,6 +54,8 @@ class JitSave:
         rank, world_size: this rank and the group's size (written into the copy's manifest).
         model, optimizer: the script's replicated model and its optimizer (``None``: none).
         rank_state: this rank's rank state now (``Guard.rank_state()``).
+        local_state: the parts of it only this rank holds (:data:`~trainguard.rejoin.rank.LOCAL_PARTS`).
+        in_progress: the number of the step being run (1-based).
         bound: the seconds a save may take before it is given up (called at the save).
     """
 
@@ -71,12 +68,20 @@ class JitSave:
         model: torch.nn.Module,
         optimizer: Optional[torch.optim.Optimizer],
         rank_state: Callable[[], dict[str, Any]],
+        local_state: Callable[[], dict[str, Any]],
+        in_progress: Callable[[], int],
         bound: Callable[[], float],
     ):
         self.directory, self.store, self.rank, self.world_size = directory, store, rank, world_size
         self.model, self.optimizer, self.rank_state, self.bound = model, optimizer, rank_state, bound
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.local_state, self.in_progress = local_state, in_progress
+        (directory / EARLY).mkdir(parents=True, exist_ok=True, mode=0o700)
         self.kept = BoundaryState(directory, rank, stable=("rng",))
+        # this rank's own parts as the update of a step begins (its last gradient bucket was sent: a
+        # peer may complete the step without it), in case it is lost before the step's boundary
+        self.early = BoundaryState(directory / EARLY, rank, stable=("rng",))
+        self._still: dict[int, bool] = {}  # step -> its own parts did not move between the update and the boundary
+        self._hook = optimizer.register_step_pre_hook(self._before_update) if optimizer is not None else None
         self.step: Optional[int] = None  # the boundary kept last
         self._tensors: list[torch.Tensor] = []  # parameters and optimizer states, in a fixed order
         self._versions: list[int] = []
@@ -89,10 +94,21 @@ class JitSave:
 
     # ---- at each step boundary (main thread) ---------------------------------------------------
 
+    def _before_update(self, *_: Any) -> None:
+        """Optimizer step pre-hook: keep this rank's own parts as those of the step's boundary."""
+        step = self.in_progress()
+        if self.early.step != step:  # (an update retried within the step keeps the first)
+            self.early.keep({"step": step, **self.local_state()})
+
     def mark(self, completed: int) -> None:
         """``completed`` steps are done and the boundary's work too: keep this rank's part of it."""
         state = self.rank_state()
         self.kept.keep(state)
+        if completed in self.early.kept:  # did the loop move its own state after its update began?
+            early = self.early.restore(completed)
+            early.pop("step")
+            self._still[completed] = equal(early, self.local_state())
+            self._still = {s: v for s, v in self._still.items() if s >= completed - 1}
         self._tensors = self._watched()
         self._versions = [compat.tensor_version(t) for t in self._tensors]
         self._buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
@@ -151,7 +167,9 @@ class JitSave:
         meta = {"world_size": self.world_size, "rank": self.rank, "reason": why}
         ckpt = self.store.write(self.rank, step, data, rank_state, meta, deadline=deadline)
         checksum = read_manifest(ckpt.path)["files"][MODEL_FILE]["xxh3_128"]
-        return {"step": step, "model": checksum, "path": str(ckpt.path), "why": why}
+        # whether a lost rank's parts kept as its update began are its boundary's (the same loop did not move them here)
+        still = self._still.get(step, False)
+        return {"step": step, "model": checksum, "path": str(ckpt.path), "why": why, "still_after_update": still}
 
     def _model_state(self) -> dict[str, Any]:
         """The module's state dict with its buffers as kept at the boundary (not as the next step's
@@ -178,10 +196,14 @@ class JitSave:
         """Stop the request thread; ``failed``: this rank leaves on a failure, its slot files stay
         (the launcher makes its copy from them)."""
         self._stop.set()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         if not failed:
             self.kept.close()
+            self.early.close()
 
 
 def _to_host(state: Any) -> Any:

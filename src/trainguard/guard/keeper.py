@@ -94,24 +94,24 @@ def catch_up(own: dict[str, Any], move: dict[str, Any]) -> Optional[dict[str, An
         return None
     rng = dict(mine)
     for name, value in after.items():
-        if _equal(value, before.get(name)):
+        if equal(value, before.get(name)):
             continue  # this generator did not move
-        if name not in mine or not _equal(mine[name], before.get(name)) or not alike_across_ranks(name):
+        if name not in mine or not equal(mine[name], before.get(name)) or not alike_across_ranks(name):
             return None
         rng[name] = value
     return {**own, "rng": rng}
 
 
-def _equal(a: Any, b: Any) -> bool:
+def equal(a: Any, b: Any) -> bool:
     """Equal values, looking into dicts, lists and tuples; tensors and arrays by their elements."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
 
 

@@ -33,18 +33,14 @@ from typing import Any, Optional
 
 from .. import console
 from ..atomic import write_atomic
-from ..checkpoint.jit import DIRNAME, JitStore
+from ..checkpoint.jit import DIRNAME, EARLY, REQUEST, JitStore, result_path
 from ..checkpoint.store import Checkpoint
 from ..events import EventLog
 from ..rejoin.boundary import read as read_boundaries
+from ..rejoin.rank import LOCAL_PARTS
 from ..supervisor.monitor import attempt_dir
 
-REQUEST = "request.json"  # (trainguard.guard.jit_save polls for this name)
 POLL_SECONDS = 0.01
-
-
-def _result_path(directory: Path, rank: int) -> Path:
-    return directory / f"result-{rank}.json"
 
 
 class JitCollector:
@@ -81,9 +77,7 @@ class JitCollector:
         timeout from the request."""
         directory, deadline = self.directory(attempt), self._asked[attempt] + self.timeout
         while time.monotonic() < deadline:
-            silent = [
-                r for r, p in procs.items() if p.poll() is None and not _result_path(directory, ranks[r]).exists()
-            ]
+            silent = [r for r, p in procs.items() if p.poll() is None and not result_path(directory, ranks[r]).exists()]
             if not silent:
                 return
             steps = {a["step"] for a in self._answers(directory, ranks.values()).values() if "step" in a}
@@ -103,13 +97,14 @@ class JitCollector:
         step, why = self._step(saved, answers)
         made: dict[int, int] = {}
         if step is not None:
-            source = next(Checkpoint(step, Path(a["path"])) for a in saved.values() if a["step"] == step)
+            at_step = [a for a in saved.values() if a["step"] == step]
+            source = Checkpoint(step, Path(at_step[0]["path"]))
+            still = all(a.get("still_after_update") for a in at_step)
             for rank in sorted(ranks.values()):
                 if rank in saved and saved[rank]["step"] == step:
                     continue
-                kept = _boundaries(directory, rank)
-                if step not in kept:
-                    why = f"rank {rank} kept no boundary of step {step} (kept {sorted(kept) or 'none'})"
+                state, why = self._state_of(directory, rank, step, source, still)
+                if state is None:
                     break
                 meta = {
                     "world_size": world_size,
@@ -118,7 +113,7 @@ class JitCollector:
                     "from_rank": source.path.parent.name,
                 }
                 try:
-                    self.store.compose(rank, source, kept[step], meta)
+                    self.store.compose(rank, source, state, meta)
                 except OSError as e:
                     why = f"rank {rank}'s copy could not be written: {e}"
                     break
@@ -152,6 +147,27 @@ class JitCollector:
         self.saved[attempt] = step
         return step
 
+    def _state_of(
+        self, directory: Path, rank: int, step: int, source: Checkpoint, still: bool
+    ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+        """Rank ``rank``'s rank state at ``step``: kept at that step's boundary, else made of a
+        survivor's (``source``: the parts alike on every rank) and the rank's own parts kept as its
+        update of that step began, where the survivors' own parts did not move from there to the
+        boundary (``still``: the same loop). ``(None, why)`` when neither holds."""
+        kept = _boundaries(directory, rank)
+        if step in kept:
+            return kept[step], None
+        early = _boundaries(directory / EARLY, rank)
+        if step in early and still:
+            own = {k: v for k, v in early[step].items() if k in LOCAL_PARTS}
+            return {**self.store.rank_state(source), **own, "step": step}, None
+        if step in early:
+            return None, (
+                f"rank {rank} was lost after its update of step {step} began, and the loop moves its own "
+                "state after that"
+            )
+        return None, f"rank {rank} kept no state of step {step} (kept {sorted(set(kept) | set(early)) or 'none'})"
+
     @staticmethod
     def _step(
         saved: dict[int, dict[str, Any]], answers: dict[int, dict[str, Any]]
@@ -172,7 +188,7 @@ class JitCollector:
         found = {}
         for rank in ranks:
             try:
-                found[rank] = json.loads(_result_path(directory, rank).read_text())
+                found[rank] = json.loads(result_path(directory, rank).read_text())
             except (OSError, ValueError):
                 continue
         return found
