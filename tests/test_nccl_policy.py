@@ -133,14 +133,16 @@ def test_a_declined_backend_restarts_the_group_at_once_killing_the_survivor(tmp_
     public ``Backend.register_backend``; NCCL takes the same path): rank 0 declines at start, and
     when rank 1 dies holding its connections open (the survivor's collective never fails, as on
     NCCL), the launcher kills the survivor within a couple of seconds (not after ``[recovery]
-    timeout``, 30 s, nor the collective's 300 s) and the group restarts from the checkpoint."""
+    timeout``, 30 s, nor the collective's 300 s), after the survivor's thread saved the last completed
+    step from memory (its main thread still blocked in that collective): the group restarts from it,
+    not from the checkpoint of step 10 (issue 55)."""
     run = tmp_path / "run"
     proc = launch(
         run,
         "worker.backend=registered",
         "worker.lose_at=12",
         "checkpoint.interval=5",
-        "checkpoint.async_save=false",  # step 10 committed before the loss at 12: the restart resumes there
+        "checkpoint.async_save=false",  # step 10 committed before the loss at 12: the newest checkpoint
         "recovery.in_process=true",
         script=WORKER,
         tiny=False,
@@ -158,7 +160,10 @@ def test_a_declined_backend_restarts_the_group_at_once_killing_the_survivor(tmp_
     assert len(restart) == 1 and restart[0]["time"] - lost < 2.0, restart[0]["time"] - lost
     assert failed[0]["time"] - lost < 2.0
     assert not events(run, "recovery_started") and not events(run, "rank_replaced")
-    assert [e["details"]["from_step"] for e in events(run, "resume")] == [10]
+    resumes = [e["details"] for e in events(run, "resume")]
+    assert len(resumes) == 1 and resumes[0]["tier"] == "jit" and resumes[0]["from_step"] >= 11, resumes
+    saved = [e["details"] for e in events(run, "checkpoint_committed") if e["details"].get("kind") == "jit"]
+    assert saved[0]["answers"]["0"]["why"] == "the launcher restarts the group"  # from the survivor's thread
     # the warm spare of the first launch was stopped at its first completed step, none started after
     stopped = events(run, "spares_stopped")
     assert len(stopped) == 1 and "not verified on backend" in stopped[0]["details"]["reason"]
