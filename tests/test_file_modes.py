@@ -38,7 +38,8 @@ def test_a_finished_runs_files_are_private_and_the_launcher_listens_on_loopback_
     """The census of a finished one-node run (in-process recovery with a warm spare, a lost rank
     replaced, checkpoints in a directory outside the run directory, under a permissive umask):
     every file under RUN_DIR and the checkpoint directory is 0600, every directory 0700. While
-    it ran, the launcher listened on loopback only (torch's rendezvous store, the recovery store)."""
+    it ran, the launcher listened on loopback only (the group start's process-group store; the
+    rendezvous and recovery stores are files on one node)."""
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     old = os.umask(0o002)  # a group-writable default, as on many shared clusters
     try:
@@ -56,7 +57,7 @@ def test_a_finished_runs_files_are_private_and_the_launcher_listens_on_loopback_
     wait_for(lambda: events(run, "checkpoint_committed"), what="a first checkpoint")
     listening = [c.laddr.ip for c in psutil.Process(proc.pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN]
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
-    assert len(listening) >= 2 and set(listening) == {"127.0.0.1"}, listening
+    assert len(listening) >= 1 and set(listening) == {"127.0.0.1"}, listening
     assert len(events(run, "rank_replaced")) == 1
     assert (run / "FINISHED").exists() and (run / "config.toml").exists() and (run / ".recovery-key").exists()
     assert len(list(ckpt.glob("step-*"))) >= 3

@@ -61,6 +61,11 @@ class JitStore:
         """Rank ``rank``'s store (its newest copy only is kept)."""
         return CheckpointStore(self.root / f"rank-{rank:05d}", keep_last=1)
 
+    def _begin(self, store: CheckpointStore, step: int) -> Path:
+        self.root.parent.mkdir(exist_ok=True, mode=0o700)  # the checkpoint directory, before its first save
+        self.root.mkdir(exist_ok=True, mode=0o700)  # (the store makes its own directory 0700, not its parent)
+        return store.begin(step)
+
     def write(
         self,
         rank: int,
@@ -80,7 +85,7 @@ class JitStore:
             TimeoutError: the files were written after ``deadline`` (nothing is visible then).
         """
         store = self.of(rank)
-        tmp = store.begin(step)
+        tmp = self._begin(store, step)
         try:
             _write(tmp / MODEL_FILE, model_bytes)
             _write(tmp / RANK_FILE, serialize(rank_state))
@@ -100,7 +105,7 @@ class JitStore:
             OSError: a write failed (nothing of this step is visible for ``lost`` then).
         """
         store = self.of(lost)
-        tmp = store.begin(source.step)
+        tmp = self._begin(store, source.step)
         try:
             try:
                 os.link(source.path / MODEL_FILE, tmp / MODEL_FILE)

@@ -63,6 +63,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from .auth import MAX_VALUE_BYTES, Seal, read_now
+from .stores import connect, open_store, parse_address  # noqa: F401  (connect, parse_address: also read from here)
 
 REFUSED_KEPT = 1024  # digests of refused values remembered (then forgotten: told again)
 
@@ -167,18 +168,6 @@ def new_rank(rank: int, left: tuple[int, ...] | list[int]) -> int:
     return rank - sum(1 for r in left if r < rank)
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """``"host:port"`` → ``(host, port)``.
-
-    Raises:
-        ValueError: not of that form (the message quotes it).
-    """
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT for the recovery store, got {text!r}")
-    return host, int(port)
-
-
 def listen_address(host: str) -> str:
     """The address a store that other nodes reach as ``host`` listens on: ``host``'s first
     address that is not loopback; every interface (``""``) when it resolves to loopback only
@@ -215,11 +204,6 @@ def serve(host: str = "127.0.0.1") -> dist.TCPStore:
         timeout=timedelta(seconds=60),
         master_listen_fd=fd,
     )
-
-
-def connect(host: str, port: int, timeout: float = 30.0) -> dist.TCPStore:
-    """A client of the TCPStore at ``host:port``."""
-    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
 
 
 Forged = Callable[[str], None]  # told the name of a key whose value was refused
@@ -518,6 +502,5 @@ def spare_store_from_environ() -> dist.Store:
         FileNotFoundError: a file store whose directory is gone (the launch ended).
     """
     from ..launch_env import RECOVERY_STORE
-    from .stores import open_store
 
     return open_store(os.environ.get(RECOVERY_STORE, ""))

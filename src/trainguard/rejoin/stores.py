@@ -72,6 +72,23 @@ def file_store(path: Path, timeout: float) -> dist.FileStore:
     return store
 
 
+def parse_address(text: str) -> tuple[str, int]:
+    """``"host:port"`` → ``(host, port)``.
+
+    Raises:
+        ValueError: not of that form (the message quotes it).
+    """
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT for the recovery store, got {text!r}")
+    return host, int(port)
+
+
+def connect(host: str, port: int, timeout: float = 30.0) -> dist.TCPStore:
+    """A client of the TCPStore at ``host:port``."""
+    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+
+
 def open_store(address: str, timeout: float = 30.0) -> dist.Store:
     """A client of the recovery store at ``address`` (``file://PATH`` or ``HOST:PORT``), its
     operations bounded by ``timeout`` seconds.
@@ -81,8 +98,6 @@ def open_store(address: str, timeout: float = 30.0) -> dist.Store:
         FileNotFoundError: a file store whose directory is gone (:func:`file_store`).
         torch.distributed.DistError: no TCPStore answers at ``HOST:PORT`` within ``timeout``.
     """
-    from .protocol import connect, parse_address
-
     path = file_path(address)
     if path is not None:
         return file_store(path, timeout)
