@@ -420,9 +420,11 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
         """A recovery in place did not lead to a completed step (the progress rule): say why once,
         with what a rank said of it (:meth:`Replacer.failed`, which stops the warm spares when a
         rank gave it up), the seconds since it began, the exit codes and the survivors' stacks,
-        then SIGKILL the live ranks: their state after a failed recovery is not to be saved (a
-        SIGTERM would ask for a checkpoint of it, and wait ``kill_grace`` for ranks stuck in a
-        collective); the group restart from the newest checkpoint follows."""
+        then ask the live ranks for the last completed step (the just-in-time save: only a state
+        whose parameters did not move since that step's boundary, and only where every answer holds
+        the same model) and SIGKILL them: not a SIGTERM, which would ask for a checkpoint of the
+        state after the failed recovery and wait ``kill_grace`` for ranks stuck in a collective.
+        The group restart follows, from that step or the newest checkpoint."""
         said = self.replacer.failed() if self.replacer is not None else None
         seconds = self.replacer.recovery_seconds() if self.replacer is not None else None
         lost = {r: c for r, c in (codes or {}).items() if failed(c)}
@@ -435,6 +437,7 @@ class TrainguardAgent(MembershipChanges, ElasticAdapter):
             stacks=self._dump_survivors("recovery"),
         )
         console.say(f"in-process recovery failed ({why}{'; ' + said if said else ''}): the group restarts")
+        self._save_just_in_time()
         self._kill_live(self.worker_processes())
 
     def _collected(self, result: RunResult) -> Decisions:
