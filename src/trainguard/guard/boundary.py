@@ -144,8 +144,6 @@ class Boundary:
             return
         if not self._snapshot():
             return
-        if p.jit is not None:  # a group restart's just-in-time save (guard.jit_save): as soon as the step counts
-            p.jit.mark(world.step)
         if self.faults.pending:  # inside the step section: an injected hang is a hang mid-step
             self.faults.at(world.step, "step")
         if p.heartbeat is not None:
@@ -169,7 +167,7 @@ class Boundary:
                 p.stop.clear_save_switch()
         elif tiers := p.ckpt.due(world.step):
             p.stops.save("interval", tiers, blocking=not p.ckpt.asynchronous)
-        if p.jit is not None:  # kept again: the boundary's work (hooks, instability bookkeeping) may move the state
+        if p.jit is not None:  # a group restart's just-in-time save (guard.jit_save): once the boundary's work is done
             p.jit.mark(world.step)
 
     def _snapshot(self) -> bool:
