@@ -77,6 +77,7 @@ def test_async_local_tier_kill_resume_matches_sync_run(tmp_path, clean_hash):
         "checkpoint.async_save=true",
         f"checkpoint.local.dir={local}",
         "checkpoint.local.interval=3",
+        "checkpoint.jit.enabled=false",  # (the local tier is what this test resumes from)
         extra=("--inject", "rank_killed:rank=1,step=17"),
     )
     assert p.wait(timeout=180) == 0, Path(f"{run}.log").read_text()[-3000:]
@@ -290,6 +291,7 @@ def test_two_nodes_lost_local_disk_resumes_from_peer_replica(tmp_path, clean_has
         "checkpoint.local.interval=3",
         "checkpoint.interval=10",
         "checkpoint.async_save=false",
+        "checkpoint.jit.enabled=false",  # (the local tier's peer replica is what this test resumes from)
     ]  # synchronous saves: step 21 is surely committed when rank 1 dies
     # rank 1 dies at step 23 and the launch gives up (no restarts): local copies at 18 and 21, persistent at 20
     with two_nodes(run, *tiers, extra=("--inject", "rank_killed:rank=1,step=23", "--max-restarts", "0")) as agents:

@@ -79,7 +79,7 @@ def test_sigstop_hang_in_the_same_script_is_caught_within_the_learned_timeout(tm
 def test_batch_fetched_after_step_end_is_reported(tmp_path):
     """``--prefetch after_step_end``: the first batch is drawn before the loop and each next one
     after ``step_end()``. The Guard says at once that random numbers are drawn outside the step,
-    and, after rank 1 is killed and the group resumes from step 20, that this resume drew its
+    and, after rank 1 is killed and the group resumes (from the last completed step), that this resume drew its
     first batch from the fresh seed; the console carries one warning line for each."""
     run = tmp_path / "run"
     proc = run_script(
@@ -95,7 +95,7 @@ def test_batch_fetched_after_step_end_is_reported(tmp_path):
     causes = [(e["attempt"], e["details"]["cause"]) for e in events(run, "resume_not_bitwise") if e["rank"] == 0]
     assert any(a == 0 and "between guard.step_end() and the next step" in c for a, c in causes), causes
     assert any(a == 1 and "before the loop" in c for a, c in causes), causes
-    assert events(run, "resume")[-1]["details"]["from_step"] == 20
+    assert events(run, "resume")[-1]["details"]["from_step"] >= 20  # the just-in-time copy's step, or 20
     assert log_of(run).count("trainguard: warning: a resume cannot be bitwise identical") >= 2
 
 
