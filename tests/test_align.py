@@ -179,7 +179,10 @@ def test_a_replacement_that_cannot_line_up_fails_in_seconds_and_the_group_restar
     assert len(events(run, "group_restart")) == 1
     lost = events(run, "workers_failed")[0]["time"]
     assert failed[0]["time"] - lost < 15, (lost, failed[0]["time"])  # not gloo's 30 s timeout
-    assert [e["details"]["from_step"] for e in events(run, "resume")][-1] == 40
+    # from the last completed step the survivor saved before it was stopped (the just-in-time
+    # save), else the checkpoint of step 40: the clean weights either way
+    resumed = [e["details"] for e in events(run, "resume")][-1]
+    assert resumed["from_step"] == 40 or (resumed["tier"] == "jit" and resumed["from_step"] >= 49), resumed
     assert "in-process recovery failed" in Path(f"{run}.log").read_text()
     assert final_hash(run) == clean
 

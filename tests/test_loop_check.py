@@ -154,7 +154,10 @@ def test_a_loop_that_counts_its_updates_itself_fails_the_recovery_at_once_and_re
     assert "optimizer differs" in said and "group 0.lr" in said, failed
     assert failed[0]["details"]["reason"] == "a rank gave the recovery up"  # seen in the store, not at its exit
     assert not events(run, "recovery_settled")
-    assert [e["details"]["from_step"] for e in events(run, "resume")][-2:] == [40, 60]
+    # the failed recovery's survivors gave it up and left: the checkpoint of step 40; the fallback
+    # in step 70 saves the last completed step first (the just-in-time save), else step 60
+    resumed = [(e["details"]["tier"], e["details"]["from_step"]) for e in events(run, "resume")][-2:]
+    assert resumed[0] == ("persistent", 40) and (resumed[1] == ("persistent", 60) or resumed[1][0] == "jit"), resumed
     restarts, fallback = events(run, "group_restart"), events(run, "recovery_fallback")
     assert len(restarts) == 2 and len(fallback) == 1
     assert "an in-process recovery of this launch failed by the loop's shape" in fallback[0]["details"]["reason"]
