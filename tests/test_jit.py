@@ -314,3 +314,13 @@ def test_the_readme_plain_loop_restarts_from_the_last_completed_step_bitwise(tmp
     saved = [e["details"] for e in events(run, "checkpoint_committed") if e["details"].get("kind") == "jit"]
     assert saved and saved[0]["composed"] == [0], saved
     assert final_hash(run) == clean
+
+
+def test_incomplete_copies_newer_than_the_resume_are_set_aside(tmp_path):
+    """A step some rank has no copy of is not resumed from, and its copies are set aside at that
+    resume: a later failure's copies of the same step are never completed with them."""
+    store = JitStore(tmp_path / "jit")
+    store.write(0, 30, _model_bytes(1.0), {"step": 30}, {"world_size": 2})  # rank 1 had none of step 30
+    assert choose([store.steps(r, "full", 2) for r in (0, 1)]) is None
+    store.discard(0, newer_than=20, why="not resumed from")  # what Checkpointer.find_resume does on each rank
+    assert store.steps(0, "full", 2) == [] and list((tmp_path / "jit" / "rank-00000").glob(".rolledback-*"))

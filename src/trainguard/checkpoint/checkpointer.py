@@ -534,6 +534,9 @@ class Checkpointer:
         step = jit.choose(tgdist.gather_objects(mine))  # a group restart's just-in-time copies
         if step is not None and (point is None or step > point.step):
             point = ResumePoint("jit", step)
+        # copies newer than where the run goes on belong to an abandoned trajectory (some rank had
+        # none of their step): set aside, so a later restart never mixes them with newer ones
+        self.jit.discard(self.world.rank, newer_than=point.step if point is not None else 0, why="not resumed from")
         return point
 
     def path_of(self, point: ResumePoint) -> Path:
