@@ -175,7 +175,9 @@ def test_consecutive_nans_roll_back_with_lr_ramp_and_data_skip_and_survive_a_res
     # the same run with rank 1 killed at step 36 of the re-run (no checkpoint since the rollback):
     # the restart resumes from step 20, applies the recorded skip and ramp, and ends identical
     again = tmp_path / "again"
-    assert run_worker(again, *cfg, inject=(nans, "rank_killed:rank=1,step=36")) == 0, log(again)
+    # (without the just-in-time save, which would resume from step 35 of the re-run instead)
+    jit_off = "checkpoint.jit.enabled=false"
+    assert run_worker(again, *cfg, jit_off, inject=(nans, "rank_killed:rank=1,step=36")) == 0, log(again)
     (resumed,) = events(again, "rollback_resumed")
     assert resumed["details"]["skipped_window"] == [21, 40]
     assert len(events(again, "workers_started")) == 2

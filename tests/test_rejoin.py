@@ -487,8 +487,8 @@ def test_second_kill_during_recovery_falls_back_to_group_restart(tmp_path, clean
     ]
     assert len(fallback) == 1 and "still forming" in fallback[0]["details"]["reason"], seen
     assert len(events(run, "group_restart")) == 1 and not events(run, "generation_joined")
-    resumed = events(run, "resume")
-    assert [e["details"]["from_step"] for e in resumed] == [70]
+    resumed = [e["details"] for e in events(run, "resume")]  # the checkpoint, or the last completed step
+    assert len(resumed) == 1 and (resumed[0]["from_step"] == 70 or resumed[0]["tier"] == "jit"), resumed
     assert final_hash(run) == clean_hash(STEPS)
 
 

