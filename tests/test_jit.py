@@ -221,8 +221,11 @@ def test_a_save_past_its_bound_is_abandoned_and_the_restart_resumes_from_the_new
     assert p.wait(timeout=200) == 0, Path(f"{run}.log").read_text()[-3000:]
     resumes = _resumes(run)
     assert len(resumes) == 1 and resumes[0]["tier"] == "persistent" and resumes[0]["from_step"] == 20, resumes
+    # the rank gave its copy up at its bound, or (the launcher's wait has the same tiny bound) the
+    # launcher stopped it first, mid-copy: either way nothing of the copy is visible
     failed = events(run, "jit_save_failed")
-    assert failed and "bound" in json.dumps(failed[0]["details"]), failed
+    said = json.dumps(failed[0]["details"]) if failed else ""
+    assert "bound" in said or "no rank answered" in said, failed
     jit = run / "checkpoints" / "jit"
     assert not list(jit.glob("rank-*/step-*")) and not list(jit.glob("rank-*/.tmp-*")), list(jit.rglob("*"))
     assert final_hash(run) == clean_hash(40)
