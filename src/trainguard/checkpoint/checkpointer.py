@@ -536,7 +536,9 @@ class Checkpointer:
             point = ResumePoint("jit", step)
         # copies newer than where the run goes on belong to an abandoned trajectory (some rank had
         # none of their step): set aside, so a later restart never mixes them with newer ones
-        self.jit.discard(self.world.rank, newer_than=point.step if point is not None else 0, why="not resumed from")
+        newer = point.step if point is not None else 0  # (copies made for another world size stay untouched)
+        if any(s > newer for s in mine):
+            self.jit.discard(self.world.rank, newer_than=newer, why="not resumed from")
         return point
 
     def path_of(self, point: ResumePoint) -> Path:
