@@ -47,30 +47,14 @@ def main() -> int:
     if args.smoke:
         args.shapes, args.steps, args.trials = "resume_barrier", 40, 1
     names = [s for s in args.shapes.split(",") if s]
-    unknown = [s for s in names if s not in drive.SHAPES]
+    unknown = drive.unknown_shapes(names)
     if unknown:
         print(f"zoo_kills: error: unknown shape(s) {unknown}; known: {', '.join(drive.SHAPES)}", file=sys.stderr)
         return 2
     base = Path(tempfile.mkdtemp(prefix="zoo-kills-"))
-    rows, failed = [], False
-    for n, name in enumerate(names):
-        shape = drive.SHAPES[name]
-        clean = drive.clean_run(shape, base / name / "clean", steps=args.steps)
-        if clean is None:
-            print(f"{name}: the uninterrupted run failed: {base / name / 'clean'}.log", flush=True)
-            failed = True
-            continue
-        arms: dict[str, list[drive.Trial]] = {"in-process": [], "restart": []}
-        for i in range(args.trials):
-            seed = args.seed * 100_000 + n * 100 + i
-            for arm, settings in (("in-process", ()), ("restart", drive.RESTART)):
-                t = drive.fault_trial(
-                    shape, base / name / f"{arm}-{i}", seed, settings=settings, clean=clean, steps=args.steps
-                )
-                arms[arm].append(t)
-                failed |= t.code != 0
-        rows.append((name, arms))
-        print(f"{name}: done", flush=True)
+    rows, failed = drive.kill_arms(
+        names, {"in-process": (), "restart": drive.RESTART}, base, args.trials, args.steps, args.seed
+    )
 
     def med(trials: list[drive.Trial], key: str) -> float:
         values = [getattr(t, key) for t in trials if getattr(t, key) == getattr(t, key)]

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,11 @@ class _Net(torch.nn.Module):
         return self.bn(self.lin(x))
 
 
-def _rank(tmp_path: Path, step: list[int]) -> tuple[JitSave, _Net, torch.optim.Optimizer]:
+@pytest.fixture
+def rank(tmp_path: Path):
+    """One rank's :class:`JitSave` over a model with BatchNorm buffers and AdamW states after one
+    update: ``(jit, net, opt, mark)`` (``mark(n)``: step ``n`` completed), closed after the test."""
+    step = [0]
     torch.manual_seed(0)
     net = _Net()
     opt = torch.optim.Adam(net.parameters(), lr=0.1)
@@ -93,53 +98,46 @@ def _rank(tmp_path: Path, step: list[int]) -> tuple[JitSave, _Net, torch.optim.O
         lambda: step[0] + 1,
         lambda: 30.0,
     )
-    return jit, net, opt
+
+    def mark(n: int) -> None:
+        step[0] = n
+        jit.mark(n)
+
+    yield jit, net, opt, mark
+    jit.close()
 
 
-def test_a_rank_saves_the_boundarys_state_not_the_next_steps_forward(tmp_path):
-    step = [1]
-    jit, net, opt = _rank(tmp_path, step)
-    try:
-        jit.mark(1)
-        at_boundary = {k: v.clone() for k, v in net.state_dict().items()}
-        net(torch.randn(4, 3)).sum().backward()  # the next step's forward moves the BatchNorm statistics
-        result = jit.save("test")
-        assert result["step"] == 1, result
-        saved = JitStore(tmp_path / "jit").load(0, 1)
-        assert all(torch.equal(saved["model"][k], v) for k, v in at_boundary.items())
-        assert json.loads(result_path(tmp_path / "attempt", 0).read_text())["step"] == 1
-    finally:
-        jit.close()
+def test_a_rank_saves_the_boundarys_state_not_the_next_steps_forward(tmp_path, rank):
+    jit, net, _, mark = rank
+    mark(1)
+    at_boundary = {k: v.clone() for k, v in net.state_dict().items()}
+    net(torch.randn(4, 3)).sum().backward()  # the next step's forward moves the BatchNorm statistics
+    result = jit.save("test")
+    assert result["step"] == 1, result
+    saved = JitStore(tmp_path / "jit").load(0, 1)
+    assert all(torch.equal(saved["model"][k], v) for k, v in at_boundary.items())
+    assert json.loads(result_path(tmp_path / "attempt", 0).read_text())["step"] == 1
 
 
-def test_a_rank_whose_optimizer_step_began_gives_no_copy(tmp_path):
-    step = [1]
-    jit, net, opt = _rank(tmp_path, step)
-    try:
-        jit.mark(1)
-        net(torch.randn(4, 3)).sum().backward()
-        opt.step()  # the next step's update: the state is no longer step 1's
-        result = jit.save("test")
-        assert "step" not in result and "changed since step 1" in result["none"], result
-        assert JitStore(tmp_path / "jit").of(0).committed() == []
-    finally:
-        jit.close()
+def test_a_rank_whose_optimizer_step_began_gives_no_copy(tmp_path, rank):
+    jit, net, opt, mark = rank
+    mark(1)
+    net(torch.randn(4, 3)).sum().backward()
+    opt.step()  # the next step's update: the state is no longer step 1's
+    result = jit.save("test")
+    assert "step" not in result and "changed since step 1" in result["none"], result
+    assert JitStore(tmp_path / "jit").of(0).committed() == []
 
 
-def test_the_launchers_request_is_answered_by_the_ranks_thread(tmp_path):
-    step = [3]
-    jit, _, _ = _rank(tmp_path, step)
-    try:
-        jit.mark(3)
-        (tmp_path / "attempt" / REQUEST).write_text("{}")
-        answer = result_path(tmp_path / "attempt", 0)
-        for _ in range(500):  # the thread polls every 20 ms
-            if answer.exists():
-                break
-            jit._stop.wait(0.02)
-        assert json.loads(answer.read_text())["step"] == 3
-    finally:
-        jit.close()
+def test_the_launchers_request_is_answered_by_the_ranks_thread(tmp_path, rank):
+    _, _, _, mark = rank
+    mark(3)
+    (tmp_path / "attempt" / REQUEST).write_text("{}")
+    answer = result_path(tmp_path / "attempt", 0)
+    deadline = time.monotonic() + 30  # the thread polls every 20 ms
+    while not answer.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert json.loads(answer.read_text())["step"] == 3
 
 
 # ---------------------------------------------------------------------------------------------

@@ -342,3 +342,37 @@ def resume_trial(shape: Shape, run: Path, seed: int, how: str, clean: Optional[s
     result.said = [e["details"]["cause"] for e in read_events(run, "resume_not_bitwise") if e["time"] not in before]
     result.bitwise = clean is not None and hash_of(Path(f"{run}.hash")) == clean
     return result
+
+
+def kill_arms(
+    names: list[str], arms: dict[str, tuple[str, ...]], base: Path, trials: int, steps: int, seed: int
+) -> tuple[list[tuple[str, dict[str, list[Trial]]]], bool]:
+    """For each shape of ``names``: its uninterrupted run, then ``trials`` seeded kills, each in
+    every arm of ``arms`` (``{arm: settings}``) in turn, so the arms see the same kill and the
+    same load; runs under ``base``. Returns ``([(shape, {arm: trials})], whether a launch failed)``
+    (a shape whose uninterrupted run failed is left out, and said)."""
+    rows, failed = [], False
+    for n, name in enumerate(names):
+        shape = SHAPES[name]
+        clean = clean_run(shape, base / name / "clean", steps=steps)
+        if clean is None:
+            print(f"{name}: the uninterrupted run failed: {base / name / 'clean'}.log", flush=True)
+            failed = True
+            continue
+        done: dict[str, list[Trial]] = {arm: [] for arm in arms}
+        for i in range(trials):
+            trial_seed = seed * 100_000 + n * 100 + i
+            for arm, settings in arms.items():
+                t = fault_trial(
+                    shape, base / name / f"{arm}-{i}", trial_seed, settings=settings, clean=clean, steps=steps
+                )
+                done[arm].append(t)
+                failed |= t.code != 0
+        rows.append((name, done))
+        print(f"{name}: done", flush=True)
+    return rows, failed
+
+
+def unknown_shapes(names: list[str]) -> list[str]:
+    """The names of ``names`` that are no shape of :data:`SHAPES`."""
+    return [s for s in names if s not in SHAPES]
