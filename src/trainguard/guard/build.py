@@ -1,7 +1,7 @@
 """The order the Guard's parts are built in (:func:`build`), into a :class:`~.parts.Parts`.
 
 Each part is built once, from its own config section, the run's :class:`~.context.Context` and the
-parts it acts on, in seven steps that read top to bottom, and registered as soon as it is built
+parts it acts on, in eight steps that read top to bottom, and registered as soon as it is built
 (:meth:`~.parts.Parts.add`), so a failure part-way releases exactly what was built.
 """
 
@@ -99,6 +99,7 @@ def build(
     on_ping_failure = _on_ping_failure(p, ctx)  # given to the liveness ping, of the start and of each new group
     _recovery(p, ctx, launch, on_ping_failure)
     _flows(p, ctx, on_ping_failure)
+    _jit_save(p, ctx, launch)
     _install(p, ctx)
     _check(p, ctx)
 
@@ -283,20 +284,16 @@ def _flows(p: Parts, ctx: Context, on_ping_failure: Callable[[str], None]) -> No
     p.sdc_flow = SDCFlow(ctx, p.sdc_response, p.fold, p.rollbacks, p.stops, p.recovering, p.straggler)
     p.lifecycle = Lifecycle(ctx, p, on_ping_failure)
     p.boundary = Boundary(ctx, p)
-    p.jit = _jit_save(p, ctx)
-    if p.jit is not None:
-        jit = p.jit
-        p.on_release(lambda: jit.close(failed=not p.collective))
 
 
-def _jit_save(p: Parts, ctx: Context) -> Optional[JitSave]:
+def _jit_save(p: Parts, ctx: Context, launch: LaunchEnv) -> None:
     """This rank's just-in-time save (``[checkpoint.jit]``), where it applies: under ``trainguard
     run`` with the hang supervisor (the launcher's request goes through its node-local directory),
     more than one rank, a replicated model, no framework's own checkpoint files. Rank 0 says once
     why not, where it was asked for and cannot apply."""
-    cfg, s, world, launch = ctx.cfg, ctx.script, ctx.world, LaunchEnv.from_environ()
+    cfg, s, world = ctx.cfg, ctx.script, ctx.world
     if not cfg.checkpoint.jit.enabled or launch.heartbeat_dir is None or world.world_size < 2:
-        return None
+        return
     why = None
     if sharded.is_sharded(s.model):
         why = (
@@ -307,14 +304,14 @@ def _jit_save(p: Parts, ctx: Context) -> Optional[JitSave]:
     if why is not None:
         if world.rank == 0:
             console.say(f"just-in-time save off: {why}")
-        return None
+        return
     timeout, ckpt = cfg.checkpoint.jit.timeout, p.ckpt
 
     def bound() -> float:  # 2 s + 3 x the measured write time of this run's checkpoints, at most the timeout
         return min(timeout, 2.0 + 3.0 * ckpt.estimated_save_seconds())
 
     directory = attempt_dir(launch.heartbeat_dir, launch.restart_count) / "jit"
-    return JitSave(
+    jit = JitSave(
         directory,
         JitStore(p.store.root / DIRNAME),
         world.rank,
@@ -326,6 +323,7 @@ def _jit_save(p: Parts, ctx: Context) -> Optional[JitSave]:
         ctx.in_progress,
         bound,
     )
+    p.jit = p.add(jit, close=lambda: jit.close(failed=not p.collective))  # (a failed rank's files stay)
 
 
 def _install(p: Parts, ctx: Context) -> None:
