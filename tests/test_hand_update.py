@@ -31,6 +31,9 @@ def test_an_unguarded_hand_update_restarts_the_group_says_why_and_ends_with_the_
     assert finish(proc) == 0, log()[-3000:]
     assert "the Guard was given no optimizer: a rank lost in a step is recovered in-process only where" in log()
     assert "in-process recovery does not apply to this loss: the Guard was given no optimizer" in log()
+    # nor the just-in-time save: an update through .data would pass for the boundary's state
+    assert "just-in-time save off: no torch optimizer was given to the Guard" in log()
+    assert not [e for e in events(run, "resume") if e["details"]["tier"] == "jit"]
     assert not events(run, "recovery_finished") and events(run, "group_restart")
     assert final_hash(run) == clean
 

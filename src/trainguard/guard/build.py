@@ -301,6 +301,11 @@ def _jit_save(p: Parts, ctx: Context, launch: LaunchEnv) -> None:
         )
     elif s.checkpoint_files is not None:
         why = "the framework writes checkpoint files of its own, which a just-in-time copy would lack"
+    elif s.optimizer is None:  # an update by hand through .data moves no version counter: a torn state would pass
+        why = (
+            "no torch optimizer was given to the Guard (a hand-written update cannot be told apart from the "
+            "step boundary's state); pass optimizer= to have the last completed step saved at a group restart"
+        )
     if why is not None:
         if world.rank == 0:
             console.say(f"just-in-time save off: {why}")
