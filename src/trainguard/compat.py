@@ -166,6 +166,13 @@ MEMBERS: tuple[Private, ...] = (
     Private(
         "torch", "_dynamo", ("rejoin/replacement.py",), "fallback: a warm spare imports it later, at DDP's constructor"
     ),
+    # the autograd engine's final callbacks: a rolled-forward recovery meets at the end of a backward pass
+    Private(
+        "torch.autograd.Variable",
+        "_execution_engine",
+        ("rejoin/forward.py",),
+        "fallback: [recovery] roll_forward is declined at start (said); a lost peer's step is done again",
+    ),
     # a data loader's iterator: a step done again gets the interrupted attempt's batches back
     Private(
         DATALOADER,
@@ -517,6 +524,13 @@ def preload_dynamo() -> None:
         importlib.import_module("torch._dynamo")
     except ImportError:
         pass
+
+
+def backward_engine() -> Optional[Any]:
+    """The autograd engine whose ``queue_callback(fn)`` runs ``fn`` once the running backward pass
+    ends (after the callbacks queued before it: DDP's reducer finalizes the gradients in one),
+    ``None`` where torch lacks it (roll forward is then declined)."""
+    return getattr(torch.autograd.Variable, "_execution_engine", None)
 
 
 def dataloader_iterator_class() -> Optional[type]:

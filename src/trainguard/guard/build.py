@@ -29,6 +29,7 @@ from ..outcomes import BadInput
 from ..rejoin import sharded
 from ..rejoin.auth import report_forged
 from ..rejoin.catch import Catch, take_handed
+from ..rejoin.forward import RollForward
 from ..rejoin.protocol import is_peer_failure
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.shards import ShardSnapshots
@@ -101,6 +102,7 @@ def build(
     _flows(p, ctx, on_ping_failure)
     _jit_save(p, ctx, launch)
     _install(p, ctx)
+    _roll_forward(p, ctx)
     _check(p, ctx)
 
 
@@ -355,6 +357,36 @@ def _install(p: Parts, ctx: Context) -> None:
             )
     if catching:
         p.inprocess.catch_collectives(ctx.in_progress)
+
+
+def _roll_forward(p: Parts, ctx: Context) -> None:
+    """``[recovery] roll_forward`` (:mod:`~trainguard.rejoin.forward`) where it applies: in-process
+    recovery on more than one rank, trainguard's DDP hook installed and reducing the buckets itself,
+    the script's own loop (not a framework's), and a torch that shows the autograd engine's final
+    callbacks. Rank 0 says once why not, where it was asked for and cannot apply."""
+    cfg, s, world = ctx.cfg, ctx.script, ctx.world
+    if not cfg.recovery.roll_forward or not p.rejoin.active or world.world_size < 2:
+        return
+    why = None
+    if s.framework or s.redo_in_step:
+        why = f"{s.framework or 'a framework'}'s loop runs the step (its own state around the backward)"
+    elif not RollForward.available():
+        why = f"torch {torch.__version__} does not show the autograd engine's final callbacks"
+    else:
+        rejoin = p.rejoin
+
+        def failed_in_backward() -> bool:
+            return rejoin.failure is not None and rejoin.failure.during == "backward"
+
+        forward = p.ddp.roll_forward(ctx.in_progress, failed_in_backward)
+        if forward is None:
+            why = "the model is not a DDP model whose gradients trainguard's communication hook reduces"
+        else:
+            forward.on_lost = p.recovering.roll_forward
+            forward.on_caught_up = p.recovering.caught_up
+            p.recovering.forward = forward
+    if why is not None and world.rank == 0:
+        console.say(f"[recovery] roll_forward does not apply: {why}; a lost peer's step is done again")
 
 
 def _check(p: Parts, ctx: Context) -> None:

@@ -20,6 +20,7 @@ from .. import compat, console
 from ..instability.fold import LossFold
 from ..rejoin.buffers import BufferSync, has_buffers
 from ..rejoin.catch import Catch, DDPHook, is_own_hook
+from ..rejoin.forward import RollForward
 from ..rejoin.rank import Rejoin
 from ..rejoin.stepstart import StepStart
 
@@ -118,6 +119,19 @@ class DDPCommHook:
             )
         return carries
 
+    def roll_forward(
+        self, step_in_progress: Callable[[], int], failed_in_backward: Callable[[], bool]
+    ) -> Optional[RollForward]:
+        """Roll a lost peer's step forward at the end of its backward pass
+        (:mod:`~trainguard.rejoin.forward`): the hook keeps each bucket's input from now on.
+        ``None`` and nothing done: trainguard's hook is not installed or the script's own hook
+        reduces the buckets (their inputs are not trainguard's to send again)."""
+        if self.hook is None or self.hook.delegate is not None:
+            return None
+        hooked = self.hook
+        self.hook.forward = RollForward(step_in_progress, failed_in_backward, hooked.group, hooked.reduced)
+        return self.hook.forward
+
     def _script_hook(self, state: Any, hook: Callable) -> None:
         """``model.register_comm_hook(state, hook)`` called by the script after the Guard: trainguard's
         hook calls ``hook`` from the next backward on (DDP takes one hook per model)."""
@@ -129,6 +143,13 @@ class DDPCommHook:
 
     def _delegate(self, hook: Callable, state: Any) -> None:
         self.hook.delegate = (hook, state)
+        if self.hook.forward is not None:  # registered after the Guard: its buckets are not ours to send again
+            self.hook.forward = None
+            if self.rejoin.rank == 0:
+                console.say(
+                    "[recovery] roll_forward no longer applies: the script's own DDP communication hook reduces "
+                    "the buckets; a lost peer's step is done again"
+                )
         if self.rejoin.rank == 0:
             name = getattr(hook, "__qualname__", type(hook).__name__)
             console.say(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -23,6 +24,7 @@ from .. import dist as tgdist
 from ..instability.fold import LossFold
 from ..rejoin import abort, regroup, sever, sharded
 from ..rejoin.align import SHOULD_STEP, wait_bound
+from ..rejoin.forward import RollForward
 from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.shards import ShardSnapshots
@@ -222,15 +224,86 @@ class InProcess:
             RegroupError: the model cannot be moved to a new group, or the interrupted step's update
                 may have been applied by the loop itself (:meth:`.StepStart.unguarded_update`).
         """
+        self._started(place)
+        why = self.step_start.unguarded_update() if self.step_start is not None and not self.sharded else None
+        if why is not None and not self.step_start.applied:
+            console.say(f"in-process recovery does not apply to this loss: {why}; the group restarts")
+            raise regroup.RegroupError(why)
+
+    def _started(self, place: Place) -> None:
+        """The ``recovery_started`` event; the model must be movable to a new group.
+
+        Raises:
+            RegroupError: it is not (:func:`~trainguard.rejoin.regroup.check_rebindable`).
+        """
         failure = self.rejoin.failure
         self.events.emit(
             "recovery_started", failure.step, rank=place.rank, during=failure.during, error=str(failure.error)[:300]
         )
         regroup.check_rebindable(self.model)
-        why = self.step_start.unguarded_update() if self.step_start is not None and not self.sharded else None
-        if why is not None and not self.step_start.applied:
-            console.say(f"in-process recovery does not apply to this loss: {why}; the group restarts")
-            raise regroup.RegroupError(why)
+
+    def roll_forward(self, place: Place, forward: RollForward) -> Met:
+        """A peer was lost in this step's gradient buckets and the backward pass is over
+        (:mod:`~trainguard.rejoin.forward`): meet its replacement in the launcher's next
+        generation, send it the state of the last step boundary (this rank's model and optimizer
+        have not moved since; its buffers as the step started), and all-reduce the step's passes
+        again over the new group. The loop goes on inside its step: nothing of it is rewound.
+        Call with the old group's ping stopped and no save in flight (started or not: the
+        ``recovery_started`` event is written here).
+
+        Raises:
+            the collective's error: no new generation within ``[recovery] timeout``.
+            RegroupError: the group changes size (a shrink or a growth meets no replacement), the
+                survivors stopped at different passes, this rank was fenced out, or the model
+                cannot be moved (every rank raises alike; the launcher restarts the group).
+        """
+        self._started(place)
+        gen = self.rejoin.wait_generation()
+        if place.rank in gen.replaced:
+            raise regroup.RegroupError(
+                f"rank {place.rank} was replaced in generation {gen.number} (its node was called lost): not rejoining"
+            )
+        if gen.left or gen.grown:
+            raise regroup.RegroupError(
+                f"generation {gen.number} changes the group's size: a step rolled forward meets replacements only"
+            )
+        self.rejoin.store.survivors_at(gen.number, place.step)
+        self.rejoin.store.survivors_step_time(gen.number, place.step_seconds)
+        regroup.release_ddp(self.model)
+        self._abort_old(gen)
+        regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout, **abort.init_options(self.backend))
+        regroup.rebind_ddp(self.model, self.bucket_layout())
+        self._regrouped()
+        buffers = self.ddp.buffer_sync
+        with buffers.at_step_start() if buffers is not None else nullcontext():
+            met = self._meet(gen, place, passes=len(forward.passes))
+        forward.reduce_again()
+        n = len(forward.passes)
+        said = (
+            f"nothing done again: the replacement ran step {place.step + 1} from the boundary and met the survivors "
+            f"at the end of its backward pass{f' {n}' if n > 1 else ''}, where the gradients were all-reduced again"
+        )
+        self.progress.settle(gen, met, steps_lost=0, redo_step=None, said=said, align=False)
+        return met
+
+    def caught_up(self, step_in_progress: Callable[[], int]) -> None:
+        """A replacement met the survivors at the end of a backward pass of its first step
+        (``step_in_progress()``; rolled forward): its script's collectives are caught from now on;
+        those it ran alone before (:attr:`Catch.alone`: the survivors had their results) make its
+        step differ, said."""
+        alone, step = sorted(set(self.catch.alone)), step_in_progress()
+        # a reducer built afresh here, as the survivors' was at the meeting: DDP rebuilds its buckets
+        # (a broadcast in a forward) after a fresh reducer's first backward, the same forward on every rank
+        regroup.rebind_ddp(self.model, self.bucket_layout())
+        self.arm_catch(step_in_progress)
+        if alone:
+            cause = (
+                f"the replacement of rank {self.rejoin.rank} ran {', '.join(alone)} alone in step {step} before it met "
+                "the survivors at the end of the step's backward pass: the survivors had the group's result, it had "
+                "its own value"
+            )
+            self.events.emit("resume_not_bitwise", step, rank=self.rejoin.rank, cause=cause)
+            console.warn(f"a resume cannot be bitwise identical: {cause}")
 
     def recover(self, place: Place, redo: bool, take_completed: bool = True) -> Met:
         """A peer was lost in this step: meet its replacement in the launcher's next generation and
@@ -342,10 +415,11 @@ class InProcess:
         its collectives are compared with the survivors' until they line up (:mod:`~trainguard.rejoin.align`)."""
         self.rejoin.store.joined(met.gen.number, met.place.rank)
         self.progress.met(met.gen.number, met.place.step)
-        wait = wait_bound(self.transfer.survivors_step_seconds)
-        self.catch.align.replacement(
-            self.rejoin.store, met.gen.number, met.place.step, met.place.rank, wait, self._alone
-        )
+        if not met.ahead:  # rolled forward: its collectives meet the survivors' at the backward pass's end
+            wait = wait_bound(self.transfer.survivors_step_seconds)
+            self.catch.align.replacement(
+                self.rejoin.store, met.gen.number, met.place.step, met.place.rank, wait, self._alone
+            )
         said = dict(rank=met.place.rank, generation=met.gen.number, pid=os.getpid(), seconds=round(seconds, 4))
         if met.place.rank in met.gen.grown:
             self.events.emit("rank_joined", met.place.step, **said)
@@ -386,7 +460,12 @@ class InProcess:
         return replace(place, rank=rank, world_size=gen.world_size, hosts=tuple(hosts))
 
     def _meet(
-        self, gen: Generation, place: Place, kept: Optional[dict[int, dict]] = None, current: Optional[dict] = None
+        self,
+        gen: Generation,
+        place: Place,
+        kept: Optional[dict[int, dict]] = None,
+        current: Optional[dict] = None,
+        passes: int = 0,
     ) -> Met:
         """Both sides of a recovery, in the same order: agree on the survivors' step boundary (a
         replacement, with the lost rank's ``kept`` boundaries, takes the one of that step), move the
@@ -399,12 +478,23 @@ class InProcess:
         their own state at its end, :meth:`recover`) then take the completed step from the
         lowest rank that has it, as a replacement does: nothing is redone.
 
+        ``passes``: a survivor that rolls the step forward (:meth:`roll_forward`): the backward
+        passes of the step it all-reduces again; 0: none. A replacement learns it
+        (:attr:`Met.ahead`).
+
         Raises:
-            RegroupError: the survivors are more than one step apart, or the lost rank kept none of theirs.
+            RegroupError: the survivors are more than one step apart, the lost rank kept none of
+                theirs, or they stopped at different passes (some roll forward, others not).
         """
         joining = kept is not None
-        agreed = tgdist.all_reduce_max([-1, -(1 << 62)] if joining else [place.step, -place.step])
+        none = -(1 << 62)
+        agreed = tgdist.all_reduce_max([-1, none, 0, none] if joining else [place.step, -place.step, passes, -passes])
         step, lowest = agreed[0], -agreed[1]
+        if agreed[2] != -agreed[3]:
+            raise regroup.RegroupError(
+                f"the survivors stopped at different backward passes of the step ({-agreed[3]} to {agreed[2]} "
+                "passes to all-reduce again; 0: the step is done again): one replacement cannot meet them all"
+            )
         behind = not joining and place.step < step
         refused = tgdist.all_reduce_max(
             [int(joining and step not in kept and place.rank not in gen.grown), int(behind and current is None)]
@@ -420,7 +510,7 @@ class InProcess:
             src = -tgdist.all_reduce_max([-place.rank if not joining and not behind else -(1 << 62)])[0]
         if gen.replaced or src is not None:
             place = self.transfer.move(gen, place, step, kept, src, current if behind else None)
-        return self._on_new_group(gen, place)
+        return replace(self._on_new_group(gen, place), ahead=agreed[2])
 
     def _alone(self, mine: str, theirs: str) -> None:
         """A replacement ran the collective at ``mine`` alone: the survivors wait at ``theirs``."""

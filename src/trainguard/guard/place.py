@@ -39,9 +39,12 @@ class Place:
 class Met:
     """The outcome of a recovery, a growth or a join: the rank's new :class:`Place`, the liveness
     ping started on the new group (``None``: no ping), the generation, and whether the abandoned
-    step is done again (``redo``: the Guard's ``steps()`` yields it again)."""
+    step is done again (``redo``: the Guard's ``steps()`` yields it again); a replacement: the
+    backward passes of its first step it all-reduces again with survivors that rolled the step
+    forward (``ahead``, :mod:`~trainguard.rejoin.forward`; 0: none)."""
 
     place: Place
     ping: Optional[LivenessPing]
     gen: Generation
     redo: bool = False
+    ahead: int = 0

@@ -83,17 +83,21 @@ class Progress:
         newcomer that joined): its first completed step tells the launcher."""
         self._stepping = (number, step)
 
-    def settle(self, gen: Generation, met: Met, steps_lost: int, redo_step: Optional[int], said: str) -> None:
+    def settle(
+        self, gen: Generation, met: Met, steps_lost: int, redo_step: Optional[int], said: str, align: bool = True
+    ) -> None:
         """A survivor met ``gen``: the recovery is finished once the group completes a step with it
         (:meth:`step_completed`); the lowest survivor names its first collective from now on
         (:mod:`~trainguard.rejoin.align`). ``steps_lost``: completed steps trained again;
-        ``redo_step``: the step done again, ``None`` if none; ``said``: the console's words then."""
+        ``redo_step``: the step done again, ``None`` if none; ``said``: the console's words then;
+        ``align``: the survivors' next collective is named for a replacement to line up with
+        (``False``: a step rolled forward, where the ranks meet at a backward pass's end)."""
         lowest = min(set(range(met.place.world_size)) - set(gen.replaced))
         self._stepping = (gen.number, met.place.step)
         self._unsettled = Unsettled(
             gen, met.place.step, steps_lost, redo_step, self.rejoin.failure.at, said if met.place.rank == lowest else ""
         )
-        if gen.replaced:
+        if gen.replaced and align:
             self.align.survivor(
                 self.rejoin.store, gen.number, met.place.step, lowest=met.place.rank == lowest, rank=met.place.rank
             )

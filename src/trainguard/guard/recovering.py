@@ -6,10 +6,11 @@ ping, a save in flight, the state of the replica check and of a step re-run)."""
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from ..health.straggler import StragglerDetector
 from ..instability.recovery import Recovery
+from ..rejoin.forward import RollForward
 from ..rejoin.rank import Rejoin
 from ..stop.signals import ShutdownHandler
 from .context import Context
@@ -76,6 +77,8 @@ class Recovering:
         self.recovery, self.sdc, self.reruns, self.shutdown = recovery, response.check, response.reruns, shutdown
         self.section, self.redo_in_step = ctx.section, ctx.script.redo_in_step
         self.arm_at_step = False  # a replacement catches the script's collectives from its first step
+        # [recovery] roll_forward where it applies (the Guard's build sets it: trainguard.rejoin.forward)
+        self.forward: Optional[RollForward] = None
 
     def recoverable(self, where: str, step: Optional[int] = None) -> Caught:
         """``with recovering.recoverable("checkpointing") as lost: ...``: a lost peer in the block
@@ -116,13 +119,31 @@ class Recovering:
         """
         with self.section("recovery"):
             self.inprocess.started(self.place())
-            if self.world.ping is not None:  # its group lost the peer too
-                self.world.ping.abandon()
-                self.world.ping = None
-            self.commits.wait()
-            self.take(self.inprocess.recover(self.place(), redo, take_completed))
-            self.reruns.forget()  # a replacement knows of no re-run in progress
-            self.sdc.forget()  # nor of a replica check stashed at the step before
+            self._meeting(lambda: self.inprocess.recover(self.place(), redo, take_completed))
+
+    def roll_forward(self, passes: int) -> None:
+        """A peer was lost in this step's gradient buckets; the backward pass is over (called by
+        :class:`~trainguard.rejoin.forward.RollForward`, from the autograd engine, inside the
+        script's ``loss.backward()``): stop the ping, finish a save in flight, meet the replacement
+        there (:meth:`InProcess.roll_forward`); the loop goes on with the step's gradients.
+
+        Raises:
+            as :meth:`InProcess.roll_forward` (out of ``loss.backward()``: this rank exits and the
+                launcher restarts the group).
+        """
+        with self.section("recovery"):
+            self._meeting(lambda: self.inprocess.roll_forward(self.place(), self.forward))
+
+    def _meeting(self, meet: Callable[[], Met]) -> None:
+        """Around a survivor's meeting: the old group's ping abandoned, a save in flight finished;
+        the place it ends with taken; the step re-run and replica check forgotten."""
+        if self.world.ping is not None:  # its group lost the peer too
+            self.world.ping.abandon()
+            self.world.ping = None
+        self.commits.wait()
+        self.take(meet())
+        self.reruns.forget()  # a replacement knows of no re-run in progress
+        self.sdc.forget()  # nor of a replica check stashed at the step before
         self.shutdown.deadline_timer.cancel()  # armed by the ping's failure
 
     def after_update(self) -> None:
@@ -146,12 +167,19 @@ class Recovering:
         t0 = time.monotonic()
         met = self.inprocess.join(self.place())
         self.take(met)
-        # the script's collectives before its first step (a framework's set-up after this) complete alone
-        self.arm_at_step = True
+        if met.ahead:  # the survivors rolled the step forward: they wait at its backward pass's end
+            self.forward.ahead = met.ahead
+        else:  # the script's collectives before its first step (a framework's set-up after this) complete alone
+            self.arm_at_step = True
         self.recovery.rejoined()
         self.inprocess.keep_boundary(self.world.step)
         self.inprocess.joined(met, time.monotonic() - t0)
         return time.perf_counter()
+
+    def caught_up(self) -> None:
+        """A replacement met the survivors at the end of its first step's backward pass (rolled
+        forward): :meth:`InProcess.caught_up`."""
+        self.inprocess.caught_up(lambda: self.world.step + 1)
 
     def step_begin(self, step: int) -> None:
         """Step ``step`` begins (the Guard's component protocol): :meth:`catch_peers`."""

@@ -27,14 +27,15 @@ changes them in its forward. Two things follow for in-process recovery:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .align import DDP_FORWARD
-from .catch import CATCHING, Catch
+from .catch import CATCHING, LOCAL, Catch
 
 
 def has_buffers(model: torch.nn.Module) -> bool:
@@ -83,6 +84,23 @@ class BufferSync:
             for same, flat in zip(groups, flats):
                 _unflatten(same, flat)
 
+    @contextmanager
+    def at_step_start(self) -> Iterator[None]:
+        """``with buffer_sync.at_step_start(): ...``: the buffers as the current step's first forward
+        started with them inside the block (a rolled-forward recovery sends them to a replacement,
+        which runs that forward again), as they are now after it."""
+        if self._start is None or self._fresh:
+            yield
+            return
+        now = [_flat(same) for same in self._start[0]]
+        self.restore()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for same, flat in zip(self._start[0], now):
+                    _unflatten(same, flat)
+
     def _before_forward(self, module: DDP, args: Any) -> None:
         first, self._fresh = self._fresh, False
         groups = _grouped(_buffers(module))
@@ -95,6 +113,8 @@ class BufferSync:
         (a peer was lost: in this broadcast, recorded, or earlier in the step)."""
         if self.catch.align.open:
             self.catch.align.at(DDP_FORWARD, alone_ok=False)
+        if self.catch.mode == LOCAL:  # a replacement before it met the survivors: they are not here
+            return None  # (its buffers came from them: the broadcast's result at the step's start)
         if self.catch.mode == CATCHING and self.catch.failed():
             return None  # a peer was lost in this step: the forward runs on this rank's own buffers
         try:

@@ -99,6 +99,9 @@ class Catch:
         failed: ``() -> bool``: whether a lost peer was recorded in the current step.
         tail: the step was abandoned and will be done again (:meth:`abandon_tail`): until the
             next step begins, the script's collectives complete on this rank alone.
+        alone: the script's collectives (but barriers) completed on this rank alone in
+            ``"local"`` mode since the current step began (``"dist.all_reduce"``, ...): their
+            results were this rank's own values.
     """
 
     def __init__(self, align: Optional[Alignment] = None) -> None:
@@ -113,6 +116,7 @@ class Catch:
         # detectors' values in its all-reduce (trainguard.instability.clipfold); None: torch's
         self.clip_fold: Optional[Callable] = None
         self._norms: list[Any] = []  # what clip_grad_norm_ returned in the current step (step_begin())
+        self.alone: list[str] = []  # the script's collectives completed alone ("local") in the current step
 
     def install(self) -> None:
         """Wrap the collectives in ``torch.distributed``'s namespace and ``clip_grad_norm_``
@@ -151,6 +155,7 @@ class Catch:
         (:meth:`abandon_tail`) is over."""
         self._norms = []
         self.tail = False
+        self.alone = []
 
     def close(self) -> None:
         """Put torch's functions back (:meth:`uninstall`) and end the alignment's window."""
@@ -196,6 +201,8 @@ class Catch:
             if self.mode == PASS or not _from_script(sys._getframe(1)):
                 return fn(*args, **kwargs)
             if self.mode == LOCAL or self.failed() or self.tail:
+                if self.mode == LOCAL and name != "barrier":  # a value it returns may not be the group's
+                    self.alone.append(f"dist.{name}")
                 return done(args, kwargs)
             align = self.align
             site = script_site(f"dist.{name}", sys._getframe(1)) if align.active else None
@@ -346,6 +353,9 @@ class DDPHook:
             called); settable later (a registration after the Guard's, :meth:`InProcess.hook_ddp`).
 
     Attributes:
+        forward: a :class:`~.forward.RollForward` (``[recovery] roll_forward``; set after the
+            hook is made): each bucket's input is kept, a pass's end is the meeting point, and
+            the buckets complete on this rank alone while it says so; ``None``: not rolling forward.
         layout: ``[[parameter index, ...] per bucket]`` in bucket order, as last seen (empty
             before the first backward).
         carrier: the index of the bucket that carries ``extra``'s values: 0 (the first DDP sends,
@@ -375,6 +385,7 @@ class DDPHook:
         # by hand for a model on the default group (the benchmarks' comm_hook_cost)
         self.group = group if group is not None else (lambda: dist.group.WORLD)
         self.delegate = delegate
+        self.forward: Any = None  # a RollForward (.forward) where [recovery] roll_forward applies
         self._index = {id(p): i for i, p in enumerate(params)}
         self._numel = [p.numel() for p in params]
         self.layout: list[list[int]] = []
@@ -396,10 +407,9 @@ class DDPHook:
             self.before_last()
         if self.catch.align.open:  # after a meeting: the survivors' first collective, or a replacement's check
             self.catch.align.at(DDP_BACKWARD, alone_ok=False)
-        if self.catch.failed():
-            done: torch.futures.Future = torch.futures.Future()
-            done.set_result(buf)
-            return done
+        forward = self.forward
+        if forward is None and self.catch.failed():
+            return _done(buf)
         if self.delegate is not None:
             return self._delegated(bucket, buf)
         group = self.group()
@@ -411,6 +421,12 @@ class DDPHook:
         # (other bits): the values go in a small all-reduce of their own, issued right after it
         inline = extra is not None and group.size() <= 2
         sent = torch.cat([buf, extra]) if inline else buf
+        if forward is not None:  # roll forward (.forward): the input kept, the meeting at the pass's end
+            forward.keep(bucket, sent, buf.numel(), None if inline else extra)
+            if bucket.is_last():
+                forward.pass_ends()
+            if forward.alone():
+                return _done(buf)
         # the process group's own all-reduce (a sum), as DDP's reducer calls it: c10d.all_reduce's
         # checks around it cost more than the call itself on a CPU-bound step
         fut = group.allreduce([sent]).get_future()
@@ -454,9 +470,7 @@ class DDPHook:
         except Exception as e:  # a hook that runs its collective synchronously
             if not self.catch.on_failure(e, "backward"):
                 raise
-            done: torch.futures.Future = torch.futures.Future()
-            done.set_result(buf)
-            return done
+            return _done(buf)
         return fut.then(reduced)
 
     def _note(self, bucket: Any) -> None:
@@ -467,6 +481,13 @@ class DDPHook:
             self._noting -= 1
             sizes = [sum(self._numel[p] for p in params) for params in self.layout]
             self.carrier = sizes.index(min(sizes))  # from the next backward pass on
+
+
+def _done(buf: torch.Tensor) -> torch.futures.Future:
+    """A bucket completed on this rank alone: a future of its buffer as it is."""
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(buf)
+    return done
 
 
 def is_own_hook(hook: Any) -> bool:
