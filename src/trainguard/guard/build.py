@@ -383,7 +383,7 @@ def _roll_forward(p: Parts, ctx: Context) -> None:
             why = "the model is not a DDP model whose gradients trainguard's communication hook reduces"
         else:
             forward.on_lost = p.recovering.roll_forward
-            forward.on_caught_up = p.recovering.caught_up
+            forward.on_met = p.recovering.met_pass
             p.recovering.forward = forward
     if why is not None and world.rank == 0:
         console.say(f"[recovery] roll_forward does not apply: {why}; a lost peer's step is done again")

@@ -119,6 +119,17 @@ class DDPCommHook:
             )
         return carries
 
+    def progress(self) -> tuple[int, int]:
+        """trainguard's hook's progress in noting the layout (:meth:`DDPHook.progress`; ``(0, 0)``
+        without the hook)."""
+        return self.hook.progress() if self.hook is not None else (0, 0)
+
+    def resume(self, progress: tuple[int, int], layout: Optional[list[list[int]]]) -> None:
+        """Stand where another rank's hook stood, with its layout (:meth:`DDPHook.resume`);
+        nothing without the hook."""
+        if self.hook is not None:
+            self.hook.resume(progress, layout)
+
     def roll_forward(
         self, step_in_progress: Callable[[], int], failed_in_backward: Callable[[], bool]
     ) -> Optional[RollForward]:

@@ -276,7 +276,7 @@ class InProcess:
         self._regrouped()
         buffers = self.ddp.buffer_sync
         with buffers.at_step_start() if buffers is not None else nullcontext():
-            met = self._meet(gen, place, passes=len(forward.passes))
+            met = self._meet(gen, place, passes=len(forward.passes), progress=forward.progress)
         forward.reduce_again()
         n = len(forward.passes)
         said = (
@@ -286,15 +286,29 @@ class InProcess:
         self.progress.settle(gen, met, steps_lost=0, redo_step=None, said=said, align=False)
         return met
 
-    def caught_up(self, step_in_progress: Callable[[], int]) -> None:
-        """A replacement met the survivors at the end of a backward pass of its first step
-        (``step_in_progress()``; rolled forward): its script's collectives are caught from now on;
-        those it ran alone before (:attr:`Catch.alone`: the survivors had their results) make its
-        step differ, said."""
-        alone, step = sorted(set(self.catch.alone)), step_in_progress()
-        # a reducer built afresh here, as the survivors' was at the meeting: DDP rebuilds its buckets
-        # (a broadcast in a forward) after a fresh reducer's first backward, the same forward on every rank
+    def resume_hook(self, progress: tuple[int, int]) -> None:
+        """A replacement of survivors that rolled the step forward: its DDP hook stands where
+        theirs stood as the step began, with their bucket layout (the detectors' values ride in
+        the same bucket; the reducer built again at the meeting takes the same layout)."""
+        self.ddp.resume(progress, self.transfer.survivors_layout)
+
+    def met_pass(self, last: bool, step_in_progress: Callable[[], int]) -> None:
+        """A replacement all-reduced a backward pass of its first step (``step_in_progress()``)
+        again with survivors that rolled it forward; ``last``: it has met them.
+
+        Its DDP reducer is built afresh after each such pass, as the survivors' was at the
+        meeting: a fresh reducer rebuilds its buckets (a broadcast in a forward) after its first
+        backward pass, so no forward of the step rebuilds them here, and the next rebuild comes at
+        the same forward on every rank; until the last, the hook keeps its progress (the
+        survivors' hook did not start again between their passes). At the last, its script's
+        collectives are caught from now on, and those it ran alone before (:attr:`Catch.alone`:
+        the survivors had their results) make its step differ, said."""
+        progress = self.ddp.progress()
         regroup.rebind_ddp(self.model, self.bucket_layout())
+        if not last:
+            self.ddp.resume(progress, None)
+            return
+        alone, step = sorted(set(self.catch.alone)), step_in_progress()
         self.arm_catch(step_in_progress)
         if alone:
             cause = (
@@ -466,6 +480,7 @@ class InProcess:
         kept: Optional[dict[int, dict]] = None,
         current: Optional[dict] = None,
         passes: int = 0,
+        progress: Optional[tuple[int, int]] = None,
     ) -> Met:
         """Both sides of a recovery, in the same order: agree on the survivors' step boundary (a
         replacement, with the lost rank's ``kept`` boundaries, takes the one of that step), move the
@@ -479,8 +494,9 @@ class InProcess:
         lowest rank that has it, as a replacement does: nothing is redone.
 
         ``passes``: a survivor that rolls the step forward (:meth:`roll_forward`): the backward
-        passes of the step it all-reduces again; 0: none. A replacement learns it
-        (:attr:`Met.ahead`).
+        passes of the step it all-reduces again; 0: none; ``progress``: its DDP hook's progress
+        as the step began (default: now). A replacement learns both (:attr:`Met.ahead`,
+        :attr:`Met.hook`).
 
         Raises:
             RegroupError: the survivors are more than one step apart, the lost rank kept none of
@@ -488,7 +504,9 @@ class InProcess:
         """
         joining = kept is not None
         none = -(1 << 62)
-        agreed = tgdist.all_reduce_max([-1, none, 0, none] if joining else [place.step, -place.step, passes, -passes])
+        hook = self.ddp.progress() if progress is None else progress  # the survivors' DDP hook, for a replacement
+        mine = [-1, none, 0, none, -1, -1] if joining else [place.step, -place.step, passes, -passes, *hook]
+        agreed = tgdist.all_reduce_max(mine)
         step, lowest = agreed[0], -agreed[1]
         if agreed[2] != -agreed[3]:
             raise regroup.RegroupError(
@@ -510,7 +528,7 @@ class InProcess:
             src = -tgdist.all_reduce_max([-place.rank if not joining and not behind else -(1 << 62)])[0]
         if gen.replaced or src is not None:
             place = self.transfer.move(gen, place, step, kept, src, current if behind else None)
-        return replace(self._on_new_group(gen, place), ahead=agreed[2])
+        return replace(self._on_new_group(gen, place), ahead=agreed[2], hook=(agreed[4], agreed[5]))
 
     def _alone(self, mine: str, theirs: str) -> None:
         """A replacement ran the collective at ``mine`` alone: the survivors wait at ``theirs``."""

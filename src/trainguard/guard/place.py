@@ -41,10 +41,12 @@ class Met:
     ping started on the new group (``None``: no ping), the generation, and whether the abandoned
     step is done again (``redo``: the Guard's ``steps()`` yields it again); a replacement: the
     backward passes of its first step it all-reduces again with survivors that rolled the step
-    forward (``ahead``, :mod:`~trainguard.rejoin.forward`; 0: none)."""
+    forward (``ahead``, :mod:`~trainguard.rejoin.forward`; 0: none), and where their DDP hook stood
+    as that step began (``hook``, :meth:`~trainguard.rejoin.catch.DDPHook.progress`)."""
 
     place: Place
     ping: Optional[LivenessPing]
     gen: Generation
     redo: bool = False
     ahead: int = 0
+    hook: tuple[int, int] = (0, 0)

@@ -169,6 +169,7 @@ class Recovering:
         self.take(met)
         if met.ahead:  # the survivors rolled the step forward: they wait at its backward pass's end
             self.forward.ahead = met.ahead
+            self.inprocess.resume_hook(met.hook)  # its detectors' values ride in the survivors' bucket
         else:  # the script's collectives before its first step (a framework's set-up after this) complete alone
             self.arm_at_step = True
         self.recovery.rejoined()
@@ -176,10 +177,10 @@ class Recovering:
         self.inprocess.joined(met, time.monotonic() - t0)
         return time.perf_counter()
 
-    def caught_up(self) -> None:
-        """A replacement met the survivors at the end of its first step's backward pass (rolled
-        forward): :meth:`InProcess.caught_up`."""
-        self.inprocess.caught_up(lambda: self.world.step + 1)
+    def met_pass(self, last: bool) -> None:
+        """A replacement all-reduced a backward pass of its first step again with survivors that
+        rolled it forward (``last``: it has met them): :meth:`InProcess.met_pass`."""
+        self.inprocess.met_pass(last, lambda: self.world.step + 1)
 
     def step_begin(self, step: int) -> None:
         """Step ``step`` begins (the Guard's component protocol): :meth:`catch_peers`."""

@@ -43,6 +43,7 @@ class StateTransfer:
     Attributes:
         survivors_step_seconds: on a replacement, the survivors' step time (seconds) the last move
             brought (0.0 before).
+        survivors_layout: the DDP bucket layout the last move brought (``None`` before or without).
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class StateTransfer:
         self.model, self.optimizer, self.train_state = model, optimizer, train_state
         self.events, self.keeper, self.layout, self.gap = events, keeper, layout, gap
         self.survivors_step_seconds = 0.0
+        self.survivors_layout: Optional[list[list[int]]] = None
 
     def move(
         self,
@@ -90,6 +92,7 @@ class StateTransfer:
         }
         packet, moved = regroup.transfer_state(self.model, self.optimizer, src, shared)
         self.survivors_step_seconds = float(packet.get("step_seconds") or 0.0)
+        self.survivors_layout = packet["layout"]
         if joining:
             if packet["layout"]:  # the survivors' buckets, so that the sums round as theirs do
                 regroup.rebind_ddp(self.model, packet["layout"])

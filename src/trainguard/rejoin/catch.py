@@ -398,9 +398,23 @@ class DDPHook:
         replacement's new hook does, so that every rank appends them to the same bucket."""
         self._noting, self.carrier = self.LAYOUT_CALLS, 0
 
+    def progress(self) -> tuple[int, int]:
+        """Where the hook stands in noting the layout: ``(carrier, backward passes still to note)``
+        (:meth:`resume`: a replacement that runs a step rolled forward carries the detectors'
+        values in the survivors' bucket)."""
+        return self.carrier, self._noting
+
+    def resume(self, progress: tuple[int, int], layout: Optional[list[list[int]]]) -> None:
+        """Stand where :meth:`progress` stood on another rank whose :attr:`layout` was ``layout``."""
+        self.carrier, self._noting = progress
+        if layout:
+            self.layout = [list(b) for b in layout]
+
     def hook(self, state, bucket):  # type: ignore[no-untyped-def]  (DDP checks annotations: none here)
         """The hook DDP calls with each gradient bucket; a future of the reduced buffer."""
         buf = bucket.buffer()
+        if self.forward is not None and bucket.index() == 0:  # a backward pass begins
+            self.forward.pass_begins(self.progress())
         if self._noting:
             self._note(bucket)
         if bucket.is_last() and self.before_last is not None:

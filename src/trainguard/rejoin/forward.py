@@ -88,9 +88,13 @@ class RollForward:
     Attributes:
         on_lost: ``on_lost(passes)``: a survivor's meeting at the end of the pass that lost a peer
             (set by the Guard; raises what a failed recovery raises).
-        on_caught_up: called on the replacement once it met the survivors (set by the Guard).
+        on_met: ``on_met(last)``: called on the replacement after each pass it all-reduced again
+            with the survivors, ``last``: it has met them (set by the Guard).
         ahead: on a replacement, the passes still to all-reduce again with the survivors (0: none).
         passes: the current step's passes, each a list of :class:`Kept` in bucket order.
+        progress: trainguard's DDP hook's progress as the step's first pass began
+            (:meth:`~.catch.DDPHook.progress`): a replacement starts the step from it, so that the
+            detectors' values ride in the same bucket as on the survivors.
     """
 
     def __init__(
@@ -103,9 +107,10 @@ class RollForward:
         self.step_in_progress, self.failed_in_backward = step_in_progress, failed_in_backward
         self.group, self.reduced = group, reduced
         self.on_lost: Callable[[int], None] = lambda passes: None
-        self.on_caught_up: Callable[[], None] = lambda: None
+        self.on_met: Callable[[bool], None] = lambda last: None
         self.ahead = 0
         self.passes: list[list[Kept]] = []
+        self.progress = (0, 0)  # the DDP hook's progress at the step's first pass (its carrier bucket)
         self._step: Optional[int] = None
         self._engine = compat.backward_engine()
 
@@ -114,14 +119,18 @@ class RollForward:
         """Whether the installed torch shows the autograd engine's final callbacks."""
         return compat.backward_engine() is not None
 
-    def keep(self, bucket: Any, sent: torch.Tensor, numel: int, extra: Optional[torch.Tensor]) -> None:
-        """Keep a copy of ``bucket``'s input ``sent`` (before its all-reduce changes it in place);
-        bucket 0 opens a new pass, a new step forgets the last one's."""
+    def pass_begins(self, progress: tuple[int, int]) -> None:
+        """DDP's hook got a pass's first bucket; ``progress``: where the hook stood then
+        (:meth:`~.catch.DDPHook.progress`). A new step forgets the last one's passes and keeps
+        it (:attr:`progress`)."""
         step = self.step_in_progress()
         if step != self._step:
-            self._step, self.passes = step, []
-        if bucket.index() == 0 or not self.passes:
-            self.passes.append([])
+            self._step, self.passes, self.progress = step, [], progress
+        self.passes.append([])
+
+    def keep(self, bucket: Any, sent: torch.Tensor, numel: int, extra: Optional[torch.Tensor]) -> None:
+        """Keep a copy of ``bucket``'s input ``sent`` (before its all-reduce changes it in place)
+        in the current pass."""
         base = bucket.buffer().storage_offset()
         offsets = [g.storage_offset() - base for g in bucket.gradients()]
         self.passes[-1].append(Kept(list(bucket.parameters()), offsets, sent.clone(), numel, extra))
@@ -143,8 +152,7 @@ class RollForward:
         if self.ahead > 0:
             reduce_pass(self.passes[-1], self.group(), self.reduced, write=True)
             self.ahead -= 1
-            if self.ahead == 0:
-                self.on_caught_up()
+            self.on_met(self.ahead == 0)
         elif self.failed_in_backward():
             self.on_lost(len(self.passes))
 

@@ -1,0 +1,101 @@
+"""``[recovery] roll_forward`` (issue 52 item 1, :mod:`trainguard.rejoin.forward`): a lost peer caught
+in a DDP backward is met at the end of that backward pass; the survivors' loop is never rewound and
+the replacement runs the interrupted step from the boundary. Real launches (``trainguard run``,
+gloo), each against the same script's uninterrupted run.
+
+* ``tests/hand_update_worker.py``: a hand-written update with no optimizer given to the Guard and no
+  ``should_step``. Done again, the survivor's own update cannot be undone: today the group
+  restarts (``test_hand_update``). Rolled forward, it is recovered in-process with the clean state.
+* ``tests/roll_forward_worker.py``: batch norm's buffers, several buckets, two backward passes a
+  step, and a counter of the loop's own that a step done again counts twice; rank 1 is killed in
+  the step's first or second pass. Rolled forward: in-process, the clean state. Done again (the
+  feature off): never announced as bitwise (the replicas' check fails the recovery).
+* A step whose script all-reduces before its forward: the replacement ran it alone, said.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import events, final_hash, finish, launch, shared_hash
+
+HAND = Path(__file__).parent / "hand_update_worker.py"
+WORKER = Path(__file__).parent / "roll_forward_worker.py"
+ON = "recovery.roll_forward=true"
+MET = "met the survivors at the end of its backward pass"
+
+
+def _launch(run: Path, script: Path, *overrides: str, extra=(), script_args=()):
+    return launch(
+        run, *overrides, script=script, tiny=False, extra=extra, script_args=script_args, default_recovery=True
+    )
+
+
+def _rolled_forward(run: Path) -> dict:
+    """The one recovery of ``run``: rolled forward, nothing done again, no restart."""
+    log = Path(f"{run}.log").read_text()
+    finished = events(run, "recovery_finished")
+    assert len(finished) == 1 and not events(run, "group_restart"), log[-3000:]
+    details = finished[0]["details"]
+    assert details["redo_step"] is None and details["steps_lost"] == 0, details
+    assert MET in log and "no completed step lost" not in log, log[-3000:]
+    return details
+
+
+@pytest.fixture(scope="module")
+def clean_hand(tmp_path_factory) -> str:
+    return shared_hash(tmp_path_factory, "hand_update", lambda run: _launch(run, HAND))
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> str:
+    return shared_hash(tmp_path_factory, "roll_forward", lambda run: _launch(run, WORKER))
+
+
+def test_an_unguarded_hand_update_is_rolled_forward_in_process_with_the_clean_state(tmp_path, clean_hand):
+    run = tmp_path / "run"
+    # killed at step 12's boundary: the survivor meets the loss in step 13's gradient buckets
+    proc = _launch(run, HAND, ON, extra=("--inject", "rank_killed:rank=1,step=12"))
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    details = _rolled_forward(run)
+    assert details["first_step"] == 13 and details["verified"] == ["parameters"]
+    assert final_hash(run) == clean_hand
+
+
+@pytest.mark.parametrize("kill_pass", [1, 2])
+def test_a_loss_in_either_backward_pass_is_rolled_forward_with_buffers_buckets_and_the_loops_counter(
+    tmp_path, clean, kill_pass
+):
+    run = tmp_path / "run"
+    proc = _launch(run, WORKER, ON, script_args=("--kill-in-pass", str(kill_pass)))
+    log = Path(f"{run}.log").read_text
+    assert finish(proc) == 0, log()[-3000:]
+    _rolled_forward(run)
+    assert (f"backward pass {kill_pass}" in log()) == (kill_pass > 1)
+    assert "cannot be bitwise" not in log()
+    assert final_hash(run) == clean
+
+
+def test_done_again_the_loops_counter_moves_twice_and_the_recovery_is_not_announced(tmp_path, clean):
+    """The feature off: the survivor's loop counts the interrupted step twice (the Guard cannot
+    know the counter), its learning rate differs from its replacement's, and the replicas' check
+    after the recovery fails it into a group restart: never announced as a recovery."""
+    run = tmp_path / "run"
+    proc = _launch(run, WORKER, script_args=("--kill-in-pass", "1"))
+    log = Path(f"{run}.log").read_text
+    assert finish(proc) == 0, log()[-3000:]
+    assert MET not in log()
+    assert not events(run, "recovery_finished") and events(run, "group_restart"), log()[-3000:]
+
+
+def test_a_collective_the_replacement_ran_alone_before_the_meeting_is_said(tmp_path):
+    run = tmp_path / "run"
+    proc = _launch(run, WORKER, ON, script_args=("--kill-in-pass", "1", "--allreduce-before"))
+    log = Path(f"{run}.log").read_text
+    assert finish(proc) == 0, log()[-3000:]
+    _rolled_forward(run)
+    said = [e for e in events(run, "resume_not_bitwise") if "dist.all_reduce alone" in e["details"]["cause"]]
+    assert said and "a resume cannot be bitwise identical" in log(), json.dumps(events(run, "resume_not_bitwise"))
