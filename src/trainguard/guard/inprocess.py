@@ -274,9 +274,13 @@ class InProcess:
         regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout, **abort.init_options(self.backend))
         regroup.rebind_ddp(self.model, self.bucket_layout())
         self._regrouped()
-        buffers = self.ddp.buffer_sync
+        buffers, gap = self.ddp.buffer_sync, self.redo.gap if self.redo is not None else None
+        if gap is not None:  # the step in progress is the attempt whose draws a replacement may take
+            gap.rolled_forward(self.rejoin.boundary.restore(place.step).get("rng") or {})
         with buffers.at_step_start() if buffers is not None else nullcontext():
             met = self._meet(gen, place, passes=len(forward.passes), progress=forward.progress)
+        if gap is not None:
+            gap.forget()
         forward.reduce_again()
         n = len(forward.passes)
         said = (

@@ -81,6 +81,20 @@ class GapDraws:
             self._interrupted, self._boundary = self._at_forward, self.rng.snapshot()[0]
         self._fresh = True
 
+    def rolled_forward(self, boundary_rng: dict[str, Any]) -> None:
+        """A survivor that rolls the step in progress forward (nothing restored, nothing done
+        again; :mod:`.forward`): that step is its attempt for a replacement's :meth:`joined`, from
+        the step boundary whose generators' state was ``boundary_rng``. Call :meth:`forget` once
+        the state was sent. (The generators are set to ``boundary_rng`` for its fingerprint and
+        put back as they were.)"""
+        if self._handle is None or self._at_forward is None:
+            return
+        now = self.rng.snapshot()[1]
+        self.rng.load_state_dict(boundary_rng)
+        self._boundary = self.rng.snapshot()[0]
+        self.rng.load_state_dict(now)
+        self._interrupted = self._at_forward
+
     def forget(self) -> None:
         """The recovery did not do the step again (a peer had completed it)."""
         self._interrupted = self._boundary = None
