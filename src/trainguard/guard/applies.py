@@ -10,8 +10,9 @@ from dataclasses import replace
 from typing import Any, Optional
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import console
+from .. import compat, console
 from .. import dist as tgdist
 from ..rejoin import abort, backend_policy, regroup
 from ..rejoin.rank import Rejoin
@@ -33,22 +34,37 @@ STATEFUL_LOADER = (
 )
 
 
+def rolls_forward(roll_forward: bool, framework: Optional[str], model: torch.nn.Module) -> bool:
+    """Whether ``[recovery] roll_forward`` (``roll_forward``) can apply to this loop, as far as
+    the start can tell (:mod:`~trainguard.rejoin.forward`): the script's own loop over a DDP model
+    with no communication hook of the script's own, and a torch that shows the autograd engine's
+    final callbacks. (The Guard's build decides for good, with its DDP hook installed.)"""
+    if not roll_forward or framework is not None or not isinstance(model, DDP):
+        return False
+    hooks = compat.ddp_comm_hooks(model)
+    return hooks is not None and not hooks and compat.backward_engine() is not None
+
+
 def declined(
     framework: Optional[str],
     model: torch.nn.Module,
     policy: Optional[backend_policy.BackendPolicy] = None,
     sampler: Any = None,
+    rolls: bool = False,
 ) -> Optional[str]:
     """Why in-process recovery does not apply to this loop, ``None`` if it does: a framework
     drives it, the backend's ``policy`` declines it (:func:`recovery_policy`: NCCL by default), the
     Guard's ``sampler`` is a loader that keeps its own position (torchdata's ``StatefulDataLoader``:
-    :data:`STATEFUL_LOADER`; its resume from a checkpoint is bitwise, tests/test_loops.py), or the
-    model cannot be moved to a new group (:func:`~trainguard.rejoin.regroup.check_rebindable`)."""
+    :data:`STATEFUL_LOADER`; its resume from a checkpoint is bitwise, tests/test_loops.py) unless
+    the step rolls forward (``rolls``: :func:`rolls_forward`; the survivors' loader is not taken
+    back, the replacement's resumes from the lost rank's boundary, and a loss that would be done
+    again restarts the group instead: :meth:`~.inprocess.InProcess.recover`), or the model cannot
+    be moved to a new group (:func:`~trainguard.rejoin.regroup.check_rebindable`)."""
     if framework is not None:
         return f"{framework} owns the process group and the training loop"
     if policy is not None and policy.declined is not None:
         return policy.declined
-    if datapos.stateful_loaders([sampler]):
+    if datapos.stateful_loaders([sampler]) and not rolls:
         return STATEFUL_LOADER
     try:
         regroup.check_rebindable(model)

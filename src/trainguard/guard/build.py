@@ -128,7 +128,8 @@ def _open(p: Parts, cfg: Config, world: World, s: Script, launch: LaunchEnv) -> 
 
     console.quiet_peer_loss(is_peer_failure, peer_lost)
     policy = applies.recovery_policy(cfg.recovery.in_process)  # by the default group's backend (NCCL: restart)
-    declined = applies.declined(s.framework, s.model, policy, s.sampler) if cfg.recovery.in_process else None
+    rolls = applies.rolls_forward(cfg.recovery.roll_forward, s.framework, s.model)
+    declined = applies.declined(s.framework, s.model, policy, s.sampler, rolls) if cfg.recovery.in_process else None
     rerun = cfg.sdc.on_instability == "rerun"
     p.rejoin = p.add(
         Rejoin(

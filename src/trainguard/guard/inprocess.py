@@ -29,7 +29,9 @@ from ..rejoin.protocol import Generation, new_rank
 from ..rejoin.rank import LOCAL_PARTS, Rejoin
 from ..rejoin.shards import ShardSnapshots
 from ..rejoin.stepstart import StepStart
+from ..state import datapos
 from ..state.trainstate import TrainState
+from .applies import STATEFUL_LOADER
 from .context import Context
 from .ddp_hook import DDPCommHook
 from .keeper import Keeper
@@ -112,6 +114,10 @@ class InProcess:
         gap = self.redo.gap if self.redo is not None else None
         self.transfer = StateTransfer(model, optimizer, train_state, events, self.keeper, self.ddp.layout, gap)
         self.own_state_from: Optional[str] = None  # a replacement: where the lost rank's own state came from
+        # a loader that keeps its own position, not declined because the step rolls forward: a step
+        # done again would need it taken back (guard.applies.declined): such a loss restarts the group
+        stateful = datapos.stateful_loaders([ctx.script.sampler])
+        self.redo_refused = STATEFUL_LOADER if stateful and self.rejoin.active else None
 
     # ------------------------------------------------------------------------------------------
     # catching and keeping
@@ -339,6 +345,9 @@ class InProcess:
             RegroupError: the ranks cannot be recovered in-process (same), or this rank itself was
                 replaced (its node was called lost while it lived on): it must not rejoin.
         """
+        if redo and self.redo_refused is not None:
+            console.say(f"in-process recovery does not apply to this loss: {self.redo_refused}; the group restarts")
+            raise regroup.RegroupError(self.redo_refused)
         # this rank's own state now: the end of the abandoned step (a peer may have completed it)
         current = self.train_state.state_dict(LOCAL_PARTS) if redo and take_completed else None
         gen = self.rejoin.wait_generation()
