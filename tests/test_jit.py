@@ -5,10 +5,10 @@
 * a rank's part, in one process: the state of the last completed step, not the next step's
   (buffers as kept, an optimizer step begun gives no copy);
 * the launcher's collector: the survivors must hold the same model;
-* real launches of the example GPT (2 gloo ranks; 4 ranks and a hang in the soak step): a killed
-  rank's group restarts from the last completed step and ends bitwise identical to the
-  uninterrupted run; a save past its bound is abandoned (nothing visible) and the restart resumes
-  from the newest checkpoint.
+* real launches of the example GPT (2 gloo ranks; 4 ranks, a hang and the abandoned save in the
+  soak step): a killed rank's group restarts from the last completed step and ends bitwise
+  identical to the uninterrupted run; a save past its bound is abandoned (nothing visible) and the
+  restart resumes from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -206,6 +206,7 @@ def test_a_killed_ranks_group_restarts_from_the_last_completed_step_bitwise(tmp_
     assert "saved step" in Path(f"{run}.log").read_text()
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(240)
 def test_a_save_past_its_bound_is_abandoned_and_the_restart_resumes_from_the_newest_checkpoint(tmp_path, clean_hash):
     run = tmp_path / "run"

@@ -11,6 +11,9 @@ gloo), each against the same script's uninterrupted run.
   the step's first or second pass. Rolled forward: in-process, the clean state. Done again (the
   feature off): never announced as bitwise (the replicas' check fails the recovery).
 * A step whose script all-reduces before its forward: the replacement ran it alone, said.
+* Four ranks, the loss in the second pass: the clean state.
+
+In the README suite: the hand update and the second pass (the rest in the soak step).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def test_an_unguarded_hand_update_is_rolled_forward_in_process_with_the_clean_st
     assert final_hash(run) == clean_hand
 
 
-@pytest.mark.parametrize("kill_pass", [1, 2])
+@pytest.mark.parametrize("kill_pass", [pytest.param(1, marks=pytest.mark.soak), 2])
 def test_a_loss_in_either_backward_pass_is_rolled_forward_with_buffers_buckets_and_the_loops_counter(
     tmp_path, clean, kill_pass
 ):
@@ -79,6 +82,7 @@ def test_a_loss_in_either_backward_pass_is_rolled_forward_with_buffers_buckets_a
     assert final_hash(run) == clean
 
 
+@pytest.mark.soak
 def test_done_again_the_loops_counter_moves_twice_and_the_recovery_is_not_announced(tmp_path, clean):
     """The feature off: the survivor's loop counts the interrupted step twice (the Guard cannot
     know the counter), its learning rate differs from its replacement's, and the replicas' check
@@ -91,6 +95,7 @@ def test_done_again_the_loops_counter_moves_twice_and_the_recovery_is_not_announ
     assert not events(run, "recovery_finished") and events(run, "group_restart"), log()[-3000:]
 
 
+@pytest.mark.soak
 def test_a_collective_the_replacement_ran_alone_before_the_meeting_is_said(tmp_path):
     run = tmp_path / "run"
     proc = _launch(run, WORKER, ON, script_args=("--kill-in-pass", "1", "--allreduce-before"))
@@ -99,3 +104,17 @@ def test_a_collective_the_replacement_ran_alone_before_the_meeting_is_said(tmp_p
     _rolled_forward(run)
     said = [e for e in events(run, "resume_not_bitwise") if "dist.all_reduce alone" in e["details"]["cause"]]
     assert said and "a resume cannot be bitwise identical" in log(), json.dumps(events(run, "resume_not_bitwise"))
+
+
+@pytest.mark.soak
+def test_four_ranks_rolled_forward_from_the_second_pass_end_with_the_clean_state(tmp_path):
+    """Three survivors re-send their kept buckets in the same ring (4 ranks: each element summed in
+    the ring's order, which the buckets' lengths decide) and meet one replacement."""
+    clean_run, run = tmp_path / "clean", tmp_path / "run"
+    assert finish(launch(clean_run, ON, nproc=4, script=WORKER, tiny=False, default_recovery=True)) == 0
+    proc = launch(
+        run, ON, nproc=4, script=WORKER, tiny=False, script_args=("--kill-in-pass", "2"), default_recovery=True
+    )
+    assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
+    _rolled_forward(run)
+    assert final_hash(run) == final_hash(clean_run)
