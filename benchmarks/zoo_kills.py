@@ -7,6 +7,10 @@ random rank at a random step plus a random fraction of a step, ``tests/zoo/drive
 * ``in-process``: the default settings (in-process recovery, one warm spare);
 * ``restart``: ``recovery.in_process=false``, the group restart from the newest checkpoint (the baseline).
 
+With ``--roll-forward`` the in-process arm runs with ``recovery.roll_forward=true``
+(:mod:`trainguard.rejoin.forward`), and a column says how each in-process recovery went: rolled
+forward (the ranks met at a backward pass's end), done again (the step redone), or neither.
+
 Reported per shape and arm: the path taken (in-process, fallback: the group restarted anyway),
 seconds from the kill to the first step printed after the launcher or a rank reacted (kill →
 training again), completed steps trained again, bitwise (final weights equal the uninterrupted
@@ -43,6 +47,7 @@ def main() -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="one shape (resume_barrier), 40 steps, one trial per arm")
+    p.add_argument("--roll-forward", action="store_true", help="the in-process arm with recovery.roll_forward=true")
     args = p.parse_args()
     if args.smoke:
         args.shapes, args.steps, args.trials = "resume_barrier", 40, 1
@@ -52,8 +57,9 @@ def main() -> int:
         print(f"zoo_kills: error: unknown shape(s) {unknown}; known: {', '.join(drive.SHAPES)}", file=sys.stderr)
         return 2
     base = Path(tempfile.mkdtemp(prefix="zoo-kills-"))
+    in_process = ("recovery.roll_forward=true",) if args.roll_forward else ()
     rows, failed = drive.kill_arms(
-        names, {"in-process": (), "restart": drive.RESTART}, base, args.trials, args.steps, args.seed
+        names, {"in-process": in_process, "restart": drive.RESTART}, base, args.trials, args.steps, args.seed
     )
 
     def med(trials: list[drive.Trial], key: str) -> float:
@@ -64,10 +70,10 @@ def main() -> int:
         f"\nzoo kills: 2 ranks, {args.steps} steps, {args.trials} kill(s) per shape and arm; load average {os.getloadavg()[0]:.1f}"
     )
     print(
-        "| shape | in-process path | kill → training again (s) | steps redone | bitwise | rank_replaced "
+        "| shape | in-process path | how | kill → training again (s) | steps redone | bitwise | rank_replaced "
         "| restart (s) | restart redone | restart bitwise | in-process / restart |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     met, worst, worst_start = 0, float("-inf"), float("-inf")
     for name, arms in rows:
         ip, rs = arms["in-process"], arms["restart"]
@@ -79,7 +85,7 @@ def main() -> int:
         # a fallback's own cost: the fault to its restarted group's start, against the restart's
         worst_start = max([worst_start] + [t.to_restart - r.to_restart for t, r in zip(ip, rs) if t.path == "fallback"])
         print(
-            f"| {name} | {paths} | {a:.2f} | {med(ip, 'redone'):g} | {bitwise}/{len(ip)} | {max(t.replaced for t in ip)} "
+            f"| {name} | {paths} | {','.join(sorted({how(t) for t in ip}))} | {a:.2f} | {med(ip, 'redone'):g} | {bitwise}/{len(ip)} | {max(t.replaced for t in ip)} "
             f"| {b:.2f} | {med(rs, 'redone'):g} | {sum(t.bitwise for t in rs)}/{len(rs)} | {a / b:.3f}× |"
         )
     print(
@@ -88,6 +94,15 @@ def main() -> int:
         f"against the restart's: {worst_start:+.2f} s; runs in {base}"
     )
     return 1 if failed and args.smoke else 0
+
+
+def how(trial: drive.Trial) -> str:
+    """How an in-process recovery of ``trial`` went, by its console: ``rolled forward``, ``done
+    again``, or ``-`` (none, or a fallback)."""
+    log = Path(f"{trial.run}.log").read_text(errors="replace")
+    if "met the survivors at the end of its backward pass" in log:
+        return "rolled forward"
+    return "done again" if "no completed step lost" in log else "-"
 
 
 if __name__ == "__main__":

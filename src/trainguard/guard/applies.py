@@ -38,8 +38,10 @@ def rolls_forward(roll_forward: bool, framework: Optional[str], model: torch.nn.
     """Whether ``[recovery] roll_forward`` (``roll_forward``) can apply to this loop, as far as
     the start can tell (:mod:`~trainguard.rejoin.forward`): the script's own loop over a DDP model
     with no communication hook of the script's own, and a torch that shows the autograd engine's
-    final callbacks. (The Guard's build decides for good, with its DDP hook installed.)"""
-    if not roll_forward or framework is not None or not isinstance(model, DDP):
+    final callbacks, on gloo (on NCCL the meeting would run in a callback of a CUDA backward's
+    device thread, with communicators aborted: not verified). (The Guard's build decides for good,
+    with its DDP hook installed.)"""
+    if not roll_forward or framework is not None or not isinstance(model, DDP) or tgdist.backend() != "gloo":
         return False
     hooks = compat.ddp_comm_hooks(model)
     return hooks is not None and not hooks and compat.backward_engine() is not None

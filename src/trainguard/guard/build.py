@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import console, health
+from .. import dist as tgdist
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.jit import DIRNAME, JitStore
 from ..config import Config, ConfigError
@@ -371,15 +372,18 @@ def _roll_forward(p: Parts, ctx: Context) -> None:
     why = None
     if s.framework or s.redo_in_step:
         why = f"{s.framework or 'a framework'}'s loop runs the step (its own state around the backward)"
+    elif tgdist.backend() != "gloo":
+        why = f"it is verified on gloo only, and the default group is {tgdist.backend()}"
     elif not RollForward.available():
         why = f"torch {torch.__version__} does not show the autograd engine's final callbacks"
     else:
         rejoin = p.rejoin
 
-        def failed_in_backward() -> bool:
-            return rejoin.failure is not None and rejoin.failure.during == "backward"
+        def failed_during() -> Optional[str]:
+            failure = rejoin.failure
+            return failure.during if failure is not None else None
 
-        forward = p.ddp.roll_forward(ctx.in_progress, failed_in_backward)
+        forward = p.ddp.roll_forward(ctx.in_progress, failed_during)
         if forward is None:
             why = "the model is not a DDP model whose gradients trainguard's communication hook reduces"
         else:

@@ -131,7 +131,7 @@ class DDPCommHook:
             self.hook.resume(progress, layout)
 
     def roll_forward(
-        self, step_in_progress: Callable[[], int], failed_in_backward: Callable[[], bool]
+        self, step_in_progress: Callable[[], int], failed_during: Callable[[], Optional[str]]
     ) -> Optional[RollForward]:
         """Roll a lost peer's step forward at the end of its backward pass
         (:mod:`~trainguard.rejoin.forward`): the hook keeps each bucket's input from now on.
@@ -140,7 +140,7 @@ class DDPCommHook:
         if self.hook is None or self.hook.delegate is not None:
             return None
         hooked = self.hook
-        self.hook.forward = RollForward(step_in_progress, failed_in_backward, hooked.group, hooked.reduced)
+        self.hook.forward = RollForward(step_in_progress, failed_during, hooked.group, hooked.reduced)
         return self.hook.forward
 
     def _script_hook(self, state: Any, hook: Callable) -> None:

@@ -80,8 +80,8 @@ class RollForward:
 
     Args:
         step_in_progress: ``() -> int``, the number of the step being run (1-based).
-        failed_in_backward: ``() -> bool``: a lost peer was caught in this step's gradient buckets
-            (then the pass's end is the meeting point).
+        failed_during: ``() -> str | None``: where a lost peer was caught in this step (``None``:
+            none); ``"backward"``, in its gradient buckets, makes the pass's end the meeting point.
         group: ``() -> ProcessGroup``: the group the model trains on now (DDP's ``process_group``).
         reduced: called with the detectors' summed values of the pass whose results are written.
 
@@ -100,11 +100,11 @@ class RollForward:
     def __init__(
         self,
         step_in_progress: Callable[[], int],
-        failed_in_backward: Callable[[], bool],
+        failed_during: Callable[[], Optional[str]],
         group: Callable[[], Any],
         reduced: Callable[[torch.Tensor], None],
     ):
-        self.step_in_progress, self.failed_in_backward = step_in_progress, failed_in_backward
+        self.step_in_progress, self.failed_during = step_in_progress, failed_during
         self.group, self.reduced = group, reduced
         self.on_lost: Callable[[int], None] = lambda passes: None
         self.on_met: Callable[[bool], None] = lambda last: None
@@ -138,7 +138,7 @@ class RollForward:
     def alone(self) -> bool:
         """Whether this rank's buckets complete on it alone now: a replacement not yet met, or a
         lost peer in this step."""
-        return self.ahead > 0 or self.failed_in_backward()
+        return self.ahead > 0 or self.failed_during() is not None
 
     def pass_ends(self) -> None:
         """Called in DDP's hook with the pass's last bucket: :meth:`pass_ended` runs once the pass
@@ -153,7 +153,7 @@ class RollForward:
             reduce_pass(self.passes[-1], self.group(), self.reduced, write=True)
             self.ahead -= 1
             self.on_met(self.ahead == 0)
-        elif self.failed_in_backward():
+        elif self.failed_during() == "backward":  # (elsewhere: the step is done again, as without it)
             self.on_lost(len(self.passes))
 
     def reduce_again(self) -> None:
