@@ -6,11 +6,14 @@ the first step a launch or a replacement runs (as a resumed script derives it), 
 each backward and scales the learning rate, so a survivor that did the interrupted step again
 would count it twice.
 
-Usage: ``roll_forward_worker.py [--kill-in-pass N] [--allreduce-before] [--set ...]``; 24 steps.
+Usage: ``roll_forward_worker.py [--kill-in-pass N] [--allreduce-before] [--loader] [--set ...]``;
+24 steps.
 ``--kill-in-pass N``: rank 1 SIGKILLs itself in step 9's N-th backward pass, as its first layer's
 gradient is computed (its earlier buckets sent, its last not): once per run directory (a marker
 file), so its replacement runs on. ``--allreduce-before``: each step all-reduces its batch's size
-before the forward (a value the loss is scaled by).
+before the forward (a value the loss is scaled by). ``--loader``: the batches come from a
+torchdata ``StatefulDataLoader`` over a ``DistributedSampler``, given to the Guard as its data
+position (a loader that keeps its own position: a step done again cannot take it back).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import trainguard
 
@@ -35,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kill-in-pass", type=int, default=0)
     parser.add_argument("--allreduce-before", action="store_true")
+    parser.add_argument("--loader", action="store_true")
     args, rest = parser.parse_known_args()
     cfg = trainguard.config_from_argv(argv=rest)
     dist.init_process_group("gloo")
@@ -62,15 +67,27 @@ def main() -> None:
 
     net[0].weight.register_hook(kill_here)
     seen = None  # the loop's own counter of micro-batches (not given to the Guard)
-    with trainguard.Guard(cfg, model=model, optimizer=optimizer) as guard:
+    loader, batches = None, None
+    if args.loader:
+        data = torch.utils.data.TensorDataset(
+            torch.randn(2048, 8, generator=torch.Generator().manual_seed(1)),
+            torch.randn(2048, 1, generator=torch.Generator().manual_seed(2)),
+        )
+        sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=False)
+        loader = StatefulDataLoader(data, batch_size=16, sampler=sampler, generator=torch.Generator())
+    with trainguard.Guard(cfg, model=model, optimizer=optimizer, sampler=loader) as guard:
         for step in guard.steps(STEPS):
             state["step"], state["pass"] = step, 0
             if seen is None:  # where this process starts: a fresh start, a resume, a replacement
                 seen = 2 * (step - 1)
             optimizer.zero_grad()
             for micro in range(2):
-                gen = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro)
-                x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+                if loader is not None:  # the iterator made in the loop: after a resume loaded the position
+                    batches = batches or iter(loader)
+                    x, y = next(batches)
+                else:
+                    gen = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro)
+                    x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
                 scale = torch.tensor([float(len(x))])
                 if args.allreduce_before:
                     dist.all_reduce(scale)

@@ -118,3 +118,20 @@ def test_four_ranks_rolled_forward_from_the_second_pass_end_with_the_clean_state
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
     _rolled_forward(run)
     assert final_hash(run) == final_hash(clean_run)
+
+
+@pytest.mark.soak
+def test_a_loss_a_stateful_loader_cannot_redo_restarts_from_the_just_in_time_save_with_the_clean_state(tmp_path):
+    """Rolled forward, a loop over a ``StatefulDataLoader`` is not declined at start; a loss caught
+    outside a backward pass would be done again, which its loader cannot (rank 1 killed at step 12's end: the survivor meets the
+    loss in step 13's forward, in the buffers' broadcast of the model's batch norm): the survivor
+    refuses, says so, saves the last completed step on its way out, and the group restarts from it."""
+    clean_run, run = tmp_path / "clean", tmp_path / "run"
+    assert finish(_launch(clean_run, WORKER, ON, script_args=("--loader",))) == 0
+    kill = ("--inject", "rank_killed:rank=1,step=12")
+    proc = _launch(run, WORKER, ON, extra=kill, script_args=("--loader",))
+    log = Path(f"{run}.log").read_text
+    assert finish(proc) == 0, log()[-3000:]
+    assert "in-process recovery does not apply to this loss: the data position is a StatefulDataLoader's" in log()
+    assert [e for e in events(run, "resume") if e["details"]["tier"] == "jit" and e["step"] == 12], log()[-3000:]
+    assert final_hash(run) == final_hash(clean_run)

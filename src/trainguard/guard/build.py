@@ -27,7 +27,7 @@ from ..instability.recovery import Recovery, Settings, Trained
 from ..launch_env import LaunchEnv
 from ..oom import MicroBatcher
 from ..outcomes import BadInput
-from ..rejoin import sharded
+from ..rejoin import regroup, sharded
 from ..rejoin.auth import report_forged
 from ..rejoin.catch import Catch, take_handed
 from ..rejoin.forward import RollForward
@@ -127,7 +127,10 @@ def _open(p: Parts, cfg: Config, world: World, s: Script, launch: LaunchEnv) -> 
         if not events.closed:
             events.emit("peer_lost", error=error, traceback=text)
 
-    console.quiet_peer_loss(is_peer_failure, peer_lost)
+    def lost_or_not_recovered(exc: BaseException) -> bool:  # a failed in-process recovery follows a lost peer
+        return is_peer_failure(exc) or isinstance(exc, regroup.RegroupError)
+
+    console.quiet_peer_loss(lost_or_not_recovered, peer_lost)
     policy = applies.recovery_policy(cfg.recovery.in_process)  # by the default group's backend (NCCL: restart)
     rolls = applies.rolls_forward(cfg.recovery.roll_forward, s.framework, s.model)
     declined = applies.declined(s.framework, s.model, policy, s.sampler, rolls) if cfg.recovery.in_process else None
