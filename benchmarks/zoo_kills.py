@@ -100,7 +100,7 @@ def how(trial: drive.Trial) -> str:
     """How an in-process recovery of ``trial`` went, by its console: ``rolled forward``, ``done
     again``, or ``-`` (none, or a fallback)."""
     log = Path(f"{trial.run}.log").read_text(errors="replace")
-    if "met the survivors at the end of its backward pass" in log:
+    if "from the boundary and met the survivors" in log:
         return "rolled forward"
     return "done again" if "no completed step lost" in log else "-"
 

@@ -13,7 +13,11 @@ gloo), each against the same script's uninterrupted run.
 * A step whose script all-reduces before its forward: the replacement ran it alone, said.
 * Four ranks, the loss in the second pass: the clean state.
 
-In the README suite: the hand update and the second pass (the rest in the soak step).
+* A loss in the broadcast of the buffers before the step's first forward: met there.
+* A loop over a ``StatefulDataLoader`` (not declined when rolled forward) whose loss is caught
+  before the forward: refused, saved just in time, resumed with the clean state.
+
+In the README suite: the hand update and the forward's broadcast (the rest in the soak step).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from conftest import events, final_hash, finish, launch, shared_hash
 HAND = Path(__file__).parent / "hand_update_worker.py"
 WORKER = Path(__file__).parent / "roll_forward_worker.py"
 ON = "recovery.roll_forward=true"
-MET = "met the survivors at the end of its backward pass"
+MET = "from the boundary and met the survivors"
 
 
 def _launch(run: Path, script: Path, *overrides: str, extra=(), script_args=()):
@@ -38,14 +42,16 @@ def _launch(run: Path, script: Path, *overrides: str, extra=(), script_args=()):
 
 
 def _rolled_forward(run: Path) -> dict:
-    """The one recovery of ``run``: rolled forward, nothing done again, no restart."""
+    """The one recovery of ``run`` (each survivor's ``recovery_finished``): rolled forward,
+    nothing done again, no restart. Returns the lowest survivor's event's details."""
     log = Path(f"{run}.log").read_text()
     finished = events(run, "recovery_finished")
-    assert len(finished) == 1 and not events(run, "group_restart"), log[-3000:]
-    details = finished[0]["details"]
-    assert details["redo_step"] is None and details["steps_lost"] == 0, details
+    assert finished and not events(run, "group_restart"), log[-3000:]
+    assert len({e["details"]["generation"] for e in finished}) == 1, finished
+    for e in finished:
+        assert e["details"]["redo_step"] is None and e["details"]["steps_lost"] == 0, e
     assert MET in log and "no completed step lost" not in log, log[-3000:]
-    return details
+    return min(finished, key=lambda e: e["rank"])["details"]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +74,20 @@ def test_an_unguarded_hand_update_is_rolled_forward_in_process_with_the_clean_st
     assert final_hash(run) == clean_hand
 
 
-@pytest.mark.parametrize("kill_pass", [pytest.param(1, marks=pytest.mark.soak), 2])
+def test_a_loss_in_the_first_forwards_buffer_broadcast_is_met_there_with_the_clean_state(tmp_path, clean):
+    """Rank 1 killed at step 12's end: the survivor meets the loss in step 13's first forward, in
+    the broadcast of batch norm's buffers, before anything of the step was reduced."""
+    run = tmp_path / "run"
+    proc = _launch(run, WORKER, ON, extra=("--inject", "rank_killed:rank=1,step=12"))
+    log = Path(f"{run}.log").read_text
+    assert finish(proc) == 0, log()[-3000:]
+    _rolled_forward(run)
+    assert "in its first forward's broadcast of the buffers" in log() and "cannot be bitwise" not in log()
+    assert final_hash(run) == clean
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("kill_pass", [1, 2])
 def test_a_loss_in_either_backward_pass_is_rolled_forward_with_buffers_buckets_and_the_loops_counter(
     tmp_path, clean, kill_pass
 ):
@@ -123,13 +142,15 @@ def test_four_ranks_rolled_forward_from_the_second_pass_end_with_the_clean_state
 @pytest.mark.soak
 def test_a_loss_a_stateful_loader_cannot_redo_restarts_from_the_just_in_time_save_with_the_clean_state(tmp_path):
     """Rolled forward, a loop over a ``StatefulDataLoader`` is not declined at start; a loss caught
-    outside a backward pass would be done again, which its loader cannot (rank 1 killed at step 12's end: the survivor meets the
-    loss in step 13's forward, in the buffers' broadcast of the model's batch norm): the survivor
-    refuses, says so, saves the last completed step on its way out, and the group restarts from it."""
+    outside a backward pass would be done again, which its loader cannot (rank 1 killed at step
+    12's end: the survivor meets the loss in step 13's all-reduce before the forward): the
+    survivor refuses, says so, saves the last completed step on its way out, and the group
+    restarts from it."""
     clean_run, run = tmp_path / "clean", tmp_path / "run"
-    assert finish(_launch(clean_run, WORKER, ON, script_args=("--loader",))) == 0
+    args = ("--loader", "--allreduce-before")
+    assert finish(_launch(clean_run, WORKER, ON, script_args=args)) == 0
     kill = ("--inject", "rank_killed:rank=1,step=12")
-    proc = _launch(run, WORKER, ON, extra=kill, script_args=("--loader",))
+    proc = _launch(run, WORKER, ON, extra=kill, script_args=args)
     log = Path(f"{run}.log").read_text
     assert finish(proc) == 0, log()[-3000:]
     assert "in-process recovery does not apply to this loss: the data position is a StatefulDataLoader's" in log()

@@ -140,8 +140,10 @@ class DDPCommHook:
         if self.hook is None or self.hook.delegate is not None:
             return None
         hooked = self.hook
-        self.hook.forward = RollForward(step_in_progress, failed_during, hooked.group, hooked.reduced)
-        return self.hook.forward
+        forward = hooked.forward = RollForward(step_in_progress, failed_during, hooked.group, hooked.reduced)
+        if self.buffer_sync is not None:  # a loss in the forward's broadcast of the buffers is met there
+            self.buffer_sync.forward = forward
+        return forward
 
     def _script_hook(self, state: Any, hook: Callable) -> None:
         """``model.register_comm_hook(state, hook)`` called by the script after the Guard: trainguard's
@@ -156,6 +158,8 @@ class DDPCommHook:
         self.hook.delegate = (hook, state)
         if self.hook.forward is not None:  # registered after the Guard: its buckets are not ours to send again
             self.hook.forward = None
+            if self.buffer_sync is not None:
+                self.buffer_sync.forward = None
             if self.rejoin.rank == 0:
                 console.say(
                     "[recovery] roll_forward no longer applies: the script's own DDP communication hook reduces "

@@ -248,12 +248,14 @@ class InProcess:
         )
         regroup.check_rebindable(self.model)
 
-    def roll_forward(self, place: Place, forward: RollForward) -> Met:
-        """A peer was lost in this step's gradient buckets and the backward pass is over
+    def roll_forward(self, place: Place, forward: RollForward, passes: int) -> Met:
+        """A peer was lost in this step's gradient buckets and backward pass ``passes`` is over
         (:mod:`~trainguard.rejoin.forward`): meet its replacement in the launcher's next
         generation, send it the state of the last step boundary (this rank's model and optimizer
         have not moved since; its buffers as the step started), and all-reduce the step's passes
-        again over the new group. The loop goes on inside its step: nothing of it is rewound.
+        again over the new group. ``passes`` = -1: lost in the buffers' broadcast before the
+        step's first forward (nothing reduced yet: the state sent as it is; the caller broadcasts
+        again). The loop goes on inside its step: nothing of it is rewound.
         Call with the old group's ping stopped and no save in flight (started or not: the
         ``recovery_started`` event is written here).
 
@@ -283,16 +285,19 @@ class InProcess:
         buffers, gap = self.ddp.buffer_sync, self.redo.gap if self.redo is not None else None
         if gap is not None:  # the step in progress is the attempt whose draws a replacement may take
             gap.rolled_forward(self.rejoin.boundary.restore(place.step).get("rng") or {})
-        with buffers.at_step_start() if buffers is not None else nullcontext():
-            met = self._meet(gen, place, passes=len(forward.passes), progress=forward.progress)
+        in_backward = passes > 0  # (else before the first forward: the buffers are the step's start)
+        with buffers.at_step_start() if buffers is not None and in_backward else nullcontext():
+            met = self._meet(gen, place, passes=passes, progress=forward.progress if in_backward else None)
         if gap is not None:
             gap.forget()
-        forward.reduce_again()
-        n = len(forward.passes)
-        said = (
-            f"nothing done again: the replacement ran step {place.step + 1} from the boundary and met the survivors "
-            f"at the end of its backward pass{f' {n}' if n > 1 else ''}, where the gradients were all-reduced again"
-        )
+        step = place.step + 1
+        if in_backward:
+            forward.reduce_again()
+            where = f"at the end of its backward pass{f' {passes}' if passes > 1 else ''}, where the gradients were "
+            where += "all-reduced again"
+        else:
+            where = "in its first forward's broadcast of the buffers"
+        said = f"nothing done again: the replacement ran step {step} from the boundary and met the survivors {where}"
         self.progress.settle(gen, met, steps_lost=0, redo_step=None, said=said, align=False)
         return met
 
@@ -507,7 +512,8 @@ class InProcess:
         lowest rank that has it, as a replacement does: nothing is redone.
 
         ``passes``: a survivor that rolls the step forward (:meth:`roll_forward`): the backward
-        passes of the step it all-reduces again; 0: none; ``progress``: its DDP hook's progress
+        passes of the step it all-reduces again (-1: it met in the first forward's broadcast of
+        the buffers); 0: none (the step is done again, or complete); ``progress``: its DDP hook's progress
         as the step began (default: now). A replacement learns both (:attr:`Met.ahead`,
         :attr:`Met.hook`).
 
@@ -518,7 +524,7 @@ class InProcess:
         joining = kept is not None
         none = -(1 << 62)
         hook = self.ddp.progress() if progress is None else progress  # the survivors' DDP hook, for a replacement
-        mine = [-1, none, 0, none, -1, -1] if joining else [place.step, -place.step, passes, -passes, *hook]
+        mine = [-1, none, none, none, -1, -1] if joining else [place.step, -place.step, passes, -passes, *hook]
         agreed = tgdist.all_reduce_max(mine)
         step, lowest = agreed[0], -agreed[1]
         if agreed[2] != -agreed[3]:

@@ -122,17 +122,19 @@ class Recovering:
             self._meeting(lambda: self.inprocess.recover(self.place(), redo, take_completed))
 
     def roll_forward(self, passes: int) -> None:
-        """A peer was lost in this step's gradient buckets; the backward pass is over (called by
+        """A peer was lost in this step's gradient buckets and the backward pass is over (called by
         :class:`~trainguard.rejoin.forward.RollForward`, from the autograd engine, inside the
-        script's ``loss.backward()``): stop the ping, finish a save in flight, meet the replacement
-        there (:meth:`InProcess.roll_forward`); the loop goes on with the step's gradients.
+        script's ``loss.backward()``; ``passes``: the step's passes so far), or in the buffers'
+        broadcast of its first forward (``passes`` = -1, from the forward's pre-hook): stop the
+        ping, finish a save in flight, meet the replacement there (:meth:`InProcess.roll_forward`);
+        the loop goes on inside its step.
 
         Raises:
             as :meth:`InProcess.roll_forward` (out of ``loss.backward()``: this rank exits and the
                 launcher restarts the group).
         """
         with self.section("recovery"):
-            self._meeting(lambda: self.inprocess.roll_forward(self.place(), self.forward))
+            self._meeting(lambda: self.inprocess.roll_forward(self.place(), self.forward, passes))
 
     def _meeting(self, meet: Callable[[], Met]) -> None:
         """Around a survivor's meeting: the old group's ping abandoned, a save in flight finished;

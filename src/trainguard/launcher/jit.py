@@ -81,7 +81,9 @@ class JitCollector:
             if not silent:
                 return
             steps = {a["step"] for a in self._answers(directory, ranks.values()).values() if "step" in a}
-            if steps and all(_boundary_steps(directory, ranks[r]) & steps for r in silent):
+            # a silent rank whose copy can be made from its files (kept at the boundary, or as its update
+            # began: compose decides): a replacement started for the failed generation holds no state to give
+            if steps and all(_made_steps(directory, ranks[r]) & steps for r in silent):
                 return
             time.sleep(POLL_SECONDS)
 
@@ -201,8 +203,10 @@ def _boundaries(directory: Path, rank: int) -> dict[int, dict[str, Any]]:
         return {}
 
 
-def _boundary_steps(directory: Path, rank: int) -> set[int]:
-    return set(_boundaries(directory, rank))
+def _made_steps(directory: Path, rank: int) -> set[int]:
+    """The steps rank ``rank``'s copy may be made of from its files: its boundaries, and the steps
+    whose update it had begun (:meth:`JitCollector._state_of`)."""
+    return set(_boundaries(directory, rank)) | set(_boundaries(directory / EARLY, rank))
 
 
 def collector(enabled: bool, timeout: float, monitor: Any, hb_root: Path, events: EventLog) -> Optional[JitCollector]:

@@ -68,6 +68,7 @@ class BufferSync:
         model.forward_sync_buffers = False
         self._handle: Optional[Any] = model.register_forward_pre_hook(self._before_forward)
         self._fresh = True  # the next forward is the step's first
+        self.forward: Any = None  # a RollForward (.forward) where [recovery] roll_forward applies
         self._start: Optional[tuple[list[list[torch.Tensor]], list[torch.Tensor]]] = None
 
     def new_step(self) -> None:
@@ -104,25 +105,36 @@ class BufferSync:
     def _before_forward(self, module: DDP, args: Any) -> None:
         first, self._fresh = self._fresh, False
         groups = _grouped(_buffers(module))
-        flats = self._broadcast(module, groups) if self.sync and module.require_forward_param_sync else None
+        flats = self._broadcast(module, groups, first) if self.sync and module.require_forward_param_sync else None
         if first:
             self._start = (groups, flats if flats is not None else [_flat(same) for same in groups])
 
-    def _broadcast(self, module: DDP, groups: list[list[torch.Tensor]]) -> Optional[list[torch.Tensor]]:
+    def _broadcast(self, module: DDP, groups: list[list[torch.Tensor]], first: bool) -> Optional[list[torch.Tensor]]:
         """Broadcast the buffers from rank 0; their flat copies, or ``None`` where nothing was sent
-        (a peer was lost: in this broadcast, recorded, or earlier in the step)."""
+        (a peer was lost: in this broadcast, recorded, or earlier in the step). Rolled forward
+        (:attr:`forward`), a loss caught here at the step's first forward is met here: the step is
+        not done again, the broadcast goes again over the new group, where the replacement's first
+        forward sends it too."""
         if self.catch.align.open:
             self.catch.align.at(DDP_FORWARD, alone_ok=False)
-        if self.catch.mode == LOCAL:  # a replacement before it met the survivors: they are not here
+        forward = self.forward
+        meeting = first and forward is not None and forward.ahead < 0  # a replacement: the survivors wait here
+        if self.catch.mode == LOCAL and not meeting:  # a replacement before it met the survivors: they are not here
             return None  # (its buffers came from them: the broadcast's result at the step's start)
         if self.catch.mode == CATCHING and self.catch.failed():
             return None  # a peer was lost in this step: the forward runs on this rank's own buffers
         try:
-            return broadcast(groups, module.process_group)
+            flats = broadcast(groups, module.process_group)
         except Exception as e:
             if self.catch.mode != CATCHING or not self.catch.on_failure(e, "forward"):
                 raise
-            return None
+            if not (first and forward is not None):
+                return None
+            forward.lost_at_forward()  # the meeting (it raises where it fails)
+            return broadcast(groups, module.process_group)
+        if meeting:
+            forward.met_at_forward()
+        return flats
 
     def close(self) -> None:
         """Give DDP its own broadcast back and remove the hook (idempotent)."""

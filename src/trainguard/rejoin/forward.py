@@ -90,7 +90,8 @@ class RollForward:
             (set by the Guard; raises what a failed recovery raises).
         on_met: ``on_met(last)``: called on the replacement after each pass it all-reduced again
             with the survivors, ``last``: it has met them (set by the Guard).
-        ahead: on a replacement, the passes still to all-reduce again with the survivors (0: none).
+        ahead: on a replacement, the passes still to all-reduce again with the survivors (0: none;
+            -1: the survivors wait in the buffers' broadcast of its first forward).
         passes: the current step's passes, each a list of :class:`Kept` in bucket order.
         progress: trainguard's DDP hook's progress as the step's first pass began
             (:meth:`~.catch.DDPHook.progress`): a replacement starts the step from it, so that the
@@ -138,7 +139,7 @@ class RollForward:
     def alone(self) -> bool:
         """Whether this rank's buckets complete on it alone now: a replacement not yet met, or a
         lost peer in this step."""
-        return self.ahead > 0 or self.failed_during() is not None
+        return self.ahead != 0 or self.failed_during() is not None
 
     def pass_ends(self) -> None:
         """Called in DDP's hook with the pass's last bucket: :meth:`pass_ended` runs once the pass
@@ -155,6 +156,17 @@ class RollForward:
             self.on_met(self.ahead == 0)
         elif self.failed_during() == "backward":  # (elsewhere: the step is done again, as without it)
             self.on_lost(len(self.passes))
+
+    def lost_at_forward(self) -> None:
+        """A survivor lost a peer in the buffers' broadcast of the step's first forward (DDP's,
+        trainguard's :class:`~.buffers.BufferSync`), before anything of the step was reduced: the
+        meeting is there (``on_lost(-1)``); the caller broadcasts again over the new group."""
+        self.on_lost(-1)
+
+    def met_at_forward(self) -> None:
+        """A replacement's first forward broadcast the buffers with survivors that met there."""
+        self.ahead = 0
+        self.on_met(True)
 
     def reduce_again(self) -> None:
         """A survivor at the meeting: every pass of the step all-reduced again over the new group,
