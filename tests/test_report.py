@@ -53,6 +53,7 @@ def next_after(evs: list[dict], kind: str, t: float) -> dict:
     return next(e for e in evs if e["kind"] == kind and e["time"] > t)
 
 
+@pytest.mark.soak  # the chaos run: a minute of the README suite's 15
 def test_chaos_run_incidents_match_the_events(chaos):
     evs, malformed = load_events(chaos)
     assert malformed == 0
@@ -91,6 +92,7 @@ def test_chaos_run_incidents_match_the_events(chaos):
     assert report["steps_lost"] == sum(i["steps_lost"] for i in report["incidents"])
 
 
+@pytest.mark.soak  # the chaos run: a minute of the README suite's 15
 def test_chaos_run_goodput_checkpoints_and_interval(chaos):
     evs, _ = load_events(chaos)
     report = build_report(evs)
@@ -127,6 +129,7 @@ def test_chaos_run_goodput_checkpoints_and_interval(chaos):
     assert "Goodput" in text and "hang" in text and "rank_killed" in text and "Young" in text
 
 
+@pytest.mark.soak  # the chaos run: a minute of the README suite's 15
 def test_main_writes_text_json_and_png(chaos, tmp_path, capsys):
     assert main(chaos) == 0
     out, err = capsys.readouterr()
@@ -142,6 +145,7 @@ def test_main_writes_text_json_and_png(chaos, tmp_path, capsys):
     assert other.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.soak  # the chaos run: a minute of the README suite's 15
 def test_malformed_lines_are_skipped_counted_and_warned(chaos, tmp_path, capsys):
     run = tmp_path / "broken"
     run.mkdir()
@@ -436,6 +440,7 @@ def test_a_relaunch_of_a_multi_node_job_whose_launchers_died_is_a_new_launch():
     assert [i["kind"] for i in report["incidents"]] == ["launch_lost"]
 
 
+@pytest.mark.soak  # the chaos run: a minute of the README suite's 15
 def test_copy_of_a_live_run_reports_running(chaos, tmp_path):
     """A log cut in the middle of the second launch (as while it runs): the launch is open."""
     lines = (chaos / "events.jsonl").read_text().splitlines()

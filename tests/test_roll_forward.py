@@ -17,7 +17,7 @@ gloo), each against the same script's uninterrupted run.
 * A loop over a ``StatefulDataLoader`` (not declined when rolled forward) whose loss is caught
   before the forward: refused, saved just in time, resumed with the clean state.
 
-In the README suite: the hand update and the forward's broadcast (the rest in the soak step).
+In the README suite: the hand update (the rest in the soak step: the README suite's 15 minutes).
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ def test_an_unguarded_hand_update_is_rolled_forward_in_process_with_the_clean_st
     assert final_hash(run) == clean_hand
 
 
+@pytest.mark.soak
 def test_a_loss_in_the_first_forwards_buffer_broadcast_is_met_there_with_the_clean_state(tmp_path, clean):
     """Rank 1 killed at step 12's end: the survivor meets the loss in step 13's first forward, in
     the broadcast of batch norm's buffers, before anything of the step was reduced."""
