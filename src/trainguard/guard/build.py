@@ -127,8 +127,8 @@ def _open(p: Parts, cfg: Config, world: World, s: Script, launch: LaunchEnv) -> 
         if not events.closed:
             events.emit("peer_lost", error=error, traceback=text)
 
-    def lost_or_not_recovered(exc: BaseException) -> bool:  # a failed in-process recovery follows a lost peer
-        return is_peer_failure(exc) or isinstance(exc, regroup.RegroupError)
+    def lost_or_not_recovered(exc: BaseException) -> bool:  # a refused recovery (its state untouched) too
+        return is_peer_failure(exc) or isinstance(exc, regroup.RecoveryRefused)
 
     console.quiet_peer_loss(lost_or_not_recovered, peer_lost)
     policy = applies.recovery_policy(cfg.recovery.in_process)  # by the default group's backend (NCCL: restart)

@@ -66,7 +66,7 @@ from ..config import Config, ConfigError, config_from_argv, load_config
 from ..events import Hook
 from ..outcomes import BadInput, Outcome, exit_bad_input
 from ..rejoin.protocol import is_peer_failure
-from ..rejoin.regroup import RegroupError
+from ..rejoin.regroup import RecoveryRefused
 from ..state.reshard import rank_batch
 from ..supervisor.rank import enter_teardown
 from . import build, edge, live, parts, wrappers
@@ -461,8 +461,8 @@ class Guard:
         else:  # a crash: the peers may not come to a collective
             if self.parts.jit is not None and is_peer_failure(exc):  # the group restarts: save what it resumes from
                 self.parts.jit.save("this rank lost a peer")
-            elif self.parts.jit is not None and isinstance(exc, RegroupError):  # an in-process recovery failed
-                self.parts.jit.save(f"in-process recovery failed on this rank: {exc}")
+            elif self.parts.jit is not None and isinstance(exc, RecoveryRefused):  # refused, nothing touched
+                self.parts.jit.save(f"in-process recovery refused on this rank: {exc}")
             self.abandon()
 
     def abandon(self) -> None:

@@ -352,7 +352,7 @@ class InProcess:
         """
         if redo and self.redo_refused is not None:
             console.say(f"in-process recovery does not apply to this loss: {self.redo_refused}; the group restarts")
-            raise regroup.RegroupError(self.redo_refused)
+            raise regroup.RecoveryRefused(self.redo_refused)
         # this rank's own state now: the end of the abandoned step (a peer may have completed it)
         current = self.train_state.state_dict(LOCAL_PARTS) if redo and take_completed else None
         gen = self.rejoin.wait_generation()

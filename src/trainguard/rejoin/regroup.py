@@ -32,6 +32,13 @@ class RegroupError(RuntimeError):
     falls back to a group restart."""
 
 
+class RecoveryRefused(RegroupError):
+    """A survivor refused to do an interrupted step again before anything of its state was touched
+    (a data position that cannot be taken back): its state is still the last completed step's,
+    which a just-in-time save may keep. (A recovery that failed after its meeting raises
+    :class:`RegroupError` or another error: its state is not trusted for that save.)"""
+
+
 def missing_ddp_members(model: Optional[torch.nn.Module] = None) -> list[str]:
     """The private DDP members :func:`rebind_ddp` needs that the installed torch lacks (with
     ``model``: also on it), as ``"DistributedDataParallel.x"`` (:func:`trainguard.compat.missing_ddp`)."""
