@@ -277,11 +277,7 @@ class InProcess:
             )
         self.rejoin.store.survivors_at(gen.number, place.step)
         self.rejoin.store.survivors_step_time(gen.number, place.step_seconds)
-        regroup.release_ddp(self.model)
-        self._abort_old(gen)
-        regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout, **abort.init_options(self.backend))
-        regroup.rebind_ddp(self.model, self.bucket_layout())
-        self._regrouped()
+        self._new_group(gen)
         buffers, gap = self.ddp.buffer_sync, self.redo.gap if self.redo is not None else None
         if gap is not None:  # the step in progress is the attempt whose draws a replacement may take
             gap.rolled_forward(self.rejoin.boundary.restore(place.step).get("rng") or {})
@@ -367,11 +363,7 @@ class InProcess:
             return self._recover_sharded(gen, place, redo, current)
         if gen.left:
             place = self._resize(gen, place)
-        regroup.release_ddp(self.model)
-        self._abort_old(gen)
-        regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout, **abort.init_options(self.backend))
-        regroup.rebind_ddp(self.model, self.bucket_layout())
-        self._regrouped()
+        self._new_group(gen)
         if redo:  # back to the step's start before any state is sent from here
             self.train_state.load_state_dict(self.rejoin.boundary.restore(place.step))
             if self.step_start is not None:
@@ -553,6 +545,15 @@ class InProcess:
         """A replacement ran the collective at ``mine`` alone: the survivors wait at ``theirs``."""
         self.events.emit("collective_alone", site=mine, survivors_at=theirs)
         console.say(f"rank {self.rejoin.rank} (a replacement) ran {mine} alone: the survivors are at {theirs}")
+
+    def _new_group(self, gen: Generation) -> None:
+        """A survivor's move to ``gen``'s group: DDP lets go of the old one, its communicators are
+        aborted (NCCL), the default group is created again and DDP's reducer is built on it."""
+        regroup.release_ddp(self.model)
+        self._abort_old(gen)
+        regroup.rebuild_default_group(gen, self.backend, self.cfg.recovery.timeout, **abort.init_options(self.backend))
+        regroup.rebind_ddp(self.model, self.bucket_layout())
+        self._regrouped()
 
     def _abort_old(self, gen: Generation) -> None:
         """With the abort path on (:mod:`~trainguard.rejoin.abort`): the old world's communicators
