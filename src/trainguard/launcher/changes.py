@@ -75,6 +75,7 @@ class MembershipChanges(ElasticAdapter):
         except Exception as e:  # torch's RendezvousError, a store's timeout, two running groups
             return f"the rendezvous with the arriving node(s) failed: {type(e).__name__}: {e}"
         if gen is None:
+            console.say("the arriving node(s) left before the rendezvous round formed: the group goes on unchanged")
             return None
         live = {r: w.global_rank for r, w in workers.items() if r not in self._withdrawn}
         self.renumber({**live, **self._past(gen.world_size)}, gen.world_size)
