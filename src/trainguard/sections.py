@@ -705,8 +705,8 @@ class RecoverySection(Section):
         description="seconds the survivors wait for the replacement and the new group before falling back to a group restart",
     )
     roll_forward: bool = Field(
-        False,
-        description="a DDP model's lost rank caught in the backward: the survivors stay inside the interrupted step (nothing of their loop is rewound) and its replacement moves forward to meet them at the end of that backward pass, where the step's gradient buckets are all-reduced again over the new group from the inputs each rank kept (one copy of the gradients a step); a loss caught elsewhere, or a model it does not apply to (said at start), is recovered as without it (the step done again). See docs/recovery.md, Roll forward",
+        True,
+        description="a DDP model's lost rank caught in the backward: the survivors stay inside the interrupted step (nothing of their loop is rewound) and its replacement moves forward to meet them at the end of that backward pass, where the step's gradient buckets are all-reduced again over the new group from the inputs each rank kept (one copy of the gradients a step); a loss caught elsewhere, or a model it does not apply to (said at start), is recovered by doing the step again, checked as before; false: always the step done again. See docs/recovery.md, Roll forward",
     )
     max_replacements: int = Field(
         10, ge=0, description="in-process replacements per launch before failures restart the group instead"
