@@ -358,3 +358,23 @@ def test_a_rank_that_lost_a_peer_says_so_in_one_line_unless_verbose(tmp_path, me
     else:  # the traceback as Python prints it; a lost peer is still recorded (the Guard's event, its save)
         assert "Traceback" in r.stderr and message in r.stderr, r.stderr
         assert ("RECORDED" in r.stdout) == ("Read error" in message), r.stdout
+
+
+def test_trainguard_lines_survive_a_script_that_silences_print_on_other_ranks():
+    """torchvision's reference scripts (DETR, DeiT, MAE alike) replace ``builtins.print`` with one
+    that drops every line on ranks other than 0 (``setup_for_distributed``): a replacement or a
+    survivor of rank 1 would say nothing (found on torchvision's classification recipe, 2026-12-07).
+    The console writes to stderr itself."""
+    code = (
+        "import builtins\n"
+        "builtins.print = lambda *a, **k: None  # setup_for_distributed(False)\n"
+        "from trainguard import console\n"
+        "console.warn('a resume cannot be bitwise identical: test')\n"
+        "console.say('recovered in-process: test')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        "trainguard: warning: a resume cannot be bitwise identical: test",
+        "trainguard: recovered in-process: test",
+    ]

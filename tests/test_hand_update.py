@@ -25,8 +25,10 @@ def clean(tmp_path_factory) -> str:
 
 
 def test_an_unguarded_hand_update_restarts_the_group_says_why_and_ends_with_the_clean_state(tmp_path, clean):
+    """The step done again (``[recovery] roll_forward = false``; rolled forward, the survivors'
+    update is never applied twice: ``test_roll_forward``'s hand update)."""
     run = tmp_path / "run"
-    proc = launch(run, script=WORKER, tiny=False, extra=KILL, default_recovery=True)
+    proc = launch(run, "recovery.roll_forward=false", script=WORKER, tiny=False, extra=KILL, default_recovery=True)
     log = Path(f"{run}.log").read_text
     assert finish(proc) == 0, log()[-3000:]
     assert "the Guard was given no optimizer: a rank lost in a step is recovered in-process only where" in log()

@@ -58,9 +58,12 @@ def test_an_in_process_recovery_in_a_prefetching_loop_is_said_and_fails_into_a_r
     (rejoin.redo_check: ``recovery_failed``, quoting the rank; before: ``recovered in-process … no
     completed step lost`` and another hash, nothing said) and the group restarts from the
     checkpoint, where every rank says its first batch came from the fresh seed
-    (``resume_not_bitwise``, on the console too)."""
+    (``resume_not_bitwise``, on the console too). The step done again: ``[recovery] roll_forward =
+    false`` (rolled forward, the survivors keep their prefetched batch and the replacement says its
+    first batch came from the fresh seed: the zoo's nanoGPT, ``benchmarks/zoo_kills.py``)."""
     run = tmp_path / "run"
-    proc = nanogpt(run, extra=("--inject", "rank_killed:rank=1,step=12"), in_process=True)
+    kill = ("--inject", "rank_killed:rank=1,step=12")
+    proc = nanogpt(run, "recovery.roll_forward=false", extra=kill, in_process=True)
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
     assert [e["rank"] for e in events(run, "rank_replaced")] == [1]
     resumed = [(r, c) for a, r, c in causes(run) if a == 1]

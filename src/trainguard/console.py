@@ -37,10 +37,15 @@ def level() -> str:
 
 def line(text: str) -> None:
     """Write ``text`` as one line to stderr, whatever the level; a stderr that cannot take it (a
-    rank's log file on a full disk) is not an error of the run: the line is dropped."""
+    rank's log file on a full disk) is not an error of the run: the line is dropped.
+
+    Written to ``sys.stderr`` itself, not through ``print``: training scripts in the style of
+    torchvision's references (DETR, DeiT, MAE) replace ``builtins.print`` on every rank but 0
+    (``setup_for_distributed``), which would drop what a replacement or a survivor of rank 1 says."""
     try:
-        print(text, file=sys.stderr, flush=True)
-    except OSError:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # ValueError: a closed stderr
         pass
 
 
