@@ -263,6 +263,23 @@ def test_fault_at_the_same_step_every_attempt_gives_up(tmp_path):
     assert "giving up" in log_of(run)
 
 
+@pytest.mark.soak  # three launches (20 s): the README suite stays under 15 minutes on 2 cores
+def test_a_fault_that_recurs_before_the_resumed_first_boundary_is_placed_at_its_step(tmp_path):
+    """Rank 1 SIGKILLs itself in step 4, then in the first step of each resumed group (from the
+    checkpoint of step 2), before any boundary: the give-up rule names step 3. Before, a resumed
+    process's heartbeat record said step 0 until its first boundary, and the launcher said "the
+    fault recurs at step 1" (found with torchvision's classification recipe, 2026-12-07)."""
+    run = tmp_path / "run"
+    worker = Path(__file__).parent / "script_error_worker.py"
+    settings = ("checkpoint.interval=2", "checkpoint.async_save=false", "checkpoint.jit.enabled=false")
+    proc = launch(run, *settings, script=worker, tiny=False, script_args=("--die-after-resume",))
+    code = finish(proc)
+    assert code == ExitCode.GIVE_UP, log_of(run)[-4000:]
+    assert [e["step"] for e in events(run, "resume")] == [2, 2], events(run, "resume")
+    give_up = only(run, "give_up")
+    assert give_up["details"]["reason"].startswith("the fault recurs at step 3 (2 failures"), give_up
+
+
 def write_config(path: Path, text: str) -> Path:
     path.write_text(text)
     return path

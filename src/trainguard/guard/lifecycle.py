@@ -114,6 +114,8 @@ class Lifecycle:
         resumed_from = None
         if resumed is not None:
             world.step, resumed_from = resumed.step, resumed.checkpoint
+            if p.heartbeat is not None:
+                p.heartbeat.resumed(world.step)
             if resumed.persistent is not None:
                 p.recovery.on_resume(resumed.persistent)
         p.call("begin", world.step)  # the component protocol: the replicas agree here, the boundary kept

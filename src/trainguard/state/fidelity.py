@@ -52,7 +52,10 @@ WATCHED_STEPS = 3  # boundaries DrawWatch looks at in a loop that never asks nex
 DRAWN_BETWEEN_STEPS = (
     "random numbers were drawn between guard.step_end() and the next step (a batch fetched after step_end, or a "
     "new epoch's DataLoader iterator, which draws its seed from torch's generator): the checkpoint's generator "
-    "state does not cover them; draw them inside the step"
+    "state does not cover them, and a resume or a replacement that makes its iterator mid-epoch gives its worker "
+    "processes other seeds (random transforms in the workers differ); draw them inside the step, and seed the "
+    "loader's own generator from the epoch (DataLoader(..., generator=g), g.manual_seed(seed + epoch) before each "
+    "epoch) or give the Guard a torchdata StatefulDataLoader (its state carries the workers' seed)"
 )
 
 # why a restored process whose first step trained on a batch fetched before the loop is not bitwise

@@ -118,6 +118,14 @@ class HeartbeatWriter:
         self._seq += 2
         self._seqv[0] = self._seq  # even: consistent
 
+    def resumed(self, step: int) -> None:
+        """The process resumed at ``step`` completed steps (a checkpoint, a just-in-time save, a
+        replacement's state): the record names that step, without a beat, so that a failure
+        before its first boundary is placed at ``step + 1`` (the launcher's give-up rule), not at
+        step 1."""
+        self.step = step
+        self._publish()
+
     def beat(self, step: int) -> None:
         """A heartbeat: the loop reached a step boundary (``step`` completed steps)."""
         self.step = step
