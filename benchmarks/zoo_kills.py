@@ -7,9 +7,11 @@ random rank at a random step plus a random fraction of a step, ``tests/zoo/drive
 * ``in-process``: the default settings (in-process recovery, one warm spare);
 * ``restart``: ``recovery.in_process=false``, the group restart from the newest checkpoint (the baseline).
 
-With ``--roll-forward`` the in-process arm runs with ``recovery.roll_forward=true``
-(:mod:`trainguard.rejoin.forward`), and a column says how each in-process recovery went: rolled
-forward (the ranks met at a backward pass's end), done again (the step redone), or neither.
+The in-process arm rolls the interrupted step forward where it can (``recovery.roll_forward``,
+the default since 2026-12-07: :mod:`trainguard.rejoin.forward`); ``--step-again`` runs it with
+``recovery.roll_forward=false`` (every interrupted step done again, the default before). A column
+says how each in-process recovery went: rolled forward (the ranks met at a backward pass's end),
+done again (the step redone), or neither.
 
 Reported per shape and arm: the path taken (in-process, fallback: the group restarted anyway),
 seconds from the kill to the first step printed after the launcher or a rank reacted (kill →
@@ -47,7 +49,9 @@ def main() -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="one shape (resume_barrier), 40 steps, one trial per arm")
-    p.add_argument("--roll-forward", action="store_true", help="the in-process arm with recovery.roll_forward=true")
+    p.add_argument(
+        "--step-again", action="store_true", help="the in-process arm with recovery.roll_forward=false (the step redone)"
+    )
     args = p.parse_args()
     if args.smoke:
         args.shapes, args.steps, args.trials = "resume_barrier", 40, 1
@@ -57,7 +61,7 @@ def main() -> int:
         print(f"zoo_kills: error: unknown shape(s) {unknown}; known: {', '.join(drive.SHAPES)}", file=sys.stderr)
         return 2
     base = Path(tempfile.mkdtemp(prefix="zoo-kills-"))
-    in_process = ("recovery.roll_forward=true",) if args.roll_forward else ()
+    in_process = ("recovery.roll_forward=false",) if args.step_again else ()
     rows, failed = drive.kill_arms(
         names, {"in-process": in_process, "restart": drive.RESTART}, base, args.trials, args.steps, args.seed
     )
