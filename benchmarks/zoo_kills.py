@@ -50,7 +50,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="one shape (resume_barrier), 40 steps, one trial per arm")
     p.add_argument(
-        "--step-again", action="store_true", help="the in-process arm with recovery.roll_forward=false (the step redone)"
+        "--step-again",
+        action="store_true",
+        help="the in-process arm with recovery.roll_forward=false (the step redone)",
     )
     args = p.parse_args()
     if args.smoke:

@@ -31,7 +31,8 @@ from conftest import events, final_hash, finish, launch, shared_hash
 
 HAND = Path(__file__).parent / "hand_update_worker.py"
 WORKER = Path(__file__).parent / "roll_forward_worker.py"
-ON = "recovery.roll_forward=true"
+ON = "recovery.roll_forward=true"  # the default since 2026-12-07, said where a test's subject is it
+OFF = "recovery.roll_forward=false"
 MET = "from the boundary and met the survivors"
 
 
@@ -108,7 +109,7 @@ def test_done_again_the_loops_counter_moves_twice_and_the_recovery_is_not_announ
     know the counter), its learning rate differs from its replacement's, and the replicas' check
     after the recovery fails it into a group restart: never announced as a recovery."""
     run = tmp_path / "run"
-    proc = _launch(run, WORKER, script_args=("--kill-in-pass", "1"))
+    proc = _launch(run, WORKER, OFF, script_args=("--kill-in-pass", "1"))
     log = Path(f"{run}.log").read_text
     assert finish(proc) == 0, log()[-3000:]
     assert MET not in log()

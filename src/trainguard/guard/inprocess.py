@@ -303,9 +303,10 @@ class InProcess:
         the same bucket; the reducer built again at the meeting takes the same layout)."""
         self.ddp.resume(progress, self.transfer.survivors_layout)
 
-    def met_pass(self, last: bool, step_in_progress: Callable[[], int]) -> None:
+    def met_pass(self, last: bool, step_in_progress: Callable[[], int], at_forward: bool = False) -> None:
         """A replacement all-reduced a backward pass of its first step (``step_in_progress()``)
-        again with survivors that rolled it forward; ``last``: it has met them.
+        again with survivors that rolled it forward; ``last``: it has met them (``at_forward``: in
+        the first forward's broadcast of the buffers, before any pass).
 
         Its DDP reducer is built afresh after each such pass, as the survivors' was at the
         meeting: a fresh reducer rebuilds its buckets (a broadcast in a forward) after its first
@@ -320,12 +321,17 @@ class InProcess:
             self.ddp.resume(progress, None)
             return
         alone, step = sorted(set(self.catch.alone)), step_in_progress()
+        where = (
+            "in its first forward's broadcast of the buffers"
+            if at_forward
+            else "at the end of the step's backward pass"
+        )
         self.arm_catch(step_in_progress)
         if alone:
             cause = (
                 f"the replacement of rank {self.rejoin.rank} ran {', '.join(alone)} alone in step {step} before it met "
-                "the survivors at the end of the step's backward pass: the survivors had the group's result, it had "
-                "its own value"
+                f"the survivors {where}: "
+                "the survivors had the group's result, it had its own value"
             )
             self.events.emit("resume_not_bitwise", step, rank=self.rejoin.rank, cause=cause)
             console.warn(f"a resume cannot be bitwise identical: {cause}")

@@ -179,10 +179,11 @@ class Recovering:
         self.inprocess.joined(met, time.monotonic() - t0)
         return time.perf_counter()
 
-    def met_pass(self, last: bool) -> None:
+    def met_pass(self, last: bool, at_forward: bool) -> None:
         """A replacement all-reduced a backward pass of its first step again with survivors that
-        rolled it forward (``last``: it has met them): :meth:`InProcess.met_pass`."""
-        self.inprocess.met_pass(last, lambda: self.world.step + 1)
+        rolled it forward (``last``: it has met them; ``at_forward``: in its first forward's
+        broadcast of the buffers instead): :meth:`InProcess.met_pass`."""
+        self.inprocess.met_pass(last, lambda: self.world.step + 1, at_forward)
 
     def step_begin(self, step: int) -> None:
         """Step ``step`` begins (the Guard's component protocol): :meth:`catch_peers`."""

@@ -88,8 +88,9 @@ class RollForward:
     Attributes:
         on_lost: ``on_lost(passes)``: a survivor's meeting at the end of the pass that lost a peer
             (set by the Guard; raises what a failed recovery raises).
-        on_met: ``on_met(last)``: called on the replacement after each pass it all-reduced again
-            with the survivors, ``last``: it has met them (set by the Guard).
+        on_met: ``on_met(last, at_forward)``: called on the replacement after each pass it
+            all-reduced again with the survivors, ``last``: it has met them; or once with
+            ``at_forward`` where it met them in its first forward's broadcast (set by the Guard).
         ahead: on a replacement, the passes still to all-reduce again with the survivors (0: none;
             -1: the survivors wait in the buffers' broadcast of its first forward).
         passes: the current step's passes, each a list of :class:`Kept` in bucket order.
@@ -108,7 +109,7 @@ class RollForward:
         self.step_in_progress, self.failed_during = step_in_progress, failed_during
         self.group, self.reduced = group, reduced
         self.on_lost: Callable[[int], None] = lambda passes: None
-        self.on_met: Callable[[bool], None] = lambda last: None
+        self.on_met: Callable[[bool, bool], None] = lambda last, at_forward: None
         self.ahead = 0
         self.passes: list[list[Kept]] = []
         self.progress = (0, 0)  # the DDP hook's progress at the step's first pass (its carrier bucket)
@@ -153,7 +154,7 @@ class RollForward:
         if self.ahead > 0:
             reduce_pass(self.passes[-1], self.group(), self.reduced, write=True)
             self.ahead -= 1
-            self.on_met(self.ahead == 0)
+            self.on_met(self.ahead == 0, False)
         elif self.failed_during() == "backward":  # (elsewhere: the step is done again, as without it)
             self.on_lost(len(self.passes))
 
@@ -166,7 +167,7 @@ class RollForward:
     def met_at_forward(self) -> None:
         """A replacement's first forward broadcast the buffers with survivors that met there."""
         self.ahead = 0
-        self.on_met(True)
+        self.on_met(True, True)
 
     def reduce_again(self) -> None:
         """A survivor at the meeting: every pass of the step all-reduced again over the new group,
