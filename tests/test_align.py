@@ -143,10 +143,12 @@ def test_a_barrier_after_resuming_runs_alone_on_the_replacement_and_recovery_is_
     step's logging all-reduce, or, with a batch norm layer, at DDP's buffer broadcast in its
     forward), meets them there, and the run finishes in-process with one replacement and the clean
     weights (before: the barrier met the survivor's all-reduce, gloo's 30 s timeout, and a new
-    replacement every 30 s without end)."""
+    replacement every 30 s without end). The step done again (``recovery.roll_forward=false``): the
+    alignment is its subject; rolled forward, the survivors meet in the step's first forward."""
     clean = shared_hash(tmp_path_factory, "resume_barrier" + "".join(args), lambda d: _run(d, args=args))
     run = tmp_path / "run"
-    proc = _run(run, inject=("--inject", "rank_killed:rank=1,step=50,section=step"), args=args)
+    kill = ("--inject", "rank_killed:rank=1,step=50,section=step")
+    proc = _run(run, "recovery.roll_forward=false", inject=kill, args=args)
     assert finish(proc) == 0, Path(f"{run}.log").read_text()[-3000:]
     assert len(events(run, "rank_replaced")) == 1
     assert not events(run, "group_restart") and not events(run, "recovery_failed")

@@ -158,7 +158,8 @@ def test_imagenet_shape_killed_at_an_epochs_first_step_and_mid_epoch_recovers_in
     torch's generator) is done again; rank 0 at the end of step 37 (mid-epoch: its replacement's
     set-up makes the epoch's iterator, a draw the lost rank did not make). Both in-process, two
     replacements, no restart, and the final weights equal the uninterrupted run's (before: the
-    survivor's loop took the next batch, the redo check failed the recovery into a restart)."""
+    survivor's loop took the next batch, the redo check failed the recovery into a restart). The
+    step done again (``recovery.roll_forward=false``): the batch replay is its subject."""
     shape = drive.SHAPES["imagenet_ddp"]
     clean = drive.clean_run(shape, tmp_path / "clean")
     assert clean, Path(f"{tmp_path / 'clean'}.log").read_text(errors="replace")[-3000:]
@@ -169,7 +170,7 @@ def test_imagenet_shape_killed_at_an_epochs_first_step_and_mid_epoch_recovers_in
         "--inject",
         "rank_killed:rank=0,step=37,section=step",
     )
-    proc = drive.launch(shape, run, extra=inject)
+    proc = drive.launch(shape, run, settings=("recovery.roll_forward=false",), extra=inject)
     try:
         code = proc.wait(timeout=300)
     finally:

@@ -131,12 +131,16 @@ def test_nanogpt_shaped_loop_prefetch_is_said_and_its_evaluation_is_timed_in_its
     be bitwise; the survivor's step done again gets the batch it prefetched for the next step, so
     the redo check fails the recovery and the group restarts once from the checkpoint, where each
     rank says the same (tests/test_prefetch.py shows the rule; this is the longer shape with the
-    evaluation). The evaluations are timed in the ``eval`` section: no hang, no slow ``step``."""
+    evaluation). The evaluations are timed in the ``eval`` section: no hang, no slow ``step``. The
+    step done again (``recovery.roll_forward=false``): rolled forward, the survivor keeps its batch."""
     run = tmp_path / "run"
     args = ("--max_iters", "50", "--prefetch", "nanogpt", "--sampling", "numpy")
     args += ("--eval_interval", "20", "--eval_seconds", "6", "--eval_section")
     proc = run_script(
-        run, *args, settings=("checkpoint.interval=10", "recovery.in_process=true"), inject="rank_killed:rank=1,step=30"
+        run,
+        *args,
+        settings=("checkpoint.interval=10", "recovery.in_process=true", "recovery.roll_forward=false"),
+        inject="rank_killed:rank=1,step=30",
     )
     assert finish(proc) == 0, log_of(run)[-3000:]
     assert [e["rank"] for e in events(run, "rank_replaced")] == [1] and len(events(run, "group_restart")) == 1

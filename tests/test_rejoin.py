@@ -68,6 +68,11 @@ def test_generation_round_trip_and_store_protocol():
     assert not launcher.all_ready(grown)  # rank 5 still starting: the others train on
     rank.ready(3, 5)
     assert launcher.all_ready(grown)
+    # where each survivor stopped (roll forward meets in the step only where they all agree)
+    rank.survivor_where(2, 0, 41, 2)
+    assert rank.survivors_where(2, [0, 2], timeout=0.2) is None  # rank 2 has not said: bounded
+    RecoveryStore(connect("127.0.0.1", server.port), 1, SEAL).survivor_where(2, 2, 42, 0)
+    assert launcher.survivors_where(2, [0, 2], timeout=5) == {0: (41, 2), 2: (42, 0)}
 
 
 def _round(rdzv: dist.TCPStore, number: int) -> list[dist.Store]:

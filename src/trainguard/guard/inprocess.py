@@ -248,6 +248,42 @@ class InProcess:
         )
         regroup.check_rebindable(self.model)
 
+    def rolls_forward_with_all(self, place: Place, passes: int) -> bool:
+        """Whether every survivor of the loss stopped where this one did (the same step boundary,
+        the same backward pass ``passes``), so that they can roll the step forward together
+        (:meth:`roll_forward`). With three ranks or more they may not: gloo's ring can complete a
+        bucket on one rank and fail it on another, and a survivor that completed the step (its
+        update applied) meets the replacement at its end. Then this rank does not meet here: its
+        step goes on alone, as without roll forward (its update undone at the boundary), and it
+        meets the others at the step's end, where the ranks that abandoned the step take the
+        completed one (:meth:`recover`): never worse than without roll forward. Each survivor
+        says where it stopped in the recovery store (:meth:`~.protocol.RecoveryStore.survivor_where`);
+        this waits for the others' answers, at most ``[recovery] timeout`` seconds.
+
+        Raises:
+            the collective's error: no new generation within ``[recovery] timeout``.
+            RegroupError: a survivor did not say where it stopped within the timeout.
+        """
+        store, timeout = self.rejoin.store, self.cfg.recovery.timeout
+        gen = store.wait(self.rejoin.generation + 1, timeout)  # (not taken: roll_forward or recover takes it)
+        if gen is None:
+            raise self.rejoin.failure.error
+        if place.rank in gen.replaced or gen.left or gen.grown:
+            return True  # roll_forward refuses it, saying why
+        store.survivor_where(gen.number, place.rank, place.step, passes)
+        others = [r for r in range(gen.world_size) if r not in gen.replaced and r != place.rank]
+        where = store.survivors_where(gen.number, others, timeout) if others else {}
+        if where is None:
+            raise regroup.RegroupError(f"a survivor did not say where it stopped within {timeout:g} s")
+        if all(w == (place.step, passes) for w in where.values()):
+            return True
+        console.say(
+            f"rank {place.rank}: the survivors stopped at different places of step {place.step + 1} "
+            f"({sorted(set(where.values()) | {(place.step, passes)})} as (boundary, backward passes)): this rank "
+            "finishes the step alone and meets the replacement at its end, as without roll forward"
+        )
+        return False
+
     def roll_forward(self, place: Place, forward: RollForward, passes: int) -> Met:
         """A peer was lost in this step's gradient buckets and backward pass ``passes`` is over
         (:mod:`~trainguard.rejoin.forward`): meet its replacement in the launcher's next
@@ -363,6 +399,7 @@ class InProcess:
                 f"rank {place.rank} was replaced in generation {gen.number} (its node was called lost): not rejoining"
             )
         if gen.replaced:  # a framework's replacement sets its loop up at this step (trainguard.hf)
+            self.rejoin.store.survivor_where(gen.number, place.rank, place.step, 0)  # (rolls_forward_with_all)
             self.rejoin.store.survivors_at(gen.number, place.step)
             self.rejoin.store.survivors_step_time(gen.number, place.step_seconds)  # the launcher's bound
         if self.sharded is not None:

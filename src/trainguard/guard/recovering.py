@@ -79,6 +79,8 @@ class Recovering:
         self.arm_at_step = False  # a replacement catches the script's collectives from its first step
         # [recovery] roll_forward where it applies (the Guard's build sets it: trainguard.rejoin.forward)
         self.forward: Optional[RollForward] = None
+        # a survivor whose peers stopped elsewhere in the step: it meets at the step's end (recover)
+        self.deferred = False
 
     def recoverable(self, where: str, step: Optional[int] = None) -> Caught:
         """``with recovering.recoverable("checkpointing") as lost: ...``: a lost peer in the block
@@ -117,6 +119,7 @@ class Recovering:
         Raises:
             as :meth:`InProcess.recover` (this rank exits and the launcher restarts the group).
         """
+        self.deferred = False
         with self.section("recovery"):
             self.inprocess.started(self.place())
             self._meeting(lambda: self.inprocess.recover(self.place(), redo, take_completed))
@@ -133,7 +136,12 @@ class Recovering:
             as :meth:`InProcess.roll_forward` (out of ``loss.backward()``: this rank exits and the
                 launcher restarts the group).
         """
+        if self.deferred:  # a later pass of the step: it meets at the step's end
+            return
         with self.section("recovery"):
+            if not self.inprocess.rolls_forward_with_all(self.place(), passes):
+                self.deferred = True  # the step goes on alone; after_update/step_end meets (recover)
+                return
             self._meeting(lambda: self.inprocess.roll_forward(self.place(), self.forward, passes))
 
     def _meeting(self, meet: Callable[[], Met]) -> None:

@@ -299,6 +299,24 @@ class RecoveryStore:
         steps), for a replacement that must know it before it meets them (:mod:`trainguard.hf`)."""
         self._set(f"gen/{number}/step", str(step))
 
+    def survivor_where(self, number: int, rank: int, step: int, passes: int) -> None:
+        """Survivor ``rank``: where it meets generation ``number``: its step boundary (completed
+        steps) and the backward passes of the step it would all-reduce again (roll forward,
+        :mod:`.forward`; -1: the first forward's broadcast; 0: none, the step done again or complete)."""
+        self._set(f"gen/{number}/where/{rank}", f"{step} {passes}")
+
+    def survivors_where(self, number: int, ranks: list[int], timeout: float) -> Optional[dict[int, tuple[int, int]]]:
+        """``{rank: (step, passes)}`` of :meth:`survivor_where` for each of ``ranks``, or ``None``
+        when one did not say within ``timeout`` seconds in all."""
+        deadline, where = time.monotonic() + timeout, {}
+        for rank in ranks:
+            value = self._wait(f"gen/{number}/where/{rank}", max(0.0, deadline - time.monotonic()))
+            if value is None:
+                return None
+            step, passes = value.split()
+            where[rank] = (int(step), int(passes))
+        return where
+
     def survivors_step(self, number: int, timeout: float) -> Optional[int]:
         """Replacement: the step boundary of :meth:`survivors_at`, or ``None`` after ``timeout`` seconds."""
         value = self._wait(f"gen/{number}/step", timeout)
