@@ -35,10 +35,11 @@ new group has the same size and rank order, and the buckets go in the same order
 lengths, so every element is summed in the same order.
 
 **Where it does not apply**, the step is done again as without it: a loss caught outside a backward
-pass (a script's collective, the forward's buffer broadcast, ``should_step``'s check, a save), or
-survivors stopped at different passes (three ranks or more, a ring that completed on some) — the
-meeting then fails on every rank alike and the launcher restarts the group. Declined at start,
-said once: a script's own communication hook, a sharded model, a framework's loop.
+pass (a script's collective, ``should_step``'s check, a save), or survivors stopped at different
+places (three ranks or more, a ring that completed on some: each says where in the recovery store,
+and one whose peers stopped elsewhere meets them at the step's end, as without roll forward:
+:meth:`~trainguard.guard.inprocess.InProcess.rolls_forward_with_all`). Declined at start, said
+once: a script's own communication hook, a sharded model, a framework's loop.
 
 Cost: one copy of each bucket per backward pass (the gradients' size, in the gradients' memory),
 kept until the next step's first pass.
